@@ -1,0 +1,130 @@
+"""Configuration: `GRPOConfig` (training, generation, engine, loss) and `ScriptArguments` (data, rewards).
+
+Field names follow TRL's `GRPOConfig` wherever the meaning is the same, so a TRL recipe ports by copying
+keys. Each field is documented once, in its `help` metadata; that text is what `--help` prints.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import TrainingArguments
+
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+class ConfigError(ValueError):
+    """A configuration problem the user must fix; its message names the field and the fix."""
+
+
+@dataclass
+class GRPOConfig(TrainingArguments):
+    # Generation
+    num_generations: int = field(
+        default=8, metadata={"help": "Completions sampled per prompt (the group size G). At least 2."}
+    )
+    max_prompt_length: int | None = field(
+        default=512,
+        metadata={"help": "Prompts longer than this many tokens keep their last tokens. None keeps them whole."},
+    )
+    max_completion_length: int = field(default=256, metadata={"help": "Most tokens sampled per completion."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (also applied to training log-probs)."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling: keep the smallest token set with this mass."})
+    top_k: int = field(default=0, metadata={"help": "Sample among the k likeliest tokens; 0 disables."})
+    repetition_penalty: float = field(default=1.0, metadata={"help": "vLLM repetition penalty; 1.0 disables."})
+
+    # The colocated engine
+    vllm_gpu_memory_utilization: float = field(
+        default=0.3,
+        metadata={"help": "Fraction of GPU memory the engine may take (weights + KV cache). GPU only."},
+    )
+    vllm_kv_cache_gib: float = field(
+        default=1.0,
+        metadata={"help": "KV-cache size in GiB on machines without a GPU (where the engine shares CPU memory)."},
+    )
+    vllm_max_model_length: int | None = field(
+        default=None,
+        metadata={"help": "Engine context length. None: max_prompt_length + max_completion_length."},
+    )
+    vllm_enforce_eager: bool = field(
+        default=False, metadata={"help": "Disable CUDA graphs / compilation in the engine (faster start-up)."}
+    )
+    vllm_enable_prefix_caching: bool = field(
+        default=True, metadata={"help": "Let the engine reuse the KV cache of shared prompt prefixes."}
+    )
+
+    # Loss
+    loss_type: str = field(
+        default="dapo",
+        metadata={"help": f"How per-token losses are averaged: one of {', '.join(LOSS_TYPES)} (TRL's meanings)."},
+    )
+    epsilon: float = field(default=0.2, metadata={"help": "Lower clipping bound of the importance ratio: 1 - epsilon."})
+    epsilon_high: float | None = field(
+        default=None, metadata={"help": "Upper clipping bound: 1 + epsilon_high. None: same as epsilon."}
+    )
+    scale_rewards: str = field(
+        default="group",
+        metadata={"help": "Divide advantages by the reward std of the group, of the batch, or not at all (none)."},
+    )
+    mask_truncated_completions: bool = field(
+        default=False, metadata={"help": "Leave completions cut at max_completion_length out of the loss."}
+    )
+    reward_weights: list[float] | None = field(
+        default=None, metadata={"help": "One weight per reward function; None weighs them all 1."}
+    )
+
+    logging_steps: float = field(default=1, metadata={"help": "Log metrics every this many optimizer steps."})
+
+    def __post_init__(self) -> None:
+        # The reward functions read the dataset's extra columns, so the Trainer must not drop them.
+        self.remove_unused_columns = False
+        if not torch.cuda.is_available():
+            # Without this, transformers treats a multi-process launch on CPU as single-process training.
+            self.use_cpu = True
+        super().__post_init__()
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon
+        self.validate()
+
+    def validate(self) -> None:
+        """Check the fields against each other; raise `ConfigError` naming the field and the fix."""
+        if self.num_generations < 2:
+            raise ConfigError(
+                f"num_generations={self.num_generations}: GRPO compares completions within a group, so it needs "
+                "at least 2; set --num_generations 2 or more."
+            )
+        if self.per_device_train_batch_size % self.num_generations:
+            raise ConfigError(
+                f"per_device_train_batch_size={self.per_device_train_batch_size} is not a multiple of "
+                f"num_generations={self.num_generations}: each rank generates whole groups; set it to a "
+                f"multiple such as {self.num_generations * max(1, self.per_device_train_batch_size // self.num_generations)}."
+            )
+        if self.loss_type not in LOSS_TYPES:
+            raise ConfigError(f"loss_type={self.loss_type!r} is unknown; use one of {', '.join(LOSS_TYPES)}.")
+        if self.scale_rewards not in SCALE_REWARDS:
+            raise ConfigError(f"scale_rewards={self.scale_rewards!r} is unknown; use one of {', '.join(SCALE_REWARDS)}.")
+        if self.max_completion_length < 1:
+            raise ConfigError(f"max_completion_length={self.max_completion_length}: set it to 1 or more.")
+        if self.max_prompt_length is not None and self.max_prompt_length < 1:
+            raise ConfigError(f"max_prompt_length={self.max_prompt_length}: set it to 1 or more, or to None.")
+
+    @property
+    def prompts_per_device(self) -> int:
+        """Prompts each rank takes per micro-step: per_device_train_batch_size counts completions."""
+        return self.per_device_train_batch_size // self.num_generations
+
+
+@dataclass
+class ScriptArguments:
+    """What `colograd/train.py` trains on: the data and the reward functions."""
+
+    dataset_name: str = field(
+        default="colograd:letters",
+        metadata={"help": "A hub dataset id, a local file or folder, or a built-in ('colograd:letters')."},
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "The dataset's configuration name."})
+    dataset_train_split: str = field(default="train", metadata={"help": "The split to train on."})
+    reward_funcs: list[str] = field(
+        default_factory=lambda: ["letters"],
+        metadata={"help": "Reward functions: built-in names (see colograd.rewards.BUILTIN_REWARDS) or dotted paths."},
+    )

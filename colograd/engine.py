@@ -1,0 +1,132 @@
+"""The colocated engine: one `vllm.LLM` per training process, in that process, on that process's device.
+
+The engine starts with dummy weights and receives the trainer's weights through `load_weights` (see
+`colograd.sync`) before its first generation, so it never reads a checkpoint from disk and works the same
+for a hub model, a local folder, or a model built in memory.
+"""
+
+import os
+import tempfile
+from dataclasses import dataclass
+
+# Keep vLLM's engine core in this process (no extra process per rank) and its logs to what matters.
+# Both must be set before vllm is imported.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+import torch
+import torch.distributed as dist
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from colograd.config import GRPOConfig
+
+
+@dataclass
+class Rollout:
+    """What the engine returns for N = prompts × G completions, groups contiguous.
+
+    completion_ids: token ids of each completion (ends with EOS when the model stopped by itself).
+    logps: the engine's log-prob of each sampled token, after temperature (same length as its ids).
+    truncated: whether each completion was cut at max_completion_length.
+    """
+
+    completion_ids: list[list[int]]
+    logps: list[list[float]]
+    truncated: list[bool]
+
+
+class Engine:
+    """A vLLM engine that lives in this training process.
+
+    Args:
+        model: the trained model; its config (not its weights) defines the engine's architecture.
+        tokenizer: the tokenizer the engine detokenizes with.
+        args: the run's config; the `vllm_*` fields, lengths and seed are read here.
+    """
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, args: GRPOConfig) -> None:
+        from vllm import LLM
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        # vLLM reads the architecture from a folder: write the config and tokenizer, never the weights.
+        self._dir = tempfile.TemporaryDirectory(prefix=f"colograd-engine-{rank}-")
+        model.config.save_pretrained(self._dir.name)
+        tokenizer.save_pretrained(self._dir.name)
+
+        max_model_len = args.vllm_max_model_length or (args.max_prompt_length or 0) + args.max_completion_length
+        memory = (
+            {"gpu_memory_utilization": args.vllm_gpu_memory_utilization}
+            if torch.cuda.is_available()
+            # On CPU the "GPU" fraction is a fraction of host memory, which every rank shares: size the cache.
+            else {"kv_cache_memory_bytes": int(args.vllm_kv_cache_gib * 2**30)}
+        )
+        self.llm = LLM(
+            model=self._dir.name,
+            load_format="dummy",
+            dtype=_engine_dtype(model, args),
+            seed=args.seed + rank,  # each rank samples different completions
+            max_model_len=max_model_len or None,
+            enforce_eager=args.vllm_enforce_eager,
+            enable_prefix_caching=args.vllm_enable_prefix_caching,
+            # With several ranks, each owns one engine over the torch process group that already exists;
+            # alone, the default executor also runs in this process.
+            distributed_executor_backend="external_launcher" if dist.is_initialized() else None,
+            # The engine reports log-probs of the distribution it sampled from (after temperature), the
+            # same distribution the trainer scores, so the two are comparable token by token.
+            logprobs_mode="processed_logprobs",
+            **memory,
+        )
+
+    def generate(self, prompt_ids: list[list[int]], args: GRPOConfig) -> Rollout:
+        """Sample `args.num_generations` completions of every prompt in one engine call.
+
+        `n=G` makes the engine prefill each prompt once for its whole group.
+        """
+        from vllm import SamplingParams
+
+        params = SamplingParams(
+            n=args.num_generations,
+            max_tokens=args.max_completion_length,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k if args.top_k > 0 else -1,
+            repetition_penalty=args.repetition_penalty,
+            logprobs=0,  # the sampled token's own log-prob
+        )
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+        rollout = Rollout([], [], [])
+        for request in outputs:
+            for sample in request.outputs:
+                ids = list(sample.token_ids)
+                rollout.completion_ids.append(ids)
+                rollout.logps.append([step[tok].logprob for step, tok in zip(sample.logprobs, ids)])
+                rollout.truncated.append(sample.finish_reason == "length")
+        return rollout
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Write checkpoint-named weights into the engine in one call, then drop KV built from the old ones.
+
+        vLLM's in-place reload re-runs the backend's weight processing (the CPU backend repacks linear
+        weights, so their plain `weight` tensors cannot be written directly).
+        """
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()
+
+    def prompt_logprobs(self, token_ids: list[int]) -> torch.Tensor:
+        """The engine's log-prob of each token of `token_ids` given the ones before it: shape [len - 1]."""
+        from vllm import SamplingParams
+
+        out = self.llm.generate(
+            [{"prompt_token_ids": token_ids}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False
+        )
+        steps = out[0].prompt_logprobs
+        return torch.tensor([steps[i][token_ids[i]].logprob for i in range(1, len(token_ids))])
+
+
+def _engine_dtype(model: PreTrainedModel, args: GRPOConfig) -> str:
+    """bf16 when training in bf16, else the trainer's own parameter dtype (fp32 keeps parity exact)."""
+    if args.bf16:
+        return "bfloat16"
+    if args.fp16:
+        return "float16"
+    return str(next(model.parameters()).dtype).removeprefix("torch.")

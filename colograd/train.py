@@ -1,0 +1,74 @@
+"""Train a model with GRPO from a YAML recipe; command-line flags override the recipe's keys.
+
+    accelerate launch colograd/train.py --config recipes/grpo_qwen.yaml --max_steps 10
+    python colograd/train.py --config recipes/grpo_tiny.yaml          # one process
+"""
+
+import os
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from trl import ModelConfig, TrlParser
+
+from colograd import GRPOConfig, GRPOTrainer, ScriptArguments, tiny
+from colograd.config import ConfigError
+from colograd.data import load_prompts
+from colograd.rewards import resolve_reward
+
+
+def load_model(args: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The policy and its tokenizer: a built-in tiny model, a local folder, or a hub id."""
+    name = args.model_name_or_path
+    if name is None:
+        raise ConfigError("model_name_or_path is not set; give a hub id, a local folder or colograd:tiny-qwen2.")
+    if name.startswith(tiny.PREFIX):
+        if name not in tiny.TINY_MODELS:
+            raise ConfigError(f"model_name_or_path={name!r}: the built-in models are {', '.join(tiny.TINY_MODELS)}.")
+        return tiny.build_model(tie_word_embeddings=tiny.TINY_MODELS[name]), tiny.build_tokenizer()
+    if name.startswith((".", "/")) and not os.path.isdir(name):
+        raise ConfigError(f"model_name_or_path={name!r} does not exist; give an existing folder or a hub id.")
+    dtype = args.dtype if args.dtype in (None, "auto") else getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        name, revision=args.model_revision, dtype=dtype, attn_implementation=args.attn_implementation
+    )
+    return model, AutoTokenizer.from_pretrained(name, revision=args.model_revision)
+
+
+def check_supported(model_args: ModelConfig) -> None:
+    """Refuse options this version does not implement, rather than ignore them."""
+    if model_args.use_peft:
+        raise ConfigError("use_peft: LoRA training is not supported yet; remove use_peft to train all weights.")
+    if model_args.load_in_4bit or model_args.load_in_8bit:
+        raise ConfigError("load_in_4bit / load_in_8bit: quantized training is not supported; remove the flag.")
+
+
+def main(script_args: ScriptArguments, training_args: GRPOConfig, model_args: ModelConfig) -> None:
+    check_supported(model_args)
+    reward_funcs = [resolve_reward(name) for name in script_args.reward_funcs]
+    dataset = load_prompts(script_args)
+    model, tokenizer = load_model(model_args)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward_funcs,
+        args=training_args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(training_args.output_dir)
+
+
+def cli(argv: list[str] | None = None) -> None:
+    """Parse, then run; configuration mistakes end in one line on stderr and exit code 2."""
+    parser = TrlParser((ScriptArguments, GRPOConfig, ModelConfig))
+    try:
+        script_args, training_args, model_args = parser.parse_args_and_config(argv)
+        main(script_args, training_args, model_args)
+    except ConfigError as err:
+        print(f"colograd: error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    cli()
