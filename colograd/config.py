@@ -28,8 +28,12 @@ class GRPOConfig(TrainingArguments):
         metadata={"help": "Prompts longer than this many tokens keep their last tokens. None keeps them whole."},
     )
     max_completion_length: int = field(default=256, metadata={"help": "Most tokens sampled per completion."})
-    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (also applied to training log-probs)."})
-    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling: keep the smallest token set with this mass."})
+    temperature: float = field(
+        default=1.0, metadata={"help": "Sampling temperature (also applied to training log-probs)."}
+    )
+    top_p: float = field(
+        default=1.0, metadata={"help": "Nucleus sampling: keep the smallest token set with this mass."}
+    )
     top_k: int = field(default=0, metadata={"help": "Sample among the k likeliest tokens; 0 disables."})
     repetition_penalty: float = field(default=1.0, metadata={"help": "vLLM repetition penalty; 1.0 disables."})
 
@@ -58,7 +62,9 @@ class GRPOConfig(TrainingArguments):
         default="dapo",
         metadata={"help": f"How per-token losses are averaged: one of {', '.join(LOSS_TYPES)} (TRL's meanings)."},
     )
-    epsilon: float = field(default=0.2, metadata={"help": "Lower clipping bound of the importance ratio: 1 - epsilon."})
+    epsilon: float = field(
+        default=0.2, metadata={"help": "Lower clipping bound of the importance ratio: 1 - epsilon."}
+    )
     epsilon_high: float | None = field(
         default=None, metadata={"help": "Upper clipping bound: 1 + epsilon_high. None: same as epsilon."}
     )
@@ -97,12 +103,14 @@ class GRPOConfig(TrainingArguments):
             raise ConfigError(
                 f"per_device_train_batch_size={self.per_device_train_batch_size} is not a multiple of "
                 f"num_generations={self.num_generations}: each rank generates whole groups; set it to a "
-                f"multiple such as {self.num_generations * max(1, self.per_device_train_batch_size // self.num_generations)}."
+                f"multiple such as {self.num_generations * max(1, self.prompts_per_device)}."
             )
         if self.loss_type not in LOSS_TYPES:
             raise ConfigError(f"loss_type={self.loss_type!r} is unknown; use one of {', '.join(LOSS_TYPES)}.")
         if self.scale_rewards not in SCALE_REWARDS:
-            raise ConfigError(f"scale_rewards={self.scale_rewards!r} is unknown; use one of {', '.join(SCALE_REWARDS)}.")
+            raise ConfigError(
+                f"scale_rewards={self.scale_rewards!r} is unknown; use one of {', '.join(SCALE_REWARDS)}."
+            )
         if self.max_completion_length < 1:
             raise ConfigError(f"max_completion_length={self.max_completion_length}: set it to 1 or more.")
         if self.max_prompt_length is not None and self.max_prompt_length < 1:

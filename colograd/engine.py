@@ -5,7 +5,9 @@ The engine starts with dummy weights and receives the trainer's weights through 
 for a hub model, a local folder, or a model built in memory.
 """
 
+import copy
 import os
+import socket
 import tempfile
 from dataclasses import dataclass
 
@@ -47,10 +49,13 @@ class Engine:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, args: GRPOConfig) -> None:
         from vllm import LLM
 
-        rank = dist.get_rank() if dist.is_initialized() else 0
+        rank = _set_launcher_env()
         # vLLM reads the architecture from a folder: write the config and tokenizer, never the weights.
         self._dir = tempfile.TemporaryDirectory(prefix=f"colograd-engine-{rank}-")
-        model.config.save_pretrained(self._dir.name)
+        config = copy.deepcopy(model.config)
+        # A model built from a config (not loaded) has no `architectures`; vLLM picks its class from it.
+        config.architectures = [type(model).__name__]
+        config.save_pretrained(self._dir.name)
         tokenizer.save_pretrained(self._dir.name)
 
         max_model_len = args.vllm_max_model_length or (args.max_prompt_length or 0) + args.max_completion_length
@@ -68,9 +73,8 @@ class Engine:
             max_model_len=max_model_len or None,
             enforce_eager=args.vllm_enforce_eager,
             enable_prefix_caching=args.vllm_enable_prefix_caching,
-            # With several ranks, each owns one engine over the torch process group that already exists;
-            # alone, the default executor also runs in this process.
-            distributed_executor_backend="external_launcher" if dist.is_initialized() else None,
+            # The engine joins this process's torch process group (or, alone, makes a world of one).
+            distributed_executor_backend="external_launcher",
             # The engine reports log-probs of the distribution it sampled from (after temperature), the
             # same distribution the trainer scores, so the two are comparable token by token.
             logprobs_mode="processed_logprobs",
@@ -99,7 +103,7 @@ class Engine:
             for sample in request.outputs:
                 ids = list(sample.token_ids)
                 rollout.completion_ids.append(ids)
-                rollout.logps.append([step[tok].logprob for step, tok in zip(sample.logprobs, ids)])
+                rollout.logps.append([step[tok].logprob for step, tok in zip(sample.logprobs, ids, strict=True)])
                 rollout.truncated.append(sample.finish_reason == "length")
         return rollout
 
@@ -121,6 +125,22 @@ class Engine:
         )
         steps = out[0].prompt_logprobs
         return torch.tensor([steps[i][token_ids[i]].logprob for i in range(1, len(token_ids))])
+
+
+def _set_launcher_env() -> int:
+    """Give vLLM's external launcher the torchrun-style variables it reads, when no launcher set them.
+
+    Returns:
+        This process's rank.
+    """
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    for key, value in (("RANK", rank), ("LOCAL_RANK", rank), ("WORLD_SIZE", world), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, str(value))
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    return rank
 
 
 def _engine_dtype(model: PreTrainedModel, args: GRPOConfig) -> str:

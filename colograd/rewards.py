@@ -42,7 +42,7 @@ BUILTIN_REWARDS: dict[str, Callable[[], RewardFunc]] = {
 
 
 def resolve_reward(name: str) -> RewardFunc:
-    """A built-in reward by name, or user code by dotted path (``my_pkg.rewards.length`` or ``my_pkg.rewards:length``)."""
+    """A built-in reward by name, or user code by dotted path: ``pkg.rewards.length`` or ``pkg.rewards:length``."""
     if name in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[name]()
     module_name, sep, attr = name.replace(":", ".").rpartition(".")
@@ -82,6 +82,8 @@ def score(
     for j, func in enumerate(reward_funcs):
         values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
         if len(values) != n:
-            raise ValueError(f"reward function {reward_name(func)!r} returned {len(values)} rewards for {n} completions")
+            raise ValueError(
+                f"reward function {reward_name(func)!r} returned {len(values)} rewards for {n} completions"
+            )
         rewards_NF[:, j] = torch.tensor([float("nan") if v is None else float(v) for v in values])
     return rewards_NF

@@ -66,4 +66,4 @@ def letters_dataset(num_prompts: int = 2048, seed: int = 0) -> Dataset:
 
 def letters_reward(completions: list[str], target: list[str], **kwargs) -> list[float]:
     """Fraction of the completion's characters that are the target letter (0 for an empty completion)."""
-    return [c.count(t) / len(c) if c else 0.0 for c, t in zip(completions, target)]
+    return [c.count(t) / len(c) if c else 0.0 for c, t in zip(completions, target, strict=True)]

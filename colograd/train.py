@@ -1,7 +1,7 @@
 """Train a model with GRPO from a YAML recipe; command-line flags override the recipe's keys.
 
-    accelerate launch colograd/train.py --config recipes/grpo_qwen.yaml --max_steps 10
-    python colograd/train.py --config recipes/grpo_tiny.yaml          # one process
+accelerate launch colograd/train.py --config recipes/grpo_qwen.yaml --max_steps 10
+python colograd/train.py --config recipes/grpo_tiny.yaml          # one process
 """
 
 import os
@@ -63,11 +63,19 @@ def cli(argv: list[str] | None = None) -> None:
     """Parse, then run; configuration mistakes end in one line on stderr and exit code 2."""
     parser = TrlParser((ScriptArguments, GRPOConfig, ModelConfig))
     try:
+        # Parsing raises ValueError for unknown recipe keys and for values the dataclasses reject.
         script_args, training_args, model_args = parser.parse_args_and_config(argv)
+    except ValueError as err:
+        _fail(err)
+    try:
         main(script_args, training_args, model_args)
     except ConfigError as err:
-        print(f"colograd: error: {err}", file=sys.stderr)
-        sys.exit(2)
+        _fail(err)
+
+
+def _fail(err: Exception) -> None:
+    print(f"colograd: error: {str(err).strip().splitlines()[0]}", file=sys.stderr)
+    sys.exit(2)
 
 
 if __name__ == "__main__":

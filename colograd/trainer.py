@@ -245,7 +245,7 @@ class GRPOTrainer(Trainer):
         input_ids = torch.full((n, p + t), pad, dtype=torch.long)
         attention_mask = torch.zeros((n, p + t), dtype=torch.long)
         engine_logps = torch.zeros((n, t))
-        for i, (ids, logps) in enumerate(zip(completions, rollout.logps)):
+        for i, (ids, logps) in enumerate(zip(completions, rollout.logps, strict=True)):
             prompt = prompt_ids[i // g]
             input_ids[i, p - len(prompt) : p] = torch.tensor(prompt)
             input_ids[i, p : p + len(ids)] = torch.tensor(ids, dtype=torch.long)
@@ -281,12 +281,14 @@ class GRPOTrainer(Trainer):
         if self._metrics and "loss" in logs:
             steps = max(1, self.state.global_step - self._last_logged_step)
             names = sorted(self._metrics)
-            values = [sum(self._metrics[k]) / (steps if k.startswith("time/") else len(self._metrics[k])) for k in names]
+            values = [
+                sum(self._metrics[k]) / (steps if k.startswith("time/") else len(self._metrics[k])) for k in names
+            ]
             local = torch.tensor(values, device=self.args.device)
             mean = self.accelerator.reduce(local.clone(), reduction="mean")
             high = self.accelerator.gather(local.unsqueeze(0)).amax(dim=0)
             is_max = torch.tensor([k.endswith("/max") for k in names], device=self.args.device)
-            logs.update(zip(names, torch.where(is_max, high, mean).tolist()))
+            logs.update(zip(names, torch.where(is_max, high, mean).tolist(), strict=True))
             self._metrics.clear()
             self._last_logged_step = self.state.global_step
         super().log(logs, start_time)

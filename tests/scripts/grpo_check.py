@@ -1,0 +1,110 @@
+"""A short GRPO run on the tiny task that records what the tests assert; run it under a multi-process launch:
+
+    accelerate launch --config_file recipes/accelerate_configs/cpu.yaml tests/scripts/grpo_check.py OUT_DIR [--tied]
+
+Each rank writes OUT_DIR/rank<r>.json with: the trainer's log history, whether every rank held identical
+weights after every optimizer step, the completions it sampled, its samples for one shared prompt, and the
+largest gap between engine and trainer log-probs after the final sync.
+"""
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from transformers import TrainerCallback
+
+from colograd import GRPOConfig, GRPOTrainer, tiny
+
+
+class WeightsAgree(TrainerCallback):
+    """After each optimizer step, checks that every rank holds bit-identical weights."""
+
+    def __init__(self) -> None:
+        self.per_step: list[bool] = []
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+        copies = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+        dist.all_gather(copies, flat)
+        self.per_step.append(all(torch.equal(flat, c) for c in copies))
+
+
+class RecordingTrainer(GRPOTrainer):
+    """Overrides one stage, `generate`, to keep the sampled completions."""
+
+    sampled: list[list[list[int]]] = []
+
+    def generate(self, prompt_ids):
+        rollout = super().generate(prompt_ids)
+        self.sampled.append(rollout.completion_ids)
+        return rollout
+
+
+def hf_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--tied", action="store_true")
+    parser.add_argument("--steps", type=int, default=30)
+    cli = parser.parse_args()
+
+    args = GRPOConfig(
+        output_dir=os.path.join(cli.out, "run"),
+        num_generations=8,
+        per_device_train_batch_size=64,
+        max_prompt_length=16,
+        max_completion_length=8,
+        learning_rate=3e-3,
+        lr_scheduler_type="constant",
+        max_steps=cli.steps,
+        seed=42,
+        vllm_kv_cache_gib=0.25,
+        vllm_enforce_eager=True,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+    )
+    tokenizer = tiny.build_tokenizer()
+    callback = WeightsAgree()
+    trainer = RecordingTrainer(
+        model=tiny.build_model(tie_word_embeddings=cli.tied),
+        reward_funcs="letters",
+        args=args,
+        train_dataset=tiny.letters_dataset(),
+        processing_class=tokenizer,
+        callbacks=[callback],
+    )
+    trainer.train()
+
+    # The last optimizer step has not reached the engine yet: sync it, then compare log-probs.
+    trainer.sync_weights()
+    model = trainer.accelerator.unwrap_model(trainer.model).eval()
+    ids = tokenizer("abcd>b:bbbbbbbb")["input_ids"]
+    gap = (trainer.engine.prompt_logprobs(ids) - hf_logprobs(model, ids)).abs().max().item()
+    shared = trainer.engine.generate([tokenizer("abcd>a:")["input_ids"]], args).completion_ids
+
+    rank = dist.get_rank()
+    with open(os.path.join(cli.out, f"rank{rank}.json"), "w") as f:
+        json.dump(
+            {
+                "world_size": dist.get_world_size(),
+                "log_history": trainer.state.log_history,
+                "weights_agree": callback.per_step,
+                "sampled": trainer.sampled,
+                "shared_prompt_samples": shared,
+                "parity_gap": gap,
+                "tied": model.config.tie_word_embeddings,
+            },
+            f,
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""`colograd/train.py` as users run it: one process from a recipe, and one-line errors for bad input."""
+
+import pytest
+from conftest import run_cli
+
+TINY = "recipes/grpo_tiny.yaml"
+
+
+def test_one_process_run_trains_and_saves(tmp_path):
+    proc = run_cli("--config", TINY, "--max_steps", "2", "--output_dir", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert (tmp_path / "model.safetensors").exists() and (tmp_path / "tokenizer.json").exists()
+    assert "'reward':" in proc.stdout + proc.stderr  # per-step logs
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--num_generations", "1", "--per_device_train_batch_size", "1"], "num_generations=1"),
+        (["--per_device_train_batch_size", "12"], "per_device_train_batch_size=12"),
+        (["--loss_type", "ppo"], "loss_type='ppo'"),
+        (["--reward_funcs", "nope"], "reward_funcs: 'nope'"),
+        (["--model_name_or_path", "./no/such/model"], "does not exist"),
+        (["--model_name_or_path", "colograd:huge"], "built-in models"),
+        (["--dataset_name", "colograd:nothing"], "built-in datasets"),
+        (["--use_peft"], "use_peft"),
+    ],
+)
+def test_bad_input_is_one_line(flags, message, tmp_path):
+    proc = run_cli("--config", TINY, "--output_dir", str(tmp_path), *flags)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("colograd: error:") and message in last, proc.stderr[-2000:]
+
+
+def test_unknown_recipe_key_is_one_line(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(open(TINY).read() + "\nlearning_rat: 1.0\n")
+    proc = run_cli("--config", str(recipe), "--output_dir", str(tmp_path))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "learning_rat" in proc.stderr.strip().splitlines()[-1]

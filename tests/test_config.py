@@ -1,0 +1,72 @@
+"""Configuration: validation messages, and every recipe parses into the dataclasses."""
+
+from pathlib import Path
+
+import pytest
+from trl import ModelConfig, TrlParser
+
+from colograd import GRPOConfig, ScriptArguments
+from colograd.config import ConfigError
+from colograd.rewards import resolve_reward
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml"))
+
+
+def make(**kwargs) -> GRPOConfig:
+    base = {"output_dir": "unused", "report_to": "none", "per_device_train_batch_size": 8, "num_generations": 4}
+    return GRPOConfig(**{**base, **kwargs})
+
+
+def test_defaults_follow_trl():
+    args = make()
+    assert args.loss_type == "dapo" and args.scale_rewards == "group" and args.epsilon_high == args.epsilon
+    assert args.prompts_per_device == 2
+    assert args.remove_unused_columns is False  # the reward functions need the dataset's columns
+
+
+@pytest.mark.parametrize(
+    "kwargs, names",
+    [
+        ({"num_generations": 1, "per_device_train_batch_size": 1}, "num_generations"),
+        ({"per_device_train_batch_size": 6}, "per_device_train_batch_size"),
+        ({"loss_type": "ppo"}, "loss_type"),
+        ({"scale_rewards": "std"}, "scale_rewards"),
+        ({"max_completion_length": 0}, "max_completion_length"),
+    ],
+)
+def test_invalid_fields_are_named(kwargs, names):
+    with pytest.raises(ConfigError, match=names):
+        make(**kwargs)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_recipe_parses(recipe):
+    parser = TrlParser((ScriptArguments, GRPOConfig, ModelConfig))
+    script_args, training_args, model_args = parser.parse_args_and_config(["--config", str(recipe)])
+    assert model_args.model_name_or_path
+    assert script_args.reward_funcs
+    assert recipe.read_text().startswith("# accelerate launch"), "a recipe starts with the command that runs it"
+
+
+def test_cli_flags_override_recipe():
+    parser = TrlParser((ScriptArguments, GRPOConfig, ModelConfig))
+    argv = ["--config", str(ROOT / "recipes/grpo_tiny.yaml"), "--max_steps", "3", "--learning_rate", "1e-5"]
+    _, training_args, _ = parser.parse_args_and_config(argv)
+    assert training_args.max_steps == 3 and training_args.learning_rate == 1e-5
+
+
+def test_unknown_recipe_key_fails(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((ROOT / "recipes/grpo_tiny.yaml").read_text() + "\nnum_generatoins: 4\n")
+    with pytest.raises(ValueError, match="num_generatoins"):
+        TrlParser((ScriptArguments, GRPOConfig, ModelConfig)).parse_args_and_config(["--config", str(bad)])
+
+
+def test_rewards_resolve_by_name_and_path():
+    assert resolve_reward("letters").__name__ == "letters_reward"
+    assert resolve_reward("colograd.tiny.letters_reward").__name__ == "letters_reward"
+    with pytest.raises(ConfigError, match="neither a built-in"):
+        resolve_reward("nonsense")
+    with pytest.raises(ConfigError, match="cannot import"):
+        resolve_reward("colograd.tiny.no_such_reward")
