@@ -8,6 +8,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
+# Test this checkout's package, also in subprocesses, whichever checkout the interpreter was installed from.
+sys.path.insert(0, str(ROOT))
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
 
 def launch(script: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run `script` on 2 processes with accelerate's launcher and the project's CPU config."""
