@@ -57,6 +57,19 @@ class GRPOConfig(TrainingArguments):
         default=True, metadata={"help": "Let the engine reuse the KV cache of shared prompt prefixes."}
     )
 
+    sync_bucket_mib: float = field(
+        default=512,
+        metadata={"help": "With sharded weights (ZeRO-3), gather and sync them in buckets of about this many MiB."},
+    )
+
+    lora_sync: str = field(
+        default="merged",
+        metadata={
+            "help": "How a PEFT LoRA model reaches the engine: 'merged' (base + B·A written into its weights) or "
+            "'adapter' (only the adapter tensors move; the engine applies them with vLLM's LoRA support)."
+        },
+    )
+
     # Loss
     loss_type: str = field(
         default="dapo",
@@ -111,6 +124,8 @@ class GRPOConfig(TrainingArguments):
             raise ConfigError(
                 f"scale_rewards={self.scale_rewards!r} is unknown; use one of {', '.join(SCALE_REWARDS)}."
             )
+        if self.lora_sync not in ("merged", "adapter"):
+            raise ConfigError(f"lora_sync={self.lora_sync!r} is unknown; use 'merged' or 'adapter'.")
         if self.max_completion_length < 1:
             raise ConfigError(f"max_completion_length={self.max_completion_length}: set it to 1 or more.")
         if self.max_prompt_length is not None and self.max_prompt_length < 1:

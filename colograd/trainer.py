@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from peft import PeftModel
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, Trainer
 from trl.data_utils import is_conversational, maybe_apply_chat_template
@@ -28,7 +29,7 @@ from colograd.config import ConfigError, GRPOConfig
 from colograd.engine import Engine, Rollout
 from colograd.loss import group_advantages, policy_loss
 from colograd.rewards import RewardFunc, resolve_reward, reward_name, score
-from colograd.sync import sync_weights
+from colograd.sync import WeightPlan, is_sharded
 
 
 def _keep_rows(features: list[dict]) -> list[dict]:
@@ -90,8 +91,13 @@ class GRPOTrainer(Trainer):
         # compute_loss returns a per-micro-batch mean; the Trainer divides it by the accumulation steps.
         self.model_accepts_loss_kwargs = False
         # Built after super().__init__: the torch process group must exist before the engine joins it.
-        self.engine = Engine(self.accelerator.unwrap_model(self.model), processing_class, args)
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        # Adapter-only sync: the engine serves the adapter itself, so it must be started with LoRA enabled.
+        adapter_only = isinstance(unwrapped, PeftModel) and args.lora_sync == "adapter"
+        self._lora_rank = unwrapped.peft_config[unwrapped.active_adapter].r if adapter_only else None
+        self.engine = Engine(unwrapped, processing_class, args, lora_rank=self._lora_rank)
         self._synced_step: int | None = None  # the global_step whose weights the engine holds
+        self._weight_plan: WeightPlan | None = None
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._last_logged_step = 0
 
@@ -130,8 +136,13 @@ class GRPOTrainer(Trainer):
         """Write the model's weights into the engine, once per optimizer step (not per accumulation step)."""
         if self._synced_step == self.state.global_step:
             return
+        if self._weight_plan is None:
+            # Built at the first sync, once accelerate / DeepSpeed have wrapped (and maybe sharded) the model.
+            model = self.accelerator.unwrap_model(self.model)
+            bucket_bytes = int(self.args.sync_bucket_mib * 2**20) if is_sharded(model) else None
+            self._weight_plan = WeightPlan(model, bucket_bytes, adapter_only=self._lora_rank is not None)
         with self._timed("sync"):
-            sync_weights(self.accelerator.unwrap_model(self.model), self.engine)
+            self._weight_plan.sync(self.engine)
         self._synced_step = self.state.global_step
 
     def prepare_prompts(self, rows: list[dict]) -> tuple[list, list[list[int]], dict[str, list]]:
