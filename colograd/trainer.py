@@ -86,8 +86,6 @@ class GRPOTrainer(Trainer):
             callbacks=callbacks,
             optimizers=optimizers,
         )
-        if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
-            raise ConfigError("DeepSpeed ZeRO-3 is not supported yet; use ZeRO-2 or DDP.")
         # compute_loss returns a per-micro-batch mean; the Trainer divides it by the accumulation steps.
         self.model_accepts_loss_kwargs = False
         # Built after super().__init__: the torch process group must exist before the engine joins it.

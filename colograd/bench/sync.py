@@ -108,11 +108,12 @@ def run(repeats: int = 7, as_json: bool = False) -> dict[str, float]:
     if as_json:
         print(json.dumps(result))
     else:
-        print(f"model: Qwen2 {result['params_m']:.1f}M parameters, {result['tensors']} tensors, "
-              f"{result['bytes'] / 2**20:.0f} MiB, {result['device']}")  # fmt: skip
-        print(f"colograd sync      {sync_s * 1e3:9.1f} ms   (engine log-prob gap after it: {gap:.1e})")
-        print(f"memcpy floor       {memcpy_s * 1e3:9.1f} ms   ratio_vs_memcpy       {result['ratio_vs_memcpy']:.2f}")
-        print(f"per-tensor sync    {per_tensor_s * 1e3:9.1f} ms   speedup_vs_per_tensor {result['speedup_vs_per_tensor']:.1f}"
-              f"   (gap after it: {per_tensor_gap:.1e})")  # fmt: skip
-        print(f"LoRA r=16 adapter-only sync moves 1/{result['lora_bytes_ratio']:.0f} of the bytes")
+        r = result
+        print(f"model: Qwen2 {r['params_m']:.1f}M parameters, {r['tensors']} tensors, {r['bytes'] / 2**20:.0f} MiB")
+        print(f"colograd sync    {sync_s * 1e3:9.1f} ms  engine-trainer log-prob gap after it {gap:.1e}")
+        print(f"memcpy floor     {memcpy_s * 1e3:9.1f} ms  ratio_vs_memcpy       {r['ratio_vs_memcpy']:.2f}")
+        print(f"per-tensor sync  {per_tensor_s * 1e3:9.1f} ms  speedup_vs_per_tensor {r['speedup_vs_per_tensor']:.2f}")
+        print(f"                              log-prob gap after per-tensor sync {per_tensor_gap:.1e}")
+        print(f"LoRA r=16, adapter-only sync: 1/{r['lora_bytes_ratio']:.0f} of the bytes (lora_bytes_ratio)")
+        print(f"device: {r['device']}; figures are medians of {repeats} runs")
     return result

@@ -3,8 +3,9 @@
     accelerate launch --config_file recipes/accelerate_configs/cpu.yaml tests/scripts/grpo_check.py OUT_DIR [--tied]
 
 Each rank writes OUT_DIR/rank<r>.json with: the trainer's log history, whether every rank held identical
-weights after every optimizer step, the completions it sampled, its samples for one shared prompt, and the
-largest gap between engine and trainer log-probs after the final sync.
+weights after every optimizer step, the completions it sampled, its samples for one shared prompt, the
+largest gap between engine and trainer log-probs after the final sync, and how the weights were held
+(sharded or not) and synced (number of buckets). Launched with a DeepSpeed ZeRO-3 config it trains sharded.
 """
 
 import argparse
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from colograd import GRPOConfig, GRPOTrainer, tiny
+from colograd.sync import _gathered, is_sharded
 
 
 class WeightsAgree(TrainerCallback):
@@ -23,9 +25,13 @@ class WeightsAgree(TrainerCallback):
 
     def __init__(self) -> None:
         self.per_step: list[bool] = []
+        self.local_numel: list[int] = []  # 0 under ZeRO-3: each rank holds only its shard (in ds_tensor)
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
-        flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+        params = list(model.parameters())
+        self.local_numel.append(sum(p.numel() for p in params))
+        with _gathered(params):  # ZeRO-3 holds a shard of each parameter per rank: compare whole ones
+            flat = torch.cat([p.detach().flatten().clone() for p in params])
         copies = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
         dist.all_gather(copies, flat)
         self.per_step.append(all(torch.equal(flat, c) for c in copies))
@@ -53,6 +59,7 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--tied", action="store_true")
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--bucket-mib", type=float, default=512)
     cli = parser.parse_args()
 
     args = GRPOConfig(
@@ -70,6 +77,7 @@ def main() -> None:
         save_strategy="no",
         report_to="none",
         disable_tqdm=True,
+        sync_bucket_mib=cli.bucket_mib,
     )
     tokenizer = tiny.build_tokenizer()
     callback = WeightsAgree()
@@ -101,6 +109,9 @@ def main() -> None:
                 "shared_prompt_samples": shared,
                 "parity_gap": gap,
                 "tied": model.config.tie_word_embeddings,
+                "sharded": is_sharded(model),
+                "sync_buckets": len(trainer._weight_plan.buckets),
+                "local_numel": callback.local_numel,
             },
             f,
         )
