@@ -57,6 +57,10 @@ class GRPOConfig(TrainingArguments):
         default=True, metadata={"help": "Let the engine reuse the KV cache of shared prompt prefixes."}
     )
 
+    vllm_enable_sleep_mode: bool = field(
+        default=False,
+        metadata={"help": "Release the engine's GPU memory (KV cache, weights) during the update. GPU only."},
+    )
     sync_bucket_mib: float = field(
         default=512,
         metadata={"help": "With sharded weights (ZeRO-3), gather and sync them in buckets of about this many MiB."},

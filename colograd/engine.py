@@ -9,6 +9,8 @@ import copy
 import os
 import socket
 import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,8 +91,13 @@ class Engine:
             # same distribution the trainer scores, so the two are comparable token by token.
             logprobs_mode="processed_logprobs",
             **({"enable_lora": True, "max_lora_rank": lora_rank, "max_loras": 1} if lora_rank else {}),
+            enable_sleep_mode=args.vllm_enable_sleep_mode,
             **memory,
         )
+        # Between rollouts a sleeping engine gives its GPU memory to training. Level 2 drops the weights too,
+        # which the next sync rewrites anyway; an adapter-only engine keeps its frozen base (level 1: to CPU).
+        self.sleep_level = (1 if lora_rank else 2) if args.vllm_enable_sleep_mode else 0
+        self.stale = True  # True until the trainer's weights are loaded, and again after a level-2 sleep
         self.lora_request = None  # set by `load_adapter`; every generation then applies the adapter
         self._adapter_dir: tempfile.TemporaryDirectory | None = None
 
@@ -129,6 +136,7 @@ class Engine:
         repacks linear weights, so their plain `weight` tensors cannot be written directly.
         """
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.stale = False
 
     def load_adapter(self, tensors: dict[str, torch.Tensor], adapter_config: Any) -> None:
         """Serve this LoRA adapter (PEFT names and config) from the next generation on.
@@ -144,6 +152,27 @@ class Engine:
             adapter_config.save_pretrained(self._adapter_dir.name)
         save_file(tensors, os.path.join(self._adapter_dir.name, "adapter_model.safetensors"))
         self.lora_request = LoRARequest("colograd", 1, self._adapter_dir.name, load_inplace=True)
+
+    @contextmanager
+    def awake(self, sync: Callable[[], None]) -> Iterator[None]:
+        """Bring the engine up to date for one rollout, sleeping again afterwards when sleep mode is on.
+
+        The order matters: weights memory back first, then `sync` writes the current weights into it, then
+        the KV cache comes back. Weights written before waking would be lost, and the engine would sample
+        from stale weights.
+        """
+        if not self.sleep_level:
+            sync()
+            yield
+            return
+        self.llm.wake_up(tags=["weights"])
+        sync()
+        self.llm.wake_up(tags=["kv_cache"])
+        try:
+            yield
+        finally:
+            self.llm.sleep(level=self.sleep_level)
+            self.stale = self.stale or self.sleep_level == 2
 
     def reset_prefix_cache(self) -> None:
         """Forget cached prompt KV: it was computed with weights that have since changed."""

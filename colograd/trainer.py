@@ -93,6 +93,8 @@ class GRPOTrainer(Trainer):
         # Adapter-only sync: the engine serves the adapter itself, so it must be started with LoRA enabled.
         adapter_only = isinstance(unwrapped, PeftModel) and args.lora_sync == "adapter"
         self._lora_rank = unwrapped.peft_config[unwrapped.active_adapter].r if adapter_only else None
+        if args.vllm_enable_sleep_mode and not torch.cuda.is_available():
+            raise ConfigError("vllm_enable_sleep_mode frees GPU memory and needs a GPU; remove it on this machine.")
         self.engine = Engine(unwrapped, processing_class, args, lora_rank=self._lora_rank)
         self._synced_step: int | None = None  # the global_step whose weights the engine holds
         self._weight_plan: WeightPlan | None = None
@@ -119,9 +121,8 @@ class GRPOTrainer(Trainer):
         self, model: nn.Module, inputs: list[dict], num_items_in_batch: torch.Tensor | int | None = None
     ) -> torch.Tensor:
         """One micro-step: a rollout from this rank's prompts, then the Trainer's forward/backward on it."""
-        self.sync_weights()
         prompts, prompt_ids, columns = self.prepare_prompts(inputs)
-        with self._timed("generate"):
+        with self.engine.awake(sync=self.sync_weights), self._timed("generate"):
             rollout = self.generate(prompt_ids)
         with self._timed("reward"):
             rewards_NF = self.score(prompts, rollout, columns)
@@ -131,8 +132,9 @@ class GRPOTrainer(Trainer):
             return super().training_step(model, batch, num_items_in_batch)
 
     def sync_weights(self) -> None:
-        """Write the model's weights into the engine, once per optimizer step (not per accumulation step)."""
-        if self._synced_step == self.state.global_step:
+        """Write the model's weights into the engine, once per optimizer step (not per accumulation step),
+        and again whenever the engine dropped them (sleep mode)."""
+        if self._synced_step == self.state.global_step and not self.engine.stale:
             return
         if self._weight_plan is None:
             # Built at the first sync, once accelerate / DeepSpeed have wrapped (and maybe sharded) the model.
