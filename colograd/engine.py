@@ -22,6 +22,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 import torch
 import torch.distributed as dist
 from peft import PeftModel
+from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from colograd.config import GRPOConfig
@@ -66,7 +67,7 @@ class Engine:
         base = model.get_base_model() if isinstance(model, PeftModel) else model
         config = copy.deepcopy(base.config)
         # A model built from a config (not loaded) has no `architectures`; vLLM picks its class from it.
-        config.architectures = [type(base).__name__]
+        config.architectures = [_architecture(base)]
         config.save_pretrained(self._dir.name)
         tokenizer.save_pretrained(self._dir.name)
 
@@ -204,6 +205,13 @@ def _set_launcher_env() -> int:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     return rank
+
+
+def _architecture(model: nn.Module) -> str:
+    """The model's class name, seen through FSDP2, which re-classes a sharded module as `FSDP<Name>`."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule)).__name__
 
 
 def _memory_dir() -> str | None:

@@ -4,9 +4,9 @@ The engine lives in this process, so a sync is a memory pass: weights are handed
 checkpoint naming and the engine copies (and, on CPU, repacks) them. Never one engine call per tensor:
 
 - full weights on every rank (single process, DDP): one engine call with every tensor;
-- sharded weights (DeepSpeed ZeRO-3): parameters are gathered a bucket at a time — one coalesced collective
-  per bucket, buckets cut at decoder-layer boundaries and sized in bytes — written into the engine, and freed,
-  so the extra memory is bounded by the bucket size;
+- sharded weights (DeepSpeed ZeRO-3, FSDP2): parameters are gathered a bucket at a time — one coalesced
+  collective per bucket (ZeRO-3) or per shard group (FSDP2), buckets cut at decoder-layer boundaries and
+  sized in bytes — written into the engine, and freed, so the extra memory is bounded by the bucket size;
 - PEFT LoRA, merged: each adapted weight is sent as base + B·A (in its bucket), under the base model's names;
 - PEFT LoRA, adapter only: the frozen base weights are sent once, then only the adapter tensors move and the
   engine applies them itself (vLLM's LoRA support).
@@ -34,6 +34,7 @@ class _Unit:
     """One tensor to send, under every name it has in the checkpoint (tied weights have two)."""
 
     names: list[str]
+    path: str  # where the model holds it: FSDP2 swaps in a new, unsharded parameter while gathered
     param: nn.Parameter
     lora: nn.Module | None = None  # the PEFT LoRA layer whose delta is added to this base weight
     gather: list[nn.Parameter] = field(default_factory=list)  # what must be gathered to build it
@@ -61,7 +62,8 @@ class WeightPlan:
         units = _units(model, merge_lora=not adapter_only)
         self.buckets = _bucketize(units, bucket_bytes) if bucket_bytes else [units]
         self.nbytes = sum(u.nbytes for u in units)
-        self._lora_params = [p for n, p in model.named_parameters() if "lora_" in n]
+        lora = [_Unit([name], name, p, gather=[p]) for name, p in model.named_parameters() if "lora_" in name]
+        self._lora_buckets = _bucketize(lora, bucket_bytes) if bucket_bytes else [lora]
         self._base_sent = False
 
     def sync(self, engine: Engine) -> int:
@@ -83,21 +85,28 @@ class WeightPlan:
     def __iter__(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Yield each bucket as (name, tensor) pairs; sharded buckets are gathered only while in use."""
         for bucket in self.buckets:
-            with _gathered([p for u in bucket for p in u.gather]):
-                yield [(name, _tensor(u)) for u in bucket for name in u.names]
+            with _gathered(self.model, bucket):
+                yield [(name, _tensor(self.model, u)) for u in bucket for name in u.names]
 
     def _sync_adapter(self, engine: Engine) -> int:
-        from peft import get_peft_model_state_dict
-
-        with _gathered(self._lora_params):
-            tensors = get_peft_model_state_dict(self.model)
-            engine.load_adapter(tensors, self.model.peft_config[self.model.active_adapter])
+        """Hand the engine the active adapter's tensors under PEFT's saved names (adapter name left out)."""
+        adapter = self.model.active_adapter
+        tensors = {}
+        for bucket in self._lora_buckets:
+            with _gathered(self.model, bucket):
+                for unit in bucket:
+                    if f".{adapter}." in unit.path:
+                        weight = self.model.get_parameter(unit.path).detach().clone()
+                        tensors[unit.path.replace(f".{adapter}.", ".")] = weight
+        engine.load_adapter(tensors, self.model.peft_config[adapter])
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def is_sharded(model: nn.Module) -> bool:
-    """Whether the model's parameters are partitioned across ranks (DeepSpeed ZeRO-3)."""
-    return any(hasattr(p, "ds_id") for p in model.parameters())
+    """Whether the model's parameters are partitioned across ranks (DeepSpeed ZeRO-3 or FSDP2)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(hasattr(p, "ds_id") or isinstance(p, DTensor) for p in model.parameters())
 
 
 def _units(model: nn.Module, merge_lora: bool) -> list[_Unit]:
@@ -117,7 +126,7 @@ def _units(model: nn.Module, merge_lora: bool) -> list[_Unit]:
         module_name = name.rsplit(".", 2)[0] if name.endswith(".base_layer.weight") else None
         lora = lora_layers.get(module_name) if module_name else None
         extra = [p for n, p in lora.named_parameters() if "lora_" in n] if lora is not None else []
-        by_tensor[id(param)] = _Unit([ckpt_name], param, lora, [param, *extra])
+        by_tensor[id(param)] = _Unit([ckpt_name], name, param, lora, [param, *extra])
     return list(by_tensor.values())
 
 
@@ -134,8 +143,8 @@ def _lora_layers(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
 
 
-def _tensor(unit: _Unit) -> torch.Tensor:
-    weight = unit.param.data
+def _tensor(model: nn.Module, unit: _Unit) -> torch.Tensor:
+    weight = model.get_parameter(unit.path).data
     if unit.lora is None:
         return weight
     for adapter in unit.lora.active_adapters:
@@ -174,13 +183,41 @@ def _layer_key(name: str) -> str:
     return name[: match.end()] if match else name.rsplit(".", 1)[0]
 
 
-def _gathered(params: list[nn.Parameter]) -> contextlib.AbstractContextManager:
-    """All-gather ZeRO-3-partitioned parameters for the duration of the block (one coalesced collective)."""
-    if not any(hasattr(p, "ds_id") for p in params):
-        return contextlib.nullcontext()
-    import deepspeed
+@contextlib.contextmanager
+def _gathered(model: nn.Module, units: list[_Unit]) -> Iterator[None]:
+    """Make the units' whole parameters available for the duration of the block, one collective per group.
 
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+    ZeRO-3: one coalesced all-gather of the bucket's partitioned parameters. FSDP2: each shard group (a
+    decoder layer, or the root's embeddings / norm / head) owning them is unsharded with one all-gather,
+    then resharded.
+    """
+    params = [p for u in units for p in u.gather]
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            yield
+        return
+    groups = list({id(m): m for m in (_fsdp_owner(model, u.path) for u in units) if m is not None}.values())
+    for group in groups:
+        group.unshard()
+    try:
+        yield
+    finally:
+        for group in groups:
+            group.reshard()
+
+
+def _fsdp_owner(model: nn.Module, path: str) -> nn.Module | None:
+    """The FSDP2 module whose shard group holds the parameter at `path`: its nearest `fully_shard`-ed parent."""
+    from torch.distributed.fsdp import FSDPModule
+
+    parts = path.split(".")[:-1]
+    for end in range(len(parts), -1, -1):
+        module = model.get_submodule(".".join(parts[:end]))
+        if isinstance(module, FSDPModule):
+            return module
+    return None
 
 
 class _QuietPartialReload(logging.Filter):

@@ -9,6 +9,7 @@ largest gap between engine and trainer log-probs after the final sync, and how t
 """
 
 import argparse
+import contextlib
 import json
 import os
 
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from colograd import GRPOConfig, GRPOTrainer, tiny
-from colograd.sync import _gathered, is_sharded
+from colograd.sync import is_sharded
 
 
 class WeightsAgree(TrainerCallback):
@@ -30,11 +31,19 @@ class WeightsAgree(TrainerCallback):
     def on_step_end(self, args, state, control, model=None, **kwargs):
         params = list(model.parameters())
         self.local_numel.append(sum(p.numel() for p in params))
-        with _gathered(params):  # ZeRO-3 holds a shard of each parameter per rank: compare whole ones
+        with zero3_gathered(params):  # ZeRO-3 holds a shard of each parameter per rank: compare whole ones
             flat = torch.cat([p.detach().flatten().clone() for p in params])
         copies = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
         dist.all_gather(copies, flat)
         self.per_step.append(all(torch.equal(flat, c) for c in copies))
+
+
+def zero3_gathered(params: list[torch.nn.Parameter]):
+    if not any(hasattr(p, "ds_id") for p in params):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params)
 
 
 class RecordingTrainer(GRPOTrainer):
