@@ -15,6 +15,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from peft import LoraConfig, get_peft_model
 from transformers import TrainerCallback
 
 from colograd import GRPOConfig, GRPOTrainer, tiny
@@ -69,6 +70,7 @@ def main() -> None:
     parser.add_argument("--tied", action="store_true")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--bucket-mib", type=float, default=512)
+    parser.add_argument("--lora", choices=["merged", "adapter"], help="train LoRA adapters, synced this way")
     cli = parser.parse_args()
 
     args = GRPOConfig(
@@ -87,11 +89,15 @@ def main() -> None:
         report_to="none",
         disable_tqdm=True,
         sync_bucket_mib=cli.bucket_mib,
+        lora_sync=cli.lora or "merged",
     )
     tokenizer = tiny.build_tokenizer()
     callback = WeightsAgree()
+    model = tiny.build_model(tie_word_embeddings=cli.tied)
+    if cli.lora:
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"]))
     trainer = RecordingTrainer(
-        model=tiny.build_model(tie_word_embeddings=cli.tied),
+        model=model,
         reward_funcs="letters",
         args=args,
         train_dataset=tiny.letters_dataset(),
@@ -121,6 +127,7 @@ def main() -> None:
                 "sharded": is_sharded(model),
                 "sync_buckets": len(trainer._weight_plan.buckets),
                 "local_numel": callback.local_numel,
+                "lora_request": trainer.engine.lora_request is not None,
             },
             f,
         )
