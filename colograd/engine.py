@@ -78,6 +78,8 @@ class Engine:
             # On CPU the "GPU" fraction is a fraction of host memory, which every rank shares: size the cache.
             else {"kv_cache_memory_bytes": int(args.vllm_kv_cache_gib * 2**30)}
         )
+        if not torch.cuda.is_available():
+            _set_cpu_repacking(args.vllm_cpu_repack_weights)
         self.llm = LLM(
             model=self._dir.name,
             load_format="dummy",
@@ -99,6 +101,9 @@ class Engine:
         # which the next sync rewrites anyway; an adapter-only engine keeps its frozen base (level 1: to CPU).
         self.sleep_level = (1 if lora_rank else 2) if args.vllm_enable_sleep_mode else 0
         self.stale = True  # True until the trainer's weights are loaded, and again after a level-2 sleep
+        # Whether the engine computes with the weight tensors it holds (GPU; CPU without repacking), so a sync
+        # can copy straight into them, or re-processes them into a kernel layout that needs a reload.
+        self.direct_load = all(self.llm.collective_rpc(_holds_plain_weights))
         self.lora_request = None  # set by `load_adapter`; every generation then applies the adapter
         self._adapter_dir: tempfile.TemporaryDirectory | None = None
 
@@ -132,11 +137,14 @@ class Engine:
     def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """Write checkpoint-named weights into the engine in one call; layers not named keep their weights.
 
-        vLLM's in-place reload translates checkpoint names and layouts (fused qkv / gate_up, transposed
-        Conv1D, vocabulary padding, dtype) and re-runs the backend's weight processing: the CPU backend
-        repacks linear weights, so their plain `weight` tensors cannot be written directly.
+        The model's own loaders translate checkpoint names and layouts (fused qkv / gate_up, transposed
+        Conv1D, vocabulary padding, tied heads, dtype) and copy into the engine's tensors. Where the backend
+        repacked its weights into a kernel layout, vLLM's in-place reload re-runs that processing instead.
         """
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if self.direct_load:
+            self.llm.collective_rpc(_load_into_model, args=(weights,))
+        else:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.stale = False
 
     def load_adapter(self, tensors: dict[str, torch.Tensor], adapter_config: Any) -> None:
@@ -205,6 +213,36 @@ def _set_launcher_env() -> int:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     return rank
+
+
+_ONEDNN_AVAILABLE: bool | None = None
+
+
+def _set_cpu_repacking(enabled: bool) -> None:
+    """Whether vLLM's CPU backend (for engines built from now on in this process) repacks linear weights into
+    oneDNN handles, its default, or computes with the plain weights (torch's matmul).
+
+    Repacking costs ~10x a copy of the same bytes, so a sync into a repacking engine is bound by it; with
+    plain weights a sync is a copy (`python -m colograd.bench sync` measures both, and generation speed).
+    If a vLLM version no longer reads this switch, the engine repacks and `Engine.direct_load` turns the sync
+    back to the reload path, which stays correct.
+    """
+    global _ONEDNN_AVAILABLE
+    import vllm._custom_ops as ops
+
+    if _ONEDNN_AVAILABLE is None:
+        _ONEDNN_AVAILABLE = bool(getattr(ops, "_supports_onednn", False))
+    ops._supports_onednn = enabled and _ONEDNN_AVAILABLE
+
+
+def _holds_plain_weights(worker: Any) -> bool:
+    """Runs in the engine's worker: whether every parameter still holds its data (none repacked away)."""
+    return all(p.numel() > 0 for p in worker.model_runner.model.parameters())
+
+
+def _load_into_model(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """Runs in the engine's worker: copy checkpoint-named weights into the model's tensors."""
+    worker.model_runner.model.load_weights(weights)
 
 
 def _architecture(model: nn.Module) -> str:

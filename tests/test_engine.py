@@ -40,20 +40,26 @@ def trainer_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "arch, bucket_bytes",
-    [(arch, None) for arch in ARCHITECTURES] + [("qwen2-tied", 1), ("llama-gqa", 200_000)],
-    ids=lambda v: v if isinstance(v, str) else f"buckets{v}",
+    "arch, bucket_bytes, repack",
+    [(arch, None, False) for arch in ARCHITECTURES]
+    + [("qwen2-tied", 1, False), ("llama-gqa", 200_000, False)]
+    + [("qwen2-tied", None, True), ("gpt2-tied", None, True), ("qwen2-tied", 1, True)],
+    ids=lambda v: (
+        v if isinstance(v, str) else {None: "whole", False: "direct", True: "repacked"}.get(v, f"buckets{v}")
+    ),
 )
-def test_sync_gives_engine_the_trainer_weights(arch, bucket_bytes, tmp_path):
+def test_sync_gives_engine_the_trainer_weights(arch, bucket_bytes, repack, tmp_path):
     """One engine call, or (with `bucket_bytes`) one call per bucket of layers: a 1-byte budget sends every
-    layer on its own; 200 kB sends several together."""
+    layer on its own; 200 kB sends several together. `repack`: vLLM's CPU default, where linear weights are
+    repacked into oneDNN handles and a sync must re-run that processing (the reload path)."""
     torch.manual_seed(0)
     model = ARCHITECTURES[arch]().eval()
     tokenizer = tiny.build_tokenizer()
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=8,
                       max_prompt_length=32, max_completion_length=8, vllm_kv_cache_gib=0.1, vllm_enforce_eager=True,
-                      report_to="none")  # fmt: skip
+                      report_to="none", vllm_cpu_repack_weights=repack)  # fmt: skip
     engine = Engine(model, tokenizer, args)
+    assert engine.direct_load is not repack
     ids = tokenizer("abcd>b:bbbb and more text")["input_ids"]
 
     plan = WeightPlan(model, bucket_bytes)

@@ -1,15 +1,16 @@
 """Weight-sync benchmark: colograd's sync against the memory-copy floor and a per-tensor sync.
 
-On a Qwen2-architecture model of ~110M parameters built locally (tied embeddings, as Qwen2.5-0.5B), in one
-process, with the real engine. Each figure is the median of `repeats` timed runs after a warm-up:
+On a Qwen2-architecture model of ~135M parameters built locally (untied head, as Qwen2.5-7B; fp32),
+in one process, with the real engine. Each time is the median of `repeats` timed runs after a warm-up:
 
 - sync_s: `WeightPlan.sync`, the trainer → engine sync colograd runs after every optimizer step;
 - memcpy_s: `torch._foreach_copy_` of the same tensors into preallocated buffers — one plain pass over the
   bytes, the floor for any in-process sync;
-- per_tensor_s: one engine call per tensor, as TRL's colocate sync does (it calls `load_weights` once per
-  tensor). On CPU the only engine call that can write weights is the in-place reload, and one call per tensor
-  leaves fused layers (qkv, gate_up) partly stale, so `per_tensor_parity_gap` is reported beside it;
-- lora_bytes_ratio: bytes of a full sync ÷ bytes of an adapter-only sync (LoRA r=16 on every linear layer).
+- per_tensor_s: one engine call per tensor, as TRL's colocate sync does (`load_weights` once per tensor);
+- lora_bytes_ratio: bytes of a full sync ÷ bytes of an adapter-only sync (LoRA r=16 on every linear layer);
+- without a GPU, the same sync into an engine that keeps vLLM's CPU default of repacking linear weights for
+  oneDNN (`vllm_cpu_repack_weights`), and the generation speed of both engines on the same prompts, since
+  the choice between them trades one for the other.
 """
 
 import json
@@ -34,7 +35,7 @@ def build_model() -> Qwen2ForCausalLM:
         num_attention_heads=12,
         num_key_value_heads=12,
         max_position_embeddings=512,
-        tie_word_embeddings=True,
+        tie_word_embeddings=False,  # vLLM refuses a lone tensor of a tied model, so per-tensor needs untied
     )
     torch.manual_seed(0)
     return Qwen2ForCausalLM(config).eval()
@@ -66,54 +67,89 @@ def lora_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for n, p in peft_model.named_parameters() if "lora_" in n)
 
 
+def generation_tokens_per_s(engine: Engine, args: GRPOConfig, repeats: int) -> float:
+    """Sampled tokens per second for 8 prompts × 4 completions × up to 16 tokens."""
+    prompts = [[5 + (7 * i + j) % 40 for j in range(16)] for i in range(8)]
+    tokens = 0
+
+    def generate() -> None:
+        nonlocal tokens
+        tokens = sum(len(c) for c in engine.generate(prompts, args).completion_ids)
+
+    seconds = median_time(generate, repeats)
+    return tokens / seconds
+
+
+def engine_args(repack: bool) -> GRPOConfig:
+    return GRPOConfig(
+        output_dir="outputs/bench",
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_prompt_length=64,
+        max_completion_length=16,
+        vllm_kv_cache_gib=0.25,
+        vllm_enforce_eager=True,
+        vllm_cpu_repack_weights=repack,
+        report_to="none",
+    )
+
+
 def run(repeats: int = 7, as_json: bool = False) -> dict[str, float]:
     model = build_model()
     tokenizer = tiny.build_tokenizer()
-    args = GRPOConfig(
-        output_dir="outputs/bench",
-        per_device_train_batch_size=8,
-        num_generations=8,
-        max_prompt_length=64,
-        max_completion_length=8,
-        vllm_kv_cache_gib=0.1,
-        vllm_enforce_eager=True,
-        report_to="none",
-    )
+    ids = tokenizer("abcd>b:bbbb, then more text")["input_ids"]
+    args = engine_args(repack=False)
     engine = Engine(model, tokenizer, args)
     plan = WeightPlan(model)
-    weights = [t for bucket in plan for _, t in bucket]
+    named = [pair for bucket in plan for pair in bucket]
+    weights = [t for _, t in named]
     buffers = [torch.empty_like(t) for t in weights]
 
-    sync_s = median_time(lambda: plan.sync(engine), repeats)
-    gap = parity_gap(model, engine, tokenizer("abcd>b:bbbb, then more text")["input_ids"])
-    memcpy_s = median_time(lambda: torch._foreach_copy_(buffers, weights), repeats)
-    named = [pair for bucket in plan for pair in bucket]
-    per_tensor_s = median_time(lambda: [engine.load_weights([pair]) for pair in named], max(1, repeats // 3))
-    per_tensor_gap = parity_gap(model, engine, tokenizer("abcd>b:bbbb, then more text")["input_ids"])
-
-    result = {
+    result: dict[str, float | int | str] = {
         "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
         "bytes": plan.nbytes,
         "tensors": len(named),
-        "sync_s": sync_s,
-        "memcpy_s": memcpy_s,
-        "per_tensor_s": per_tensor_s,
-        "ratio_vs_memcpy": sync_s / memcpy_s,
-        "speedup_vs_per_tensor": per_tensor_s / sync_s,
-        "lora_bytes_ratio": plan.nbytes / lora_bytes(model),
-        "parity_gap": gap,
-        "per_tensor_parity_gap": per_tensor_gap,
         "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "engine_path": "direct" if engine.direct_load else "reload",
     }
+    result["sync_s"] = median_time(lambda: plan.sync(engine), repeats)
+    result["parity_gap"] = parity_gap(model, engine, ids)
+    result["memcpy_s"] = median_time(lambda: torch._foreach_copy_(buffers, weights), repeats)
+    # As TRL sends them: each tensor once (a tied head only under the embedding's name), one call each.
+    unique = list({id(t): (name, t) for name, t in reversed(named)}.values())[::-1]
+    result["per_tensor_s"] = median_time(
+        lambda: [engine.load_weights([pair]) for pair in unique], max(1, repeats // 3)
+    )
+    result["per_tensor_parity_gap"] = parity_gap(model, engine, ids)
+    result["generate_tokens_per_s"] = generation_tokens_per_s(engine, args, max(1, repeats // 3))
+    if not torch.cuda.is_available():
+        repack_args = engine_args(repack=True)
+        repacking = Engine(model, tokenizer, repack_args)
+        result["cpu_repack_sync_s"] = median_time(lambda: plan.sync(repacking), repeats)
+        result["cpu_repack_parity_gap"] = parity_gap(model, repacking, ids)
+        result["cpu_repack_generate_tokens_per_s"] = generation_tokens_per_s(
+            repacking, repack_args, max(1, repeats // 3)
+        )
+    result["ratio_vs_memcpy"] = result["sync_s"] / result["memcpy_s"]
+    result["speedup_vs_per_tensor"] = result["per_tensor_s"] / result["sync_s"]
+    result["lora_bytes_ratio"] = plan.nbytes / lora_bytes(model)
     if as_json:
         print(json.dumps(result))
     else:
-        r = result
-        print(f"model: Qwen2 {r['params_m']:.1f}M parameters, {r['tensors']} tensors, {r['bytes'] / 2**20:.0f} MiB")
-        print(f"colograd sync    {sync_s * 1e3:9.1f} ms  engine-trainer log-prob gap after it {gap:.1e}")
-        print(f"memcpy floor     {memcpy_s * 1e3:9.1f} ms  ratio_vs_memcpy       {r['ratio_vs_memcpy']:.2f}")
-        print(f"per-tensor sync  {per_tensor_s * 1e3:9.1f} ms  speedup_vs_per_tensor {r['speedup_vs_per_tensor']:.2f}")
-        print(f"                              log-prob gap after per-tensor sync {per_tensor_gap:.1e}")
-        print(f"LoRA r=16, adapter-only sync: 1/{r['lora_bytes_ratio']:.0f} of the bytes (lora_bytes_ratio)")
-        print(f"device: {r['device']}; figures are medians of {repeats} runs")
+        print_table(result, repeats)
     return result
+
+
+def print_table(r: dict, repeats: int) -> None:
+    ms = lambda seconds: f"{seconds * 1e3:9.1f} ms"  # noqa: E731
+    print(f"model: Qwen2 {r['params_m']:.1f}M parameters, {r['tensors']} tensors, {r['bytes'] / 2**20:.0f} MiB, "
+          f"{r['device']}, engine path: {r['engine_path']}; medians of {repeats} runs")  # fmt: skip
+    print(f"colograd sync    {ms(r['sync_s'])}  log-prob gap after it {r['parity_gap']:.1e}")
+    print(f"memcpy floor     {ms(r['memcpy_s'])}  ratio_vs_memcpy       {r['ratio_vs_memcpy']:.2f}")
+    print(f"per-tensor sync  {ms(r['per_tensor_s'])}  speedup_vs_per_tensor {r['speedup_vs_per_tensor']:.2f}")
+    print(f"LoRA r=16 adapter-only sync moves 1/{r['lora_bytes_ratio']:.0f} of the bytes (lora_bytes_ratio)")
+    print(f"generation       {r['generate_tokens_per_s']:9.1f} tokens/s")
+    if "cpu_repack_sync_s" in r:
+        print("CPU engine repacking weights for oneDNN (vLLM's default):")
+        print(f"  sync           {ms(r['cpu_repack_sync_s'])}  log-prob gap after it {r['cpu_repack_parity_gap']:.1e}")
+        print(f"  generation     {r['cpu_repack_generate_tokens_per_s']:9.1f} tokens/s")
