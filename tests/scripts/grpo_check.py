@@ -42,6 +42,25 @@ class RecordingTrainer(GRPOTrainer):
         return rollout
 
 
+def tiny_run_config(output_dir: str, steps: int, **overrides) -> GRPOConfig:
+    """A short run on the tiny task: 8 prompts × 8 completions per rank, 8 tokens each, no saving or reporting."""
+    defaults = dict(
+        num_generations=8,
+        per_device_train_batch_size=64,
+        max_prompt_length=16,
+        max_completion_length=8,
+        learning_rate=3e-3,
+        lr_scheduler_type="constant",
+        seed=42,
+        vllm_kv_cache_gib=0.25,
+        vllm_enforce_eager=True,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+    )
+    return GRPOConfig(output_dir=output_dir, max_steps=steps, **{**defaults, **overrides})
+
+
 def hf_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0, :-1].float()
@@ -55,22 +74,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     cli = parser.parse_args()
 
-    args = GRPOConfig(
-        output_dir=os.path.join(cli.out, "run"),
-        num_generations=8,
-        per_device_train_batch_size=64,
-        max_prompt_length=16,
-        max_completion_length=8,
-        learning_rate=3e-3,
-        lr_scheduler_type="constant",
-        max_steps=cli.steps,
-        seed=42,
-        vllm_kv_cache_gib=0.25,
-        vllm_enforce_eager=True,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-    )
+    args = tiny_run_config(os.path.join(cli.out, "run"), cli.steps)
     tokenizer = tiny.build_tokenizer()
     callback = WeightsAgree()
     trainer = RecordingTrainer(
