@@ -73,6 +73,23 @@ class GRPOConfig(TrainingArguments):
         default=True, metadata={"help": "Let the engine reuse the KV cache of shared prompt prefixes."}
     )
 
+    vllm_enable_sleep_mode: bool = field(
+        default=False,
+        metadata={"help": "Release the engine's GPU memory (KV cache, weights) during the update. GPU only."},
+    )
+    sync_bucket_mib: float = field(
+        default=512,
+        metadata={"help": "With sharded weights (ZeRO-3), gather and sync them in buckets of about this many MiB."},
+    )
+
+    lora_sync: str = field(
+        default="merged",
+        metadata={
+            "help": "How a PEFT LoRA model reaches the engine: 'merged' (base + B·A written into its weights) or "
+            "'adapter' (only the adapter tensors move; the engine applies them with vLLM's LoRA support)."
+        },
+    )
+
     # Loss
     beta: float = field(
         default=0.0,
@@ -165,6 +182,8 @@ class GRPOConfig(TrainingArguments):
             raise ConfigError(
                 f"scale_rewards={self.scale_rewards!r} is unknown; use one of {', '.join(SCALE_REWARDS)}."
             )
+        if self.lora_sync not in ("merged", "adapter"):
+            raise ConfigError(f"lora_sync={self.lora_sync!r} is unknown; use 'merged' or 'adapter'.")
         if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
             raise ConfigError(
                 f"importance_sampling_level={self.importance_sampling_level!r} is unknown; use one of "

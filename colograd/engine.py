@@ -9,7 +9,10 @@ import copy
 import os
 import socket
 import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 # Keep vLLM's engine core in this process (no extra process per rank) and its logs to what matters.
 # Both must be set before vllm is imported.
@@ -18,6 +21,8 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import torch
 import torch.distributed as dist
+from peft import PeftModel
+from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from colograd.config import GRPOConfig
@@ -44,17 +49,25 @@ class Engine:
         model: the trained model; its config (not its weights) defines the engine's architecture.
         tokenizer: the tokenizer the engine detokenizes with.
         args: the run's config; the `vllm_*` fields, lengths and seed are read here.
+        lora_rank: serve a LoRA adapter of this rank on top of the base weights (adapter-only sync).
     """
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, args: GRPOConfig) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        args: GRPOConfig,
+        lora_rank: int | None = None,
+    ) -> None:
         from vllm import LLM
 
         rank = _set_launcher_env()
         # vLLM reads the architecture from a folder: write the config and tokenizer, never the weights.
         self._dir = tempfile.TemporaryDirectory(prefix=f"colograd-engine-{rank}-")
-        config = copy.deepcopy(model.config)
+        base = model.get_base_model() if isinstance(model, PeftModel) else model
+        config = copy.deepcopy(base.config)
         # A model built from a config (not loaded) has no `architectures`; vLLM picks its class from it.
-        config.architectures = [type(model).__name__]
+        config.architectures = [_architecture(base)]
         config.save_pretrained(self._dir.name)
         tokenizer.save_pretrained(self._dir.name)
 
@@ -78,8 +91,16 @@ class Engine:
             # The engine reports log-probs of the distribution it sampled from (after temperature), the
             # same distribution the trainer scores, so the two are comparable token by token.
             logprobs_mode="processed_logprobs",
+            **({"enable_lora": True, "max_lora_rank": lora_rank, "max_loras": 1} if lora_rank else {}),
+            enable_sleep_mode=args.vllm_enable_sleep_mode,
             **memory,
         )
+        # Between rollouts a sleeping engine gives its GPU memory to training. Level 2 drops the weights too,
+        # which the next sync rewrites anyway; an adapter-only engine keeps its frozen base (level 1: to CPU).
+        self.sleep_level = (1 if lora_rank else 2) if args.vllm_enable_sleep_mode else 0
+        self.stale = True  # True until the trainer's weights are loaded, and again after a level-2 sleep
+        self.lora_request = None  # set by `load_adapter`; every generation then applies the adapter
+        self._adapter_dir: tempfile.TemporaryDirectory | None = None
 
     def generate(self, prompt_ids: list[list[int]], args: GRPOConfig) -> Rollout:
         """Sample `args.num_generations` completions of every prompt in one engine call.
@@ -97,7 +118,8 @@ class Engine:
             repetition_penalty=args.repetition_penalty,
             logprobs=0,  # the sampled token's own log-prob
         )
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+        prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
+        outputs = self.llm.generate(prompts, params, lora_request=self.lora_request, use_tqdm=False)
         rollout = Rollout([], [], [])
         for request in outputs:
             for sample in request.outputs:
@@ -108,20 +130,62 @@ class Engine:
         return rollout
 
     def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        """Write checkpoint-named weights into the engine in one call, then drop KV built from the old ones.
+        """Write checkpoint-named weights into the engine in one call; layers not named keep their weights.
 
-        vLLM's in-place reload re-runs the backend's weight processing (the CPU backend repacks linear
-        weights, so their plain `weight` tensors cannot be written directly).
+        vLLM's in-place reload translates checkpoint names and layouts (fused qkv / gate_up, transposed
+        Conv1D, vocabulary padding, dtype) and re-runs the backend's weight processing: the CPU backend
+        repacks linear weights, so their plain `weight` tensors cannot be written directly.
         """
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.stale = False
+
+    def load_adapter(self, tensors: dict[str, torch.Tensor], adapter_config: Any) -> None:
+        """Serve this LoRA adapter (PEFT names and config) from the next generation on.
+
+        The tensors go to a memory-backed folder that vLLM reads when the next request names the adapter;
+        `load_inplace` makes it replace the previous version under the same id.
+        """
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        if self._adapter_dir is None:
+            self._adapter_dir = tempfile.TemporaryDirectory(prefix="colograd-adapter-", dir=_memory_dir())
+            adapter_config.save_pretrained(self._adapter_dir.name)
+        save_file(tensors, os.path.join(self._adapter_dir.name, "adapter_model.safetensors"))
+        self.lora_request = LoRARequest("colograd", 1, self._adapter_dir.name, load_inplace=True)
+
+    @contextmanager
+    def awake(self, sync: Callable[[], None]) -> Iterator[None]:
+        """Bring the engine up to date for one rollout, sleeping again afterwards when sleep mode is on.
+
+        The order matters: weights memory back first, then `sync` writes the current weights into it, then
+        the KV cache comes back. Weights written before waking would be lost, and the engine would sample
+        from stale weights.
+        """
+        if not self.sleep_level:
+            sync()
+            yield
+            return
+        self.llm.wake_up(tags=["weights"])
+        sync()
+        self.llm.wake_up(tags=["kv_cache"])
+        try:
+            yield
+        finally:
+            self.llm.sleep(level=self.sleep_level)
+            self.stale = self.stale or self.sleep_level == 2
+
+    def reset_prefix_cache(self) -> None:
+        """Forget cached prompt KV: it was computed with weights that have since changed."""
         self.llm.reset_prefix_cache()
 
     def prompt_logprobs(self, token_ids: list[int]) -> torch.Tensor:
         """The engine's log-prob of each token of `token_ids` given the ones before it: shape [len - 1]."""
         from vllm import SamplingParams
 
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0)
         out = self.llm.generate(
-            [{"prompt_token_ids": token_ids}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False
+            [{"prompt_token_ids": token_ids}], params, lora_request=self.lora_request, use_tqdm=False
         )
         steps = out[0].prompt_logprobs
         return torch.tensor([steps[i][token_ids[i]].logprob for i in range(1, len(token_ids))])
@@ -141,6 +205,18 @@ def _set_launcher_env() -> int:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     return rank
+
+
+def _architecture(model: nn.Module) -> str:
+    """The model's class name, seen through FSDP2, which re-classes a sharded module as `FSDP<Name>`."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule)).__name__
+
+
+def _memory_dir() -> str | None:
+    """A RAM-backed folder where the platform has one, so handing files to the engine never touches disk."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 
 def _engine_dtype(model: PreTrainedModel, args: GRPOConfig) -> str:

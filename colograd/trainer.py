@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from peft import PeftModel
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, Trainer
 from transformers.trainer_utils import has_length
@@ -35,7 +36,7 @@ from colograd.engine import Engine, Rollout
 from colograd.loss import clipped_fractions, group_advantages, policy_loss, weighted_rewards
 from colograd.reference import ReferencePolicy
 from colograd.rewards import RewardFunc, RewardModel, resolve_rewards, reward_name, score
-from colograd.sync import sync_weights
+from colograd.sync import WeightPlan, is_sharded
 
 
 def _masked_mean(x: torch.Tensor, mask_NT: torch.Tensor) -> float:
@@ -93,18 +94,23 @@ class GRPOTrainer(Trainer):
             callbacks=callbacks,
             optimizers=optimizers,
         )
-        if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
-            raise ConfigError("DeepSpeed ZeRO-3 is not supported yet; use ZeRO-2 or DDP.")
         # compute_loss returns a per-micro-batch mean; the Trainer divides it by the accumulation steps.
         self.model_accepts_loss_kwargs = False
         # Built after super().__init__: the torch process group must exist before the engine joins it.
-        self.engine = Engine(self.accelerator.unwrap_model(self.model), processing_class, args)
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        # Adapter-only sync: the engine serves the adapter itself, so it must be started with LoRA enabled.
+        adapter_only = isinstance(unwrapped, PeftModel) and args.lora_sync == "adapter"
+        self._lora_rank = unwrapped.peft_config[unwrapped.active_adapter].r if adapter_only else None
+        if args.vllm_enable_sleep_mode and not torch.cuda.is_available():
+            raise ConfigError("vllm_enable_sleep_mode frees GPU memory and needs a GPU; remove it on this machine.")
+        self.engine = Engine(unwrapped, processing_class, args, lora_rank=self._lora_rank)
         if self.reference is not None:
-            self.reference.to(self.accelerator.device)
+            self.reference.prepare(self.accelerator)
         for func in self.reward_funcs:
             if isinstance(func, RewardModel):
                 func.model.to(self.accelerator.device)
         self._synced_step: int | None = None  # the global_step whose weights the engine holds
+        self._weight_plan: WeightPlan | None = None
         self._micro_step = 0  # micro-steps trained since start (or resume): picks the rollout slice
         self._slices: list[dict[str, torch.Tensor]] | None = None  # the current rollout, one slice per micro-step
         self._metrics: dict[str, list[float]] = defaultdict(list)
@@ -156,10 +162,12 @@ class GRPOTrainer(Trainer):
             return super().training_step(model, batch, num_items_in_batch)
 
     def make_rollout(self, rows: list[dict]) -> list[dict[str, torch.Tensor]]:
-        """Generate, score and prepare one rollout from this rank's prompts; returns one slice per micro-step."""
-        self.sync_weights()
+        """Generate, score and prepare one rollout from this rank's prompts; returns one slice per micro-step.
+
+        The engine syncs the weights as it wakes, so at most once per optimizer step and only before a rollout.
+        """
         prompts, prompt_ids, columns = self.prepare_prompts(rows)
-        with self._timed("generate"):
+        with self.engine.awake(sync=self.sync_weights), self._timed("generate"):
             rollout = self.generate(prompt_ids)
         with self._timed("reward"):
             rewards_NF = self.score(prompts, rollout, columns)
@@ -182,11 +190,17 @@ class GRPOTrainer(Trainer):
         return slices
 
     def sync_weights(self) -> None:
-        """Write the model's weights into the engine, once per optimizer step (not per accumulation step)."""
-        if self._synced_step == self.state.global_step:
+        """Write the model's weights into the engine, once per optimizer step (not per accumulation step),
+        and again whenever the engine dropped them (sleep mode)."""
+        if self._synced_step == self.state.global_step and not self.engine.stale:
             return
+        if self._weight_plan is None:
+            # Built at the first sync, once accelerate / DeepSpeed have wrapped (and maybe sharded) the model.
+            model = self.accelerator.unwrap_model(self.model)
+            bucket_bytes = int(self.args.sync_bucket_mib * 2**20) if is_sharded(model) else None
+            self._weight_plan = WeightPlan(model, bucket_bytes, adapter_only=self._lora_rank is not None)
         with self._timed("sync"):
-            sync_weights(self.accelerator.unwrap_model(self.model), self.engine)
+            self._weight_plan.sync(self.engine)
         self._synced_step = self.state.global_step
 
     def prepare_prompts(self, rows: list[dict]) -> tuple[list, list[list[int]], dict[str, list]]:

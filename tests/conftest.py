@@ -13,15 +13,23 @@ sys.path.insert(0, str(ROOT))
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 
 
-def launch(script: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run `script` on 2 processes with accelerate's launcher and the project's CPU config."""
+def launch(
+    script: str,
+    *args: str,
+    config: str = "recipes/accelerate_configs/cpu.yaml",
+    env: dict[str, str] | None = None,
+    timeout: float = 600,
+) -> subprocess.CompletedProcess:
+    """Run `script` on 2 processes with accelerate's launcher and `config` (the project's CPU config)."""
     cmd = [
         str(BIN / "accelerate"), "launch",
-        "--config_file", str(ROOT / "recipes/accelerate_configs/cpu.yaml"),
+        "--config_file", str(ROOT / config),
         "--main_process_port", str(_free_port()),
         script, *args,
     ]  # fmt: skip
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=_env())
+    return subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env={**_env(), **(env or {})}
+    )
 
 
 def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:

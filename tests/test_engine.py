@@ -6,7 +6,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from colograd import GRPOConfig, tiny
 from colograd.engine import Engine
-from colograd.sync import sync_weights
+from colograd.sync import WeightPlan
 
 
 def llama() -> torch.nn.Module:
@@ -39,8 +39,14 @@ def trainer_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_sync_gives_engine_the_trainer_weights(arch, tmp_path):
+@pytest.mark.parametrize(
+    "arch, bucket_bytes",
+    [(arch, None) for arch in ARCHITECTURES] + [("qwen2-tied", 1), ("llama-gqa", 200_000)],
+    ids=lambda v: v if isinstance(v, str) else f"buckets{v}",
+)
+def test_sync_gives_engine_the_trainer_weights(arch, bucket_bytes, tmp_path):
+    """One engine call, or (with `bucket_bytes`) one call per bucket of layers: a 1-byte budget sends every
+    layer on its own; 200 kB sends several together."""
     torch.manual_seed(0)
     model = ARCHITECTURES[arch]().eval()
     tokenizer = tiny.build_tokenizer()
@@ -50,7 +56,9 @@ def test_sync_gives_engine_the_trainer_weights(arch, tmp_path):
     engine = Engine(model, tokenizer, args)
     ids = tokenizer("abcd>b:bbbb and more text")["input_ids"]
 
-    sync_weights(model, engine)
+    plan = WeightPlan(model, bucket_bytes)
+    assert len(plan.buckets) > 2 if bucket_bytes else len(plan.buckets) == 1
+    plan.sync(engine)
     assert (engine.prompt_logprobs(ids) - trainer_logprobs(model, ids)).abs().max() <= 1e-4
 
     # A second sync after the weights move (as after an optimizer step), every tensor changed.
@@ -58,8 +66,57 @@ def test_sync_gives_engine_the_trainer_weights(arch, tmp_path):
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     before = engine.prompt_logprobs(ids)
-    sync_weights(model, engine)
+    plan.sync(engine)
     after = engine.prompt_logprobs(ids)
     expected = trainer_logprobs(model, ids)
     assert (before - expected).abs().max() > 1e-2  # the change is large enough to notice
     assert (after - expected).abs().max() <= 1e-4
+
+
+def lora_model() -> torch.nn.Module:
+    """The tiny Qwen2 with LoRA on every linear layer and non-zero B, so the adapter changes the outputs."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = get_peft_model(tiny.build_model(), LoraConfig(r=8, lora_alpha=16, target_modules=targets))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    return model.eval()
+
+
+def move_adapter(model: torch.nn.Module) -> None:
+    """Change every adapter tensor, as an optimizer step on a LoRA model does."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+
+
+@pytest.mark.parametrize("adapter_only", [False, True], ids=["lora-merged", "lora-adapter-only"])
+def test_lora_sync_gives_engine_the_adapted_model(adapter_only, tmp_path):
+    torch.manual_seed(0)
+    model = lora_model()
+    tokenizer = tiny.build_tokenizer()
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=8,
+                      max_prompt_length=32, max_completion_length=8, vllm_kv_cache_gib=0.1, vllm_enforce_eager=True,
+                      report_to="none")  # fmt: skip
+    engine = Engine(model, tokenizer, args, lora_rank=8 if adapter_only else None)
+    ids = tokenizer("abcd>b:bbbb and more text")["input_ids"]
+    with model.disable_adapter():
+        base = trainer_logprobs(model, ids)
+
+    plan = WeightPlan(model, adapter_only=adapter_only)
+    first = plan.sync(engine)
+    assert (engine.prompt_logprobs(ids) - trainer_logprobs(model, ids)).abs().max() <= 1e-4
+    assert (trainer_logprobs(model, ids) - base).abs().max() > 1e-2  # the adapter matters
+
+    move_adapter(model)
+    second = plan.sync(engine)
+    assert (engine.prompt_logprobs(ids) - trainer_logprobs(model, ids)).abs().max() <= 1e-4
+    adapter_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n)
+    if adapter_only:  # after the first sync, only the adapter moves
+        assert second == adapter_bytes and first == plan.nbytes + adapter_bytes
+    else:
+        assert second == first

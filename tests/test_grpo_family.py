@@ -5,7 +5,7 @@ import json
 import pytest
 from conftest import launch
 
-RUNS = ["grpo", "dr_grpo", "bnpo", "dapo"]
+RUNS = ["grpo", "dr_grpo", "bnpo", "dapo", "lora"]
 CLIP_METRICS = ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"]
 
 
@@ -44,6 +44,7 @@ SCHEDULES = {
     "dr_grpo": [0, 2],  # steps_per_generation 2, gradient accumulation 1
     "bnpo": [0, 1],  # gradient accumulation 2 = steps_per_generation: one rollout per optimizer step
     "dapo": [0, 2],  # generation_batch_size = 2 optimizer steps' worth
+    "lora": [0, 1, 2],  # the defaults: one rollout per optimizer step
 }
 
 
@@ -64,15 +65,18 @@ def test_old_logps_are_stored_once_per_rollout(runs, name):
         assert gaps[1] > 1e-4 and gaps[3] > 1e-4
 
 
-def test_on_policy_rollouts_need_no_old_logps(runs):
-    assert runs["bnpo"][0]["old_logp_gaps"] == [0.0] * 4  # 2 optimizer steps × 2 micro-steps, no stored logps
+@pytest.mark.parametrize("name, micro_steps", [("bnpo", 4), ("lora", 3)])
+def test_on_policy_rollouts_need_no_old_logps(runs, name, micro_steps):
+    assert runs[name][0]["old_logp_gaps"] == [0.0] * micro_steps  # every slice trained before the next update
 
 
-@pytest.mark.parametrize("name", ["grpo", "dapo"])
+@pytest.mark.parametrize("name", ["grpo", "dapo", "lora"])
 def test_kl_to_reference_is_logged_and_grows_from_zero(runs, name):
     kl = [entry["kl"] for entry in steps(runs[name][0])]
     assert kl[0] == pytest.approx(0.0, abs=1e-6)  # the first step trains the reference's own weights
     assert max(kl[1:]) > 1e-6
+    # A frozen copy for a full model; for LoRA the same model with its adapters disabled.
+    assert runs[name][0]["reference_is_a_copy"] is (name != "lora")
 
 
 def test_weighted_rewards_sync_async_abstaining_and_model(runs):

@@ -3,11 +3,13 @@
     accelerate launch --config_file recipes/accelerate_configs/cpu.yaml tests/scripts/grpo_check.py OUT_DIR [--tied]
 
 Each rank writes OUT_DIR/rank<r>.json with: the trainer's log history, whether every rank held identical
-weights after every optimizer step, the completions it sampled, its samples for one shared prompt, and the
-largest gap between engine and trainer log-probs after the final sync.
+weights after every optimizer step, the completions it sampled, its samples for one shared prompt, the
+largest gap between engine and trainer log-probs after the final sync, and how the weights were held
+(sharded or not) and synced (number of buckets). Launched with a DeepSpeed ZeRO-3 config it trains sharded.
 """
 
 import argparse
+import contextlib
 import json
 import os
 
@@ -16,6 +18,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from colograd import GRPOConfig, GRPOTrainer, tiny
+from colograd.sync import is_sharded
 
 
 class WeightsAgree(TrainerCallback):
@@ -23,12 +26,24 @@ class WeightsAgree(TrainerCallback):
 
     def __init__(self) -> None:
         self.per_step: list[bool] = []
+        self.local_numel: list[int] = []  # 0 under ZeRO-3: each rank holds only its shard (in ds_tensor)
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
-        flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+        params = list(model.parameters())
+        self.local_numel.append(sum(p.numel() for p in params))
+        with zero3_gathered(params):  # ZeRO-3 holds a shard of each parameter per rank: compare whole ones
+            flat = torch.cat([p.detach().flatten().clone() for p in params])
         copies = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
         dist.all_gather(copies, flat)
         self.per_step.append(all(torch.equal(flat, c) for c in copies))
+
+
+def zero3_gathered(params: list[torch.nn.Parameter]):
+    if not any(hasattr(p, "ds_id") for p in params):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params)
 
 
 class RecordingTrainer(GRPOTrainer):
@@ -72,9 +87,11 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--tied", action="store_true")
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--bucket-mib", type=float, default=512)
+    parser.add_argument("--beta", type=float, default=0.0)
     cli = parser.parse_args()
 
-    args = tiny_run_config(os.path.join(cli.out, "run"), cli.steps)
+    args = tiny_run_config(os.path.join(cli.out, "run"), cli.steps, sync_bucket_mib=cli.bucket_mib, beta=cli.beta)
     tokenizer = tiny.build_tokenizer()
     callback = WeightsAgree()
     trainer = RecordingTrainer(
@@ -105,6 +122,10 @@ def main() -> None:
                 "shared_prompt_samples": shared,
                 "parity_gap": gap,
                 "tied": model.config.tie_word_embeddings,
+                "sharded": is_sharded(model),
+                "sync_buckets": len(trainer._weight_plan.buckets),
+                "local_numel": callback.local_numel,
+                "reference_sharded": trainer.reference is not None and is_sharded(trainer.reference.frozen),
             },
             f,
         )

@@ -7,6 +7,7 @@
     dr_grpo  importance_sampling_level sequence (GSPO), steps_per_generation 2 (one rollout, two optimizer steps)
     bnpo     gradient accumulation 2 (one rollout per optimizer step), scale_rewards batch, masked truncations
     dapo     beta > 0, generation_batch_size over two optimizer steps, scale_rewards none
+    lora     beta > 0 with a LoRA model: the reference is the model with its adapters disabled (no copy)
 
 Each rank writes OUT/<run>-rank<r>.json: the log history, whether the ranks' weights agreed after every step,
 the global step of every sync and of every rollout, per micro-step the largest |log π_θ - log π_old| (0 where
@@ -21,6 +22,7 @@ import os
 import torch
 import torch.distributed as dist
 from grpo_check import WeightsAgree, tiny_run_config
+from peft import LoraConfig, get_peft_model
 from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
 from colograd import GRPOTrainer, ScriptArguments, tiny
@@ -119,6 +121,7 @@ RUNS = {
         "steps": 4,
         "config": {"loss_type": "dapo", "beta": 0.04, "generation_batch_size": 64, "scale_rewards": "none"},
     },
+    "lora": {"steps": 3, "config": {"loss_type": "grpo", "beta": 0.04}},
 }
 
 
@@ -144,9 +147,13 @@ def train(name: str, out: str, data_dir: str) -> dict:
     else:
         dataset = tiny.letters_dataset()
         reward_funcs = ["letters"]
+    model = tiny.build_model()
+    if name == "lora":
+        # New adapters start at zero (B = 0): the policy starts equal to its reference.
+        model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
     callback = WeightsAgree()
     trainer = RecordingTrainer(
-        model=tiny.build_model(),
+        model=model,
         reward_funcs=reward_funcs,
         args=args,
         train_dataset=dataset,
@@ -162,6 +169,7 @@ def train(name: str, out: str, data_dir: str) -> dict:
         "old_logp_gaps": trainer.old_logp_gaps,
         "first_prompt": trainer.first_prompt,
         "steps_per_generation": args.steps_per_generation,
+        "reference_is_a_copy": trainer.reference is not None and trainer.reference.frozen is not None,
     }
     # Kept alive: freeing a trainer shuts its engine down, and vLLM's shutdown under the external launcher tears
     # down the torch process group the next run needs.

@@ -1,0 +1,70 @@
+"""Sleep mode's ordering (a GPU feature, so the engine here is a recording stand-in: pure logic)."""
+
+from contextlib import nullcontext
+from types import SimpleNamespace
+
+import pytest
+
+from colograd.engine import Engine
+from colograd.trainer import GRPOTrainer
+
+
+class RecordingLLM:
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def wake_up(self, tags: list[str]) -> None:
+        self.log.append("wake_up:" + ",".join(tags))
+
+    def sleep(self, level: int) -> None:
+        self.log.append(f"sleep:{level}")
+
+
+def engine_with(sleep_level: int, log: list[str]) -> Engine:
+    engine = Engine.__new__(Engine)  # no vLLM: only the ordering logic is under test
+    engine.llm, engine.sleep_level, engine.stale = RecordingLLM(log), sleep_level, False
+    return engine
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_weights_are_written_after_waking_and_before_the_kv_cache(level):
+    log: list[str] = []
+    engine = engine_with(level, log)
+    with engine.awake(sync=lambda: log.append("sync")):
+        log.append("generate")
+    assert log == ["wake_up:weights", "sync", "wake_up:kv_cache", "generate", f"sleep:{level}"]
+    # Level 2 discards the weights: the next rollout must sync even if the optimizer did not step.
+    assert engine.stale is (level == 2)
+
+
+def test_engine_sleeps_even_if_generation_fails():
+    log: list[str] = []
+    engine = engine_with(2, log)
+    with pytest.raises(RuntimeError), engine.awake(sync=lambda: None):
+        raise RuntimeError("generation failed")
+    assert log[-1] == "sleep:2"
+
+
+def test_without_sleep_mode_awake_only_syncs():
+    log: list[str] = []
+    with engine_with(0, log).awake(sync=lambda: log.append("sync")):
+        log.append("generate")
+    assert log == ["sync", "generate"]
+
+
+@pytest.mark.parametrize(
+    "synced_step, stale, expect_sync",
+    [(None, True, True), (3, False, False), (2, False, True), (3, True, True)],
+    ids=["first", "same-step", "optimizer-stepped", "engine-dropped-weights"],
+)
+def test_trainer_syncs_only_when_the_engine_lacks_the_current_weights(synced_step, stale, expect_sync):
+    synced = []
+    trainer = SimpleNamespace(
+        state=SimpleNamespace(global_step=3),
+        engine=SimpleNamespace(stale=stale),
+        _synced_step=synced_step,
+        _weight_plan=SimpleNamespace(sync=lambda engine: synced.append(engine)),
+        _timed=lambda phase: nullcontext(),
+    )
+    GRPOTrainer.sync_weights(trainer)
+    assert bool(synced) is expect_sync and trainer._synced_step == 3
