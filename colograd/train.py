@@ -8,8 +8,9 @@ import os
 import sys
 
 import torch
+from peft import get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
-from trl import ModelConfig, TrlParser
+from trl import ModelConfig, TrlParser, get_peft_config
 
 from colograd import GRPOConfig, GRPOTrainer, ScriptArguments, tiny
 from colograd.config import ConfigError
@@ -37,8 +38,6 @@ def load_model(args: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerB
 
 def check_supported(model_args: ModelConfig) -> None:
     """Refuse options this version does not implement, rather than ignore them."""
-    if model_args.use_peft:
-        raise ConfigError("use_peft: LoRA training is not supported yet; remove use_peft to train all weights.")
     if model_args.load_in_4bit or model_args.load_in_8bit:
         raise ConfigError("load_in_4bit / load_in_8bit: quantized training is not supported; remove the flag.")
 
@@ -48,6 +47,8 @@ def main(script_args: ScriptArguments, training_args: GRPOConfig, model_args: Mo
     reward_funcs = [resolve_reward(name) for name in script_args.reward_funcs]
     dataset = load_prompts(script_args)
     model, tokenizer = load_model(model_args)
+    if model_args.use_peft:
+        model = get_peft_model(model, get_peft_config(model_args))
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=reward_funcs,

@@ -23,7 +23,7 @@ def test_one_process_run_trains_and_saves(tmp_path):
         (["--model_name_or_path", "./no/such/model"], "does not exist"),
         (["--model_name_or_path", "colograd:huge"], "built-in models"),
         (["--dataset_name", "colograd:nothing"], "built-in datasets"),
-        (["--use_peft"], "use_peft"),
+        (["--load_in_4bit"], "load_in_4bit"),
     ],
 )
 def test_bad_input_is_one_line(flags, message, tmp_path):

@@ -99,3 +99,17 @@ def test_fsdp2_sharded_model_syncs_by_shard_group(tmp_path):
         assert rank["buckets"] > 2
         assert rank["stale_gap"] > 1e-2
         assert rank["parity_gap"] <= 1e-4
+
+
+@pytest.mark.parametrize("mode", ["merged", "adapter"])
+def test_lora_training_keeps_engine_in_step(mode, tmp_path):
+    """LoRA training on 2 ranks: merged sync writes base + B·A into the engine; adapter-only sync has the
+    engine apply the adapter (vLLM LoRA). Either way the engine samples from the model being trained."""
+    proc = launch("tests/scripts/grpo_check.py", str(tmp_path), "--steps", "3", "--lora", mode)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    for rank in (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)):
+        assert rank["lora_request"] is (mode == "adapter")
+        assert rank["weights_agree"] == [True] * 3
+        assert rank["parity_gap"] <= 1e-4
+        steps = [h for h in rank["log_history"] if "loss" in h]
+        assert max(h["sampling/sampling_logp_difference/max"] for h in steps) < 1e-3

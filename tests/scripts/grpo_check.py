@@ -15,6 +15,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from peft import LoraConfig, get_peft_model
 from transformers import TrainerCallback
 
 from colograd import GRPOConfig, GRPOTrainer, tiny
@@ -89,13 +90,23 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--bucket-mib", type=float, default=512)
     parser.add_argument("--beta", type=float, default=0.0)
+    parser.add_argument("--lora", choices=["merged", "adapter"], help="train LoRA adapters, synced this way")
     cli = parser.parse_args()
 
-    args = tiny_run_config(os.path.join(cli.out, "run"), cli.steps, sync_bucket_mib=cli.bucket_mib, beta=cli.beta)
+    args = tiny_run_config(
+        os.path.join(cli.out, "run"),
+        cli.steps,
+        sync_bucket_mib=cli.bucket_mib,
+        beta=cli.beta,
+        lora_sync=cli.lora or "merged",
+    )
     tokenizer = tiny.build_tokenizer()
     callback = WeightsAgree()
+    model = tiny.build_model(tie_word_embeddings=cli.tied)
+    if cli.lora:
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"]))
     trainer = RecordingTrainer(
-        model=tiny.build_model(tie_word_embeddings=cli.tied),
+        model=model,
         reward_funcs="letters",
         args=args,
         train_dataset=tiny.letters_dataset(),
@@ -126,6 +137,7 @@ def main() -> None:
                 "sync_buckets": len(trainer._weight_plan.buckets),
                 "local_numel": callback.local_numel,
                 "reference_sharded": trainer.reference is not None and is_sharded(trainer.reference.frozen),
+                "lora_request": trainer.engine.lora_request is not None,
             },
             f,
         )
