@@ -11,6 +11,7 @@ from transformers import TrainingArguments
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
 SCALE_REWARDS = ("group", "batch", "none")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 
 class ConfigError(ValueError):
@@ -20,6 +21,21 @@ class ConfigError(ValueError):
 @dataclass
 class GRPOConfig(TrainingArguments):
     # Generation
+    steps_per_generation: int | None = field(
+        default=None,
+        metadata={
+            "help": "Micro-steps one rollout feeds: each rank generates for per_device_train_batch_size × this many "
+            "completions at once, then trains on them a slice per micro-step. None: gradient_accumulation_steps "
+            "(one rollout per optimizer step). Exclusive with generation_batch_size."
+        },
+    )
+    generation_batch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Completions per rollout over all ranks; sets steps_per_generation to this divided by "
+            "per_device_train_batch_size × number of processes. Exclusive with steps_per_generation."
+        },
+    )
     num_generations: int = field(
         default=8, metadata={"help": "Completions sampled per prompt (the group size G). At least 2."}
     )
@@ -82,6 +98,27 @@ class GRPOConfig(TrainingArguments):
     )
 
     # Loss
+    beta: float = field(
+        default=0.0,
+        metadata={
+            "help": "Weight of the KL penalty to the reference model (the initial policy; with LoRA, the model with "
+            "its adapters disabled). 0 loads no reference."
+        },
+    )
+    use_bias_correction_kl: bool = field(
+        default=True,
+        metadata={"help": "Multiply the per-token KL by the importance ratio (unbiased reverse-KL gradient, as TRL)."},
+    )
+    num_iterations: int = field(
+        default=1, metadata={"help": "Optimization passes over each rollout (μ in the GRPO paper)."}
+    )
+    importance_sampling_level: str = field(
+        default="token",
+        metadata={
+            "help": "token: one importance ratio per token; sequence: one per completion, the exponentiated mean "
+            "log-ratio of its tokens (GSPO)."
+        },
+    )
     loss_type: str = field(
         default="dapo",
         metadata={"help": f"How per-token losses are averaged: one of {', '.join(LOSS_TYPES)} (TRL's meanings)."},
@@ -114,7 +151,24 @@ class GRPOConfig(TrainingArguments):
         super().__post_init__()
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
+        self._derive_generation_batch()
         self.validate()
+
+    def _derive_generation_batch(self) -> None:
+        """Fill in whichever of steps_per_generation / generation_batch_size was left out (TRL's rule)."""
+        global_batch = self.per_device_train_batch_size * self.world_size
+        if self.steps_per_generation is not None and self.generation_batch_size is not None:
+            raise ConfigError("steps_per_generation and generation_batch_size are both set; set only one of them.")
+        if self.generation_batch_size is not None:
+            if self.generation_batch_size % global_batch:
+                raise ConfigError(
+                    f"generation_batch_size={self.generation_batch_size} is not a multiple of "
+                    f"per_device_train_batch_size × processes = {global_batch}; set it to a multiple of it."
+                )
+            self.steps_per_generation = self.generation_batch_size // global_batch
+        if self.steps_per_generation is None:
+            self.steps_per_generation = self.gradient_accumulation_steps
+        self.generation_batch_size = global_batch * self.steps_per_generation
 
     def validate(self) -> None:
         """Check the fields against each other; raise `ConfigError` naming the field and the fix."""
@@ -137,6 +191,17 @@ class GRPOConfig(TrainingArguments):
             )
         if self.lora_sync not in ("merged", "adapter"):
             raise ConfigError(f"lora_sync={self.lora_sync!r} is unknown; use 'merged' or 'adapter'.")
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ConfigError(
+                f"importance_sampling_level={self.importance_sampling_level!r} is unknown; use one of "
+                f"{', '.join(IMPORTANCE_SAMPLING_LEVELS)}."
+            )
+        if self.beta < 0:
+            raise ConfigError(f"beta={self.beta}: the KL weight cannot be negative; set it to 0 or more.")
+        if self.num_iterations < 1:
+            raise ConfigError(f"num_iterations={self.num_iterations}: set it to 1 or more.")
+        if self.steps_per_generation < 1:
+            raise ConfigError(f"steps_per_generation={self.steps_per_generation}: set it to 1 or more.")
         if self.max_completion_length < 1:
             raise ConfigError(f"max_completion_length={self.max_completion_length}: set it to 1 or more.")
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
@@ -147,6 +212,15 @@ class GRPOConfig(TrainingArguments):
         """Prompts each rank takes per micro-step: per_device_train_batch_size counts completions."""
         return self.per_device_train_batch_size // self.num_generations
 
+    @property
+    def reuses_rollouts_across_updates(self) -> bool:
+        """Whether some micro-steps train on a rollout sampled before the last optimizer step.
+
+        Then the loss needs the sampling policy's log-probs, stored with the rollout; otherwise every micro-step
+        of a rollout falls in the optimizer step that generated it and the current log-probs serve (ratio 1).
+        """
+        return self.gradient_accumulation_steps % (self.steps_per_generation * self.num_iterations) != 0
+
 
 @dataclass
 class ScriptArguments:
@@ -154,11 +228,22 @@ class ScriptArguments:
 
     dataset_name: str = field(
         default="colograd:letters",
-        metadata={"help": "A hub dataset id, a local file or folder, or a built-in ('colograd:letters')."},
+        metadata={
+            "help": "A hub dataset id, a local .json/.jsonl/.csv/.parquet file, a local folder of them, or a "
+            "built-in ('colograd:letters'). Rows need a 'prompt' (text or chat messages)."
+        },
     )
-    dataset_config: str | None = field(default=None, metadata={"help": "The dataset's configuration name."})
-    dataset_train_split: str = field(default="train", metadata={"help": "The split to train on."})
+    dataset_config: str | None = field(
+        default=None, metadata={"help": "The hub dataset's configuration (subset) name."}
+    )
+    dataset_train_split: str = field(
+        default="train",
+        metadata={"help": "The split to train on (a file loads as 'train'; a folder's files name its splits)."},
+    )
     reward_funcs: list[str] = field(
         default_factory=lambda: ["letters"],
-        metadata={"help": "Reward functions: built-in names (see colograd.rewards.BUILTIN_REWARDS) or dotted paths."},
+        metadata={
+            "help": "Reward functions: built-in names (see colograd.rewards.BUILTIN_REWARDS), dotted paths to "
+            "functions (my_pkg.rewards.length), or a sequence-classification reward model (a local folder or hub id)."
+        },
     )

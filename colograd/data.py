@@ -1,8 +1,12 @@
-"""Loading the training prompts: a built-in task, a local file or folder, or a hub dataset."""
+"""Loading the training prompts: a built-in task, a local file or folder, or a hub dataset.
+
+Rows need a ``prompt``: text (standard) or a list of chat messages (conversational; the tokenizer's chat
+template is applied per rollout). Every other column reaches the reward functions.
+"""
 
 import os
 
-from datasets import Dataset, load_dataset
+from datasets import Dataset, DatasetDict, load_dataset
 
 from colograd import tiny
 from colograd.config import ConfigError, ScriptArguments
@@ -11,24 +15,40 @@ _FILE_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "
 
 
 def load_prompts(args: ScriptArguments) -> Dataset:
-    """The train split named by `args`, checked to have a `prompt` column."""
-    name = args.dataset_name
-    if name.startswith(tiny.PREFIX):
-        if name not in tiny.TINY_DATASETS:
-            raise ConfigError(f"dataset_name={name!r}: the built-in datasets are {', '.join(tiny.TINY_DATASETS)}.")
-        dataset = tiny.letters_dataset()
-    elif os.path.isfile(name):
-        ext = os.path.splitext(name)[1]
-        if ext not in _FILE_FORMATS:
-            raise ConfigError(f"dataset_name={name!r}: use a {', '.join(_FILE_FORMATS)} file or a dataset folder.")
-        dataset = load_dataset(_FILE_FORMATS[ext], data_files=name, split="train")
+    """The split `args.dataset_train_split` of `args.dataset_name`, checked to have a `prompt` column."""
+    name, split = args.dataset_name, args.dataset_train_split
+    local = name.startswith(tiny.PREFIX) or os.path.exists(name)
+    if local and args.dataset_config is not None:
+        raise ConfigError(
+            f"dataset_config={args.dataset_config!r} names a hub dataset's subset, but {name!r} is not a hub "
+            "dataset; remove dataset_config."
+        )
+    if not local:
+        dataset = load_dataset(name, args.dataset_config, split=split)
     else:
-        dataset = load_dataset(name, args.dataset_config, split=args.dataset_train_split)
+        splits = _load_local(name)
+        if split not in splits:
+            raise ConfigError(f"dataset_train_split={split!r}: {name!r} has the splits {', '.join(splits)}.")
+        dataset = splits[split]
     if "prompt" not in dataset.column_names:
         raise ConfigError(
             f"dataset {name!r} has no 'prompt' column (columns: {', '.join(dataset.column_names)}); "
             "rename the column holding the prompts to 'prompt'."
         )
     if len(dataset) == 0:
-        raise ConfigError(f"dataset {name!r} split {args.dataset_train_split!r} is empty.")
+        raise ConfigError(f"dataset {name!r} split {split!r} is empty.")
     return dataset
+
+
+def _load_local(name: str) -> DatasetDict:
+    """A built-in dataset (one split, train), a file (loaded as train), or a folder (its files name the splits)."""
+    if name.startswith(tiny.PREFIX):
+        if name not in tiny.TINY_DATASETS:
+            raise ConfigError(f"dataset_name={name!r}: the built-in datasets are {', '.join(tiny.TINY_DATASETS)}.")
+        return DatasetDict(train=tiny.letters_dataset())
+    if os.path.isfile(name):
+        ext = os.path.splitext(name)[1]
+        if ext not in _FILE_FORMATS:
+            raise ConfigError(f"dataset_name={name!r}: use a {', '.join(_FILE_FORMATS)} file or a dataset folder.")
+        return load_dataset(_FILE_FORMATS[ext], data_files=name)
+    return load_dataset(name)

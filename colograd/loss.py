@@ -1,35 +1,99 @@
-"""The GRPO math as pure functions: group advantages and the clipped policy-gradient loss.
+"""The GRPO math as pure functions: rewards to advantages, importance ratios, KL, and the clipped loss.
 
-Shapes: N completions (= prompts × G, grouped consecutively), T completion tokens (padded).
+Shapes: N completions (= prompts × G, grouped consecutively), T completion tokens (padded), F reward functions.
+Definitions follow TRL's `GRPOTrainer` so the same inputs give the same numbers.
 """
 
+from typing import NamedTuple
+
 import torch
+from trl.trainer.utils import nanstd
+
+
+def weighted_rewards(rewards_NF: torch.Tensor, weights_F: torch.Tensor) -> torch.Tensor:
+    """Each completion's total reward: the weighted sum of its functions' rewards.
+
+    Args:
+        rewards_NF: one column per reward function; NaN where a function abstained (returned None).
+        weights_F: one weight per function.
+
+    Returns:
+        rewards_N: an abstaining function counts 0; NaN only where every function abstained (unscorable).
+    """
+    rewards_N = (rewards_NF * weights_F).nansum(dim=1)
+    return rewards_N.masked_fill(rewards_NF.isnan().all(dim=1), float("nan"))
 
 
 def group_advantages(rewards_N: torch.Tensor, num_generations: int, scale_rewards: str = "group") -> torch.Tensor:
     """Advantages normalised within each group of `num_generations` consecutive completions.
 
     Args:
-        rewards_N: total reward of each completion, groups contiguous.
+        rewards_N: total reward of each completion, groups contiguous; NaN for an unscorable completion.
         num_generations: the group size G; N must be a multiple of it.
         scale_rewards: "group" divides by the group's std, "batch" by the std of all N, "none" does not scale.
 
     Returns:
         advantages_N: reward minus its group's mean, scaled as asked. A group whose rewards are all equal gets
-        zero advantage (the 1e-4 keeps the division finite, as in TRL).
+        zero advantage (the 1e-4 keeps the division finite, as in TRL). Unscorable completions are left out of
+        the means and stds and get advantage 0.
     """
     grouped_GxK = rewards_N.view(-1, num_generations)
-    mean_N = grouped_GxK.mean(dim=1).repeat_interleave(num_generations)
+    mean_N = torch.nanmean(grouped_GxK, dim=1).repeat_interleave(num_generations)
     advantages_N = rewards_N - mean_N
     if scale_rewards == "group":
-        std_N = grouped_GxK.std(dim=1).repeat_interleave(num_generations)
+        advantages_N = advantages_N / (nanstd(grouped_GxK, dim=1).repeat_interleave(num_generations) + 1e-4)
     elif scale_rewards == "batch":
-        std_N = rewards_N.std().expand_as(rewards_N)
-    elif scale_rewards == "none":
-        return advantages_N
-    else:
+        advantages_N = advantages_N / (nanstd(rewards_N) + 1e-4)
+    elif scale_rewards != "none":
         raise ValueError(f"unknown scale_rewards {scale_rewards!r}")
-    return advantages_N / (std_N + 1e-4)
+    return torch.nan_to_num(advantages_N, nan=0.0)
+
+
+def log_importance_weights(
+    logps_NT: torch.Tensor, old_logps_NT: torch.Tensor, mask_NT: torch.Tensor, level: str = "token"
+) -> torch.Tensor:
+    """log(π_θ / π_old) per token ([N, T]), or per completion ([N, 1]) as the mean over its tokens (GSPO)."""
+    log_ratio_NT = logps_NT - old_logps_NT
+    if level == "token":
+        return log_ratio_NT
+    if level == "sequence":
+        mask_NT = mask_NT.to(log_ratio_NT.dtype)
+        return ((log_ratio_NT * mask_NT).sum(-1) / mask_NT.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    raise ValueError(f"unknown importance_sampling_level {level!r}")
+
+
+def kl_k3(logps_NT: torch.Tensor, ref_logps_NT: torch.Tensor) -> torch.Tensor:
+    """Per-token KL(π_θ ‖ π_ref) by Schulman's k3 estimator: exp(r) - r - 1 with r = log π_ref - log π_θ.
+
+    Non-negative, and zero exactly where the two log-probs agree. Shape [N, T].
+    """
+    delta_NT = ref_logps_NT - logps_NT
+    return torch.exp(delta_NT) - delta_NT - 1
+
+
+def clipped_fractions(
+    ratio: torch.Tensor, advantages_N: torch.Tensor, epsilon_low: float, epsilon_high: float
+) -> dict[str, torch.Tensor]:
+    """Where clipping removed the gradient: the ratio left its trust region in the direction the advantage pushes.
+
+    Args:
+        ratio: importance ratios, [N, T] (token level) or [N, 1] (sequence level).
+
+    Returns:
+        Boolean masks shaped like `ratio` under TRL's metric names: `low`, `high`, `region` (either).
+    """
+    adv_N1 = advantages_N.unsqueeze(1)
+    low = (ratio < 1 - epsilon_low) & (adv_N1 < 0)
+    high = (ratio > 1 + epsilon_high) & (adv_N1 > 0)
+    return {"low": low, "high": high, "region": low | high}
+
+
+class PolicyLoss(NamedTuple):
+    """The loss and the detached terms its metrics are read from."""
+
+    loss: torch.Tensor  # scalar, carries gradients
+    ratio: torch.Tensor  # importance ratios: [N, T], or [N, 1] at sequence level
+    kl_NT: torch.Tensor | None  # the per-token KL term as added to the loss (None when beta is 0)
 
 
 def policy_loss(
@@ -40,10 +104,14 @@ def policy_loss(
     loss_type: str = "dapo",
     epsilon_low: float = 0.2,
     epsilon_high: float = 0.2,
+    importance_sampling_level: str = "token",
+    ref_logps_NT: torch.Tensor | None = None,
+    beta: float = 0.0,
+    use_bias_correction_kl: bool = True,
     max_completion_length: int | None = None,
     num_items: float | torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The clipped surrogate loss of PPO/GRPO, averaged the way `loss_type` says (TRL's definitions).
+) -> PolicyLoss:
+    """The clipped surrogate loss of PPO/GRPO plus `beta` × KL, averaged the way `loss_type` says (TRL's).
 
     Args:
         logps_NT: log-probs of the sampled tokens under the model being trained (carries gradients).
@@ -52,18 +120,44 @@ def policy_loss(
         mask_NT: 1 for completion tokens that count, 0 for padding.
         loss_type: "grpo" (mean per sequence, then over sequences), "bnpo" (mean over the batch's tokens),
             "dr_grpo" (sum over tokens / (N × max_completion_length)), "dapo" (sum / `num_items`).
+        epsilon_low, epsilon_high: the ratio is clipped to [1 - epsilon_low, 1 + epsilon_high].
+        importance_sampling_level: "token" or "sequence" (GSPO), see `log_importance_weights`.
+        ref_logps_NT: log-probs under the reference model; needed when `beta` > 0.
+        beta: weight of the per-token k3 KL added to each token's loss.
+        use_bias_correction_kl: multiply the KL by the importance ratio (it is 1 in value on-policy, but not
+            in gradient), as TRL does by default.
         max_completion_length: the constant denominator of "dr_grpo".
         num_items: the token count "dapo" divides by (the global count per rank, so ranks weigh tokens equally).
 
     Returns:
-        The scalar loss.
+        The loss, with the ratios and KL it was built from (detached, for metrics).
     """
     mask_NT = mask_NT.to(logps_NT.dtype)
-    ratio_NT = torch.exp(logps_NT - old_logps_NT)
-    clipped_NT = torch.clamp(ratio_NT, 1 - epsilon_low, 1 + epsilon_high)
+    ratio = torch.exp(log_importance_weights(logps_NT, old_logps_NT, mask_NT, importance_sampling_level))
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
     adv_N1 = advantages_N.unsqueeze(1)
-    per_token_NT = -torch.min(ratio_NT * adv_N1, clipped_NT * adv_N1)
-    masked_NT = per_token_NT * mask_NT
+    per_token_NT = -torch.min(ratio * adv_N1, clipped * adv_N1)
+    kl_NT = None
+    if beta != 0.0:
+        if ref_logps_NT is None:
+            raise ValueError("beta > 0 needs ref_logps_NT")
+        kl_NT = kl_k3(logps_NT, ref_logps_NT)
+        if use_bias_correction_kl:
+            kl_NT = kl_NT * ratio
+        per_token_NT = per_token_NT + beta * kl_NT
+        kl_NT = kl_NT.detach()
+    loss = reduce_loss(per_token_NT * mask_NT, mask_NT, loss_type, max_completion_length, num_items)
+    return PolicyLoss(loss, ratio.detach(), kl_NT)
+
+
+def reduce_loss(
+    masked_NT: torch.Tensor,
+    mask_NT: torch.Tensor,
+    loss_type: str,
+    max_completion_length: int | None = None,
+    num_items: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Average masked per-token losses [N, T] into a scalar as `loss_type` says (see `policy_loss`)."""
     if loss_type == "grpo":
         return (masked_NT.sum(-1) / mask_NT.sum(-1).clamp(min=1.0)).mean()
     if loss_type == "bnpo":

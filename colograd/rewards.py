@@ -1,19 +1,73 @@
-"""Reward functions: resolving them by name, and scoring a rollout in-rank.
+"""Reward functions: resolving them by name, reward models, and scoring a rollout in-rank.
 
 A reward function has TRL's signature, ``f(prompts, completions, completion_ids, **columns) -> list[float | None]``,
 where ``columns`` are the dataset's other columns (one value per completion) plus ``trainer_state``.
 ``None`` means "this function has no opinion on this sample": it is left out of that function's mean and
-counts 0 in the weighted total.
+counts 0 in the weighted total. A function may be a coroutine function (``async def``): all of those run
+concurrently, on an event loop of their own. A sequence-classification model serves as a reward through
+`RewardModel`: its first logit scores prompt + completion.
 """
 
+import asyncio
 import importlib
+import inspect
+import os
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
+from transformers import (
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+from trl.data_utils import apply_chat_template, is_conversational
 
 from colograd.config import ConfigError
 
 RewardFunc = Callable[..., list[float | None]]
+
+
+class RewardModel:
+    """A sequence-classification model as a reward function: the first logit of prompt + completion.
+
+    Conversational samples are rendered with the reward tokenizer's chat template, as TRL does.
+
+    Args:
+        model: a `...ForSequenceClassification` model (one label is read).
+        tokenizer: its tokenizer; needs a pad token, since samples are batched.
+    """
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        # Batched scoring reads each row's last real token, which the model finds through the pad id.
+        self.model.config.pad_token_id = tokenizer.pad_token_id
+        self.__name__ = os.path.basename(str(model.config._name_or_path).rstrip("/")) or type(model).__name__
+
+    def __call__(self, prompts: list, completions: list, **kwargs) -> list[float]:
+        if is_conversational({"prompt": prompts[0]}):
+            texts = [
+                apply_chat_template({"messages": p + c}, self.tokenizer)["text"]
+                for p, c in zip(prompts, completions, strict=True)
+            ]
+        else:
+            texts = [p + c for p, c in zip(prompts, completions, strict=True)]
+        device = next(self.model.parameters()).device
+        batch = self.tokenizer(
+            text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False
+        ).to(device)
+        with torch.inference_mode():
+            return self.model(**batch).logits[:, 0].float().tolist()
+
+    @classmethod
+    def from_pretrained(cls, name: str) -> "RewardModel":
+        """Load a reward model and its tokenizer from a local folder or a hub id."""
+        model = AutoModelForSequenceClassification.from_pretrained(name, num_labels=1)
+        return cls(model, AutoTokenizer.from_pretrained(name))
 
 
 def _letters() -> RewardFunc:
@@ -28,7 +82,13 @@ def _accuracy() -> RewardFunc:
     return accuracy_reward
 
 
-def _format() -> RewardFunc:
+def _reasoning_accuracy() -> RewardFunc:
+    from trl.rewards import reasoning_accuracy_reward
+
+    return reasoning_accuracy_reward
+
+
+def _think_format() -> RewardFunc:
     from trl.rewards import think_format_reward
 
     return think_format_reward
@@ -37,19 +97,32 @@ def _format() -> RewardFunc:
 BUILTIN_REWARDS: dict[str, Callable[[], RewardFunc]] = {
     "letters": _letters,
     "accuracy": _accuracy,
-    "format": _format,
+    "reasoning_accuracy": _reasoning_accuracy,
+    "format": _think_format,
+    "think_format": _think_format,
 }
 
 
 def resolve_reward(name: str) -> RewardFunc:
-    """A built-in reward by name, or user code by dotted path: ``pkg.rewards.length`` or ``pkg.rewards:length``."""
+    """A reward function from its name in a recipe.
+
+    Args:
+        name: a built-in name (`BUILTIN_REWARDS`); a local folder or hub id (``org/model``) of a
+            sequence-classification reward model; or a dotted path to user code, ``pkg.rewards.length`` or
+            ``pkg.rewards:length``.
+    """
     if name in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[name]()
+    if os.path.isdir(name) or "/" in name:
+        try:
+            return RewardModel.from_pretrained(name)
+        except OSError as err:
+            raise ConfigError(f"reward_funcs: cannot load the reward model {name!r} ({err}).") from err
     module_name, sep, attr = name.replace(":", ".").rpartition(".")
     if not sep:
         raise ConfigError(
-            f"reward_funcs: {name!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) nor a dotted path "
-            "like my_pkg.rewards.my_reward."
+            f"reward_funcs: {name!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}), a reward model folder, "
+            "nor a dotted path like my_pkg.rewards.my_reward."
         )
     try:
         func = getattr(importlib.import_module(module_name), attr)
@@ -60,9 +133,35 @@ def resolve_reward(name: str) -> RewardFunc:
     return func
 
 
+def resolve_rewards(
+    reward_funcs: RewardFunc | str | list[RewardFunc | str], reward_weights: list[float] | None
+) -> tuple[list[RewardFunc], torch.Tensor]:
+    """The trainer's reward functions (names resolved) and their weights: [F], all 1 when `reward_weights` is None."""
+    if not isinstance(reward_funcs, list):
+        reward_funcs = [reward_funcs]
+    funcs = [resolve_reward(f) if isinstance(f, str) else f for f in reward_funcs]
+    for func in funcs:
+        if isinstance(func, torch.nn.Module):
+            raise ConfigError(
+                f"reward_funcs: {type(func).__name__} is a bare model; pass RewardModel(model, tokenizer) "
+                "from colograd.rewards so it knows its tokenizer."
+            )
+    if reward_weights is not None and len(reward_weights) != len(funcs):
+        raise ConfigError(
+            f"reward_weights has {len(reward_weights)} values for {len(funcs)} reward functions; give one weight "
+            "per function."
+        )
+    return funcs, torch.tensor(reward_weights or [1.0] * len(funcs), dtype=torch.float32)
+
+
 def reward_name(func: RewardFunc) -> str:
     """The name metrics use for a reward function: ``rewards/<name>/mean``."""
     return getattr(func, "__name__", type(func).__name__)
+
+
+def _is_async(func: RewardFunc) -> bool:
+    # An instance whose __call__ is `async def` counts too.
+    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(type(func).__call__)
 
 
 def score(
@@ -72,18 +171,43 @@ def score(
     completion_ids: list[list[int]],
     columns: dict[str, list],
 ) -> torch.Tensor:
-    """Run every reward function on every completion.
+    """Run every reward function on every completion; the async ones concurrently.
 
     Returns:
         rewards_NF: float32 [N completions, F functions]; NaN where a function returned ``None``.
     """
+    kwargs = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **columns}
+    outputs: dict[int, list] = {}
+    coroutines = {}
+    for j, func in enumerate(reward_funcs):
+        if _is_async(func):
+            coroutines[j] = func(**kwargs)
+        else:
+            outputs[j] = func(**kwargs)
+    if coroutines:
+        outputs.update(zip(coroutines, _run_concurrently(list(coroutines.values())), strict=True))
+
     n = len(completions)
     rewards_NF = torch.zeros(n, len(reward_funcs), dtype=torch.float32)
     for j, func in enumerate(reward_funcs):
-        values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        values = outputs[j]
         if len(values) != n:
             raise ValueError(
                 f"reward function {reward_name(func)!r} returned {len(values)} rewards for {n} completions"
             )
         rewards_NF[:, j] = torch.tensor([float("nan") if v is None else float(v) for v in values])
     return rewards_NF
+
+
+def _run_concurrently(coroutines: list) -> list:
+    """Await the coroutines together and return their results in order.
+
+    They run on a fresh event loop in a worker thread, so this works whether or not the caller already runs a
+    loop (a notebook does).
+    """
+
+    async def gather() -> list:
+        return await asyncio.gather(*coroutines)
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, gather()).result()

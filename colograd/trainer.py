@@ -1,13 +1,17 @@
 """`GRPOTrainer`: transformers' `Trainer` with a colocated engine, one small method per GRPO stage.
 
-A training step on each rank:
+A rollout on each rank (every `steps_per_generation × num_iterations` micro-steps):
 
     sync_weights       if the optimizer stepped since the last rollout, write the weights into the engine
     prepare_prompts    template, tokenize and truncate this rank's B prompts
     generate           one engine call: B prompts × G completions (n=G shares each prompt's prefill)
     score              reward functions, in this rank
     compute_advantages per group, in this rank: a rank owns whole groups, so nothing is gathered
-    compute_loss       GRPO clipped policy-gradient loss; backward and optimizer step are the Trainer's
+    rollout_logps      old (sampling-policy) and reference log-probs, once per rollout, when the loss needs them
+
+then each micro-step trains on one slice of it:
+
+    compute_loss       GRPO clipped policy-gradient loss (+ beta × KL); backward and optimizer step are the Trainer's
 
 Subclass and override one of these to change that stage alone.
 """
@@ -22,14 +26,24 @@ import torch
 from peft import PeftModel
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, Trainer
+from transformers.trainer_utils import has_length
 from trl.data_utils import is_conversational, maybe_apply_chat_template
-from trl.trainer.utils import selective_log_softmax
+from trl.trainer.utils import RepeatSampler, nanstd, selective_log_softmax
 
+from colograd.batch import pad_rollout, split_rows
 from colograd.config import ConfigError, GRPOConfig
 from colograd.engine import Engine, Rollout
-from colograd.loss import group_advantages, policy_loss
-from colograd.rewards import RewardFunc, resolve_reward, reward_name, score
+from colograd.loss import clipped_fractions, group_advantages, policy_loss, weighted_rewards
+from colograd.reference import ReferencePolicy
+from colograd.rewards import RewardFunc, RewardModel, resolve_rewards, reward_name, score
 from colograd.sync import WeightPlan, is_sharded
+
+
+def _masked_mean(x: torch.Tensor, mask_NT: torch.Tensor) -> float:
+    """Mean of `x` over the counted tokens ([N, T]), or over completions for one value each ([N, 1])."""
+    if x.size(1) == 1:
+        return x.mean().item()
+    return ((x * mask_NT).sum() / mask_NT.sum().clamp(min=1.0)).item()
 
 
 def _keep_rows(features: list[dict]) -> list[dict]:
@@ -42,7 +56,8 @@ class GRPOTrainer(Trainer):
 
     Args:
         model: a causal LM, or a hub id / local path to load one from.
-        reward_funcs: reward functions (TRL's signature) or their names (see `colograd.rewards`).
+        reward_funcs: reward functions (TRL's signature, sync or async), `RewardModel`s, or their names (see
+            `colograd.rewards.resolve_reward`).
         args: the run's configuration; defaults to `GRPOConfig(output_dir="colograd-output")`.
         train_dataset: rows with a `prompt` column (text, or chat messages); other columns reach the rewards.
         processing_class: the tokenizer; loaded from `model`'s path when omitted.
@@ -66,16 +81,9 @@ class GRPOTrainer(Trainer):
             processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path)
         if processing_class.pad_token is None:
             processing_class.pad_token = processing_class.eos_token
-        if not isinstance(reward_funcs, list):
-            reward_funcs = [reward_funcs]
-        self.reward_funcs = [resolve_reward(f) if isinstance(f, str) else f for f in reward_funcs]
-        if args.reward_weights is not None and len(args.reward_weights) != len(self.reward_funcs):
-            raise ConfigError(
-                f"reward_weights has {len(args.reward_weights)} values for {len(self.reward_funcs)} reward "
-                "functions; give one weight per function."
-            )
-        weights = args.reward_weights or [1.0] * len(self.reward_funcs)
-        self.reward_weights = torch.tensor(weights, dtype=torch.float32)
+        self.reward_funcs, self.reward_weights = resolve_rewards(reward_funcs, args.reward_weights)
+        # Copied before the Trainer wraps the model, so the copy is the initial policy, whole on every rank.
+        self.reference = ReferencePolicy(model) if args.beta != 0.0 else None
 
         super().__init__(
             model=model,
@@ -96,23 +104,47 @@ class GRPOTrainer(Trainer):
         if args.vllm_enable_sleep_mode and not torch.cuda.is_available():
             raise ConfigError("vllm_enable_sleep_mode frees GPU memory and needs a GPU; remove it on this machine.")
         self.engine = Engine(unwrapped, processing_class, args, lora_rank=self._lora_rank)
+        if self.reference is not None:
+            self.reference.prepare(self.accelerator)
+        for func in self.reward_funcs:
+            if isinstance(func, RewardModel):
+                func.model.to(self.accelerator.device)
         self._synced_step: int | None = None  # the global_step whose weights the engine holds
         self._weight_plan: WeightPlan | None = None
+        self._micro_step = 0  # micro-steps trained since start (or resume): picks the rollout slice
+        self._slices: list[dict[str, torch.Tensor]] | None = None  # the current rollout, one slice per micro-step
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._last_logged_step = 0
 
     # --- data -------------------------------------------------------------------------------------------
 
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:
-        """Batches of whole prompts: each rank takes `per_device_train_batch_size / num_generations` of them."""
+        """Each micro-step gets a rollout's worth of whole prompts: `prompts_per_device × steps_per_generation`.
+
+        Only the micro-steps that start a rollout use their batch; the sampler repeats each batch for the
+        micro-steps that train on the rollout, so the Trainer's step counting stays TRL's.
+        """
         if self.train_dataset is None:
             raise ValueError("GRPOTrainer: training requires a train_dataset.")
+        if not has_length(self.train_dataset):
+            raise ConfigError("train_dataset: streaming datasets are not supported; load it without streaming.")
         return self._get_dataloader(
             dataset=self.train_dataset,
             description="Training",
-            batch_size=self.args.prompts_per_device,
+            batch_size=self.args.prompts_per_device * self.args.steps_per_generation,
             sampler_fn=self._get_train_sampler,
             is_training=True,
+        )
+
+    def _get_train_sampler(self, dataset: Any = None) -> torch.utils.data.Sampler:
+        """Shuffled prompts, each rollout's batch (for all ranks) repeated once per micro-step that trains on it."""
+        args = self.args
+        return RepeatSampler(
+            data_source=dataset if dataset is not None else self.train_dataset,
+            mini_repeat_count=1,  # the engine samples the G completions of a prompt itself (n=G)
+            batch_size=args.prompts_per_device * args.steps_per_generation * self.accelerator.num_processes,
+            repeat_count=args.steps_per_generation * args.num_iterations,
+            seed=args.seed,
         )
 
     # --- the step ---------------------------------------------------------------------------------------
@@ -120,16 +152,42 @@ class GRPOTrainer(Trainer):
     def training_step(
         self, model: nn.Module, inputs: list[dict], num_items_in_batch: torch.Tensor | int | None = None
     ) -> torch.Tensor:
-        """One micro-step: a rollout from this rank's prompts, then the Trainer's forward/backward on it."""
-        prompts, prompt_ids, columns = self.prepare_prompts(inputs)
+        """One micro-step: a new rollout when the last one is used up, then the Trainer's forward/backward on the
+        rollout's next slice."""
+        if self._slices is None or self._micro_step % (self.args.steps_per_generation * self.args.num_iterations) == 0:
+            self._slices = self.make_rollout(inputs)
+        batch = self._slices[self._micro_step % self.args.steps_per_generation]
+        self._micro_step += 1
+        with self._timed("train"):
+            return super().training_step(model, batch, num_items_in_batch)
+
+    def make_rollout(self, rows: list[dict]) -> list[dict[str, torch.Tensor]]:
+        """Generate, score and prepare one rollout from this rank's prompts; returns one slice per micro-step.
+
+        The engine syncs the weights as it wakes, so at most once per optimizer step and only before a rollout.
+        """
+        prompts, prompt_ids, columns = self.prepare_prompts(rows)
         with self.engine.awake(sync=self.sync_weights), self._timed("generate"):
             rollout = self.generate(prompt_ids)
         with self._timed("reward"):
             rewards_NF = self.score(prompts, rollout, columns)
         advantages_N = self.compute_advantages(rewards_NF)
-        batch = self._to_tensors(prompt_ids, rollout, advantages_N)
-        with self._timed("train"):
-            return super().training_step(model, batch, num_items_in_batch)
+        batch = pad_rollout(
+            prompt_ids,
+            rollout,
+            advantages_N,
+            self.args.num_generations,
+            self.processing_class.pad_token_id,
+            self.args.mask_truncated_completions,
+        )
+        # dapo divides each slice by the completion tokens of all ranks' rollouts, per rank and slice.
+        tokens = self.accelerator.gather(batch["completion_mask"].sum().to(self.args.device)).sum().float()
+        batch["num_items"] = tokens / (self.accelerator.num_processes * self.args.steps_per_generation)
+        slices = split_rows(batch, self.args.steps_per_generation)
+        with self._timed("logps"):
+            for part in slices:
+                part.update(self.rollout_logps(part))
+        return slices
 
     def sync_weights(self) -> None:
         """Write the model's weights into the engine, once per optimizer step (not per accumulation step),
@@ -194,12 +252,32 @@ class GRPOTrainer(Trainer):
     def compute_advantages(self, rewards_NF: torch.Tensor) -> torch.Tensor:
         """Weighted total reward per completion, normalised within its group: [N]."""
         g = self.args.num_generations
-        rewards_N = (rewards_NF * self.reward_weights).nansum(dim=1)
-        group_std_G = rewards_N.view(-1, g).std(dim=1)
-        self._metrics["reward"].append(rewards_N.mean().item())
-        self._metrics["reward_std"].append(group_std_G.mean().item())
-        self._metrics["frac_reward_zero_std"].append((group_std_G < 1e-6).float().mean().item())
+        rewards_N = weighted_rewards(rewards_NF, self.reward_weights)
+        group_std_G = nanstd(rewards_N.view(-1, g), dim=1)
+        self._metrics["reward"].append(torch.nanmean(rewards_N).item())
+        self._metrics["reward_std"].append(nanstd(rewards_N).item())
+        zero_std_G = torch.isclose(group_std_G, torch.zeros_like(group_std_G))
+        self._metrics["frac_reward_zero_std"].append(zero_std_G.float().mean().item())
         return group_advantages(rewards_N, g, self.args.scale_rewards)
+
+    @torch.no_grad()
+    def rollout_logps(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Log-probs a rollout slice needs besides the current ones, computed once when it is generated.
+
+        Returns:
+            `old_logps` [N, T] (the policy that sampled) when a slice is trained after an optimizer step;
+            `ref_logps` [N, T] (the reference policy) when `beta` > 0.
+        """
+        out = {}
+        policy = self.accelerator.unwrap_model(self.model)
+        with self.compute_loss_context_manager():
+            if self.args.reuses_rollouts_across_updates:
+                out["old_logps"] = self.completion_logps(policy, batch)
+                self._log_sampling_gap(out["old_logps"], batch)
+            if self.reference is not None:
+                with self.reference.model(policy) as reference:
+                    out["ref_logps"] = self.completion_logps(reference, batch)
+        return out
 
     def compute_loss(
         self,
@@ -208,28 +286,34 @@ class GRPOTrainer(Trainer):
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor:
-        """The GRPO loss of one rollout. With one update per rollout the policy that sampled is the one being
-        trained, so the old log-probs are the current ones, detached (the ratio is 1, its gradient is not)."""
+        """The GRPO loss of one rollout slice. The old log-probs are the stored ones when the slice is trained
+        after an optimizer step, else the current ones detached (ratio 1, gradient not)."""
         mask_NT = inputs["completion_mask"]
         logps_NT = self.completion_logps(model, inputs)
-        engine_logps_NT = inputs["engine_logps"]
-        # How far the engine's sampling distribution is from the trainer's: ~0 when the sync is exact.
-        # Over every sampled token, masked or not: each completion has at least one, so `diff` is never empty.
-        sampled_NT = inputs["attention_mask"][:, -logps_NT.size(1) :].bool()
-        diff = (logps_NT.detach() - engine_logps_NT).abs()[sampled_NT]
-        self._metrics["sampling/sampling_logp_difference/mean"].append(diff.mean().item())
-        self._metrics["sampling/sampling_logp_difference/max"].append(diff.max().item())
-        return policy_loss(
+        if "old_logps" not in inputs:  # on-policy: these are the sampling policy's log-probs
+            self._log_sampling_gap(logps_NT.detach(), inputs)
+        out = policy_loss(
             logps_NT,
-            logps_NT.detach(),
+            inputs.get("old_logps", logps_NT.detach()),
             inputs["advantages"],
             mask_NT,
             loss_type=self.args.loss_type,
             epsilon_low=self.args.epsilon,
             epsilon_high=self.args.epsilon_high,
+            importance_sampling_level=self.args.importance_sampling_level,
+            ref_logps_NT=inputs.get("ref_logps"),
+            beta=self.args.beta,
+            use_bias_correction_kl=self.args.use_bias_correction_kl,
             max_completion_length=self.args.max_completion_length,
             num_items=inputs["num_items"],
         )
+        mask_NT = mask_NT.float()
+        clipped = clipped_fractions(out.ratio, inputs["advantages"], self.args.epsilon, self.args.epsilon_high)
+        for name, where in clipped.items():
+            self._metrics[f"clip_ratio/{name}_mean"].append(_masked_mean(where.float(), mask_NT))
+        if out.kl_NT is not None:
+            self._metrics["kl"].append(_masked_mean(out.kl_NT, mask_NT))
+        return out.loss
 
     def completion_logps(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """Log-probs of the completion tokens under `model`, at the sampling temperature: [N, T]."""
@@ -246,37 +330,13 @@ class GRPOTrainer(Trainer):
 
     # --- plumbing ---------------------------------------------------------------------------------------
 
-    def _to_tensors(
-        self, prompt_ids: list[list[int]], rollout: Rollout, advantages_N: torch.Tensor
-    ) -> dict[str, torch.Tensor]:
-        """Pad the rollout into the tensors `compute_loss` reads: prompts left-padded, completions right-padded."""
-        g, pad = self.args.num_generations, self.processing_class.pad_token_id
-        completions = rollout.completion_ids
-        n, p, t = len(completions), max(map(len, prompt_ids)), max(1, max(map(len, completions)))
-        input_ids = torch.full((n, p + t), pad, dtype=torch.long)
-        attention_mask = torch.zeros((n, p + t), dtype=torch.long)
-        engine_logps = torch.zeros((n, t))
-        for i, (ids, logps) in enumerate(zip(completions, rollout.logps, strict=True)):
-            prompt = prompt_ids[i // g]
-            input_ids[i, p - len(prompt) : p] = torch.tensor(prompt)
-            input_ids[i, p : p + len(ids)] = torch.tensor(ids, dtype=torch.long)
-            attention_mask[i, p - len(prompt) : p + len(ids)] = 1
-            engine_logps[i, : len(logps)] = torch.tensor(logps)
-        completion_mask = attention_mask[:, p:].clone()
-        if self.args.mask_truncated_completions:
-            completion_mask[torch.tensor(rollout.truncated)] = 0
-        # dapo divides by the completion tokens of all ranks' rollouts, per rank: one scalar all-reduce.
-        num_items = self.accelerator.gather(completion_mask.sum().to(self.args.device)).sum().float()
-        return {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0),
-            "completion_ids": input_ids[:, p:],
-            "completion_mask": completion_mask,
-            "engine_logps": engine_logps,
-            "advantages": advantages_N,
-            "num_items": num_items / self.accelerator.num_processes,
-        }
+    def _log_sampling_gap(self, logps_NT: torch.Tensor, batch: dict[str, torch.Tensor]) -> None:
+        """How far the engine's log-probs of the sampled tokens are from the trainer's for the same weights:
+        ~0 when the sync is exact. Over every sampled token, masked or not (each completion has at least one)."""
+        sampled_NT = batch["attention_mask"][:, -logps_NT.size(1) :].bool()
+        diff = (logps_NT - batch["engine_logps"]).abs()[sampled_NT]
+        self._metrics["sampling/sampling_logp_difference/mean"].append(diff.mean().item())
+        self._metrics["sampling/sampling_logp_difference/max"].append(diff.max().item())
 
     @contextmanager
     def _timed(self, phase: str) -> Iterator[None]:

@@ -25,6 +25,25 @@ def test_defaults_follow_trl():
     assert args.remove_unused_columns is False  # the reward functions need the dataset's columns
 
 
+def test_generation_batch_follows_trl():
+    # One process here: the global batch is per_device_train_batch_size.
+    assert make(gradient_accumulation_steps=3).steps_per_generation == 3  # default: one rollout per optimizer step
+    assert make(gradient_accumulation_steps=3).generation_batch_size == 24
+    assert make(generation_batch_size=32).steps_per_generation == 4
+
+
+@pytest.mark.parametrize(
+    "accumulation, steps_per_generation, iterations, reuses",
+    [(1, 1, 1, False), (4, 4, 1, False), (1, 2, 1, True), (1, 1, 2, True), (4, 2, 2, False), (3, 2, 1, True)],
+)
+def test_old_logps_needed_when_a_rollout_outlives_an_optimizer_step(
+    accumulation, steps_per_generation, iterations, reuses
+):
+    args = make(gradient_accumulation_steps=accumulation, steps_per_generation=steps_per_generation,
+                num_iterations=iterations)  # fmt: skip
+    assert args.reuses_rollouts_across_updates is reuses
+
+
 @pytest.mark.parametrize(
     "kwargs, names",
     [
@@ -33,6 +52,11 @@ def test_defaults_follow_trl():
         ({"loss_type": "ppo"}, "loss_type"),
         ({"scale_rewards": "std"}, "scale_rewards"),
         ({"max_completion_length": 0}, "max_completion_length"),
+        ({"importance_sampling_level": "group"}, "importance_sampling_level"),
+        ({"beta": -0.1}, "beta"),
+        ({"num_iterations": 0}, "num_iterations"),
+        ({"steps_per_generation": 2, "generation_batch_size": 16}, "steps_per_generation and generation_batch_size"),
+        ({"generation_batch_size": 12}, "generation_batch_size=12"),
     ],
 )
 def test_invalid_fields_are_named(kwargs, names):

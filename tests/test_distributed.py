@@ -71,9 +71,10 @@ def test_reward_rises(run):
 
 def test_zero3_sharded_training_syncs_in_buckets(tmp_path):
     """DeepSpeed ZeRO-3 on 2 ranks: parameters are partitioned during training, the sync gathers them a
-    bucket of layers at a time (a 0.1 MiB budget gives several buckets), and the engine matches the trainer."""
+    bucket of layers at a time (a 0.1 MiB budget gives several buckets), and the engine matches the trainer.
+    With beta > 0 the reference copy is partitioned too, and the KL to it starts at 0 and grows."""
     proc = launch(
-        "tests/scripts/grpo_check.py", str(tmp_path), "--steps", "3", "--bucket-mib", "0.1",
+        "tests/scripts/grpo_check.py", str(tmp_path), "--steps", "3", "--bucket-mib", "0.1", "--beta", "0.04",
         config="tests/configs/zero3_cpu.yaml", env={"DS_ACCELERATOR": "cpu"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -84,6 +85,8 @@ def test_zero3_sharded_training_syncs_in_buckets(tmp_path):
         assert rank["parity_gap"] <= 1e-4
         steps = [h for h in rank["log_history"] if "loss" in h]
         assert max(h["sampling/sampling_logp_difference/max"] for h in steps) < 1e-3
+        assert rank["reference_sharded"]
+        assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-6) and steps[-1]["kl"] > 1e-6
 
 
 def test_fsdp2_sharded_model_syncs_by_shard_group(tmp_path):

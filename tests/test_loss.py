@@ -5,7 +5,14 @@ import math
 import pytest
 import torch
 
-from colograd.loss import group_advantages, policy_loss
+from colograd.loss import (
+    clipped_fractions,
+    group_advantages,
+    kl_k3,
+    log_importance_weights,
+    policy_loss,
+    weighted_rewards,
+)
 
 
 def test_advantages_unscaled_are_reward_minus_group_mean():
@@ -54,7 +61,7 @@ ADV = torch.tensor([2.0, -1.0])
 )
 def test_loss_types_at_ratio_one(loss_type, kwargs, expected):
     # ratio 1: each token's loss is minus its advantage
-    loss = policy_loss(LOGPS, LOGPS, ADV, MASK, loss_type=loss_type, **kwargs)
+    loss = policy_loss(LOGPS, LOGPS, ADV, MASK, loss_type=loss_type, **kwargs).loss
     assert loss.item() == pytest.approx(expected)
 
 
@@ -62,7 +69,7 @@ def test_clipping_caps_the_ratio_and_stops_its_gradient():
     old = torch.zeros(2, 1)
     # token 0: ratio 1.5 with A = +1 → clipped to 1.2; token 1: ratio 0.5 with A = -1 → clipped to 0.8
     logps = torch.log(torch.tensor([[1.5], [0.5]])).requires_grad_()
-    loss = policy_loss(logps, old, torch.tensor([1.0, -1.0]), torch.ones(2, 1), loss_type="bnpo")
+    loss = policy_loss(logps, old, torch.tensor([1.0, -1.0]), torch.ones(2, 1), loss_type="bnpo").loss
     assert loss.item() == pytest.approx((-1.2 + 0.8) / 2)
     loss.backward()
     assert logps.grad.tolist() == [[0.0], [0.0]]
@@ -70,7 +77,7 @@ def test_clipping_caps_the_ratio_and_stops_its_gradient():
 
 def test_unclipped_gradient_is_minus_advantage_times_ratio():
     logps = torch.zeros(2, 1, requires_grad=True)
-    loss = policy_loss(logps, torch.zeros(2, 1), torch.tensor([1.0, -3.0]), torch.ones(2, 1), loss_type="bnpo")
+    loss = policy_loss(logps, torch.zeros(2, 1), torch.tensor([1.0, -3.0]), torch.ones(2, 1), loss_type="bnpo").loss
     loss.backward()
     # d/dlogp of -(ratio * A) / 2 at ratio 1 is -A / 2
     assert logps.grad.flatten().tolist() == pytest.approx([-0.5, 1.5])
@@ -78,6 +85,52 @@ def test_unclipped_gradient_is_minus_advantage_times_ratio():
 
 def test_padding_does_not_count():
     logps = torch.tensor([[0.0, 5.0]], requires_grad=True)
-    loss = policy_loss(logps, torch.zeros(1, 2), torch.tensor([1.0]), torch.tensor([[1, 0]]), loss_type="grpo")
+    loss = policy_loss(logps, torch.zeros(1, 2), torch.tensor([1.0]), torch.tensor([[1, 0]]), loss_type="grpo").loss
     loss.backward()
     assert logps.grad[0, 1].item() == 0.0
+
+
+def test_weighted_rewards_skip_abstentions_and_mark_unscorable():
+    nan = float("nan")
+    rewards_NF = torch.tensor([[1.0, 2.0], [nan, 2.0], [nan, nan]])
+    total = weighted_rewards(rewards_NF, torch.tensor([1.0, 0.5]))
+    assert total[:2].tolist() == [2.0, 1.0]  # 1 + 0.5·2; the abstention counts 0
+    assert total[2].isnan()
+
+
+def test_unscorable_completion_is_left_out_of_its_group():
+    # group [1, 3, NaN]: mean 2 and std sqrt(2) over the two scored; the unscorable one gets 0
+    adv = group_advantages(torch.tensor([1.0, 3.0, float("nan")]), num_generations=3, scale_rewards="group")
+    s = math.sqrt(2) + 1e-4
+    assert adv.tolist() == pytest.approx([-1 / s, 1 / s, 0.0])
+
+
+def test_sequence_level_ratio_is_exp_of_mean_token_log_ratio():
+    logps = torch.log(torch.tensor([[2.0, 8.0, 5.0]]))  # old log-probs are 0: log-ratios log 2, log 8 (masked: 5)
+    log_w = log_importance_weights(logps, torch.zeros(1, 3), torch.tensor([[1, 1, 0]]), level="sequence")
+    assert torch.exp(log_w).flatten().tolist() == pytest.approx([4.0])  # geometric mean of 2 and 8
+
+
+def test_k3_kl_by_hand():
+    # r = log π_ref - log π_θ = log 2: e^r - r - 1 = 1 - log 2; zero where the policies agree
+    kl = kl_k3(torch.tensor([[0.0, -1.0]]), torch.tensor([[math.log(2), -1.0]]))
+    assert kl.flatten().tolist() == pytest.approx([1 - math.log(2), 0.0])
+
+
+def test_kl_term_is_added_per_token_and_weighted_by_beta():
+    logps = torch.zeros(1, 2)
+    ref = torch.tensor([[math.log(2), 0.0]])
+    args = dict(loss_type="bnpo", ref_logps_NT=ref, beta=0.5)
+    # advantage 0: only the KL remains; bnpo averages its two tokens: 0.5 · (1 - log 2 + 0) / 2
+    out = policy_loss(logps, logps, torch.zeros(1), torch.ones(1, 2), **args)
+    assert out.loss.item() == pytest.approx(0.5 * (1 - math.log(2)) / 2)
+    assert out.kl_NT.flatten().tolist() == pytest.approx([1 - math.log(2), 0.0])
+
+
+def test_clipped_fractions_by_hand():
+    ratio = torch.tensor([[0.5, 1.5, 1.0], [0.5, 1.5, 1.0]])
+    clipped = clipped_fractions(ratio, torch.tensor([-1.0, 1.0]), epsilon_low=0.2, epsilon_high=0.28)
+    # low: ratio < 0.8 with A < 0 (row 0, token 0); high: ratio > 1.28 with A > 0 (row 1, token 1)
+    assert clipped["low"].tolist() == [[True, False, False], [False, False, False]]
+    assert clipped["high"].tolist() == [[False, False, False], [False, True, False]]
+    assert clipped["region"].sum().item() == 2

@@ -58,6 +58,25 @@ class RecordingTrainer(GRPOTrainer):
         return rollout
 
 
+def tiny_run_config(output_dir: str, steps: int, **overrides) -> GRPOConfig:
+    """A short run on the tiny task: 8 prompts × 8 completions per rank, 8 tokens each, no saving or reporting."""
+    defaults = dict(
+        num_generations=8,
+        per_device_train_batch_size=64,
+        max_prompt_length=16,
+        max_completion_length=8,
+        learning_rate=3e-3,
+        lr_scheduler_type="constant",
+        seed=42,
+        vllm_kv_cache_gib=0.25,
+        vllm_enforce_eager=True,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+    )
+    return GRPOConfig(output_dir=output_dir, max_steps=steps, **{**defaults, **overrides})
+
+
 def hf_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0, :-1].float()
@@ -70,25 +89,15 @@ def main() -> None:
     parser.add_argument("--tied", action="store_true")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--bucket-mib", type=float, default=512)
+    parser.add_argument("--beta", type=float, default=0.0)
     parser.add_argument("--lora", choices=["merged", "adapter"], help="train LoRA adapters, synced this way")
     cli = parser.parse_args()
 
-    args = GRPOConfig(
-        output_dir=os.path.join(cli.out, "run"),
-        num_generations=8,
-        per_device_train_batch_size=64,
-        max_prompt_length=16,
-        max_completion_length=8,
-        learning_rate=3e-3,
-        lr_scheduler_type="constant",
-        max_steps=cli.steps,
-        seed=42,
-        vllm_kv_cache_gib=0.25,
-        vllm_enforce_eager=True,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
+    args = tiny_run_config(
+        os.path.join(cli.out, "run"),
+        cli.steps,
         sync_bucket_mib=cli.bucket_mib,
+        beta=cli.beta,
         lora_sync=cli.lora or "merged",
     )
     tokenizer = tiny.build_tokenizer()
@@ -127,6 +136,7 @@ def main() -> None:
                 "sharded": is_sharded(model),
                 "sync_buckets": len(trainer._weight_plan.buckets),
                 "local_numel": callback.local_numel,
+                "reference_sharded": trainer.reference is not None and is_sharded(trainer.reference.frozen),
                 "lora_request": trainer.engine.lora_request is not None,
             },
             f,

@@ -1,0 +1,63 @@
+"""A rollout as padded tensors, and its split into the micro-batches that train on it.
+
+Shapes: N completions (groups of G contiguous), P prompt tokens (left-padded), T completion tokens
+(right-padded).
+"""
+
+import torch
+
+from colograd.engine import Rollout
+
+
+def pad_rollout(
+    prompt_ids: list[list[int]],
+    rollout: Rollout,
+    advantages_N: torch.Tensor,
+    num_generations: int,
+    pad_token_id: int,
+    mask_truncated_completions: bool = False,
+) -> dict[str, torch.Tensor]:
+    """The tensors `GRPOTrainer.compute_loss` reads.
+
+    Args:
+        prompt_ids: token ids of each prompt; completion i belongs to prompt i // num_generations.
+        rollout: the engine's completions, their sampled log-probs, and which were truncated.
+        advantages_N: one advantage per completion.
+        mask_truncated_completions: leave completions cut at max_completion_length out of `completion_mask`.
+
+    Returns:
+        input_ids, attention_mask, position_ids [N, P + T]; completion_ids, completion_mask,
+        engine_logps [N, T]; advantages [N].
+    """
+    completions = rollout.completion_ids
+    n, p, t = len(completions), max(map(len, prompt_ids)), max(1, max(map(len, completions)))
+    input_ids = torch.full((n, p + t), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, p + t), dtype=torch.long)
+    engine_logps = torch.zeros((n, t))
+    for i, (ids, logps) in enumerate(zip(completions, rollout.logps, strict=True)):
+        prompt = prompt_ids[i // num_generations]
+        input_ids[i, p - len(prompt) : p] = torch.tensor(prompt)
+        input_ids[i, p : p + len(ids)] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[i, p - len(prompt) : p + len(ids)] = 1
+        engine_logps[i, : len(logps)] = torch.tensor(logps)
+    completion_mask = attention_mask[:, p:].clone()
+    if mask_truncated_completions:
+        completion_mask[torch.tensor(rollout.truncated)] = 0
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0),
+        "completion_ids": input_ids[:, p:],
+        "completion_mask": completion_mask,
+        "engine_logps": engine_logps,
+        "advantages": advantages_N,
+    }
+
+
+def split_rows(batch: dict[str, torch.Tensor], parts: int) -> list[dict[str, torch.Tensor]]:
+    """Split every per-completion tensor into `parts` consecutive row blocks; scalars are shared.
+
+    Blocks are consecutive so that, when the rows divide into whole groups, each block holds whole groups.
+    """
+    chunked = {k: v.chunk(parts) if v.dim() else [v] * parts for k, v in batch.items()}
+    return [{k: chunks[i] for k, chunks in chunked.items()} for i in range(parts)]

@@ -1,0 +1,192 @@
+"""colograd's loss and advantages against TRL's own `GRPOTrainer` code on identical random inputs.
+
+TRL's math lives inside trainer methods (`_compute_loss`, `_generate_and_score_completions`), so they are called
+unbound on a stand-in `self` that holds only the attributes they read. The model forward and the generation are
+the only parts replaced: they return the chosen log-probs and completions. Everything else is TRL's code.
+"""
+
+import zlib
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+from trl.trainer import grpo_trainer as trl_grpo_trainer
+from trl.trainer.grpo_trainer import GRPOTrainer as TRLGRPOTrainer
+
+from colograd.config import LOSS_TYPES
+from colograd.loss import clipped_fractions, group_advantages, policy_loss, weighted_rewards
+
+N, T, P, G = 12, 7, 3, 4
+
+
+class _Accelerator:
+    """A one-process accelerator: the collectives are identities."""
+
+    num_processes, process_index, device = 1, 0, torch.device("cpu")
+
+    def gather(self, tensor):
+        return tensor
+
+    def reduce(self, tensor, reduction="sum"):
+        return tensor
+
+
+def _inputs(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, T + 1, (N,), generator=gen)
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).long()
+    logps = torch.log(torch.rand(N, T, generator=gen) * 0.9 + 0.05)
+    return {
+        "prompt_ids": torch.ones(N, P, dtype=torch.long),
+        "prompt_mask": torch.ones(N, P, dtype=torch.long),
+        "completion_ids": torch.ones(N, T, dtype=torch.long),
+        "completion_mask": mask,
+        "advantages": torch.randn(N, generator=gen),
+        "num_items_in_batch": mask.sum(),
+        # Far enough from the current log-probs, per token and per sequence, that clipping happens at both levels.
+        "old_per_token_logps": logps + 0.4 * torch.randn(N, T, generator=gen) + 0.6 * torch.randn(N, 1, generator=gen),
+        "ref_per_token_logps": logps + 0.3 * torch.randn(N, T, generator=gen),
+        "logps": logps,
+    }
+
+
+def _trl_loss(inputs, loss_type, level, beta, bias_correction, eps_low, eps_high):
+    """TRL's `_compute_loss` on `inputs`; returns the loss, the gradient w.r.t. the log-probs, and its metrics."""
+    logps = inputs["logps"].clone().requires_grad_()
+    stand_in = SimpleNamespace(
+        _get_per_token_logps_and_entropies=lambda *a, **k: (logps, torch.zeros_like(logps), None),
+        aux_loss_enabled=False,
+        top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None,
+        importance_sampling_level=level,
+        beta=beta,
+        loss_type=loss_type,
+        epsilon_low=eps_low,
+        epsilon_high=eps_high,
+        use_vllm=False,
+        vllm_importance_sampling_correction=False,
+        model=SimpleNamespace(training=True),
+        current_gradient_accumulation_steps=1,
+        max_completion_length=T,
+        accelerator=_Accelerator(),
+        args=SimpleNamespace(use_bias_correction_kl=bias_correction, delta=None, steps_per_generation=1),
+        _entropy_bonus_enabled=False,
+        _metrics=defaultdict(lambda: defaultdict(list)),
+    )
+    trl_inputs = {k: v for k, v in inputs.items() if k != "logps"}
+    if beta == 0.0:
+        del trl_inputs["ref_per_token_logps"]
+    loss = TRLGRPOTrainer._compute_loss(stand_in, None, trl_inputs)
+    loss.backward()
+    return loss.item(), logps.grad, {k: v[-1] for k, v in stand_in._metrics["train"].items()}
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    if x.size(1) == 1:  # one value per completion
+        return x.float().mean().item()
+    return ((x.float() * mask).sum() / mask.sum()).item()
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("beta, bias_correction", [(0.0, True), (0.04, True), (0.04, False)])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_loss_gradient_and_metrics_equal_trl(loss_type, beta, bias_correction, level):
+    inputs = _inputs(seed=zlib.crc32(f"{loss_type}{beta}{bias_correction}{level}".encode()))
+    eps_low, eps_high = 0.2, 0.28
+    trl_loss, trl_grad, trl_metrics = _trl_loss(inputs, loss_type, level, beta, bias_correction, eps_low, eps_high)
+
+    logps = inputs["logps"].clone().requires_grad_()
+    mask = inputs["completion_mask"]
+    ours = policy_loss(
+        logps,
+        inputs["old_per_token_logps"],
+        inputs["advantages"],
+        mask,
+        loss_type=loss_type,
+        epsilon_low=eps_low,
+        epsilon_high=eps_high,
+        importance_sampling_level=level,
+        ref_logps_NT=inputs["ref_per_token_logps"],
+        beta=beta,
+        use_bias_correction_kl=bias_correction,
+        max_completion_length=T,
+        num_items=inputs["num_items_in_batch"],
+    )
+    ours.loss.backward()
+    assert ours.loss.item() == pytest.approx(trl_loss, abs=1e-6)
+    assert torch.allclose(logps.grad, trl_grad, atol=1e-6)
+
+    clipped = clipped_fractions(ours.ratio, inputs["advantages"], eps_low, eps_high)
+    for name in ("low", "high", "region"):
+        assert _masked_mean(clipped[name], mask) == pytest.approx(trl_metrics[f"clip_ratio/{name}_mean"], abs=1e-6)
+    assert trl_metrics["clip_ratio/region_mean"] > 0  # the inputs do exercise clipping
+    if beta:
+        assert _masked_mean(ours.kl_NT, mask) == pytest.approx(trl_metrics["kl"], abs=1e-6)
+    else:
+        assert ours.kl_NT is None and "kl" not in trl_metrics
+
+
+def _trl_advantages(rewards_NF: torch.Tensor, weights_F: torch.Tensor, scale_rewards: str) -> torch.Tensor:
+    """The advantages TRL's `_generate_and_score_completions` computes when its reward functions give `rewards_NF`.
+
+    Call it with TRL's module-level `gather_object` made a one-process identity (see the test's monkeypatch).
+    """
+    n = rewards_NF.size(0)
+    completion_ids = [[5, 6, 1] for _ in range(n)]
+    stand_in = SimpleNamespace(
+        accelerator=_Accelerator(),
+        model=SimpleNamespace(training=True, is_gradient_checkpointing=False),
+        environment_factories=None,
+        environments=None,
+        tools=None,
+        # Generation is replaced: prompts and completions of fixed ids, no sampling log-probs.
+        _generate=lambda prompts: ([[3, 4]] * n, completion_ids, None, ["x"] * n, None, {}, None, None),
+        _tokenizer=SimpleNamespace(pad_token_id=0),
+        pad_to_multiple_of=None,
+        mask_truncated_completions=False,
+        args=SimpleNamespace(
+            per_device_train_batch_size=n,
+            gradient_accumulation_steps=1,
+            steps_per_generation=1,
+            gradient_checkpointing_kwargs=None,
+        ),  # fmt: skip
+        num_iterations=1,
+        use_vllm=False,
+        beta=0.0,
+        _calculate_rewards=lambda *a: rewards_NF.clone(),
+        num_generations=G,
+        multi_objective_aggregation="sum_then_normalize",
+        reward_weights=weights_F,
+        scale_rewards=scale_rewards,
+        reward_func_names=[f"f{j}" for j in range(rewards_NF.size(1))],
+        _metrics=defaultdict(lambda: defaultdict(list)),
+        _logs={
+            "prompt": [],
+            "completion": [],
+            "rewards": defaultdict(list),
+            "advantages": [],
+            "extra": defaultdict(list),
+        },
+        _pending_extra_logs=defaultdict(list),
+        _pending_metrics=defaultdict(list),
+        log_multimodal=False,
+    )
+    out = TRLGRPOTrainer._generate_and_score_completions(stand_in, [{"prompt": "x"}] * n)
+    return out["advantages"]
+
+
+@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
+def test_advantages_equal_trl(scale_rewards, monkeypatch):
+    # One process: TRL's object gather (for its completion logs) returns this process's objects.
+    monkeypatch.setattr(trl_grpo_trainer, "gather_object", lambda obj: obj)
+    gen = torch.Generator().manual_seed(7)
+    rewards_NF = torch.randn(N, 3, generator=gen)
+    rewards_NF[0, 1] = rewards_NF[5, 0] = float("nan")  # a function abstained on a sample
+    rewards_NF[6] = float("nan")  # every function abstained: unscorable
+    rewards_NF[8:12, 0] = 1.0  # a group in which one function agrees everywhere
+    weights_F = torch.tensor([1.0, 0.5, 2.0])
+    expected = _trl_advantages(rewards_NF, weights_F, scale_rewards)
+    ours = group_advantages(weighted_rewards(rewards_NF, weights_F), G, scale_rewards)
+    assert torch.allclose(ours, expected, atol=1e-6)
+    assert ours[6].item() == 0.0
