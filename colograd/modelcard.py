@@ -87,8 +87,8 @@ def model_card(
     processes = "process" if world_size == 1 else "processes"
     sections = [
         f"# {model_name}",
-        f"Trained from {origin} with GRPO by colograd on {world_size} {processes}, each generating its own "
-        "rollouts with a vLLM engine in the same process.",
+        f"Trained from {origin} with GRPO by colograd on {world_size} {processes}; each process generated its "
+        "rollouts with a vLLM engine of its own, inside it.",
         _recipe_section(recipe),
         _metrics_section(log_history),
         _framework_versions(),
