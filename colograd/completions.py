@@ -30,6 +30,17 @@ class CompletionLog:
         self.num_to_print = num_to_print
         self._printed_step: int | None = None
 
+    def forget_after(self, step: int) -> None:
+        """Drop the rows of steps after `step`: a run resumed from that step's checkpoint logs them again."""
+        if not os.path.exists(self.path):
+            return
+        with open(self.path) as f:
+            kept = [line for line in f if json.loads(line)["step"] <= step]
+        # Rewritten beside the log and renamed over it, so an interruption leaves the old log whole.
+        with open(self.path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(self.path + ".tmp", self.path)
+
     def record(
         self,
         step: int,

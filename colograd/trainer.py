@@ -117,6 +117,8 @@ class GRPOTrainer(Trainer):
         self._synced_step = None
         # The first logging window starts where the run (re)starts: time/* are divided by its steps.
         self._last_logged_step = checkpoint_step(checkpoint) if checkpoint else 0
+        if checkpoint and self._completion_log is not None:
+            self._completion_log.forget_after(self._last_logged_step)
         return super().train(resume_from_checkpoint=checkpoint, **kwargs)
 
     # --- data -------------------------------------------------------------------------------------------
