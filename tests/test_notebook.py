@@ -7,6 +7,10 @@ from nbclient import NotebookClient
 def test_custom_advantages_notebook_runs(root, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the kernel inherits this: nothing may download
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    # An engine started earlier in this test process left its launcher variables here (its port still in use):
+    # the kernel is a fresh single process and must pick its own.
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
     notebook = nbformat.read(root / "docs/notebooks/custom_advantages.ipynb", as_version=4)
     # Raises on the first cell that fails, including the notebook's own check that the reward rose.
     client = NotebookClient(notebook, timeout=600, kernel_name="python3")
