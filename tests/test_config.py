@@ -3,6 +3,8 @@
 from pathlib import Path
 
 import pytest
+from accelerate.commands.config.config_args import ClusterConfig
+from accelerate.commands.launch import launch_command_parser
 from trl import ModelConfig, TrlParser
 
 from colograd import GRPOConfig, ScriptArguments
@@ -11,6 +13,7 @@ from colograd.rewards import resolve_reward
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml"))
+ACCELERATE_CONFIGS = sorted((ROOT / "recipes/accelerate_configs").glob("*.yaml"))
 
 
 def make(**kwargs) -> GRPOConfig:
@@ -57,6 +60,7 @@ def test_old_logps_needed_when_a_rollout_outlives_an_optimizer_step(
         ({"num_iterations": 0}, "num_iterations"),
         ({"steps_per_generation": 2, "generation_batch_size": 16}, "steps_per_generation and generation_batch_size"),
         ({"generation_batch_size": 12}, "generation_batch_size=12"),
+        ({"log_completions_steps": 0}, "log_completions_steps"),
     ],
 )
 def test_invalid_fields_are_named(kwargs, names):
@@ -71,6 +75,32 @@ def test_recipe_parses(recipe):
     assert model_args.model_name_or_path
     assert script_args.reward_funcs
     assert recipe.read_text().startswith("# accelerate launch"), "a recipe starts with the command that runs it"
+
+
+# What each launcher config must set up: accelerate's distributed type, and the ZeRO stage where there is one.
+LAUNCHERS = {
+    "cpu.yaml": ("MULTI_GPU", None),
+    "ddp.yaml": ("MULTI_GPU", None),
+    "zero2.yaml": ("DEEPSPEED", 2),
+    "zero3.yaml": ("DEEPSPEED", 3),
+    "fsdp.yaml": ("FSDP", None),
+}
+
+
+def test_every_launcher_config_is_listed():
+    assert sorted(p.name for p in ACCELERATE_CONFIGS) == sorted(LAUNCHERS)
+
+
+@pytest.mark.parametrize("name", LAUNCHERS)
+def test_launcher_config_is_one_accelerate_accepts(name):
+    config = ClusterConfig.from_yaml_file(ROOT / "recipes/accelerate_configs" / name)  # raises on unknown keys
+    distributed_type, zero_stage = LAUNCHERS[name]
+    assert config.distributed_type.value == distributed_type
+    assert config.deepspeed_config.get("zero_stage") == zero_stage
+    # accelerate turns the nested keys into `accelerate launch` flags: each must be one it knows.
+    flags = {flag for action in launch_command_parser()._actions for flag in action.option_strings}
+    unknown = [key for key in {**config.deepspeed_config, **config.fsdp_config} if f"--{key}" not in flags]
+    assert not unknown
 
 
 def test_cli_flags_override_recipe():

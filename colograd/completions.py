@@ -1,0 +1,84 @@
+"""A sample of what the policy writes: prompts, completions, rewards and advantages, printed and kept as JSONL.
+
+Only the first rank logs, from its own rollout: a rank's rollout is already a sample of the global batch,
+and gathering every rank's text to one process is the single-controller traffic this design avoids.
+"""
+
+import json
+import math
+import os
+from typing import Any
+
+from trl.trainer.utils import print_prompt_completions_sample
+
+
+class CompletionLog:
+    """Appends rollouts to `<output_dir>/completions.jsonl` and prints a table of the first completions.
+
+    One JSON object per completion: ``step``, ``prompt``, ``completion``, ``rewards`` (one value per reward
+    function, null where it abstained), ``reward`` (the weighted total) and ``advantage``.
+
+    Args:
+        output_dir: where `completions.jsonl` is written.
+        num_to_print: completions printed per step (the first ones, so whole groups show together); None: all.
+    """
+
+    FILE_NAME = "completions.jsonl"
+
+    def __init__(self, output_dir: str, num_to_print: int | None) -> None:
+        self.path = os.path.join(output_dir, self.FILE_NAME)
+        self.num_to_print = num_to_print
+        self._printed_step: int | None = None
+
+    def forget_after(self, step: int) -> None:
+        """Drop the rows of steps after `step`: a run resumed from that step's checkpoint logs them again."""
+        if not os.path.exists(self.path):
+            return
+        with open(self.path) as f:
+            kept = [line for line in f if json.loads(line)["step"] <= step]
+        # Rewritten beside the log and renamed over it, so an interruption leaves the old log whole.
+        with open(self.path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(self.path + ".tmp", self.path)
+
+    def record(
+        self,
+        step: int,
+        prompts: list[Any],
+        completions: list[Any],
+        rewards: dict[str, list[float]],
+        total: list[float],
+        advantages: list[float],
+    ) -> None:
+        """Log one rollout of optimizer step `step`; every list but `prompts` (one per group) has one value per
+        completion. With gradient accumulation a step has several rollouts: all are written, the first printed."""
+        group = len(completions) // len(prompts)
+        prompt_per_completion = [prompts[i // group] for i in range(len(completions))]
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        with open(self.path, "a") as f:
+            for i, completion in enumerate(completions):
+                row = {
+                    "step": step,
+                    "prompt": prompt_per_completion[i],
+                    "completion": completion,
+                    "rewards": {name: _finite(values[i]) for name, values in rewards.items()},
+                    "reward": _finite(total[i]),
+                    "advantage": _finite(advantages[i]),
+                }
+                f.write(json.dumps(row) + "\n")
+        if self._printed_step == step:
+            return
+        self._printed_step = step
+        k = len(completions) if self.num_to_print is None else self.num_to_print
+        print_prompt_completions_sample(
+            prompt_per_completion[:k],
+            completions[:k],
+            {name: values[:k] for name, values in rewards.items()},
+            advantages[:k],
+            step,
+        )
+
+
+def _finite(value: float) -> float | None:
+    """JSON has no NaN: a reward function that abstained is written as null."""
+    return None if math.isnan(value) else value
