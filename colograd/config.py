@@ -74,10 +74,11 @@ class GRPOConfig(TrainingArguments):
     )
 
     vllm_cpu_repack_weights: bool = field(
-        default=False,
+        default=True,
         metadata={
-            "help": "Without a GPU: let vLLM repack linear weights for oneDNN (its default). Off, the engine computes "
-            "with plain weights that a sync copies into directly, about 10x faster to sync (docs/weight-sync.md)."
+            "help": "Without a GPU: let vLLM repack linear weights for oneDNN (its default: faster generation). Off, "
+            "the engine computes with plain weights that a sync copies into directly: a faster sync, a slower "
+            "rollout (figures in docs/weight-sync.md)."
         },
     )
     vllm_enable_sleep_mode: bool = field(

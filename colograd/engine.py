@@ -61,7 +61,7 @@ class Engine:
     ) -> None:
         from vllm import LLM
 
-        rank = _set_launcher_env()
+        rank = dist.get_rank() if dist.is_initialized() else 0
         # vLLM reads the architecture from a folder: write the config and tokenizer, never the weights.
         self._dir = tempfile.TemporaryDirectory(prefix=f"colograd-engine-{rank}-")
         base = model.get_base_model() if isinstance(model, PeftModel) else model
@@ -80,23 +80,24 @@ class Engine:
         )
         if not torch.cuda.is_available():
             _set_cpu_repacking(args.vllm_cpu_repack_weights)
-        self.llm = LLM(
-            model=self._dir.name,
-            load_format="dummy",
-            dtype=_engine_dtype(model, args),
-            seed=args.seed + rank,  # each rank samples different completions
-            max_model_len=max_model_len or None,
-            enforce_eager=args.vllm_enforce_eager,
-            enable_prefix_caching=args.vllm_enable_prefix_caching,
-            # The engine joins this process's torch process group (or, alone, makes a world of one).
-            distributed_executor_backend="external_launcher",
-            # The engine reports log-probs of the distribution it sampled from (after temperature), the
-            # same distribution the trainer scores, so the two are comparable token by token.
-            logprobs_mode="processed_logprobs",
-            **({"enable_lora": True, "max_lora_rank": lora_rank, "max_loras": 1} if lora_rank else {}),
-            enable_sleep_mode=args.vllm_enable_sleep_mode,
-            **memory,
-        )
+        with _launcher_env():
+            self.llm = LLM(
+                model=self._dir.name,
+                load_format="dummy",
+                dtype=_engine_dtype(model, args),
+                seed=args.seed + rank,  # each rank samples different completions
+                max_model_len=max_model_len or None,
+                enforce_eager=args.vllm_enforce_eager,
+                enable_prefix_caching=args.vllm_enable_prefix_caching,
+                # The engine joins this process's torch process group (or, alone, makes a world of one).
+                distributed_executor_backend="external_launcher",
+                # The engine reports log-probs of the distribution it sampled from (after temperature), the
+                # same distribution the trainer scores, so the two are comparable token by token.
+                logprobs_mode="processed_logprobs",
+                **({"enable_lora": True, "max_lora_rank": lora_rank, "max_loras": 1} if lora_rank else {}),
+                enable_sleep_mode=args.vllm_enable_sleep_mode,
+                **memory,
+            )
         # Between rollouts a sleeping engine gives its GPU memory to training. Level 2 drops the weights too,
         # which the next sync rewrites anyway; an adapter-only engine keeps its frozen base (level 1: to CPU).
         self.sleep_level = (1 if lora_rank else 2) if args.vllm_enable_sleep_mode else 0
@@ -199,20 +200,26 @@ class Engine:
         return torch.tensor([steps[i][token_ids[i]].logprob for i in range(1, len(token_ids))])
 
 
-def _set_launcher_env() -> int:
-    """Give vLLM's external launcher the torchrun-style variables it reads, when no launcher set them.
-
-    Returns:
-        This process's rank.
-    """
+@contextmanager
+def _launcher_env() -> Iterator[None]:
+    """Give vLLM's external launcher the torchrun-style variables it reads while it starts, when no launcher
+    set them; removed afterwards, so that child processes do not inherit a port that is in use."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    for key, value in (("RANK", rank), ("LOCAL_RANK", rank), ("WORLD_SIZE", world), ("MASTER_ADDR", "127.0.0.1")):
-        os.environ.setdefault(key, str(value))
+    added = {
+        key: str(value)
+        for key, value in (("RANK", rank), ("LOCAL_RANK", rank), ("WORLD_SIZE", world), ("MASTER_ADDR", "127.0.0.1"))
+        if key not in os.environ
+    }
     if "MASTER_PORT" not in os.environ:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    return rank
+            added["MASTER_PORT"] = str(s.getsockname()[1])
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            del os.environ[key]
 
 
 _ONEDNN_AVAILABLE: bool | None = None
@@ -222,8 +229,9 @@ def _set_cpu_repacking(enabled: bool) -> None:
     """Whether vLLM's CPU backend (for engines built from now on in this process) repacks linear weights into
     oneDNN handles, its default, or computes with the plain weights (torch's matmul).
 
-    Repacking costs ~10x a copy of the same bytes, so a sync into a repacking engine is bound by it; with
-    plain weights a sync is a copy (`python -m colograd.bench sync` measures both, and generation speed).
+    Repacking costs several times a copy of the same bytes, so a sync into a repacking engine is bound by it;
+    with plain weights a sync is a copy, but generation is slower (`python -m colograd.bench sync` measures
+    both engines side by side).
     If a vLLM version no longer reads this switch, the engine repacks and `Engine.direct_load` turns the sync
     back to the reload path, which stays correct.
     """

@@ -94,42 +94,42 @@ def engine_args(repack: bool) -> GRPOConfig:
     )
 
 
+def measure(engine: Engine, args: GRPOConfig, plan: WeightPlan, model: torch.nn.Module, repeats: int) -> dict:
+    """Sync, per-tensor sync and generation figures for one engine, with a parity check after each sync."""
+    ids = tiny.build_tokenizer()("abcd>b:bbbb, then more text")["input_ids"]
+    named = [pair for bucket in plan for pair in bucket]
+    out: dict[str, float | str] = {"engine_path": "direct" if engine.direct_load else "reload"}
+    out["sync_s"] = median_time(lambda: plan.sync(engine), repeats)
+    out["parity_gap"] = parity_gap(model, engine, ids)
+    out["per_tensor_s"] = median_time(lambda: [engine.load_weights([pair]) for pair in named], max(1, repeats // 3))
+    out["per_tensor_parity_gap"] = parity_gap(model, engine, ids)
+    out["generate_tokens_per_s"] = generation_tokens_per_s(engine, args, max(1, repeats // 3))
+    return out
+
+
 def run(repeats: int = 7, as_json: bool = False) -> dict[str, float]:
     model = build_model()
     tokenizer = tiny.build_tokenizer()
-    ids = tokenizer("abcd>b:bbbb, then more text")["input_ids"]
-    args = engine_args(repack=False)
-    engine = Engine(model, tokenizer, args)
     plan = WeightPlan(model)
-    named = [pair for bucket in plan for pair in bucket]
-    weights = [t for _, t in named]
+    weights = [t for bucket in plan for _, t in bucket]
     buffers = [torch.empty_like(t) for t in weights]
-
     result: dict[str, float | int | str] = {
         "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
         "bytes": plan.nbytes,
-        "tensors": len(named),
+        "tensors": len(weights),
         "device": "cuda" if torch.cuda.is_available() else "cpu",
-        "engine_path": "direct" if engine.direct_load else "reload",
+        "memcpy_s": median_time(lambda: torch._foreach_copy_(buffers, weights), repeats),
     }
-    result["sync_s"] = median_time(lambda: plan.sync(engine), repeats)
-    result["parity_gap"] = parity_gap(model, engine, ids)
-    result["memcpy_s"] = median_time(lambda: torch._foreach_copy_(buffers, weights), repeats)
-    # As TRL sends them: each tensor once (a tied head only under the embedding's name), one call each.
-    unique = list({id(t): (name, t) for name, t in reversed(named)}.values())[::-1]
-    result["per_tensor_s"] = median_time(
-        lambda: [engine.load_weights([pair]) for pair in unique], max(1, repeats // 3)
-    )
-    result["per_tensor_parity_gap"] = parity_gap(model, engine, ids)
-    result["generate_tokens_per_s"] = generation_tokens_per_s(engine, args, max(1, repeats // 3))
+    # The default engine: on a CPU it repacks its weights for oneDNN, and a sync re-runs that processing.
+    args = engine_args(repack=True)
+    result.update(measure(Engine(model, tokenizer, args), args, plan, model, repeats))
     if not torch.cuda.is_available():
-        repack_args = engine_args(repack=True)
-        repacking = Engine(model, tokenizer, repack_args)
-        result["cpu_repack_sync_s"] = median_time(lambda: plan.sync(repacking), repeats)
-        result["cpu_repack_parity_gap"] = parity_gap(model, repacking, ids)
-        result["cpu_repack_generate_tokens_per_s"] = generation_tokens_per_s(
-            repacking, repack_args, max(1, repeats // 3)
-        )
+        # The alternative on a CPU: plain weights that a sync copies into; measured side by side.
+        plain_args = engine_args(repack=False)
+        plain = measure(Engine(model, tokenizer, plain_args), plain_args, plan, model, repeats)
+        result.update({f"cpu_plain_{key}": value for key, value in plain.items() if key != "engine_path"})
+        result["cpu_plain_ratio_vs_memcpy"] = result["cpu_plain_sync_s"] / result["memcpy_s"]
+        result["cpu_plain_speedup_vs_per_tensor"] = result["cpu_plain_per_tensor_s"] / result["cpu_plain_sync_s"]
     result["ratio_vs_memcpy"] = result["sync_s"] / result["memcpy_s"]
     result["speedup_vs_per_tensor"] = result["per_tensor_s"] / result["sync_s"]
     result["lora_bytes_ratio"] = plan.nbytes / lora_bytes(model)
@@ -143,13 +143,17 @@ def run(repeats: int = 7, as_json: bool = False) -> dict[str, float]:
 def print_table(r: dict, repeats: int) -> None:
     ms = lambda seconds: f"{seconds * 1e3:9.1f} ms"  # noqa: E731
     print(f"model: Qwen2 {r['params_m']:.1f}M parameters, {r['tensors']} tensors, {r['bytes'] / 2**20:.0f} MiB, "
-          f"{r['device']}, engine path: {r['engine_path']}; medians of {repeats} runs")  # fmt: skip
-    print(f"colograd sync    {ms(r['sync_s'])}  log-prob gap after it {r['parity_gap']:.1e}")
-    print(f"memcpy floor     {ms(r['memcpy_s'])}  ratio_vs_memcpy       {r['ratio_vs_memcpy']:.2f}")
-    print(f"per-tensor sync  {ms(r['per_tensor_s'])}  speedup_vs_per_tensor {r['speedup_vs_per_tensor']:.2f}")
+          f"{r['device']}; medians of {repeats} runs")  # fmt: skip
+    print(f"memcpy floor        {ms(r['memcpy_s'])}")
+    rows = [("", f"default engine ({r['engine_path']} sync)")]
+    if "cpu_plain_sync_s" in r:
+        rows.append(("cpu_plain_", "CPU engine with plain weights (vllm_cpu_repack_weights: false)"))
+    for prefix, title in rows:
+        ratio, speedup = r[f"{prefix}ratio_vs_memcpy"], r[f"{prefix}speedup_vs_per_tensor"]
+        print(title)
+        print(f"  colograd sync     {ms(r[prefix + 'sync_s'])}  ratio_vs_memcpy {ratio:6.2f}"
+              f"   log-prob gap after it {r[prefix + 'parity_gap']:.1e}")  # fmt: skip
+        print(f"  per-tensor sync   {ms(r[prefix + 'per_tensor_s'])}  speedup_vs_per_tensor {speedup:6.2f}"
+              f"   log-prob gap after it {r[prefix + 'per_tensor_parity_gap']:.1e}")  # fmt: skip
+        print(f"  generation        {r[prefix + 'generate_tokens_per_s']:9.1f} tokens/s")
     print(f"LoRA r=16 adapter-only sync moves 1/{r['lora_bytes_ratio']:.0f} of the bytes (lora_bytes_ratio)")
-    print(f"generation       {r['generate_tokens_per_s']:9.1f} tokens/s")
-    if "cpu_repack_sync_s" in r:
-        print("CPU engine repacking weights for oneDNN (vLLM's default):")
-        print(f"  sync           {ms(r['cpu_repack_sync_s'])}  log-prob gap after it {r['cpu_repack_parity_gap']:.1e}")
-        print(f"  generation     {r['cpu_repack_generate_tokens_per_s']:9.1f} tokens/s")
