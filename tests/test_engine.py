@@ -100,15 +100,18 @@ def move_adapter(model: torch.nn.Module) -> None:
                 p.add_(torch.randn_like(p) * 0.2)
 
 
+@pytest.mark.parametrize("repack", [True, False], ids=["repacked", "direct"])
 @pytest.mark.parametrize("adapter_only", [False, True], ids=["lora-merged", "lora-adapter-only"])
-def test_lora_sync_gives_engine_the_adapted_model(adapter_only, tmp_path):
+def test_lora_sync_gives_engine_the_adapted_model(adapter_only, repack, tmp_path):
     torch.manual_seed(0)
     model = lora_model()
     tokenizer = tiny.build_tokenizer()
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=8,
                       max_prompt_length=32, max_completion_length=8, vllm_kv_cache_gib=0.1, vllm_enforce_eager=True,
                       report_to="none")  # fmt: skip
+    args.vllm_cpu_repack_weights = repack
     engine = Engine(model, tokenizer, args, lora_rank=8 if adapter_only else None)
+    assert engine.direct_load is not repack
     ids = tokenizer("abcd>b:bbbb and more text")["input_ids"]
     with model.disable_adapter():
         base = trainer_logprobs(model, ids)
