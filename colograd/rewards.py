@@ -11,6 +11,7 @@ concurrently, on an event loop of their own. A sequence-classification model ser
 import asyncio
 import importlib
 import inspect
+import math
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -182,21 +183,63 @@ def score(
     for j, func in enumerate(reward_funcs):
         if _is_async(func):
             coroutines[j] = func(**kwargs)
-        else:
+            continue
+        try:
             outputs[j] = func(**kwargs)
+        except Exception as err:
+            raise RewardError(_describe_failure(func, kwargs, err)) from err
     if coroutines:
         outputs.update(zip(coroutines, _run_concurrently(list(coroutines.values())), strict=True))
 
     n = len(completions)
     rewards_NF = torch.zeros(n, len(reward_funcs), dtype=torch.float32)
     for j, func in enumerate(reward_funcs):
-        values = outputs[j]
-        if len(values) != n:
-            raise ValueError(
-                f"reward function {reward_name(func)!r} returned {len(values)} rewards for {n} completions"
-            )
-        rewards_NF[:, j] = torch.tensor([float("nan") if v is None else float(v) for v in values])
+        rewards_NF[:, j] = _checked(func, outputs[j], kwargs)
     return rewards_NF
+
+
+class RewardError(ValueError):
+    """A reward function failed or returned something unusable; the message names the function and sample."""
+
+
+def _checked(func: RewardFunc, values: list, kwargs: dict) -> torch.Tensor:
+    """The function's rewards as float32 [N] (NaN for None), or a `RewardError` naming the bad sample."""
+    name, n = reward_name(func), len(kwargs["completions"])
+    if not isinstance(values, list | tuple) or len(values) != n:
+        got = f"{len(values)} rewards" if isinstance(values, list | tuple) else type(values).__name__
+        raise RewardError(f"reward function {name!r} returned {got} for {n} completions; return a list of {n}.")
+    rewards = []
+    for i, value in enumerate(values):
+        try:
+            reward = float("nan") if value is None else float(value)
+        except (TypeError, ValueError):
+            raise RewardError(
+                f"reward function {name!r} returned {value!r} for {_sample(kwargs, i)}; return a number or None."
+            ) from None
+        if value is not None and not math.isfinite(reward):
+            raise RewardError(
+                f"reward function {name!r} returned {reward} for {_sample(kwargs, i)}; return a finite number, "
+                "or None to leave the sample out."
+            )
+        rewards.append(reward)
+    return torch.tensor(rewards, dtype=torch.float32)
+
+
+def _describe_failure(func: RewardFunc, kwargs: dict, err: Exception) -> str:
+    """Name the function and, by scoring the samples one at a time, the first one it fails on."""
+    name = reward_name(func)
+    for i in range(len(kwargs["completions"])):
+        one = {k: v[i : i + 1] if isinstance(v, list) else v for k, v in kwargs.items()}
+        try:
+            func(**one)
+        except Exception as sample_err:
+            return f"reward function {name!r} raised {type(sample_err).__name__}: {sample_err} on {_sample(kwargs, i)}"
+    return f"reward function {name!r} raised {type(err).__name__}: {err} (on the whole batch, on no single sample)"
+
+
+def _sample(kwargs: dict, i: int) -> str:
+    completion = kwargs["completions"][i]
+    return f"completion {i} (prompt {str(kwargs['prompts'][i])[:60]!r}, completion {str(completion)[:60]!r})"
 
 
 def _run_concurrently(coroutines: list) -> list:

@@ -9,7 +9,7 @@ from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
 from colograd import tiny
 from colograd.config import ConfigError
-from colograd.rewards import RewardModel, resolve_reward, resolve_rewards, score
+from colograd.rewards import RewardError, RewardModel, resolve_reward, resolve_rewards, score
 
 PROMPTS = ["ab>a:", "ab>a:"]
 COMPLETIONS = ["aa", "ab"]
@@ -60,6 +60,23 @@ def test_async_functions_work_inside_a_running_event_loop():
 def test_wrong_number_of_rewards_is_an_error():
     with pytest.raises(ValueError, match="returned 1 rewards for 2 completions"):
         call([lambda completions, **kw: [1.0]])
+
+
+def test_a_raising_function_is_named_with_the_sample_it_fails_on():
+    def picky(completions, **kwargs):
+        return [1.0 / (c.count("b")) for c in completions]  # ZeroDivisionError on "aa", sample 0
+
+    with pytest.raises(RewardError, match=r"'picky' raised ZeroDivisionError: .* on completion 0 .*'aa'"):
+        call([picky])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), "high"])
+def test_unusable_values_are_named(bad):
+    def second_bad(completions, **kwargs):
+        return [1.0, bad]
+
+    with pytest.raises(RewardError, match=r"'second_bad' returned .* for completion 1 .*'ab'"):
+        call([second_bad])
 
 
 def _reward_model(tmp_path=None) -> RewardModel:
