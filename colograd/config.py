@@ -5,6 +5,7 @@ keys. Each field is documented once, in its `help` metadata; that text is what `
 """
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import TrainingArguments
@@ -223,6 +224,22 @@ class GRPOConfig(TrainingArguments):
             raise ConfigError(f"max_prompt_length={self.max_prompt_length}: set it to 1 or more, or to None.")
         if self.log_completions_steps is not None and self.log_completions_steps < 1:
             raise ConfigError(f"log_completions_steps={self.log_completions_steps}: set it to 1 or more, or to None.")
+
+    def check_lengths(self, model_config: Any) -> None:
+        """Check that a prompt and a completion fit the model's context and the engine's, before start-up."""
+        need = (self.max_prompt_length or 0) + self.max_completion_length
+        what = "max_prompt_length + max_completion_length" if self.max_prompt_length else "max_completion_length"
+        if self.vllm_max_model_length is not None and need > self.vllm_max_model_length:
+            raise ConfigError(
+                f"{what} = {need} tokens exceeds vllm_max_model_length={self.vllm_max_model_length}; lower them or "
+                "raise vllm_max_model_length."
+            )
+        context = getattr(model_config, "max_position_embeddings", None)
+        if context is not None and need > context:
+            raise ConfigError(
+                f"{what} = {need} tokens exceeds the model's context of {context} (max_position_embeddings); "
+                "lower max_prompt_length or max_completion_length."
+            )
 
     @property
     def prompts_per_device(self) -> int:

@@ -71,7 +71,10 @@ class Engine:
         config.save_pretrained(self._dir.name)
         tokenizer.save_pretrained(self._dir.name)
 
-        max_model_len = args.vllm_max_model_length or (args.max_prompt_length or 0) + args.max_completion_length
+        # Without a prompt limit the engine takes the model's own context length.
+        max_model_len = args.vllm_max_model_length or (
+            args.max_prompt_length + args.max_completion_length if args.max_prompt_length else None
+        )
         memory = (
             {"gpu_memory_utilization": args.vllm_gpu_memory_utilization}
             if torch.cuda.is_available()
@@ -86,7 +89,7 @@ class Engine:
                 load_format="dummy",
                 dtype=_engine_dtype(model, args),
                 seed=args.seed + rank,  # each rank samples different completions
-                max_model_len=max_model_len or None,
+                max_model_len=max_model_len,
                 enforce_eager=args.vllm_enforce_eager,
                 enable_prefix_caching=args.vllm_enable_prefix_caching,
                 # The engine joins this process's torch process group (or, alone, makes a world of one).
@@ -105,6 +108,8 @@ class Engine:
         # Whether the engine computes with the weight tensors it holds (GPU; CPU without repacking), so a sync
         # can copy straight into them, or re-processes them into a kernel layout that needs a reload.
         self.direct_load = all(self.llm.collective_rpc(_holds_plain_weights))
+        # Prompts must leave room for a whole completion in the engine's context.
+        self.max_prompt_tokens = self.llm.llm_engine.model_config.max_model_len - args.max_completion_length
         self.lora_request = None  # set by `load_adapter`; every generation then applies the adapter
         self._adapter_dir: tempfile.TemporaryDirectory | None = None
 

@@ -9,7 +9,7 @@ import sys
 
 import torch
 from peft import get_peft_model
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from trl import ModelConfig, TrlParser, get_peft_config
 
 from colograd import GRPOConfig, GRPOTrainer, ScriptArguments, tiny
@@ -19,8 +19,11 @@ from colograd.modelcard import Recipe
 from colograd.rewards import resolve_reward
 
 
-def load_model(args: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The policy and its tokenizer: a built-in tiny model, a local folder, or a hub id."""
+def load_model(args: ModelConfig, training_args: GRPOConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The policy and its tokenizer: a built-in tiny model, a local folder, or a hub id.
+
+    The lengths are checked against the model's config before its weights are read.
+    """
     name = args.model_name_or_path
     if name is None:
         raise ConfigError("model_name_or_path is not set; give a hub id, a local folder or colograd:tiny-qwen2.")
@@ -30,6 +33,7 @@ def load_model(args: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerB
         return tiny.build_model(tie_word_embeddings=tiny.TINY_MODELS[name]), tiny.build_tokenizer()
     if name.startswith((".", "/")) and not os.path.isdir(name):
         raise ConfigError(f"model_name_or_path={name!r} does not exist; give an existing folder or a hub id.")
+    training_args.check_lengths(AutoConfig.from_pretrained(name, revision=args.model_revision))
     dtype = args.dtype if args.dtype in (None, "auto") else getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(
         name, revision=args.model_revision, dtype=dtype, attn_implementation=args.attn_implementation
@@ -50,9 +54,12 @@ def main(
     check_supported(model_args)
     reward_funcs = [resolve_reward(name) for name in script_args.reward_funcs]
     dataset = load_prompts(script_args)
-    model, tokenizer = load_model(model_args)
+    model, tokenizer = load_model(model_args, training_args)
     if model_args.use_peft:
-        model = get_peft_model(model, get_peft_config(model_args))
+        try:
+            model = get_peft_model(model, get_peft_config(model_args))
+        except ValueError as err:  # e.g. target modules the model does not have
+            raise ConfigError(f"lora_target_modules: {str(err).splitlines()[0]}") from err
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=reward_funcs,

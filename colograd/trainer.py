@@ -87,6 +87,7 @@ class GRPOTrainer(Trainer):
             processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path)
         if processing_class.pad_token is None:
             processing_class.pad_token = processing_class.eos_token
+        args.check_lengths(model.config)
         self.reward_funcs, self.reward_weights = resolve_rewards(reward_funcs, args.reward_weights)
         # Copied before the Trainer wraps the model, so the copy is the initial policy, whole on every rank.
         self.reference = ReferencePolicy(model) if args.beta != 0.0 else None
@@ -235,16 +236,16 @@ class GRPOTrainer(Trainer):
 
         Returns:
             prompts: the `prompt` of each row, as given (text or messages), for the reward functions.
-            prompt_ids: token ids of each templated prompt, keeping the last `max_prompt_length`.
+            prompt_ids: token ids of each templated prompt, keeping the last `max_prompt_length` (or as many as
+                the engine's context leaves room for beside a whole completion).
             columns: every other column, one value per row.
         """
         prompts = [row["prompt"] for row in rows]
         texts = [maybe_apply_chat_template({"prompt": p}, self.processing_class)["prompt"] for p in prompts]
         prompt_ids = self.processing_class(text=texts, add_special_tokens=False)["input_ids"]
-        limit = self.args.max_prompt_length
-        if limit is not None:
-            self._metrics["prompts/truncated_ratio"].append(sum(len(p) > limit for p in prompt_ids) / len(prompt_ids))
-            prompt_ids = [p[-limit:] for p in prompt_ids]
+        limit = min(self.args.max_prompt_length or self.engine.max_prompt_tokens, self.engine.max_prompt_tokens)
+        self._metrics["prompts/truncated_ratio"].append(sum(len(p) > limit for p in prompt_ids) / len(prompt_ids))
+        prompt_ids = [p[-limit:] for p in prompt_ids]
         columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
         return prompts, prompt_ids, columns
 

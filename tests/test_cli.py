@@ -25,6 +25,9 @@ def test_one_process_run_trains_and_saves(tmp_path):
         (["--model_name_or_path", "colograd:huge"], "built-in models"),
         (["--dataset_name", "colograd:nothing"], "built-in datasets"),
         (["--load_in_4bit"], "load_in_4bit"),
+        (["--max_prompt_length", "500", "--max_completion_length", "100"], "exceeds the model's context of 512"),
+        (["--vllm_max_model_length", "20"], "exceeds vllm_max_model_length=20"),
+        (["--use_peft", "--lora_target_modules", "no_such_proj"], "lora_target_modules: "),
     ],
 )
 def test_bad_input_is_one_line(flags, message, tmp_path):

