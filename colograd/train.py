@@ -6,6 +6,7 @@ python colograd/train.py --config recipes/grpo_tiny.yaml          # one process
 
 import os
 import sys
+from typing import NoReturn
 
 import torch
 from peft import get_peft_model
@@ -76,7 +77,7 @@ def main(
 
 def cli(argv: list[str] | None = None) -> None:
     """Parse, then run; configuration mistakes end in one line on stderr and exit code 2."""
-    parser = TrlParser((ScriptArguments, GRPOConfig, ModelConfig))
+    parser = _Parser((ScriptArguments, GRPOConfig, ModelConfig))
     try:
         # Parsing raises ValueError for unknown recipe keys and for values the dataclasses reject.
         script_args, training_args, model_args = parser.parse_args_and_config(argv)
@@ -90,7 +91,14 @@ def cli(argv: list[str] | None = None) -> None:
         _fail(err)
 
 
-def _fail(err: Exception) -> None:
+class _Parser(TrlParser):
+    """TRL's parser, but a bad flag or value (`--num_generations eight`) ends in one line, not the full usage."""
+
+    def error(self, message: str) -> NoReturn:
+        _fail(message)
+
+
+def _fail(err: Exception | str) -> NoReturn:
     print(f"colograd: error: {str(err).strip().splitlines()[0]}", file=sys.stderr)
     sys.exit(2)
 

@@ -38,6 +38,16 @@ def test_bad_input_is_one_line(flags, message, tmp_path):
     assert last.startswith("colograd: error:") and message in last, proc.stderr[-2000:]
 
 
+@pytest.mark.parametrize("line, message", [("num_generations: eight", "invalid int value: 'eight'"),
+                                           ("learning_rate: fast", "invalid float value: 'fast'")])  # fmt: skip
+def test_wrong_type_in_recipe_is_one_line(line, message, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(open(TINY).read() + f"\n{line}\n")
+    proc = run_cli("--config", str(recipe), "--output_dir", str(tmp_path))
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
+    assert message in proc.stderr
+
+
 def test_unknown_recipe_key_is_one_line(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(open(TINY).read() + "\nlearning_rat: 1.0\n")

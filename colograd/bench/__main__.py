@@ -1,18 +1,23 @@
-"""`python -m colograd.bench sync [--json]`: run one benchmark."""
+"""`python -m colograd.bench {sync,soak} [--json]`: run one benchmark."""
 
 import argparse
 import importlib
 
-BENCHMARKS = {"sync": "colograd.bench.sync"}
+BENCHMARKS = {"sync": "colograd.bench.sync", "soak": "colograd.bench.soak"}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m colograd.bench", description=__doc__)
     parser.add_argument("name", choices=sorted(BENCHMARKS))
     parser.add_argument("--json", action="store_true", help="print one JSON line instead of a table")
-    parser.add_argument("--repeats", type=int, default=7, help="timed repetitions; medians are reported")
+    parser.add_argument("--repeats", type=int, default=7, help="sync: timed repetitions; medians are reported")
+    parser.add_argument("--steps", type=int, default=300, help="soak: training steps")
     args = parser.parse_args()
-    importlib.import_module(BENCHMARKS[args.name]).run(repeats=args.repeats, as_json=args.json)
+    bench = importlib.import_module(BENCHMARKS[args.name])
+    if args.name == "soak":
+        bench.run(steps=args.steps, as_json=args.json)
+    else:
+        bench.run(repeats=args.repeats, as_json=args.json)
 
 
 if __name__ == "__main__":
