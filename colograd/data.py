@@ -50,5 +50,7 @@ def _load_local(name: str) -> DatasetDict:
         ext = os.path.splitext(name)[1]
         if ext not in _FILE_FORMATS:
             raise ConfigError(f"dataset_name={name!r}: use a {', '.join(_FILE_FORMATS)} file or a dataset folder.")
+        if os.path.getsize(name) == 0:  # `datasets` fails on it deep inside its schema inference
+            raise ConfigError(f"dataset {name!r} is empty; give a file with at least one row.")
         return load_dataset(_FILE_FORMATS[ext], data_files=name)
     return load_dataset(name)

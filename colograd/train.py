@@ -34,7 +34,11 @@ def load_model(args: ModelConfig, training_args: GRPOConfig) -> tuple[PreTrained
         return tiny.build_model(tie_word_embeddings=tiny.TINY_MODELS[name]), tiny.build_tokenizer()
     if name.startswith((".", "/")) and not os.path.isdir(name):
         raise ConfigError(f"model_name_or_path={name!r} does not exist; give an existing folder or a hub id.")
-    training_args.check_lengths(AutoConfig.from_pretrained(name, revision=args.model_revision))
+    try:
+        config = AutoConfig.from_pretrained(name, revision=args.model_revision)
+    except OSError as err:  # not a folder, and not a hub id that can be reached
+        raise ConfigError(f"model_name_or_path={name!r} cannot be loaded: {str(err).splitlines()[0]}") from err
+    training_args.check_lengths(config)
     dtype = args.dtype if args.dtype in (None, "auto") else getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(
         name, revision=args.model_revision, dtype=dtype, attn_implementation=args.attn_implementation

@@ -1,5 +1,7 @@
 """`colograd/train.py` as users run it: one process from a recipe, and one-line errors for bad input."""
 
+import json
+
 import pytest
 from conftest import run_cli
 
@@ -28,6 +30,7 @@ def test_one_process_run_trains_and_saves(tmp_path):
         (["--max_prompt_length", "500", "--max_completion_length", "100"], "exceeds the model's context of 512"),
         (["--vllm_max_model_length", "20"], "exceeds vllm_max_model_length=20"),
         (["--use_peft", "--lora_target_modules", "no_such_proj"], "lora_target_modules: "),
+        (["--model_name_or_path", "no-such-org/no-such-model"], "cannot be loaded"),
     ],
 )
 def test_bad_input_is_one_line(flags, message, tmp_path):
@@ -54,3 +57,24 @@ def test_unknown_recipe_key_is_one_line(tmp_path):
     proc = run_cli("--config", str(recipe), "--output_dir", str(tmp_path))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "learning_rat" in proc.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    "rows, message",
+    [([{"question": "a>a:"}], "has no 'prompt' column"), ([], "is empty")],
+    ids=["no-prompt-column", "empty"],
+)
+def test_bad_dataset_is_one_line(rows, message, tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    proc = run_cli("--config", TINY, "--output_dir", str(tmp_path), "--dataset_name", str(data))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("colograd: error:") and message in last, proc.stderr[-2000:]
+
+
+def test_long_prompts_are_cut_and_counted(tmp_path):
+    # The tiny task's prompts are 7 characters; a limit of 3 keeps the last 3 tokens of every one.
+    proc = run_cli("--config", TINY, "--max_steps", "1", "--max_prompt_length", "3", "--output_dir", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "'prompts/truncated_ratio': '1'" in proc.stdout + proc.stderr
