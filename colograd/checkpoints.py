@@ -5,6 +5,7 @@ A checkpoint folder is written piece by piece (weights, optimizer, scheduler, ea
 from it would fail or, worse, restart from half-written state, so it is never chosen.
 """
 
+import json
 import os
 import re
 
@@ -18,8 +19,14 @@ _CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
 def is_complete(checkpoint: str) -> bool:
-    """Whether the save of `checkpoint` finished."""
-    return os.path.isfile(os.path.join(checkpoint, STATE_FILE))
+    """Whether the save of `checkpoint` finished: its state file exists and was written to the end (a crash
+    while writing it leaves JSON that does not parse)."""
+    try:
+        with open(os.path.join(checkpoint, STATE_FILE)) as f:
+            json.load(f)
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def checkpoint_step(checkpoint: str) -> int:
@@ -66,7 +73,7 @@ def resolve_checkpoint(resume_from_checkpoint: str | bool | None, output_dir: st
         )
     if not is_complete(resume_from_checkpoint):
         raise ConfigError(
-            f"resume_from_checkpoint={resume_from_checkpoint!r} has no {STATE_FILE}: its save was interrupted; "
-            "resume from an earlier checkpoint."
+            f"resume_from_checkpoint={resume_from_checkpoint!r} has no complete {STATE_FILE}: its save was "
+            "interrupted; resume from an earlier checkpoint."
         )
     return resume_from_checkpoint

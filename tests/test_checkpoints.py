@@ -24,6 +24,15 @@ def test_newest_finished_checkpoint_wins_over_an_interrupted_newer_one(tmp_path)
     assert resolve_checkpoint("true", str(tmp_path)) == str(ten)
 
 
+def test_a_state_file_cut_short_marks_an_interrupted_save(tmp_path):
+    five = save(tmp_path, 5)
+    cut = save(tmp_path, 10)
+    (cut / "trainer_state.json").write_text('{"global_step": 10, "log_hist')  # the crash came mid-write
+    assert last_complete_checkpoint(str(tmp_path)) == str(five)
+    with pytest.raises(ConfigError, match="save was interrupted"):
+        resolve_checkpoint(str(cut), str(tmp_path))
+
+
 def test_no_resume_asked():
     assert resolve_checkpoint(None, "anywhere") is None
     assert resolve_checkpoint(False, "anywhere") is None
