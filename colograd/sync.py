@@ -64,6 +64,10 @@ class WeightPlan:
         self.nbytes = sum(u.nbytes for u in units)
         lora = [_Unit([name], name, p, gather=[p]) for name, p in model.named_parameters() if "lora_" in name]
         self._lora_buckets = _bucketize(lora, bucket_bytes) if bucket_bytes else [lora]
+        # The FSDP2 shard groups each bucket must unshard (none without FSDP2), worked out once: the module
+        # tree does not change, and walking it for every tensor at every sync would cost milliseconds.
+        self._groups = [_fsdp_groups(model, bucket) for bucket in self.buckets]
+        self._lora_groups = [_fsdp_groups(model, bucket) for bucket in self._lora_buckets]
         self._base_sent = False
 
     def sync(self, engine: Engine) -> int:
@@ -84,19 +88,19 @@ class WeightPlan:
 
     def __iter__(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Yield each bucket as (name, tensor) pairs; sharded buckets are gathered only while in use."""
-        for bucket in self.buckets:
-            with _gathered(self.model, bucket):
-                yield [(name, _tensor(self.model, u)) for u in bucket for name in u.names]
+        for bucket, groups in zip(self.buckets, self._groups, strict=True):
+            with _gathered(bucket, groups):
+                yield [(name, _tensor(self.model, u, reread=bool(groups))) for u in bucket for name in u.names]
 
     def _sync_adapter(self, engine: Engine) -> int:
         """Hand the engine the active adapter's tensors under PEFT's saved names (adapter name left out)."""
         adapter = self.model.active_adapter
         tensors = {}
-        for bucket in self._lora_buckets:
-            with _gathered(self.model, bucket):
+        for bucket, groups in zip(self._lora_buckets, self._lora_groups, strict=True):
+            with _gathered(bucket, groups):
                 for unit in bucket:
                     if f".{adapter}." in unit.path:
-                        weight = self.model.get_parameter(unit.path).detach().clone()
+                        weight = _tensor(self.model, unit, reread=bool(groups)).clone()
                         tensors[unit.path.replace(f".{adapter}.", ".")] = weight
         engine.load_adapter(tensors, self.model.peft_config[adapter])
         return sum(t.numel() * t.element_size() for t in tensors.values())
@@ -143,8 +147,10 @@ def _lora_layers(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
 
 
-def _tensor(model: nn.Module, unit: _Unit) -> torch.Tensor:
-    weight = model.get_parameter(unit.path).data
+def _tensor(model: nn.Module, unit: _Unit, reread: bool) -> torch.Tensor:
+    """The unit's tensor as the engine should receive it. `reread`: look the parameter up again by its path,
+    because FSDP2 swapped in an unsharded one while gathered."""
+    weight = (model.get_parameter(unit.path) if reread else unit.param).data
     if unit.lora is None:
         return weight
     for adapter in unit.lora.active_adapters:
@@ -184,7 +190,7 @@ def _layer_key(name: str) -> str:
 
 
 @contextlib.contextmanager
-def _gathered(model: nn.Module, units: list[_Unit]) -> Iterator[None]:
+def _gathered(units: list[_Unit], fsdp_groups: list[nn.Module]) -> Iterator[None]:
     """Make the units' whole parameters available for the duration of the block, one collective per group.
 
     ZeRO-3: one coalesced all-gather of the bucket's partitioned parameters. FSDP2: each shard group (a
@@ -198,14 +204,19 @@ def _gathered(model: nn.Module, units: list[_Unit]) -> Iterator[None]:
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
             yield
         return
-    groups = list({id(m): m for m in (_fsdp_owner(model, u.path) for u in units) if m is not None}.values())
-    for group in groups:
+    for group in fsdp_groups:
         group.unshard()
     try:
         yield
     finally:
-        for group in groups:
+        for group in fsdp_groups:
             group.reshard()
+
+
+def _fsdp_groups(model: nn.Module, units: list[_Unit]) -> list[nn.Module]:
+    """The distinct FSDP2 shard groups holding the units' parameters; empty for a model without FSDP2."""
+    owners = (_fsdp_owner(model, u.path) for u in units)
+    return list({id(m): m for m in owners if m is not None}.values())
 
 
 def _fsdp_owner(model: nn.Module, path: str) -> nn.Module | None:
