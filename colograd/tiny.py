@@ -13,6 +13,8 @@ from datasets import Dataset
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from colograd.config import GRPOConfig
+
 PREFIX = "colograd:"
 TINY_MODELS = {"colograd:tiny-qwen2": False, "colograd:tiny-qwen2-tied": True}
 TINY_DATASETS = ("colograd:letters",)
@@ -67,3 +69,23 @@ def letters_dataset(num_prompts: int = 2048, seed: int = 0) -> Dataset:
 def letters_reward(completions: list[str], target: list[str], **kwargs) -> list[float]:
     """Fraction of the completion's characters that are the target letter (0 for an empty completion)."""
     return [c.count(t) / len(c) if c else 0.0 for c, t in zip(completions, target, strict=True)]
+
+
+def run_config(output_dir: str, steps: int, **overrides) -> GRPOConfig:
+    """The settings of recipes/grpo_tiny.yaml for a run in code (tests, benchmarks): 8 prompts × 8 completions
+    per rank, 8 tokens each, no saving or reporting; `overrides` replace any of them."""
+    defaults = dict(
+        num_generations=8,
+        per_device_train_batch_size=64,
+        max_prompt_length=16,
+        max_completion_length=8,
+        learning_rate=2e-3,
+        lr_scheduler_type="constant",
+        seed=42,
+        vllm_kv_cache_gib=0.25,
+        vllm_enforce_eager=True,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+    )
+    return GRPOConfig(output_dir=output_dir, max_steps=steps, **{**defaults, **overrides})

@@ -12,7 +12,7 @@ import time
 
 from transformers import TrainerCallback
 
-from colograd import GRPOConfig, GRPOTrainer, tiny
+from colograd import GRPOTrainer, tiny
 
 
 def rss_mib() -> float:
@@ -40,23 +40,7 @@ def slope_per_100_steps(values: list[float]) -> float:
 
 
 def run(steps: int = 300, as_json: bool = False) -> dict[str, float]:
-    args = GRPOConfig(
-        output_dir="outputs/bench-soak",
-        num_generations=8,
-        per_device_train_batch_size=64,
-        max_prompt_length=16,
-        max_completion_length=8,
-        learning_rate=2e-3,
-        lr_scheduler_type="constant",
-        max_steps=steps,
-        seed=42,
-        vllm_kv_cache_gib=0.25,
-        vllm_enforce_eager=True,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        logging_steps=10,
-    )
+    args = tiny.run_config("outputs/bench-soak", steps, logging_steps=10)
     recorder = RecordRSS()
     trainer = GRPOTrainer(
         model=tiny.build_model(),

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from peft import LoraConfig, get_peft_model
 from transformers import TrainerCallback
 
-from colograd import GRPOConfig, GRPOTrainer, tiny
+from colograd import GRPOTrainer, tiny
 from colograd.sync import is_sharded
 
 
@@ -62,25 +62,6 @@ class RecordingTrainer(GRPOTrainer):
         return rollout
 
 
-def tiny_run_config(output_dir: str, steps: int, **overrides) -> GRPOConfig:
-    """A short run on the tiny task: 8 prompts × 8 completions per rank, 8 tokens each, no saving or reporting."""
-    defaults = dict(
-        num_generations=8,
-        per_device_train_batch_size=64,
-        max_prompt_length=16,
-        max_completion_length=8,
-        learning_rate=3e-3,
-        lr_scheduler_type="constant",
-        seed=42,
-        vllm_kv_cache_gib=0.25,
-        vllm_enforce_eager=True,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-    )
-    return GRPOConfig(output_dir=output_dir, max_steps=steps, **{**defaults, **overrides})
-
-
 def hf_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0, :-1].float()
@@ -98,9 +79,10 @@ def main() -> None:
     parser.add_argument("--die-at-step", type=int, help="rank 1 exits abruptly when this step starts")
     cli = parser.parse_args()
 
-    args = tiny_run_config(
+    args = tiny.run_config(
         os.path.join(cli.out, "run"),
         cli.steps,
+        learning_rate=3e-3,
         sync_bucket_mib=cli.bucket_mib,
         beta=cli.beta,
         lora_sync=cli.lora or "merged",

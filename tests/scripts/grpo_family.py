@@ -21,7 +21,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from grpo_check import WeightsAgree, tiny_run_config
+from grpo_check import WeightsAgree
 from peft import LoraConfig, get_peft_model
 from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
@@ -131,9 +131,10 @@ FINISHED: list[GRPOTrainer] = []
 def train(name: str, out: str, data_dir: str) -> dict:
     run = RUNS[name]
     # 2 prompts × 8 completions per micro-step and rank.
-    args = tiny_run_config(
+    args = tiny.run_config(
         os.path.join(out, name),
         run["steps"],
+        learning_rate=3e-3,
         per_device_train_batch_size=16,
         max_prompt_length=24,
         vllm_kv_cache_gib=0.05,
