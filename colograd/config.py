@@ -11,6 +11,7 @@ import torch
 from transformers import TrainingArguments
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
+IS_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
@@ -72,6 +73,25 @@ class GRPOConfig(TrainingArguments):
     )
     vllm_enable_prefix_caching: bool = field(
         default=True, metadata={"help": "Let the engine reuse the KV cache of shared prompt prefixes."}
+    )
+    vllm_max_num_seqs: int | None = field(
+        default=None,
+        metadata={
+            "help": "Most sequences the engine decodes at once. None: a whole rollout of this rank's TP group "
+            "(prompts × num_generations), so one rollout runs as one batch."
+        },
+    )
+    vllm_max_num_batched_tokens: int | None = field(
+        default=None,
+        metadata={"help": "Most tokens per engine forward pass (bounds chunked prefill). None: vLLM's default."},
+    )
+    vllm_tensor_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "Split each engine over this many consecutive ranks (tensor parallel). The ranks of a group "
+            "pool their prompts, generate together and each keep their own completions. Must divide the number "
+            "of processes."
+        },
     )
 
     vllm_cpu_repack_weights: bool = field(
@@ -135,11 +155,56 @@ class GRPOConfig(TrainingArguments):
         default="group",
         metadata={"help": "Divide advantages by the reward std of the group, of the batch, or not at all (none)."},
     )
+    vllm_importance_sampling_correction: bool = field(
+        default=False,
+        metadata={
+            "help": "Weight each token's loss by π_trainer / π_engine of its sampled token (the trainer's and the "
+            "engine's probabilities under the same weights), bounded as vllm_importance_sampling_mode says: "
+            "corrects for numerical differences between the two (TRL's truncated importance sampling)."
+        },
+    )
+    vllm_importance_sampling_mode: str = field(
+        default="token_truncate",
+        metadata={
+            "help": f"One of {', '.join(IS_CORRECTION_MODES)}: a ratio per token or per completion (the product "
+            "over its tokens); truncate clamps it to [clip_min, clip_max], mask zeroes it outside (TRL's modes)."
+        },
+    )
+    vllm_importance_sampling_clip_max: float | None = field(
+        default=3.0, metadata={"help": "Upper bound C_max of the correction ratio. None: no upper bound."}
+    )
+    vllm_importance_sampling_clip_min: float | None = field(
+        default=None, metadata={"help": "Lower bound C_min of the correction ratio. None: no lower bound."}
+    )
     mask_truncated_completions: bool = field(
         default=False, metadata={"help": "Leave completions cut at max_completion_length out of the loss."}
     )
     reward_weights: list[float] | None = field(
         default=None, metadata={"help": "One weight per reward function; None weighs them all 1."}
+    )
+
+    # Training forward
+    padding_free: bool = field(
+        default=True,
+        metadata={
+            "help": "Train on packed sequences: each micro-batch's prompt + completion tokens are laid end to end "
+            "with no padding, position ids restarting per sequence so attention stays within each one. False: "
+            "padded rows."
+        },
+    )
+    packed_row_tokens: int = field(
+        default=4096,
+        metadata={
+            "help": "Token budget of one packed row: whole sequences are packed, longest first, into rows of at most "
+            "this many tokens (a longer sequence gets a row of its own). Attention cost grows with its square."
+        },
+    )
+    logps_chunk_tokens: int = field(
+        default=1024,
+        metadata={
+            "help": "Completion tokens whose log-probs are computed at once from the output layer: the "
+            "[tokens × vocabulary] logits exist one chunk at a time (recomputed in the backward pass)."
+        },
     )
 
     # Logging
@@ -222,6 +287,28 @@ class GRPOConfig(TrainingArguments):
             raise ConfigError(f"max_completion_length={self.max_completion_length}: set it to 1 or more.")
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             raise ConfigError(f"max_prompt_length={self.max_prompt_length}: set it to 1 or more, or to None.")
+        if self.vllm_importance_sampling_mode not in IS_CORRECTION_MODES:
+            raise ConfigError(
+                f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} is unknown; use one of "
+                f"{', '.join(IS_CORRECTION_MODES)}."
+            )
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if low is not None and high is not None and low >= high:
+            raise ConfigError(
+                f"vllm_importance_sampling_clip_min={low} is not below vllm_importance_sampling_clip_max={high}; "
+                "lower the first or raise the second."
+            )
+        if self.vllm_tensor_parallel_size < 1 or self.world_size % self.vllm_tensor_parallel_size:
+            raise ConfigError(
+                f"vllm_tensor_parallel_size={self.vllm_tensor_parallel_size} does not divide the {self.world_size} "
+                "processes; set it to a divisor of the number of processes (1 gives every rank its own engine)."
+            )
+        for name in ("vllm_max_num_seqs", "vllm_max_num_batched_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)}: set it to 1 or more, or to None.")
+        for name in ("packed_row_tokens", "logps_chunk_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)}: set it to 1 or more.")
         if self.log_completions_steps is not None and self.log_completions_steps < 1:
             raise ConfigError(f"log_completions_steps={self.log_completions_steps}: set it to 1 or more, or to None.")
 
@@ -245,6 +332,14 @@ class GRPOConfig(TrainingArguments):
     def prompts_per_device(self) -> int:
         """Prompts each rank takes per micro-step: per_device_train_batch_size counts completions."""
         return self.per_device_train_batch_size // self.num_generations
+
+    @property
+    def engine_logps_are_old_logps(self) -> bool:
+        """Whether the engine's log-probs of its samples can stand in for the sampling policy's, saving a forward
+        pass: each rollout is trained on once, sampling is unfiltered (the engine's probabilities are then the
+        full softmax at the temperature, as the trainer's), and no correction needs the trainer's own."""
+        unfiltered = self.top_p == 1.0 and self.top_k <= 0 and self.repetition_penalty == 1.0
+        return self.num_iterations == 1 and unfiltered and not self.vllm_importance_sampling_correction
 
     @property
     def reuses_rollouts_across_updates(self) -> bool:

@@ -62,6 +62,11 @@ class Engine:
         from vllm import LLM
 
         rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        # Tensor parallel: consecutive ranks share one engine, as vLLM's external launcher groups them.
+        self.tp_size = args.vllm_tensor_parallel_size
+        self.tp_group = _tensor_parallel_group(self.tp_size, world) if self.tp_size > 1 else None
+        self._tp_index = rank // self.tp_size  # which engine this rank belongs to
         # vLLM reads the architecture from a folder: write the config and tokenizer, never the weights.
         self._dir = tempfile.TemporaryDirectory(prefix=f"colograd-engine-{rank}-")
         base = model.get_base_model() if isinstance(model, PeftModel) else model
@@ -88,7 +93,12 @@ class Engine:
                 model=self._dir.name,
                 load_format="dummy",
                 dtype=_engine_dtype(model, args),
-                seed=args.seed + rank,  # each rank samples different completions
+                seed=args.seed + self._tp_index,  # each engine samples different completions
+                tensor_parallel_size=self.tp_size,
+                # None: one rollout of the whole TP group as one batch.
+                max_num_seqs=args.vllm_max_num_seqs
+                or args.per_device_train_batch_size * args.steps_per_generation * self.tp_size,
+                max_num_batched_tokens=args.vllm_max_num_batched_tokens,
                 max_model_len=max_model_len,
                 enforce_eager=args.vllm_enforce_eager,
                 enable_prefix_caching=args.vllm_enable_prefix_caching,
@@ -113,30 +123,51 @@ class Engine:
         self.lora_request = None  # set by `load_adapter`; every generation then applies the adapter
         self._adapter_dir: tempfile.TemporaryDirectory | None = None
 
-    def generate(self, prompt_ids: list[list[int]], args: GRPOConfig) -> Rollout:
+    def generate(self, prompt_ids: list[list[int]], args: GRPOConfig, step: int = 0) -> Rollout:
         """Sample `args.num_generations` completions of every prompt in one engine call.
 
-        `n=G` makes the engine prefill each prompt once for its whole group.
+        `n=G` makes the engine prefill each prompt once for its whole group. Under tensor parallelism the ranks
+        of a group pool their prompts, run one engine call together, and each keeps its own completions;
+        `step` (the micro-step being trained) then seeds the call, so that every rank of the group samples the
+        same tokens (vLLM's CPU sampler otherwise draws from each process's own generator).
         """
         from vllm import SamplingParams
 
-        params = SamplingParams(
-            n=args.num_generations,
-            max_tokens=args.max_completion_length,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k if args.top_k > 0 else -1,
-            repetition_penalty=args.repetition_penalty,
-            logprobs=0,  # the sampled token's own log-prob
-        )
+        mine = len(prompt_ids)
+        seeds: list[int | None] = [None] * mine
+        if self.tp_group is not None:
+            pooled: list[list[list[int]]] = [[] for _ in range(self.tp_size)]
+            dist.all_gather_object(pooled, prompt_ids, group=self.tp_group)
+            prompt_ids = [ids for part in pooled for ids in part]
+            # One seed per request (vLLM gives its n samples seed, seed + 1, ...), so that a prompt that comes
+            # twice still gets different completions.
+            base = hash((args.seed, self._tp_index, step)) % 2**31
+            seeds = [base + i * args.num_generations for i in range(len(prompt_ids))]
+
+        params = [
+            SamplingParams(
+                n=args.num_generations,
+                max_tokens=args.max_completion_length,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                top_k=args.top_k if args.top_k > 0 else -1,
+                repetition_penalty=args.repetition_penalty,
+                logprobs=0,  # the sampled token's own log-prob
+                seed=seed,
+            )
+            for seed in seeds
+        ]
         prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
         outputs = self.llm.generate(prompts, params, lora_request=self.lora_request, use_tqdm=False)
+        if self.tp_group is not None:
+            first = dist.get_rank(self.tp_group) * mine
+            outputs = outputs[first : first + mine]
         rollout = Rollout([], [], [])
         for request in outputs:
             for sample in request.outputs:
                 ids = list(sample.token_ids)
                 rollout.completion_ids.append(ids)
-                rollout.logps.append([step[tok].logprob for step, tok in zip(sample.logprobs, ids, strict=True)])
+                rollout.logps.append([pos[tok].logprob for pos, tok in zip(sample.logprobs, ids, strict=True)])
                 rollout.truncated.append(sample.finish_reason == "length")
         return rollout
 
@@ -203,6 +234,14 @@ class Engine:
         )
         steps = out[0].prompt_logprobs
         return torch.tensor([steps[i][token_ids[i]].logprob for i in range(1, len(token_ids))])
+
+
+def _tensor_parallel_group(tp_size: int, world: int) -> Any:
+    """This rank's group of `tp_size` consecutive ranks (every rank must call this, in the same order)."""
+    group, _ = dist.new_subgroups_by_enumeration(
+        [list(range(start, start + tp_size)) for start in range(0, world, tp_size)]
+    )
+    return group
 
 
 @contextmanager

@@ -88,6 +88,40 @@ def clipped_fractions(
     return {"low": low, "high": high, "region": low | high}
 
 
+def sampling_correction(
+    trainer_logps_NT: torch.Tensor,
+    engine_logps_NT: torch.Tensor,
+    mask_NT: torch.Tensor,
+    mode: str = "token_truncate",
+    clip_min: float | None = None,
+    clip_max: float | None = 3.0,
+) -> torch.Tensor:
+    """Truncated importance-sampling weights π_trainer / π_engine of the sampled tokens (TRL's modes).
+
+    Both log-probs are of the policy that sampled; they differ only by numerics (kernels, precision).
+
+    Args:
+        mode: "token_*" gives one ratio per token ([N, T]); "sequence_*" one per completion ([N, 1]), the product
+            of its tokens' ratios. "*_truncate" clamps it to [clip_min, clip_max]; "*_mask" sets it to 0 outside.
+
+    Returns:
+        The detached weights each token's loss is multiplied by.
+    """
+    diff_NT = torch.nan_to_num((trainer_logps_NT - engine_logps_NT) * mask_NT, nan=0.0)
+    if mode.startswith("sequence"):
+        diff_NT = diff_NT.sum(-1, keepdim=True)
+    elif not mode.startswith("token"):
+        raise ValueError(f"unknown vllm_importance_sampling_mode {mode!r}")
+    ratio = torch.exp(diff_NT).detach()
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    if mode.endswith("mask"):
+        low = clip_min if clip_min is not None else -float("inf")
+        high = clip_max if clip_max is not None else float("inf")
+        return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+    raise ValueError(f"unknown vllm_importance_sampling_mode {mode!r}")
+
+
 class PolicyLoss(NamedTuple):
     """The loss and the detached terms its metrics are read from."""
 
@@ -110,6 +144,7 @@ def policy_loss(
     use_bias_correction_kl: bool = True,
     max_completion_length: int | None = None,
     num_items: float | torch.Tensor | None = None,
+    sampling_weights: torch.Tensor | None = None,
 ) -> PolicyLoss:
     """The clipped surrogate loss of PPO/GRPO plus `beta` × KL, averaged the way `loss_type` says (TRL's).
 
@@ -128,6 +163,8 @@ def policy_loss(
             in gradient), as TRL does by default.
         max_completion_length: the constant denominator of "dr_grpo".
         num_items: the token count "dapo" divides by (the global count per rank, so ranks weigh tokens equally).
+        sampling_weights: importance-sampling corrections ([N, T] or [N, 1], see `sampling_correction`) that
+            multiply the policy term of each token, before the KL is added (TRL's order).
 
     Returns:
         The loss, with the ratios and KL it was built from (detached, for metrics).
@@ -137,6 +174,8 @@ def policy_loss(
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
     adv_N1 = advantages_N.unsqueeze(1)
     per_token_NT = -torch.min(ratio * adv_N1, clipped * adv_N1)
+    if sampling_weights is not None:
+        per_token_NT = per_token_NT * sampling_weights
     kl_NT = None
     if beta != 0.0:
         if ref_logps_NT is None:

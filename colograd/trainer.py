@@ -17,10 +17,8 @@ Subclass and override one of these to change that stage alone.
 """
 
 import os
-import time
 from collections import defaultdict
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -29,18 +27,20 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, Trainer
 from transformers.trainer_utils import has_length
 from trl.data_utils import is_conversational, maybe_apply_chat_template
-from trl.trainer.utils import RepeatSampler, nanstd, selective_log_softmax
+from trl.trainer.utils import RepeatSampler, nanstd
 
 from colograd.batch import pad_rollout, split_rows
 from colograd.checkpoints import checkpoint_step, resolve_checkpoint
 from colograd.completions import CompletionLog
 from colograd.config import ConfigError, GRPOConfig
 from colograd.engine import Engine, Rollout
-from colograd.loss import clipped_fractions, group_advantages, policy_loss, weighted_rewards
+from colograd.logps import completion_logps
+from colograd.loss import clipped_fractions, group_advantages, policy_loss, sampling_correction, weighted_rewards
 from colograd.modelcard import Recipe, model_card, write_model_card
 from colograd.reference import ReferencePolicy
 from colograd.rewards import RewardFunc, RewardModel, resolve_rewards, reward_name, score
 from colograd.sync import WeightPlan, is_sharded
+from colograd.timing import OptimizerTimer, PhaseTimes, format_summary, throughput
 
 
 def _masked_mean(x: torch.Tensor, mask_NT: torch.Tensor) -> float:
@@ -88,6 +88,11 @@ class GRPOTrainer(Trainer):
         if processing_class.pad_token is None:
             processing_class.pad_token = processing_class.eos_token
         args.check_lengths(model.config)
+        if getattr(model.config, "final_logit_softcapping", None):
+            raise ConfigError(
+                f"{type(model).__name__} soft-caps its logits (final_logit_softcapping), which colograd's log-prob "
+                "computation does not apply; use a model without it."
+            )
         self.reward_funcs, self.reward_weights = resolve_rewards(reward_funcs, args.reward_weights)
         # Copied before the Trainer wraps the model, so the copy is the initial policy, whole on every rank.
         self.reference = ReferencePolicy(model) if args.beta != 0.0 else None
@@ -123,6 +128,9 @@ class GRPOTrainer(Trainer):
         self._micro_step = 0  # micro-steps trained since start (or resume): picks the rollout slice
         self._slices: list[dict[str, torch.Tensor]] | None = None  # the current rollout, one slice per micro-step
         self._metrics: dict[str, list[float]] = defaultdict(list)
+        self._times = PhaseTimes()
+        self.add_callback(OptimizerTimer(self._times, self._metrics))
+        self.phase_summary: dict[str, Any] = {}  # filled at the end of `train` (see `summarize_phases`)
         self._last_logged_step = 0
         self.recipe = recipe
         self._completion_log = (
@@ -141,7 +149,30 @@ class GRPOTrainer(Trainer):
         self._last_logged_step = checkpoint_step(checkpoint) if checkpoint else 0
         if checkpoint and self._completion_log is not None:
             self._completion_log.forget_after(self._last_logged_step)
-        return super().train(resume_from_checkpoint=checkpoint, **kwargs)
+        self._times = PhaseTimes()
+        for callback in self.callback_handler.callbacks:
+            if isinstance(callback, OptimizerTimer):
+                callback.times = self._times
+        first_step = self._last_logged_step
+        output = super().train(resume_from_checkpoint=checkpoint, **kwargs)
+        self.summarize_phases(self.state.global_step - first_step)
+        return output
+
+    def summarize_phases(self, steps: int) -> None:
+        """Print (main process) and keep in `phase_summary` where this `train` call's time went: seconds per phase
+        (mean over processes) and tokens/s of generation and training (all processes)."""
+        phases = sorted(self._times.seconds)
+        kinds = sorted(self._times.tokens)
+        local = torch.tensor(
+            [self._times.seconds[p] for p in phases] + [self._times.tokens[k] for k in kinds], device=self.args.device
+        )
+        mean = self.accelerator.reduce(local, reduction="mean").tolist()
+        seconds = dict(zip(phases, mean[: len(phases)], strict=True))
+        tokens = dict(zip(kinds, mean[len(phases) :], strict=True))
+        rates = throughput(tokens, seconds, self.accelerator.num_processes)
+        self.phase_summary = {"steps": steps, "seconds": seconds, "tokens_per_process": tokens, **rates}
+        if self.accelerator.is_main_process:
+            print(format_summary(steps, seconds, rates), flush=True)
 
     # --- data -------------------------------------------------------------------------------------------
 
@@ -251,7 +282,9 @@ class GRPOTrainer(Trainer):
 
     def generate(self, prompt_ids: list[list[int]]) -> Rollout:
         """All G completions of every prompt of this rank, in one engine call."""
-        rollout = self.engine.generate(prompt_ids, self.args)
+        step = self.state.global_step * self.args.gradient_accumulation_steps + self._micro_step
+        rollout = self.engine.generate(prompt_ids, self.args, step=step)
+        self._times.count("generated", sum(len(c) for c in rollout.completion_ids), self._metrics)
         lengths = torch.tensor([len(c) for c in rollout.completion_ids], dtype=torch.float32)
         self._metrics["completions/mean_length"].append(lengths.mean().item())
         self._metrics["completions/min_length"].append(lengths.min().item())
@@ -293,13 +326,17 @@ class GRPOTrainer(Trainer):
         """Log-probs a rollout slice needs besides the current ones, computed once when it is generated.
 
         Returns:
-            `old_logps` [N, T] (the policy that sampled) when a slice is trained after an optimizer step;
+            `old_logps` [N, T] (the policy that sampled) when a slice is trained after an optimizer step: the
+            engine's own log-probs of its samples when they serve (one pass over the rollout, unfiltered
+            sampling), else the trainer's, by a forward pass;
             `ref_logps` [N, T] (the reference policy) when `beta` > 0.
         """
         out = {}
         policy = self.accelerator.unwrap_model(self.model)
         with self.compute_loss_context_manager():
-            if self.args.reuses_rollouts_across_updates:
+            if self.args.reuses_rollouts_across_updates and self.args.engine_logps_are_old_logps:
+                out["old_logps"] = batch["engine_logps"]
+            elif self.args.reuses_rollouts_across_updates:
                 out["old_logps"] = self.completion_logps(policy, batch)
                 self._log_sampling_gap(out["old_logps"], batch)
             if self.reference is not None:
@@ -318,8 +355,14 @@ class GRPOTrainer(Trainer):
         after an optimizer step, else the current ones detached (ratio 1, gradient not)."""
         mask_NT = inputs["completion_mask"]
         logps_NT = self.completion_logps(model, inputs)
+        if model.training:
+            self._times.count("trained", inputs["attention_mask"].sum().item(), self._metrics)
         if "old_logps" not in inputs:  # on-policy: these are the sampling policy's log-probs
             self._log_sampling_gap(logps_NT.detach(), inputs)
+        sampling_weights = None
+        if self.args.vllm_importance_sampling_correction:
+            # The trainer's log-probs of the sampling policy: stored with the rollout, or, on-policy, the current.
+            sampling_weights = self.sampling_correction(inputs.get("old_logps", logps_NT.detach()), inputs)
         out = policy_loss(
             logps_NT,
             inputs.get("old_logps", logps_NT.detach()),
@@ -334,6 +377,7 @@ class GRPOTrainer(Trainer):
             use_bias_correction_kl=self.args.use_bias_correction_kl,
             max_completion_length=self.args.max_completion_length,
             num_items=inputs["num_items"],
+            sampling_weights=sampling_weights,
         )
         mask_NT = mask_NT.float()
         clipped = clipped_fractions(out.ratio, inputs["advantages"], self.args.epsilon, self.args.epsilon_high)
@@ -343,18 +387,38 @@ class GRPOTrainer(Trainer):
             self._metrics["kl"].append(_masked_mean(out.kl_NT, mask_NT))
         return out.loss
 
+    def sampling_correction(self, trainer_logps_NT: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Truncated importance-sampling weights π_trainer / π_engine for the sampled tokens (see
+        `colograd.loss.sampling_correction`), with their `sampling/importance_sampling_ratio/*` metrics."""
+        args, mask_NT = self.args, inputs["completion_mask"]
+        weights = sampling_correction(
+            trainer_logps_NT,
+            inputs["engine_logps"],
+            mask_NT,
+            args.vllm_importance_sampling_mode,
+            args.vllm_importance_sampling_clip_min,
+            args.vllm_importance_sampling_clip_max,
+        )
+        counted = weights.flatten() if weights.size(1) == 1 else weights[mask_NT.bool()]
+        if counted.numel():
+            self._metrics["sampling/importance_sampling_ratio/min"].append(counted.min().item())
+            self._metrics["sampling/importance_sampling_ratio/mean"].append(counted.mean().item())
+            self._metrics["sampling/importance_sampling_ratio/max"].append(counted.max().item())
+        return weights
+
     def completion_logps(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Log-probs of the completion tokens under `model`, at the sampling temperature: [N, T]."""
-        completion_ids_NT = inputs["completion_ids"]
-        t = completion_ids_NT.size(1)
-        # Only the last T+1 positions' logits are computed: the prompt's own logits are never needed.
-        logits_NTV = model(
-            input_ids=inputs["input_ids"],
-            attention_mask=inputs["attention_mask"],
-            position_ids=inputs["position_ids"],
-            logits_to_keep=t + 1,
-        ).logits[:, :-1]
-        return selective_log_softmax(logits_NTV / self.args.temperature, completion_ids_NT)
+        """Log-probs of the completion tokens under `model`, at the sampling temperature: [N, T].
+
+        Padding-free (packed) or on the padded rows, as `padding_free` says; see `colograd.logps`.
+        """
+        return completion_logps(
+            model,
+            inputs,
+            temperature=self.args.temperature,
+            padding_free=self.args.padding_free,
+            row_tokens=self.args.packed_row_tokens,
+            chunk_tokens=self.args.logps_chunk_tokens,
+        )
 
     def log_completions(
         self, prompts: list, rollout: Rollout, rewards_NF: torch.Tensor, advantages_N: torch.Tensor
@@ -410,28 +474,31 @@ class GRPOTrainer(Trainer):
         self._metrics["sampling/sampling_logp_difference/mean"].append(diff.mean().item())
         self._metrics["sampling/sampling_logp_difference/max"].append(diff.max().item())
 
-    @contextmanager
-    def _timed(self, phase: str) -> Iterator[None]:
-        start = time.perf_counter()
-        yield
-        self._metrics[f"time/{phase}"].append(time.perf_counter() - start)
+    def _timed(self, phase: str) -> AbstractContextManager[None]:
+        return self._times.timed(phase, self._metrics)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Add this window's GRPO metrics, averaged over micro-steps and ranks (max over ranks for `*/max`).
+        """Add this window's GRPO metrics, averaged over micro-steps and ranks (max / min over ranks for `*/max` /
+        `*/min`).
 
-        `time/*` are seconds per optimizer step: their sums over the window divided by its steps.
+        `time/*` are seconds per optimizer step and `tokens/*` tokens per optimizer step and process: their sums over
+        the window divided by its steps. `throughput/*_tokens_per_s` are the window's tokens/s over all processes.
         """
         if self._metrics and "loss" in logs:
             steps = max(1, self.state.global_step - self._last_logged_step)
             names = sorted(self._metrics)
-            values = [
-                sum(self._metrics[k]) / (steps if k.startswith("time/") else len(self._metrics[k])) for k in names
-            ]
+            per_step = ("time/", "tokens/")
+            values = [sum(v) / (steps if k.startswith(per_step) else len(v)) for k, v in sorted(self._metrics.items())]
             local = torch.tensor(values, device=self.args.device)
             mean = self.accelerator.reduce(local.clone(), reduction="mean")
-            high = self.accelerator.gather(local.unsqueeze(0)).amax(dim=0)
-            is_max = torch.tensor([k.endswith("/max") for k in names], device=self.args.device)
-            logs.update(zip(names, torch.where(is_max, high, mean).tolist(), strict=True))
+            everywhere = self.accelerator.gather(local.unsqueeze(0))
+            ends = lambda suffix: torch.tensor([k.endswith(suffix) for k in names], device=local.device)  # noqa: E731
+            reduced = torch.where(ends("/max"), everywhere.amax(dim=0), mean)
+            reduced = torch.where(ends("/min"), everywhere.amin(dim=0), reduced)
+            logs.update(zip(names, reduced.tolist(), strict=True))
+            tokens = {k.removeprefix("tokens/"): logs[k] for k in names if k.startswith("tokens/")}
+            seconds = {k.removeprefix("time/"): logs[k] for k in names if k.startswith("time/")}
+            logs.update(throughput(tokens, seconds, self.accelerator.num_processes))
             self._metrics.clear()
             self._last_logged_step = self.state.global_step
         super().log(logs, start_time)

@@ -48,6 +48,20 @@ def test_old_logps_needed_when_a_rollout_outlives_an_optimizer_step(
 
 
 @pytest.mark.parametrize(
+    "kwargs, engine",
+    [
+        ({}, True),
+        ({"num_iterations": 2}, False),  # later passes train a policy that moved since sampling: stored trainer's
+        ({"top_p": 0.9}, False),  # the engine's probabilities are renormalised over the nucleus
+        ({"top_k": 5}, False),
+        ({"vllm_importance_sampling_correction": True}, False),  # the correction compares the two
+    ],
+)
+def test_engine_logps_stand_in_for_old_logps_only_when_equal_to_the_trainers(kwargs, engine):
+    assert make(**kwargs).engine_logps_are_old_logps is engine
+
+
+@pytest.mark.parametrize(
     "kwargs, names",
     [
         ({"num_generations": 1, "per_device_train_batch_size": 1}, "num_generations"),
@@ -61,6 +75,11 @@ def test_old_logps_needed_when_a_rollout_outlives_an_optimizer_step(
         ({"steps_per_generation": 2, "generation_batch_size": 16}, "steps_per_generation and generation_batch_size"),
         ({"generation_batch_size": 12}, "generation_batch_size=12"),
         ({"log_completions_steps": 0}, "log_completions_steps"),
+        ({"vllm_tensor_parallel_size": 2}, "vllm_tensor_parallel_size=2 does not divide the 1 processes"),
+        ({"vllm_max_num_seqs": 0}, "vllm_max_num_seqs"),
+        ({"packed_row_tokens": 0}, "packed_row_tokens"),
+        ({"vllm_importance_sampling_mode": "token"}, "vllm_importance_sampling_mode"),
+        ({"vllm_importance_sampling_clip_min": 2.0, "vllm_importance_sampling_clip_max": 2.0}, "clip_min=2.0"),
     ],
 )
 def test_invalid_fields_are_named(kwargs, names):

@@ -65,6 +65,23 @@ def test_old_logps_are_stored_once_per_rollout(runs, name):
         assert gaps[1] > 1e-4 and gaps[3] > 1e-4
 
 
+@pytest.mark.parametrize("name, from_engine", [("dr_grpo", True), ("grpo", False), ("dapo", False)])
+def test_engine_logps_serve_as_old_logps_when_they_can(runs, name, from_engine):
+    # One pass over each rollout and no correction: the engine's log-probs of its samples are the sampling
+    # policy's, so no forward pass computes them. num_iterations 2 (grpo) or the importance-sampling correction
+    # (dapo), which needs the trainer's own, take the forward pass.
+    assert set(runs[name][0]["old_from_engine"]) == {from_engine}
+
+
+@pytest.mark.parametrize("name", ["bnpo", "dapo"])
+def test_importance_sampling_correction_is_logged_and_near_one(runs, name):
+    # Engine and trainer share the weights, so the ratio of their probabilities is 1 up to numerics.
+    for entry in steps(runs[name][0]):
+        for stat in ("min", "mean", "max"):
+            assert entry[f"sampling/importance_sampling_ratio/{stat}"] == pytest.approx(1.0, abs=1e-3)
+    assert "sampling/importance_sampling_ratio/mean" not in steps(runs["dr_grpo"][0])[0]
+
+
 @pytest.mark.parametrize("name, micro_steps", [("bnpo", 4), ("lora", 3)])
 def test_on_policy_rollouts_need_no_old_logps(runs, name, micro_steps):
     assert runs[name][0]["old_logp_gaps"] == [0.0] * micro_steps  # every slice trained before the next update

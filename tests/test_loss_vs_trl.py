@@ -14,8 +14,8 @@ import torch
 from trl.trainer import grpo_trainer as trl_grpo_trainer
 from trl.trainer.grpo_trainer import GRPOTrainer as TRLGRPOTrainer
 
-from colograd.config import LOSS_TYPES
-from colograd.loss import clipped_fractions, group_advantages, policy_loss, weighted_rewards
+from colograd.config import IS_CORRECTION_MODES, LOSS_TYPES
+from colograd.loss import clipped_fractions, group_advantages, policy_loss, sampling_correction, weighted_rewards
 
 N, T, P, G = 12, 7, 3, 4
 
@@ -51,8 +51,10 @@ def _inputs(seed: int) -> dict[str, torch.Tensor]:
     }
 
 
-def _trl_loss(inputs, loss_type, level, beta, bias_correction, eps_low, eps_high):
-    """TRL's `_compute_loss` on `inputs`; returns the loss, the gradient w.r.t. the log-probs, and its metrics."""
+def _trl_loss(inputs, loss_type, level, beta, bias_correction, eps_low, eps_high, sampling_weights=None):
+    """TRL's `_compute_loss` on `inputs`; returns the loss, the gradient w.r.t. the log-probs, and its metrics.
+
+    `sampling_weights` is passed as TRL's vLLM importance-sampling ratio, with its correction switched on."""
     logps = inputs["logps"].clone().requires_grad_()
     stand_in = SimpleNamespace(
         _get_per_token_logps_and_entropies=lambda *a, **k: (logps, torch.zeros_like(logps), None),
@@ -64,8 +66,8 @@ def _trl_loss(inputs, loss_type, level, beta, bias_correction, eps_low, eps_high
         loss_type=loss_type,
         epsilon_low=eps_low,
         epsilon_high=eps_high,
-        use_vllm=False,
-        vllm_importance_sampling_correction=False,
+        use_vllm=sampling_weights is not None,
+        vllm_importance_sampling_correction=sampling_weights is not None,
         model=SimpleNamespace(training=True),
         current_gradient_accumulation_steps=1,
         max_completion_length=T,
@@ -77,6 +79,8 @@ def _trl_loss(inputs, loss_type, level, beta, bias_correction, eps_low, eps_high
     trl_inputs = {k: v for k, v in inputs.items() if k != "logps"}
     if beta == 0.0:
         del trl_inputs["ref_per_token_logps"]
+    if sampling_weights is not None:
+        trl_inputs["importance_sampling_ratio"] = sampling_weights
     loss = TRLGRPOTrainer._compute_loss(stand_in, None, trl_inputs)
     loss.backward()
     return loss.item(), logps.grad, {k: v[-1] for k, v in stand_in._metrics["train"].items()}
@@ -125,6 +129,53 @@ def test_loss_gradient_and_metrics_equal_trl(loss_type, beta, bias_correction, l
         assert _masked_mean(ours.kl_NT, mask) == pytest.approx(trl_metrics["kl"], abs=1e-6)
     else:
         assert ours.kl_NT is None and "kl" not in trl_metrics
+
+
+@pytest.mark.parametrize("mode", IS_CORRECTION_MODES)
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_sampling_correction_loss_equals_trl(loss_type, mode):
+    inputs = _inputs(seed=zlib.crc32(f"is{loss_type}{mode}".encode()))
+    mask = inputs["completion_mask"]
+    gen = torch.Generator().manual_seed(3)
+    engine_logps = inputs["old_per_token_logps"] + 0.8 * torch.randn(N, T, generator=gen)
+    weights = sampling_correction(inputs["old_per_token_logps"], engine_logps, mask, mode, clip_min=0.5, clip_max=2.0)
+    assert weights.shape == ((N, 1) if mode.startswith("sequence") else (N, T))
+    if mode.endswith("truncate"):
+        assert weights.min() >= 0.5 and weights.max() <= 2.0 and (weights == 2.0).any()
+    else:
+        assert (weights == 0).any() and (weights[weights > 0] >= 0.5).all() and (weights <= 2.0).all()
+    trl_loss, trl_grad, _ = _trl_loss(inputs, loss_type, "token", 0.04, True, 0.2, 0.2, sampling_weights=weights)
+
+    logps = inputs["logps"].clone().requires_grad_()
+    ours = policy_loss(
+        logps,
+        inputs["old_per_token_logps"],
+        inputs["advantages"],
+        mask,
+        loss_type=loss_type,
+        ref_logps_NT=inputs["ref_per_token_logps"],
+        beta=0.04,
+        max_completion_length=T,
+        num_items=inputs["num_items_in_batch"],
+        sampling_weights=weights,
+    )
+    ours.loss.backward()
+    assert ours.loss.item() == pytest.approx(trl_loss, abs=1e-6)
+    assert torch.allclose(logps.grad, trl_grad, atol=1e-6)
+
+
+def test_sampling_correction_values():
+    trainer = torch.log(torch.tensor([[0.5, 0.2, 0.9]]))
+    engine = torch.log(torch.tensor([[0.25, 0.8, 0.9]]))
+    mask = torch.tensor([[1, 1, 0]])
+    tokens = sampling_correction(trainer, engine, mask, "token_truncate", clip_max=1.5)
+    assert torch.allclose(tokens, torch.tensor([[1.5, 0.25, 1.0]]))
+    assert torch.allclose(
+        sampling_correction(trainer, engine, mask, "token_mask", clip_max=1.5), torch.tensor([[0.0, 0.25, 1.0]])
+    )
+    # The product of the counted tokens' ratios: 2 × 0.25.
+    assert torch.allclose(sampling_correction(trainer, engine, mask, "sequence_truncate"), torch.tensor([[0.5]]))
+    assert sampling_correction(trainer, engine, mask, "sequence_mask", clip_min=0.6).item() == 0.0
 
 
 def _trl_advantages(rewards_NF: torch.Tensor, weights_F: torch.Tensor, scale_rewards: str) -> torch.Tensor:

@@ -68,6 +68,11 @@ def hf_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
 
 
+def _attention_heads(worker) -> int:
+    """Runs in the engine's worker: attention heads this rank computes (all of them unless tensor parallel)."""
+    return worker.model_runner.model.model.layers[0].self_attn.num_heads
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -76,6 +81,7 @@ def main() -> None:
     parser.add_argument("--bucket-mib", type=float, default=512)
     parser.add_argument("--beta", type=float, default=0.0)
     parser.add_argument("--lora", choices=["merged", "adapter"], help="train LoRA adapters, synced this way")
+    parser.add_argument("--tp", type=int, default=1, help="vllm_tensor_parallel_size")
     parser.add_argument("--die-at-step", type=int, help="rank 1 exits abruptly when this step starts")
     cli = parser.parse_args()
 
@@ -86,6 +92,7 @@ def main() -> None:
         sync_bucket_mib=cli.bucket_mib,
         beta=cli.beta,
         lora_sync=cli.lora or "merged",
+        vllm_tensor_parallel_size=cli.tp,
     )
     tokenizer = tiny.build_tokenizer()
     callback = WeightsAgree()
@@ -126,6 +133,7 @@ def main() -> None:
                 "local_numel": callback.local_numel,
                 "reference_sharded": trainer.reference is not None and is_sharded(trainer.reference.frozen),
                 "lora_request": trainer.engine.lora_request is not None,
+                "engine_heads": trainer.engine.llm.collective_rpc(_attention_heads)[0],
             },
             f,
         )

@@ -5,13 +5,15 @@
     grpo     beta > 0 (frozen reference copy), num_iterations 2, a conversational dataset folder with a chat
              template, four weighted rewards: sync with a dataset column, async, one that abstains, a reward model
     dr_grpo  importance_sampling_level sequence (GSPO), steps_per_generation 2 (one rollout, two optimizer steps)
-    bnpo     gradient accumulation 2 (one rollout per optimizer step), scale_rewards batch, masked truncations
-    dapo     beta > 0, generation_batch_size over two optimizer steps, scale_rewards none
+    bnpo     gradient accumulation 2 (one rollout per optimizer step), scale_rewards batch, masked truncations,
+             sequence-level importance-sampling correction against the engine, padded (not packed) forward
+    dapo     beta > 0, generation_batch_size over two optimizer steps, scale_rewards none, token-level
+             importance-sampling correction
     lora     beta > 0 with a LoRA model: the reference is the model with its adapters disabled (no copy)
 
 Each rank writes OUT/<run>-rank<r>.json: the log history, whether the ranks' weights agreed after every step,
 the global step of every sync and of every rollout, per micro-step the largest |log π_θ - log π_old| (0 where
-the loss used the current log-probs), and the first templated prompt.
+the loss used the current log-probs) and whether they were the engine's own, and the first templated prompt.
 """
 
 import argparse
@@ -73,6 +75,7 @@ class RecordingTrainer(GRPOTrainer):
         self.synced_at: list[int] = []
         self.rollouts_at: list[int] = []
         self.old_logp_gaps: list[float] = []
+        self.old_from_engine: list[bool] = []
         self.first_prompt: str | None = None
 
     def sync_weights(self) -> None:
@@ -91,6 +94,7 @@ class RecordingTrainer(GRPOTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if "old_logps" in inputs:
+            self.old_from_engine.append(torch.equal(inputs["old_logps"], inputs["engine_logps"]))
             with torch.no_grad():
                 gap = (self.completion_logps(model, inputs) - inputs["old_logps"]).abs().max().item()
         else:
@@ -115,11 +119,20 @@ RUNS = {
             "gradient_accumulation_steps": 2,
             "scale_rewards": "batch",
             "mask_truncated_completions": True,
+            "vllm_importance_sampling_correction": True,
+            "vllm_importance_sampling_mode": "sequence_truncate",
+            "padding_free": False,
         },
     },
     "dapo": {
         "steps": 4,
-        "config": {"loss_type": "dapo", "beta": 0.04, "generation_batch_size": 64, "scale_rewards": "none"},
+        "config": {
+            "loss_type": "dapo",
+            "beta": 0.04,
+            "generation_batch_size": 64,
+            "scale_rewards": "none",
+            "vllm_importance_sampling_correction": True,
+        },
     },
     "lora": {"steps": 3, "config": {"loss_type": "grpo", "beta": 0.04}},
 }
@@ -168,6 +181,7 @@ def train(name: str, out: str, data_dir: str) -> dict:
         "synced_at": trainer.synced_at,
         "rollouts_at": trainer.rollouts_at,
         "old_logp_gaps": trainer.old_logp_gaps,
+        "old_from_engine": trainer.old_from_engine,
         "first_prompt": trainer.first_prompt,
         "steps_per_generation": args.steps_per_generation,
         "reference_is_a_copy": trainer.reference is not None and trainer.reference.frozen is not None,

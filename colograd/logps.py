@@ -1,0 +1,177 @@
+"""Log-probs of completion tokens under a causal LM: padded or packed (padding-free), output layer in chunks.
+
+A rollout is stored padded (see `colograd.batch`): N rows of P prompt tokens (left-padded) and T completion
+tokens (right-padded). The forward pass can run on those rows as they are, or on the same sequences packed
+end to end (`pack`): no padding is computed, and the position ids restart at 0 for each sequence, which is how
+transformers' attention masks tell packed sequences apart. Either way the result is [N, T], the log-prob of
+each completion token at the sampling temperature (0 where there is no token).
+
+The output layer never produces the whole [tokens × vocabulary] logit matrix: for the duration of the forward
+pass it is swapped for one that computes the log-probs of the wanted tokens a chunk at a time, and that, when
+gradients are needed, recomputes each chunk's logits in the backward pass instead of keeping them.
+"""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class Packed:
+    """Sequences packed into rows for one forward pass.
+
+    input_ids, position_ids: [R, L]; each row holds whole sequences end to end, then padding.
+    index_K: for each wanted completion token k, the flat position ([R × L]) whose logits predict it.
+    target_K: the wanted token ids.
+    scatter: (rows, columns) of each wanted token in the [N, T] result.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    index_K: torch.Tensor
+    target_K: torch.Tensor
+    scatter: tuple[torch.Tensor, torch.Tensor]
+
+
+def pack_rows(lengths: list[int], row_tokens: int) -> list[list[int]]:
+    """Assign sequences to rows of at most `row_tokens` tokens, longest first, each to the first row it fits.
+
+    A sequence longer than `row_tokens` gets a row of its own. Returns the sequence indices of each row.
+    """
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        row = next((r for r, free in enumerate(room) if free >= lengths[i]), None)
+        if row is None:
+            rows.append([])
+            room.append(max(row_tokens, lengths[i]))
+            row = len(rows) - 1
+        rows[row].append(i)
+        room[row] -= lengths[i]
+    return rows
+
+
+def pack(batch: dict[str, torch.Tensor], row_tokens: int, pad_token_id: int = 0) -> Packed:
+    """The padded rollout rows of `batch` (input_ids, attention_mask, completion_ids) packed without padding."""
+    input_ids, attention_mask = batch["input_ids"], batch["attention_mask"].bool()
+    n, width = input_ids.shape
+    t = batch["completion_ids"].size(1)
+    p = width - t
+    prompt_len_N = attention_mask[:, :p].sum(1).tolist()
+    completion_len_N = attention_mask[:, p:].sum(1).tolist()
+    lengths = [a + b for a, b in zip(prompt_len_N, completion_len_N, strict=True)]
+    rows = pack_rows(lengths, row_tokens)
+    width = max(sum(lengths[i] for i in row) for row in rows)
+    ids_RL = torch.full((len(rows), width), pad_token_id, dtype=input_ids.dtype, device=input_ids.device)
+    pos_RL = torch.zeros((len(rows), width), dtype=torch.long, device=input_ids.device)
+    index, rows_K, cols_K = [], [], []
+    for r, members in enumerate(rows):
+        offset = 0
+        for i in members:
+            ids_RL[r, offset : offset + lengths[i]] = input_ids[i, attention_mask[i]]
+            pos_RL[r, offset : offset + lengths[i]] = torch.arange(lengths[i])
+            # The logits at the token before completion token j predict it.
+            first = r * width + offset + prompt_len_N[i] - 1
+            index.append(torch.arange(first, first + completion_len_N[i]))
+            rows_K.append(torch.full((completion_len_N[i],), i))
+            cols_K.append(torch.arange(completion_len_N[i]))
+            offset += lengths[i]
+        # Trailing padding gets positions of its own sequence, so nothing in the row attends to it.
+        pos_RL[r, offset:] = torch.arange(width - offset)
+    rows_K, cols_K = torch.cat(rows_K), torch.cat(cols_K)
+    device = input_ids.device
+    return Packed(
+        ids_RL,
+        pos_RL,
+        torch.cat(index).to(device),
+        batch["completion_ids"][rows_K.to(device), cols_K.to(device)],
+        (rows_K.to(device), cols_K.to(device)),
+    )
+
+
+def completion_logps(
+    model: nn.Module,
+    batch: dict[str, torch.Tensor],
+    temperature: float = 1.0,
+    padding_free: bool = True,
+    row_tokens: int = 4096,
+    chunk_tokens: int = 1024,
+    head: nn.Module | None = None,
+) -> torch.Tensor:
+    """Log-probs of `batch`'s completion tokens under `model` at `temperature`: [N, T], 0 where there is no token.
+
+    Args:
+        model: the causal LM, possibly wrapped (DDP, DeepSpeed, PEFT): it is called, never bypassed.
+        batch: input_ids, attention_mask, position_ids [N, P + T] and completion_ids [N, T] (`pad_rollout`).
+        padding_free: run the forward pass on the sequences packed into rows of at most `row_tokens` tokens.
+        chunk_tokens: completion tokens whose logits exist at once.
+        head: the output layer to swap (default: `model.get_output_embeddings()` through any wrappers).
+    """
+    head = head if head is not None else _output_layer(model)
+    completion_ids_NT = batch["completion_ids"]
+    n, t = completion_ids_NT.shape
+    if padding_free:
+        packed = pack(batch, row_tokens)
+        inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "attention_mask": None}
+        index_K, target_K = packed.index_K, packed.target_K
+    else:
+        width = batch["input_ids"].size(1)
+        # Row i's logits at columns P - 1 … P + T - 2 predict its T completion tokens.
+        index_K = (torch.arange(n)[:, None] * width + (width - t - 1) + torch.arange(t)[None, :]).flatten()
+        index_K, target_K = index_K.to(completion_ids_NT.device), completion_ids_NT.flatten()
+        inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    with _head_returns_logps(head, index_K, target_K, temperature, chunk_tokens):
+        logps_K = model(**inputs, use_cache=False).logits
+    if not padding_free:
+        return logps_K.view(n, t)
+    out_NT = logps_K.new_zeros((n, t))
+    return out_NT.index_put(packed.scatter, logps_K)
+
+
+def _output_layer(model: nn.Module) -> nn.Module:
+    """The model's output layer, seen through DDP / DeepSpeed (`.module`) and PEFT wrappers."""
+    while not hasattr(model, "get_output_embeddings") and hasattr(model, "module"):
+        model = model.module
+    head = model.get_output_embeddings()
+    if head is None:
+        raise ValueError(f"{type(model).__name__} has no output layer (get_output_embeddings() is None).")
+    return head
+
+
+def _chunk_logps(forward, hidden_KH: torch.Tensor, target_K: torch.Tensor, temperature: float) -> torch.Tensor:
+    logits_KV = forward(hidden_KH).float() / temperature
+    return logits_KV.gather(-1, target_K.unsqueeze(-1)).squeeze(-1) - logits_KV.logsumexp(-1)
+
+
+@contextmanager
+def _head_returns_logps(
+    head: nn.Module, index_K: torch.Tensor, target_K: torch.Tensor, temperature: float, chunk_tokens: int
+) -> Iterator[None]:
+    """While active, `head` maps the model's final hidden states [R, L, H] to the log-probs [K] of `target_K` at
+    the flat positions `index_K`, instead of to logits. Hooks on `head` (DeepSpeed's gathers) still run."""
+    forward = head.forward
+    own_forward = head.__dict__.get("forward")  # an instance-level forward (e.g. set by an accelerate hook)
+
+    def logps(hidden_RLH: torch.Tensor) -> torch.Tensor:
+        hidden_KH = hidden_RLH.reshape(-1, hidden_RLH.size(-1))[index_K]
+        parts = []
+        for start in range(0, len(index_K), chunk_tokens):
+            args = (forward, hidden_KH[start : start + chunk_tokens], target_K[start : start + chunk_tokens])
+            if torch.is_grad_enabled():
+                parts.append(checkpoint(_chunk_logps, *args, temperature, use_reentrant=False))
+            else:
+                parts.append(_chunk_logps(*args, temperature))
+        return torch.cat(parts) if parts else hidden_RLH.new_zeros(0)
+
+    head.forward = logps
+    try:
+        yield
+    finally:
+        if own_forward is None:
+            del head.forward
+        else:
+            head.forward = own_forward

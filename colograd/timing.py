@@ -1,0 +1,82 @@
+"""Where a step's time goes: per-phase seconds and token counts, per logging window and for the whole run.
+
+Phases: `sync` (weights into the engine), `generate` (the engine call), `reward`, `logps` (old / reference
+log-probs of a rollout, when the loss needs them), `train` (forward + backward; under DeepSpeed also its
+optimizer step, which runs inside its backward), `optimizer` (gradient clipping excluded).
+"""
+
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from transformers import TrainerCallback
+
+PHASES = ("sync", "generate", "reward", "logps", "train", "optimizer")
+
+
+class PhaseTimes:
+    """Seconds per phase and tokens per kind, summed over this run (this process)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.tokens: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def timed(self, phase: str, window: dict[str, list[float]]) -> Iterator[None]:
+        """Time the block as `phase`, into the run's totals and as a `time/<phase>` entry of `window`."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(phase, time.perf_counter() - start, window)
+
+    def add(self, phase: str, seconds: float, window: dict[str, list[float]]) -> None:
+        self.seconds[phase] += seconds
+        window[f"time/{phase}"].append(seconds)
+
+    def count(self, kind: str, tokens: int, window: dict[str, list[float]]) -> None:
+        """Add `tokens` of `kind` ("generated": completion tokens sampled; "trained": tokens forwarded)."""
+        self.tokens[kind] += tokens
+        window[f"tokens/{kind}"].append(tokens)
+
+
+def throughput(tokens: dict[str, float], seconds: dict[str, float], processes: int) -> dict[str, float]:
+    """Tokens per second of generation and of training, over all processes.
+
+    `tokens` and `seconds` are per process (means over the processes): tokens × processes / seconds.
+    """
+    rates = {}
+    for kind, phase in (("generated", "generate"), ("trained", "train")):
+        if seconds.get(phase):
+            rates[f"throughput/{phase}_tokens_per_s"] = tokens.get(kind, 0.0) * processes / seconds[phase]
+    return rates
+
+
+def format_summary(steps: int, seconds: dict[str, float], rates: dict[str, float]) -> str:
+    """The end-of-training table: each phase's seconds, share and seconds per step, then tokens/s."""
+    total = sum(seconds.values()) or 1.0
+    lines = [f"colograd: time per phase over {steps} steps (mean over processes)"]
+    for phase in PHASES:
+        if phase in seconds:
+            s = seconds[phase]
+            lines.append(f"  {phase:<10} {s:9.2f} s  {100 * s / total:5.1f}%  {s / max(steps, 1):8.3f} s/step")
+    for name, rate in rates.items():
+        what = name.removeprefix("throughput/").removesuffix("_tokens_per_s")
+        lines.append(f"  {what} tokens/s (all processes): {rate:,.0f}")
+    return "\n".join(lines)
+
+
+class OptimizerTimer(TrainerCallback):
+    """Times the Trainer's optimizer step (between its pre- and post-step callbacks) as phase `optimizer`."""
+
+    def __init__(self, times: PhaseTimes, window: dict[str, list[float]]) -> None:
+        self.times, self.window, self._start = times, window, None
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self._start = time.perf_counter()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if self._start is not None:
+            self.times.add("optimizer", time.perf_counter() - self._start, self.window)
+            self._start = None

@@ -1,0 +1,96 @@
+"""Completion log-probs: packed (padding-free) and padded forward passes agree, in loss and in gradients."""
+
+import pytest
+import torch
+from trl.trainer.utils import selective_log_softmax
+
+from colograd import tiny
+from colograd.logps import completion_logps, pack, pack_rows
+from colograd.loss import policy_loss
+
+N, P, T = 8, 6, 9
+
+
+def _batch(seed: int = 0) -> dict[str, torch.Tensor]:
+    """A rollout as `pad_rollout` lays it out, with prompt and completion lengths that vary a lot."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 60, (N, P + T), generator=gen)
+    mask = torch.zeros(N, P + T, dtype=torch.long)
+    for i in range(N):
+        prompt = int(torch.randint(1, P + 1, (1,), generator=gen))
+        completion = T if i == 0 else int(torch.randint(1, T + 1, (1,), generator=gen))
+        mask[i, P - prompt : P + completion] = 1
+    ids = ids * mask  # padding is token 0
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
+        "completion_ids": ids[:, P:],
+        "completion_mask": mask[:, P:],
+        "advantages": torch.randn(N, generator=gen),
+    }
+
+
+def _loss_and_grads(model, batch, **kwargs):
+    model.zero_grad()
+    logps = completion_logps(model, batch, temperature=0.7, **kwargs)
+    out = policy_loss(logps, logps.detach() + 0.05, batch["advantages"], batch["completion_mask"], loss_type="grpo")
+    out.loss.backward()
+    return logps.detach(), out.loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("row_tokens, chunk_tokens", [(4096, 1024), (24, 5)])
+def test_packed_and_padded_give_the_same_loss_and_gradients(tied, row_tokens, chunk_tokens):
+    model = tiny.build_model(tie_word_embeddings=tied)
+    batch = _batch()
+    mask = batch["completion_mask"].bool()
+    padded_logps, padded_loss, padded_grads = _loss_and_grads(model, batch, padding_free=False)
+    logps, loss, grads = _loss_and_grads(
+        model, batch, padding_free=True, row_tokens=row_tokens, chunk_tokens=chunk_tokens
+    )
+    assert (logps - padded_logps)[mask].abs().max() < 1e-5
+    assert (logps[~mask] == 0).all()
+    assert loss == pytest.approx(padded_loss, abs=1e-6)
+    for name, grad in padded_grads.items():
+        assert torch.allclose(grads[name], grad, atol=1e-5), name
+
+
+def test_padded_logps_equal_a_full_logit_softmax():
+    model = tiny.build_model()
+    batch = _batch(seed=1)
+    with torch.no_grad():
+        logits = model(**{k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}).logits
+        expected = selective_log_softmax(logits[:, P - 1 : -1] / 0.7, batch["completion_ids"])
+        ours = completion_logps(model, batch, temperature=0.7, padding_free=False, chunk_tokens=7)
+    assert torch.allclose(ours, expected, atol=1e-5)
+
+
+def test_packing_keeps_sequences_apart():
+    # Two sequences packed in one row must not see each other: the second's log-probs equal those it gets alone.
+    model = tiny.build_model()
+    batch = _batch(seed=2)
+    packed = pack(batch, row_tokens=4096)
+    assert packed.input_ids.size(0) == 1 and packed.input_ids.size(1) == batch["attention_mask"].sum()
+    with torch.no_grad():
+        together = completion_logps(model, batch, padding_free=True)
+        alone = torch.cat([completion_logps(model, {k: v[i : i + 1] for k, v in batch.items()}) for i in range(N)])
+    assert torch.allclose(together, alone, atol=1e-5)
+
+
+def test_rows_hold_whole_sequences_within_the_budget():
+    lengths = [7, 3, 9, 2, 5, 12, 1]
+    rows = pack_rows(lengths, row_tokens=10)
+    assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
+    for row in rows:
+        assert sum(lengths[i] for i in row) <= 10 or len(row) == 1  # a 12-token sequence gets its own row
+    assert rows == [[5], [2, 6], [0, 1], [4, 3]]  # first fit, longest first: 12 | 9+1 | 7+3 | 5+2
+    assert pack_rows([4, 4, 4], row_tokens=100) == [[0, 1, 2]]
+
+
+def test_the_output_layer_is_restored():
+    model = tiny.build_model()
+    head = model.get_output_embeddings()
+    completion_logps(model, _batch())
+    assert "forward" not in head.__dict__
+    assert model(torch.tensor([[3, 4, 5]])).logits.shape == (1, 3, model.config.vocab_size)
