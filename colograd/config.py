@@ -192,11 +192,12 @@ class GRPOConfig(TrainingArguments):
             "padded rows."
         },
     )
-    packed_row_tokens: int = field(
-        default=4096,
+    packed_row_tokens: int | None = field(
+        default=None,
         metadata={
             "help": "Token budget of one packed row: whole sequences are packed, longest first, into rows of at most "
-            "this many tokens (a longer sequence gets a row of its own). Attention cost grows with its square."
+            "this many tokens (a longer sequence gets a row of its own). Attention cost grows with its square. "
+            "None: the micro-batch's longest sequence, so rows are never wider than padded ones would be."
         },
     )
     logps_chunk_tokens: int = field(
@@ -306,9 +307,10 @@ class GRPOConfig(TrainingArguments):
         for name in ("vllm_max_num_seqs", "vllm_max_num_batched_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: set it to 1 or more, or to None.")
-        for name in ("packed_row_tokens", "logps_chunk_tokens"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)}: set it to 1 or more.")
+        if self.packed_row_tokens is not None and self.packed_row_tokens < 1:
+            raise ConfigError(f"packed_row_tokens={self.packed_row_tokens}: set it to 1 or more, or to None.")
+        if self.logps_chunk_tokens < 1:
+            raise ConfigError(f"logps_chunk_tokens={self.logps_chunk_tokens}: set it to 1 or more.")
         if self.log_completions_steps is not None and self.log_completions_steps < 1:
             raise ConfigError(f"log_completions_steps={self.log_completions_steps}: set it to 1 or more, or to None.")
 

@@ -37,11 +37,13 @@ class Packed:
     scatter: tuple[torch.Tensor, torch.Tensor]
 
 
-def pack_rows(lengths: list[int], row_tokens: int) -> list[list[int]]:
+def pack_rows(lengths: list[int], row_tokens: int | None = None) -> list[list[int]]:
     """Assign sequences to rows of at most `row_tokens` tokens, longest first, each to the first row it fits.
 
-    A sequence longer than `row_tokens` gets a row of its own. Returns the sequence indices of each row.
+    A sequence longer than `row_tokens` gets a row of its own; None makes rows as long as the longest sequence.
+    Returns the sequence indices of each row.
     """
+    row_tokens = row_tokens or max(lengths)
     rows: list[list[int]] = []
     room: list[int] = []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
@@ -55,7 +57,7 @@ def pack_rows(lengths: list[int], row_tokens: int) -> list[list[int]]:
     return rows
 
 
-def pack(batch: dict[str, torch.Tensor], row_tokens: int, pad_token_id: int = 0) -> Packed:
+def pack(batch: dict[str, torch.Tensor], row_tokens: int | None = None, pad_token_id: int = 0) -> Packed:
     """The padded rollout rows of `batch` (input_ids, attention_mask, completion_ids) packed without padding."""
     input_ids, attention_mask = batch["input_ids"], batch["attention_mask"].bool()
     n, width = input_ids.shape
@@ -98,7 +100,7 @@ def completion_logps(
     batch: dict[str, torch.Tensor],
     temperature: float = 1.0,
     padding_free: bool = True,
-    row_tokens: int = 4096,
+    row_tokens: int | None = None,
     chunk_tokens: int = 1024,
     head: nn.Module | None = None,
 ) -> torch.Tensor:
@@ -107,7 +109,8 @@ def completion_logps(
     Args:
         model: the causal LM, possibly wrapped (DDP, DeepSpeed, PEFT): it is called, never bypassed.
         batch: input_ids, attention_mask, position_ids [N, P + T] and completion_ids [N, T] (`pad_rollout`).
-        padding_free: run the forward pass on the sequences packed into rows of at most `row_tokens` tokens.
+        padding_free: run the forward pass on the sequences packed into rows of at most `row_tokens` tokens
+            (None: the longest sequence's length).
         chunk_tokens: completion tokens whose logits exist at once.
         head: the output layer to swap (default: `model.get_output_embeddings()` through any wrappers).
     """

@@ -156,6 +156,8 @@ def test_same_seed_same_first_steps(tmp_path):
         proc = launch("tests/scripts/grpo_check.py", str(out), "--steps", "3")
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         history = json.loads((out / "rank0.json").read_text())["log_history"]
-        runs.append([{k: v for k, v in h.items() if not k.startswith(("time/", "train_"))} for h in history])
+        runs.append(
+            [{k: v for k, v in h.items() if not k.startswith(("time/", "throughput/", "train_"))} for h in history]
+        )
     assert runs[0] == runs[1]
     assert len([h for h in runs[0] if "reward" in h]) == 3

@@ -40,7 +40,7 @@ def _loss_and_grads(model, batch, **kwargs):
 
 
 @pytest.mark.parametrize("tied", [False, True])
-@pytest.mark.parametrize("row_tokens, chunk_tokens", [(4096, 1024), (24, 5)])
+@pytest.mark.parametrize("row_tokens, chunk_tokens", [(None, 1024), (4096, 1024), (24, 5)])
 def test_packed_and_padded_give_the_same_loss_and_gradients(tied, row_tokens, chunk_tokens):
     model = tiny.build_model(tie_word_embeddings=tied)
     batch = _batch()

