@@ -58,40 +58,46 @@ def pack_rows(lengths: list[int], row_tokens: int | None = None) -> list[list[in
 
 
 def pack(batch: dict[str, torch.Tensor], row_tokens: int | None = None, pad_token_id: int = 0) -> Packed:
-    """The padded rollout rows of `batch` (input_ids, attention_mask, completion_ids) packed without padding."""
-    input_ids, attention_mask = batch["input_ids"], batch["attention_mask"].bool()
-    n, width = input_ids.shape
-    t = batch["completion_ids"].size(1)
-    p = width - t
-    prompt_len_N = attention_mask[:, :p].sum(1).tolist()
-    completion_len_N = attention_mask[:, p:].sum(1).tolist()
-    lengths = [a + b for a, b in zip(prompt_len_N, completion_len_N, strict=True)]
+    """The padded rollout rows of `batch` (input_ids, attention_mask, completion_ids) packed without padding.
+
+    Vectorised: one host sync (the lengths, to plan the rows), then a scatter of every real token to its place.
+    """
+    input_ids, mask = batch["input_ids"], batch["attention_mask"].bool()
+    device, n = input_ids.device, input_ids.size(0)
+    p = input_ids.size(1) - batch["completion_ids"].size(1)
+    length_N, prompt_len_N = mask.sum(1), mask[:, :p].sum(1)
+    lengths, prompt_lengths = torch.stack([length_N, prompt_len_N]).tolist()
+    if min(prompt_lengths) < 1:
+        raise ValueError(
+            "every sequence needs at least one prompt token: its logits predict the first completion token"
+        )
     rows = pack_rows(lengths, row_tokens)
     width = max(sum(lengths[i] for i in row) for row in rows)
-    ids_RL = torch.full((len(rows), width), pad_token_id, dtype=input_ids.dtype, device=input_ids.device)
-    pos_RL = torch.zeros((len(rows), width), dtype=torch.long, device=input_ids.device)
-    index, rows_K, cols_K = [], [], []
+    start = [0] * n  # where each sequence starts in the flat [R × L] layout
     for r, members in enumerate(rows):
-        offset = 0
+        offset = r * width
         for i in members:
-            ids_RL[r, offset : offset + lengths[i]] = input_ids[i, attention_mask[i]]
-            pos_RL[r, offset : offset + lengths[i]] = torch.arange(lengths[i])
-            # The logits at the token before completion token j predict it.
-            first = r * width + offset + prompt_len_N[i] - 1
-            index.append(torch.arange(first, first + completion_len_N[i]))
-            rows_K.append(torch.full((completion_len_N[i],), i))
-            cols_K.append(torch.arange(completion_len_N[i]))
-            offset += lengths[i]
-        # Trailing padding gets positions of its own sequence, so nothing in the row attends to it.
-        pos_RL[r, offset:] = torch.arange(width - offset)
-    rows_K, cols_K = torch.cat(rows_K), torch.cat(cols_K)
-    device = input_ids.device
+            start[i], offset = offset, offset + lengths[i]
+    # Real tokens in row-major order are the sequences one after another (each row's are contiguous).
+    seq_T = torch.repeat_interleave(torch.arange(n, device=device), length_N)
+    first_T = torch.repeat_interleave(length_N.cumsum(0) - length_N, length_N)
+    pos_T = torch.arange(len(seq_T), device=device) - first_T  # position of each token in its sequence
+    dest_T = torch.tensor(start, device=device)[seq_T] + pos_T
+    ids = torch.full((len(rows) * width,), pad_token_id, dtype=input_ids.dtype, device=device)
+    ids[dest_T] = input_ids[mask]
+    # Padding keeps position 0: each padding token is a sequence of its own, which nothing attends to.
+    positions = torch.zeros(len(rows) * width, dtype=torch.long, device=device)
+    positions[dest_T] = pos_T
+    # Completion token j of a sequence is predicted by the logits at the token before it.
+    column_T = pos_T - prompt_len_N[seq_T]
+    wanted = column_T >= 0
+    rows_K, cols_K = seq_T[wanted], column_T[wanted]
     return Packed(
-        ids_RL,
-        pos_RL,
-        torch.cat(index).to(device),
-        batch["completion_ids"][rows_K.to(device), cols_K.to(device)],
-        (rows_K.to(device), cols_K.to(device)),
+        ids.view(len(rows), width),
+        positions.view(len(rows), width),
+        dest_T[wanted] - 1,
+        batch["completion_ids"][rows_K, cols_K],
+        (rows_K, cols_K),
     )
 
 

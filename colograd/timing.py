@@ -19,6 +19,9 @@ class PhaseTimes:
     """Seconds per phase and tokens per kind, summed over this run (this process)."""
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.tokens: dict[str, float] = defaultdict(float)
 

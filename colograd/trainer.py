@@ -149,10 +149,7 @@ class GRPOTrainer(Trainer):
         self._last_logged_step = checkpoint_step(checkpoint) if checkpoint else 0
         if checkpoint and self._completion_log is not None:
             self._completion_log.forget_after(self._last_logged_step)
-        self._times = PhaseTimes()
-        for callback in self.callback_handler.callbacks:
-            if isinstance(callback, OptimizerTimer):
-                callback.times = self._times
+        self._times.reset()  # the summary covers this call
         first_step = self._last_logged_step
         output = super().train(resume_from_checkpoint=checkpoint, **kwargs)
         self.summarize_phases(self.state.global_step - first_step)
@@ -357,7 +354,10 @@ class GRPOTrainer(Trainer):
         logps_NT = self.completion_logps(model, inputs)
         if model.training:
             self._times.count("trained", inputs["attention_mask"].sum().item(), self._metrics)
-        if "old_logps" not in inputs:  # on-policy: these are the sampling policy's log-probs
+        # On-policy, and on a rollout's first slice, the current weights are the ones that sampled. (When old
+        # log-probs come from a forward pass, `rollout_logps` logged the gap for every slice already.)
+        first_slice = (self._micro_step - 1) % (self.args.steps_per_generation * self.args.num_iterations) == 0
+        if "old_logps" not in inputs or (first_slice and self.args.engine_logps_are_old_logps):
             self._log_sampling_gap(logps_NT.detach(), inputs)
         sampling_weights = None
         if self.args.vllm_importance_sampling_correction:

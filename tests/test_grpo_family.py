@@ -73,6 +73,14 @@ def test_engine_logps_serve_as_old_logps_when_they_can(runs, name, from_engine):
     assert set(runs[name][0]["old_from_engine"]) == {from_engine}
 
 
+def test_sampling_gap_is_logged_on_each_rollouts_first_slice_with_engine_old_logps(runs):
+    # dr_grpo: a rollout every 2 optimizer steps, old log-probs from the engine; the first step of each rollout
+    # trains the weights that sampled, so engine and trainer can be compared there.
+    entries = steps(runs["dr_grpo"][0])
+    assert ["sampling/sampling_logp_difference/max" in e for e in entries] == [True, False, True, False]
+    assert max(e.get("sampling/sampling_logp_difference/max", 0.0) for e in entries) < 1e-3
+
+
 @pytest.mark.parametrize("name", ["bnpo", "dapo"])
 def test_importance_sampling_correction_is_logged_and_near_one(runs, name):
     # Engine and trainer share the weights, so the ratio of their probabilities is 1 up to numerics.
