@@ -61,3 +61,30 @@ def split_rows(batch: dict[str, torch.Tensor], parts: int) -> list[dict[str, tor
     """
     chunked = {k: v.chunk(parts) if v.dim() else [v] * parts for k, v in batch.items()}
     return [{k: chunks[i] for k, chunks in chunked.items()} for i in range(parts)]
+
+
+def split_by_tokens(batch: dict[str, torch.Tensor], max_tokens: int, loss_type: str) -> list[dict[str, torch.Tensor]]:
+    """Split a micro-batch's rows into consecutive passes of at most `max_tokens` real tokens (prompt +
+    completion; a longer row makes a pass of its own), each with the `loss_scale` that makes the passes' scaled
+    losses add up to the micro-batch's loss for `loss_type` (see `colograd.loss.reduce_loss`).
+    """
+    tokens_N = batch["attention_mask"].sum(1).tolist()
+    bounds, used = [0], 0
+    for i, tokens in enumerate(tokens_N):
+        if used and used + tokens > max_tokens:
+            bounds.append(i)
+            used = 0
+        used += tokens
+    bounds.append(len(tokens_N))
+    completion_tokens = batch["completion_mask"].sum().clamp(min=1)
+    passes = []
+    for start, end in zip(bounds, bounds[1:], strict=False):
+        part = {k: v[start:end] if v.dim() else v for k, v in batch.items()}
+        if loss_type == "bnpo":  # a mean over the micro-batch's tokens
+            scale = part["completion_mask"].sum() / completion_tokens
+        elif loss_type in ("grpo", "dr_grpo"):  # a mean over its completions
+            scale = torch.tensor((end - start) / len(tokens_N))
+        else:  # dapo: its denominator, num_items, is already the micro-batch's
+            scale = torch.tensor(1.0)
+        passes.append({**part, "loss_scale": scale.float()})
+    return passes

@@ -200,6 +200,15 @@ class GRPOConfig(TrainingArguments):
             "None: the micro-batch's longest sequence, so rows are never wider than padded ones would be."
         },
     )
+    micro_batch_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "Most tokens (prompt + completion, padding excluded) in one forward + backward pass: a "
+            "micro-step's completions are split, whole, into passes of at most this many, whose gradients add up "
+            "to the micro-step's. Bounds activation memory at long lengths. None: one pass per micro-step. Not "
+            "with DeepSpeed."
+        },
+    )
     logps_chunk_tokens: int = field(
         default=1024,
         metadata={
@@ -309,6 +318,8 @@ class GRPOConfig(TrainingArguments):
                 raise ConfigError(f"{name}={getattr(self, name)}: set it to 1 or more, or to None.")
         if self.packed_row_tokens is not None and self.packed_row_tokens < 1:
             raise ConfigError(f"packed_row_tokens={self.packed_row_tokens}: set it to 1 or more, or to None.")
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
+            raise ConfigError(f"micro_batch_tokens={self.micro_batch_tokens}: set it to 1 or more, or to None.")
         if self.logps_chunk_tokens < 1:
             raise ConfigError(f"logps_chunk_tokens={self.logps_chunk_tokens}: set it to 1 or more.")
         if self.log_completions_steps is not None and self.log_completions_steps < 1:

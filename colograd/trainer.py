@@ -18,7 +18,7 @@ Subclass and override one of these to change that stage alone.
 
 import os
 from collections import defaultdict
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -29,7 +29,7 @@ from transformers.trainer_utils import has_length
 from trl.data_utils import is_conversational, maybe_apply_chat_template
 from trl.trainer.utils import RepeatSampler, nanstd
 
-from colograd.batch import pad_rollout, split_rows
+from colograd.batch import pad_rollout, split_by_tokens, split_rows
 from colograd.checkpoints import checkpoint_step, resolve_checkpoint
 from colograd.completions import CompletionLog
 from colograd.config import ConfigError, GRPOConfig
@@ -106,6 +106,11 @@ class GRPOTrainer(Trainer):
             callbacks=callbacks,
             optimizers=optimizers,
         )
+        if args.micro_batch_tokens is not None and self.is_deepspeed_enabled:
+            raise ConfigError(
+                "micro_batch_tokens splits a micro-step into several backward passes, which DeepSpeed counts as "
+                "micro-steps; remove it, or lower per_device_train_batch_size instead."
+            )
         if self.is_fsdp_enabled and self.accelerator.state.fsdp_plugin.fsdp_version != 2:
             raise ConfigError("FSDP version 1 is not supported (flat parameters have no names); set fsdp_version: 2.")
         # compute_loss returns a per-micro-batch mean; the Trainer divides it by the accumulation steps.
@@ -214,7 +219,22 @@ class GRPOTrainer(Trainer):
         batch = self._slices[self._micro_step % self.args.steps_per_generation]
         self._micro_step += 1
         with self._timed("train"):
+            return self.train_slice(model, batch, num_items_in_batch)
+
+    def train_slice(
+        self, model: nn.Module, batch: dict[str, torch.Tensor], num_items_in_batch: torch.Tensor | int | None = None
+    ) -> torch.Tensor:
+        """The Trainer's forward + backward on one rollout slice; with `micro_batch_tokens`, in several passes of
+        at most that many tokens, gradients accumulated locally until the last one."""
+        if self.args.micro_batch_tokens is None:
             return super().training_step(model, batch, num_items_in_batch)
+        passes = split_by_tokens(batch, self.args.micro_batch_tokens, self.args.loss_type)
+        loss = torch.zeros((), device=self.args.device)
+        for i, part in enumerate(passes):
+            # Gradients are reduced across ranks once, with the last pass (when the Trainer reduces at all).
+            with self.accelerator.no_sync(model) if i < len(passes) - 1 else nullcontext():
+                loss = loss + super().training_step(model, part, num_items_in_batch)
+        return loss
 
     def make_rollout(self, rows: list[dict]) -> list[dict[str, torch.Tensor]]:
         """Generate, score and prepare one rollout from this rank's prompts; returns one slice per micro-step.
@@ -379,6 +399,8 @@ class GRPOTrainer(Trainer):
             num_items=inputs["num_items"],
             sampling_weights=sampling_weights,
         )
+        if "loss_scale" in inputs:  # one pass of several over a slice (`micro_batch_tokens`)
+            out = out._replace(loss=out.loss * inputs["loss_scale"])
         mask_NT = mask_NT.float()
         clipped = clipped_fractions(out.ratio, inputs["advantages"], self.args.epsilon, self.args.epsilon_high)
         for name, where in clipped.items():

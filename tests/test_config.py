@@ -78,6 +78,7 @@ def test_engine_logps_stand_in_for_old_logps_only_when_equal_to_the_trainers(kwa
         ({"vllm_tensor_parallel_size": 2}, "vllm_tensor_parallel_size=2 does not divide the 1 processes"),
         ({"vllm_max_num_seqs": 0}, "vllm_max_num_seqs"),
         ({"packed_row_tokens": 0}, "packed_row_tokens"),
+        ({"micro_batch_tokens": 0}, "micro_batch_tokens"),
         ({"vllm_importance_sampling_mode": "token"}, "vllm_importance_sampling_mode"),
         ({"vllm_importance_sampling_clip_min": 2.0, "vllm_importance_sampling_clip_max": 2.0}, "clip_min=2.0"),
     ],
