@@ -289,14 +289,20 @@ class GRPOConfig(TrainingArguments):
             )
         if self.beta < 0:
             raise ConfigError(f"beta={self.beta}: the KL weight cannot be negative; set it to 0 or more.")
-        if self.num_iterations < 1:
-            raise ConfigError(f"num_iterations={self.num_iterations}: set it to 1 or more.")
-        if self.steps_per_generation < 1:
-            raise ConfigError(f"steps_per_generation={self.steps_per_generation}: set it to 1 or more.")
-        if self.max_completion_length < 1:
-            raise ConfigError(f"max_completion_length={self.max_completion_length}: set it to 1 or more.")
-        if self.max_prompt_length is not None and self.max_prompt_length < 1:
-            raise ConfigError(f"max_prompt_length={self.max_prompt_length}: set it to 1 or more, or to None.")
+        for name in ("num_iterations", "steps_per_generation", "max_completion_length", "logps_chunk_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)}: set it to 1 or more.")
+        optional_counts = (
+            "max_prompt_length",
+            "vllm_max_num_seqs",
+            "vllm_max_num_batched_tokens",
+            "packed_row_tokens",
+            "micro_batch_tokens",
+            "log_completions_steps",
+        )
+        for name in optional_counts:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)}: set it to 1 or more, or to None.")
         if self.vllm_importance_sampling_mode not in IS_CORRECTION_MODES:
             raise ConfigError(
                 f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} is unknown; use one of "
@@ -313,17 +319,6 @@ class GRPOConfig(TrainingArguments):
                 f"vllm_tensor_parallel_size={self.vllm_tensor_parallel_size} does not divide the {self.world_size} "
                 "processes; set it to a divisor of the number of processes (1 gives every rank its own engine)."
             )
-        for name in ("vllm_max_num_seqs", "vllm_max_num_batched_tokens"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)}: set it to 1 or more, or to None.")
-        if self.packed_row_tokens is not None and self.packed_row_tokens < 1:
-            raise ConfigError(f"packed_row_tokens={self.packed_row_tokens}: set it to 1 or more, or to None.")
-        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
-            raise ConfigError(f"micro_batch_tokens={self.micro_batch_tokens}: set it to 1 or more, or to None.")
-        if self.logps_chunk_tokens < 1:
-            raise ConfigError(f"logps_chunk_tokens={self.logps_chunk_tokens}: set it to 1 or more.")
-        if self.log_completions_steps is not None and self.log_completions_steps < 1:
-            raise ConfigError(f"log_completions_steps={self.log_completions_steps}: set it to 1 or more, or to None.")
 
     def check_lengths(self, model_config: Any) -> None:
         """Check that a prompt and a completion fit the model's context and the engine's, before start-up."""

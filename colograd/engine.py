@@ -244,6 +244,13 @@ def _tensor_parallel_group(tp_size: int, world: int) -> Any:
     return group
 
 
+def free_port() -> int:
+    """A TCP port on localhost that is free now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @contextmanager
 def _launcher_env() -> Iterator[None]:
     """Give vLLM's external launcher the torchrun-style variables it reads while it starts, when no launcher
@@ -255,9 +262,7 @@ def _launcher_env() -> Iterator[None]:
         if key not in os.environ
     }
     if "MASTER_PORT" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            added["MASTER_PORT"] = str(s.getsockname()[1])
+        added["MASTER_PORT"] = str(free_port())
     os.environ.update(added)
     try:
         yield

@@ -301,8 +301,8 @@ class GRPOTrainer(Trainer):
         """All G completions of every prompt of this rank, in one engine call."""
         step = self.state.global_step * self.args.gradient_accumulation_steps + self._micro_step
         rollout = self.engine.generate(prompt_ids, self.args, step=step)
-        self._times.count("generated", sum(len(c) for c in rollout.completion_ids), self._metrics)
         lengths = torch.tensor([len(c) for c in rollout.completion_ids], dtype=torch.float32)
+        self._times.count("generated", int(lengths.sum()), self._metrics)
         self._metrics["completions/mean_length"].append(lengths.mean().item())
         self._metrics["completions/min_length"].append(lengths.min().item())
         self._metrics["completions/max_length"].append(lengths.max().item())

@@ -19,7 +19,6 @@ default, as the real recipes train; `--dtype fp32` for full precision) and numbe
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, TrainerCallback
 
 from colograd import GRPOTrainer, tiny
+from colograd.engine import free_port
 from colograd.logps import completion_logps
 from colograd.loss import policy_loss
 
@@ -336,7 +336,7 @@ def _side_in_subprocess(side: str, size: str, dtype: str) -> dict[str, Any]:
     """Run one side (`python -m colograd.bench.step SIDE SIZE DTYPE`) and read its last output line (JSON)."""
     # A world of one, as a launcher would describe it: TRL's colocated engine reads these.
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
-    env.setdefault("MASTER_PORT", str(_free_port()))
+    env.setdefault("MASTER_PORT", str(free_port()))
     print(f"colograd.bench step: running the {side} side ({size}, {dtype})...", file=sys.stderr, flush=True)
     proc = subprocess.run(
         [sys.executable, "-m", "colograd.bench.step", side, size, dtype], capture_output=True, text=True, env=env
@@ -344,12 +344,6 @@ def _side_in_subprocess(side: str, size: str, dtype: str) -> dict[str, Any]:
     if proc.returncode != 0:
         raise RuntimeError(f"the {side} side failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _side(side: str, size: str, dtype: str) -> dict[str, Any]:
