@@ -108,7 +108,10 @@ class GRPOConfig(TrainingArguments):
     )
     sync_bucket_mib: float = field(
         default=512,
-        metadata={"help": "With sharded weights (ZeRO-3), gather and sync them in buckets of about this many MiB."},
+        metadata={
+            "help": "With sharded weights (ZeRO-3, FSDP2) or a merged LoRA, gather or build and sync them in buckets "
+            "of about this many MiB."
+        },
     )
 
     lora_sync: str = field(

@@ -7,6 +7,7 @@ for a hub model, a local folder, or a model built in memory.
 
 import copy
 import os
+import shutil
 import socket
 import tempfile
 from collections.abc import Callable, Iterator
@@ -23,9 +24,10 @@ import torch
 import torch.distributed as dist
 from peft import PeftModel
 from torch import nn
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from colograd.config import GRPOConfig
+from colograd.lora import engine_max_lora_rank
 
 
 @dataclass
@@ -49,7 +51,8 @@ class Engine:
         model: the trained model; its config (not its weights) defines the engine's architecture.
         tokenizer: the tokenizer the engine detokenizes with.
         args: the run's config; the `vllm_*` fields, lengths and seed are read here.
-        lora_rank: serve a LoRA adapter of this rank on top of the base weights (adapter-only sync).
+        lora_rank: serve a LoRA adapter of this rank on top of the base weights (adapter-only sync); the
+            engine's LoRA slots take the next size vLLM accepts.
     """
 
     def __init__(
@@ -75,6 +78,10 @@ class Engine:
         config.architectures = [_architecture(base)]
         config.save_pretrained(self._dir.name)
         tokenizer.save_pretrained(self._dir.name)
+        # vLLM also stops at the end-of-sequence ids of the generation config (chat models list their end-of-turn
+        # token only there). Only those ids go over: the rest is sampling defaults, which every request sets.
+        if base.generation_config is not None and base.generation_config.eos_token_id is not None:
+            GenerationConfig(eos_token_id=base.generation_config.eos_token_id).save_pretrained(self._dir.name)
 
         # Without a prompt limit the engine takes the model's own context length.
         max_model_len = args.vllm_max_model_length or (
@@ -88,7 +95,7 @@ class Engine:
         )
         if not torch.cuda.is_available():
             _set_cpu_repacking(args.vllm_cpu_repack_weights)
-        with _launcher_env():
+        with _launcher_env(), _matmul_precision_kept():
             self.llm = LLM(
                 model=self._dir.name,
                 load_format="dummy",
@@ -107,7 +114,11 @@ class Engine:
                 # The engine reports log-probs of the distribution it sampled from (after temperature), the
                 # same distribution the trainer scores, so the two are comparable token by token.
                 logprobs_mode="processed_logprobs",
-                **({"enable_lora": True, "max_lora_rank": lora_rank, "max_loras": 1} if lora_rank else {}),
+                **(
+                    {"enable_lora": True, "max_lora_rank": engine_max_lora_rank(lora_rank), "max_loras": 1}
+                    if lora_rank
+                    else {}
+                ),
                 enable_sleep_mode=args.vllm_enable_sleep_mode,
                 **memory,
             )
@@ -115,6 +126,9 @@ class Engine:
         # which the next sync rewrites anyway; an adapter-only engine keeps its frozen base (level 1: to CPU).
         self.sleep_level = (1 if lora_rank else 2) if args.vllm_enable_sleep_mode else 0
         self.stale = True  # True until the trainer's weights are loaded, and again after a level-2 sleep
+        if self.sleep_level:
+            # Asleep from the start: the memory is free while DeepSpeed / FSDP set up; the first rollout wakes it.
+            self.llm.sleep(level=self.sleep_level)
         # Whether the engine computes with the weight tensors it holds (GPU; CPU without repacking), so a sync
         # can copy straight into them, or re-processes them into a kernel layout that needs a reload.
         self.direct_load = all(self.llm.collective_rpc(_holds_plain_weights))
@@ -187,17 +201,21 @@ class Engine:
     def load_adapter(self, tensors: dict[str, torch.Tensor], adapter_config: Any) -> None:
         """Serve this LoRA adapter (PEFT names and config) from the next generation on.
 
-        The tensors go to a memory-backed folder that vLLM reads when the next request names the adapter;
-        `load_inplace` makes it replace the previous version under the same id.
+        The tensors go to a folder (in memory where it has room) that the engine reads once, here: `load_inplace`
+        replaces the previous version under the same id. Generations then name the adapter without that flag,
+        because vLLM re-activates the adapters of a batch at every engine step and the flag would reload the
+        adapter from its folder each time.
         """
         from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
         if self._adapter_dir is None:
-            self._adapter_dir = tempfile.TemporaryDirectory(prefix="colograd-adapter-", dir=_memory_dir())
+            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            self._adapter_dir = tempfile.TemporaryDirectory(prefix="colograd-adapter-", dir=_adapter_parent(nbytes))
             adapter_config.save_pretrained(self._adapter_dir.name)
         save_file(tensors, os.path.join(self._adapter_dir.name, "adapter_model.safetensors"))
-        self.lora_request = LoRARequest("colograd", 1, self._adapter_dir.name, load_inplace=True)
+        self.llm.llm_engine.add_lora(LoRARequest("colograd", 1, self._adapter_dir.name, load_inplace=True))
+        self.lora_request = LoRARequest("colograd", 1, self._adapter_dir.name)
 
     @contextmanager
     def awake(self, sync: Callable[[], None]) -> Iterator[None]:
@@ -309,9 +327,25 @@ def _architecture(model: nn.Module) -> str:
     return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule)).__name__
 
 
-def _memory_dir() -> str | None:
-    """A RAM-backed folder where the platform has one, so handing files to the engine never touches disk."""
-    return "/dev/shm" if os.path.isdir("/dev/shm") else None
+def _adapter_parent(nbytes: int) -> str | None:
+    """Where to write an adapter of `nbytes`: RAM-backed /dev/shm where it has room for two copies (a rewrite
+    may keep the old file's pages until it is replaced), else the default temporary folder (disk).
+
+    Containers often mount /dev/shm at 64 MiB, less than an fp32 adapter of a 1.5B model.
+    """
+    if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free >= 2 * nbytes:
+        return "/dev/shm"
+    return None
+
+
+@contextmanager
+def _matmul_precision_kept() -> Iterator[None]:
+    """Keep the trainer's float32 matmul precision (TF32 or not): vLLM's start sets its own for the process."""
+    precision = torch.get_float32_matmul_precision()
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(precision)
 
 
 def _engine_dtype(model: PreTrainedModel, args: GRPOConfig) -> str:

@@ -7,7 +7,9 @@ checkpoint naming and the engine copies (and, on CPU, repacks) them. Never one e
 - sharded weights (DeepSpeed ZeRO-3, FSDP2): parameters are gathered a bucket at a time — one coalesced
   collective per bucket (ZeRO-3) or per shard group (FSDP2), buckets cut at decoder-layer boundaries and
   sized in bytes — written into the engine, and freed, so the extra memory is bounded by the bucket size;
-- PEFT LoRA, merged: each adapted weight is sent as base + B·A (in its bucket), under the base model's names;
+- PEFT LoRA, merged: each adapted weight is built as base + B·A and sent under the base model's names, a bucket
+  at a time (only one bucket of built weights exists at once); a `modules_to_save` copy is sent in place of
+  the module it replaces;
 - PEFT LoRA, adapter only: the frozen base weights are sent once, then only the adapter tensors move and the
   engine applies them itself (vLLM's LoRA support).
 
@@ -22,11 +24,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+from peft import PeftModel
 from torch import nn
 
 from colograd.engine import Engine
 
 _LAYER_INDEX = re.compile(r"\.\d+(?=\.|$)")
+_SAVED_COPY = re.compile(r"\.modules_to_save\.[^.]+\.")  # PEFT's `lm_head.modules_to_save.default.weight`
 
 
 @dataclass
@@ -50,8 +54,8 @@ class WeightPlan:
 
     Args:
         model: the trained model, unwrapped (no DDP / DeepSpeed engine around it); may be a PEFT model.
-        bucket_bytes: the most bytes gathered at once; None sends everything in one engine call, which is
-            right when every rank holds the whole model (see `is_sharded`).
+        bucket_bytes: the most bytes gathered or built at once; None sends everything in one engine call,
+            which is right when every rank holds the whole model and no weight is built (see `is_sharded`).
         adapter_only: for a PEFT model served by an engine started with LoRA enabled: send the base weights
             at the first sync only and the adapter at every sync.
     """
@@ -80,6 +84,8 @@ class WeightPlan:
         if not (self.adapter_only and self._base_sent):
             for bucket in self:
                 engine.load_weights(bucket)
+                # Drop this bucket's gathered or merged tensors before the next bucket is built, not after.
+                bucket.clear()
             sent, self._base_sent = self.nbytes, True
         if self.adapter_only:
             sent += self._sync_adapter(engine)
@@ -116,6 +122,8 @@ def is_sharded(model: nn.Module) -> bool:
 def _units(model: nn.Module, merge_lora: bool) -> list[_Unit]:
     """Every parameter the engine needs, once per tensor, with all its checkpoint names."""
     lora_layers = _lora_layers(model) if merge_lora else {}
+    # PEFT's modules_to_save: a trained copy per adapter replaces the frozen original; the active one is sent.
+    active = model.active_adapter if isinstance(model, PeftModel) else None
     by_tensor: dict[int, _Unit] = {}
     # remove_duplicate=False lists a tied tensor under both names: the engine needs `lm_head.weight` as well
     # (vLLM's CPU backend keeps its own processed copy of the output projection, refreshed only when it
@@ -123,6 +131,8 @@ def _units(model: nn.Module, merge_lora: bool) -> list[_Unit]:
     for name, param in model.named_parameters(remove_duplicate=False):
         if "lora_" in name:
             continue  # adapters reach the engine merged into their base weights, or on their own
+        if ".original_module." in name or (".modules_to_save." in name and f".modules_to_save.{active}." not in name):
+            continue
         ckpt_name = _checkpoint_name(name)
         if id(param) in by_tensor:
             by_tensor[id(param)].names.append(ckpt_name)
@@ -136,7 +146,7 @@ def _units(model: nn.Module, merge_lora: bool) -> list[_Unit]:
 
 def _checkpoint_name(name: str) -> str:
     """The base model's checkpoint name of a (possibly PEFT-wrapped) parameter."""
-    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+    return _SAVED_COPY.sub(".", name.removeprefix("base_model.model.").replace(".base_layer.", "."))
 
 
 def _lora_layers(model: nn.Module) -> dict[str, nn.Module]:

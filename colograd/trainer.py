@@ -35,6 +35,7 @@ from colograd.completions import CompletionLog
 from colograd.config import ConfigError, GRPOConfig
 from colograd.engine import Engine, Rollout
 from colograd.logps import completion_logps
+from colograd.lora import check_lora
 from colograd.loss import clipped_fractions, group_advantages, policy_loss, sampling_correction, weighted_rewards
 from colograd.modelcard import Recipe, model_card, write_model_card
 from colograd.reference import ReferencePolicy
@@ -88,6 +89,8 @@ class GRPOTrainer(Trainer):
         if processing_class.pad_token is None:
             processing_class.pad_token = processing_class.eos_token
         args.check_lengths(model.config)
+        # Before the slow start-up: an adapter the chosen sync cannot serve is refused now, not at generation.
+        lora_rank = check_lora(model.active_peft_config, args.lora_sync) if isinstance(model, PeftModel) else None
         if getattr(model.config, "final_logit_softcapping", None):
             raise ConfigError(
                 f"{type(model).__name__} soft-caps its logits (final_logit_softcapping), which colograd's log-prob "
@@ -117,9 +120,7 @@ class GRPOTrainer(Trainer):
         self.model_accepts_loss_kwargs = False
         # Built after super().__init__: the torch process group must exist before the engine joins it.
         unwrapped = self.accelerator.unwrap_model(self.model)
-        # Adapter-only sync: the engine serves the adapter itself, so it must be started with LoRA enabled.
-        adapter_only = isinstance(unwrapped, PeftModel) and args.lora_sync == "adapter"
-        self._lora_rank = unwrapped.peft_config[unwrapped.active_adapter].r if adapter_only else None
+        self._lora_rank = lora_rank  # adapter-only sync: the engine serves the adapter itself, with LoRA enabled
         if args.vllm_enable_sleep_mode and not torch.cuda.is_available():
             raise ConfigError("vllm_enable_sleep_mode frees GPU memory and needs a GPU; remove it on this machine.")
         self.engine = Engine(unwrapped, processing_class, args, lora_rank=self._lora_rank)
@@ -273,7 +274,9 @@ class GRPOTrainer(Trainer):
         if self._weight_plan is None:
             # Built at the first sync, once accelerate / DeepSpeed have wrapped (and maybe sharded) the model.
             model = self.accelerator.unwrap_model(self.model)
-            bucket_bytes = int(self.args.sync_bucket_mib * 2**20) if is_sharded(model) else None
+            # Gathered (sharded) or built (merged LoRA) weights take memory, so they go a bucket at a time.
+            builds = is_sharded(model) or (isinstance(model, PeftModel) and self._lora_rank is None)
+            bucket_bytes = int(self.args.sync_bucket_mib * 2**20) if builds else None
             self._weight_plan = WeightPlan(model, bucket_bytes, adapter_only=self._lora_rank is not None)
         with self._timed("sync"):
             self._weight_plan.sync(self.engine)

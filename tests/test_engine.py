@@ -1,10 +1,15 @@
 """The engine and the sync on their own, in one process, for several architectures vLLM supports."""
 
+import weakref
+from collections.abc import Callable
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from colograd import GRPOConfig, tiny
+from colograd import GRPOConfig, sync, tiny
+from colograd import engine as engine_module
 from colograd.engine import Engine
 from colograd.sync import WeightPlan
 
@@ -79,16 +84,19 @@ def test_sync_gives_engine_the_trainer_weights(arch, bucket_bytes, repack, tmp_p
     assert (after - expected).abs().max() <= 1e-4
 
 
-def lora_model() -> torch.nn.Module:
-    """The tiny Qwen2 with LoRA on every linear layer and non-zero B, so the adapter changes the outputs."""
+def lora_model(r: int = 8, **options) -> torch.nn.Module:
+    """The tiny Qwen2 with LoRA on every linear layer and non-zero B, so the adapter changes the outputs; a
+    `modules_to_save` copy (in `options`) is moved away from the original, so that it matters too."""
     from peft import LoraConfig, get_peft_model
 
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    model = get_peft_model(tiny.build_model(), LoraConfig(r=8, lora_alpha=16, target_modules=targets))
+    model = get_peft_model(tiny.build_model(), LoraConfig(r=r, lora_alpha=16, target_modules=targets, **options))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.5)
+            if ".modules_to_save." in name:
+                p.add_(torch.randn_like(p) * 0.5)
     return model.eval()
 
 
@@ -100,32 +108,134 @@ def move_adapter(model: torch.nn.Module) -> None:
                 p.add_(torch.randn_like(p) * 0.2)
 
 
+def count_adapter_loads(engine: Engine) -> Callable[[], int]:
+    """Count the engine's adapter loads (reads of the adapter's folder): wraps its worker's loader."""
+
+    def wrap(worker) -> None:
+        manager = worker.model_runner.lora_manager
+        load, manager.loads = manager._load_adapter, 0
+
+        def counting(request):
+            manager.loads += 1
+            return load(request)
+
+        manager._load_adapter = counting
+
+    engine.llm.collective_rpc(wrap)
+    return lambda: engine.llm.collective_rpc(lambda worker: worker.model_runner.lora_manager.loads)[0]
+
+
 @pytest.mark.parametrize("repack", [True, False], ids=["repacked", "direct"])
 @pytest.mark.parametrize("adapter_only", [False, True], ids=["lora-merged", "lora-adapter-only"])
-def test_lora_sync_gives_engine_the_adapted_model(adapter_only, repack, tmp_path):
+def test_lora_sync_gives_engine_the_adapted_model(adapter_only, repack, tmp_path, monkeypatch):
+    """Merged: with a trained `modules_to_save` copy of the head, sent in place of the original. Adapter only:
+    rank 4, which vLLM's LoRA does not take as is (the engine rounds up to 8); the adapter is read from its
+    folder once per sync however many engine steps follow; with `repack` off, /dev/shm is made too small,
+    so the adapter goes to a disk folder."""
     torch.manual_seed(0)
-    model = lora_model()
+    model = lora_model(r=4) if adapter_only else lora_model(modules_to_save=["lm_head"])
     tokenizer = tiny.build_tokenizer()
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=8,
                       max_prompt_length=32, max_completion_length=8, vllm_kv_cache_gib=0.1, vllm_enforce_eager=True,
                       report_to="none")  # fmt: skip
     args.vllm_cpu_repack_weights = repack
-    engine = Engine(model, tokenizer, args, lora_rank=8 if adapter_only else None)
+    engine = Engine(model, tokenizer, args, lora_rank=4 if adapter_only else None)
     assert engine.direct_load is not repack
     ids = tokenizer("abcd>b:bbbb and more text")["input_ids"]
     with model.disable_adapter():
         base = trainer_logprobs(model, ids)
+    if adapter_only:
+        loads = count_adapter_loads(engine)
+    if not repack:
+        monkeypatch.setattr(engine_module.shutil, "disk_usage", lambda path: SimpleNamespace(free=1024))
+
+    def rollout() -> None:  # prompt log-probs (one engine step), then completions (several steps)
+        assert (engine.prompt_logprobs(ids) - trainer_logprobs(model, ids)).abs().max() <= 1e-4
+        assert len(engine.generate([ids[:8]], args).completion_ids) == args.num_generations
 
     plan = WeightPlan(model, adapter_only=adapter_only)
     first = plan.sync(engine)
-    assert (engine.prompt_logprobs(ids) - trainer_logprobs(model, ids)).abs().max() <= 1e-4
+    rollout()
     assert (trainer_logprobs(model, ids) - base).abs().max() > 1e-2  # the adapter matters
 
     move_adapter(model)
     second = plan.sync(engine)
-    assert (engine.prompt_logprobs(ids) - trainer_logprobs(model, ids)).abs().max() <= 1e-4
+    rollout()
+    if adapter_only:
+        assert loads() == 2  # once per sync
+        assert engine._adapter_dir.name.startswith("/dev/shm/") is repack
     adapter_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n)
     if adapter_only:  # after the first sync, only the adapter moves
         assert second == adapter_bytes and first == plan.nbytes + adapter_bytes
     else:
         assert second == first
+
+
+def test_merged_lora_builds_one_bucket_of_weights_at_a_time(tmp_path, monkeypatch):
+    """Every merged (base + B·A) tensor the sync builds is tracked while alive: in buckets of one decoder layer
+    (a 1-byte budget), no more than the largest bucket's bytes exist at once; in one bucket, all of them do."""
+    torch.manual_seed(0)
+    model = lora_model()
+    tokenizer = tiny.build_tokenizer()
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=8,
+                      max_prompt_length=32, max_completion_length=8, vllm_kv_cache_gib=0.1, vllm_enforce_eager=True,
+                      report_to="none", vllm_cpu_repack_weights=False)  # fmt: skip
+    engine = Engine(model, tokenizer, args)
+    ids = tokenizer("abcd>b:bbbb and more text")["input_ids"]
+    alive: list[tuple[weakref.ref, int]] = []
+    peak = [0]
+    build = sync._tensor
+
+    def tracked(model, unit, reread):
+        tensor = build(model, unit, reread)
+        if unit.lora is not None:
+            alive.append((weakref.ref(tensor), tensor.nbytes))
+            peak[0] = max(peak[0], sum(n for ref, n in alive if ref() is not None))
+        return tensor
+
+    monkeypatch.setattr(sync, "_tensor", tracked)
+    merged_bytes = sum(u.param.nbytes for u in WeightPlan(model).buckets[0] if u.lora is not None)
+
+    whole = WeightPlan(model)
+    whole.sync(engine)
+    assert peak[0] == merged_bytes  # one bucket: every merged weight at once
+
+    alive.clear()
+    peak[0] = 0
+    bucketed = WeightPlan(model, bucket_bytes=1)
+    move_adapter(model)
+    bucketed.sync(engine)
+    assert (engine.prompt_logprobs(ids) - trainer_logprobs(model, ids)).abs().max() <= 1e-4
+    assert len(bucketed.buckets) > 2
+    assert 0 < peak[0] <= max(sum(u.nbytes for u in bucket) for bucket in bucketed.buckets) < merged_bytes
+
+
+def test_engine_stops_at_eos_ids_of_the_generation_config(tmp_path):
+    """The model always predicts token `stop`, which only its generation config names as an end of sequence:
+    the engine must stop there. Also: the engine's start leaves the trainer's float32 matmul precision."""
+    stop = 5
+    model = tiny.build_model()
+    with torch.no_grad():
+        # Hidden dimension 0 is large and positive in every embedding, and the final norm keeps only it: the
+        # head sees the same direction at every position, and its row for `stop` turns that into a large logit.
+        model.model.embed_tokens.weight[:, 0] = 100.0
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[0] = 1.0
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[stop, 0] = 10.0
+    model.generation_config.eos_token_id = [1, stop]
+    tokenizer = tiny.build_tokenizer()
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=8,
+                      max_prompt_length=32, max_completion_length=8, vllm_kv_cache_gib=0.1, vllm_enforce_eager=True,
+                      report_to="none", vllm_cpu_repack_weights=False)  # fmt: skip
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        engine = Engine(model, tokenizer, args)
+        assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision(before)
+    WeightPlan(model).sync(engine)
+    rollout = engine.generate([tokenizer("abcd>b:")["input_ids"]], args)
+    assert rollout.completion_ids == [[stop]] * args.num_generations
+    assert not any(rollout.truncated)
