@@ -1,5 +1,6 @@
 """The engine and the sync on their own, in one process, for several architectures vLLM supports."""
 
+import random
 import weakref
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -212,7 +213,8 @@ def test_merged_lora_builds_one_bucket_of_weights_at_a_time(tmp_path, monkeypatc
 
 def test_engine_stops_at_eos_ids_of_the_generation_config(tmp_path):
     """The model always predicts token `stop`, which only its generation config names as an end of sequence:
-    the engine must stop there. Also: the engine's start leaves the trainer's float32 matmul precision."""
+    the engine must stop there. Also: the engine's start leaves the trainer's float32 matmul precision, and
+    seeds the process's generators with the engine's seed (docs/troubleshooting.md says so)."""
     stop = 5
     model = tiny.build_model()
     with torch.no_grad():
@@ -233,6 +235,7 @@ def test_engine_stops_at_eos_ids_of_the_generation_config(tmp_path):
     try:
         engine = Engine(model, tokenizer, args)
         assert torch.get_float32_matmul_precision() == "high"
+        assert torch.initial_seed() == args.seed and random.getstate() == random.Random(args.seed).getstate()
     finally:
         torch.set_float32_matmul_precision(before)
     WeightPlan(model).sync(engine)

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from colograd import GRPOConfig, tiny
 from colograd.engine import Engine
 from colograd.trainer import GRPOTrainer
 
@@ -35,6 +36,38 @@ def test_weights_are_written_after_waking_and_before_the_kv_cache(level):
     assert log == ["wake_up:weights", "sync", "wake_up:kv_cache", "generate", f"sleep:{level}"]
     # Level 2 discards the weights: the next rollout must sync even if the optimizer did not step.
     assert engine.stale is (level == 2)
+
+
+class StartingLLM(RecordingLLM):
+    """Stands in for `vllm.LLM` while an `Engine` is built: records the start, then sleeps and wakes."""
+
+    def __init__(self, log: list[str], **kwargs) -> None:
+        super().__init__(log)
+        log.append("start")
+        self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(max_model_len=kwargs["max_model_len"]))
+
+    def collective_rpc(self, method, args=()) -> list:
+        return [True]
+
+
+@pytest.mark.parametrize("sleep_mode", [True, False], ids=["sleep-mode", "no-sleep-mode"])
+def test_engine_sleeps_as_soon_as_it_is_built(sleep_mode, tmp_path, monkeypatch):
+    """With sleep mode the engine's memory is free from the start (while DeepSpeed / FSDP set up the model),
+    and the first rollout wakes it."""
+    import vllm
+
+    log: list[str] = []
+    monkeypatch.setattr(vllm, "LLM", lambda **kwargs: StartingLLM(log, **kwargs))
+    args = GRPOConfig(output_dir=str(tmp_path), max_prompt_length=16, max_completion_length=8,
+                      vllm_enable_sleep_mode=sleep_mode, report_to="none")  # fmt: skip
+    engine = Engine(tiny.build_model(), tiny.build_tokenizer(), args)
+    assert log == (["start", "sleep:2"] if sleep_mode else ["start"])
+    with engine.awake(sync=lambda: log.append("sync")):
+        log.append("generate")
+    expected = (
+        ["wake_up:weights", "sync", "wake_up:kv_cache", "generate", "sleep:2"] if sleep_mode else ["sync", "generate"]
+    )
+    assert log[-len(expected) :] == expected
 
 
 def test_engine_sleeps_even_if_generation_fails():

@@ -1,0 +1,87 @@
+"""What a PEFT LoRA adapter needs from the engine, checked before the engine starts (no engine here)."""
+
+from contextlib import nullcontext
+from types import SimpleNamespace
+
+import pytest
+from conftest import run_cli
+from peft import LoraConfig, get_peft_model
+
+from colograd import tiny
+from colograd import trainer as trainer_module
+from colograd.config import ConfigError
+from colograd.lora import check_lora, engine_max_lora_rank
+from colograd.trainer import GRPOTrainer
+
+
+@pytest.mark.parametrize("rank, engine_rank", [(1, 1), (2, 8), (4, 8), (8, 8), (9, 16), (300, 320), (321, 512)])
+def test_rank_is_rounded_up_to_a_size_vllm_accepts(rank, engine_rank):
+    assert engine_max_lora_rank(rank) == engine_rank
+
+
+def test_rank_above_vllm_largest_is_refused():
+    with pytest.raises(ConfigError, match="LoRA rank 600 is above the largest rank vLLM serves \\(512\\)"):
+        check_lora(LoraConfig(r=600), "adapter")
+    assert check_lora(LoraConfig(r=600), "merged") is None  # merged weights have no rank limit
+
+
+def test_adapter_rank_counts_rank_pattern():
+    assert check_lora(LoraConfig(r=4, rank_pattern={"q_proj": 40}), "adapter") == 40
+
+
+@pytest.mark.parametrize(
+    "options, adapter_message, merged_message",
+    [
+        ({"use_dora": True}, "does not yet support DoRA", "DoRA (use_dora)"),
+        ({"lora_bias": True}, "does not support LoRA bias", "lora_bias"),
+        ({"modules_to_save": ["lm_head"]}, "Unsupported modules_to_save: ['lm_head']", None),
+        ({"init_lora_weights": "pissa"}, "init_lora_weights='pissa'", None),
+    ],
+    ids=["dora", "lora-bias", "modules-to-save", "pissa"],
+)
+def test_options_the_sync_cannot_serve_are_refused(options, adapter_message, merged_message):
+    """Adapter sync: vLLM's own loader check, run on the config. Merged sync serves modules_to_save (the trained
+    copy is sent; tests/test_engine.py checks its parity) and PiSSA (its modified base is what is sent), not
+    options whose merged weight is more than base + B·A."""
+    config = LoraConfig(r=8, **options)
+    with pytest.raises(ConfigError, match="lora_sync=adapter") as err:
+        check_lora(config, "adapter")
+    assert adapter_message in str(err.value) and "\n" not in str(err.value)
+    if merged_message is None:
+        assert check_lora(config, "merged") is None
+    else:
+        with pytest.raises(ConfigError, match="lora_sync=merged") as err:
+            check_lora(config, "merged")
+        assert merged_message in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "lora_sync, expected_buckets", [("merged", 2**20), ("adapter", None), (None, None)], ids=lambda v: str(v)
+)
+def test_merged_lora_is_synced_in_buckets(lora_sync, expected_buckets, monkeypatch):
+    """Unsharded weights are sent by reference in one call, but merged LoRA weights are built: in buckets."""
+    model = tiny.build_model() if lora_sync is None else get_peft_model(tiny.build_model(), LoraConfig(r=8))
+    plans = []
+    monkeypatch.setattr(trainer_module, "WeightPlan", lambda *args, **kwargs: plans.append(args) or plan)
+    plan = SimpleNamespace(sync=lambda engine: None)
+    trainer = SimpleNamespace(
+        state=SimpleNamespace(global_step=0),
+        engine=SimpleNamespace(stale=True),
+        _synced_step=None,
+        _weight_plan=None,
+        _lora_rank=8 if lora_sync == "adapter" else None,
+        args=SimpleNamespace(sync_bucket_mib=1),
+        accelerator=SimpleNamespace(unwrap_model=lambda m: m),
+        model=model,
+        _timed=lambda phase: nullcontext(),
+    )
+    GRPOTrainer.sync_weights(trainer)
+    assert plans == [(model, expected_buckets)]
+
+
+def test_unservable_adapter_is_one_line_before_the_engine_starts(tmp_path):
+    proc = run_cli("--config", "recipes/grpo_tiny.yaml", "--output_dir", str(tmp_path), "--use_peft", "--use_dora",
+                   "--lora_sync", "adapter")  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("colograd: error: lora_sync=adapter") and "DoRA" in last, proc.stderr[-2000:]
