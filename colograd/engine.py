@@ -126,9 +126,6 @@ class Engine:
         # which the next sync rewrites anyway; an adapter-only engine keeps its frozen base (level 1: to CPU).
         self.sleep_level = (1 if lora_rank else 2) if args.vllm_enable_sleep_mode else 0
         self.stale = True  # True until the trainer's weights are loaded, and again after a level-2 sleep
-        if self.sleep_level:
-            # Asleep from the start: the memory is free while DeepSpeed / FSDP set up; the first rollout wakes it.
-            self.llm.sleep(level=self.sleep_level)
         # Whether the engine computes with the weight tensors it holds (GPU; CPU without repacking), so a sync
         # can copy straight into them, or re-processes them into a kernel layout that needs a reload.
         self.direct_load = all(self.llm.collective_rpc(_holds_plain_weights))
@@ -136,6 +133,9 @@ class Engine:
         self.max_prompt_tokens = self.llm.llm_engine.model_config.max_model_len - args.max_completion_length
         self.lora_request = None  # set by `load_adapter`; every generation then applies the adapter
         self._adapter_dir: tempfile.TemporaryDirectory | None = None
+        if self.sleep_level:
+            # Asleep from the start: the memory is free while DeepSpeed / FSDP set up; the first rollout wakes it.
+            self.llm.sleep(level=self.sleep_level)
 
     def generate(self, prompt_ids: list[list[int]], args: GRPOConfig, step: int = 0) -> Rollout:
         """Sample `args.num_generations` completions of every prompt in one engine call.
