@@ -16,7 +16,7 @@ else
   LAUNCH := --config_file recipes/accelerate_configs/ddp.yaml --num_processes $(GPUS)
 endif
 
-.PHONY: install run test quality docs clean
+.PHONY: install run test quality docs gpu-check clean
 
 install: $(VENV)/.installed-$(ENGINE)
 
@@ -42,6 +42,10 @@ test: install
 quality: install
 	$(BIN)/ruff check colograd tests
 	$(BIN)/ruff format --check colograd tests
+
+# Proves a GPU machine's engine: parity after a sync, sleep/wake cycles, LoRA, tensor parallel (docs/gpu.md).
+gpu-check: install
+	$(BIN)/python -m colograd.check
 
 # The site goes to site/; --strict turns a broken link or a missing page into a failed build.
 docs: install

@@ -276,9 +276,11 @@ def _launcher_env() -> Iterator[None]:
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     added = {
         key: str(value)
-        for key, value in (("RANK", rank), ("LOCAL_RANK", rank), ("WORLD_SIZE", world), ("MASTER_ADDR", "127.0.0.1"))
+        for key, value in (("RANK", rank), ("WORLD_SIZE", world), ("MASTER_ADDR", "127.0.0.1"))
         if key not in os.environ
     }
+    if "LOCAL_RANK" not in os.environ:  # vLLM picks this process's device by it
+        added["LOCAL_RANK"] = str(_local_rank(rank, world))
     if "MASTER_PORT" not in os.environ:
         added["MASTER_PORT"] = str(free_port())
     os.environ.update(added)
@@ -287,6 +289,22 @@ def _launcher_env() -> Iterator[None]:
     finally:
         for key in added:
             del os.environ[key]
+
+
+def _local_rank(rank: int, world: int) -> int:
+    """This process's index among the processes on its machine, for a launch that did not set LOCAL_RANK.
+
+    The global rank is not it on a second machine (rank 8 of two 8-GPU nodes is local rank 0). From
+    LOCAL_WORLD_SIZE when set (launchers number ranks machine by machine), else by counting the lower ranks
+    on the same host (one collective: every rank builds its engine, so every rank gets here).
+    """
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        return rank % int(os.environ["LOCAL_WORLD_SIZE"])
+    if world == 1:
+        return 0
+    hosts: list[str | None] = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname())
+    return hosts[:rank].count(hosts[rank])
 
 
 _ONEDNN_AVAILABLE: bool | None = None
@@ -349,9 +367,14 @@ def _matmul_precision_kept() -> Iterator[None]:
 
 
 def _engine_dtype(model: PreTrainedModel, args: GRPOConfig) -> str:
-    """bf16 when training in bf16, else the trainer's own parameter dtype (fp32 keeps parity exact)."""
-    if args.bf16:
+    """The precision the trainer computes in, so that the engine samples from the policy being trained.
+
+    `args.mixed_precision` is what the Trainer hands its Accelerator: `bf16` / `fp16` when set, else the
+    accelerate launch config's `mixed_precision` (e.g. `ddp.yaml`'s bf16 autocast). Without mixed precision,
+    the trainer's own parameter dtype (fp32 keeps parity exact).
+    """
+    if args.mixed_precision == "bf16":
         return "bfloat16"
-    if args.fp16:
+    if args.mixed_precision == "fp16":
         return "float16"
     return str(next(model.parameters()).dtype).removeprefix("torch.")

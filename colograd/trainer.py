@@ -16,6 +16,7 @@ then each micro-step trains on one slice of it:
 Subclass and override one of these to change that stage alone.
 """
 
+import logging
 import os
 from collections import defaultdict
 from contextlib import AbstractContextManager, nullcontext
@@ -38,6 +39,7 @@ from colograd.logps import completion_logps
 from colograd.lora import check_lora
 from colograd.loss import clipped_fractions, group_advantages, policy_loss, sampling_correction, weighted_rewards
 from colograd.modelcard import Recipe, model_card, write_model_card
+from colograd.precision import master_copy_warning
 from colograd.reference import ReferencePolicy
 from colograd.rewards import RewardFunc, RewardModel, resolve_rewards, reward_name, score
 from colograd.sync import WeightPlan, is_sharded
@@ -121,6 +123,11 @@ class GRPOTrainer(Trainer):
         # Built after super().__init__: the torch process group must exist before the engine joins it.
         unwrapped = self.accelerator.unwrap_model(self.model)
         self._lora_rank = lora_rank  # adapter-only sync: the engine serves the adapter itself, with LoRA enabled
+        # DeepSpeed and FSDP2 step fp32 masters under mixed precision; DDP steps the parameters themselves.
+        sharded_optimizer = self.is_deepspeed_enabled or self.is_fsdp_enabled
+        warning = master_copy_warning(unwrapped, sharded_optimizer and self.accelerator.mixed_precision != "no")
+        if warning and self.accelerator.is_main_process:
+            logging.getLogger(__name__).warning(warning)
         if args.vllm_enable_sleep_mode and not torch.cuda.is_available():
             raise ConfigError("vllm_enable_sleep_mode frees GPU memory and needs a GPU; remove it on this machine.")
         self.engine = Engine(unwrapped, processing_class, args, lora_rank=self._lora_rank)

@@ -3,12 +3,15 @@
 import contextlib
 from types import SimpleNamespace
 
+import pytest
 import torch
+import torch.distributed as dist
 from peft import LoraConfig, get_peft_model
 
 from colograd import GRPOConfig, GRPOTrainer, tiny
 from colograd.batch import pad_rollout
-from colograd.engine import Rollout
+from colograd.config import ConfigError
+from colograd.engine import Rollout, free_port
 from colograd.loss import policy_loss
 from colograd.reference import ReferencePolicy
 
@@ -74,3 +77,22 @@ def test_trainer_reference_stage_with_lora_gives_base_logps_and_a_kl_gradient_on
     out.loss.backward()
     grads = {name: p.grad for name, p in policy.named_parameters() if p.grad is not None}
     assert grads and all("lora_" in name for name in grads)
+
+
+def test_fsdp_ram_efficient_loading_with_a_copied_reference_is_refused(monkeypatch):
+    """Under FSDP with fsdp_cpu_ram_efficient_loading, transformers fills the weights of every process but each
+    machine's first with zeros until accelerate broadcasts them, after the reference copy is taken: refused.
+    A LoRA reference (the base with adapters off) copies nothing and is read after the broadcast: allowed."""
+    # What `accelerate launch` exports for such a config; transformers reads it only inside a process group.
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "true")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ConfigError, match="fsdp_cpu_ram_efficient_loading: false"):
+            ReferencePolicy(tiny.build_model())
+        lora = get_peft_model(tiny.build_model(), LoraConfig(r=4, target_modules=["q_proj"]))
+        assert ReferencePolicy(lora).frozen is None
+        monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")
+        assert ReferencePolicy(tiny.build_model()).frozen is not None
+    finally:
+        dist.destroy_process_group()

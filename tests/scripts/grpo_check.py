@@ -5,7 +5,8 @@
 Each rank writes OUT_DIR/rank<r>.json with: the trainer's log history, whether every rank held identical
 weights after every optimizer step, the completions it sampled, its samples for one shared prompt, the
 largest gap between engine and trainer log-probs after the final sync, and how the weights were held
-(sharded or not) and synced (number of buckets). Launched with a DeepSpeed ZeRO-3 config it trains sharded.
+(sharded or not) and synced (number of buckets), and its local rank (given by the launcher, and derived
+without it). Launched with a DeepSpeed ZeRO-3 config it trains sharded.
 """
 
 import argparse
@@ -19,6 +20,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import TrainerCallback
 
 from colograd import GRPOTrainer, tiny
+from colograd.engine import _local_rank
 from colograd.sync import is_sharded
 
 
@@ -73,6 +75,15 @@ def _attention_heads(worker) -> int:
     return worker.model_runner.model.model.layers[0].self_attn.num_heads
 
 
+def local_rank_without_launcher() -> int:
+    """The local rank the engine derives when no launcher set LOCAL_RANK or LOCAL_WORLD_SIZE (collective)."""
+    saved = {key: os.environ.pop(key) for key in ("LOCAL_RANK", "LOCAL_WORLD_SIZE") if key in os.environ}
+    try:
+        return _local_rank(dist.get_rank(), dist.get_world_size())
+    finally:
+        os.environ.update(saved)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -118,6 +129,7 @@ def main() -> None:
     shared = trainer.engine.generate([tokenizer("abcd>a:")["input_ids"]], args).completion_ids
 
     rank = dist.get_rank()
+    derived_local_rank = local_rank_without_launcher()
     with open(os.path.join(cli.out, f"rank{rank}.json"), "w") as f:
         json.dump(
             {
@@ -134,6 +146,8 @@ def main() -> None:
                 "reference_sharded": trainer.reference is not None and is_sharded(trainer.reference.frozen),
                 "lora_request": trainer.engine.lora_request is not None,
                 "engine_heads": trainer.engine.llm.collective_rpc(_attention_heads)[0],
+                "local_rank": int(os.environ["LOCAL_RANK"]),
+                "derived_local_rank": derived_local_rank,
             },
             f,
         )
