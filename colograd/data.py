@@ -30,6 +30,10 @@ def load_prompts(args: ScriptArguments) -> Dataset:
             f"dataset_config={args.dataset_config!r} names a hub dataset's subset, but {name!r} is not a hub "
             "dataset; remove dataset_config."
         )
+    if not local and (name.startswith((".", "/", "~")) or os.path.splitext(name)[1] in _FILE_FORMATS):
+        raise ConfigError(
+            f"dataset_name={name!r} does not exist; give an existing file or folder, or a hub dataset id."
+        )
     if not local:
         try:
             with _quiet_datasets():

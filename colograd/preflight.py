@@ -67,37 +67,30 @@ def preflight(
     Returns:
         The dataset to train on and the reward functions.
     """
+    check_settings(training_args, model_config)
     resolve_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
     reward_funcs = [resolve_reward(name) for name in script_args.reward_funcs]
     name = script_args.dataset_name
     dataset = load_prompts(script_args)
     dataset = check_prompts(dataset, tokenizer, name, drop_invalid=script_args.drop_invalid_prompts)
-    check_inputs(training_args, model_config, tokenizer, dataset, reward_funcs, dtype, lora_rank, name)
+    check_data(dataset, reward_funcs, training_args, name)
+    # Last: importing vLLM's pieces takes seconds, which a mistake found above should not wait for.
+    check_engine(training_args, model_config, dtype, lora_rank)
     return Inputs(dataset, reward_funcs)
 
 
-def check_inputs(
-    args: GRPOConfig,
-    model_config: PretrainedConfig,
-    tokenizer: PreTrainedTokenizerBase,
-    dataset: Any,
-    reward_funcs: list[RewardFunc],
-    dtype: torch.dtype,
-    lora_rank: int | None = None,
-    dataset_name: str = "train_dataset",
-) -> None:
-    """The checks that need no file of the command line: destination, sizes, rewards, engine.
-
-    Args:
-        dataset: the training dataset; its size and columns are checked when it has them.
-        dataset_name: how messages name the dataset.
-    """
+def check_settings(args: GRPOConfig, model_config: PretrainedConfig) -> None:
+    """The quick checks of the configuration alone: destination and lengths."""
     check_destination(args)
     args.check_lengths(model_config)
-    if isinstance(dataset, Dataset):
-        check_size(len(dataset), args, dataset_name)
-        check_rewards(reward_funcs, [c for c in dataset.column_names if c != "prompt"])
-    check_engine(args, model_config, dtype, lora_rank)
+
+
+def check_data(
+    dataset: Dataset, reward_funcs: list[RewardFunc], args: GRPOConfig, name: str = "train_dataset"
+) -> None:
+    """The dataset against the run: one rollout batch per rank, and columns the reward functions accept."""
+    check_size(len(dataset), args, name)
+    check_rewards(reward_funcs, [c for c in dataset.column_names if c != "prompt"])
 
 
 # --- destination ---------------------------------------------------------------------------------------------
@@ -208,7 +201,7 @@ def check_prompts(
             f"(drop_invalid_prompts); the first, row {first}: {problem}.",
             flush=True,
         )
-    return dataset.select(i for i in range(len(prompts)) if i not in problems)
+    return dataset.select([i for i in range(len(prompts)) if i not in problems])
 
 
 def _row_problems(prompts: list, tokenizer: PreTrainedTokenizerBase) -> dict[int, str]:

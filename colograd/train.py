@@ -36,7 +36,8 @@ def load_model_config(args: ModelConfig) -> tuple[PretrainedConfig, PreTrainedTo
     if name.startswith(tiny.PREFIX):
         if name not in tiny.TINY_MODELS:
             raise ConfigError(f"model_name_or_path={name!r}: the built-in models are {', '.join(tiny.TINY_MODELS)}.")
-        model = tiny.build_model(tie_word_embeddings=tiny.TINY_MODELS[name])  # built in memory in milliseconds
+        with torch.device("meta"):  # the architecture only: no memory, no initialisation
+            model = tiny.build_model(tie_word_embeddings=tiny.TINY_MODELS[name])
         return model.config, tiny.build_tokenizer(), model.dtype
     if name.startswith((".", "/")) and not os.path.isdir(name):
         raise ConfigError(f"model_name_or_path={name!r} does not exist; give an existing folder or a hub id.")

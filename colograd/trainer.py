@@ -41,7 +41,7 @@ from colograd.logps import completion_logps
 from colograd.loss import clipped_fractions, group_advantages, policy_loss, sampling_correction, weighted_rewards
 from colograd.modelcard import Recipe, model_card, write_model_card
 from colograd.preemption import Preemption, stage_failures
-from colograd.preflight import check_inputs, check_prompts
+from colograd.preflight import check_data, check_engine, check_prompts, check_settings
 from colograd.reference import ReferencePolicy
 from colograd.rewards import RewardFunc, RewardModel, resolve_rewards, reward_name, score
 from colograd.sync import WeightPlan, is_sharded
@@ -102,10 +102,11 @@ class GRPOTrainer(Trainer):
         # Adapter-only sync: the engine serves the adapter itself, so it must be started with LoRA enabled.
         adapter_only = isinstance(model, PeftModel) and args.lora_sync == "adapter"
         self._lora_rank = model.peft_config[model.active_adapter].r if adapter_only else None
-        if isinstance(train_dataset, Dataset):
+        check_settings(args, model.config)
+        if isinstance(train_dataset, Dataset):  # other kinds (streaming, torch datasets) are checked as they are read
             train_dataset = check_prompts(train_dataset, processing_class)
-        dtype = next(model.parameters()).dtype
-        check_inputs(args, model.config, processing_class, train_dataset, self.reward_funcs, dtype, self._lora_rank)
+            check_data(train_dataset, self.reward_funcs, args)
+        check_engine(args, model.config, next(model.parameters()).dtype, self._lora_rank)
         # Copied before the Trainer wraps the model, so the copy is the initial policy, whole on every rank.
         self.reference = ReferencePolicy(model) if args.beta != 0.0 else None
 
