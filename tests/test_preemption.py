@@ -9,6 +9,7 @@ One output folder goes through three 2-process runs of the tiny recipe (a checkp
 
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -112,7 +113,8 @@ def test_sigterm_to_one_rank_stops_both_at_one_step_with_a_checkpoint(runs):
     # Both ranks saved their part, and nothing was saved past the step where they stopped.
     assert (Path(checkpoint) / "rng_state_0.pth").exists() and (Path(checkpoint) / "rng_state_1.pth").exists()
     assert logged_steps(checkpoint) == list(range(1, step + 1))
-    assert "Traceback" not in log
+    # The launcher reports the ranks' exit code 143 with a traceback of its own; no frame of colograd's is in it.
+    assert not re.search(r'File ".*/colograd/', log), log[-3000:]
 
 
 def test_kill_9_loses_only_the_steps_since_the_last_finished_checkpoint(runs):
