@@ -139,12 +139,12 @@ def test_resume_after_kill_9_trains_to_the_end(runs):
 
 
 def test_failure_names_step_and_stage_and_keeps_the_checkpoint(tmp_path, monkeypatch):
-    monkeypatch.setenv("FAIL_AT_STEP", "3")
-    flags = ["--config", "recipes/grpo_tiny.yaml", "--max_steps", "4", "--save_strategy", "steps", "--save_steps"]
-    flags += ["2", "--reward_funcs", "tests.scripts.failing_reward.letters_or_fail", "--output_dir", str(tmp_path)]
-    proc = run_cli(*flags)
+    monkeypatch.setenv("FAIL_AT_STEP", "2")
+    flags = ["--config", "recipes/grpo_tiny.yaml", "--max_steps", "3", "--save_strategy", "steps", "--save_steps"]
+    flags += ["1", "--reward_funcs", "tests.scripts.failing_reward.letters_or_fail", "--output_dir", str(tmp_path)]
+    proc = run_cli(*flags, "--disable_tqdm", "true")
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert lines[-1].startswith("colograd: error: optimizer step 3, stage 'reward': RewardError:"), lines[-1]
-    assert "injected failure" in lines[-1] and f"{tmp_path}/checkpoint-2, is intact" in lines[-1]
-    assert is_complete(tmp_path / "checkpoint-2") and not (tmp_path / "checkpoint-4").exists()
+    assert lines[-1].startswith("colograd: error: optimizer step 2, stage 'reward': RewardError:"), lines[-1]
+    assert "injected failure" in lines[-1] and f"{tmp_path}/checkpoint-1, is intact" in lines[-1]
+    assert is_complete(tmp_path / "checkpoint-1") and not (tmp_path / "checkpoint-2").exists()
