@@ -16,8 +16,11 @@ and the fix.
 """
 
 import inspect
+import logging
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -303,15 +306,16 @@ def check_engine(
             f"temperature={args.temperature}: GRPO samples several completions per prompt and divides log-probs by "
             "the temperature; set it above 0 (1.0 samples from the model as it is)."
         )
-    from vllm.exceptions import VLLMError
+    with _quiet_logs():  # vLLM's import-time warnings (no Triton on CPU, ...) would add lines to a one-line error
+        from vllm.config import LoRAConfig
+        from vllm.exceptions import VLLMError
+        from vllm.platforms import current_platform
 
     try:
         sampling_params(args)
     except (ValueError, VLLMError) as err:
         raise ConfigError(f"sampling settings: vLLM refuses them: {first_line(err)}.") from err
     if lora_rank is not None:
-        from vllm.config import LoRAConfig
-
         try:
             LoRAConfig(max_lora_rank=lora_rank, max_loras=1)
         except ValueError as err:
@@ -325,8 +329,6 @@ def check_engine(
             f"vllm_max_model_length={args.vllm_max_model_length} exceeds the model's context of {context} "
             "(max_position_embeddings); lower it, or leave it unset."
         )
-    from vllm.platforms import current_platform
-
     engine_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else dtype
     supported = current_platform.supported_dtypes
     if engine_dtype not in supported:
@@ -342,7 +344,8 @@ def _check_head_size(model_config: PretrainedConfig, platform: Any) -> None:
     several at start-up, so there the engine decides)."""
     if not platform.is_cpu():
         return
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    with _quiet_logs():
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     text = model_config.get_text_config()
     heads = getattr(text, "num_attention_heads", None)
@@ -354,6 +357,17 @@ def _check_head_size(model_config: PretrainedConfig, platform: Any) -> None:
             f"{', '.join(map(str, supported))}); use a model with one of those, e.g. hidden_size / "
             "num_attention_heads = 64."
         )
+
+
+@contextmanager
+def _quiet_logs() -> Iterator[None]:
+    """No log record below ERROR while the body runs."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(previous)
 
 
 def _pydantic_message(err: ValueError) -> str:
