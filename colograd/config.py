@@ -387,3 +387,10 @@ class ScriptArguments:
             "functions (my_pkg.rewards.length), or a sequence-classification reward model (a local folder or hub id)."
         },
     )
+    drop_invalid_prompts: bool = field(
+        default=False,
+        metadata={
+            "help": "Drop dataset rows whose prompt is invalid (empty, malformed messages, nothing after "
+            "tokenizing), and print how many, instead of stopping with an error that names the first."
+        },
+    )

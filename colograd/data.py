@@ -4,9 +4,16 @@ Rows need a ``prompt``: text (standard) or a list of chat messages (conversation
 template is applied per rollout). Every other column reaches the reward functions.
 """
 
+import json
+import logging
 import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
+import datasets
 from datasets import Dataset, DatasetDict, load_dataset
+from transformers import PreTrainedTokenizerBase
+from trl.data_utils import maybe_apply_chat_template
 
 from colograd import tiny
 from colograd.config import ConfigError, ScriptArguments
@@ -23,8 +30,19 @@ def load_prompts(args: ScriptArguments) -> Dataset:
             f"dataset_config={args.dataset_config!r} names a hub dataset's subset, but {name!r} is not a hub "
             "dataset; remove dataset_config."
         )
+    if not local and (name.startswith((".", "/", "~")) or os.path.splitext(name)[1] in _FILE_FORMATS):
+        raise ConfigError(
+            f"dataset_name={name!r} does not exist; give an existing file or folder, or a hub dataset id."
+        )
     if not local:
-        dataset = load_dataset(name, args.dataset_config, split=split)
+        try:
+            with _quiet_datasets():
+                dataset = load_dataset(name, args.dataset_config, split=split)
+        except (OSError, ValueError) as err:  # unreachable or unknown id, unknown split or subset
+            raise ConfigError(
+                f"dataset_name={name!r} cannot be loaded ({first_line(err)}); give a local file or folder, or a "
+                "hub dataset id that is reachable (or cached)."
+            ) from err
     else:
         splits = _load_local(name)
         if split not in splits:
@@ -52,5 +70,65 @@ def _load_local(name: str) -> DatasetDict:
             raise ConfigError(f"dataset_name={name!r}: use a {', '.join(_FILE_FORMATS)} file or a dataset folder.")
         if os.path.getsize(name) == 0:  # `datasets` fails on it deep inside its schema inference
             raise ConfigError(f"dataset {name!r} is empty; give a file with at least one row.")
-        return load_dataset(_FILE_FORMATS[ext], data_files=name)
-    return load_dataset(name)
+        return _read(name, lambda: load_dataset(_FILE_FORMATS[ext], data_files=name))
+    return _read(name, lambda: load_dataset(name))
+
+
+def tokenize_prompts(prompts: list, tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
+    """Token ids of each prompt as a rollout feeds it to the engine: chat messages through the tokenizer's chat
+    template, text as it is; no special tokens added (a template adds its own), nothing truncated yet."""
+    texts = [maybe_apply_chat_template({"prompt": p}, tokenizer)["prompt"] for p in prompts]
+    return tokenizer(text=texts, add_special_tokens=False)["input_ids"]
+
+
+def _read(name: str, load: Callable[[], DatasetDict]) -> DatasetDict:
+    """`load()`, with a parse error turned into one line naming the file and, where it can be found, the line."""
+    try:
+        with _quiet_datasets():
+            return load()
+    except (OSError, ValueError, datasets.exceptions.DatasetsError) as err:
+        cause = err.__cause__ or err  # `datasets` wraps the parser's error, which says what is wrong
+        where = _json_error_line(name) if name.endswith((".json", ".jsonl")) else None
+        raise ConfigError(
+            f"dataset {name!r} cannot be read{where or ''}: {first_line(cause)}; fix the file or convert it to "
+            f"one of {', '.join(_FILE_FORMATS)}."
+        ) from err
+
+
+def _json_error_line(path: str) -> str | None:
+    """`` (line N)``: where a JSON or JSON Lines file stops being valid, by Python's own parser, or None."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    if path.endswith(".json"):
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as err:
+            return f" (line {err.lineno})"
+        return None  # one valid document: the problem is its shape, which the reader's message gives
+    for number, line in enumerate(text.splitlines(), start=1):
+        try:
+            if line.strip() and not isinstance(json.loads(line), dict):
+                return f" (line {number}: not a JSON object)"
+        except json.JSONDecodeError:
+            return f" (line {number})"
+    return None
+
+
+@contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    """Silence `datasets`' own error log and progress bars while loading: a failure is reported once, by us."""
+    logger = logging.getLogger("datasets")
+    level, bars = logger.level, datasets.is_progress_bar_enabled()
+    logger.setLevel("CRITICAL")
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+        if bars:
+            datasets.enable_progress_bars()
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of an error's message, for a one-line report."""
+    return (str(err).strip().splitlines() or [type(err).__name__])[0].rstrip(".")

@@ -145,8 +145,6 @@ class Engine:
         `step` (the micro-step being trained) then seeds the call, so that every rank of the group samples the
         same tokens (vLLM's CPU sampler otherwise draws from each process's own generator).
         """
-        from vllm import SamplingParams
-
         mine = len(prompt_ids)
         seeds: list[int | None] = [None] * mine
         if self.tp_group is not None:
@@ -158,19 +156,7 @@ class Engine:
             base = hash((args.seed, self._tp_index, step)) % 2**31
             seeds = [base + i * args.num_generations for i in range(len(prompt_ids))]
 
-        params = [
-            SamplingParams(
-                n=args.num_generations,
-                max_tokens=args.max_completion_length,
-                temperature=args.temperature,
-                top_p=args.top_p,
-                top_k=args.top_k if args.top_k > 0 else -1,
-                repetition_penalty=args.repetition_penalty,
-                logprobs=0,  # the sampled token's own log-prob
-                seed=seed,
-            )
-            for seed in seeds
-        ]
+        params = [sampling_params(args, seed) for seed in seeds]
         prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
         outputs = self.llm.generate(prompts, params, lora_request=self.lora_request, use_tqdm=False)
         if self.tp_group is not None:
@@ -252,6 +238,29 @@ class Engine:
         )
         steps = out[0].prompt_logprobs
         return torch.tensor([steps[i][token_ids[i]].logprob for i in range(1, len(token_ids))])
+
+
+def sampling_params(args: GRPOConfig, seed: int | None = None) -> Any:
+    """The `vllm.SamplingParams` of one rollout request: G completions of a prompt, with the sampled tokens'
+    log-probs. Building it runs vLLM's own checks of the sampling settings (preflight builds one for that).
+
+    Args:
+        args: the run's config (num_generations, max_completion_length, temperature, top_p, top_k,
+            repetition_penalty).
+        seed: the request's seed; None draws from the engine's generator.
+    """
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        n=args.num_generations,
+        max_tokens=args.max_completion_length,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k if args.top_k > 0 else -1,
+        repetition_penalty=args.repetition_penalty,
+        logprobs=0,  # the sampled token's own log-prob
+        seed=seed,
+    )
 
 
 def _tensor_parallel_group(tp_size: int, world: int) -> Any:

@@ -6,18 +6,48 @@ python colograd/train.py --config recipes/grpo_tiny.yaml          # one process
 
 import os
 import sys
+import traceback
 from typing import NoReturn
 
 import torch
 from peft import get_peft_model
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 from trl import ModelConfig, TrlParser, get_peft_config
 
 from colograd import GRPOConfig, GRPOTrainer, ScriptArguments, tiny
 from colograd.config import ConfigError
-from colograd.data import load_prompts
 from colograd.modelcard import Recipe
-from colograd.rewards import resolve_reward
+from colograd.preemption import PREEMPTED_EXIT_CODE, StepFailure
+from colograd.preflight import preflight
+
+
+def load_model_config(args: ModelConfig) -> tuple[PretrainedConfig, PreTrainedTokenizerBase, torch.dtype]:
+    """The policy's config, tokenizer and the dtype its weights will have, without reading the weights."""
+    name = args.model_name_or_path
+    if name is None:
+        raise ConfigError("model_name_or_path is not set; give a hub id, a local folder or colograd:tiny-qwen2.")
+    if name.startswith(tiny.PREFIX):
+        if name not in tiny.TINY_MODELS:
+            raise ConfigError(f"model_name_or_path={name!r}: the built-in models are {', '.join(tiny.TINY_MODELS)}.")
+        with torch.device("meta"):  # the architecture only: no memory, no initialisation
+            model = tiny.build_model(tie_word_embeddings=tiny.TINY_MODELS[name])
+        return model.config, tiny.build_tokenizer(), model.dtype
+    if name.startswith((".", "/")) and not os.path.isdir(name):
+        raise ConfigError(f"model_name_or_path={name!r} does not exist; give an existing folder or a hub id.")
+    try:
+        config = AutoConfig.from_pretrained(name, revision=args.model_revision)
+        tokenizer = AutoTokenizer.from_pretrained(name, revision=args.model_revision)
+    except (OSError, ValueError) as err:  # not a folder, not a reachable hub id, or a config it cannot read
+        raise ConfigError(f"model_name_or_path={name!r} cannot be loaded: {str(err).splitlines()[0]}") from err
+    dtype = getattr(torch, args.dtype) if args.dtype not in (None, "auto") else getattr(config, "dtype", None)
+    return config, tokenizer, dtype or torch.float32
 
 
 def load_model(args: ModelConfig, training_args: GRPOConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -26,24 +56,15 @@ def load_model(args: ModelConfig, training_args: GRPOConfig) -> tuple[PreTrained
     The lengths are checked against the model's config before its weights are read.
     """
     name = args.model_name_or_path
-    if name is None:
-        raise ConfigError("model_name_or_path is not set; give a hub id, a local folder or colograd:tiny-qwen2.")
-    if name.startswith(tiny.PREFIX):
-        if name not in tiny.TINY_MODELS:
-            raise ConfigError(f"model_name_or_path={name!r}: the built-in models are {', '.join(tiny.TINY_MODELS)}.")
-        return tiny.build_model(tie_word_embeddings=tiny.TINY_MODELS[name]), tiny.build_tokenizer()
-    if name.startswith((".", "/")) and not os.path.isdir(name):
-        raise ConfigError(f"model_name_or_path={name!r} does not exist; give an existing folder or a hub id.")
-    try:
-        config = AutoConfig.from_pretrained(name, revision=args.model_revision)
-    except OSError as err:  # not a folder, and not a hub id that can be reached
-        raise ConfigError(f"model_name_or_path={name!r} cannot be loaded: {str(err).splitlines()[0]}") from err
+    config, tokenizer, _ = load_model_config(args)
     training_args.check_lengths(config)
+    if name.startswith(tiny.PREFIX):
+        return tiny.build_model(tie_word_embeddings=tiny.TINY_MODELS[name]), tokenizer
     dtype = args.dtype if args.dtype in (None, "auto") else getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(
         name, revision=args.model_revision, dtype=dtype, attn_implementation=args.attn_implementation
     )
-    return model, AutoTokenizer.from_pretrained(name, revision=args.model_revision)
+    return model, tokenizer
 
 
 def check_supported(model_args: ModelConfig) -> None:
@@ -55,10 +76,12 @@ def check_supported(model_args: ModelConfig) -> None:
 def main(
     script_args: ScriptArguments, training_args: GRPOConfig, model_args: ModelConfig, recipe: Recipe | None = None
 ) -> None:
-    """Load, train, save (with the model card) and, with `push_to_hub`, upload."""
+    """Check every input (`colograd.preflight`), load, train, save (with the model card) and, with `push_to_hub`,
+    upload. A run stopped by SIGTERM exits with `PREEMPTED_EXIT_CODE` after its checkpoint."""
     check_supported(model_args)
-    reward_funcs = [resolve_reward(name) for name in script_args.reward_funcs]
-    dataset = load_prompts(script_args)
+    config, tokenizer, dtype = load_model_config(model_args)
+    adapter_rank = model_args.lora_r if model_args.use_peft and training_args.lora_sync == "adapter" else None
+    inputs = preflight(script_args, training_args, config, tokenizer, dtype, adapter_rank)
     model, tokenizer = load_model(model_args, training_args)
     if model_args.use_peft:
         try:
@@ -67,32 +90,40 @@ def main(
             raise ConfigError(f"lora_target_modules: {str(err).splitlines()[0]}") from err
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=reward_funcs,
+        reward_funcs=inputs.reward_funcs,
         args=training_args,
-        train_dataset=dataset,
+        train_dataset=inputs.dataset,
         processing_class=tokenizer,
         recipe=recipe,
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    if trainer.preemption.requested:
+        sys.exit(PREEMPTED_EXIT_CODE)
     trainer.save_model(training_args.output_dir)  # writes README.md, the model card, beside the weights
     if training_args.push_to_hub:
         trainer.push_to_hub()
 
 
 def cli(argv: list[str] | None = None) -> None:
-    """Parse, then run; configuration mistakes end in one line on stderr and exit code 2."""
+    """Parse, then run; configuration mistakes end in one line on stderr and exit code 2, a failure during
+    training in one line naming its step and stage and exit code 1. `--debug` (or COLOGRAD_DEBUG=1) adds the
+    traceback."""
+    argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv or os.environ.get("COLOGRAD_DEBUG", "0") not in ("", "0")
+    argv = [arg for arg in argv if arg != "--debug"]
     parser = _Parser((ScriptArguments, GRPOConfig, ModelConfig))
     try:
         # Parsing raises ValueError for unknown recipe keys and for values the dataclasses reject.
         script_args, training_args, model_args = parser.parse_args_and_config(argv)
     except ValueError as err:
-        _fail(err)
-    argv = sys.argv[1:] if argv is None else argv
+        _fail(err, debug=debug)
     recipe = Recipe.from_argv(argv, model_args.model_name_or_path, script_args.dataset_name)
     try:
         main(script_args, training_args, model_args, recipe)
     except ConfigError as err:
-        _fail(err)
+        _fail(err, debug=debug)
+    except StepFailure as err:
+        _fail(err, code=1, debug=debug)
 
 
 class _Parser(TrlParser):
@@ -102,9 +133,13 @@ class _Parser(TrlParser):
         _fail(message)
 
 
-def _fail(err: Exception | str) -> NoReturn:
-    print(f"colograd: error: {str(err).strip().splitlines()[0]}", file=sys.stderr)
-    sys.exit(2)
+def _fail(err: Exception | str, code: int = 2, debug: bool = False) -> NoReturn:
+    """One line on stderr (after the traceback, with `debug`), then exit with `code`."""
+    if debug and isinstance(err, Exception):
+        traceback.print_exception(err)
+    hint = "" if debug or code == 2 else " (rerun with --debug for the traceback)"
+    print(f"colograd: error: {str(err).strip().splitlines()[0]}{hint}", file=sys.stderr)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

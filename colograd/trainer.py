@@ -19,27 +19,32 @@ Subclass and override one of these to change that stage alone.
 import logging
 import os
 from collections import defaultdict
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
+from datasets import Dataset
 from peft import PeftModel
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, Trainer
 from transformers.trainer_utils import has_length
-from trl.data_utils import is_conversational, maybe_apply_chat_template
+from trl.data_utils import is_conversational
 from trl.trainer.utils import RepeatSampler, nanstd
 
 from colograd.batch import pad_rollout, split_by_tokens, split_rows
 from colograd.checkpoints import checkpoint_step, resolve_checkpoint
 from colograd.completions import CompletionLog
 from colograd.config import ConfigError, GRPOConfig
+from colograd.data import tokenize_prompts
 from colograd.engine import Engine, Rollout
 from colograd.logps import completion_logps
 from colograd.lora import check_lora
 from colograd.loss import clipped_fractions, group_advantages, policy_loss, sampling_correction, weighted_rewards
 from colograd.modelcard import Recipe, model_card, write_model_card
 from colograd.precision import master_copy_warning
+from colograd.preemption import Preemption, stage_failures
+from colograd.preflight import check_data, check_engine, check_prompts, check_settings
 from colograd.reference import ReferencePolicy
 from colograd.rewards import RewardFunc, RewardModel, resolve_rewards, reward_name, score
 from colograd.sync import WeightPlan, is_sharded
@@ -99,6 +104,12 @@ class GRPOTrainer(Trainer):
                 "computation does not apply; use a model without it."
             )
         self.reward_funcs, self.reward_weights = resolve_rewards(reward_funcs, args.reward_weights)
+        self._lora_rank = lora_rank  # adapter-only sync: the engine serves the adapter itself, with LoRA enabled
+        check_settings(args, model.config)
+        if isinstance(train_dataset, Dataset):  # other kinds (streaming, torch datasets) are checked as they are read
+            train_dataset = check_prompts(train_dataset, processing_class)
+            check_data(train_dataset, self.reward_funcs, args)
+        check_engine(args, model.config, next(model.parameters()).dtype, self._lora_rank)
         # Copied before the Trainer wraps the model, so the copy is the initial policy, whole on every rank.
         self.reference = ReferencePolicy(model) if args.beta != 0.0 else None
 
@@ -122,7 +133,6 @@ class GRPOTrainer(Trainer):
         self.model_accepts_loss_kwargs = False
         # Built after super().__init__: the torch process group must exist before the engine joins it.
         unwrapped = self.accelerator.unwrap_model(self.model)
-        self._lora_rank = lora_rank  # adapter-only sync: the engine serves the adapter itself, with LoRA enabled
         # DeepSpeed and FSDP2 step fp32 masters under mixed precision; DDP steps the parameters themselves.
         sharded_optimizer = self.is_deepspeed_enabled or self.is_fsdp_enabled
         warning = master_copy_warning(unwrapped, sharded_optimizer and self.accelerator.mixed_precision != "no")
@@ -143,6 +153,8 @@ class GRPOTrainer(Trainer):
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._times = PhaseTimes()
         self.add_callback(OptimizerTimer(self._times, self._metrics))
+        self.preemption = Preemption()
+        self.add_callback(self.preemption)
         self.phase_summary: dict[str, Any] = {}  # filled at the end of `train` (see `summarize_phases`)
         self._last_logged_step = 0
         self.recipe = recipe
@@ -164,8 +176,17 @@ class GRPOTrainer(Trainer):
             self._completion_log.forget_after(self._last_logged_step)
         self._times.reset()  # the summary covers this call
         first_step = self._last_logged_step
-        output = super().train(resume_from_checkpoint=checkpoint, **kwargs)
+        with self.preemption.armed():
+            output = super().train(resume_from_checkpoint=checkpoint, **kwargs)
         self.summarize_phases(self.state.global_step - first_step)
+        if self.preemption.requested:
+            self.accelerator.wait_for_everyone()  # every rank's part of the checkpoint is written
+            if self.accelerator.is_main_process:
+                print(
+                    f"colograd: stopped by SIGTERM after optimizer step {self.state.global_step}, checkpoint saved in "
+                    f"{self.args.output_dir}; rerun with --resume_from_checkpoint true to continue.",
+                    flush=True,
+                )
         return output
 
     def summarize_phases(self, steps: int) -> None:
@@ -299,8 +320,7 @@ class GRPOTrainer(Trainer):
             columns: every other column, one value per row.
         """
         prompts = [row["prompt"] for row in rows]
-        texts = [maybe_apply_chat_template({"prompt": p}, self.processing_class)["prompt"] for p in prompts]
-        prompt_ids = self.processing_class(text=texts, add_special_tokens=False)["input_ids"]
+        prompt_ids = tokenize_prompts(prompts, self.processing_class)
         limit = min(self.args.max_prompt_length or self.engine.max_prompt_tokens, self.engine.max_prompt_tokens)
         self._metrics["prompts/truncated_ratio"].append(sum(len(p) > limit for p in prompt_ids) / len(prompt_ids))
         prompt_ids = [p[-limit:] for p in prompt_ids]
@@ -506,8 +526,12 @@ class GRPOTrainer(Trainer):
         self._metrics["sampling/sampling_logp_difference/mean"].append(diff.mean().item())
         self._metrics["sampling/sampling_logp_difference/max"].append(diff.max().item())
 
-    def _timed(self, phase: str) -> AbstractContextManager[None]:
-        return self._times.timed(phase, self._metrics)
+    @contextmanager
+    def _timed(self, phase: str) -> Iterator[None]:
+        """Time a stage; an exception in it names the optimizer step and the stage (`StepFailure`)."""
+        with stage_failures(phase, self.state.global_step + 1, self.args.output_dir):
+            with self._times.timed(phase, self._metrics):
+                yield
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Add this window's GRPO metrics, averaged over micro-steps and ranks (max / min over ranks for `*/max` /

@@ -21,15 +21,33 @@ def launch(
     timeout: float = 600,
 ) -> subprocess.CompletedProcess:
     """Run `script` on 2 processes with accelerate's launcher and `config` (the project's CPU config)."""
-    cmd = [
+    return subprocess.run(
+        launch_command(script, *args, config=config),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**_env(), **(env or {})},
+    )
+
+
+def start_launch(script: str, *args: str, log: Path) -> subprocess.Popen:
+    """Start `launch(script, *args)` without waiting, in a session of its own (so that its whole process group
+    can be signalled), its output going to `log`."""
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            launch_command(script, *args), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=_env(),
+            start_new_session=True,
+        )  # fmt: skip
+
+
+def launch_command(script: str, *args: str, config: str = "recipes/accelerate_configs/cpu.yaml") -> list[str]:
+    return [
         str(BIN / "accelerate"), "launch",
         "--config_file", str(ROOT / config),
         "--main_process_port", str(_free_port()),
         script, *args,
     ]  # fmt: skip
-    return subprocess.run(
-        cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env={**_env(), **(env or {})}
-    )
 
 
 def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -1,0 +1,100 @@
+"""Interruptions that lose nothing: a failure names its step and stage; a preemption checkpoints and stops.
+
+Failure: an exception inside a stage of the step (generate, reward, logps, train, sync) becomes a `StepFailure`
+naming the optimizer step, the stage and the last finished checkpoint to resume from. Checkpoints are never
+touched by a failure, and `resume_from_checkpoint: true` only ever picks a finished one.
+
+Preemption: SLURM and Kubernetes send SIGTERM, then SIGKILL after a grace period (30 s by default for
+Kubernetes and torchrun, SLURM's `GraceTime`). `Preemption` turns SIGTERM into a flag; at the end of each
+optimizer step the ranks agree on it (one scalar all-reduce, so a signal that reached one rank stops them
+all at the same step), save a checkpoint and stop training.
+"""
+
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+
+import torch
+import torch.distributed as dist
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from colograd.checkpoints import last_complete_checkpoint
+
+PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM  # what a shell reports for a process ended by SIGTERM
+
+
+class StepFailure(RuntimeError):
+    """An exception raised in a stage of an optimizer step; the original is its `__cause__`.
+
+    Args:
+        step: the optimizer step being computed (1-based, as logs number it).
+        stage: the stage that raised.
+        error: the exception.
+        checkpoint: the last finished checkpoint in `output_dir`, or None.
+    """
+
+    def __init__(self, step: int, stage: str, error: BaseException, checkpoint: str | None) -> None:
+        resume = (
+            f"the last finished checkpoint, {checkpoint}, is intact: fix the cause and rerun with "
+            "--resume_from_checkpoint true"
+            if checkpoint
+            else "no checkpoint was saved yet"
+        )
+        message = (str(error).strip().splitlines() or [""])[0]
+        super().__init__(f"optimizer step {step}, stage {stage!r}: {type(error).__name__}: {message} ({resume}).")
+        self.step, self.stage = step, stage
+
+
+@contextmanager
+def stage_failures(stage: str, step: int, output_dir: str) -> Iterator[None]:
+    """Re-raise an exception from the body as a `StepFailure` naming `step` and `stage` (an inner stage's
+    `StepFailure` passes through: it names the innermost stage)."""
+    try:
+        yield
+    except StepFailure:
+        raise
+    except Exception as err:
+        raise StepFailure(step, stage, err, last_complete_checkpoint(output_dir)) from err
+
+
+class Preemption(TrainerCallback):
+    """Stop at the end of the step during which SIGTERM arrived (on any rank), with a checkpoint of it.
+
+    `armed()` installs the handler for the duration of a `train` call; `requested` tells afterwards whether
+    training stopped for it.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._signalled = False
+
+    @contextmanager
+    def armed(self) -> Iterator[None]:
+        """Catch SIGTERM while the body runs (signal handlers can only be set from the main thread)."""
+        self.requested = self._signalled = False
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = signal.signal(signal.SIGTERM, self._on_signal)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        # Only a flag: the step in progress finishes, and a launcher's repeated SIGTERM changes nothing.
+        self._signalled = True
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs
+    ) -> TrainerControl:
+        stop = torch.tensor(float(self._signalled), device=args.device)
+        if dist.is_initialized():  # one scalar per step: cheap, and every rank takes the same decision
+            dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+        if stop.item():
+            self.requested = True
+            control.should_save = True
+            control.should_training_stop = True
+        return control

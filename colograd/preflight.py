@@ -1,0 +1,365 @@
+"""Preflight: every input of a run checked before any weights are read or any engine starts.
+
+Each check runs the input through the code the run itself will use, on the real data, so a whole class of
+mistakes fails here in seconds instead of minutes later with a library's traceback:
+
+    destination   output_dir can be created and written; resume_from_checkpoint is finished; push_to_hub can push
+    data          every row's prompt is text or chat messages, templated and tokenized as a rollout does it
+    sizes         the dataset holds one full rollout batch for every rank; lengths fit the model and the engine
+    rewards       every reward function accepts, by name, the arguments and dataset columns it will be called with
+    engine        vLLM's own objects (SamplingParams, LoRAConfig) built from the config; dtype and head size
+                  supported by the engine's backend
+
+`colograd/train.py` runs `preflight` after parsing; `GRPOTrainer` runs `check_prompts` and `check_inputs` on
+what it is given, before it builds its engine. Every failure is a `ConfigError` naming the input, the problem
+and the fix.
+"""
+
+import inspect
+import logging
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from datasets import Dataset
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
+from trl.data_utils import is_conversational
+
+from colograd.checkpoints import resolve_checkpoint
+from colograd.config import ConfigError, GRPOConfig, ScriptArguments
+from colograd.data import first_line, load_prompts, tokenize_prompts
+from colograd.engine import sampling_params
+from colograd.lora import engine_max_lora_rank
+from colograd.rewards import RewardFunc, resolve_reward, reward_name
+
+# What `colograd.rewards.score` passes every reward function besides the dataset's columns.
+REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state")
+_BATCH = 1024  # prompts templated and tokenized per call
+
+
+@dataclass
+class Inputs:
+    """What preflight hands the run: the dataset to train on (invalid rows dropped when asked) and the
+    resolved reward functions."""
+
+    dataset: Dataset
+    reward_funcs: list[RewardFunc]
+
+
+def preflight(
+    script_args: ScriptArguments,
+    training_args: GRPOConfig,
+    model_config: PretrainedConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    dtype: torch.dtype,
+    lora_rank: int | None = None,
+) -> Inputs:
+    """Check every input of a command-line run; raise `ConfigError` on the first problem.
+
+    Args:
+        script_args: the data and reward settings.
+        training_args: the run's config.
+        model_config: the policy's config (its weights are not needed).
+        tokenizer: the policy's tokenizer.
+        dtype: the dtype the policy's weights will have.
+        lora_rank: the adapter's rank when the engine will serve a LoRA adapter (`lora_sync: adapter`).
+
+    Returns:
+        The dataset to train on and the reward functions.
+    """
+    check_settings(training_args, model_config)
+    resolve_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
+    reward_funcs = [resolve_reward(name) for name in script_args.reward_funcs]
+    name = script_args.dataset_name
+    dataset = load_prompts(script_args)
+    dataset = check_prompts(dataset, tokenizer, name, drop_invalid=script_args.drop_invalid_prompts)
+    check_data(dataset, reward_funcs, training_args, name)
+    # Last: importing vLLM's pieces takes seconds, which a mistake found above should not wait for.
+    check_engine(training_args, model_config, dtype, lora_rank)
+    return Inputs(dataset, reward_funcs)
+
+
+def check_settings(args: GRPOConfig, model_config: PretrainedConfig) -> None:
+    """The quick checks of the configuration alone: destination and lengths."""
+    check_destination(args)
+    args.check_lengths(model_config)
+
+
+def check_data(
+    dataset: Dataset, reward_funcs: list[RewardFunc], args: GRPOConfig, name: str = "train_dataset"
+) -> None:
+    """The dataset against the run: one rollout batch per rank, and columns the reward functions accept."""
+    check_size(len(dataset), args, name)
+    check_rewards(reward_funcs, [c for c in dataset.column_names if c != "prompt"])
+
+
+# --- destination ---------------------------------------------------------------------------------------------
+
+
+def check_destination(args: GRPOConfig) -> None:
+    """`output_dir` can be created and written to; `push_to_hub` has a valid repository name and a token."""
+    out = args.output_dir
+    try:
+        os.makedirs(out, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".colograd-write-test-"):
+            pass
+    except OSError as err:
+        raise ConfigError(
+            f"output_dir={out!r} cannot be written ({err.strerror or err}); choose a folder you can write to."
+        ) from err
+    if args.push_to_hub:
+        _check_hub(args)
+
+
+def _check_hub(args: GRPOConfig) -> None:
+    from huggingface_hub import get_token
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+        raise ConfigError("push_to_hub needs the network, but HF_HUB_OFFLINE is set; unset it or drop push_to_hub.")
+    repo_id = args.hub_model_id or os.path.basename(os.path.normpath(args.output_dir))
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as err:
+        raise ConfigError(
+            f"push_to_hub: {repo_id!r} is not a valid repository name ({first_line(err)}); set hub_model_id to "
+            "'name' or 'org/name'."
+        ) from err
+    if not (args.hub_token or get_token()):
+        raise ConfigError(
+            "push_to_hub: no Hugging Face token found; run `hf auth login`, set HF_TOKEN, or pass hub_token."
+        )
+
+
+# --- data ----------------------------------------------------------------------------------------------------
+
+
+def prompt_problem(prompt: Any, tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """What is wrong with one row's prompt as the trainer will use it, or None when nothing is."""
+    if prompt is None:
+        return "prompt is missing (null)"
+    if isinstance(prompt, str):
+        return "prompt is empty or only whitespace" if not prompt.strip() else None
+    if isinstance(prompt, dict):
+        return "prompt is one message, not a list of messages; wrap it in a list"
+    if not isinstance(prompt, list):
+        return f"prompt is a {type(prompt).__name__} ({str(prompt)[:40]!r}); give text or a list of chat messages"
+    if not prompt:
+        return "prompt is an empty list of messages"
+    for k, message in enumerate(prompt):
+        if not isinstance(message, dict):
+            return f"message {k} is a {type(message).__name__}, not a {{'role': ..., 'content': ...}} message"
+        for key in ("role", "content"):
+            if message.get(key) is None:
+                return f"message {k} has no {key!r}"
+        if not isinstance(message["role"], str) or not message["role"].strip():
+            return f"message {k} has the role {message['role']!r}; use 'system', 'user' or 'assistant'"
+        if not isinstance(message["content"], str | list):
+            return f"message {k}'s content is a {type(message['content']).__name__}; give text"
+    if all(isinstance(m["content"], str) and not m["content"].strip() for m in prompt):
+        return "every message of the prompt is empty"
+    if tokenizer.chat_template is None:
+        return "prompt is chat messages, but the tokenizer has no chat template; give text or a tokenizer with one"
+    return None
+
+
+def check_prompts(
+    dataset: Dataset, tokenizer: PreTrainedTokenizerBase, name: str = "train_dataset", drop_invalid: bool = False
+) -> Dataset:
+    """Check every row's prompt, then template and tokenize it as a rollout will (`tokenize_prompts`).
+
+    Args:
+        dataset: rows with a `prompt` column.
+        tokenizer: the policy's tokenizer.
+        name: how messages name the dataset.
+        drop_invalid: drop the rows with a problem (and print how many) instead of raising.
+
+    Returns:
+        The dataset, without its invalid rows when `drop_invalid`.
+
+    Raises:
+        ConfigError: the first invalid row (index and problem), unless `drop_invalid`; no valid row at all.
+    """
+    if "prompt" not in dataset.column_names:
+        raise ConfigError(f"{name}: no 'prompt' column (columns: {', '.join(dataset.column_names)}); add one.")
+    _check_column_names(dataset.column_names, name)
+    prompts = dataset["prompt"]
+    problems = _row_problems(prompts, tokenizer)
+    if not problems:
+        return dataset
+    first, problem = next(iter(problems.items()))
+    if not drop_invalid:
+        raise ConfigError(
+            f"dataset {name!r} row {first}: {problem}. Fix the row, or set drop_invalid_prompts: true to skip such "
+            f"rows ({len(problems)} of {len(prompts)} rows have a problem)."
+        )
+    if len(problems) == len(prompts):
+        raise ConfigError(f"dataset {name!r}: no row has a valid prompt (row {first}: {problem}).")
+    if int(os.environ.get("RANK", "0")) == 0:  # once per run, not once per rank
+        print(
+            f"colograd: dropped {len(problems)} of {len(prompts)} rows of dataset {name!r} with an invalid prompt "
+            f"(drop_invalid_prompts); the first, row {first}: {problem}.",
+            flush=True,
+        )
+    return dataset.select([i for i in range(len(prompts)) if i not in problems])
+
+
+def _row_problems(prompts: list, tokenizer: PreTrainedTokenizerBase) -> dict[int, str]:
+    """Row index → problem, for every row whose prompt is invalid or does not template and tokenize to tokens."""
+    problems = {i: p for i, prompt in enumerate(prompts) if (p := prompt_problem(prompt, tokenizer)) is not None}
+    valid = [i for i in range(len(prompts)) if i not in problems]
+    kind = {True: "chat messages", False: "text"}
+    kinds = {i: kind[is_conversational({"prompt": prompts[i]})] for i in valid}
+    for i in valid:  # a rollout gives its reward functions completions of one form for the whole batch
+        if kinds[i] != kinds[valid[0]]:
+            problems[i] = f"prompt is {kinds[i]}, but row {valid[0]}'s is {kinds[valid[0]]}; use one form for all rows"
+    valid = [i for i in valid if i not in problems]
+    for start in range(0, len(valid), _BATCH):
+        rows = valid[start : start + _BATCH]
+        try:
+            ids = tokenize_prompts([prompts[i] for i in rows], tokenizer)
+        except Exception:  # find the row that breaks the template or the tokenizer
+            ids = [_tokenize_one(prompts[i], tokenizer, problems, i) for i in rows]
+        for i, row_ids in zip(rows, ids, strict=True):
+            if row_ids is not None and not row_ids:
+                problems[i] = "prompt tokenizes to no tokens"
+    return dict(sorted(problems.items()))
+
+
+def _tokenize_one(prompt: Any, tokenizer: PreTrainedTokenizerBase, problems: dict, i: int) -> list[int] | None:
+    try:
+        return tokenize_prompts([prompt], tokenizer)[0]
+    except Exception as err:  # a user template or tokenizer may raise anything
+        problems[i] = f"templating and tokenizing the prompt failed ({type(err).__name__}: {first_line(err)})"
+        return None
+
+
+def _check_column_names(columns: list[str], name: str) -> None:
+    clash = [c for c in columns if c in REWARD_ARGUMENTS]
+    if clash:
+        raise ConfigError(
+            f"dataset {name!r} has a column {clash[0]!r}, a name the reward functions' own argument takes; rename "
+            "the column."
+        )
+
+
+def check_size(rows: int, args: GRPOConfig, name: str = "train_dataset") -> None:
+    """The dataset must fill one rollout batch of every rank, or training would run no step at all."""
+    need = args.prompts_per_device * args.steps_per_generation * args.world_size
+    if rows < need:
+        raise ConfigError(
+            f"dataset {name!r} has {rows} usable rows, fewer than one rollout batch: {need} prompts "
+            f"(per_device_train_batch_size {args.per_device_train_batch_size} / num_generations "
+            f"{args.num_generations} × steps_per_generation {args.steps_per_generation} × {args.world_size} "
+            "processes); add rows, or lower per_device_train_batch_size or steps_per_generation."
+        )
+
+
+# --- rewards -------------------------------------------------------------------------------------------------
+
+
+def check_rewards(reward_funcs: list[RewardFunc], columns: list[str]) -> None:
+    """Every reward function accepts, by name, what `colograd.rewards.score` will pass it: `REWARD_ARGUMENTS`
+    and one keyword per dataset column; and needs nothing else."""
+    passed = [*REWARD_ARGUMENTS, *columns]
+    for func in reward_funcs:
+        try:
+            params = inspect.signature(func).parameters.values()
+        except (TypeError, ValueError):  # a builtin or extension without a signature: nothing to check
+            continue
+        name = reward_name(func)
+        for p in params:
+            if p.kind is p.POSITIONAL_ONLY and p.default is p.empty:
+                raise ConfigError(
+                    f"reward function {name!r}: parameter {p.name!r} is positional-only, but rewards are passed by "
+                    "name; make it a regular parameter."
+                )
+            named = p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            if named and p.default is p.empty and p.name not in passed:
+                raise ConfigError(
+                    f"reward function {name!r} needs {p.name!r}, which is not a dataset column (columns: "
+                    f"{', '.join(columns) or 'none besides prompt'}); add the column, or give the parameter a default."
+                )
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            accepted = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+            extra = [a for a in passed if a not in accepted]
+            if extra:
+                raise ConfigError(
+                    f"reward function {name!r} does not accept {', '.join(map(repr, extra))}, which every reward "
+                    "function is passed; add **kwargs to its parameters."
+                )
+
+
+# --- engine --------------------------------------------------------------------------------------------------
+
+
+def check_engine(
+    args: GRPOConfig, model_config: PretrainedConfig, dtype: torch.dtype, lora_rank: int | None = None
+) -> None:
+    """What the engine would refuse at start-up or at its first request, found by vLLM's own code where it has a
+    check to run: the sampling settings, the LoRA settings, the dtype and the attention head size."""
+    if args.temperature <= 0:
+        raise ConfigError(
+            f"temperature={args.temperature}: GRPO samples several completions per prompt and divides log-probs by "
+            "the temperature; set it above 0 (1.0 samples from the model as it is)."
+        )
+    with _quiet_logs():  # vLLM's import-time warnings (no Triton on CPU, ...) would add lines to a one-line error
+        from vllm.exceptions import VLLMError
+        from vllm.platforms import current_platform
+
+    try:
+        sampling_params(args)
+    except (ValueError, VLLMError) as err:
+        raise ConfigError(f"sampling settings: vLLM refuses them: {first_line(err)}.") from err
+    if lora_rank is not None:
+        engine_max_lora_rank(lora_rank)  # a rank between the sizes vLLM serves is rounded up; above them, refused
+    context = getattr(model_config, "max_position_embeddings", None)
+    if args.vllm_max_model_length is not None and context is not None and args.vllm_max_model_length > context:
+        raise ConfigError(
+            f"vllm_max_model_length={args.vllm_max_model_length} exceeds the model's context of {context} "
+            "(max_position_embeddings); lower it, or leave it unset."
+        )
+    engine_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else dtype
+    supported = current_platform.supported_dtypes
+    if engine_dtype not in supported:
+        names = ", ".join(str(d).removeprefix("torch.") for d in supported)
+        raise ConfigError(
+            f"dtype {str(engine_dtype).removeprefix('torch.')}: the engine on this machine supports {names}; pick one."
+        )
+    _check_head_size(model_config, current_platform)
+
+
+def _check_head_size(model_config: PretrainedConfig, platform: Any) -> None:
+    """On CPU, vLLM has one attention backend, with a fixed list of head sizes (GPU backends choose among
+    several at start-up, so there the engine decides)."""
+    if not platform.is_cpu():
+        return
+    with _quiet_logs():
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    text = model_config.get_text_config()
+    heads = getattr(text, "num_attention_heads", None)
+    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head_dim is not None and head_dim not in supported:
+        raise ConfigError(
+            f"the model's attention head size is {head_dim}, which vLLM's CPU backend does not support (it supports "
+            f"{', '.join(map(str, supported))}); use a model with one of those, e.g. hidden_size / "
+            "num_attention_heads = 64."
+        )
+
+
+@contextmanager
+def _quiet_logs() -> Iterator[None]:
+    """No log record below ERROR while the body runs."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(previous)
+
