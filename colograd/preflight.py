@@ -362,4 +362,3 @@ def _quiet_logs() -> Iterator[None]:
         yield
     finally:
         logging.disable(previous)
-
