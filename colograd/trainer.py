@@ -490,8 +490,9 @@ class GRPOTrainer(Trainer):
 
     def _log_sampling_gap(self, logps_NT: torch.Tensor, batch: dict[str, torch.Tensor]) -> None:
         """How far the engine's log-probs of the sampled tokens are from the trainer's for the same weights:
-        ~0 when the sync is exact. Over every sampled token, masked or not (each completion has at least one)."""
-        sampled_NT = batch["attention_mask"][:, -logps_NT.size(1) :].bool()
+        ~0 when the sync is exact. Over every token the engine sampled, in the loss or not (each completion has at
+        least one); inserted tool results are left out."""
+        sampled_NT = batch["tool_mask"].bool()
         diff = (logps_NT - batch["engine_logps"]).abs()[sampled_NT]
         self._metrics["sampling/sampling_logp_difference/mean"].append(diff.mean().item())
         self._metrics["sampling/sampling_logp_difference/max"].append(diff.max().item())

@@ -1,0 +1,149 @@
+"""The per-request agent loop on the real engine, and the tool runner on its own.
+
+The tiny models write random characters, so the tests use `MarkerToolParser`: a turn that ends with ";" calls
+`count(text)`, whose result (the length of the turn's text, as digits) is inserted after the ";". The engine
+really samples every model token, the tool really runs, and its tokens really go back into the engine.
+"""
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from colograd import GRPOConfig, tiny
+from colograd.agents import AgentLoop, Trajectory, turn_sampling_params
+from colograd.batch import pad_rollout
+from colograd.engine import Engine, Rollout
+from colograd.logps import completion_logps
+from colograd.sync import WeightPlan
+from colograd.tools import HermesToolParser, MarkerToolParser, ToolCall, ToolRunner, plain_result_ids
+
+COUNTED: list[str] = []
+
+
+def count(text: str) -> str:
+    """The number of characters of a text.
+
+    Args:
+        text: the text to measure.
+    """
+    COUNTED.append(text)
+    return str(len(text))
+
+
+@pytest.fixture(scope="module")
+def engine_and_model(tmp_path_factory):
+    torch.manual_seed(0)
+    model = tiny.build_model().eval()
+    tokenizer = tiny.build_tokenizer()
+    args = GRPOConfig(output_dir=str(tmp_path_factory.mktemp("agents")), per_device_train_batch_size=16,
+                      num_generations=4, max_prompt_length=16, max_completion_length=48, vllm_kv_cache_gib=0.1,
+                      vllm_enforce_eager=True, report_to="none")  # fmt: skip
+    engine = Engine(model, tokenizer, args)
+    WeightPlan(model).sync(engine)
+    return engine, model, tokenizer, args
+
+
+def run_loop(engine, tokenizer, args, max_iterations=None, seed=0):
+    parser = MarkerToolParser(";", "count", "text")
+    runner = ToolRunner(timeout=5.0)
+    loop = AgentLoop(engine.llm, tokenizer, parser, plain_result_ids(tokenizer), runner, args.max_completion_length,
+                     max_iterations)  # fmt: skip
+    prompts = [tokenizer(p)["input_ids"] for p in ("abcd>b:", "dcba>a:", "aaaa>c:", "bbbb>d:")]
+    samples = [p for p in prompts for _ in range(4)]  # G=4, each sample its own trajectory and seed
+    trajectories = [Trajectory(p, {"count": count}, seed=seed + 100 * i) for i, p in enumerate(samples)]
+    loop.run(trajectories, turn_sampling_params(args, parser.stop))
+    runner.close()
+    return trajectories
+
+
+def test_tool_call_mid_completion_is_answered_and_log_probs_match_the_trainer(engine_and_model):
+    engine, model, tokenizer, args = engine_and_model
+    COUNTED.clear()
+    trajectories = run_loop(engine, tokenizer, args)
+    semi = tokenizer.convert_tokens_to_ids(";")
+    called = [t for t in trajectories if t.calls]
+    assert len(called) >= 3 and sum(t.calls for t in called) == len(COUNTED) and all(t.failures == 0 for t in called)
+    # The G samples of a prompt differ (a seed per request).
+    assert len({tuple(t.ids) for t in trajectories[:4]}) == 4
+    continued = 0
+    for t in called:
+        assert len(t.ids) == len(t.logps) == len(t.tool_mask) <= args.max_completion_length
+        assert t.turns == t.calls + 1 or t.truncated
+        # Each inserted run of tokens follows a ";" the model sampled, and is the tool's answer to the turn before.
+        turn_start = j = 0
+        while j < len(t.ids):
+            if t.tool_mask[j] == 0:
+                end = j
+                while end < len(t.ids) and t.tool_mask[end] == 0:
+                    end += 1
+                assert t.ids[j - 1] == semi and t.tool_mask[j - 1] == 1
+                turn_text = tokenizer.decode(t.ids[turn_start : j - 1])
+                assert t.ids[j:end] == tokenizer(str(len(turn_text)))["input_ids"]
+                continued += end < len(t.ids)  # the model went on after the result
+                turn_start = j = end
+            else:
+                j += 1
+    assert continued >= 2
+
+    # The engine's log-probs of the model's tokens equal the trainer's, across turns (fp32).
+    rollout = Rollout([t.ids for t in trajectories], [t.logps for t in trajectories],
+                      [t.truncated for t in trajectories], tool_mask=[t.tool_mask for t in trajectories])  # fmt: skip
+    batch = pad_rollout([t.prompt_ids for t in trajectories], rollout, torch.zeros(16), 1, tokenizer.pad_token_id)
+    with torch.no_grad():
+        trainer_NT = completion_logps(model, batch)
+    sampled = batch["tool_mask"].bool()
+    assert sampled.sum() > (batch["completion_ids"] != 0).sum() * 0.5
+    assert (trainer_NT - batch["engine_logps"])[sampled].abs().max() < 1e-5
+    assert (batch["completion_mask"] == batch["tool_mask"]).all()
+
+
+def test_max_tool_calling_iterations_bounds_the_turns(engine_and_model):
+    engine, _, tokenizer, args = engine_and_model
+    trajectories = run_loop(engine, tokenizer, args, max_iterations=1, seed=1)
+    assert max(t.calls for t in trajectories) == 1
+    # A trajectory that asked for a second tool ends at that call, truncated.
+    second = [t for t in trajectories if t.turns == 2 and not t.truncated]
+    stopped = [
+        t for t in trajectories if t.calls == 1 and t.truncated and t.ids[-1] == tokenizer.convert_tokens_to_ids(";")
+    ]
+    assert second or stopped
+    assert all(t.turns <= 2 for t in trajectories)
+
+
+def test_tool_runner_turns_raises_timeouts_and_unknown_tools_into_error_results():
+    def boom(x: int) -> int:
+        raise RuntimeError("no luck")
+
+    def slow(x: int) -> int:
+        time.sleep(2)
+        return x
+
+    async def double(x: int) -> int:
+        await asyncio.sleep(0.01)
+        return 2 * x
+
+    runner = ToolRunner(timeout=0.3)
+    tools = {"boom": boom, "slow": slow, "double": double}
+    calls = [ToolCall("double", {"x": 4}), ToolCall("boom", {"x": 1}), ToolCall("slow", {"x": 1}),
+             ToolCall("nope", {}), ToolCall("", {}, error="unreadable")]  # fmt: skip
+    pending = runner.submit(tools, calls)
+    start = time.monotonic()
+    while not pending.ready():
+        time.sleep(0.01)
+    assert time.monotonic() - start < 1.0  # the slow tool is not waited for
+    results = pending.results()
+    runner.close()
+    assert [r.failed for r in results] == [False, True, True, True, True]
+    assert results[0].content == "8"
+    assert "RuntimeError: no luck" in results[1].content and "timed out" in results[2].content
+    assert "'nope' not found" in results[3].content and "unreadable" in results[4].content
+
+
+def test_hermes_parser_reads_the_qwen_format():
+    text = 'Let me compute.\n<tool_call>\n{"name": "multiply", "arguments": {"a": 3, "b": 4}}\n</tool_call>'
+    assert HermesToolParser().parse(text) == [ToolCall("multiply", {"a": 3, "b": 4})]
+    assert HermesToolParser().parse("The answer is 12.") == []
+    (bad,) = HermesToolParser().parse("<tool_call>{not json}</tool_call>")
+    assert bad.error is not None
