@@ -31,8 +31,9 @@ class ToolCall:
 class ToolCallParser(Protocol):
     """Finds tool calls in the text of one model turn.
 
-    `stop`: strings that end a turn which calls tools; the engine stops a request there (keeping the string), so
-    the tool can run while other requests decode. `parse` returns the turn's calls; none means a final answer.
+    A turn ends where the model ends it (its end-of-turn token) or at one of the parser's `stop` strings, which the
+    engine keeps in the output; then its tools run while other requests decode. `parse` returns the turn's calls;
+    none means a final answer.
     """
 
     stop: list[str]
@@ -46,10 +47,15 @@ class HermesToolParser:
     <tool_call>
     {"name": "multiply", "arguments": {"a": 3, "b": 4}}
     </tool_call>
+
+    A turn may hold several calls; it ends with the template's end-of-turn token, after which the template inserts
+    the results, so no stop string is needed.
     """
 
-    stop = ["</tool_call>"]
     _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+    def __init__(self) -> None:
+        self.stop: list[str] = []
 
     def parse(self, text: str) -> list[ToolCall]:
         calls = []

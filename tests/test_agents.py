@@ -147,3 +147,25 @@ def test_hermes_parser_reads_the_qwen_format():
     assert HermesToolParser().parse("The answer is 12.") == []
     (bad,) = HermesToolParser().parse("<tool_call>{not json}</tool_call>")
     assert bad.error is not None
+
+
+def test_agents_refuse_what_they_cannot_do_before_start_up(tmp_path):
+    from colograd.agents import Agents
+    from colograd.config import ConfigError
+
+    tokenizer = tiny.build_tokenizer()
+    args = GRPOConfig(output_dir=str(tmp_path), report_to="none")
+    parser = MarkerToolParser(";", "count", "text")
+    with pytest.raises(ConfigError, match="no chat template"):
+        Agents(tokenizer, args, tools=[count])
+
+    def undocumented(x):
+        return x
+
+    with pytest.raises(ConfigError, match="type hints and a docstring"):
+        Agents(tokenizer, args, tools=[undocumented], parser=parser)
+    args.vllm_tensor_parallel_size = 2
+    with pytest.raises(ConfigError, match="vllm_tensor_parallel_size > 1"):
+        Agents(tokenizer, args, tools=[count], parser=parser)
+    with pytest.raises(ConfigError, match="max_tool_calling_iterations=-1"):
+        GRPOConfig(output_dir=str(tmp_path), report_to="none", max_tool_calling_iterations=-1)
