@@ -169,3 +169,54 @@ def test_agents_refuse_what_they_cannot_do_before_start_up(tmp_path):
         Agents(tokenizer, args, tools=[count], parser=parser)
     with pytest.raises(ConfigError, match="max_tool_calling_iterations=-1"):
         GRPOConfig(output_dir=str(tmp_path), report_to="none", max_tool_calling_iterations=-1)
+
+
+def wordle_style_rollout_func(prompts: list[str], trainer) -> dict[str, list]:
+    """A `rollout_func` in the shape of TRL's examples (e.g. its Wordle one): one episode per prompt (the trainer
+    passes each prompt G times), turns of model tokens and environment feedback, `env_mask` 0 on the feedback,
+    extra fields for the rewards. Only the engine handle is colograd's (`trainer.engine.llm`; in TRL's colocate mode
+    `trainer.vllm_generation.llm`)."""
+    from vllm import SamplingParams
+
+    tokenizer = trainer.processing_class
+    out: dict[str, list] = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": [], "hits": []}
+    for episode, prompt in enumerate(prompts):
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        completion, logprobs, env_mask = [], [], []
+        for turn in range(2):
+            params = SamplingParams(max_tokens=4, logprobs=0, seed=1000 * episode + turn)
+            sample = trainer.engine.llm.generate(
+                [{"prompt_token_ids": prompt_ids + completion}], params, use_tqdm=False
+            )[0].outputs[0]
+            completion += sample.token_ids
+            logprobs += [lp[t].logprob for lp, t in zip(sample.logprobs, sample.token_ids, strict=True)]
+            env_mask += [1] * len(sample.token_ids)
+            feedback = tokenizer(" ok ", add_special_tokens=False)["input_ids"]
+            completion, logprobs, env_mask = completion + feedback, logprobs + [0.0] * 4, env_mask + [0] * 4
+        target = prompt[-2]
+        out["prompt_ids"].append(prompt_ids)
+        out["completion_ids"].append(completion)
+        out["logprobs"].append(logprobs)
+        out["env_mask"].append(env_mask)
+        out["hits"].append(float(tokenizer.decode(completion).count(target)))
+    return out
+
+
+def hits_reward(completions, hits, **kwargs):
+    return hits
+
+
+def test_rollout_func_replaces_generation(tmp_path, monkeypatch):
+    from colograd import GRPOTrainer
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)  # the module's engine left its launcher variables here
+    args = tiny.run_config(str(tmp_path), 1, per_device_train_batch_size=8, num_generations=4)
+    trainer = GRPOTrainer(tiny.build_model(), hits_reward, args, tiny.letters_dataset(16), tiny.build_tokenizer(),
+                          rollout_func=wordle_style_rollout_func)  # fmt: skip
+    trainer.train()
+    (step,) = [h for h in trainer.state.log_history if "loss" in h]
+    assert step["rewards/hits_reward/mean"] == step["reward"]
+    # The feedback tokens (logprob 0.0 stand-ins) are out of the gap: what is left is engine == trainer.
+    assert step["sampling/sampling_logp_difference/max"] < 1e-3
+    assert 2 <= step["completions/mean_length"] <= 8  # model tokens only, the feedback not counted
