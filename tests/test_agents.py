@@ -220,3 +220,74 @@ def test_rollout_func_replaces_generation(tmp_path, monkeypatch):
     # The feedback tokens (logprob 0.0 stand-ins) are out of the gap: what is left is engine == trainer.
     assert step["sampling/sampling_logp_difference/max"] < 1e-3
     assert 2 <= step["completions/mean_length"] <= 8  # model tokens only, the feedback not counted
+
+
+CHATML_WITH_TOOLS = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}\n{{ t | tojson }}{%- endfor %}<|im_end|>\n"
+    "{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{%- elif m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}"
+    "{%- for c in m.tool_calls or [] %}<tool_call>\n"
+    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}\n</tool_call>'
+    "{%- endfor %}<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def chatml_tokenizer():
+    """A character-level tokenizer over printable ASCII with ChatML's special tokens and a tool-aware template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<|im_end|>", "<|im_start|>"]
+    vocab = {t: i for i, t in enumerate(specials + [chr(c) for c in range(32, 127)] + ["\n"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(specials)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>")
+    fast.chat_template = CHATML_WITH_TOOLS
+    return fast
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: the first factor.
+        b: the second factor.
+    """
+    return a * b
+
+
+def test_tool_results_are_inserted_as_the_chat_template_renders_them(tmp_path):
+    """Prompt + the model's turn (a Hermes tool call, ended by EOS) + the inserted result tokens is, token for token,
+    the chat template's rendering of the whole conversation; the schema comes from the signature and docstring."""
+    from colograd.agents import Agents
+    from colograd.tools import chat_template_result_ids
+
+    tokenizer = chatml_tokenizer()
+    agents = Agents(tokenizer, GRPOConfig(output_dir=str(tmp_path), report_to="none"), tools=[multiply])
+    assert agents.schemas[0]["function"]["parameters"]["required"] == ["a", "b"]
+    assert isinstance(agents.parser, HermesToolParser)
+    user = [{"role": "user", "content": "What is 3 times 4?"}]
+    prompt = tokenizer.apply_chat_template(user, tools=agents.schemas, add_generation_prompt=True, return_dict=False)
+    turn_text = '<tool_call>\n{"name": "multiply", "arguments": {"a": 3, "b": 4}}\n</tool_call>'
+    turn = tokenizer(turn_text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    (call,) = agents.parser.parse(tokenizer.decode(turn))
+    result = multiply(**call.arguments)
+    inserted = chat_template_result_ids(tokenizer)([{"role": "tool", "name": call.name, "content": str(result)}])
+    call_message = {"type": "function", "function": {"name": "multiply", "arguments": {"a": 3, "b": 4}}}
+    conversation = user + [
+        {"role": "assistant", "content": "", "tool_calls": [call_message]},
+        {"role": "tool", "name": "multiply", "content": "12"},
+    ]
+    whole = tokenizer.apply_chat_template(
+        conversation, tools=agents.schemas, add_generation_prompt=True, return_dict=False
+    )
+    assert prompt + turn + inserted == whole
+    text = tokenizer.decode(inserted)
+    assert "<tool_response>\n12\n</tool_response>" in text and text.endswith("<|im_start|>assistant\n")
