@@ -102,13 +102,8 @@ class AgentLoop:
         max_tool_calling_iterations: int | None = None,
         lora_request: Any = None,
     ) -> None:
-        self.llm, self.tokenizer, self.parser, self.result_ids, self.runner = (
-            llm,
-            tokenizer,
-            parser,
-            result_ids,
-            runner,
-        )
+        self.llm, self.tokenizer, self.parser = llm, tokenizer, parser
+        self.result_ids, self.runner = result_ids, runner
         self.max_completion_length = max_completion_length
         self.max_tool_calling_iterations = max_tool_calling_iterations
         self.lora_request = lora_request
@@ -266,9 +261,8 @@ class Agents:
         has_reward = self._pool and callable(getattr(self._pool[0], "get_reward", None))
         self.reward_funcs = [_environment_reward(type(self._pool[0]))] if has_reward else []
         self.environments: list[Any] = []  # the last rollout's, one per completion
-        self.columns: dict[
-            str, list
-        ] = {}  # what the last rollout gives the reward functions, one value per completion
+        # What the last rollout gives the reward functions, one value per completion.
+        self.columns: dict[str, list] = {}
         self.metrics: dict[str, float] = {}  # the last rollout's tools/* metrics
 
     def generate(self, trainer: Any, prompt_ids: list[list[int]], rows: list[dict], step: int) -> Rollout:
@@ -281,7 +275,7 @@ class Agents:
         g = self.args.num_generations
         prompts = [row["prompt"] for row in rows for _ in range(g)]
         if self.rollout_func is not None:
-            return self._from_rollout_func(self.rollout_func(prompts, trainer))
+            return self._from_rollout_func(self.rollout_func(prompts, trainer), len(prompts))
         trajectory_prompts = [prompt_ids[i // g] for i in range(len(prompts))]
         tools = [self.tools] * len(prompts)
         if self._factory is not None:
@@ -329,10 +323,15 @@ class Agents:
         tools = [{**self.tools, **{name: getattr(env, name) for name in self._env_tools}} for env in environments]
         return environments, prompt_ids, tools
 
-    def _from_rollout_func(self, output: dict[str, list]) -> Rollout:
+    def _from_rollout_func(self, output: dict[str, list], expected: int) -> Rollout:
         missing = {"prompt_ids", "completion_ids", "logprobs"} - output.keys()
         if missing:
             raise ValueError(f"rollout_func must return the keys {sorted(missing)} in its output dict.")
+        if len(output["completion_ids"]) != expected:
+            raise ValueError(
+                f"rollout_func returned {len(output['completion_ids'])} completions for {expected} prompts; it gets "
+                "each prompt num_generations times and returns one completion per entry."
+            )
         if output["logprobs"] is None:
             raise ValueError("rollout_func must return the engine's log-prob of every completion token in `logprobs`.")
         ends = {self.tokenizer.eos_token_id, self.tokenizer.pad_token_id}
