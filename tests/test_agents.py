@@ -291,3 +291,32 @@ def test_tool_results_are_inserted_as_the_chat_template_renders_them(tmp_path):
     assert prompt + turn + inserted == whole
     text = tokenizer.decode(inserted)
     assert "<tool_response>\n12\n</tool_response>" in text and text.endswith("<|im_start|>assistant\n")
+
+
+def test_turn_logic_bounds_the_length_and_the_tool_turns():
+    """`end_turn` / `insert_results` on hand-made engine outputs (pure logic, no engine)."""
+    from types import SimpleNamespace
+
+    from colograd.tools import ToolResult
+
+    tokenizer = tiny.build_tokenizer()
+    parser = MarkerToolParser(";", "count", "text")
+
+    def sample(text, finish_reason="stop"):
+        ids = tokenizer(text)["input_ids"]
+        return SimpleNamespace(token_ids=ids, logprobs=[{t: SimpleNamespace(logprob=-1.0)} for t in ids],
+                               finish_reason=finish_reason)  # fmt: skip
+
+    loop = AgentLoop(None, tokenizer, parser, plain_result_ids(tokenizer), None, max_completion_length=10)
+    t = Trajectory([5], {"count": count})
+    assert loop.end_turn(t, sample("abc;")) == [ToolCall("count", {"text": "abc"})]
+    assert loop.insert_results(t, [ToolResult("count", "3", False)]) and t.tool_mask == [1, 1, 1, 1, 0]
+    assert loop.end_turn(t, sample("ab;")) and t.turns == 2
+    # 8 tokens so far: a 2-token result would leave no room for the model's next token; it is counted, not inserted.
+    assert not loop.insert_results(t, [ToolResult("count", "12", True)])
+    assert t.truncated and t.calls == 2 and t.failures == 1 and len(t.ids) == 8
+    cut = Trajectory([5], {})
+    assert loop.end_turn(cut, sample("abcdefghij", "length")) == [] and cut.truncated
+    no_tools = AgentLoop(None, tokenizer, parser, plain_result_ids(tokenizer), None, 10, max_tool_calling_iterations=0)
+    asked = Trajectory([5], {})
+    assert no_tools.end_turn(asked, sample("ab;")) == [] and asked.truncated
