@@ -320,3 +320,42 @@ def test_turn_logic_bounds_the_length_and_the_tool_turns():
     no_tools = AgentLoop(None, tokenizer, parser, plain_result_ids(tokenizer), None, 10, max_tool_calling_iterations=0)
     asked = Trajectory([5], {})
     assert no_tools.end_turn(asked, sample("ab;")) == [] and asked.truncated
+
+
+class Oracle:
+    """An environment whose tool reveals the letter the prompt hides ("abcd>?:" instead of "abcd>b:")."""
+
+    def reset(self, prompt: str, target: str, **row) -> None:
+        self.target, self.peeked = target, False
+
+    def peek(self, text: str) -> str:
+        """The hidden letter.
+
+        Args:
+            text: ignored.
+        """
+        self.peeked = True
+        return self.target
+
+
+def solved(completions, environments, **kwargs):
+    """The tiny task's reward, given only to completions that asked the tool: without it the letter is unknown."""
+    return [
+        c.count(e.target) / len(c) if e.peeked and c else 0.0 for c, e in zip(completions, environments, strict=True)
+    ]
+
+
+def test_a_task_only_a_tool_solves_is_learned(tmp_path, monkeypatch):
+    from colograd import GRPOTrainer
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    data = tiny.letters_dataset(256).map(lambda row: {"prompt": row["prompt"][:5] + "?:"})
+    args = tiny.run_config(str(tmp_path), 8, learning_rate=3e-3, max_completion_length=12)
+    trainer = GRPOTrainer(tiny.build_model(), solved, args, data, tiny.build_tokenizer(), environment_factory=Oracle,
+                          tool_call_parser=MarkerToolParser(";", "peek", "text"))  # fmt: skip
+    trainer.train()
+    steps = [h for h in trainer.state.log_history if "reward" in h]
+    first, last = sum(h["reward"] for h in steps[:2]) / 2, sum(h["reward"] for h in steps[-2:]) / 2
+    assert last > first + 0.2, f"reward went from {first:.2f} to {last:.2f}"
+    assert steps[-1]["tools/call_frequency"] > steps[0]["tools/call_frequency"]
