@@ -26,10 +26,13 @@ def pad_rollout(
         mask_truncated_completions: leave completions cut at max_completion_length out of `completion_mask`.
 
     Returns:
-        input_ids, attention_mask, position_ids [N, P + T]; completion_ids, completion_mask,
-        engine_logps [N, T]; advantages [N].
+        input_ids, attention_mask, position_ids [N, P + T]; completion_ids, completion_mask, tool_mask,
+        engine_logps [N, T]; advantages [N]. `tool_mask` is 1 on each token the engine sampled (0 on inserted tool
+        results and padding); `completion_mask` (the tokens the loss counts) is 0 wherever it is.
     """
     completions = rollout.completion_ids
+    if rollout.prompt_ids is not None:  # one prompt per completion
+        prompt_ids, num_generations = rollout.prompt_ids, 1
     n, p, t = len(completions), max(map(len, prompt_ids)), max(1, max(map(len, completions)))
     input_ids = torch.full((n, p + t), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((n, p + t), dtype=torch.long)
@@ -40,7 +43,10 @@ def pad_rollout(
         input_ids[i, p : p + len(ids)] = torch.tensor(ids, dtype=torch.long)
         attention_mask[i, p - len(prompt) : p + len(ids)] = 1
         engine_logps[i, : len(logps)] = torch.tensor(logps)
-    completion_mask = attention_mask[:, p:].clone()
+    tool_mask = attention_mask[:, p:].clone()
+    for i, mask in enumerate(rollout.tool_mask or []):
+        tool_mask[i, : len(mask)] = torch.tensor(mask, dtype=torch.long)
+    completion_mask = tool_mask.clone()
     if mask_truncated_completions:
         completion_mask[torch.tensor(rollout.truncated)] = 0
     return {
@@ -49,6 +55,7 @@ def pad_rollout(
         "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0),
         "completion_ids": input_ids[:, p:],
         "completion_mask": completion_mask,
+        "tool_mask": tool_mask,
         "engine_logps": engine_logps,
         "advantages": advantages_N,
     }

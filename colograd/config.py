@@ -55,6 +55,16 @@ class GRPOConfig(TrainingArguments):
     top_k: int = field(default=0, metadata={"help": "Sample among the k likeliest tokens; 0 disables."})
     repetition_penalty: float = field(default=1.0, metadata={"help": "vLLM repetition penalty; 1.0 disables."})
 
+    # Agents: tools and environments (see docs/agents.md)
+    max_tool_calling_iterations: int | None = field(
+        default=None,
+        metadata={"help": "Most model turns that may call tools per completion; None: no limit (TRL's meaning)."},
+    )
+    tool_timeout: float = field(
+        default=60.0,
+        metadata={"help": "Seconds a turn's tool calls may take; past it the model reads a timeout error."},
+    )
+
     # The colocated engine
     vllm_gpu_memory_utilization: float = field(
         default=0.3,
@@ -317,6 +327,12 @@ class GRPOConfig(TrainingArguments):
                 f"vllm_importance_sampling_clip_min={low} is not below vllm_importance_sampling_clip_max={high}; "
                 "lower the first or raise the second."
             )
+        if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
+            raise ConfigError(
+                f"max_tool_calling_iterations={self.max_tool_calling_iterations}: set it to 0 or more, or to None."
+            )
+        if self.tool_timeout <= 0:
+            raise ConfigError(f"tool_timeout={self.tool_timeout}: set it to a positive number of seconds.")
         if self.vllm_tensor_parallel_size < 1 or self.world_size % self.vllm_tensor_parallel_size:
             raise ConfigError(
                 f"vllm_tensor_parallel_size={self.vllm_tensor_parallel_size} does not divide the {self.world_size} "

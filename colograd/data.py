@@ -74,10 +74,13 @@ def _load_local(name: str) -> DatasetDict:
     return _read(name, lambda: load_dataset(name))
 
 
-def tokenize_prompts(prompts: list, tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
+def tokenize_prompts(
+    prompts: list, tokenizer: PreTrainedTokenizerBase, tools: list[dict] | None = None
+) -> list[list[int]]:
     """Token ids of each prompt as a rollout feeds it to the engine: chat messages through the tokenizer's chat
-    template, text as it is; no special tokens added (a template adds its own), nothing truncated yet."""
-    texts = [maybe_apply_chat_template({"prompt": p}, tokenizer)["prompt"] for p in prompts]
+    template (given the tools' JSON schemas, when the model may call tools), text as it is; no special tokens
+    added (a template adds its own), nothing truncated yet."""
+    texts = [maybe_apply_chat_template({"prompt": p}, tokenizer, tools)["prompt"] for p in prompts]
     return tokenizer(text=texts, add_special_tokens=False)["input_ids"]
 
 

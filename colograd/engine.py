@@ -37,11 +37,17 @@ class Rollout:
     completion_ids: token ids of each completion (ends with EOS when the model stopped by itself).
     logps: the engine's log-prob of each sampled token, after temperature (same length as its ids).
     truncated: whether each completion was cut at max_completion_length.
+    tool_mask: for completions with tokens the engine did not sample (tool results inserted between turns), 1 on
+        each sampled token and 0 on each inserted one; None: every token was sampled.
+    prompt_ids: the prompt of each completion, when a rollout gave completions of one prompt different prompts
+        (environments that add to them); None: completion i continues prompt i // G.
     """
 
     completion_ids: list[list[int]]
     logps: list[list[float]]
     truncated: list[bool]
+    tool_mask: list[list[int]] | None = None
+    prompt_ids: list[list[int]] | None = None
 
 
 class Engine:

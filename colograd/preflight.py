@@ -90,11 +90,21 @@ def check_settings(args: GRPOConfig, model_config: PretrainedConfig) -> None:
 
 
 def check_data(
-    dataset: Dataset, reward_funcs: list[RewardFunc], args: GRPOConfig, name: str = "train_dataset"
+    dataset: Dataset,
+    reward_funcs: list[RewardFunc],
+    args: GRPOConfig,
+    name: str = "train_dataset",
+    rewards_also_get: list[str] | None = (),
 ) -> None:
-    """The dataset against the run: one rollout batch per rank, and columns the reward functions accept."""
+    """The dataset against the run: one rollout batch per rank, and columns the reward functions accept.
+
+    Args:
+        rewards_also_get: keywords the rewards are passed besides the columns (an environment's), or None when
+            they cannot be known before a rollout: the rewards' parameters are then not checked.
+    """
     check_size(len(dataset), args, name)
-    check_rewards(reward_funcs, [c for c in dataset.column_names if c != "prompt"])
+    if rewards_also_get is not None:
+        check_rewards(reward_funcs, [c for c in dataset.column_names if c != "prompt"] + list(rewards_also_get))
 
 
 # --- destination ---------------------------------------------------------------------------------------------

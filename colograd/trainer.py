@@ -32,6 +32,7 @@ from transformers.trainer_utils import has_length
 from trl.data_utils import is_conversational
 from trl.trainer.utils import RepeatSampler, nanstd
 
+from colograd.agents import Agents, RolloutFunc
 from colograd.batch import pad_rollout, split_by_tokens, split_rows
 from colograd.checkpoints import checkpoint_step, resolve_checkpoint
 from colograd.completions import CompletionLog
@@ -49,6 +50,7 @@ from colograd.reference import ReferencePolicy
 from colograd.rewards import RewardFunc, RewardModel, resolve_rewards, reward_name, score
 from colograd.sync import WeightPlan, is_sharded
 from colograd.timing import OptimizerTimer, PhaseTimes, format_summary, throughput
+from colograd.tools import ToolCallParser
 
 
 def _masked_mean(x: torch.Tensor, mask_NT: torch.Tensor) -> float:
@@ -75,6 +77,9 @@ class GRPOTrainer(Trainer):
         processing_class: the tokenizer; loaded from `model`'s path when omitted.
         callbacks: extra `TrainerCallback`s.
         recipe: the recipe a command-line run was launched from, for the model card.
+        tools, environment_factory, rollout_func: agentic rollouts, as in TRL (see `colograd.agents.Agents` and
+            docs/agents.md). tool_call_parser: how tool calls are read from the model's text (default: the
+            Qwen / Hermes chat-template format).
     """
 
     def __init__(
@@ -87,6 +92,10 @@ class GRPOTrainer(Trainer):
         callbacks: list | None = None,
         optimizers: tuple = (None, None),
         recipe: Recipe | None = None,
+        tools: list | None = None,
+        environment_factory: Any = None,
+        rollout_func: RolloutFunc | None = None,
+        tool_call_parser: ToolCallParser | None = None,
     ) -> None:
         args = args or GRPOConfig(output_dir="colograd-output")
         if isinstance(model, str):
@@ -108,8 +117,19 @@ class GRPOTrainer(Trainer):
         check_settings(args, model.config)
         if isinstance(train_dataset, Dataset):  # other kinds (streaming, torch datasets) are checked as they are read
             train_dataset = check_prompts(train_dataset, processing_class)
-            check_data(train_dataset, self.reward_funcs, args)
+            # An environment reaches the rewards as `environments`; a rollout_func's own fields show only at
+            # rollout time, so then the rewards' parameters are not checked here.
+            rewards_also_get = None if rollout_func else (["environments"] if environment_factory else [])
+            check_data(train_dataset, self.reward_funcs, args, rewards_also_get=rewards_also_get)
         check_engine(args, model.config, next(model.parameters()).dtype, self._lora_rank)
+        self.agents = (
+            Agents(processing_class, args, tools, environment_factory, rollout_func, tool_call_parser)
+            if tools or environment_factory or rollout_func
+            else None
+        )
+        if self.agents is not None and self.agents.reward_funcs:  # an environment's own reward, weight 1 (TRL's)
+            self.reward_funcs += self.agents.reward_funcs
+            self.reward_weights = torch.cat([self.reward_weights, torch.ones(len(self.agents.reward_funcs))])
         # Copied before the Trainer wraps the model, so the copy is the initial policy, whole on every rank.
         self.reference = ReferencePolicy(model) if args.beta != 0.0 else None
 
@@ -150,6 +170,7 @@ class GRPOTrainer(Trainer):
         self._weight_plan: WeightPlan | None = None
         self._micro_step = 0  # micro-steps trained since start (or resume): picks the rollout slice
         self._slices: list[dict[str, torch.Tensor]] | None = None  # the current rollout, one slice per micro-step
+        self._rollout_rows: list[dict] = []  # the dataset rows of the current rollout
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._times = PhaseTimes()
         self.add_callback(OptimizerTimer(self._times, self._metrics))
@@ -271,6 +292,7 @@ class GRPOTrainer(Trainer):
         The engine syncs the weights as it wakes, so at most once per optimizer step and only before a rollout.
         """
         prompts, prompt_ids, columns = self.prepare_prompts(rows)
+        self._rollout_rows = rows  # environments reset from them, a rollout_func reads their prompts
         with self.engine.awake(sync=self.sync_weights), self._timed("generate"):
             rollout = self.generate(prompt_ids)
         with self._timed("reward"):
@@ -320,7 +342,9 @@ class GRPOTrainer(Trainer):
             columns: every other column, one value per row.
         """
         prompts = [row["prompt"] for row in rows]
-        prompt_ids = tokenize_prompts(prompts, self.processing_class)
+        # The tools' schemas go to the chat template (`or None`: some templates write tool text for an empty list).
+        tools = (self.agents.schemas or None) if self.agents is not None else None
+        prompt_ids = tokenize_prompts(prompts, self.processing_class, tools)
         limit = min(self.args.max_prompt_length or self.engine.max_prompt_tokens, self.engine.max_prompt_tokens)
         self._metrics["prompts/truncated_ratio"].append(sum(len(p) > limit for p in prompt_ids) / len(prompt_ids))
         prompt_ids = [p[-limit:] for p in prompt_ids]
@@ -328,10 +352,18 @@ class GRPOTrainer(Trainer):
         return prompts, prompt_ids, columns
 
     def generate(self, prompt_ids: list[list[int]]) -> Rollout:
-        """All G completions of every prompt of this rank, in one engine call."""
+        """All G completions of every prompt of this rank, in one engine call; with tools, environments or a
+        `rollout_func`, through `colograd.agents`."""
         step = self.state.global_step * self.args.gradient_accumulation_steps + self._micro_step
-        rollout = self.engine.generate(prompt_ids, self.args, step=step)
-        lengths = torch.tensor([len(c) for c in rollout.completion_ids], dtype=torch.float32)
+        if self.agents is not None:
+            rollout = self.agents.generate(self, prompt_ids, self._rollout_rows, step)
+            for name, value in self.agents.metrics.items():
+                self._metrics[name].append(value)
+        else:
+            rollout = self.engine.generate(prompt_ids, self.args, step=step)
+        # Lengths count the tokens the model sampled, not inserted tool results (TRL's way).
+        counts = [sum(m) for m in rollout.tool_mask] if rollout.tool_mask else list(map(len, rollout.completion_ids))
+        lengths = torch.tensor(counts, dtype=torch.float32)
         self._times.count("generated", int(lengths.sum()), self._metrics)
         self._metrics["completions/mean_length"].append(lengths.mean().item())
         self._metrics["completions/min_length"].append(lengths.min().item())
@@ -351,7 +383,11 @@ class GRPOTrainer(Trainer):
             prompts=repeat(prompts),
             completions=completions,
             completion_ids=rollout.completion_ids,
-            columns={**{k: repeat(v) for k, v in columns.items()}, "trainer_state": self.state},
+            columns={
+                **{k: repeat(v) for k, v in columns.items()},
+                **(self.agents.columns if self.agents is not None else {}),  # one value per completion already
+                "trainer_state": self.state,
+            },
         )
         for j, func in enumerate(self.reward_funcs):
             self._metrics[f"rewards/{reward_name(func)}/mean"].append(torch.nanmean(rewards_NF[:, j]).item())
@@ -520,8 +556,9 @@ class GRPOTrainer(Trainer):
 
     def _log_sampling_gap(self, logps_NT: torch.Tensor, batch: dict[str, torch.Tensor]) -> None:
         """How far the engine's log-probs of the sampled tokens are from the trainer's for the same weights:
-        ~0 when the sync is exact. Over every sampled token, masked or not (each completion has at least one)."""
-        sampled_NT = batch["attention_mask"][:, -logps_NT.size(1) :].bool()
+        ~0 when the sync is exact. Over every token the engine sampled, in the loss or not (each completion has at
+        least one); inserted tool results are left out."""
+        sampled_NT = batch["tool_mask"].bool()
         diff = (logps_NT - batch["engine_logps"]).abs()[sampled_NT]
         self._metrics["sampling/sampling_logp_difference/mean"].append(diff.mean().item())
         self._metrics["sampling/sampling_logp_difference/max"].append(diff.max().item())

@@ -32,3 +32,15 @@ def test_split_rows_keeps_groups_together_and_shares_scalars():
     first, second = split_rows(batch, 2)
     assert first["advantages"].tolist() == [0, 1, 2, 3] and second["advantages"].tolist() == [4, 5, 6, 7]
     assert first["num_items"] is batch["num_items"] and second["num_items"] is batch["num_items"]
+
+
+def test_pad_rollout_masks_tool_results_and_takes_a_prompt_per_completion():
+    # Completion 0: two sampled tokens, two inserted (a tool result), one sampled. Each completion its own prompt.
+    rollout = Rollout(completion_ids=[[8, 9, 20, 21, 1], [10]], logps=[[-0.1, -0.2, 0.0, 0.0, -0.3], [-0.4]],
+                      truncated=[False, False], tool_mask=[[1, 1, 0, 0, 1], [1]],
+                      prompt_ids=[[5, 6], [7]])  # fmt: skip
+    batch = pad_rollout([[99]], rollout, torch.tensor([1.0, -1.0]), 2, pad_token_id=0)
+    assert batch["input_ids"].tolist() == [[5, 6, 8, 9, 20, 21, 1], [0, 7, 10, 0, 0, 0, 0]]
+    assert batch["tool_mask"].tolist() == [[1, 1, 0, 0, 1], [1, 0, 0, 0, 0]]
+    assert batch["completion_mask"].tolist() == [[1, 1, 0, 0, 1], [1, 0, 0, 0, 0]]
+    assert batch["attention_mask"][0].tolist() == [1] * 7  # the model reads the tool result; the loss skips it

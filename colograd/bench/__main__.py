@@ -1,16 +1,23 @@
-"""`python -m colograd.bench {sync,soak,step} [--json]`: run one benchmark."""
+"""`python -m colograd.bench {sync,soak,step,tools} [--json]`: run one benchmark."""
 
 import argparse
 import importlib
 
-BENCHMARKS = {"sync": "colograd.bench.sync", "soak": "colograd.bench.soak", "step": "colograd.bench.step"}
+BENCHMARKS = {
+    "sync": "colograd.bench.sync",
+    "soak": "colograd.bench.soak",
+    "step": "colograd.bench.step",
+    "tools": "colograd.bench.tools",
+}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m colograd.bench", description=__doc__)
     parser.add_argument("name", choices=sorted(BENCHMARKS))
     parser.add_argument("--json", action="store_true", help="print one JSON line instead of a table")
-    parser.add_argument("--repeats", type=int, default=7, help="sync: timed repetitions; medians are reported")
+    parser.add_argument(
+        "--repeats", type=int, help="sync (default 7), tools (default 3): timed repetitions; medians are reported"
+    )
     parser.add_argument("--steps", type=int, default=300, help="soak: training steps")
     parser.add_argument("--model", choices=["tiny", "small"], default="small", help="step: the model size")
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="step: the training precision")
@@ -20,8 +27,10 @@ def main() -> None:
         bench.run(steps=args.steps, as_json=args.json)
     elif args.name == "step":
         bench.run(size=args.model, dtype=args.dtype, as_json=args.json)
+    elif args.name == "tools":
+        bench.run(repeats=args.repeats or 3, as_json=args.json)
     else:
-        bench.run(repeats=args.repeats, as_json=args.json)
+        bench.run(repeats=args.repeats or 7, as_json=args.json)
 
 
 if __name__ == "__main__":
