@@ -318,6 +318,7 @@ def check_engine(
             "the temperature; set it above 0 (1.0 samples from the model as it is)."
         )
     with _quiet_logs():  # vLLM's import-time warnings (no Triton on CPU, ...) would add lines to a one-line error
+        import vllm.config  # noqa: F401 (its first import logs platform warnings: it must happen in here)
         from vllm.exceptions import VLLMError
         from vllm.platforms import current_platform
 
