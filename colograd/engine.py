@@ -152,6 +152,8 @@ class Engine:
                 top_p=args.top_p,
                 top_k=args.top_k if args.top_k > 0 else -1,
                 repetition_penalty=args.repetition_penalty,
+                min_p=args.min_p or 0.0,
+                **(args.generation_kwargs or {}),
                 logprobs=0,  # the sampled token's own log-prob
                 seed=seed,
             )

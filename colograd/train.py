@@ -6,7 +6,7 @@ python colograd/train.py --config recipes/grpo_tiny.yaml          # one process
 
 import os
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 from peft import get_peft_model
@@ -15,9 +15,11 @@ from trl import ModelConfig, TrlParser, get_peft_config
 
 from colograd import GRPOConfig, GRPOTrainer, ScriptArguments, tiny
 from colograd.config import ConfigError
+from colograd.config_loading import model_init_kwargs, tokenizer_kwargs
 from colograd.data import load_prompts
 from colograd.modelcard import Recipe
 from colograd.rewards import resolve_reward
+from colograd.trl_compat import DROPPED_KEYS, RENAMED_KEYS, unknown_key_message
 
 
 def load_model(args: ModelConfig, training_args: GRPOConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -34,16 +36,16 @@ def load_model(args: ModelConfig, training_args: GRPOConfig) -> tuple[PreTrained
         return tiny.build_model(tie_word_embeddings=tiny.TINY_MODELS[name]), tiny.build_tokenizer()
     if name.startswith((".", "/")) and not os.path.isdir(name):
         raise ConfigError(f"model_name_or_path={name!r} does not exist; give an existing folder or a hub id.")
+    load_kwargs = {"revision": args.model_revision, "trust_remote_code": training_args.trust_remote_code}
     try:
-        config = AutoConfig.from_pretrained(name, revision=args.model_revision)
+        config = AutoConfig.from_pretrained(name, **load_kwargs)
     except OSError as err:  # not a folder, and not a hub id that can be reached
         raise ConfigError(f"model_name_or_path={name!r} cannot be loaded: {str(err).splitlines()[0]}") from err
     training_args.check_lengths(config)
     dtype = args.dtype if args.dtype in (None, "auto") else getattr(torch, args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(
-        name, revision=args.model_revision, dtype=dtype, attn_implementation=args.attn_implementation
-    )
-    return model, AutoTokenizer.from_pretrained(name, revision=args.model_revision)
+    model_kwargs = {"dtype": dtype, "attn_implementation": args.attn_implementation}
+    model = AutoModelForCausalLM.from_pretrained(name, **load_kwargs | model_kwargs | model_init_kwargs(training_args))
+    return model, AutoTokenizer.from_pretrained(name, **load_kwargs | tokenizer_kwargs(training_args))
 
 
 def check_supported(model_args: ModelConfig) -> None:
@@ -96,10 +98,45 @@ def cli(argv: list[str] | None = None) -> None:
 
 
 class _Parser(TrlParser):
-    """TRL's parser, but a bad flag or value (`--num_generations eight`) ends in one line, not the full usage."""
+    """TRL's parser, but a bad flag or value (`--num_generations eight`) ends in one line, not the full usage; an
+    unknown key is named with the closest known one; a key transformers 5 renamed is read as its new name."""
 
     def error(self, message: str) -> NoReturn:
         _fail(message)
+
+    def parse_args_and_config(self, args: list[str] | None = None, **kwargs: Any) -> tuple:
+        args = list(sys.argv[1:] if args is None else args)
+        for i, arg in enumerate(args):
+            name, sep, value = arg.removeprefix("--").partition("=")
+            if arg.startswith("--") and name in RENAMED_KEYS:
+                args[i] = f"--{_renamed(name)}{sep}{value}"
+        return super().parse_args_and_config(args, **kwargs)
+
+    def set_defaults_with_config(self, **kwargs: Any) -> list[str]:
+        for key in DROPPED_KEYS.keys() & kwargs.keys():
+            print(f"colograd: note: {key} ignored: {DROPPED_KEYS[key]}.", file=sys.stderr)
+            del kwargs[key]
+        kwargs = {_renamed(key) if key in RENAMED_KEYS else key: value for key, value in kwargs.items()}
+        known = {action.dest for action in self._actions}
+        for key in kwargs:
+            if key not in known:
+                raise ValueError(unknown_key_message(key, sorted(known)))
+        return super().set_defaults_with_config(**kwargs)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[Any, list[str]]:
+        # Checked here, before the dataclasses are built (and validated), so the unknown flag is what is reported.
+        namespace, remaining = super().parse_known_args(args, namespace)
+        flags = [arg for arg in remaining if arg.startswith("--")]
+        if flags:
+            known = sorted(action.dest for action in self._actions)
+            raise ValueError(unknown_key_message(flags[0].removeprefix("--").partition("=")[0], known))
+        return namespace, remaining
+
+
+def _renamed(key: str) -> str:
+    """The name transformers 5 gave a `TrainingArguments` key, with a note on stderr that it was read so."""
+    print(f"colograd: note: {key} was renamed {RENAMED_KEYS[key]} in transformers 5; read as such.", file=sys.stderr)
+    return RENAMED_KEYS[key]
 
 
 def _fail(err: Exception | str) -> NoReturn:

@@ -27,12 +27,13 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, Trainer
 from transformers.trainer_utils import has_length
 from trl.data_utils import is_conversational, maybe_apply_chat_template
-from trl.trainer.utils import RepeatSampler, nanstd
+from trl.trainer.utils import RepeatSampler, disable_dropout_in_model, nanstd
 
 from colograd.batch import pad_rollout, split_by_tokens, split_rows
 from colograd.checkpoints import checkpoint_step, resolve_checkpoint
 from colograd.completions import CompletionLog
 from colograd.config import ConfigError, GRPOConfig
+from colograd.config_loading import model_init_kwargs, tokenizer_kwargs
 from colograd.engine import Engine, Rollout
 from colograd.logps import completion_logps
 from colograd.loss import clipped_fractions, group_advantages, policy_loss, sampling_correction, weighted_rewards
@@ -82,9 +83,11 @@ class GRPOTrainer(Trainer):
     ) -> None:
         args = args or GRPOConfig(output_dir="colograd-output")
         if isinstance(model, str):
-            model = AutoModelForCausalLM.from_pretrained(model)
+            model = AutoModelForCausalLM.from_pretrained(model, **model_init_kwargs(args))
         if processing_class is None:
-            processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path)
+            processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path, **tokenizer_kwargs(args))
+        if args.disable_dropout:
+            disable_dropout_in_model(model)
         if processing_class.pad_token is None:
             processing_class.pad_token = processing_class.eos_token
         args.check_lengths(model.config)
@@ -139,7 +142,7 @@ class GRPOTrainer(Trainer):
         self._last_logged_step = 0
         self.recipe = recipe
         self._completion_log = (
-            CompletionLog(args.output_dir, args.num_completions_to_print)
+            CompletionLog(args.output_dir, args.num_completions_to_print, args.log_unique_prompts)
             if args.log_completions and self.accelerator.is_main_process
             else None
         )
@@ -204,6 +207,7 @@ class GRPOTrainer(Trainer):
             mini_repeat_count=1,  # the engine samples the G completions of a prompt itself (n=G)
             batch_size=args.prompts_per_device * args.steps_per_generation * self.accelerator.num_processes,
             repeat_count=args.steps_per_generation * args.num_iterations,
+            shuffle=args.shuffle_dataset,
             seed=args.seed,
         )
 
@@ -289,7 +293,11 @@ class GRPOTrainer(Trainer):
             columns: every other column, one value per row.
         """
         prompts = [row["prompt"] for row in rows]
-        texts = [maybe_apply_chat_template({"prompt": p}, self.processing_class)["prompt"] for p in prompts]
+        template_kwargs = self.args.chat_template_kwargs or {}
+        texts = [
+            maybe_apply_chat_template({"prompt": p}, self.processing_class, **template_kwargs)["prompt"]
+            for p in prompts
+        ]
         prompt_ids = self.processing_class(text=texts, add_special_tokens=False)["input_ids"]
         limit = min(self.args.max_prompt_length or self.engine.max_prompt_tokens, self.engine.max_prompt_tokens)
         self._metrics["prompts/truncated_ratio"].append(sum(len(p) > limit for p in prompt_ids) / len(prompt_ids))
