@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from transformers import TrainingArguments
 
+from colograd.config_data import PromptOptions
 from colograd.config_generation import GenerationOptions
 from colograd.config_loading import LoadingOptions
 from colograd.config_logging import LoggingOptions
@@ -367,7 +368,7 @@ class GRPOConfig(TrainingArguments, GenerationOptions, LoadingOptions, LoggingOp
 
 
 @dataclass
-class ScriptArguments:
+class ScriptArguments(PromptOptions):
     """What `colograd/train.py` trains on: the data and the reward functions."""
 
     dataset_name: str = field(

@@ -30,11 +30,14 @@ def load_prompts(args: ScriptArguments) -> Dataset:
         if split not in splits:
             raise ConfigError(f"dataset_train_split={split!r}: {name!r} has the splits {', '.join(splits)}.")
         dataset = splits[split]
-    if "prompt" not in dataset.column_names:
+    column = args.dataset_prompt_column
+    if column not in dataset.column_names:
         raise ConfigError(
-            f"dataset {name!r} has no 'prompt' column (columns: {', '.join(dataset.column_names)}); "
-            "rename the column holding the prompts to 'prompt'."
+            f"dataset {name!r} has no {column!r} column (columns: {', '.join(dataset.column_names)}); "
+            "set dataset_prompt_column to the column holding the prompts."
         )
+    if column != "prompt" or args.system_prompt is not None:
+        dataset = dataset.map(_as_chat, fn_kwargs={"column": column, "system_prompt": args.system_prompt})
     if len(dataset) == 0:
         raise ConfigError(f"dataset {name!r} split {split!r} is empty.")
     return dataset
@@ -54,3 +57,9 @@ def _load_local(name: str) -> DatasetDict:
             raise ConfigError(f"dataset {name!r} is empty; give a file with at least one row.")
         return load_dataset(_FILE_FORMATS[ext], data_files=name)
     return load_dataset(name)
+
+
+def _as_chat(row: dict, column: str, system_prompt: str | None) -> dict:
+    """open-r1's conversation: the system prompt, if any, then the prompt column's text as the user's turn."""
+    system = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+    return {"prompt": [*system, {"role": "user", "content": row[column]}]}
