@@ -14,17 +14,20 @@ from colograd.config_data import PromptOptions
 from colograd.config_generation import GenerationOptions
 from colograd.config_loading import LoadingOptions
 from colograd.config_logging import LoggingOptions
+from colograd.config_loss import SurrogateOptions
 from colograd.errors import ConfigError
 from colograd.trl_compat import TRLOnlyFields, check_refused
 
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 IS_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 
 @dataclass
-class GRPOConfig(TrainingArguments, GenerationOptions, LoadingOptions, LoggingOptions, TRLOnlyFields):
+class GRPOConfig(
+    TrainingArguments, GenerationOptions, LoadingOptions, LoggingOptions, SurrogateOptions, TRLOnlyFields
+):
     # Generation
     steps_per_generation: int | None = field(
         default=None,
@@ -270,6 +273,7 @@ class GRPOConfig(TrainingArguments, GenerationOptions, LoadingOptions, LoggingOp
         check_refused(self)
         self.check_generation()
         self.check_loading()
+        self.check_surrogate()
         if self.num_generations < 2:
             raise ConfigError(
                 f"num_generations={self.num_generations}: GRPO compares completions within a group, so it needs "

@@ -36,7 +36,14 @@ from colograd.config import ConfigError, GRPOConfig
 from colograd.config_loading import model_init_kwargs, tokenizer_kwargs
 from colograd.engine import Engine, Rollout
 from colograd.logps import completion_logps
-from colograd.loss import clipped_fractions, group_advantages, policy_loss, sampling_correction, weighted_rewards
+from colograd.loss import (
+    Surrogate,
+    clipped_fractions,
+    group_advantages,
+    policy_loss,
+    sampling_correction,
+    weighted_rewards,
+)
 from colograd.modelcard import Recipe, model_card, write_model_card
 from colograd.reference import ReferencePolicy
 from colograd.rewards import RewardFunc, RewardModel, resolve_rewards, reward_name, score
@@ -406,6 +413,8 @@ class GRPOTrainer(Trainer):
             max_completion_length=self.args.max_completion_length,
             num_items=inputs["num_items"],
             sampling_weights=sampling_weights,
+            surrogate=Surrogate(*(getattr(self.args, name) for name in Surrogate._fields)),
+            sampling_logps_NT=inputs.get("engine_logps"),
         )
         if "loss_scale" in inputs:  # one pass of several over a slice (`micro_batch_tokens`)
             out = out._replace(loss=out.loss * inputs["loss_scale"])

@@ -63,13 +63,6 @@ class TRLOnlyFields:
     max_tool_calling_iterations: int | None = _only(None, why="tools are not supported yet; remove it.")
     num_generations_eval: int | None = _only(None, why=f"evaluation during training {_LATER}")
     cast_lm_head_to_fp32: bool = _only(False, why=f"casting the output layer to float32 {_LATER}")
-    delta: float | None = _only(None, why=f"two-sided clipping {_LATER}")
-    sapo_temperature_neg: float = _only(1.05, why="loss_type sapo is not implemented yet; remove it.")
-    sapo_temperature_pos: float = _only(1.0, why="loss_type sapo is not implemented yet; remove it.")
-    vespo_k_pos: float = _only(2.0, why="loss_type vespo is not implemented yet; remove it.")
-    vespo_lambda_pos: float = _only(3.0, why="loss_type vespo is not implemented yet; remove it.")
-    vespo_k_neg: float = _only(3.0, why="loss_type vespo is not implemented yet; remove it.")
-    vespo_lambda_neg: float = _only(2.0, why="loss_type vespo is not implemented yet; remove it.")
     multi_objective_aggregation: str = _only("sum_then_normalize", why=f"normalize_then_sum {_LATER}")
     sync_ref_model: bool = _only(False, why=f"syncing the reference model {_LATER}")
     ref_model_mixup_alpha: float = _only(0.6, why=f"syncing the reference model {_LATER}")
@@ -81,7 +74,6 @@ class TRLOnlyFields:
     entropy_coef_max: float = _only(1.0, why=f"adaptive entropy control {_LATER}")
     entropy_coef_delta: float = _only(0.005, why=f"adaptive entropy control {_LATER}")
     entropy_target: float = _only(0.2, why=f"adaptive entropy control {_LATER}")
-    off_policy_mask_threshold: float | None = _only(None, why=f"off-policy sequence masking {_LATER}")
     vllm_structured_outputs_regex: str | None = _only(None, why=f"structured outputs {_LATER}")
     vllm_importance_sampling_cap: float | None = field(
         default=None, metadata={"help": "TRL's deprecated name of vllm_importance_sampling_clip_max; sets it."}

@@ -87,6 +87,9 @@ def test_engine_logps_stand_in_for_old_logps_only_when_equal_to_the_trainers(kwa
         ({"micro_batch_tokens": 0}, "micro_batch_tokens"),
         ({"vllm_importance_sampling_mode": "token"}, "vllm_importance_sampling_mode"),
         ({"vllm_importance_sampling_clip_min": 2.0, "vllm_importance_sampling_clip_max": 2.0}, "clip_min=2.0"),
+        ({"delta": 1.1}, "delta=1.1 caps the ratio below"),
+        ({"off_policy_mask_threshold": 0.0}, "off_policy_mask_threshold=0.0"),
+        ({"loss_type": "sapo", "sapo_temperature_neg": 0.0}, "sapo_temperature_neg=0.0"),
     ],
 )
 def test_invalid_fields_are_named(kwargs, names):

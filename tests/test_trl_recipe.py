@@ -13,7 +13,8 @@ FLAGS = ["--report_to", "none", "--push_to_hub", "false", "--max_steps", "2", "-
          "--max_completion_length", "16"]  # fmt: skip
 # TRL options the recipe does not set, checked in the same launch.
 OPTIONS = ["--min_p", "0.05", "--generation_kwargs", '{"stop": [";"]}', "--disable_dropout", "true",
-           "--log_unique_prompts", "true"]  # fmt: skip
+           "--log_unique_prompts", "true", "--loss_type", "luspo", "--delta", "1.5",
+           "--off_policy_mask_threshold", "0.5"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,7 @@ def test_recipe_trains_two_steps_with_its_rewards(run):
     out, proc = run
     state = json.loads((out / "checkpoint-2/trainer_state.json").read_text())
     steps = [h for h in state["log_history"] if "loss" in h]
-    assert [h["step"] for h in steps] == [1, 2]
+    assert [h["step"] for h in steps] == [1, 2] and all(h["loss"] == h["loss"] for h in steps)  # not NaN
     for name in ("accuracy_reward", "think_format_reward", "tag_count_reward"):
         assert all(f"rewards/{name}/mean" in h for h in steps)
     assert "warmup_ratio was renamed warmup_steps" in proc.stderr
