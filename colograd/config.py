@@ -358,7 +358,7 @@ class GRPOConfig(
         pass: each rollout is trained on once, sampling is unfiltered (the engine's probabilities are then the
         full softmax at the temperature, as the trainer's), and no correction needs the trainer's own."""
         unfiltered = self.top_p == 1.0 and self.top_k <= 0 and self.repetition_penalty == 1.0
-        unfiltered = unfiltered and not self.min_p and not self.generation_kwargs
+        unfiltered = unfiltered and not (self.min_p or self.generation_kwargs or self.vllm_structured_outputs_regex)
         return self.num_iterations == 1 and unfiltered and not self.vllm_importance_sampling_correction
 
     @property

@@ -26,6 +26,13 @@ class GenerationOptions:
             "trainer's."
         },
     )
+    vllm_structured_outputs_regex: str | None = field(
+        default=None,
+        metadata={
+            "help": "Constrain every completion to match this regular expression (vLLM's structured outputs). "
+            "None: unconstrained."
+        },
+    )
     chat_template_kwargs: dict[str, Any] | str | None = field(
         default=None,
         metadata={

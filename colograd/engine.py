@@ -153,6 +153,7 @@ class Engine:
                 top_k=args.top_k if args.top_k > 0 else -1,
                 repetition_penalty=args.repetition_penalty,
                 min_p=args.min_p or 0.0,
+                structured_outputs=_structured_outputs(args.vllm_structured_outputs_regex),
                 **(args.generation_kwargs or {}),
                 logprobs=0,  # the sampled token's own log-prob
                 seed=seed,
@@ -236,6 +237,13 @@ class Engine:
         )
         steps = out[0].prompt_logprobs
         return torch.tensor([steps[i][token_ids[i]].logprob for i in range(1, len(token_ids))])
+
+
+def _structured_outputs(regex: str | None) -> Any:
+    """vLLM's constraint that a completion match `regex`, or None."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return StructuredOutputsParams(regex=regex) if regex is not None else None
 
 
 def _tensor_parallel_group(tp_size: int, world: int) -> Any:

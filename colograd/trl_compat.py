@@ -55,7 +55,9 @@ class TRLOnlyFields:
     pad_to_multiple_of: int | str | None = _only(
         "auto", None, why="colograd packs sequences without padding (padding_free); remove it."
     )
-    log_multimodal: bool = _only(True, False, why="colograd trains text models; there is nothing multimodal to log.")
+    log_multimodal: bool = field(
+        default=True, metadata={"help": "No effect: colograd trains text models; there is nothing multimodal to log."}
+    )
     log_completions_hub_repo: str | None = _only(
         None, why="completions go to output_dir/completions.jsonl, uploaded with output_dir by push_to_hub."
     )
@@ -74,7 +76,6 @@ class TRLOnlyFields:
     entropy_coef_max: float = _only(1.0, why=f"adaptive entropy control {_LATER}")
     entropy_coef_delta: float = _only(0.005, why=f"adaptive entropy control {_LATER}")
     entropy_target: float = _only(0.2, why=f"adaptive entropy control {_LATER}")
-    vllm_structured_outputs_regex: str | None = _only(None, why=f"structured outputs {_LATER}")
     vllm_importance_sampling_cap: float | None = field(
         default=None, metadata={"help": "TRL's deprecated name of vllm_importance_sampling_clip_max; sets it."}
     )
@@ -140,3 +141,26 @@ def unknown_key_message(key: str, known: list[str]) -> str:
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
     hint = f"did you mean {close[0]!r}?" if close else "see docs/reference.md for the keys colograd knows."
     return f"unknown option {key!r}: {hint}"
+
+
+def trl_compat_table() -> str:
+    """Markdown: how many of TRL's GRPOConfig fields colograd implements and refuses, and each refusal's reason."""
+    import trl
+    from transformers import TrainingArguments
+
+    base = {f.name for f in fields(TrainingArguments)}
+    trl_names = [f.name for f in fields(trl.GRPOConfig) if f.name not in base]
+    refused = {name: entry for name, entry in refused_fields().items() if name in trl_names}
+    rows = [
+        f"Of TRL {trl.__version__}'s {len(trl_names)} `GRPOConfig` fields (those of `TrainingArguments` aside), "
+        f"colograd implements {len(trl_names) - len(refused)} with TRL's meaning and accepts {len(refused)} only at "
+        "the values below, refusing any other with the reason given.",
+        "",
+        "| TRL field | Accepted | Any other value is refused because |",
+        "|---|---|---|",
+    ]
+    for name, (accepted, why) in refused.items():
+        rows.append(f"| `{name}` | {', '.join(f'`{a!r}`' for a in accepted)} | {why} |")
+    rows += ["", "| Field | Default here, and TRL's |", "|---|---|"]
+    rows += [f"| `{name}` | {why} |" for name, why in DIFFERENT_DEFAULTS.items()]
+    return "\n".join(rows)

@@ -2,6 +2,7 @@
 engine, two steps at tiny sizes given as flags; the same launch exercises TRL's generation and logging options."""
 
 import json
+import re
 
 import pytest
 from conftest import ROOT, launch
@@ -14,7 +15,7 @@ FLAGS = ["--report_to", "none", "--push_to_hub", "false", "--max_steps", "2", "-
 # TRL options the recipe does not set, checked in the same launch.
 OPTIONS = ["--min_p", "0.05", "--generation_kwargs", '{"stop": [";"]}', "--disable_dropout", "true",
            "--log_unique_prompts", "true", "--loss_type", "luspo", "--delta", "1.5",
-           "--off_policy_mask_threshold", "0.5"]  # fmt: skip
+           "--off_policy_mask_threshold", "0.5", "--vllm_structured_outputs_regex", "[abc]+;"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +43,11 @@ def test_recipe_trains_two_steps_with_its_rewards(run):
     assert "warmup_ratio was renamed warmup_steps" in proc.stderr
 
 
-def test_system_prompt_and_stop_strings_reach_the_engine(run):
+def test_system_prompt_stop_strings_and_regex_reach_the_engine(run):
     out, _ = run
     rows = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
     assert rows and all(r["prompt"][0]["role"] == "system" for r in rows)
-    # A completion ends at the stop string (its token is kept, as TRL decodes the sampled ids).
-    assert all(";" not in r["completion"][:-1] for r in rows)
+    # A completion ends at the stop string (its token is kept, as TRL decodes the sampled ids), and matches the
+    # structured-outputs regex (or a prefix of it, when cut at max_completion_length).
+    assert all(re.fullmatch(r"[abc]*;?", r["completion"]) for r in rows)
+    assert any(r["completion"].endswith(";") for r in rows)
