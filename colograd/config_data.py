@@ -1,11 +1,17 @@
-"""Dataset options that open-r1's GRPO recipes use, with open-r1's names and meanings."""
+"""Dataset options beyond the training split: TRL's evaluation split, and open-r1's prompt column and system
+prompt, with their names and meanings."""
 
 from dataclasses import dataclass, field
 
 
 @dataclass
 class PromptOptions:
-    """Which column holds the prompts, and a system prompt to put before each."""
+    """Which column holds the prompts, a system prompt to put before each, and the split to evaluate on."""
+
+    dataset_test_split: str = field(
+        default="test",
+        metadata={"help": "The split evaluated on every eval_steps when eval_strategy is set (TRL's name)."},
+    )
 
     dataset_prompt_column: str = field(
         default="prompt",

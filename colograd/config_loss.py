@@ -7,7 +7,8 @@ from colograd.errors import ConfigError
 
 @dataclass
 class SurrogateOptions:
-    """Parameters of loss_type cispo / sapo / vespo, two-sided clipping and the off-policy sequence mask."""
+    """Parameters of loss_type cispo / sapo / vespo, two-sided clipping, the off-policy sequence mask, and how
+    several rewards aggregate into advantages."""
 
     delta: float | None = field(
         default=None,
@@ -34,6 +35,14 @@ class SurrogateOptions:
     vespo_lambda_neg: float = field(
         default=2.0, metadata={"help": "loss_type vespo: decay λ of the Gamma weight, negative advantages."}
     )
+    multi_objective_aggregation: str = field(
+        default="sum_then_normalize",
+        metadata={
+            "help": "With several reward functions: sum_then_normalize (weighted sum, then normalised as "
+            "scale_rewards says) or normalize_then_sum (GDPO: each function normalised within its group, then the "
+            "weighted sum normalised over the rank's batch)."
+        },
+    )
     off_policy_mask_threshold: float | None = field(
         default=None,
         metadata={
@@ -53,5 +62,10 @@ class SurrogateOptions:
         for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: set it above 0.")
+        if self.multi_objective_aggregation not in ("sum_then_normalize", "normalize_then_sum"):
+            raise ConfigError(
+                f"multi_objective_aggregation={self.multi_objective_aggregation!r} is unknown; use "
+                "sum_then_normalize or normalize_then_sum."
+            )
         if self.off_policy_mask_threshold is not None and self.off_policy_mask_threshold <= 0:
             raise ConfigError(f"off_policy_mask_threshold={self.off_policy_mask_threshold}: set it above 0, or None.")

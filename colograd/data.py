@@ -14,9 +14,9 @@ from colograd.config import ConfigError, ScriptArguments
 _FILE_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
-def load_prompts(args: ScriptArguments) -> Dataset:
-    """The split `args.dataset_train_split` of `args.dataset_name`, checked to have a `prompt` column."""
-    name, split = args.dataset_name, args.dataset_train_split
+def load_prompts(args: ScriptArguments, split: str | None = None) -> Dataset:
+    """The split `split` (default: `args.dataset_train_split`) of `args.dataset_name`, with a `prompt` column."""
+    name, split = args.dataset_name, split or args.dataset_train_split
     local = name.startswith(tiny.PREFIX) or os.path.exists(name)
     if local and args.dataset_config is not None:
         raise ConfigError(
@@ -28,7 +28,8 @@ def load_prompts(args: ScriptArguments) -> Dataset:
     else:
         splits = _load_local(name)
         if split not in splits:
-            raise ConfigError(f"dataset_train_split={split!r}: {name!r} has the splits {', '.join(splits)}.")
+            which = "dataset_train_split" if split == args.dataset_train_split else "dataset_test_split"
+            raise ConfigError(f"{which}={split!r}: {name!r} has the splits {', '.join(splits)}.")
         dataset = splits[split]
     column = args.dataset_prompt_column
     if column not in dataset.column_names:

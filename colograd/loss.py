@@ -50,6 +50,27 @@ def group_advantages(rewards_N: torch.Tensor, num_generations: int, scale_reward
     return torch.nan_to_num(advantages_N, nan=0.0)
 
 
+def normalize_then_sum(rewards_NF: torch.Tensor, weights_F: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """GDPO's aggregation (TRL's `multi_objective_aggregation: normalize_then_sum`): each function's rewards are
+    normalised within their group, then weighted and summed, and the sums normalised over the batch.
+
+    Args:
+        rewards_NF: one column per reward function, groups contiguous; NaN where a function abstained.
+        weights_F: one weight per function.
+
+    Returns:
+        advantages_N: 0 for a completion no function scored.
+    """
+    grouped_GKF = rewards_NF.view(-1, num_generations, rewards_NF.size(1))
+    mean_G1F = torch.nanmean(grouped_GKF, dim=1, keepdim=True)
+    std_G1F = nanstd(grouped_GKF, dim=1, keepdim=True)
+    normalised_NF = ((grouped_GKF - mean_G1F) / (std_G1F + 1e-4)).view_as(rewards_NF)
+    rewards_N = (normalised_NF * weights_F).nansum(dim=1)
+    rewards_N = rewards_N.masked_fill(rewards_NF.isnan().all(dim=1), float("nan"))
+    std = nanstd(rewards_N) if rewards_N.numel() > 1 else torch.zeros(())
+    return torch.nan_to_num((rewards_N - torch.nanmean(rewards_N)) / (std + 1e-4), nan=0.0)
+
+
 def log_importance_weights(
     logps_NT: torch.Tensor, old_logps_NT: torch.Tensor, mask_NT: torch.Tensor, level: str = "token"
 ) -> torch.Tensor:

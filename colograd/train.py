@@ -61,6 +61,8 @@ def main(
     check_supported(model_args)
     reward_funcs = [resolve_reward(name) for name in script_args.reward_funcs]
     dataset = load_prompts(script_args)
+    evaluates = training_args.eval_strategy != "no"
+    eval_dataset = load_prompts(script_args, script_args.dataset_test_split) if evaluates else None
     model, tokenizer = load_model(model_args, training_args)
     if model_args.use_peft:
         try:
@@ -72,6 +74,7 @@ def main(
         reward_funcs=reward_funcs,
         args=training_args,
         train_dataset=dataset,
+        eval_dataset=eval_dataset,
         processing_class=tokenizer,
         recipe=recipe,
     )

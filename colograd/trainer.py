@@ -16,6 +16,7 @@ then each micro-step trains on one slice of it:
 Subclass and override one of these to change that stage alone.
 """
 
+import copy
 import os
 from collections import defaultdict
 from contextlib import AbstractContextManager, nullcontext
@@ -35,11 +36,13 @@ from colograd.completions import CompletionLog
 from colograd.config import ConfigError, GRPOConfig
 from colograd.config_loading import model_init_kwargs, tokenizer_kwargs
 from colograd.engine import Engine, Rollout
+from colograd.evaluation import eval_metrics, eval_totals, rank_share
 from colograd.logps import completion_logps
 from colograd.loss import (
     Surrogate,
     clipped_fractions,
     group_advantages,
+    normalize_then_sum,
     policy_loss,
     sampling_correction,
     weighted_rewards,
@@ -72,6 +75,7 @@ class GRPOTrainer(Trainer):
             `colograd.rewards.resolve_reward`).
         args: the run's configuration; defaults to `GRPOConfig(output_dir="colograd-output")`.
         train_dataset: rows with a `prompt` column (text, or chat messages); other columns reach the rewards.
+        eval_dataset: prompts like train_dataset's, sampled and scored every `eval_steps` (see `evaluate`).
         processing_class: the tokenizer; loaded from `model`'s path when omitted.
         callbacks: extra `TrainerCallback`s.
         recipe: the recipe a command-line run was launched from, for the model card.
@@ -83,6 +87,7 @@ class GRPOTrainer(Trainer):
         reward_funcs: RewardFunc | str | list[RewardFunc | str],
         args: GRPOConfig | None = None,
         train_dataset: Any = None,
+        eval_dataset: Any = None,
         processing_class: PreTrainedTokenizerBase | None = None,
         callbacks: list | None = None,
         optimizers: tuple = (None, None),
@@ -112,6 +117,7 @@ class GRPOTrainer(Trainer):
             args=args,
             data_collator=_keep_rows,
             train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
             processing_class=processing_class,
             callbacks=callbacks,
             optimizers=optimizers,
@@ -351,6 +357,8 @@ class GRPOTrainer(Trainer):
         self._metrics["reward_std"].append(nanstd(rewards_N).item())
         zero_std_G = torch.isclose(group_std_G, torch.zeros_like(group_std_G))
         self._metrics["frac_reward_zero_std"].append(zero_std_G.float().mean().item())
+        if self.args.multi_objective_aggregation == "normalize_then_sum":
+            return normalize_then_sum(rewards_NF, self.reward_weights, g)
         return group_advantages(rewards_N, g, self.args.scale_rewards)
 
     @torch.no_grad()
@@ -471,6 +479,40 @@ class GRPOTrainer(Trainer):
         rewards = {reward_name(f): rewards_NF[:, j].tolist() for j, f in enumerate(self.reward_funcs)}
         total_N = (rewards_NF * self.reward_weights).nansum(dim=1)
         self._completion_log.record(step, prompts, texts, rewards, total_N.tolist(), advantages_N.tolist())
+
+    # --- evaluation -------------------------------------------------------------------------------------
+
+    def evaluate(
+        self, eval_dataset: Any = None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"
+    ) -> dict[str, float]:
+        """Sample `num_generations_eval` completions of every eval prompt with the engine, in one call per rank,
+        and score them with the reward functions; logs and returns TRL's eval metrics (`colograd.evaluation`)."""
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        rows = rank_share(dataset, self.accelerator.process_index, self.accelerator.num_processes)
+        train_args, kept = self.args, {k: len(v) for k, v in self._metrics.items()}
+        # The stages read the group size from the config, and record training metrics: both are undone after.
+        self.args = copy.copy(train_args)
+        self.args.num_generations = train_args.num_generations_eval or train_args.num_generations
+        try:
+            prompts, prompt_ids, columns = self.prepare_prompts(rows)
+            with self.engine.awake(sync=self.sync_weights):
+                rollout = self.engine.generate(prompt_ids, self.args, step=-1 - self.state.global_step)
+            rewards_NF = self.score(prompts, rollout, columns)
+        finally:
+            self.args = train_args
+            for key in list(self._metrics):
+                del self._metrics[key][kept.get(key, 0) :]
+        lengths_N = torch.tensor([len(c) for c in rollout.completion_ids], dtype=torch.float32)
+        totals = eval_totals(
+            rewards_NF, weighted_rewards(rewards_NF, self.reward_weights), lengths_N, torch.tensor(rollout.truncated)
+        )
+        totals = self.accelerator.reduce(totals.to(self.args.device), reduction="sum").cpu()
+        extremes = self.accelerator.gather(torch.stack([-lengths_N.min(), lengths_N.max()]).to(self.args.device))
+        low, high = extremes.view(-1, 2).amax(dim=0).tolist()
+        metrics = eval_metrics(totals, [reward_name(f) for f in self.reward_funcs], -low, high)
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
 
     # --- saving -----------------------------------------------------------------------------------------
 

@@ -88,6 +88,8 @@ def test_engine_logps_stand_in_for_old_logps_only_when_equal_to_the_trainers(kwa
         ({"vllm_importance_sampling_mode": "token"}, "vllm_importance_sampling_mode"),
         ({"vllm_importance_sampling_clip_min": 2.0, "vllm_importance_sampling_clip_max": 2.0}, "clip_min=2.0"),
         ({"delta": 1.1}, "delta=1.1 caps the ratio below"),
+        ({"num_generations_eval": 0}, "num_generations_eval=0"),
+        ({"multi_objective_aggregation": "sum"}, "multi_objective_aggregation='sum' is unknown"),
         ({"off_policy_mask_threshold": 0.0}, "off_policy_mask_threshold=0.0"),
         ({"loss_type": "sapo", "sapo_temperature_neg": 0.0}, "sapo_temperature_neg=0.0"),
     ],

@@ -20,6 +20,7 @@ from colograd.loss import (
     Surrogate,
     clipped_fractions,
     group_advantages,
+    normalize_then_sum,
     policy_loss,
     sampling_correction,
     weighted_rewards,
@@ -311,7 +312,9 @@ def test_sampling_correction_values():
     assert sampling_correction(trainer, engine, mask, "sequence_mask", clip_min=0.6).item() == 0.0
 
 
-def _trl_advantages(rewards_NF: torch.Tensor, weights_F: torch.Tensor, scale_rewards: str) -> torch.Tensor:
+def _trl_advantages(
+    rewards_NF: torch.Tensor, weights_F: torch.Tensor, scale_rewards: str, aggregation: str = "sum_then_normalize"
+) -> torch.Tensor:
     """The advantages TRL's `_generate_and_score_completions` computes when its reward functions give `rewards_NF`.
 
     Call it with TRL's module-level `gather_object` made a one-process identity (see the test's monkeypatch).
@@ -340,10 +343,11 @@ def _trl_advantages(rewards_NF: torch.Tensor, weights_F: torch.Tensor, scale_rew
         beta=0.0,
         _calculate_rewards=lambda *a: rewards_NF.clone(),
         num_generations=G,
-        multi_objective_aggregation="sum_then_normalize",
+        multi_objective_aggregation=aggregation,
         reward_weights=weights_F,
         scale_rewards=scale_rewards,
         reward_func_names=[f"f{j}" for j in range(rewards_NF.size(1))],
+        reward_funcs=[None] * rewards_NF.size(1),  # only counted
         _metrics=defaultdict(lambda: defaultdict(list)),
         _logs={
             "prompt": [],
@@ -374,3 +378,17 @@ def test_advantages_equal_trl(scale_rewards, monkeypatch):
     ours = group_advantages(weighted_rewards(rewards_NF, weights_F), G, scale_rewards)
     assert torch.allclose(ours, expected, atol=1e-6)
     assert ours[6].item() == 0.0
+
+
+def test_normalize_then_sum_advantages_equal_trl(monkeypatch):
+    monkeypatch.setattr(trl_grpo_trainer, "gather_object", lambda obj: obj)
+    gen = torch.Generator().manual_seed(11)
+    rewards_NF = torch.randn(N, 3, generator=gen)
+    rewards_NF[0, 1] = float("nan")
+    rewards_NF[6] = float("nan")
+    rewards_NF[8:12, 0] = 1.0
+    weights_F = torch.tensor([1.0, 0.5, 2.0])
+    expected = _trl_advantages(rewards_NF, weights_F, "group", "normalize_then_sum")
+    ours = normalize_then_sum(rewards_NF, weights_F, G)
+    assert torch.allclose(ours, expected, atol=1e-6)
+    assert not torch.allclose(ours, group_advantages(weighted_rewards(rewards_NF, weights_F), G), atol=1e-3)

@@ -15,7 +15,10 @@ FLAGS = ["--report_to", "none", "--push_to_hub", "false", "--max_steps", "2", "-
 # TRL options the recipe does not set, checked in the same launch.
 OPTIONS = ["--min_p", "0.05", "--generation_kwargs", '{"stop": [";"]}', "--disable_dropout", "true",
            "--log_unique_prompts", "true", "--loss_type", "luspo", "--delta", "1.5",
-           "--off_policy_mask_threshold", "0.5", "--vllm_structured_outputs_regex", "[abc]+;"]  # fmt: skip
+           "--off_policy_mask_threshold", "0.5", "--vllm_structured_outputs_regex", "[abc]+;",
+           # Evaluation on the file's one split, after each step.
+           "--eval_strategy", "steps", "--eval_steps", "1", "--dataset_test_split", "train",
+           "--num_generations_eval", "2"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -51,3 +54,18 @@ def test_system_prompt_stop_strings_and_regex_reach_the_engine(run):
     # structured-outputs regex (or a prefix of it, when cut at max_completion_length).
     assert all(re.fullmatch(r"[abc]*;?", r["completion"]) for r in rows)
     assert any(r["completion"].endswith(";") for r in rows)
+
+
+def test_evaluation_generates_scores_and_logs_trl_eval_metrics(run):
+    out, _ = run
+    state = json.loads((out / "checkpoint-2/trainer_state.json").read_text())
+    evals = [h for h in state["log_history"] if "eval_reward" in h]
+    assert [h["step"] for h in evals] == [1, 2]
+    for entry in evals:
+        for name in ("accuracy_reward", "think_format_reward", "tag_count_reward"):
+            assert entry[f"eval_rewards/{name}/mean"] == entry[f"eval_rewards/{name}/mean"]  # present, not NaN
+        assert 1 <= entry["eval_completions/min_length"] <= entry["eval_completions/mean_length"]
+        assert entry["eval_completions/mean_length"] <= entry["eval_completions/max_length"] <= 16
+        assert 0 <= entry["eval_completions/clipped_ratio"] <= 1
+    # Training metrics were not mixed with evaluation's: one training entry per step, each with its own rewards.
+    assert len([h for h in state["log_history"] if "loss" in h]) == 2
