@@ -5,16 +5,17 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 import trl
 from accelerate.commands.config.config_args import ClusterConfig
 from accelerate.commands.launch import launch_command_parser
 from transformers import TrainingArguments
 from trl import ModelConfig, TrlParser
 
-from colograd import GRPOConfig, ScriptArguments
+from colograd import GRPOConfig, ScriptArguments, tiny
 from colograd.config import ConfigError
 from colograd.rewards import resolve_reward
-from colograd.train import _Parser
+from colograd.train import _Parser, load_model
 from colograd.trl_compat import DIFFERENT_DEFAULTS, refused_fields
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -251,3 +252,15 @@ def test_parser_messages_say_what_to_do(tmp_path, recipe_line, argv, message):
 def test_generation_options_are_checked(kwargs, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         make(**kwargs)
+
+
+def test_model_init_kwargs_and_revision_reach_from_pretrained(tmp_path):
+    folder = tmp_path / "tiny"
+    tiny.build_model().save_pretrained(folder)
+    tiny.build_tokenizer().save_pretrained(folder)
+    args = make(model_init_kwargs={"dtype": "bfloat16"}, trust_remote_code=True, max_prompt_length=64)
+    model, tokenizer = load_model(ModelConfig(model_name_or_path=str(folder)), args)
+    assert model.dtype == torch.bfloat16  # model_init_kwargs override the model arguments (float32 by default)
+    assert tokenizer.chat_template  # the folder's tokenizer
+    with pytest.raises(ConfigError, match="model_init_kwargs="):
+        make(model_init_kwargs="{dtype: bf16}")  # a flag's value must be JSON
