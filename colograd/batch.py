@@ -89,9 +89,9 @@ def split_by_tokens(batch: dict[str, torch.Tensor], max_tokens: int, loss_type: 
         part = {k: v[start:end] if v.dim() else v for k, v in batch.items()}
         if loss_type == "bnpo":  # a mean over the micro-batch's tokens
             scale = part["completion_mask"].sum() / completion_tokens
-        elif loss_type in ("grpo", "dr_grpo"):  # a mean over its completions
+        elif loss_type in ("grpo", "dr_grpo", "sapo", "luspo"):  # a mean over its completions
             scale = torch.tensor((end - start) / len(tokens_N))
-        else:  # dapo: its denominator, num_items, is already the micro-batch's
+        else:  # dapo, cispo, vespo: their denominator, num_items, is already the micro-batch's
             scale = torch.tensor(1.0)
         passes.append({**part, "loss_scale": scale.float()})
     return passes

@@ -21,13 +21,15 @@ class CompletionLog:
     Args:
         output_dir: where `completions.jsonl` is written.
         num_to_print: completions printed per step (the first ones, so whole groups show together); None: all.
+        unique_prompts: print each distinct prompt once, with its first completion (TRL's `log_unique_prompts`).
     """
 
     FILE_NAME = "completions.jsonl"
 
-    def __init__(self, output_dir: str, num_to_print: int | None) -> None:
+    def __init__(self, output_dir: str, num_to_print: int | None, unique_prompts: bool = False) -> None:
         self.path = os.path.join(output_dir, self.FILE_NAME)
         self.num_to_print = num_to_print
+        self.unique_prompts = unique_prompts
         self._printed_step: int | None = None
 
     def forget_after(self, step: int) -> None:
@@ -69,12 +71,13 @@ class CompletionLog:
         if self._printed_step == step:
             return
         self._printed_step = step
-        k = len(completions) if self.num_to_print is None else self.num_to_print
+        shown = range(0, len(completions), group) if self.unique_prompts else range(len(completions))
+        shown = shown[: self.num_to_print]  # a slice up to None keeps all
         print_prompt_completions_sample(
-            prompt_per_completion[:k],
-            completions[:k],
-            {name: values[:k] for name, values in rewards.items()},
-            advantages[:k],
+            [prompt_per_completion[i] for i in shown],
+            [completions[i] for i in shown],
+            {name: [values[i] for i in shown] for name, values in rewards.items()},
+            [advantages[i] for i in shown],
             step,
         )
 

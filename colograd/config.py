@@ -10,18 +10,24 @@ from typing import Any
 import torch
 from transformers import TrainingArguments
 
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
+from colograd.config_data import PromptOptions
+from colograd.config_generation import GenerationOptions
+from colograd.config_loading import LoadingOptions
+from colograd.config_logging import LoggingOptions
+from colograd.config_loss import SurrogateOptions
+from colograd.errors import ConfigError
+from colograd.trl_compat import TRLOnlyFields, check_refused
+
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 IS_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 
-class ConfigError(ValueError):
-    """A configuration problem the user must fix; its message names the field and the fix."""
-
-
 @dataclass
-class GRPOConfig(TrainingArguments):
+class GRPOConfig(
+    TrainingArguments, GenerationOptions, LoadingOptions, LoggingOptions, SurrogateOptions, TRLOnlyFields
+):
     # Generation
     steps_per_generation: int | None = field(
         default=None,
@@ -276,6 +282,11 @@ class GRPOConfig(TrainingArguments):
 
     def validate(self) -> None:
         """Check the fields against each other; raise `ConfigError` naming the field and the fix."""
+        self.apply_trl_aliases()
+        check_refused(self)
+        self.check_generation()
+        self.check_loading()
+        self.check_surrogate()
         if self.num_generations < 2:
             raise ConfigError(
                 f"num_generations={self.num_generations}: GRPO compares completions within a group, so it needs "
@@ -366,6 +377,7 @@ class GRPOConfig(TrainingArguments):
         pass: each rollout is trained on once, sampling is unfiltered (the engine's probabilities are then the
         full softmax at the temperature, as the trainer's), and no correction needs the trainer's own."""
         unfiltered = self.top_p == 1.0 and self.top_k <= 0 and self.repetition_penalty == 1.0
+        unfiltered = unfiltered and not (self.min_p or self.generation_kwargs or self.vllm_structured_outputs_regex)
         return self.num_iterations == 1 and unfiltered and not self.vllm_importance_sampling_correction
 
     @property
@@ -379,7 +391,7 @@ class GRPOConfig(TrainingArguments):
 
 
 @dataclass
-class ScriptArguments:
+class ScriptArguments(PromptOptions):
     """What `colograd/train.py` trains on: the data and the reward functions."""
 
     dataset_name: str = field(

@@ -9,6 +9,7 @@ import logging
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import datasets
 from datasets import Dataset, DatasetDict, load_dataset
@@ -21,9 +22,9 @@ from colograd.config import ConfigError, ScriptArguments
 _FILE_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
-def load_prompts(args: ScriptArguments) -> Dataset:
-    """The split `args.dataset_train_split` of `args.dataset_name`, checked to have a `prompt` column."""
-    name, split = args.dataset_name, args.dataset_train_split
+def load_prompts(args: ScriptArguments, split: str | None = None) -> Dataset:
+    """The split `split` (default: `args.dataset_train_split`) of `args.dataset_name`, with a `prompt` column."""
+    name, split = args.dataset_name, split or args.dataset_train_split
     local = name.startswith(tiny.PREFIX) or os.path.exists(name)
     if local and args.dataset_config is not None:
         raise ConfigError(
@@ -46,13 +47,17 @@ def load_prompts(args: ScriptArguments) -> Dataset:
     else:
         splits = _load_local(name)
         if split not in splits:
-            raise ConfigError(f"dataset_train_split={split!r}: {name!r} has the splits {', '.join(splits)}.")
+            which = "dataset_train_split" if split == args.dataset_train_split else "dataset_test_split"
+            raise ConfigError(f"{which}={split!r}: {name!r} has the splits {', '.join(splits)}.")
         dataset = splits[split]
-    if "prompt" not in dataset.column_names:
+    column = args.dataset_prompt_column
+    if column not in dataset.column_names:
         raise ConfigError(
-            f"dataset {name!r} has no 'prompt' column (columns: {', '.join(dataset.column_names)}); "
-            "rename the column holding the prompts to 'prompt'."
+            f"dataset {name!r} has no {column!r} column (columns: {', '.join(dataset.column_names)}); "
+            "set dataset_prompt_column to the column holding the prompts."
         )
+    if column != "prompt" or args.system_prompt is not None:
+        dataset = dataset.map(_as_chat, fn_kwargs={"column": column, "system_prompt": args.system_prompt})
     if len(dataset) == 0:
         raise ConfigError(f"dataset {name!r} split {split!r} is empty.")
     return dataset
@@ -75,12 +80,18 @@ def _load_local(name: str) -> DatasetDict:
 
 
 def tokenize_prompts(
-    prompts: list, tokenizer: PreTrainedTokenizerBase, tools: list[dict] | None = None
+    prompts: list,
+    tokenizer: PreTrainedTokenizerBase,
+    tools: list[dict] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[list[int]]:
     """Token ids of each prompt as a rollout feeds it to the engine: chat messages through the tokenizer's chat
-    template (given the tools' JSON schemas, when the model may call tools), text as it is; no special tokens
-    added (a template adds its own), nothing truncated yet."""
-    texts = [maybe_apply_chat_template({"prompt": p}, tokenizer, tools)["prompt"] for p in prompts]
+    template (given the tools' JSON schemas, when the model may call tools, and `chat_template_kwargs`), text as
+    it is; no special tokens added (a template adds its own), nothing truncated yet."""
+    texts = [
+        maybe_apply_chat_template({"prompt": p}, tokenizer, tools, **(template_kwargs or {}))["prompt"]
+        for p in prompts
+    ]
     return tokenizer(text=texts, add_special_tokens=False)["input_ids"]
 
 
@@ -135,3 +146,9 @@ def _quiet_datasets() -> Iterator[None]:
 def first_line(err: BaseException) -> str:
     """The first line of an error's message, for a one-line report."""
     return (str(err).strip().splitlines() or [type(err).__name__])[0].rstrip(".")
+
+
+def _as_chat(row: dict, column: str, system_prompt: str | None) -> dict:
+    """open-r1's conversation: the system prompt, if any, then the prompt column's text as the user's turn."""
+    system = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+    return {"prompt": [*system, {"role": "user", "content": row[column]}]}

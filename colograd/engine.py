@@ -246,27 +246,38 @@ class Engine:
         return torch.tensor([steps[i][token_ids[i]].logprob for i in range(1, len(token_ids))])
 
 
-def sampling_params(args: GRPOConfig, seed: int | None = None) -> Any:
+def sampling_params(args: GRPOConfig, seed: int | None = None, **overrides: Any) -> Any:
     """The `vllm.SamplingParams` of one rollout request: G completions of a prompt, with the sampled tokens'
     log-probs. Building it runs vLLM's own checks of the sampling settings (preflight builds one for that).
 
     Args:
         args: the run's config (num_generations, max_completion_length, temperature, top_p, top_k,
-            repetition_penalty).
+            repetition_penalty, min_p, vllm_structured_outputs_regex, generation_kwargs).
         seed: the request's seed; None draws from the engine's generator.
+        overrides: further `SamplingParams` arguments, replacing the ones above (e.g. `n=1` for one turn).
     """
     from vllm import SamplingParams
 
-    return SamplingParams(
+    settings = dict(
         n=args.num_generations,
         max_tokens=args.max_completion_length,
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k if args.top_k > 0 else -1,
         repetition_penalty=args.repetition_penalty,
+        min_p=args.min_p or 0.0,
+        structured_outputs=_structured_outputs(args.vllm_structured_outputs_regex),
         logprobs=0,  # the sampled token's own log-prob
         seed=seed,
     )
+    return SamplingParams(**settings | (args.generation_kwargs or {}) | overrides)
+
+
+def _structured_outputs(regex: str | None) -> Any:
+    """vLLM's constraint that a completion match `regex`, or None."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return StructuredOutputsParams(regex=regex) if regex is not None else None
 
 
 def _tensor_parallel_group(tp_size: int, world: int) -> Any:

@@ -4,6 +4,7 @@ Shapes: N completions (= prompts × G, grouped consecutively), T completion toke
 Definitions follow TRL's `GRPOTrainer` so the same inputs give the same numbers.
 """
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -47,6 +48,27 @@ def group_advantages(rewards_N: torch.Tensor, num_generations: int, scale_reward
     elif scale_rewards != "none":
         raise ValueError(f"unknown scale_rewards {scale_rewards!r}")
     return torch.nan_to_num(advantages_N, nan=0.0)
+
+
+def normalize_then_sum(rewards_NF: torch.Tensor, weights_F: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """GDPO's aggregation (TRL's `multi_objective_aggregation: normalize_then_sum`): each function's rewards are
+    normalised within their group, then weighted and summed, and the sums normalised over the batch.
+
+    Args:
+        rewards_NF: one column per reward function, groups contiguous; NaN where a function abstained.
+        weights_F: one weight per function.
+
+    Returns:
+        advantages_N: 0 for a completion no function scored.
+    """
+    grouped_GKF = rewards_NF.view(-1, num_generations, rewards_NF.size(1))
+    mean_G1F = torch.nanmean(grouped_GKF, dim=1, keepdim=True)
+    std_G1F = nanstd(grouped_GKF, dim=1, keepdim=True)
+    normalised_NF = ((grouped_GKF - mean_G1F) / (std_G1F + 1e-4)).view_as(rewards_NF)
+    rewards_N = (normalised_NF * weights_F).nansum(dim=1)
+    rewards_N = rewards_N.masked_fill(rewards_NF.isnan().all(dim=1), float("nan"))
+    std = nanstd(rewards_N) if rewards_N.numel() > 1 else torch.zeros(())
+    return torch.nan_to_num((rewards_N - torch.nanmean(rewards_N)) / (std + 1e-4), nan=0.0)
 
 
 def log_importance_weights(
@@ -122,6 +144,86 @@ def sampling_correction(
     raise ValueError(f"unknown vllm_importance_sampling_mode {mode!r}")
 
 
+class Surrogate(NamedTuple):
+    """Parameters of the surrogate objectives besides PPO's clipping (TRL's `GRPOConfig` names and defaults)."""
+
+    delta: float | None = None  # two-sided clipping: the ratio's upper bound where the advantage is negative
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    off_policy_mask_threshold: float | None = None
+
+
+def clipped_surrogate(
+    ratio: torch.Tensor, adv_N1: torch.Tensor, epsilon_low: float, epsilon_high: float, delta: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's pessimistic clipped objective, negated; with `delta`, the unclipped ratio is also capped at `delta`
+    (INTELLECT-2's two-sided clipping), so a large ratio cannot blow up a negative advantage's loss.
+
+    Returns:
+        The per-token loss, and the ratio after the `delta` cap (TRL's clipping metrics read it).
+    """
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    if delta is not None:
+        ratio = torch.clamp(ratio, max=delta)
+    return -torch.min(ratio * adv_N1, clipped * adv_N1), ratio
+
+
+def cispo_surrogate(
+    ratio: torch.Tensor, logps_NT: torch.Tensor, adv_N1: torch.Tensor, epsilon_high: float
+) -> torch.Tensor:
+    """CISPO (MiniMax-M1): REINFORCE on the log-probs, weighted by the detached ratio capped at `epsilon_high`."""
+    return -torch.clamp(ratio, max=epsilon_high).detach() * adv_N1 * logps_NT
+
+
+def sapo_surrogate(ratio: torch.Tensor, adv_N1: torch.Tensor, temperature_pos: float, temperature_neg: float):
+    """SAPO: a sigmoid gate 4σ(τ(r - 1))/τ in place of hard clipping, with τ by the advantage's sign."""
+    tau = torch.where(adv_N1 > 0, temperature_pos, temperature_neg)
+    return -(torch.sigmoid(tau * (ratio - 1)) * 4 / tau) * adv_N1
+
+
+@torch.no_grad()
+def vespo_weights(
+    log_ratio_NT: torch.Tensor,
+    adv_N1: torch.Tensor,
+    mask_NT: torch.Tensor,
+    sampling_weights: torch.Tensor | None,
+    surrogate: Surrogate,
+) -> torch.Tensor:
+    """VESPO's Gamma weights φ(w) = e^λ w^k e^(-λw) of the sequence ratio w (k, λ by the advantage's sign): [N, 1].
+
+    w is the product of the tokens' ratios (clamped in log space as TRL does), times the sampling correction's
+    ratios when there is one. φ(1) = 1; the weights scale the gradient and carry none.
+    """
+    floor = math.log(1e-8)
+    log_w_N1 = (torch.clamp(log_ratio_NT, -20.0, 20.0) * mask_NT).sum(-1, keepdim=True)
+    if sampling_weights is not None:
+        log_w_N1 = log_w_N1 + torch.clamp(torch.log(sampling_weights), floor, 20.0).sum(-1, keepdim=True)
+    log_w_N1 = torch.clamp(log_w_N1, floor, 20.0)
+    positive = adv_N1 >= 0
+    k = torch.where(positive, surrogate.vespo_k_pos, surrogate.vespo_k_neg)
+    lam = torch.where(positive, surrogate.vespo_lambda_pos, surrogate.vespo_lambda_neg).clamp(min=1e-4)
+    phi_N1 = torch.exp(lam + k * log_w_N1 - lam * torch.exp(log_w_N1))
+    return phi_N1.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def off_policy_mask(
+    adv_N1: torch.Tensor,
+    logps_NT: torch.Tensor,
+    sampling_logps_NT: torch.Tensor,
+    mask_NT: torch.Tensor,
+    threshold: float,
+) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask: drop (0) a completion with a negative advantage whose mean
+    per-token KL(π_sampling ‖ π_θ) estimate exceeds `threshold`; keep (1) the rest. [N, 1]."""
+    kl_NT = torch.nan_to_num(sampling_logps_NT - logps_NT.detach(), nan=0.0)  # a token the engine could not score
+    mean_kl_N1 = (kl_NT * mask_NT).sum(-1, keepdim=True) / mask_NT.sum(-1, keepdim=True).clamp(min=1.0)
+    return ((adv_N1 >= 0) | (mean_kl_N1 <= threshold)).to(mask_NT.dtype)
+
+
 class PolicyLoss(NamedTuple):
     """The loss and the detached terms its metrics are read from."""
 
@@ -145,6 +247,8 @@ def policy_loss(
     max_completion_length: int | None = None,
     num_items: float | torch.Tensor | None = None,
     sampling_weights: torch.Tensor | None = None,
+    surrogate: Surrogate | None = None,
+    sampling_logps_NT: torch.Tensor | None = None,
 ) -> PolicyLoss:
     """The clipped surrogate loss of PPO/GRPO plus `beta` × KL, averaged the way `loss_type` says (TRL's).
 
@@ -153,8 +257,10 @@ def policy_loss(
         old_logps_NT: the same under the policy that sampled them (no gradient).
         advantages_N: one advantage per completion, shared by its tokens.
         mask_NT: 1 for completion tokens that count, 0 for padding.
-        loss_type: "grpo" (mean per sequence, then over sequences), "bnpo" (mean over the batch's tokens),
-            "dr_grpo" (sum over tokens / (N × max_completion_length)), "dapo" (sum / `num_items`).
+        loss_type: the clipped objective averaged as "grpo" (mean per sequence, then over sequences), "bnpo"
+            (mean over the batch's tokens), "dr_grpo" (sum over tokens / (N × max_completion_length)), "dapo"
+            (sum / `num_items`) or "luspo" (sum per sequence, mean over sequences); or another objective:
+            "cispo" and "vespo" (averaged as dapo), "sapo" (as grpo). See the `*_surrogate` functions.
         epsilon_low, epsilon_high: the ratio is clipped to [1 - epsilon_low, 1 + epsilon_high].
         importance_sampling_level: "token" or "sequence" (GSPO), see `log_importance_weights`.
         ref_logps_NT: log-probs under the reference model; needed when `beta` > 0.
@@ -164,17 +270,36 @@ def policy_loss(
         max_completion_length: the constant denominator of "dr_grpo".
         num_items: the token count "dapo" divides by (the global count per rank, so ranks weigh tokens equally).
         sampling_weights: importance-sampling corrections ([N, T] or [N, 1], see `sampling_correction`) that
-            multiply the policy term of each token, before the KL is added (TRL's order).
+            multiply the policy term of each token, before the KL is added (TRL's order); vespo folds them into
+            its sequence ratio instead.
+        surrogate: the other objectives' parameters, and `delta` / the off-policy mask threshold; None: TRL's
+            defaults.
+        sampling_logps_NT: the sampling policy's log-probs the off-policy mask compares with (the engine's);
+            None: `old_logps_NT`.
 
     Returns:
         The loss, with the ratios and KL it was built from (detached, for metrics).
     """
     mask_NT = mask_NT.to(logps_NT.dtype)
     ratio = torch.exp(log_importance_weights(logps_NT, old_logps_NT, mask_NT, importance_sampling_level))
-    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
     adv_N1 = advantages_N.unsqueeze(1)
-    per_token_NT = -torch.min(ratio * adv_N1, clipped * adv_N1)
-    if sampling_weights is not None:
+    surrogate = surrogate or Surrogate()
+    kl_ratio = ratio  # the KL's bias correction uses the ratio before any cap
+    if loss_type == "cispo":
+        per_token_NT = cispo_surrogate(ratio, logps_NT, adv_N1, epsilon_high)
+    elif loss_type == "sapo":
+        per_token_NT = sapo_surrogate(ratio, adv_N1, surrogate.sapo_temperature_pos, surrogate.sapo_temperature_neg)
+    elif loss_type == "vespo":
+        phi_N1 = vespo_weights(logps_NT - old_logps_NT, adv_N1, mask_NT, sampling_weights, surrogate)
+        per_token_NT = -phi_N1 * adv_N1 * logps_NT
+    else:
+        per_token_NT, ratio = clipped_surrogate(ratio, adv_N1, epsilon_low, epsilon_high, surrogate.delta)
+    if surrogate.off_policy_mask_threshold is not None:
+        sampling_logps_NT = old_logps_NT if sampling_logps_NT is None else sampling_logps_NT
+        per_token_NT = per_token_NT * off_policy_mask(
+            adv_N1, logps_NT, sampling_logps_NT, mask_NT, surrogate.off_policy_mask_threshold
+        )
+    if sampling_weights is not None and loss_type != "vespo":
         per_token_NT = per_token_NT * sampling_weights
     kl_NT = None
     if beta != 0.0:
@@ -182,7 +307,7 @@ def policy_loss(
             raise ValueError("beta > 0 needs ref_logps_NT")
         kl_NT = kl_k3(logps_NT, ref_logps_NT)
         if use_bias_correction_kl:
-            kl_NT = kl_NT * ratio
+            kl_NT = kl_NT * kl_ratio
         per_token_NT = per_token_NT + beta * kl_NT
         kl_NT = kl_NT.detach()
     loss = reduce_loss(per_token_NT * mask_NT, mask_NT, loss_type, max_completion_length, num_items)
@@ -197,15 +322,17 @@ def reduce_loss(
     num_items: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Average masked per-token losses [N, T] into a scalar as `loss_type` says (see `policy_loss`)."""
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         return (masked_NT.sum(-1) / mask_NT.sum(-1).clamp(min=1.0)).mean()
+    if loss_type == "luspo":  # each sequence weighs by its length
+        return masked_NT.sum(-1).mean()
     if loss_type == "bnpo":
         return masked_NT.sum() / mask_NT.sum().clamp(min=1.0)
     if loss_type == "dr_grpo":
         if max_completion_length is None:
             raise ValueError("dr_grpo needs max_completion_length")
         return masked_NT.sum() / (masked_NT.size(0) * max_completion_length)
-    if loss_type == "dapo":
+    if loss_type in ("dapo", "cispo", "vespo"):
         if num_items is None:
             raise ValueError("dapo needs num_items")
         return masked_NT.sum() / torch.as_tensor(num_items, dtype=masked_NT.dtype).clamp(min=1.0)

@@ -48,6 +48,7 @@ class Inputs:
 
     dataset: Dataset
     reward_funcs: list[RewardFunc]
+    eval_dataset: Dataset | None = None
 
 
 def preflight(
@@ -76,11 +77,20 @@ def preflight(
     reward_funcs = [resolve_reward(name) for name in script_args.reward_funcs]
     name = script_args.dataset_name
     dataset = load_prompts(script_args)
-    dataset = check_prompts(dataset, tokenizer, name, drop_invalid=script_args.drop_invalid_prompts)
+    template_kwargs = training_args.chat_template_kwargs
+    dataset = check_prompts(dataset, tokenizer, name, script_args.drop_invalid_prompts, template_kwargs)
     check_data(dataset, reward_funcs, training_args, name)
+    eval_dataset = None
+    if training_args.eval_strategy != "no":
+        split = script_args.dataset_test_split
+        eval_dataset = load_prompts(script_args, split)
+        eval_dataset = check_prompts(
+            eval_dataset, tokenizer, f"{name} ({split})", script_args.drop_invalid_prompts, template_kwargs
+        )
+        check_rewards(reward_funcs, [c for c in eval_dataset.column_names if c != "prompt"])
     # Last: importing vLLM's pieces takes seconds, which a mistake found above should not wait for.
     check_engine(training_args, model_config, dtype, lora_rank)
-    return Inputs(dataset, reward_funcs)
+    return Inputs(dataset, reward_funcs, eval_dataset)
 
 
 def check_settings(args: GRPOConfig, model_config: PretrainedConfig) -> None:
@@ -178,7 +188,11 @@ def prompt_problem(prompt: Any, tokenizer: PreTrainedTokenizerBase) -> str | Non
 
 
 def check_prompts(
-    dataset: Dataset, tokenizer: PreTrainedTokenizerBase, name: str = "train_dataset", drop_invalid: bool = False
+    dataset: Dataset,
+    tokenizer: PreTrainedTokenizerBase,
+    name: str = "train_dataset",
+    drop_invalid: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> Dataset:
     """Check every row's prompt, then template and tokenize it as a rollout will (`tokenize_prompts`).
 
@@ -187,6 +201,7 @@ def check_prompts(
         tokenizer: the policy's tokenizer.
         name: how messages name the dataset.
         drop_invalid: drop the rows with a problem (and print how many) instead of raising.
+        template_kwargs: the run's `chat_template_kwargs`, which the rollouts give the chat template.
 
     Returns:
         The dataset, without its invalid rows when `drop_invalid`.
@@ -198,7 +213,7 @@ def check_prompts(
         raise ConfigError(f"{name}: no 'prompt' column (columns: {', '.join(dataset.column_names)}); add one.")
     _check_column_names(dataset.column_names, name)
     prompts = dataset["prompt"]
-    problems = _row_problems(prompts, tokenizer)
+    problems = _row_problems(prompts, tokenizer, template_kwargs)
     if not problems:
         return dataset
     first, problem = next(iter(problems.items()))
@@ -218,7 +233,9 @@ def check_prompts(
     return dataset.select([i for i in range(len(prompts)) if i not in problems])
 
 
-def _row_problems(prompts: list, tokenizer: PreTrainedTokenizerBase) -> dict[int, str]:
+def _row_problems(
+    prompts: list, tokenizer: PreTrainedTokenizerBase, template_kwargs: dict[str, Any] | None
+) -> dict[int, str]:
     """Row index → problem, for every row whose prompt is invalid or does not template and tokenize to tokens."""
     problems = {i: p for i, prompt in enumerate(prompts) if (p := prompt_problem(prompt, tokenizer)) is not None}
     valid = [i for i in range(len(prompts)) if i not in problems]
@@ -231,18 +248,20 @@ def _row_problems(prompts: list, tokenizer: PreTrainedTokenizerBase) -> dict[int
     for start in range(0, len(valid), _BATCH):
         rows = valid[start : start + _BATCH]
         try:
-            ids = tokenize_prompts([prompts[i] for i in rows], tokenizer)
+            ids = tokenize_prompts([prompts[i] for i in rows], tokenizer, template_kwargs=template_kwargs)
         except Exception:  # find the row that breaks the template or the tokenizer
-            ids = [_tokenize_one(prompts[i], tokenizer, problems, i) for i in rows]
+            ids = [_tokenize_one(prompts[i], tokenizer, template_kwargs, problems, i) for i in rows]
         for i, row_ids in zip(rows, ids, strict=True):
             if row_ids is not None and not row_ids:
                 problems[i] = "prompt tokenizes to no tokens"
     return dict(sorted(problems.items()))
 
 
-def _tokenize_one(prompt: Any, tokenizer: PreTrainedTokenizerBase, problems: dict, i: int) -> list[int] | None:
+def _tokenize_one(
+    prompt: Any, tokenizer: PreTrainedTokenizerBase, template_kwargs: dict[str, Any] | None, problems: dict, i: int
+) -> list[int] | None:
     try:
-        return tokenize_prompts([prompt], tokenizer)[0]
+        return tokenize_prompts([prompt], tokenizer, template_kwargs=template_kwargs)[0]
     except Exception as err:  # a user template or tokenizer may raise anything
         problems[i] = f"templating and tokenizing the prompt failed ({type(err).__name__}: {first_line(err)})"
         return None

@@ -15,6 +15,7 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 from transformers import (
@@ -95,12 +96,21 @@ def _think_format() -> RewardFunc:
     return think_format_reward
 
 
+def tag_count_reward(completions: list, **kwargs: Any) -> list[float]:
+    """open-r1's `tag_count`: 0.25 for each of `<think>\n`, `\n</think>\n`, `\n<answer>\n`, `\n</answer>` that
+    occurs exactly once in a completion (text, or a chat's assistant message)."""
+    tags = ("<think>\n", "\n</think>\n", "\n<answer>\n", "\n</answer>")
+    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+    return [sum(0.25 for tag in tags if text.count(tag) == 1) for text in texts]
+
+
 BUILTIN_REWARDS: dict[str, Callable[[], RewardFunc]] = {
     "letters": _letters,
     "accuracy": _accuracy,
     "reasoning_accuracy": _reasoning_accuracy,
     "format": _think_format,
     "think_format": _think_format,
+    "tag_count": lambda: tag_count_reward,
 }
 
 

@@ -30,7 +30,13 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+    # Chats in the characters the vocabulary has: "s:system;u:user;a:" (each role's first letter).
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }};{% endfor %}"
+        "{% if add_generation_prompt %}a:{% endif %}"
+    )
+    return tokenizer
 
 
 def build_model(tie_word_embeddings: bool = False, seed: int = 0) -> Qwen2ForCausalLM:

@@ -7,7 +7,7 @@ python colograd/train.py --config recipes/grpo_tiny.yaml          # one process
 import os
 import sys
 import traceback
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 from peft import get_peft_model
@@ -23,12 +23,16 @@ from trl import ModelConfig, TrlParser, get_peft_config
 
 from colograd import GRPOConfig, GRPOTrainer, ScriptArguments, tiny
 from colograd.config import ConfigError
+from colograd.config_loading import model_init_kwargs, tokenizer_kwargs
 from colograd.modelcard import Recipe
 from colograd.preemption import PREEMPTED_EXIT_CODE, StepFailure
 from colograd.preflight import preflight
+from colograd.trl_compat import DROPPED_KEYS, RENAMED_KEYS, unknown_key_message
 
 
-def load_model_config(args: ModelConfig) -> tuple[PretrainedConfig, PreTrainedTokenizerBase, torch.dtype]:
+def load_model_config(
+    args: ModelConfig, training_args: GRPOConfig
+) -> tuple[PretrainedConfig, PreTrainedTokenizerBase, torch.dtype]:
     """The policy's config, tokenizer and the dtype its weights will have, without reading the weights."""
     name = args.model_name_or_path
     if name is None:
@@ -42,8 +46,10 @@ def load_model_config(args: ModelConfig) -> tuple[PretrainedConfig, PreTrainedTo
     if name.startswith((".", "/")) and not os.path.isdir(name):
         raise ConfigError(f"model_name_or_path={name!r} does not exist; give an existing folder or a hub id.")
     try:
-        config = AutoConfig.from_pretrained(name, revision=args.model_revision)
-        tokenizer = AutoTokenizer.from_pretrained(name, revision=args.model_revision)
+        config = AutoConfig.from_pretrained(name, **_hub_kwargs(args, training_args))
+        tokenizer = AutoTokenizer.from_pretrained(
+            name, **_hub_kwargs(args, training_args) | tokenizer_kwargs(training_args)
+        )
     except (OSError, ValueError) as err:  # not a folder, not a reachable hub id, or a config it cannot read
         raise ConfigError(f"model_name_or_path={name!r} cannot be loaded: {str(err).splitlines()[0]}") from err
     dtype = getattr(torch, args.dtype) if args.dtype not in (None, "auto") else getattr(config, "dtype", None)
@@ -56,15 +62,21 @@ def load_model(args: ModelConfig, training_args: GRPOConfig) -> tuple[PreTrained
     The lengths are checked against the model's config before its weights are read.
     """
     name = args.model_name_or_path
-    config, tokenizer, _ = load_model_config(args)
+    config, tokenizer, _ = load_model_config(args, training_args)
     training_args.check_lengths(config)
     if name.startswith(tiny.PREFIX):
         return tiny.build_model(tie_word_embeddings=tiny.TINY_MODELS[name]), tokenizer
     dtype = args.dtype if args.dtype in (None, "auto") else getattr(torch, args.dtype)
+    model_kwargs = {"dtype": dtype, "attn_implementation": args.attn_implementation}
     model = AutoModelForCausalLM.from_pretrained(
-        name, revision=args.model_revision, dtype=dtype, attn_implementation=args.attn_implementation
+        name, **_hub_kwargs(args, training_args) | model_kwargs | model_init_kwargs(training_args)
     )
     return model, tokenizer
+
+
+def _hub_kwargs(args: ModelConfig, training_args: GRPOConfig) -> dict[str, Any]:
+    """What every `from_pretrained` of the policy is given: the revision, and whether to run the repo's code."""
+    return {"revision": args.model_revision, "trust_remote_code": training_args.trust_remote_code}
 
 
 def check_supported(model_args: ModelConfig) -> None:
@@ -79,7 +91,7 @@ def main(
     """Check every input (`colograd.preflight`), load, train, save (with the model card) and, with `push_to_hub`,
     upload. A run stopped by SIGTERM exits with `PREEMPTED_EXIT_CODE` after its checkpoint."""
     check_supported(model_args)
-    config, tokenizer, dtype = load_model_config(model_args)
+    config, tokenizer, dtype = load_model_config(model_args, training_args)
     adapter_rank = model_args.lora_r if model_args.use_peft and training_args.lora_sync == "adapter" else None
     inputs = preflight(script_args, training_args, config, tokenizer, dtype, adapter_rank)
     model, tokenizer = load_model(model_args, training_args)
@@ -93,6 +105,7 @@ def main(
         reward_funcs=inputs.reward_funcs,
         args=training_args,
         train_dataset=inputs.dataset,
+        eval_dataset=inputs.eval_dataset,
         processing_class=tokenizer,
         recipe=recipe,
     )
@@ -127,10 +140,45 @@ def cli(argv: list[str] | None = None) -> None:
 
 
 class _Parser(TrlParser):
-    """TRL's parser, but a bad flag or value (`--num_generations eight`) ends in one line, not the full usage."""
+    """TRL's parser, but a bad flag or value (`--num_generations eight`) ends in one line, not the full usage; an
+    unknown key is named with the closest known one; a key transformers 5 renamed is read as its new name."""
 
     def error(self, message: str) -> NoReturn:
         _fail(message)
+
+    def parse_args_and_config(self, args: list[str] | None = None, **kwargs: Any) -> tuple:
+        args = list(sys.argv[1:] if args is None else args)
+        for i, arg in enumerate(args):
+            name, sep, value = arg.removeprefix("--").partition("=")
+            if arg.startswith("--") and name in RENAMED_KEYS:
+                args[i] = f"--{_renamed(name)}{sep}{value}"
+        return super().parse_args_and_config(args, **kwargs)
+
+    def set_defaults_with_config(self, **kwargs: Any) -> list[str]:
+        for key in DROPPED_KEYS.keys() & kwargs.keys():
+            print(f"colograd: note: {key} ignored: {DROPPED_KEYS[key]}.", file=sys.stderr)
+            del kwargs[key]
+        kwargs = {_renamed(key) if key in RENAMED_KEYS else key: value for key, value in kwargs.items()}
+        known = {action.dest for action in self._actions}
+        for key in kwargs:
+            if key not in known:
+                raise ValueError(unknown_key_message(key, sorted(known)))
+        return super().set_defaults_with_config(**kwargs)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[Any, list[str]]:
+        # Checked here, before the dataclasses are built (and validated), so the unknown flag is what is reported.
+        namespace, remaining = super().parse_known_args(args, namespace)
+        flags = [arg for arg in remaining if arg.startswith("--")]
+        if flags:
+            known = sorted(action.dest for action in self._actions)
+            raise ValueError(unknown_key_message(flags[0].removeprefix("--").partition("=")[0], known))
+        return namespace, remaining
+
+
+def _renamed(key: str) -> str:
+    """The name transformers 5 gave a `TrainingArguments` key, with a note on stderr that it was read so."""
+    print(f"colograd: note: {key} was renamed {RENAMED_KEYS[key]} in transformers 5; read as such.", file=sys.stderr)
+    return RENAMED_KEYS[key]
 
 
 def _fail(err: Exception | str, code: int = 2, debug: bool = False) -> NoReturn:

@@ -16,6 +16,7 @@ then each micro-step trains on one slice of it:
 Subclass and override one of these to change that stage alone.
 """
 
+import copy
 import logging
 import os
 from collections import defaultdict
@@ -30,18 +31,28 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, Trainer
 from transformers.trainer_utils import has_length
 from trl.data_utils import is_conversational
-from trl.trainer.utils import RepeatSampler, nanstd
+from trl.trainer.utils import RepeatSampler, disable_dropout_in_model, nanstd
 
 from colograd.agents import Agents, RolloutFunc
 from colograd.batch import pad_rollout, split_by_tokens, split_rows
 from colograd.checkpoints import checkpoint_step, resolve_checkpoint
 from colograd.completions import CompletionLog
 from colograd.config import ConfigError, GRPOConfig
+from colograd.config_loading import model_init_kwargs, tokenizer_kwargs
 from colograd.data import tokenize_prompts
 from colograd.engine import Engine, Rollout
+from colograd.evaluation import eval_metrics, eval_totals, rank_share
 from colograd.logps import completion_logps
 from colograd.lora import check_lora
-from colograd.loss import clipped_fractions, group_advantages, policy_loss, sampling_correction, weighted_rewards
+from colograd.loss import (
+    Surrogate,
+    clipped_fractions,
+    group_advantages,
+    normalize_then_sum,
+    policy_loss,
+    sampling_correction,
+    weighted_rewards,
+)
 from colograd.modelcard import Recipe, model_card, write_model_card
 from colograd.precision import master_copy_warning
 from colograd.preemption import Preemption, stage_failures
@@ -74,6 +85,7 @@ class GRPOTrainer(Trainer):
             `colograd.rewards.resolve_reward`).
         args: the run's configuration; defaults to `GRPOConfig(output_dir="colograd-output")`.
         train_dataset: rows with a `prompt` column (text, or chat messages); other columns reach the rewards.
+        eval_dataset: prompts like train_dataset's, sampled and scored every `eval_steps` (see `evaluate`).
         processing_class: the tokenizer; loaded from `model`'s path when omitted.
         callbacks: extra `TrainerCallback`s.
         recipe: the recipe a command-line run was launched from, for the model card.
@@ -88,6 +100,7 @@ class GRPOTrainer(Trainer):
         reward_funcs: RewardFunc | str | list[RewardFunc | str],
         args: GRPOConfig | None = None,
         train_dataset: Any = None,
+        eval_dataset: Any = None,
         processing_class: PreTrainedTokenizerBase | None = None,
         callbacks: list | None = None,
         optimizers: tuple = (None, None),
@@ -99,9 +112,11 @@ class GRPOTrainer(Trainer):
     ) -> None:
         args = args or GRPOConfig(output_dir="colograd-output")
         if isinstance(model, str):
-            model = AutoModelForCausalLM.from_pretrained(model)
+            model = AutoModelForCausalLM.from_pretrained(model, **model_init_kwargs(args))
         if processing_class is None:
-            processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path)
+            processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path, **tokenizer_kwargs(args))
+        if args.disable_dropout:
+            disable_dropout_in_model(model)
         if processing_class.pad_token is None:
             processing_class.pad_token = processing_class.eos_token
         args.check_lengths(model.config)
@@ -116,7 +131,7 @@ class GRPOTrainer(Trainer):
         self._lora_rank = lora_rank  # adapter-only sync: the engine serves the adapter itself, with LoRA enabled
         check_settings(args, model.config)
         if isinstance(train_dataset, Dataset):  # other kinds (streaming, torch datasets) are checked as they are read
-            train_dataset = check_prompts(train_dataset, processing_class)
+            train_dataset = check_prompts(train_dataset, processing_class, template_kwargs=args.chat_template_kwargs)
             # An environment reaches the rewards as `environments`; a rollout_func's own fields show only at
             # rollout time, so then the rewards' parameters are not checked here.
             rewards_also_get = None if rollout_func else (["environments"] if environment_factory else [])
@@ -138,6 +153,7 @@ class GRPOTrainer(Trainer):
             args=args,
             data_collator=_keep_rows,
             train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
             processing_class=processing_class,
             callbacks=callbacks,
             optimizers=optimizers,
@@ -180,7 +196,7 @@ class GRPOTrainer(Trainer):
         self._last_logged_step = 0
         self.recipe = recipe
         self._completion_log = (
-            CompletionLog(args.output_dir, args.num_completions_to_print)
+            CompletionLog(args.output_dir, args.num_completions_to_print, args.log_unique_prompts)
             if args.log_completions and self.accelerator.is_main_process
             else None
         )
@@ -254,6 +270,7 @@ class GRPOTrainer(Trainer):
             mini_repeat_count=1,  # the engine samples the G completions of a prompt itself (n=G)
             batch_size=args.prompts_per_device * args.steps_per_generation * self.accelerator.num_processes,
             repeat_count=args.steps_per_generation * args.num_iterations,
+            shuffle=args.shuffle_dataset,
             seed=args.seed,
         )
 
@@ -344,7 +361,7 @@ class GRPOTrainer(Trainer):
         prompts = [row["prompt"] for row in rows]
         # The tools' schemas go to the chat template (`or None`: some templates write tool text for an empty list).
         tools = (self.agents.schemas or None) if self.agents is not None else None
-        prompt_ids = tokenize_prompts(prompts, self.processing_class, tools)
+        prompt_ids = tokenize_prompts(prompts, self.processing_class, tools, self.args.chat_template_kwargs)
         limit = min(self.args.max_prompt_length or self.engine.max_prompt_tokens, self.engine.max_prompt_tokens)
         self._metrics["prompts/truncated_ratio"].append(sum(len(p) > limit for p in prompt_ids) / len(prompt_ids))
         prompt_ids = [p[-limit:] for p in prompt_ids]
@@ -402,6 +419,8 @@ class GRPOTrainer(Trainer):
         self._metrics["reward_std"].append(nanstd(rewards_N).item())
         zero_std_G = torch.isclose(group_std_G, torch.zeros_like(group_std_G))
         self._metrics["frac_reward_zero_std"].append(zero_std_G.float().mean().item())
+        if self.args.multi_objective_aggregation == "normalize_then_sum":
+            return normalize_then_sum(rewards_NF, self.reward_weights, g)
         return group_advantages(rewards_N, g, self.args.scale_rewards)
 
     @torch.no_grad()
@@ -464,6 +483,8 @@ class GRPOTrainer(Trainer):
             max_completion_length=self.args.max_completion_length,
             num_items=inputs["num_items"],
             sampling_weights=sampling_weights,
+            surrogate=Surrogate(*(getattr(self.args, name) for name in Surrogate._fields)),
+            sampling_logps_NT=inputs.get("engine_logps"),
         )
         if "loss_scale" in inputs:  # one pass of several over a slice (`micro_batch_tokens`)
             out = out._replace(loss=out.loss * inputs["loss_scale"])
@@ -520,6 +541,40 @@ class GRPOTrainer(Trainer):
         rewards = {reward_name(f): rewards_NF[:, j].tolist() for j, f in enumerate(self.reward_funcs)}
         total_N = (rewards_NF * self.reward_weights).nansum(dim=1)
         self._completion_log.record(step, prompts, texts, rewards, total_N.tolist(), advantages_N.tolist())
+
+    # --- evaluation -------------------------------------------------------------------------------------
+
+    def evaluate(
+        self, eval_dataset: Any = None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"
+    ) -> dict[str, float]:
+        """Sample `num_generations_eval` completions of every eval prompt with the engine, in one call per rank,
+        and score them with the reward functions; logs and returns TRL's eval metrics (`colograd.evaluation`)."""
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        rows = rank_share(dataset, self.accelerator.process_index, self.accelerator.num_processes)
+        train_args, kept = self.args, {k: len(v) for k, v in self._metrics.items()}
+        # The stages read the group size from the config, and record training metrics: both are undone after.
+        self.args = copy.copy(train_args)
+        self.args.num_generations = train_args.num_generations_eval or train_args.num_generations
+        try:
+            prompts, prompt_ids, columns = self.prepare_prompts(rows)
+            with self.engine.awake(sync=self.sync_weights):
+                rollout = self.engine.generate(prompt_ids, self.args, step=-1 - self.state.global_step)
+            rewards_NF = self.score(prompts, rollout, columns)
+        finally:
+            self.args = train_args
+            for key in list(self._metrics):
+                del self._metrics[key][kept.get(key, 0) :]
+        lengths_N = torch.tensor([len(c) for c in rollout.completion_ids], dtype=torch.float32)
+        totals = eval_totals(
+            rewards_NF, weighted_rewards(rewards_NF, self.reward_weights), lengths_N, torch.tensor(rollout.truncated)
+        )
+        totals = self.accelerator.reduce(totals.to(self.args.device), reduction="sum").cpu()
+        extremes = self.accelerator.gather(torch.stack([-lengths_N.min(), lengths_N.max()]).to(self.args.device))
+        low, high = extremes.view(-1, 2).amax(dim=0).tolist()
+        metrics = eval_metrics(totals, [reward_name(f) for f in self.reward_funcs], -low, high)
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
 
     # --- saving -----------------------------------------------------------------------------------------
 

@@ -1,15 +1,22 @@
 """Configuration: validation messages, and every recipe parses into the dataclasses."""
 
+import dataclasses
+import re
 from pathlib import Path
 
 import pytest
+import torch
+import trl
 from accelerate.commands.config.config_args import ClusterConfig
 from accelerate.commands.launch import launch_command_parser
+from transformers import TrainingArguments
 from trl import ModelConfig, TrlParser
 
-from colograd import GRPOConfig, ScriptArguments
+from colograd import GRPOConfig, ScriptArguments, tiny
 from colograd.config import ConfigError
 from colograd.rewards import resolve_reward
+from colograd.train import _Parser, load_model
+from colograd.trl_compat import DIFFERENT_DEFAULTS, refused_fields
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml"))
@@ -81,6 +88,11 @@ def test_engine_logps_stand_in_for_old_logps_only_when_equal_to_the_trainers(kwa
         ({"micro_batch_tokens": 0}, "micro_batch_tokens"),
         ({"vllm_importance_sampling_mode": "token"}, "vllm_importance_sampling_mode"),
         ({"vllm_importance_sampling_clip_min": 2.0, "vllm_importance_sampling_clip_max": 2.0}, "clip_min=2.0"),
+        ({"delta": 1.1}, "delta=1.1 caps the ratio below"),
+        ({"num_generations_eval": 0}, "num_generations_eval=0"),
+        ({"multi_objective_aggregation": "sum"}, "multi_objective_aggregation='sum' is unknown"),
+        ({"off_policy_mask_threshold": 0.0}, "off_policy_mask_threshold=0.0"),
+        ({"loss_type": "sapo", "sapo_temperature_neg": 0.0}, "sapo_temperature_neg=0.0"),
     ],
 )
 def test_invalid_fields_are_named(kwargs, names):
@@ -144,3 +156,110 @@ def test_rewards_resolve_by_name_and_path():
         resolve_reward("nonsense")
     with pytest.raises(ConfigError, match="cannot import"):
         resolve_reward("colograd.tiny.no_such_reward")
+
+
+# --- TRL compatibility --------------------------------------------------------------------------------------
+
+
+def _trl_fields() -> list[dataclasses.Field]:
+    """TRL 1.16 GRPOConfig's own fields (those of transformers' TrainingArguments aside)."""
+    base = {f.name for f in dataclasses.fields(TrainingArguments)}
+    return [f for f in dataclasses.fields(trl.GRPOConfig) if f.name not in base]
+
+
+def _other_than(accepted: tuple) -> object:
+    """A value outside `accepted`, of the accepted default's kind."""
+    value = accepted[0]
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int | float):
+        return value + 1
+    return "other"
+
+
+def _default(f: dataclasses.Field) -> object:
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+@pytest.mark.parametrize("trl_field", _trl_fields(), ids=lambda f: f.name)
+def test_every_trl_field_is_supported_or_refused(trl_field):
+    """A field TRL adds later fails here until it is implemented or refused (colograd/trl_compat.py)."""
+    ours = {f.name: f for f in dataclasses.fields(GRPOConfig)}
+    name = trl_field.name
+    assert name in ours, f"TRL's {name} is neither implemented nor refused"
+    refused = refused_fields()
+    if name in refused:
+        accepted, why = refused[name]
+        assert _default(ours[name]) == accepted[0]
+        for value in accepted:
+            make(**{name: value})
+        with pytest.raises(ConfigError, match=f"^{name}=.*: {re.escape(why)}$"):
+            make(**{name: _other_than(accepted)})
+    elif name not in DIFFERENT_DEFAULTS:
+        assert _default(ours[name]) == _default(trl_field), f"{name}: TRL's default differs; list it or match it"
+
+
+def test_trl_compat_tables_name_only_trl_fields():
+    trl_names = {f.name for f in _trl_fields()}
+    assert set(refused_fields()) <= trl_names and set(DIFFERENT_DEFAULTS) <= trl_names
+
+
+def test_trl_recipe_keys_parse_with_trl_meaning(tmp_path):
+    recipe = tmp_path / "trl.yaml"
+    recipe.write_text(
+        "use_vllm: true\nvllm_mode: colocate\nwarmup_ratio: 0.1\noverwrite_output_dir: true\n"
+        "vllm_importance_sampling_cap: 2.0\ngeneration_kwargs: {stop: ['</answer>']}\nshuffle_dataset: false\n"
+        "per_device_train_batch_size: 8\nnum_generations: 4\noutput_dir: unused\nreport_to: none\n"
+    )
+    _, args, _ = _Parser((ScriptArguments, GRPOConfig, ModelConfig)).parse_args_and_config(["--config", str(recipe)])
+    assert args.use_vllm and args.vllm_mode == "colocate" and args.shuffle_dataset is False
+    assert args.warmup_steps == 0.1  # transformers 5: a warmup_steps below 1 is a fraction of the steps
+    assert args.vllm_importance_sampling_clip_max == 2.0
+    assert args.generation_kwargs == {"stop": ["</answer>"]}
+    assert not args.engine_logps_are_old_logps  # the engine's log-probs may no longer be the full softmax's
+
+
+@pytest.mark.parametrize(
+    "recipe_line, argv, message",
+    [
+        ("num_generatoins: 4", [], "unknown option 'num_generatoins': did you mean 'num_generations'?"),
+        ("", ["--lerning_rate", "1e-5"], "unknown option 'lerning_rate': did you mean 'learning_rate'?"),
+        ("logging_dir: runs", [], "TENSORBOARD_LOGGING_DIR"),
+        ("use_vllm: false", [], "use_vllm=False: colograd always generates with its in-process vLLM engine"),
+        ("", ["--vllm_mode", "server"], "vllm_mode='server': colograd's engine is always colocated"),
+    ],
+)
+def test_parser_messages_say_what_to_do(tmp_path, recipe_line, argv, message):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text((ROOT / "recipes/grpo_tiny.yaml").read_text() + "\n" + recipe_line + "\n")
+    parser = _Parser((ScriptArguments, GRPOConfig, ModelConfig))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parser.parse_args_and_config(["--config", str(recipe), *argv])
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"generation_kwargs": {"stopp": ["x"]}}, "vllm.SamplingParams has no 'stopp'; did you mean 'stop'?"),
+        ({"generation_kwargs": {"temperature": 0.5}}, "set 'temperature' with the field temperature instead"),
+        ({"generation_kwargs": {"n": 2}}, "'n' is set by the trainer"),
+        ({"generation_kwargs": "{not json"}, "generation_kwargs='{not json' is not a JSON object"),
+        ({"chat_template_kwargs": "[1]"}, "give a mapping"),
+        ({"min_p": 1.5}, "min_p=1.5"),
+    ],
+)
+def test_generation_options_are_checked(kwargs, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        make(**kwargs)
+
+
+def test_model_init_kwargs_and_revision_reach_from_pretrained(tmp_path):
+    folder = tmp_path / "tiny"
+    tiny.build_model().save_pretrained(folder)
+    tiny.build_tokenizer().save_pretrained(folder)
+    args = make(model_init_kwargs={"dtype": "bfloat16"}, trust_remote_code=True, max_prompt_length=64)
+    model, tokenizer = load_model(ModelConfig(model_name_or_path=str(folder)), args)
+    assert model.dtype == torch.bfloat16  # model_init_kwargs override the model arguments (float32 by default)
+    assert tokenizer.chat_template  # the folder's tokenizer
+    with pytest.raises(ConfigError, match="model_init_kwargs="):
+        make(model_init_kwargs="{dtype: bf16}")  # a flag's value must be JSON

@@ -14,10 +14,21 @@ import torch
 from trl.trainer import grpo_trainer as trl_grpo_trainer
 from trl.trainer.grpo_trainer import GRPOTrainer as TRLGRPOTrainer
 
+from colograd.batch import split_by_tokens
 from colograd.config import IS_CORRECTION_MODES, LOSS_TYPES
-from colograd.loss import clipped_fractions, group_advantages, policy_loss, sampling_correction, weighted_rewards
+from colograd.loss import (
+    Surrogate,
+    clipped_fractions,
+    group_advantages,
+    normalize_then_sum,
+    policy_loss,
+    sampling_correction,
+    weighted_rewards,
+)
 
 N, T, P, G = 12, 7, 3, 4
+# The loss types built on PPO's clipped objective (TRL logs clip_ratio/* for these); the others have their own.
+CLIPPED_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "luspo")
 
 
 class _Accelerator:
@@ -51,16 +62,22 @@ def _inputs(seed: int) -> dict[str, torch.Tensor]:
     }
 
 
-def _trl_loss(inputs, loss_type, level, beta, bias_correction, eps_low, eps_high, sampling_weights=None):
+def _trl_loss(
+    inputs, loss_type, level, beta, bias_correction, eps_low, eps_high, sampling_weights=None, surrogate=None
+):
     """TRL's `_compute_loss` on `inputs`; returns the loss, the gradient w.r.t. the log-probs, and its metrics.
 
-    `sampling_weights` is passed as TRL's vLLM importance-sampling ratio, with its correction switched on."""
+    `sampling_weights` is passed as TRL's vLLM importance-sampling ratio, with its correction switched on;
+    `surrogate` as TRL's config fields of the same names."""
+    surrogate = surrogate or Surrogate()
     logps = inputs["logps"].clone().requires_grad_()
     stand_in = SimpleNamespace(
         _get_per_token_logps_and_entropies=lambda *a, **k: (logps, torch.zeros_like(logps), None),
         aux_loss_enabled=False,
         top_entropy_quantile=1.0,
-        off_policy_mask_threshold=None,
+        off_policy_mask_threshold=surrogate.off_policy_mask_threshold,
+        get_off_policy_mask=TRLGRPOTrainer.get_off_policy_mask,
+        get_gamma_weights=TRLGRPOTrainer.get_gamma_weights,
         importance_sampling_level=level,
         beta=beta,
         loss_type=loss_type,
@@ -72,7 +89,9 @@ def _trl_loss(inputs, loss_type, level, beta, bias_correction, eps_low, eps_high
         current_gradient_accumulation_steps=1,
         max_completion_length=T,
         accelerator=_Accelerator(),
-        args=SimpleNamespace(use_bias_correction_kl=bias_correction, delta=None, steps_per_generation=1),
+        args=SimpleNamespace(
+            use_bias_correction_kl=bias_correction, steps_per_generation=1, **surrogate._asdict()
+        ),  # fmt: skip
         _entropy_bonus_enabled=False,
         _metrics=defaultdict(lambda: defaultdict(list)),
     )
@@ -81,6 +100,9 @@ def _trl_loss(inputs, loss_type, level, beta, bias_correction, eps_low, eps_high
         del trl_inputs["ref_per_token_logps"]
     if sampling_weights is not None:
         trl_inputs["importance_sampling_ratio"] = sampling_weights
+    if "engine_logps" in inputs:
+        trl_inputs["sampling_per_token_logps"] = inputs["engine_logps"]
+    trl_inputs.pop("engine_logps", None)
     loss = TRLGRPOTrainer._compute_loss(stand_in, None, trl_inputs)
     loss.backward()
     return loss.item(), logps.grad, {k: v[-1] for k, v in stand_in._metrics["train"].items()}
@@ -94,7 +116,7 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("beta, bias_correction", [(0.0, True), (0.04, True), (0.04, False)])
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", CLIPPED_LOSS_TYPES)
 def test_loss_gradient_and_metrics_equal_trl(loss_type, beta, bias_correction, level):
     inputs = _inputs(seed=zlib.crc32(f"{loss_type}{beta}{bias_correction}{level}".encode()))
     eps_low, eps_high = 0.2, 0.28
@@ -164,6 +186,118 @@ def test_sampling_correction_loss_equals_trl(loss_type, mode):
     assert torch.allclose(logps.grad, trl_grad, atol=1e-6)
 
 
+def _our_loss(inputs, loss_type, level, beta, eps_low, eps_high, sampling_weights=None, surrogate=None):
+    """colograd's `policy_loss` on the same inputs; returns the loss and the gradient w.r.t. the log-probs."""
+    logps = inputs["logps"].clone().requires_grad_()
+    out = policy_loss(
+        logps,
+        inputs["old_per_token_logps"],
+        inputs["advantages"],
+        inputs["completion_mask"],
+        loss_type=loss_type,
+        epsilon_low=eps_low,
+        epsilon_high=eps_high,
+        importance_sampling_level=level,
+        ref_logps_NT=inputs["ref_per_token_logps"],
+        beta=beta,
+        max_completion_length=T,
+        num_items=inputs["num_items_in_batch"],
+        sampling_weights=sampling_weights,
+        surrogate=surrogate,
+        sampling_logps_NT=inputs.get("engine_logps"),
+    )
+    out.loss.backward()
+    return out.loss.item(), logps.grad
+
+
+# Parameters away from TRL's defaults, so that each one shows in the numbers.
+SURROGATES = {
+    "cispo": Surrogate(),
+    "sapo": Surrogate(sapo_temperature_pos=0.7, sapo_temperature_neg=1.6),
+    "vespo": Surrogate(vespo_k_pos=1.5, vespo_lambda_pos=2.5, vespo_k_neg=2.5, vespo_lambda_neg=1.5),
+    "luspo": Surrogate(),
+}
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("loss_type", sorted(set(LOSS_TYPES) - set(CLIPPED_LOSS_TYPES)) + ["luspo"])
+def test_newer_loss_types_equal_trl(loss_type, beta, level):
+    inputs = _inputs(seed=zlib.crc32(f"new{loss_type}{beta}{level}".encode()))
+    # cispo's epsilon_high is the cap of its weights (ScaleRL recommends 5); 1.3 caps some of these ratios.
+    eps_high = 1.3 if loss_type == "cispo" else 0.28
+    surrogate = SURROGATES[loss_type]
+    trl_loss, trl_grad, trl_metrics = _trl_loss(inputs, loss_type, level, beta, True, 0.2, eps_high, None, surrogate)
+    loss, grad = _our_loss(inputs, loss_type, level, beta, 0.2, eps_high, surrogate=surrogate)
+    assert loss == pytest.approx(trl_loss, abs=1e-6)
+    assert torch.allclose(grad, trl_grad, atol=1e-6)
+    if loss_type == "cispo":
+        assert trl_metrics["cispo_clip_ratio"] > 0  # the cap does bind on these inputs
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
+def test_vespo_folds_the_sampling_correction_into_its_weights_as_trl(mode):
+    inputs = _inputs(seed=zlib.crc32(f"vespo{mode}".encode()))
+    engine_logps = inputs["old_per_token_logps"] + 0.3 * torch.randn(N, T, generator=torch.Generator().manual_seed(5))
+    weights = sampling_correction(inputs["old_per_token_logps"], engine_logps, inputs["completion_mask"], mode)
+    trl_loss, trl_grad, _ = _trl_loss(inputs, "vespo", "token", 0.04, True, 0.2, 0.2, weights, Surrogate())
+    loss, grad = _our_loss(inputs, "vespo", "token", 0.04, 0.2, 0.2, sampling_weights=weights)
+    assert loss == pytest.approx(trl_loss, abs=1e-6)
+    assert torch.allclose(grad, trl_grad, atol=1e-6)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "luspo"])
+def test_two_sided_clipping_equals_trl(loss_type, level):
+    inputs = _inputs(seed=zlib.crc32(f"delta{loss_type}{level}".encode()))
+    surrogate = Surrogate(delta=1.29)  # just above 1 + epsilon_high, so that it binds
+    trl_loss, trl_grad, trl_metrics = _trl_loss(inputs, loss_type, level, 0.04, True, 0.2, 0.28, None, surrogate)
+    loss, grad = _our_loss(inputs, loss_type, level, 0.04, 0.2, 0.28, surrogate=surrogate)
+    assert loss == pytest.approx(trl_loss, abs=1e-6)
+    assert torch.allclose(grad, trl_grad, atol=1e-6)
+    without, _ = _our_loss(inputs, loss_type, level, 0.04, 0.2, 0.28)
+    assert loss != pytest.approx(without, abs=1e-6)  # the cap binds on these inputs
+
+
+@pytest.mark.parametrize("engine", [False, True])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "cispo"])
+def test_off_policy_mask_equals_trl(loss_type, engine):
+    inputs = _inputs(seed=zlib.crc32(f"opsm{loss_type}{engine}".encode()))
+    if engine:  # the engine's log-probs are what the mask compares with when there are some
+        inputs["engine_logps"] = inputs["old_per_token_logps"] + 0.2 * torch.randn(N, T)
+    surrogate = Surrogate(off_policy_mask_threshold=0.1)
+    trl_loss, trl_grad, _ = _trl_loss(inputs, loss_type, "token", 0.0, True, 0.2, 0.28, None, surrogate)
+    loss, grad = _our_loss(inputs, loss_type, "token", 0.0, 0.2, 0.28, surrogate=surrogate)
+    assert loss == pytest.approx(trl_loss, abs=1e-6)
+    assert torch.allclose(grad, trl_grad, atol=1e-6)
+    unmasked, _ = _our_loss(inputs, loss_type, "token", 0.0, 0.2, 0.28)
+    assert loss != pytest.approx(unmasked, abs=1e-6)  # some completions are dropped on these inputs
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_token_budget_passes_add_up_to_the_whole_loss(loss_type):
+    """`micro_batch_tokens` splits a micro-step into passes whose scaled losses must sum to the micro-step's."""
+    inputs = _inputs(seed=zlib.crc32(f"passes{loss_type}".encode()))
+    mask = inputs["completion_mask"]
+    batch = {"attention_mask": mask, "completion_mask": mask, "num_items": inputs["num_items_in_batch"],
+             **{k: inputs[k] for k in ("advantages", "old_per_token_logps", "logps")}}  # fmt: skip
+
+    def loss(part):
+        return policy_loss(
+            part["logps"],
+            part["old_per_token_logps"],
+            part["advantages"],
+            part["completion_mask"],
+            loss_type=loss_type,
+            max_completion_length=T,
+            num_items=part["num_items"],
+        ).loss
+
+    passes = split_by_tokens(batch, max_tokens=15, loss_type=loss_type)
+    assert len(passes) > 2
+    assert sum(loss(p) * p["loss_scale"] for p in passes).item() == pytest.approx(loss(batch).item(), abs=1e-6)
+
+
 def test_sampling_correction_values():
     trainer = torch.log(torch.tensor([[0.5, 0.2, 0.9]]))
     engine = torch.log(torch.tensor([[0.25, 0.8, 0.9]]))
@@ -178,7 +312,9 @@ def test_sampling_correction_values():
     assert sampling_correction(trainer, engine, mask, "sequence_mask", clip_min=0.6).item() == 0.0
 
 
-def _trl_advantages(rewards_NF: torch.Tensor, weights_F: torch.Tensor, scale_rewards: str) -> torch.Tensor:
+def _trl_advantages(
+    rewards_NF: torch.Tensor, weights_F: torch.Tensor, scale_rewards: str, aggregation: str = "sum_then_normalize"
+) -> torch.Tensor:
     """The advantages TRL's `_generate_and_score_completions` computes when its reward functions give `rewards_NF`.
 
     Call it with TRL's module-level `gather_object` made a one-process identity (see the test's monkeypatch).
@@ -207,10 +343,11 @@ def _trl_advantages(rewards_NF: torch.Tensor, weights_F: torch.Tensor, scale_rew
         beta=0.0,
         _calculate_rewards=lambda *a: rewards_NF.clone(),
         num_generations=G,
-        multi_objective_aggregation="sum_then_normalize",
+        multi_objective_aggregation=aggregation,
         reward_weights=weights_F,
         scale_rewards=scale_rewards,
         reward_func_names=[f"f{j}" for j in range(rewards_NF.size(1))],
+        reward_funcs=[None] * rewards_NF.size(1),  # only counted
         _metrics=defaultdict(lambda: defaultdict(list)),
         _logs={
             "prompt": [],
@@ -241,3 +378,17 @@ def test_advantages_equal_trl(scale_rewards, monkeypatch):
     ours = group_advantages(weighted_rewards(rewards_NF, weights_F), G, scale_rewards)
     assert torch.allclose(ours, expected, atol=1e-6)
     assert ours[6].item() == 0.0
+
+
+def test_normalize_then_sum_advantages_equal_trl(monkeypatch):
+    monkeypatch.setattr(trl_grpo_trainer, "gather_object", lambda obj: obj)
+    gen = torch.Generator().manual_seed(11)
+    rewards_NF = torch.randn(N, 3, generator=gen)
+    rewards_NF[0, 1] = float("nan")
+    rewards_NF[6] = float("nan")
+    rewards_NF[8:12, 0] = 1.0
+    weights_F = torch.tensor([1.0, 0.5, 2.0])
+    expected = _trl_advantages(rewards_NF, weights_F, "group", "normalize_then_sum")
+    ours = normalize_then_sum(rewards_NF, weights_F, G)
+    assert torch.allclose(ours, expected, atol=1e-6)
+    assert not torch.allclose(ours, group_advantages(weighted_rewards(rewards_NF, weights_F), G), atol=1e-3)

@@ -11,12 +11,30 @@ from transformers import TrainingArguments
 from trl import ModelConfig
 
 from colograd.config import GRPOConfig, ScriptArguments
+from colograd.config_data import PromptOptions
+from colograd.config_generation import GenerationOptions
+from colograd.config_loading import LoadingOptions
+from colograd.config_logging import LoggingOptions
+from colograd.config_loss import SurrogateOptions
+from colograd.trl_compat import TRLOnlyFields, trl_compat_table
 
-CLASSES = {"GRPOConfig": GRPOConfig, "ScriptArguments": ScriptArguments, "ModelConfig": ModelConfig}
+CLASSES = {
+    "GRPOConfig": GRPOConfig,
+    "ScriptArguments": ScriptArguments,
+    "ModelConfig": ModelConfig,
+    "GenerationOptions": GenerationOptions,
+    "LoadingOptions": LoadingOptions,
+    "LoggingOptions": LoggingOptions,
+    "SurrogateOptions": SurrogateOptions,
+    "TRLOnlyFields": TRLOnlyFields,
+    "PromptOptions": PromptOptions,
+}
 MARKER = re.compile(r"<!-- fields: (\w+) -->")
+TRL_MARKER = "<!-- trl-compat -->"
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
+    markdown = markdown.replace(TRL_MARKER, trl_compat_table())
     return MARKER.sub(lambda m: fields_table(CLASSES[m.group(1)]), markdown)
 
 

@@ -1,0 +1,163 @@
+"""TRL 1.16 `GRPOConfig` fields that colograd accepts only at the value that describes what it does.
+
+A TRL recipe ports by copying keys. The fields below exist so that such a recipe parses; each is accepted at the
+values listed first in its `_only(...)` (TRL's default, or what colograd always does, such as `use_vllm: true`)
+and refused at any other value, at config time, with one line saying why and what to do. The fields TRL has that
+colograd implements with TRL's meaning live in `colograd.config` and its section modules.
+
+Also here: the `TrainingArguments` keys transformers 5 removed, and the message for a key nobody knows.
+"""
+
+import difflib
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from colograd.errors import ConfigError
+
+_SERVER = "colograd runs its vLLM engine inside each training process (no server); remove it."
+_TRANSFORMERS_GENERATION = "colograd always generates with its vLLM engine, not transformers; remove it."
+_LATER = "is not implemented yet; remove it."
+
+
+# Help text -> (accepted values, reason). argparse takes a field's metadata as its own arguments, so the refusal
+# cannot ride in the metadata; the help text names both, so equal help means an equal refusal.
+_REFUSALS: dict[str, tuple[tuple[Any, ...], str]] = {}
+
+
+def _only(*accepted: Any, why: str) -> Any:
+    """A field accepted only at `accepted` (the first is its default); another value is refused with `why`."""
+    help_text = f"TRL compatibility: accepted as {' or '.join(repr(a) for a in accepted)}; otherwise refused: {why}"
+    _REFUSALS[help_text] = (accepted, why)
+    return field(default=accepted[0], metadata={"help": help_text})
+
+
+@dataclass
+class TRLOnlyFields:
+    """TRL fields that colograd accepts at the value describing what it does and refuses otherwise."""
+
+    use_vllm: bool = _only(True, why="colograd always generates with its in-process vLLM engine; remove it.")
+    vllm_mode: str = _only("colocate", why="colograd's engine is always colocated (in-process); remove it.")
+    vllm_server_base_url: str | None = _only(None, why=_SERVER)
+    vllm_server_host: str = _only("0.0.0.0", why=_SERVER)
+    vllm_server_port: int = _only(8000, why=_SERVER)
+    vllm_server_timeout: float = _only(240.0, why=_SERVER)
+    vllm_group_port: int = _only(51216, why="colograd writes weights into its engine in memory, no group; remove it.")
+    vllm_model_impl: str = _only("vllm", why="colograd's engine runs vLLM's own model implementations; remove it.")
+    cache_implementation: str | None = _only(None, why=_TRANSFORMERS_GENERATION)
+    use_transformers_continuous_batching: bool = _only(False, why=_TRANSFORMERS_GENERATION)
+    transformers_continuous_batching_config: dict | str | None = _only(None, why=_TRANSFORMERS_GENERATION)
+    use_transformers_paged: bool = _only(False, why=_TRANSFORMERS_GENERATION)
+    ds3_gather_for_generation: bool = _only(
+        True,
+        why="under ZeRO-3 colograd always gathers the weights into its engine, in buckets; lower sync_bucket_mib "
+        "to bound the memory a gather takes.",
+    )
+    pad_to_multiple_of: int | str | None = _only(
+        "auto", None, why="colograd packs sequences without padding (padding_free); remove it."
+    )
+    log_multimodal: bool = field(
+        default=True, metadata={"help": "No effect: colograd trains text models; there is nothing multimodal to log."}
+    )
+    log_completions_hub_repo: str | None = _only(
+        None, why="completions go to output_dir/completions.jsonl, uploaded with output_dir by push_to_hub."
+    )
+    router_aux_loss_coef: float | None = _only(None, why=f"the MoE load-balancing loss {_LATER}")
+    cast_lm_head_to_fp32: bool = _only(False, why=f"casting the output layer to float32 {_LATER}")
+    sync_ref_model: bool = _only(False, why=f"syncing the reference model {_LATER}")
+    ref_model_mixup_alpha: float = _only(0.6, why=f"syncing the reference model {_LATER}")
+    ref_model_sync_steps: int = _only(512, why=f"syncing the reference model {_LATER}")
+    top_entropy_quantile: float = _only(1.0, why=f"entropy masking {_LATER}")
+    entropy_coef: float = _only(0.0, why=f"the entropy bonus {_LATER}")
+    use_adaptive_entropy: bool = _only(False, why=f"adaptive entropy control {_LATER}")
+    entropy_coef_min: float = _only(0.0, why=f"adaptive entropy control {_LATER}")
+    entropy_coef_max: float = _only(1.0, why=f"adaptive entropy control {_LATER}")
+    entropy_coef_delta: float = _only(0.005, why=f"adaptive entropy control {_LATER}")
+    entropy_target: float = _only(0.2, why=f"adaptive entropy control {_LATER}")
+    vllm_importance_sampling_cap: float | None = field(
+        default=None, metadata={"help": "TRL's deprecated name of vllm_importance_sampling_clip_max; sets it."}
+    )
+
+    def apply_trl_aliases(self) -> None:
+        """Read TRL's deprecated names as the fields they became, as TRL does."""
+        if self.vllm_importance_sampling_cap is not None:
+            self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
+
+
+# Fields colograd implements with TRL's meaning but a different default, and why.
+DIFFERENT_DEFAULTS: dict[str, str] = {
+    "max_completion_length": "256 (TRL: 512); set it in the recipe",
+    "vllm_importance_sampling_correction": "off (TRL: on): the correction is opt-in (docs/throughput.md)",
+    "vllm_importance_sampling_mode": "token_truncate (TRL: sequence_mask); it matters only with the correction on",
+}
+
+
+def refused_fields() -> dict[str, tuple[tuple[Any, ...], str]]:
+    """Each field of `TRLOnlyFields`: the values it accepts, and why any other is refused."""
+    return {f.name: _REFUSALS[f.metadata["help"]] for f in fields(TRLOnlyFields) if f.metadata["help"] in _REFUSALS}
+
+
+def check_refused(config: Any) -> None:
+    """Raise `ConfigError` for the first TRL-only field of `config` set to a value colograd does not accept."""
+    for name, (accepted, why) in refused_fields().items():
+        value = getattr(config, name)
+        if value not in accepted:
+            raise ConfigError(f"{name}={value!r}: {why}")
+
+
+# TrainingArguments keys that transformers 5 removed. Those with an exact replacement are read as it (with a
+# notice); the others are refused with what to do instead.
+RENAMED_KEYS: dict[str, str] = {
+    "warmup_ratio": "warmup_steps",  # a warmup_steps below 1 is a fraction of the training steps
+    "evaluation_strategy": "eval_strategy",
+    "per_gpu_train_batch_size": "per_device_train_batch_size",
+    "per_gpu_eval_batch_size": "per_device_eval_batch_size",
+    "no_cuda": "use_cpu",
+    "torch_dtype": "dtype",
+    "push_to_hub_token": "hub_token",
+    "push_to_hub_model_id": "hub_model_id",
+}
+# Removed keys that had no effect on the Trainer: read and dropped, with a notice.
+DROPPED_KEYS: dict[str, str] = {
+    "overwrite_output_dir": "transformers 5 removed it; the Trainer never read it (it writes into an existing "
+    "output_dir)",
+}
+REMOVED_KEYS: dict[str, str] = {
+    "logging_dir": "transformers 5 removed it; set the TENSORBOARD_LOGGING_DIR environment variable instead.",
+    "save_safetensors": "transformers 5 removed it (checkpoints are always safetensors); remove it.",
+    "use_mps_device": "transformers 5 removed it (MPS is used when available); remove it.",
+    "use_ipex": "transformers 5 removed it; remove it.",
+}
+
+
+def unknown_key_message(key: str, known: list[str]) -> str:
+    """One line for a recipe key or flag no dataclass has: what transformers 5 made of it, or the closest key."""
+    if key in REMOVED_KEYS:
+        return f"{key}: {REMOVED_KEYS[key]}"
+    if key in DROPPED_KEYS:
+        return f"{key}: {DROPPED_KEYS[key]}; remove it."
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}?" if close else "see docs/reference.md for the keys colograd knows."
+    return f"unknown option {key!r}: {hint}"
+
+
+def trl_compat_table() -> str:
+    """Markdown: how many of TRL's GRPOConfig fields colograd implements and refuses, and each refusal's reason."""
+    import trl
+    from transformers import TrainingArguments
+
+    base = {f.name for f in fields(TrainingArguments)}
+    trl_names = [f.name for f in fields(trl.GRPOConfig) if f.name not in base]
+    refused = {name: entry for name, entry in refused_fields().items() if name in trl_names}
+    rows = [
+        f"Of TRL {trl.__version__}'s {len(trl_names)} `GRPOConfig` fields (those of `TrainingArguments` aside), "
+        f"colograd implements {len(trl_names) - len(refused)} with TRL's meaning and accepts {len(refused)} only at "
+        "the values below, refusing any other with the reason given.",
+        "",
+        "| TRL field | Accepted | Any other value is refused because |",
+        "|---|---|---|",
+    ]
+    for name, (accepted, why) in refused.items():
+        rows.append(f"| `{name}` | {', '.join(f'`{a!r}`' for a in accepted)} | {why} |")
+    rows += ["", "| Field | Default here, and TRL's |", "|---|---|"]
+    rows += [f"| `{name}` | {why} |" for name, why in DIFFERENT_DEFAULTS.items()]
+    return "\n".join(rows)
