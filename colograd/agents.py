@@ -27,7 +27,7 @@ from transformers import PreTrainedTokenizerBase
 from transformers.utils import get_json_schema
 
 from colograd.config import ConfigError, GRPOConfig
-from colograd.engine import Rollout
+from colograd.engine import Rollout, sampling_params
 from colograd.tools import (
     HermesToolParser,
     ToolCall,
@@ -179,22 +179,12 @@ def turn_params(params: Any, trajectory: Trajectory, max_completion_length: int)
 
 
 def turn_sampling_params(args: Any, stop: list[str]) -> Any:
-    """The `SamplingParams` of one turn from the run's config: one sample, the engine's log-prob of each sampled
-    token, stopping also at the parser's `stop` strings (kept in the output), output only when finished."""
-    from vllm import SamplingParams
+    """The `SamplingParams` of one turn: the run's sampling settings (`colograd.engine.sampling_params`) for one
+    sample, stopping also at the parser's `stop` strings (kept in the output), output only when finished."""
     from vllm.sampling_params import RequestOutputKind
 
-    return SamplingParams(
-        n=1,
-        max_tokens=args.max_completion_length,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k if args.top_k > 0 else -1,
-        repetition_penalty=args.repetition_penalty,
-        logprobs=0,
-        stop=stop,
-        include_stop_str_in_output=True,
-        output_kind=RequestOutputKind.FINAL_ONLY,
+    return sampling_params(
+        args, n=1, stop=stop, include_stop_str_in_output=True, output_kind=RequestOutputKind.FINAL_ONLY
     )
 
 
