@@ -18,6 +18,7 @@ from unittest.mock import patch
 
 import pandas as pd
 import pytest
+import torch
 from conftest import ROOT, run_cli
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
@@ -237,7 +238,11 @@ def test_template_that_raises_or_renders_nothing(work, chat_model, row, raising,
 
 
 def test_chat_prompts_without_a_chat_template(work):
-    message = cli_error("no chat template", *out_dir(work), "--dataset_name", write(work, messages()))
+    with torch.device("meta"):  # the architecture only
+        config = tiny.build_model().config
+    folder = _model_folder(work / "no-template", config, chat_template=None)
+    flags = ["--model_name_or_path", folder, "--dataset_name", write(work, messages())]
+    message = cli_error("no chat template", *out_dir(work), *flags)
     assert "row 0:" in message and "no chat template" in message
 
 
