@@ -156,8 +156,10 @@ def test_agents_refuse_what_they_cannot_do_before_start_up(tmp_path):
     tokenizer = tiny.build_tokenizer()
     args = GRPOConfig(output_dir=str(tmp_path), report_to="none")
     parser = MarkerToolParser(";", "count", "text")
+    templated, tokenizer.chat_template = tokenizer.chat_template, None
     with pytest.raises(ConfigError, match="no chat template"):
         Agents(tokenizer, args, tools=[count])
+    tokenizer.chat_template = templated
 
     def undocumented(x):
         return x
@@ -212,8 +214,8 @@ def test_rollout_func_replaces_generation(tmp_path, monkeypatch):
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)  # the module's engine left its launcher variables here
     args = tiny.run_config(str(tmp_path), 1, per_device_train_batch_size=8, num_generations=4)
-    trainer = GRPOTrainer(tiny.build_model(), hits_reward, args, tiny.letters_dataset(16), tiny.build_tokenizer(),
-                          rollout_func=wordle_style_rollout_func)  # fmt: skip
+    trainer = GRPOTrainer(tiny.build_model(), hits_reward, args, tiny.letters_dataset(16),
+                          processing_class=tiny.build_tokenizer(), rollout_func=wordle_style_rollout_func)  # fmt: skip
     trainer.train()
     (step,) = [h for h in trainer.state.log_history if "loss" in h]
     assert step["rewards/hits_reward/mean"] == step["reward"]
@@ -352,8 +354,8 @@ def test_a_task_only_a_tool_solves_is_learned(tmp_path, monkeypatch):
         monkeypatch.delenv(name, raising=False)
     data = tiny.letters_dataset(256).map(lambda row: {"prompt": row["prompt"][:5] + "?:"})
     args = tiny.run_config(str(tmp_path), 8, learning_rate=3e-3, max_completion_length=12)
-    trainer = GRPOTrainer(tiny.build_model(), solved, args, data, tiny.build_tokenizer(), environment_factory=Oracle,
-                          tool_call_parser=MarkerToolParser(";", "peek", "text"))  # fmt: skip
+    trainer = GRPOTrainer(tiny.build_model(), solved, args, data, processing_class=tiny.build_tokenizer(),
+                          environment_factory=Oracle, tool_call_parser=MarkerToolParser(";", "peek", "text"))  # fmt: skip
     trainer.train()
     steps = [h for h in trainer.state.log_history if "reward" in h]
     first, last = sum(h["reward"] for h in steps[:2]) / 2, sum(h["reward"] for h in steps[-2:]) / 2

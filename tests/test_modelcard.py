@@ -67,7 +67,9 @@ def test_push_to_hub_uploads_the_card(tmp_path, monkeypatch):
                       per_device_train_batch_size=16, max_prompt_length=16, max_completion_length=8,
                       vllm_kv_cache_gib=0.1, vllm_enforce_eager=True, save_strategy="no", report_to="none",
                       disable_tqdm=True)  # fmt: skip
-    trainer = GRPOTrainer(tiny.build_model(), "letters", args, tiny.letters_dataset(16), tiny.build_tokenizer())
+    trainer = GRPOTrainer(
+        tiny.build_model(), "letters", args, tiny.letters_dataset(16), processing_class=tiny.build_tokenizer()
+    )
     trainer.train()
     trainer.push_to_hub()
 

@@ -500,8 +500,9 @@ def test_trainer_checks_a_python_users_inputs_before_its_engine(tmp_path):
     args = tiny.run_config(str(tmp_path), steps=1)
     rows = letters()
     rows[3]["prompt"] = " "
+    tokenizer = tiny.build_tokenizer()
     with patch("colograd.trainer.Engine", side_effect=AssertionError("an engine was started")):
         with pytest.raises(ConfigError, match="row 3: prompt is empty"):
-            GRPOTrainer(tiny.build_model(), "letters", args, Dataset.from_list(rows), tiny.build_tokenizer())
+            GRPOTrainer(tiny.build_model(), "letters", args, Dataset.from_list(rows), processing_class=tokenizer)
         with pytest.raises(ConfigError, match="has 4 usable rows"):
-            GRPOTrainer(tiny.build_model(), "letters", args, Dataset.from_list(letters(4)), tiny.build_tokenizer())
+            GRPOTrainer(tiny.build_model(), "letters", args, Dataset.from_list(letters(4)), processing_class=tokenizer)
