@@ -245,7 +245,9 @@ class Agents:
             )
         self.parser = parser or HermesToolParser()
         self.result_ids = (
-            chat_template_result_ids(tokenizer) if tokenizer.chat_template else plain_result_ids(tokenizer)
+            chat_template_result_ids(tokenizer, args.chat_template_kwargs)
+            if tokenizer.chat_template
+            else plain_result_ids(tokenizer)
         )
         self.runner = ToolRunner(args.tool_timeout)
         has_reward = self._pool and callable(getattr(self._pool[0], "get_reward", None))

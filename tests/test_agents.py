@@ -355,7 +355,9 @@ def test_a_task_only_a_tool_solves_is_learned(tmp_path, monkeypatch):
     data = tiny.letters_dataset(256).map(lambda row: {"prompt": row["prompt"][:5] + "?:"})
     args = tiny.run_config(str(tmp_path), 8, learning_rate=3e-3, max_completion_length=12)
     parser = MarkerToolParser(";", "peek", "text")
-    trainer = GRPOTrainer(tiny.build_model(), solved, args, data, processing_class=tiny.build_tokenizer(),
+    tokenizer = tiny.build_tokenizer()
+    tokenizer.chat_template = None  # the letter comes back as the parser's plain text, not as a chat turn
+    trainer = GRPOTrainer(tiny.build_model(), solved, args, data, processing_class=tokenizer,
                           environment_factory=Oracle, tool_call_parser=parser)  # fmt: skip
     trainer.train()
     steps = [h for h in trainer.state.log_history if "reward" in h]
