@@ -10,9 +10,9 @@ mistakes fails here in seconds instead of minutes later with a library's traceba
     engine        vLLM's own objects (SamplingParams, LoRAConfig) built from the config; dtype and head size
                   supported by the engine's backend
 
-`colograd/train.py` runs `preflight` after parsing; `GRPOTrainer` runs `check_prompts` and `check_inputs` on
-what it is given, before it builds its engine. Every failure is a `ConfigError` naming the input, the problem
-and the fix.
+`colograd/train.py` runs `preflight` after parsing; `GRPOTrainer` runs `check_settings`, `check_prompts`,
+`check_data` and `check_engine` on what it is given, before it builds its engine. Every failure is a
+`ConfigError` naming the input, the problem and the fix.
 """
 
 import inspect
