@@ -100,7 +100,7 @@ def _read(name: str, load: Callable[[], DatasetDict]) -> DatasetDict:
     try:
         with _quiet_datasets():
             return load()
-    except (OSError, ValueError, datasets.exceptions.DatasetsError) as err:
+    except (OSError, ValueError, TypeError, datasets.exceptions.DatasetsError) as err:  # TypeError: arrow types
         cause = err.__cause__ or err  # `datasets` wraps the parser's error, which says what is wrong
         where = _json_error_line(name) if name.endswith((".json", ".jsonl")) else None
         raise ConfigError(

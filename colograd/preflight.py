@@ -10,11 +10,12 @@ mistakes fails here in seconds instead of minutes later with a library's traceba
     engine        vLLM's own objects (SamplingParams, LoRAConfig) built from the config; dtype and head size
                   supported by the engine's backend
 
-`colograd/train.py` runs `preflight` after parsing; `GRPOTrainer` runs `check_prompts` and `check_inputs` on
-what it is given, before it builds its engine. Every failure is a `ConfigError` naming the input, the problem
-and the fix.
+`colograd/train.py` runs `preflight` after parsing; `GRPOTrainer` runs `check_settings`, `check_prompts`,
+`check_data` and `check_engine` on what it is given, before it builds its engine. Every failure is a
+`ConfigError` naming the input, the problem and the fix.
 """
 
+import copy
 import inspect
 import logging
 import os
@@ -57,6 +58,7 @@ def preflight(
     model_config: PretrainedConfig,
     tokenizer: PreTrainedTokenizerBase,
     dtype: torch.dtype,
+    peft_config: Any = None,
     lora_rank: int | None = None,
 ) -> Inputs:
     """Check every input of a command-line run; raise `ConfigError` on the first problem.
@@ -67,12 +69,15 @@ def preflight(
         model_config: the policy's config (its weights are not needed).
         tokenizer: the policy's tokenizer.
         dtype: the dtype the policy's weights will have.
+        peft_config: the LoRA adapter's PEFT config, when the policy gets one.
         lora_rank: the adapter's rank when the engine will serve a LoRA adapter (`lora_sync: adapter`).
 
     Returns:
         The dataset to train on and the reward functions.
     """
     check_settings(training_args, model_config)
+    if peft_config is not None:
+        check_lora(model_config, peft_config)
     resolve_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
     reward_funcs = [resolve_reward(name) for name in script_args.reward_funcs]
     name = script_args.dataset_name
@@ -153,6 +158,20 @@ def _check_hub(args: GRPOConfig) -> None:
         raise ConfigError(
             "push_to_hub: no Hugging Face token found; run `hf auth login`, set HF_TOKEN, or pass hub_token."
         )
+
+
+def check_lora(model_config: PretrainedConfig, peft_config: Any) -> None:
+    """The adapter fits the model (its target modules exist): PEFT's own check, run on the model built on the
+    meta device, which takes no memory and reads no weights."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    try:
+        get_peft_model(model, copy.deepcopy(peft_config))  # PEFT fills in the config it is given
+    except ValueError as err:  # e.g. target modules the model does not have
+        raise ConfigError(f"lora_target_modules: {first_line(err)}") from err
 
 
 # --- data ----------------------------------------------------------------------------------------------------

@@ -93,13 +93,11 @@ def main(
     check_supported(model_args)
     config, tokenizer, dtype = load_model_config(model_args, training_args)
     adapter_rank = model_args.lora_r if model_args.use_peft and training_args.lora_sync == "adapter" else None
-    inputs = preflight(script_args, training_args, config, tokenizer, dtype, adapter_rank)
+    peft_config = get_peft_config(model_args)
+    inputs = preflight(script_args, training_args, config, tokenizer, dtype, peft_config, adapter_rank)
     model, tokenizer = load_model(model_args, training_args)
-    if model_args.use_peft:
-        try:
-            model = get_peft_model(model, get_peft_config(model_args))
-        except ValueError as err:  # e.g. target modules the model does not have
-            raise ConfigError(f"lora_target_modules: {str(err).splitlines()[0]}") from err
+    if peft_config is not None:
+        model = get_peft_model(model, peft_config)
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=inputs.reward_funcs,

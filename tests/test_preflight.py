@@ -381,6 +381,14 @@ def test_reward_functions_that_do_not_resolve(work, name):
     assert "reward" in message
 
 
+@SETTINGS
+@given(modules=st.lists(IDENTIFIER, min_size=1, max_size=3))
+def test_lora_target_modules_the_model_does_not_have(work, modules):
+    assume(not {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"} & set(modules))
+    message = cli_error("LoRA target modules", *out_dir(work), "--use_peft", "--lora_target_modules", *modules)
+    assert "lora_target_modules" in message
+
+
 # --- where things go, and where they come from ----------------------------------------------------------------
 
 
