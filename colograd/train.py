@@ -13,7 +13,7 @@ from peft import get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from trl import ModelConfig, TrlParser, get_peft_config
 
-from colograd import GRPOConfig, GRPOTrainer, ScriptArguments, tiny
+from colograd import GRPOConfig, GRPOTrainer, ScriptArguments, pretrained, tiny
 from colograd.config import ConfigError
 from colograd.data import load_prompts
 from colograd.modelcard import Recipe
@@ -21,16 +21,20 @@ from colograd.rewards import resolve_reward
 
 
 def load_model(args: ModelConfig, training_args: GRPOConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The policy and its tokenizer: a built-in tiny model, a local folder, or a hub id.
+    """The policy and its tokenizer: a built-in tiny model, a built-in pretrained one (converted once into a
+    local folder), a local folder, or a hub id.
 
     The lengths are checked against the model's config before its weights are read.
     """
     name = args.model_name_or_path
     if name is None:
         raise ConfigError("model_name_or_path is not set; give a hub id, a local folder or colograd:tiny-qwen2.")
+    if name in pretrained.MODELS:
+        name = pretrained.materialise(name)
     if name.startswith(tiny.PREFIX):
         if name not in tiny.TINY_MODELS:
-            raise ConfigError(f"model_name_or_path={name!r}: the built-in models are {', '.join(tiny.TINY_MODELS)}.")
+            built_in = ", ".join([*tiny.TINY_MODELS, *pretrained.MODELS])
+            raise ConfigError(f"model_name_or_path={name!r}: the built-in models are {built_in}.")
         return tiny.build_model(tie_word_embeddings=tiny.TINY_MODELS[name]), tiny.build_tokenizer()
     if name.startswith((".", "/")) and not os.path.isdir(name):
         raise ConfigError(f"model_name_or_path={name!r} does not exist; give an existing folder or a hub id.")
