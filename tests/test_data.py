@@ -7,6 +7,7 @@ import pytest
 from colograd import ScriptArguments
 from colograd.config import ConfigError
 from colograd.data import load_prompts
+from colograd.sums import sum_reward
 
 ROWS = [{"prompt": "ab>a:", "target": "a"}, {"prompt": [{"role": "user", "content": "cd>d"}], "target": "d"}]
 
@@ -52,3 +53,19 @@ def test_missing_prompt_column(tmp_path):
     path = write_jsonl(tmp_path / "p.jsonl", [{"question": "x"}])
     with pytest.raises(ConfigError, match="no 'prompt' column"):
         load_prompts(ScriptArguments(dataset_name=str(path)))
+
+
+def test_builtin_sums_are_chat_prompts_with_their_sum():
+    dataset = load_prompts(ScriptArguments(dataset_name="colograd:sums"))
+    assert len(dataset) == 4096 and dataset.column_names == ["prompt", "answer"]
+    for row in dataset.select(range(20)):
+        (message,) = row["prompt"]
+        a, b = message["content"].removeprefix("What is ").split("?")[0].split(" + ")
+        assert message["role"] == "user" and 1 <= int(a) <= 30 and row["answer"] == str(int(a) + int(b))
+
+
+def test_sum_reward_reads_the_last_number_of_the_reply():
+    replies = ["41", "28 + 13 = 41", "41, or 42", "The answer is forty-one.", "", "041", "-41"]
+    completions = [[{"role": "assistant", "content": r}] for r in replies]
+    assert sum_reward(completions, ["41"] * 7) == [1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0]
+    assert sum_reward(["so 12 + 7 = 19"], ["19"]) == [1.0]  # text completions (standard prompts) too

@@ -19,14 +19,19 @@ def main() -> None:
         "--repeats", type=int, help="sync (default 7), tools (default 3): timed repetitions; medians are reported"
     )
     parser.add_argument("--steps", type=int, default=300, help="soak: training steps")
-    parser.add_argument("--model", choices=["tiny", "small"], default="small", help="step: the model size")
-    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="step: the training precision")
+    parser.add_argument(
+        "--model", choices=["tiny", "small", "smollm2"], default="small", help="step: the model (smollm2: pretrained)"
+    )
+    parser.add_argument(
+        "--dtype", choices=["bf16", "fp32", "both"], default="bf16", help="step: the precision (both: fp32 then bf16)"
+    )
     args = parser.parse_args()
     bench = importlib.import_module(BENCHMARKS[args.name])
     if args.name == "soak":
         bench.run(steps=args.steps, as_json=args.json)
     elif args.name == "step":
-        bench.run(size=args.model, dtype=args.dtype, as_json=args.json)
+        for dtype in ("fp32", "bf16") if args.dtype == "both" else (args.dtype,):
+            bench.run(size=args.model, dtype=dtype, as_json=args.json)
     elif args.name == "tools":
         bench.run(repeats=args.repeats or 3, as_json=args.json)
     else:

