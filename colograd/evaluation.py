@@ -6,11 +6,47 @@ the metrics are sums and counts reduced over ranks, reported under TRL's eval na
 `eval_completions/clipped_ratio`.
 """
 
+import copy
 from typing import Any
 
 import torch
 
 from colograd.errors import ConfigError
+from colograd.loss import weighted_rewards
+from colograd.rewards import reward_name
+
+
+def evaluate(trainer: Any, dataset: Any) -> dict[str, float]:
+    """Sample `num_generations_eval` completions of this rank's share of `dataset`'s prompts with the trainer's
+    engine, in one call, score them with its reward functions, and reduce TRL's eval metrics over ranks.
+
+    Args:
+        trainer: the `GRPOTrainer`; its `prepare_prompts` and `score` stages run as in training, and the training
+            metrics they record are taken back out.
+        dataset: the eval prompts.
+    """
+    accelerator = trainer.accelerator
+    rows = rank_share(dataset, accelerator.process_index, accelerator.num_processes)
+    train_args, kept = trainer.args, {k: len(v) for k, v in trainer._metrics.items()}
+    # The stages read the group size from the config, and record training metrics: both are undone after.
+    trainer.args = copy.copy(train_args)
+    trainer.args.num_generations = train_args.num_generations_eval or train_args.num_generations
+    try:
+        prompts, prompt_ids, columns = trainer.prepare_prompts(rows)
+        with trainer.engine.awake(sync=trainer.sync_weights):
+            rollout = trainer.engine.generate(prompt_ids, trainer.args, step=-1 - trainer.state.global_step)
+        rewards_NF = trainer.score(prompts, rollout, columns)
+    finally:
+        trainer.args = train_args
+        for key in list(trainer._metrics):
+            del trainer._metrics[key][kept.get(key, 0) :]
+    lengths_N = torch.tensor([len(c) for c in rollout.completion_ids], dtype=torch.float32)
+    rewards_N = weighted_rewards(rewards_NF, trainer.reward_weights)
+    totals = eval_totals(rewards_NF, rewards_N, lengths_N, torch.tensor(rollout.truncated))
+    totals = accelerator.reduce(totals.to(accelerator.device), reduction="sum").cpu()
+    extremes = accelerator.gather(torch.stack([-lengths_N.min(), lengths_N.max()]).to(accelerator.device))
+    low, high = extremes.view(-1, 2).amax(dim=0).tolist()
+    return eval_metrics(totals, [reward_name(f) for f in trainer.reward_funcs], -low, high)
 
 
 def rank_share(dataset: Any, rank: int, world: int) -> list[dict]:

@@ -27,9 +27,11 @@ from typing import Any
 
 import torch
 from datasets import Dataset
-from transformers import PretrainedConfig, PreTrainedTokenizerBase
+from peft import PeftModel
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 from trl.data_utils import is_conversational
 
+from colograd import lora
 from colograd.checkpoints import resolve_checkpoint
 from colograd.config import ConfigError, GRPOConfig, ScriptArguments
 from colograd.data import first_line, load_prompts, tokenize_prompts
@@ -96,6 +98,39 @@ def preflight(
     # Last: importing vLLM's pieces takes seconds, which a mistake found above should not wait for.
     check_engine(training_args, model_config, dtype, lora_rank)
     return Inputs(dataset, reward_funcs, eval_dataset)
+
+
+def check_trainer_inputs(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    args: GRPOConfig,
+    train_dataset: Any,
+    reward_funcs: list[RewardFunc],
+    rewards_also_get: list[str] | None = (),
+) -> tuple[Any, int | None]:
+    """What `GRPOTrainer` checks before the Trainer and the engine start: the model's adapter and head, the
+    settings, every row of an in-memory dataset (other kinds are checked as they are read), the engine's limits.
+
+    Args:
+        rewards_also_get: see `check_data`.
+
+    Returns:
+        The dataset (without its invalid rows, with `drop_invalid_prompts`) and the adapter's rank when the engine
+        serves the adapter itself (`lora_sync: adapter`), else None.
+    """
+    # An adapter the chosen sync cannot serve is refused now, not at the first generation.
+    lora_rank = lora.check_lora(model.active_peft_config, args.lora_sync) if isinstance(model, PeftModel) else None
+    if getattr(model.config, "final_logit_softcapping", None):
+        raise ConfigError(
+            f"{type(model).__name__} soft-caps its logits (final_logit_softcapping), which colograd's log-prob "
+            "computation does not apply; use a model without it."
+        )
+    check_settings(args, model.config)
+    if isinstance(train_dataset, Dataset):
+        train_dataset = check_prompts(train_dataset, tokenizer, template_kwargs=args.chat_template_kwargs)
+        check_data(train_dataset, reward_funcs, args, rewards_also_get=rewards_also_get)
+    check_engine(args, model.config, next(model.parameters()).dtype, lora_rank)
+    return train_dataset, lora_rank
 
 
 def check_settings(args: GRPOConfig, model_config: PretrainedConfig) -> None:

@@ -10,6 +10,8 @@ from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch
+from accelerate import Accelerator
 from transformers import TrainerCallback
 
 PHASES = ("sync", "generate", "reward", "logps", "train", "optimizer")
@@ -68,6 +70,39 @@ def format_summary(steps: int, seconds: dict[str, float], rates: dict[str, float
         what = name.removeprefix("throughput/").removesuffix("_tokens_per_s")
         lines.append(f"  {what} tokens/s (all processes): {rate:,.0f}")
     return "\n".join(lines)
+
+
+def window_metrics(window: dict[str, list[float]], steps: int, accelerator: Accelerator) -> dict[str, float]:
+    """A logging window's metrics over all processes: means over micro-steps and processes (max / min over
+    processes for `*/max` / `*/min`); `time/*` and `tokens/*` as sums per optimizer step (the window's sum divided
+    by its `steps`); and the window's `throughput/*_tokens_per_s` over all processes. Every process must call it."""
+    names = sorted(window)
+    per_step = ("time/", "tokens/")
+    values = [sum(window[k]) / (steps if k.startswith(per_step) else len(window[k])) for k in names]
+    local = torch.tensor(values, device=accelerator.device)
+    mean = accelerator.reduce(local.clone(), reduction="mean")
+    everywhere = accelerator.gather(local.unsqueeze(0))
+    ends = lambda suffix: torch.tensor([k.endswith(suffix) for k in names], device=local.device)  # noqa: E731
+    reduced = torch.where(ends("/max"), everywhere.amax(dim=0), mean)
+    reduced = torch.where(ends("/min"), everywhere.amin(dim=0), reduced)
+    logs = dict(zip(names, reduced.tolist(), strict=True))
+    tokens = {k.removeprefix("tokens/"): logs[k] for k in names if k.startswith("tokens/")}
+    seconds = {k.removeprefix("time/"): logs[k] for k in names if k.startswith("time/")}
+    return logs | throughput(tokens, seconds, accelerator.num_processes)
+
+
+def run_summary(times: PhaseTimes, steps: int, accelerator: Accelerator) -> dict:
+    """Where a run's time went: seconds per phase and tokens per process (means over processes), and tokens/s of
+    generation and training over all processes. Every process must call it."""
+    phases, kinds = sorted(times.seconds), sorted(times.tokens)
+    local = torch.tensor(
+        [times.seconds[p] for p in phases] + [times.tokens[k] for k in kinds], device=accelerator.device
+    )
+    mean = accelerator.reduce(local, reduction="mean").tolist()
+    seconds = dict(zip(phases, mean[: len(phases)], strict=True))
+    tokens = dict(zip(kinds, mean[len(phases) :], strict=True))
+    rates = throughput(tokens, seconds, accelerator.num_processes)
+    return {"steps": steps, "seconds": seconds, "tokens_per_process": tokens, **rates}
 
 
 class OptimizerTimer(TrainerCallback):

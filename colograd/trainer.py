@@ -16,7 +16,6 @@ then each micro-step trains on one slice of it:
 Subclass and override one of these to change that stage alone.
 """
 
-import copy
 import logging
 import os
 from collections import defaultdict
@@ -25,7 +24,6 @@ from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
-from datasets import Dataset
 from peft import PeftModel
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, Trainer
@@ -41,9 +39,8 @@ from colograd.config import ConfigError, GRPOConfig
 from colograd.config_loading import model_init_kwargs, tokenizer_kwargs
 from colograd.data import tokenize_prompts
 from colograd.engine import Engine, Rollout
-from colograd.evaluation import eval_metrics, eval_totals, rank_share
+from colograd.evaluation import evaluate
 from colograd.logps import completion_logps
-from colograd.lora import check_lora
 from colograd.loss import (
     Surrogate,
     clipped_fractions,
@@ -56,11 +53,11 @@ from colograd.loss import (
 from colograd.modelcard import Recipe, model_card, write_model_card
 from colograd.precision import master_copy_warning
 from colograd.preemption import Preemption, stage_failures
-from colograd.preflight import check_data, check_engine, check_prompts, check_settings
+from colograd.preflight import check_trainer_inputs
 from colograd.reference import ReferencePolicy
 from colograd.rewards import RewardFunc, RewardModel, resolve_rewards, reward_name, score
 from colograd.sync import WeightPlan, is_sharded
-from colograd.timing import OptimizerTimer, PhaseTimes, format_summary, throughput
+from colograd.timing import OptimizerTimer, PhaseTimes, format_summary, run_summary, window_metrics
 from colograd.tools import ToolCallParser
 
 
@@ -119,24 +116,13 @@ class GRPOTrainer(Trainer):
             disable_dropout_in_model(model)
         if processing_class.pad_token is None:
             processing_class.pad_token = processing_class.eos_token
-        args.check_lengths(model.config)
-        # Before the slow start-up: an adapter the chosen sync cannot serve is refused now, not at generation.
-        lora_rank = check_lora(model.active_peft_config, args.lora_sync) if isinstance(model, PeftModel) else None
-        if getattr(model.config, "final_logit_softcapping", None):
-            raise ConfigError(
-                f"{type(model).__name__} soft-caps its logits (final_logit_softcapping), which colograd's log-prob "
-                "computation does not apply; use a model without it."
-            )
         self.reward_funcs, self.reward_weights = resolve_rewards(reward_funcs, args.reward_weights)
-        self._lora_rank = lora_rank  # adapter-only sync: the engine serves the adapter itself, with LoRA enabled
-        check_settings(args, model.config)
-        if isinstance(train_dataset, Dataset):  # other kinds (streaming, torch datasets) are checked as they are read
-            train_dataset = check_prompts(train_dataset, processing_class, template_kwargs=args.chat_template_kwargs)
-            # An environment reaches the rewards as `environments`; a rollout_func's own fields show only at
-            # rollout time, so then the rewards' parameters are not checked here.
-            rewards_also_get = None if rollout_func else (["environments"] if environment_factory else [])
-            check_data(train_dataset, self.reward_funcs, args, rewards_also_get=rewards_also_get)
-        check_engine(args, model.config, next(model.parameters()).dtype, self._lora_rank)
+        # An environment reaches the rewards as `environments`; a rollout_func's own fields show only at rollout
+        # time, so then the rewards' parameters are not checked before it.
+        rewards_also_get = None if rollout_func else (["environments"] if environment_factory else [])
+        train_dataset, self._lora_rank = check_trainer_inputs(
+            model, processing_class, args, train_dataset, self.reward_funcs, rewards_also_get
+        )
         self.agents = (
             Agents(processing_class, args, tools, environment_factory, rollout_func, tool_call_parser)
             if tools or environment_factory or rollout_func
@@ -229,18 +215,11 @@ class GRPOTrainer(Trainer):
     def summarize_phases(self, steps: int) -> None:
         """Print (main process) and keep in `phase_summary` where this `train` call's time went: seconds per phase
         (mean over processes) and tokens/s of generation and training (all processes)."""
-        phases = sorted(self._times.seconds)
-        kinds = sorted(self._times.tokens)
-        local = torch.tensor(
-            [self._times.seconds[p] for p in phases] + [self._times.tokens[k] for k in kinds], device=self.args.device
-        )
-        mean = self.accelerator.reduce(local, reduction="mean").tolist()
-        seconds = dict(zip(phases, mean[: len(phases)], strict=True))
-        tokens = dict(zip(kinds, mean[len(phases) :], strict=True))
-        rates = throughput(tokens, seconds, self.accelerator.num_processes)
-        self.phase_summary = {"steps": steps, "seconds": seconds, "tokens_per_process": tokens, **rates}
+        self.phase_summary = run_summary(self._times, steps, self.accelerator)
         if self.accelerator.is_main_process:
-            print(format_summary(steps, seconds, rates), flush=True)
+            summary = self.phase_summary
+            rates = {k: v for k, v in summary.items() if k.startswith("throughput/")}
+            print(format_summary(steps, summary["seconds"], rates), flush=True)
 
     # --- data -------------------------------------------------------------------------------------------
 
@@ -549,29 +528,7 @@ class GRPOTrainer(Trainer):
     ) -> dict[str, float]:
         """Sample `num_generations_eval` completions of every eval prompt with the engine, in one call per rank,
         and score them with the reward functions; logs and returns TRL's eval metrics (`colograd.evaluation`)."""
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        rows = rank_share(dataset, self.accelerator.process_index, self.accelerator.num_processes)
-        train_args, kept = self.args, {k: len(v) for k, v in self._metrics.items()}
-        # The stages read the group size from the config, and record training metrics: both are undone after.
-        self.args = copy.copy(train_args)
-        self.args.num_generations = train_args.num_generations_eval or train_args.num_generations
-        try:
-            prompts, prompt_ids, columns = self.prepare_prompts(rows)
-            with self.engine.awake(sync=self.sync_weights):
-                rollout = self.engine.generate(prompt_ids, self.args, step=-1 - self.state.global_step)
-            rewards_NF = self.score(prompts, rollout, columns)
-        finally:
-            self.args = train_args
-            for key in list(self._metrics):
-                del self._metrics[key][kept.get(key, 0) :]
-        lengths_N = torch.tensor([len(c) for c in rollout.completion_ids], dtype=torch.float32)
-        totals = eval_totals(
-            rewards_NF, weighted_rewards(rewards_NF, self.reward_weights), lengths_N, torch.tensor(rollout.truncated)
-        )
-        totals = self.accelerator.reduce(totals.to(self.args.device), reduction="sum").cpu()
-        extremes = self.accelerator.gather(torch.stack([-lengths_N.min(), lengths_N.max()]).to(self.args.device))
-        low, high = extremes.view(-1, 2).amax(dim=0).tolist()
-        metrics = eval_metrics(totals, [reward_name(f) for f in self.reward_funcs], -low, high)
+        metrics = evaluate(self, eval_dataset if eval_dataset is not None else self.eval_dataset)
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
@@ -634,19 +591,7 @@ class GRPOTrainer(Trainer):
         """
         if self._metrics and "loss" in logs:
             steps = max(1, self.state.global_step - self._last_logged_step)
-            names = sorted(self._metrics)
-            per_step = ("time/", "tokens/")
-            values = [sum(v) / (steps if k.startswith(per_step) else len(v)) for k, v in sorted(self._metrics.items())]
-            local = torch.tensor(values, device=self.args.device)
-            mean = self.accelerator.reduce(local.clone(), reduction="mean")
-            everywhere = self.accelerator.gather(local.unsqueeze(0))
-            ends = lambda suffix: torch.tensor([k.endswith(suffix) for k in names], device=local.device)  # noqa: E731
-            reduced = torch.where(ends("/max"), everywhere.amax(dim=0), mean)
-            reduced = torch.where(ends("/min"), everywhere.amin(dim=0), reduced)
-            logs.update(zip(names, reduced.tolist(), strict=True))
-            tokens = {k.removeprefix("tokens/"): logs[k] for k in names if k.startswith("tokens/")}
-            seconds = {k.removeprefix("time/"): logs[k] for k in names if k.startswith("time/")}
-            logs.update(throughput(tokens, seconds, self.accelerator.num_processes))
+            logs.update(window_metrics(self._metrics, steps, self.accelerator))
             self._metrics.clear()
             self._last_logged_step = self.state.global_step
         super().log(logs, start_time)
