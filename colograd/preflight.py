@@ -100,6 +100,15 @@ def preflight(
     return Inputs(dataset, reward_funcs, eval_dataset)
 
 
+def check_argument_order(eval_dataset: Any) -> None:
+    """A tokenizer given where TRL's argument order has `eval_dataset` (before `processing_class`)."""
+    if isinstance(eval_dataset, PreTrainedTokenizerBase):
+        raise ConfigError(
+            "eval_dataset is a tokenizer: GRPOTrainer takes TRL's argument order (model, reward_funcs, args, "
+            "train_dataset, eval_dataset, processing_class); pass it as processing_class=..."
+        )
+
+
 def check_trainer_inputs(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,

@@ -53,7 +53,7 @@ from colograd.loss import (
 from colograd.modelcard import Recipe, model_card, write_model_card
 from colograd.precision import master_copy_warning
 from colograd.preemption import Preemption, stage_failures
-from colograd.preflight import check_trainer_inputs
+from colograd.preflight import check_argument_order, check_trainer_inputs
 from colograd.reference import ReferencePolicy
 from colograd.rewards import RewardFunc, RewardModel, resolve_rewards, reward_name, score
 from colograd.sync import WeightPlan, is_sharded
@@ -108,6 +108,7 @@ class GRPOTrainer(Trainer):
         tool_call_parser: ToolCallParser | None = None,
     ) -> None:
         args = args or GRPOConfig(output_dir="colograd-output")
+        check_argument_order(eval_dataset)
         if isinstance(model, str):
             model = AutoModelForCausalLM.from_pretrained(model, **model_init_kwargs(args))
         if processing_class is None:

@@ -25,7 +25,7 @@ def main() -> None:
         "letters",
         tiny.run_config(os.path.join(out, "run"), 1),
         tiny.letters_dataset(64),
-        tiny.build_tokenizer(),
+        processing_class=tiny.build_tokenizer(),
     )
     with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(
