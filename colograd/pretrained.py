@@ -94,6 +94,7 @@ def convert_gguf(gguf_path: str, out: str) -> None:
     the config, which saves like any other.
     """
     import torch
+    from safetensors.torch import save_model
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     folder, file = os.path.split(gguf_path)
@@ -109,10 +110,14 @@ def convert_gguf(gguf_path: str, out: str) -> None:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict(), strict=True, assign=True)
     model.tie_weights()
-    model.generation_config = GenerationConfig(
+    generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
     )
-    model.save_pretrained(out)
+    # Written file by file: under a torch process group `save_pretrained` writes the weights on rank 0 only, and
+    # whichever process holds the lock converts (safetensors keeps one copy of the tied embedding).
+    config.save_pretrained(out)
+    generation_config.save_pretrained(out)
+    save_model(model, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(out)
 
 

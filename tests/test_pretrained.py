@@ -66,7 +66,7 @@ def test_missing_package_is_a_one_line_error_naming_the_extra(monkeypatch):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("smollm2")
-    cache = tmp_path_factory.mktemp("cache")  # empty: both ranks convert the GGUF file at once
+    cache = tmp_path_factory.mktemp("cache")  # empty: the second rank converts the GGUF file
     proc = launch("tests/scripts/smollm2_check.py", str(out), env={"COLOGRAD_CACHE": str(cache)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]

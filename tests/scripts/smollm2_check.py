@@ -1,5 +1,5 @@
 """A short GRPO run on the built-in pretrained model, recording what tests/test_pretrained.py asserts; run it under
-a multi-process launch (both ranks materialise the model from the GGUF file at once, into $COLOGRAD_CACHE):
+a multi-process launch (the second rank converts the GGUF file into $COLOGRAD_CACHE while the first waits):
 
     accelerate launch --config_file recipes/accelerate_configs/cpu.yaml tests/scripts/smollm2_check.py OUT_DIR
 
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from transformers import GenerationConfig
 from trl import ModelConfig
 
-from colograd import sums, tiny
+from colograd import pretrained, sums, tiny
 from colograd.train import load_model
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -39,6 +39,11 @@ def main() -> None:
         vllm_kv_cache_gib=0.25,
         logging_steps=1,
     )
+    # The second process converts while the first waits: the conversion must not depend on being rank 0 (under a
+    # process group transformers' save_pretrained writes weights on rank 0 only).
+    if dist.get_rank() == 1:
+        pretrained.materialise(MODEL)
+    dist.barrier()
     model, tokenizer = load_model(ModelConfig(model_name_or_path=MODEL, dtype="float32"), args)
     folder = model.config._name_or_path
     trainer = RecordingTrainer(
