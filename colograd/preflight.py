@@ -31,12 +31,11 @@ from peft import PeftModel
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 from trl.data_utils import is_conversational
 
-from colograd import lora
 from colograd.checkpoints import resolve_checkpoint
 from colograd.config import ConfigError, GRPOConfig, ScriptArguments
 from colograd.data import first_line, load_prompts, tokenize_prompts
 from colograd.engine import sampling_params
-from colograd.lora import engine_max_lora_rank
+from colograd.lora import check_lora, engine_max_lora_rank
 from colograd.rewards import RewardFunc, resolve_reward, reward_name
 
 # What `colograd.rewards.score` passes every reward function besides the dataset's columns.
@@ -79,7 +78,7 @@ def preflight(
     """
     check_settings(training_args, model_config)
     if peft_config is not None:
-        check_lora(model_config, peft_config)
+        check_lora_targets(model_config, peft_config)
     resolve_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
     reward_funcs = [resolve_reward(name) for name in script_args.reward_funcs]
     name = script_args.dataset_name
@@ -128,7 +127,7 @@ def check_trainer_inputs(
         serves the adapter itself (`lora_sync: adapter`), else None.
     """
     # An adapter the chosen sync cannot serve is refused now, not at the first generation.
-    lora_rank = lora.check_lora(model.active_peft_config, args.lora_sync) if isinstance(model, PeftModel) else None
+    lora_rank = check_lora(model.active_peft_config, args.lora_sync) if isinstance(model, PeftModel) else None
     if getattr(model.config, "final_logit_softcapping", None):
         raise ConfigError(
             f"{type(model).__name__} soft-caps its logits (final_logit_softcapping), which colograd's log-prob "
@@ -204,7 +203,7 @@ def _check_hub(args: GRPOConfig) -> None:
         )
 
 
-def check_lora(model_config: PretrainedConfig, peft_config: Any) -> None:
+def check_lora_targets(model_config: PretrainedConfig, peft_config: Any) -> None:
     """The adapter fits the model (its target modules exist): PEFT's own check, run on the model built on the
     meta device, which takes no memory and reads no weights."""
     from peft import get_peft_model
