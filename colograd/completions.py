@@ -1,4 +1,5 @@
-"""A sample of what the policy writes: prompts, completions, rewards and advantages, printed and kept as JSONL.
+"""A sample of what the policy writes: prompts, completions, rewards and advantages, printed, kept as JSONL and,
+with `report_to` wandb or trackio, logged to their `completions` table as TRL logs it.
 
 Only the first rank logs, from its own rollout: a rank's rollout is already a sample of the global batch,
 and gathering every rank's text to one process is the single-controller traffic this design avoids.
@@ -7,13 +8,16 @@ and gathering every rank's text to one process is the single-controller traffic 
 import json
 import math
 import os
+from types import ModuleType
 from typing import Any
 
+import pandas as pd
 from trl.trainer.utils import print_prompt_completions_sample
 
 
 class CompletionLog:
-    """Appends rollouts to `<output_dir>/completions.jsonl` and prints a table of the first completions.
+    """Appends rollouts to `<output_dir>/completions.jsonl`, prints a table of the first completions, and logs the
+    step's first rollout as a `completions` table to the trackers of `report_to` that have one (wandb, trackio).
 
     One JSON object per completion: ``step``, ``prompt``, ``completion``, ``rewards`` (one value per reward
     function, null where it abstained), ``reward`` (the weighted total) and ``advantage``.
@@ -21,15 +25,20 @@ class CompletionLog:
     Args:
         output_dir: where `completions.jsonl` is written.
         num_to_print: completions printed per step (the first ones, so whole groups show together); None: all.
-        unique_prompts: print each distinct prompt once, with its first completion (TRL's `log_unique_prompts`).
+        unique_prompts: print and log to the trackers each distinct prompt once, with its first completion
+            (TRL's `log_unique_prompts`).
+        report_to: the run's trackers (`TrainingArguments.report_to`).
     """
 
     FILE_NAME = "completions.jsonl"
 
-    def __init__(self, output_dir: str, num_to_print: int | None, unique_prompts: bool = False) -> None:
+    def __init__(
+        self, output_dir: str, num_to_print: int | None, unique_prompts: bool = False, report_to: list[str] = ()
+    ) -> None:
         self.path = os.path.join(output_dir, self.FILE_NAME)
         self.num_to_print = num_to_print
         self.unique_prompts = unique_prompts
+        self.report_to = list(report_to)
         self._printed_step: int | None = None
 
     def forget_after(self, step: int) -> None:
@@ -71,8 +80,17 @@ class CompletionLog:
         if self._printed_step == step:
             return
         self._printed_step = step
-        shown = range(0, len(completions), group) if self.unique_prompts else range(len(completions))
-        shown = shown[: self.num_to_print]  # a slice up to None keeps all
+        rows = range(0, len(completions), group) if self.unique_prompts else range(len(completions))
+        table = {
+            "step": [step] * len(rows),
+            "prompt": [prompt_per_completion[i] for i in rows],
+            "completion": [completions[i] for i in rows],
+            **{name: [values[i] for i in rows] for name, values in rewards.items()},
+            "advantage": [advantages[i] for i in rows],
+        }
+        for tracker in trackers(self.report_to):
+            tracker.log({"completions": tracker.Table(dataframe=pd.DataFrame(table))})
+        shown = rows[: self.num_to_print]  # a slice up to None keeps all
         print_prompt_completions_sample(
             [prompt_per_completion[i] for i in shown],
             [completions[i] for i in shown],
@@ -80,6 +98,22 @@ class CompletionLog:
             [advantages[i] for i in shown],
             step,
         )
+
+
+def trackers(report_to: list[str]) -> list[ModuleType]:
+    """The trackers of `report_to` that take tables, as TRL picks them: wandb when its run was started (by the
+    Trainer's callback, on the main process), trackio."""
+    found = []
+    if "wandb" in report_to:
+        import wandb  # imported only when asked for: it takes seconds
+
+        if wandb.run is not None:
+            found.append(wandb)
+    if "trackio" in report_to:
+        import trackio
+
+        found.append(trackio)
+    return found
 
 
 def _finite(value: float) -> float | None:

@@ -1,12 +1,13 @@
-"""Dataset options beyond the training split: TRL's evaluation split, and open-r1's prompt column and system
-prompt, with their names and meanings."""
+"""Dataset options beyond the training split: TRL's evaluation split and streaming, and open-r1's prompt column
+and system prompt, with their names and meanings."""
 
 from dataclasses import dataclass, field
 
 
 @dataclass
 class PromptOptions:
-    """Which column holds the prompts, a system prompt to put before each, and the split to evaluate on."""
+    """Which column holds the prompts, a system prompt to put before each, the split to evaluate on, and whether
+    the training split is streamed."""
 
     dataset_test_split: str = field(
         default="test",
@@ -22,4 +23,12 @@ class PromptOptions:
     )
     system_prompt: str | None = field(
         default=None, metadata={"help": "A system message put before every prompt (which then becomes a chat)."}
+    )
+    dataset_streaming: bool = field(
+        default=False,
+        metadata={
+            "help": "Stream the training split (datasets' streaming=True): rows are read as training goes, never "
+            "all held or downloaded first. Needs max_steps; preflight checks the first rows. The eval split is "
+            "read whole."
+        },
     )

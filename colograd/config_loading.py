@@ -3,6 +3,8 @@
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch import nn
+
 from colograd.errors import keyword_arguments
 
 
@@ -25,8 +27,9 @@ class LoadingOptions:
     disable_dropout: bool = field(
         default=False,
         metadata={
-            "help": "Set every dropout probability of the policy to 0, so that its log-probs are deterministic "
-            "(and equal to the engine's and the reference's)."
+            "help": "Set every dropout probability of the policy to 0 (its Dropout layers, as TRL does, and the "
+            "attention dropout that models such as Qwen2 apply as a function), so that its log-probs are "
+            "deterministic and equal to the engine's."
         },
     )
     shuffle_dataset: bool | None = field(
@@ -47,3 +50,14 @@ def tokenizer_kwargs(args: LoadingOptions) -> dict[str, Any]:
     """Keyword arguments for the tokenizer's `from_pretrained`: the model's revision, as TRL reads it."""
     revision = (args.model_init_kwargs or {}).get("revision")
     return {"trust_remote_code": args.trust_remote_code, **({"revision": revision} if revision else {})}
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """`disable_dropout`: every `nn.Dropout` of `model` gets p=0, as TRL's `disable_dropout_in_model` does, and so
+    does the attention dropout many architectures (Qwen2, Llama) apply as a function with the probability their
+    attention module keeps in `attention_dropout`, which TRL's leaves on."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0

@@ -9,10 +9,10 @@ import logging
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import datasets
-from datasets import Dataset, DatasetDict, load_dataset
+from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict, load_dataset
 from transformers import PreTrainedTokenizerBase
 from trl.data_utils import maybe_apply_chat_template
 
@@ -20,11 +20,15 @@ from colograd import sums, tiny
 from colograd.config import ConfigError, ScriptArguments
 
 BUILTIN_DATASETS = {"colograd:letters": tiny.letters_dataset, "colograd:sums": sums.sums_dataset}
+T = TypeVar("T")
 _FILE_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
-def load_prompts(args: ScriptArguments, split: str | None = None) -> Dataset:
-    """The split `split` (default: `args.dataset_train_split`) of `args.dataset_name`, with a `prompt` column."""
+def load_prompts(
+    args: ScriptArguments, split: str | None = None, streaming: bool = False
+) -> Dataset | IterableDataset:
+    """The split `split` (default: `args.dataset_train_split`) of `args.dataset_name`, with a `prompt` column;
+    with `streaming`, as a `datasets.IterableDataset` read as training goes (TRL's `dataset_streaming`)."""
     name, split = args.dataset_name, split or args.dataset_train_split
     local = name.startswith(tiny.PREFIX) or os.path.exists(name)
     if local and args.dataset_config is not None:
@@ -39,45 +43,54 @@ def load_prompts(args: ScriptArguments, split: str | None = None) -> Dataset:
     if not local:
         try:
             with _quiet_datasets():
-                dataset = load_dataset(name, args.dataset_config, split=split)
+                dataset = load_dataset(name, args.dataset_config, split=split, streaming=streaming)
         except (OSError, ValueError) as err:  # unreachable or unknown id, unknown split or subset
             raise ConfigError(
                 f"dataset_name={name!r} cannot be loaded ({first_line(err)}); give a local file or folder, or a "
                 "hub dataset id that is reachable (or cached)."
             ) from err
     else:
-        splits = _load_local(name)
+        splits = _load_local(name, streaming)
         if split not in splits:
             which = "dataset_train_split" if split == args.dataset_train_split else "dataset_test_split"
             raise ConfigError(f"{which}={split!r}: {name!r} has the splits {', '.join(splits)}.")
         dataset = splits[split]
+    # A stream is read (and a file parsed) only as it is iterated, and its columns may show only in its rows.
+    first = _read(name, lambda: next(iter(dataset), None)) if streaming else None
+    columns = dataset.column_names or list(first or ())
     column = args.dataset_prompt_column
-    if column not in dataset.column_names:
+    if column not in columns:
         raise ConfigError(
-            f"dataset {name!r} has no {column!r} column (columns: {', '.join(dataset.column_names)}); "
+            f"dataset {name!r} has no {column!r} column (columns: {', '.join(columns)}); "
             "set dataset_prompt_column to the column holding the prompts."
         )
     if column != "prompt" or args.system_prompt is not None:
         dataset = dataset.map(_as_chat, fn_kwargs={"column": column, "system_prompt": args.system_prompt})
-    if len(dataset) == 0:
+    if first is None if streaming else len(dataset) == 0:
         raise ConfigError(f"dataset {name!r} split {split!r} is empty.")
     return dataset
 
 
-def _load_local(name: str) -> DatasetDict:
+def _load_local(name: str, streaming: bool = False) -> DatasetDict | IterableDatasetDict:
     """A built-in dataset (one split, train), a file (loaded as train), or a folder (its files name the splits)."""
     if name.startswith(tiny.PREFIX):
         if name not in BUILTIN_DATASETS:
             raise ConfigError(f"dataset_name={name!r}: the built-in datasets are {', '.join(BUILTIN_DATASETS)}.")
-        return DatasetDict(train=BUILTIN_DATASETS[name]())
+        dataset = BUILTIN_DATASETS[name]()
+        return IterableDatasetDict(train=dataset.to_iterable_dataset()) if streaming else DatasetDict(train=dataset)
     if os.path.isfile(name):
         ext = os.path.splitext(name)[1]
         if ext not in _FILE_FORMATS:
             raise ConfigError(f"dataset_name={name!r}: use a {', '.join(_FILE_FORMATS)} file or a dataset folder.")
         if os.path.getsize(name) == 0:  # `datasets` fails on it deep inside its schema inference
             raise ConfigError(f"dataset {name!r} is empty; give a file with at least one row.")
-        return _read(name, lambda: load_dataset(_FILE_FORMATS[ext], data_files=name))
-    return _read(name, lambda: load_dataset(name))
+        return _read(name, lambda: load_dataset(_FILE_FORMATS[ext], data_files=name, streaming=streaming))
+    return _read(name, lambda: load_dataset(name, streaming=streaming))
+
+
+def keep_rows(features: list[dict]) -> list[dict]:
+    """The trainer's data collator: a batch stays a list of dataset rows; tokenization happens per rollout."""
+    return features
 
 
 def tokenize_prompts(
@@ -96,8 +109,9 @@ def tokenize_prompts(
     return tokenizer(text=texts, add_special_tokens=False)["input_ids"]
 
 
-def _read(name: str, load: Callable[[], DatasetDict]) -> DatasetDict:
-    """`load()`, with a parse error turned into one line naming the file and, where it can be found, the line."""
+def _read(name: str, load: Callable[[], T]) -> T:
+    """`load()` (which loads or reads `name`), with a parse error turned into one line naming the file and, where it
+    can be found, the line."""
     try:
         with _quiet_datasets():
             return load()

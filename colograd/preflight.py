@@ -4,7 +4,8 @@ Each check runs the input through the code the run itself will use, on the real 
 mistakes fails here in seconds instead of minutes later with a library's traceback:
 
     destination   output_dir can be created and written; resume_from_checkpoint is finished; push_to_hub can push
-    data          every row's prompt is text or chat messages, templated and tokenized as a rollout does it
+    data          every row's prompt is text or chat messages, templated and tokenized as a rollout does it (a
+                  stream: its first rows, read without advancing the stream training reads)
     sizes         the dataset holds one full rollout batch for every rank; lengths fit the model and the engine
     rewards       every reward function accepts, by name, the arguments and dataset columns it will be called with
     engine        vLLM's own objects (SamplingParams, LoRAConfig) built from the config; dtype and head size
@@ -26,9 +27,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from datasets import Dataset
+from datasets import Dataset, IterableDataset
 from peft import PeftModel
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.trainer_utils import has_length
 from trl.data_utils import is_conversational
 
 from colograd.checkpoints import resolve_checkpoint
@@ -37,6 +39,7 @@ from colograd.data import first_line, load_prompts, tokenize_prompts
 from colograd.engine import sampling_params
 from colograd.lora import check_lora, engine_max_lora_rank
 from colograd.rewards import RewardFunc, resolve_reward, reward_name
+from colograd.streaming import PEEK_ROWS, check_stream, check_stream_resume, peek
 
 # What `colograd.rewards.score` passes every reward function besides the dataset's columns.
 REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state")
@@ -48,7 +51,7 @@ class Inputs:
     """What preflight hands the run: the dataset to train on (invalid rows dropped when asked) and the
     resolved reward functions."""
 
-    dataset: Dataset
+    dataset: Dataset | IterableDataset
     reward_funcs: list[RewardFunc]
     eval_dataset: Dataset | None = None
 
@@ -79,13 +82,19 @@ def preflight(
     check_settings(training_args, model_config)
     if peft_config is not None:
         check_lora_targets(model_config, peft_config)
-    resolve_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
+    checkpoint = resolve_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
     reward_funcs = [resolve_reward(name) for name in script_args.reward_funcs]
     name = script_args.dataset_name
-    dataset = load_prompts(script_args)
+    dataset = load_prompts(script_args, streaming=script_args.dataset_streaming)
     template_kwargs = training_args.chat_template_kwargs
-    dataset = check_prompts(dataset, tokenizer, name, script_args.drop_invalid_prompts, template_kwargs)
-    check_data(dataset, reward_funcs, training_args, name)
+    if script_args.dataset_streaming:
+        check_stream_resume(dataset, checkpoint)
+        dataset = check_stream_data(
+            dataset, tokenizer, reward_funcs, training_args, name, script_args.drop_invalid_prompts
+        )
+    else:
+        dataset = check_prompts(dataset, tokenizer, name, script_args.drop_invalid_prompts, template_kwargs)
+        check_data(dataset, reward_funcs, training_args, name)
     eval_dataset = None
     if training_args.eval_strategy != "no":
         split = script_args.dataset_test_split
@@ -117,7 +126,7 @@ def check_trainer_inputs(
     rewards_also_get: list[str] | None = (),
 ) -> tuple[Any, int | None]:
     """What `GRPOTrainer` checks before the Trainer and the engine start: the model's adapter and head, the
-    settings, every row of an in-memory dataset (other kinds are checked as they are read), the engine's limits.
+    settings, every row of an in-memory dataset (the first rows of a stream), the engine's limits.
 
     Args:
         rewards_also_get: see `check_data`.
@@ -137,6 +146,10 @@ def check_trainer_inputs(
     if isinstance(train_dataset, Dataset):
         train_dataset = check_prompts(train_dataset, tokenizer, template_kwargs=args.chat_template_kwargs)
         check_data(train_dataset, reward_funcs, args, rewards_also_get=rewards_also_get)
+    elif train_dataset is not None and not has_length(train_dataset):
+        train_dataset = check_stream_data(
+            train_dataset, tokenizer, reward_funcs, args, rewards_also_get=rewards_also_get
+        )
     check_engine(args, model.config, next(model.parameters()).dtype, lora_rank)
     return train_dataset, lora_rank
 
@@ -163,6 +176,42 @@ def check_data(
     check_size(len(dataset), args, name)
     if rewards_also_get is not None:
         check_rewards(reward_funcs, [c for c in dataset.column_names if c != "prompt"] + list(rewards_also_get))
+
+
+def check_stream_data(
+    dataset: IterableDataset,
+    tokenizer: PreTrainedTokenizerBase,
+    reward_funcs: list[RewardFunc],
+    args: GRPOConfig,
+    name: str = "train_dataset",
+    drop_invalid: bool = False,
+    rewards_also_get: list[str] | None = (),
+) -> IterableDataset:
+    """A streamed dataset against the run (`colograd.streaming.check_stream`), and its first rows (at least one
+    rollout batch's) as `check_prompts` and `check_data` check an in-memory dataset; read afresh, so the stream
+    training reads starts at its first row.
+
+    Returns:
+        The stream; with `drop_invalid`, filtered as it is read by the same row checks.
+    """
+    check_stream(dataset, args)
+    head = peek(dataset, max(PEEK_ROWS, args.prompts_per_device * args.steps_per_generation * args.world_size), name)
+    columns = list(head[0]) if head else ["prompt"]
+    head_name = f"{name} (its first {len(head)} rows)"
+    prompts = [row["prompt"] for row in head]
+    kept = check_prompt_rows(columns, prompts, tokenizer, head_name, drop_invalid, args.chat_template_kwargs)
+    check_size(len(kept), args, head_name)
+    if rewards_also_get is not None:
+        check_rewards(reward_funcs, [c for c in columns if c != "prompt"] + list(rewards_also_get))
+    if not drop_invalid:
+        return dataset
+    template_kwargs = args.chat_template_kwargs
+
+    def valid(batch: dict[str, list]) -> list[bool]:
+        problems = _row_problems(batch["prompt"], tokenizer, template_kwargs)
+        return [i not in problems for i in range(len(batch["prompt"]))]
+
+    return dataset.filter(valid, batched=True)
 
 
 # --- destination ---------------------------------------------------------------------------------------------
@@ -271,13 +320,29 @@ def check_prompts(
     Raises:
         ConfigError: the first invalid row (index and problem), unless `drop_invalid`; no valid row at all.
     """
-    if "prompt" not in dataset.column_names:
-        raise ConfigError(f"{name}: no 'prompt' column (columns: {', '.join(dataset.column_names)}); add one.")
-    _check_column_names(dataset.column_names, name)
-    prompts = dataset["prompt"]
+    kept = check_prompt_rows(dataset.column_names, dataset["prompt"], tokenizer, name, drop_invalid, template_kwargs)
+    return dataset if len(kept) == len(dataset) else dataset.select(kept)
+
+
+def check_prompt_rows(
+    columns: list[str],
+    prompts: list,
+    tokenizer: PreTrainedTokenizerBase,
+    name: str,
+    drop_invalid: bool,
+    template_kwargs: dict[str, Any] | None,
+) -> list[int]:
+    """`check_prompts` on a dataset's column names and prompts (for rows that need not share one arrow type).
+
+    Returns:
+        The indices of the rows to keep.
+    """
+    if "prompt" not in columns:
+        raise ConfigError(f"{name}: no 'prompt' column (columns: {', '.join(columns)}); add one.")
+    _check_column_names(columns, name)
     problems = _row_problems(prompts, tokenizer, template_kwargs)
     if not problems:
-        return dataset
+        return list(range(len(prompts)))
     first, problem = next(iter(problems.items()))
     if not drop_invalid:
         raise ConfigError(
@@ -292,7 +357,7 @@ def check_prompts(
             f"(drop_invalid_prompts); the first, row {first}: {problem}.",
             flush=True,
         )
-    return dataset.select([i for i in range(len(prompts)) if i not in problems])
+    return [i for i in range(len(prompts)) if i not in problems]
 
 
 def _row_problems(

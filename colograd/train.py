@@ -149,6 +149,11 @@ class _Parser(TrlParser):
     """TRL's parser, but a bad flag or value (`--num_generations eight`) ends in one line, not the full usage; an
     unknown key is named with the closest known one; a key transformers 5 renamed is read as its new name."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Several trackers on the command line, as a recipe lists them: --report_to wandb trackio.
+        self._option_string_actions["--report_to"].nargs = "+"
+
     def error(self, message: str) -> NoReturn:
         _fail(message)
 

@@ -29,15 +29,15 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, Trainer
 from transformers.trainer_utils import has_length
 from trl.data_utils import is_conversational
-from trl.trainer.utils import RepeatSampler, disable_dropout_in_model, nanstd
+from trl.trainer.utils import RepeatSampler, nanstd
 
 from colograd.agents import Agents, RolloutFunc
 from colograd.batch import pad_rollout, split_by_tokens, split_rows
 from colograd.checkpoints import checkpoint_step, resolve_checkpoint
 from colograd.completions import CompletionLog
 from colograd.config import ConfigError, GRPOConfig
-from colograd.config_loading import model_init_kwargs, tokenizer_kwargs
-from colograd.data import tokenize_prompts
+from colograd.config_loading import disable_dropout, model_init_kwargs, tokenizer_kwargs
+from colograd.data import keep_rows, tokenize_prompts
 from colograd.engine import Engine, Rollout
 from colograd.evaluation import evaluate
 from colograd.logps import completion_logps
@@ -56,6 +56,7 @@ from colograd.preemption import Preemption, stage_failures
 from colograd.preflight import check_argument_order, check_trainer_inputs
 from colograd.reference import ReferencePolicy
 from colograd.rewards import RewardFunc, RewardModel, resolve_rewards, reward_name, score
+from colograd.streaming import check_stream_resume, rollout_stream
 from colograd.sync import WeightPlan, is_sharded
 from colograd.timing import OptimizerTimer, PhaseTimes, format_summary, run_summary, window_metrics
 from colograd.tools import ToolCallParser
@@ -66,11 +67,6 @@ def _masked_mean(x: torch.Tensor, mask_NT: torch.Tensor) -> float:
     if x.size(1) == 1:
         return x.mean().item()
     return ((x * mask_NT).sum() / mask_NT.sum().clamp(min=1.0)).item()
-
-
-def _keep_rows(features: list[dict]) -> list[dict]:
-    """The data collator: a batch stays a list of dataset rows; tokenization happens per rollout."""
-    return features
 
 
 class GRPOTrainer(Trainer):
@@ -114,7 +110,7 @@ class GRPOTrainer(Trainer):
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path, **tokenizer_kwargs(args))
         if args.disable_dropout:
-            disable_dropout_in_model(model)
+            disable_dropout(model)
         if processing_class.pad_token is None:
             processing_class.pad_token = processing_class.eos_token
         self.reward_funcs, self.reward_weights = resolve_rewards(reward_funcs, args.reward_weights)
@@ -138,7 +134,7 @@ class GRPOTrainer(Trainer):
         super().__init__(
             model=model,
             args=args,
-            data_collator=_keep_rows,
+            data_collator=keep_rows,
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
             processing_class=processing_class,
@@ -183,7 +179,7 @@ class GRPOTrainer(Trainer):
         self._last_logged_step = 0
         self.recipe = recipe
         self._completion_log = (
-            CompletionLog(args.output_dir, args.num_completions_to_print, args.log_unique_prompts)
+            CompletionLog(args.output_dir, args.num_completions_to_print, args.log_unique_prompts, args.report_to)
             if args.log_completions and self.accelerator.is_main_process
             else None
         )
@@ -192,6 +188,7 @@ class GRPOTrainer(Trainer):
         """transformers' `train`. `resume_from_checkpoint=True` takes the newest *finished* checkpoint of
         `output_dir` (see `colograd.checkpoints`); a named one must be finished too."""
         checkpoint = resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
+        check_stream_resume(self.train_dataset, checkpoint)
         # The model is about to change (restored, or trained on from here): the first rollout re-syncs.
         self._synced_step = None
         # The first logging window starts where the run (re)starts: time/* are divided by its steps.
@@ -232,10 +229,9 @@ class GRPOTrainer(Trainer):
         """
         if self.train_dataset is None:
             raise ValueError("GRPOTrainer: training requires a train_dataset.")
-        if not has_length(self.train_dataset):
-            raise ConfigError("train_dataset: streaming datasets are not supported; load it without streaming.")
+        dataset = self.train_dataset  # a stream has no sampler: it is reordered into rollout batches instead
         return self._get_dataloader(
-            dataset=self.train_dataset,
+            dataset=dataset if has_length(dataset) else rollout_stream(dataset, self.args, self.accelerator),
             description="Training",
             batch_size=self.args.prompts_per_device * self.args.steps_per_generation,
             sampler_fn=self._get_train_sampler,

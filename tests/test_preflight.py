@@ -282,6 +282,34 @@ def test_invalid_rows_dropped_and_counted_when_asked(work, chat_model, capsys):
     assert "has 5 usable rows" in message and f"{NEED} prompts" in message
 
 
+# --- streamed datasets -----------------------------------------------------------------------------------------
+
+
+def test_stream_without_max_steps(work):
+    message = cli_error("stream without max_steps", *out_dir(work), "--dataset_streaming", "true", "--max_steps", "-1")
+    assert "streamed dataset has no length" in message and "set max_steps" in message
+
+
+@SETTINGS
+@given(row=st.integers(0, NEED - 1), prompt=BAD_PROMPT)
+def test_bad_prompt_in_the_first_rows_of_a_stream_is_named(work, row, prompt):
+    rows = letters()
+    rows[row]["prompt"] = prompt
+    path = write(work, rows)
+    message = cli_error(
+        "stream: bad prompt value", *out_dir(work), "--dataset_name", path, "--dataset_streaming", "true"
+    )
+    assert f"(its first {NEED} rows)' row {row}:" in message or "cannot be read" in message
+
+
+def test_resuming_a_stream_read_to_its_end_is_refused(work):
+    checkpoint = work / f"checkpoint-{uuid.uuid4().hex[:6]}"
+    checkpoint.mkdir()
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 30, "epoch": 2.5}))
+    flags = ["--dataset_streaming", "true", "--resume_from_checkpoint", str(checkpoint)]
+    assert "read to its end 2 time(s)" in cli_error("stream: resume after its end", *out_dir(work), *flags)
+
+
 # --- sizes and lengths ----------------------------------------------------------------------------------------
 
 

@@ -1,0 +1,122 @@
+"""Training on a streamed dataset (`datasets.IterableDataset`), read in the order `RepeatSampler` gives a map-style
+one.
+
+A stream cannot be indexed, so no sampler can pick its rows. Instead the stream itself is reordered: rollout
+batches of `prompts_per_device × steps_per_generation × world_size` rows, each yielded once per micro-step that
+trains on it (`RolloutStream`). Every rank reads the same stream and accelerate's `IterableDatasetShard` hands each
+its own contiguous slice of every batch, so ranks see different prompts, and a rank samples all G completions of
+its prompts itself (n=G), so groups stay whole. It has no length, so a run needs `max_steps`; a stream that ends
+starts again (the next epoch, reshuffled).
+"""
+
+import itertools
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import datasets
+import torch
+from accelerate import Accelerator
+from transformers.trainer_utils import has_length
+
+from colograd.checkpoints import STATE_FILE
+from colograd.config import ConfigError, GRPOConfig
+from colograd.data import first_line
+
+PEEK_ROWS = 256  # rows of a stream that preflight checks (at least one rollout batch's)
+
+
+class RolloutStream(torch.utils.data.IterableDataset):
+    """`dataset`'s rows in rollout batches of `batch_size` (all ranks' prompts), each batch `repeat_count` times;
+    a trailing batch too short to fill a rollout is dropped, as `RepeatSampler` drops it.
+
+    Args:
+        dataset: the streamed rows.
+        batch_size: prompts of one rollout over all ranks.
+        repeat_count: micro-steps that train on one rollout (`steps_per_generation × num_iterations`).
+    """
+
+    def __init__(self, dataset: datasets.IterableDataset, batch_size: int, repeat_count: int) -> None:
+        self.dataset, self.batch_size, self.repeat_count = dataset, batch_size, repeat_count
+
+    def set_epoch(self, epoch: int) -> None:
+        """Called by the Trainer each epoch: a shuffled stream reshuffles with `seed + epoch`."""
+        self.dataset.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[dict]:
+        rows = iter(self.dataset)
+        while len(batch := list(itertools.islice(rows, self.batch_size))) == self.batch_size:
+            for _ in range(self.repeat_count):
+                yield from batch
+
+
+def rollout_stream(dataset: Any, args: GRPOConfig, accelerator: Accelerator) -> RolloutStream:
+    """The training stream of `dataset` (shuffled through a buffer with `shuffle_dataset`), for a dataloader of
+    `prompts_per_device × steps_per_generation` rows per rank.
+
+    Each rank must read the whole stream and keep its slice of every batch, so accelerate's dispatching (rank 0
+    reads and sends) is turned off, and so is its sharding by the stream's files, which would give each rank
+    other rollout batches of other lengths."""
+    check_stream(dataset, args)
+    if args.shuffle_dataset:
+        dataset = dataset.shuffle(seed=args.seed)
+    accelerator.dataloader_config.dispatch_batches = False
+    world = accelerator.num_processes
+    rollout = args.prompts_per_device * args.steps_per_generation
+    return RolloutStream(dataset, rollout * world, args.steps_per_generation * args.num_iterations)
+
+
+def check_stream(dataset: Any, args: GRPOConfig) -> None:
+    """A dataset without a length can be trained on when it is a `datasets.IterableDataset`, `max_steps` says how
+    long, and one dataloader process reads it (several would each read all of it)."""
+    if not isinstance(dataset, datasets.IterableDataset):
+        raise ConfigError(
+            f"train_dataset is a {type(dataset).__name__} without a length; give a datasets.Dataset, or a "
+            "datasets.IterableDataset to stream it."
+        )
+    if args.max_steps <= 0:
+        raise ConfigError(
+            "a streamed dataset has no length, so the run's length must be given: set max_steps (e.g. --max_steps "
+            "1000)."
+        )
+    if args.dataloader_num_workers:
+        raise ConfigError(
+            "dataloader_num_workers must be 0 with a streamed dataset: each worker would read the whole stream; "
+            "remove it."
+        )
+
+
+def peek(dataset: datasets.IterableDataset, rows: int, name: str) -> list[dict]:
+    """The first `rows` rows of the stream `name` (fewer if it is shorter). Iterating a `datasets` stream starts it
+    afresh, so the stream training reads is not advanced.
+
+    Raises:
+        ConfigError: those rows cannot be read (a file that does not parse), in one line.
+    """
+    try:
+        return list(itertools.islice(dataset, rows))
+    except (OSError, ValueError, TypeError, datasets.exceptions.DatasetsError) as err:  # TypeError: arrow types
+        raise ConfigError(
+            f"dataset {name!r} cannot be read: {first_line(err.__cause__ or err)}; fix its first rows."
+        ) from err
+
+
+def check_stream_resume(dataset: Any, checkpoint: str | None) -> None:
+    """For a streamed `dataset` (one without a length): resuming skips the micro-batches already trained by reading
+    them again, which is exact while the stream was not read to its end; after that (the Trainer's epoch counter
+    passed 1: it is exactly 1 at `max_steps` of a first pass) it would restart the stream instead.
+
+    Raises:
+        ConfigError: `checkpoint` was saved after the stream had ended once.
+    """
+    if checkpoint is None or has_length(dataset):
+        return
+    with open(os.path.join(checkpoint, STATE_FILE)) as f:
+        epoch = json.load(f).get("epoch") or 0.0
+    if epoch > 1:
+        raise ConfigError(
+            f"resume_from_checkpoint={checkpoint!r}: the streamed dataset had been read to its end {int(epoch)} "
+            "time(s) when it was saved, and a resumed stream cannot be placed there; start afresh, or resume from a "
+            "checkpoint saved in the stream's first pass."
+        )
