@@ -80,7 +80,7 @@ class CompletionLog:
         if self._printed_step == step:
             return
         self._printed_step = step
-        rows = range(0, len(completions), group) if self.unique_prompts else range(len(completions))
+        rows = first_of_each_prompt(prompt_per_completion) if self.unique_prompts else range(len(completions))
         table = {
             "step": [step] * len(rows),
             "prompt": [prompt_per_completion[i] for i in rows],
@@ -98,6 +98,15 @@ class CompletionLog:
             [advantages[i] for i in shown],
             step,
         )
+
+
+def first_of_each_prompt(prompts: list[Any]) -> list[int]:
+    """Indices of the first completion of each distinct prompt (compared by text: chats are lists of dicts), as
+    TRL's `log_unique_prompts` keeps them."""
+    first: dict[str, int] = {}
+    for i, prompt in enumerate(prompts):
+        first.setdefault(str(prompt), i)
+    return list(first.values())
 
 
 def trackers(report_to: list[str]) -> list[ModuleType]:

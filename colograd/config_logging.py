@@ -10,7 +10,8 @@ class LoggingOptions:
     log_unique_prompts: bool = field(
         default=False,
         metadata={
-            "help": "With log_completions, the printed sample shows each distinct prompt once (with its first "
-            "completion) rather than every completion; completions.jsonl keeps them all."
+            "help": "With log_completions, the printed sample and the wandb / trackio completions table show each "
+            "distinct prompt once (with its first completion) rather than every completion; completions.jsonl "
+            "keeps them all."
         },
     )

@@ -4,6 +4,7 @@ import dataclasses
 import re
 from pathlib import Path
 
+import huggingface_hub
 import pytest
 import torch
 import trl
@@ -263,3 +264,25 @@ def test_model_init_kwargs_and_revision_reach_from_pretrained(tmp_path):
     assert tokenizer.chat_template  # the folder's tokenizer
     with pytest.raises(ConfigError, match="model_init_kwargs="):
         make(model_init_kwargs="{dtype: bf16}")  # a flag's value must be JSON
+
+
+def test_model_revision_picks_the_revision_of_config_tokenizer_and_weights(tmp_path, monkeypatch):
+    # A hub cache holding two revisions of one repository, read offline: "small" has a narrower MLP than main.
+    repo = tmp_path / "models--colograd-test--tiny"
+    for revision, commit, width in (("main", "a" * 40, 256), ("small", "b" * 40, 64)):
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / revision).write_text(commit)
+        model = tiny.build_model()
+        model.config.intermediate_size = width
+        type(model)(model.config).save_pretrained(repo / "snapshots" / commit)
+        tokenizer = tiny.build_tokenizer()
+        tokenizer.chat_template = f"{{# {revision} #}}" + tokenizer.chat_template
+        tokenizer.save_pretrained(repo / "snapshots" / commit)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    args = make(max_prompt_length=64)
+    for revision, width in (("main", 256), ("small", 64)):
+        model_args = ModelConfig(model_name_or_path="colograd-test/tiny", model_revision=revision)
+        model, tokenizer = load_model(model_args, args)
+        assert model.model.layers[0].mlp.up_proj.out_features == width  # the revision's weights
+        assert tokenizer.chat_template.startswith(f"{{# {revision} #}}")

@@ -18,6 +18,7 @@ from trl import ModelConfig
 
 from colograd import GRPOConfig, GRPOTrainer, ScriptArguments, tiny, train
 from colograd.batch import pad_rollout
+from colograd.completions import first_of_each_prompt
 from colograd.data import load_prompts
 from colograd.engine import Rollout
 from colograd.streaming import rollout_stream
@@ -210,3 +211,16 @@ def test_each_rank_trains_on_its_slice_of_the_streamed_split(run, tmp_path):
     logged = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
     predicted = [prompt for batch in ranks[0][:2] for prompt in batch for _ in range(4)]
     assert [row["prompt"] for row in logged] == predicted
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_shuffle_dataset_false_keeps_the_dataset_order(tmp_path, shuffle):
+    trainer = offline_trainer(tmp_path, shuffle_dataset=shuffle)  # 8 rows, one rollout of 8 prompts
+    order = list(trainer._get_train_sampler())
+    assert sorted(order) == list(range(8)) and (order == list(range(8))) == (not shuffle)
+
+
+def test_log_unique_prompts_keeps_each_prompts_first_completion():
+    chat = [{"role": "user", "content": "ab>a"}]
+    prompts = [chat, chat, "x", "x", [{"role": "user", "content": "cd>d"}], "x", [dict(m) for m in chat]]
+    assert first_of_each_prompt(prompts) == [0, 2, 4]  # a prompt repeated in another group is shown once, as in TRL
