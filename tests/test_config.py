@@ -1,6 +1,7 @@
 """Configuration: validation messages, and every recipe parses into the dataclasses."""
 
 import dataclasses
+import importlib.util
 import re
 from pathlib import Path
 
@@ -286,3 +287,19 @@ def test_model_revision_picks_the_revision_of_config_tokenizer_and_weights(tmp_p
         model, tokenizer = load_model(model_args, args)
         assert model.model.layers[0].mlp.up_proj.out_features == width  # the revision's weights
         assert tokenizer.chat_template.startswith(f"{{# {revision} #}}")
+
+
+def test_configuration_reference_lists_every_field():
+    """docs/reference.md is rendered from the dataclasses by a hook, one marker per class: a field of a class that
+    has no marker (a new options class mixed into GRPOConfig, say) would be missing from the page."""
+    spec = importlib.util.spec_from_file_location("reference_hook", ROOT / "docs/hooks/reference.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    page = hook.on_page_markdown((ROOT / "docs/reference.md").read_text(), None, None, None)
+    listed = re.findall(r"^\| `(\w+)` \|", page, flags=re.MULTILINE)
+    training = TrainingArguments.__dataclass_fields__
+    expected = [f.name for f in dataclasses.fields(GRPOConfig) if f.name not in training]
+    expected += [name for name in GRPOConfig.__annotations__ if name in training]  # TRL's other defaults
+    expected += [f.name for cls in (ScriptArguments, ModelConfig) for f in dataclasses.fields(cls)]
+    assert sorted(set(expected) - set(listed)) == []
+    assert len(listed) == len(set(listed))  # each field documented once
