@@ -66,7 +66,8 @@ def load_prompts(
         )
     if column != "prompt" or args.system_prompt is not None:
         dataset = dataset.map(_as_chat, fn_kwargs={"column": column, "system_prompt": args.system_prompt})
-    if first is None if streaming else len(dataset) == 0:
+    empty = first is None if streaming else len(dataset) == 0
+    if empty:
         raise ConfigError(f"dataset {name!r} split {split!r} is empty.")
     return dataset
 
