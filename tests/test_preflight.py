@@ -544,3 +544,9 @@ def test_trainer_checks_a_python_users_inputs_before_its_engine(tmp_path):
             GRPOTrainer(tiny.build_model(), "letters", args, Dataset.from_list(letters()), tokenizer)
         with pytest.raises(ConfigError, match="has 4 usable rows"):
             GRPOTrainer(tiny.build_model(), "letters", args, Dataset.from_list(letters(4)), processing_class=tokenizer)
+        stream, endless = Dataset.from_list(letters()).to_iterable_dataset(), tiny.run_config(str(tmp_path), steps=-1)
+        with pytest.raises(ConfigError, match="streamed dataset has no length"):
+            GRPOTrainer(tiny.build_model(), "letters", endless, stream, processing_class=tokenizer)
+        with pytest.raises(ConfigError, match=r"\(its first 8 rows\)' row 3: prompt is empty"):  # " ", as above
+            GRPOTrainer(tiny.build_model(), "letters", args, Dataset.from_list(rows).to_iterable_dataset(),
+                        processing_class=tokenizer)  # fmt: skip
