@@ -389,6 +389,16 @@ class GRPOConfig(
         """
         return self.gradient_accumulation_steps % (self.steps_per_generation * self.num_iterations) != 0
 
+    @property
+    def place_model_on_device(self) -> bool | None:
+        """False on a CPU, else the Trainer decides (transformers' hook for this).
+
+        Under a launcher the CPU device is indexed (`cpu:0`), and torch's `Module.to("cpu:0")` copies every
+        parameter of a model already in memory: for a moment two models, and the process keeps the pages after.
+        The model computes where it is, so there is nothing to move.
+        """
+        return False if self.device.type == "cpu" else None
+
 
 @dataclass
 class ScriptArguments(PromptOptions):

@@ -38,6 +38,7 @@ from colograd.config import ConfigError, GRPOConfig, ScriptArguments
 from colograd.data import first_line, load_prompts, tokenize_prompts
 from colograd.engine import sampling_params
 from colograd.lora import check_lora, engine_max_lora_rank
+from colograd.precision import master_copy_warning
 from colograd.rewards import RewardFunc, resolve_reward, reward_name
 from colograd.streaming import PEEK_ROWS, check_stream, check_stream_resume, peek
 
@@ -152,6 +153,27 @@ def check_trainer_inputs(
         )
     check_engine(args, model.config, next(model.parameters()).dtype, lora_rank)
     return train_dataset, lora_rank
+
+
+def check_wrapped_trainer(trainer: Any) -> None:
+    """What `GRPOTrainer` checks once the Trainer has set up accelerate, DeepSpeed or FSDP, before the engine
+    starts: the settings those refuse, and the master-weight warning."""
+    args = trainer.args
+    if args.micro_batch_tokens is not None and trainer.is_deepspeed_enabled:
+        raise ConfigError(
+            "micro_batch_tokens splits a micro-step into several backward passes, which DeepSpeed counts as "
+            "micro-steps; remove it, or lower per_device_train_batch_size instead."
+        )
+    if trainer.is_fsdp_enabled and trainer.accelerator.state.fsdp_plugin.fsdp_version != 2:
+        raise ConfigError("FSDP version 1 is not supported (flat parameters have no names); set fsdp_version: 2.")
+    if args.vllm_enable_sleep_mode and not torch.cuda.is_available():
+        raise ConfigError("vllm_enable_sleep_mode frees GPU memory and needs a GPU; remove it on this machine.")
+    # DeepSpeed and FSDP2 step fp32 masters under mixed precision; DDP steps the parameters themselves.
+    sharded_optimizer = trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    warning = master_copy_warning(model, sharded_optimizer and trainer.accelerator.mixed_precision != "no")
+    if warning and trainer.accelerator.is_main_process:
+        logging.getLogger("colograd.trainer").warning(warning)
 
 
 def check_settings(args: GRPOConfig, model_config: PretrainedConfig) -> None:

@@ -16,7 +16,6 @@ then each micro-step trains on one slice of it:
 Subclass and override one of these to change that stage alone.
 """
 
-import logging
 import os
 from collections import defaultdict
 from collections.abc import Iterator
@@ -51,9 +50,8 @@ from colograd.loss import (
     weighted_rewards,
 )
 from colograd.modelcard import Recipe, model_card, write_model_card
-from colograd.precision import master_copy_warning
 from colograd.preemption import Preemption, stage_failures
-from colograd.preflight import check_argument_order, check_trainer_inputs
+from colograd.preflight import check_argument_order, check_trainer_inputs, check_wrapped_trainer
 from colograd.reference import ReferencePolicy
 from colograd.rewards import RewardFunc, RewardModel, resolve_rewards, reward_name, score
 from colograd.streaming import check_stream_resume, rollout_stream
@@ -141,24 +139,14 @@ class GRPOTrainer(Trainer):
             callbacks=callbacks,
             optimizers=optimizers,
         )
-        if args.micro_batch_tokens is not None and self.is_deepspeed_enabled:
-            raise ConfigError(
-                "micro_batch_tokens splits a micro-step into several backward passes, which DeepSpeed counts as "
-                "micro-steps; remove it, or lower per_device_train_batch_size instead."
-            )
-        if self.is_fsdp_enabled and self.accelerator.state.fsdp_plugin.fsdp_version != 2:
-            raise ConfigError("FSDP version 1 is not supported (flat parameters have no names); set fsdp_version: 2.")
+        check_wrapped_trainer(self)
         # compute_loss returns a per-micro-batch mean; the Trainer divides it by the accumulation steps.
         self.model_accepts_loss_kwargs = False
+        # On a CPU a launch's device is `cpu:0`, and torch copies a tensor moved there from `cpu`: accelerate would
+        # duplicate the model when it prepares it (the Trainer does not move it, see GRPOConfig). It stays put.
+        self.accelerator.device_placement = args.device.type != "cpu"
         # Built after super().__init__: the torch process group must exist before the engine joins it.
         unwrapped = self.accelerator.unwrap_model(self.model)
-        # DeepSpeed and FSDP2 step fp32 masters under mixed precision; DDP steps the parameters themselves.
-        sharded_optimizer = self.is_deepspeed_enabled or self.is_fsdp_enabled
-        warning = master_copy_warning(unwrapped, sharded_optimizer and self.accelerator.mixed_precision != "no")
-        if warning and self.accelerator.is_main_process:
-            logging.getLogger(__name__).warning(warning)
-        if args.vllm_enable_sleep_mode and not torch.cuda.is_available():
-            raise ConfigError("vllm_enable_sleep_mode frees GPU memory and needs a GPU; remove it on this machine.")
         self.engine = Engine(unwrapped, processing_class, args, lora_rank=self._lora_rank)
         if self.reference is not None:
             self.reference.prepare(self.accelerator)

@@ -49,6 +49,13 @@ def test_ranks_sample_different_completions(run):
     assert run[0]["shared_prompt_samples"] != run[1]["shared_prompt_samples"]
 
 
+def test_model_is_trained_in_place_not_copied(run):
+    # On a CPU the launcher's device is `cpu:0`, and moving a model there copies every parameter (two models for
+    # a moment, and the process keeps the pages): the trainer must train the tensors the model was built with.
+    for rank in run:
+        assert rank["trained_in_place"]
+
+
 def test_parity_engine_matches_trainer_after_training(run):
     # The engine holds the trained weights: its log-probs equal the trainer's (fp32), tied head included.
     for rank in run:

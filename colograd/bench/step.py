@@ -51,17 +51,21 @@ WORKLOAD = {
     "warmup": 2,
     "learning_rate": 1e-4,
     "seed": 0,
+    "gradient_accumulation_steps": 1,
 }
 # SmolLM2-135M-Instruct on the sums task: 4 prompts × 8 completions of ≤ 32 tokens, the recipe's shape. A step
-# takes tens of seconds on 2 CPU cores (TRL's about twice colograd's), hence few of them.
+# takes tens of seconds on 2 CPU cores (TRL's about twice colograd's), hence few of them. Both sides train a
+# step's 32 completions in 4 micro-steps of 8 (one rollout, one optimizer step), as a user bounds the
+# activations of a 49k-token vocabulary model on a small machine.
 SMOLLM2_WORKLOAD = {
     "prompts": 4,
     "num_generations": 8,
     "max_completion_length": 32,
-    "steps": 2,
+    "steps": 3,
     "warmup": 1,
     "learning_rate": 1e-5,
     "seed": 0,
+    "gradient_accumulation_steps": 4,
 }
 SMOLLM2 = "colograd:smollm2-135m-instruct"
 
@@ -79,6 +83,11 @@ MODELS = {
 def workload(size: str) -> dict[str, Any]:
     """The workload run on model `size`: `SMOLLM2_WORKLOAD` for smollm2, else `WORKLOAD`."""
     return SMOLLM2_WORKLOAD if size == "smollm2" else WORKLOAD
+
+
+def completions_per_micro_step(w: dict[str, Any]) -> int:
+    """Completions in one forward + backward pass: a step's, split over its gradient accumulation steps."""
+    return w["prompts"] * w["num_generations"] // w["gradient_accumulation_steps"]
 
 
 def build_task(size: str) -> tuple[torch.nn.Module, Any, Dataset, Callable]:
@@ -146,7 +155,8 @@ def run_colograd(out: str, size: str, dtype: str = "bf16") -> tuple[dict[str, An
         os.path.join(out, "colograd"),
         w["steps"] + w["warmup"],
         num_generations=w["num_generations"],
-        per_device_train_batch_size=w["prompts"] * w["num_generations"],
+        per_device_train_batch_size=completions_per_micro_step(w),
+        gradient_accumulation_steps=w["gradient_accumulation_steps"],
         max_completion_length=w["max_completion_length"],
         learning_rate=w["learning_rate"],
         seed=w["seed"],
@@ -166,7 +176,7 @@ def run_colograd(out: str, size: str, dtype: str = "bf16") -> tuple[dict[str, An
         callbacks=[clock],
     )
     trainer.train()
-    return _timed_steps(trainer.state.log_history, clock, args.per_device_train_batch_size, w["warmup"]), trainer
+    return _timed_steps(trainer.state.log_history, clock, w["prompts"] * w["num_generations"], w["warmup"]), trainer
 
 
 # TRL's generation without vLLM. Continuous batching was measured 11x slower than `generate` on a 2-core CPU
@@ -225,7 +235,8 @@ def run_trl(out: str, size: str, dtype: str = "bf16", mode: str | None = None) -
         output_dir=os.path.join(out, "trl"),
         max_steps=w["steps"] + w["warmup"],
         num_generations=w["num_generations"],
-        per_device_train_batch_size=w["prompts"] * w["num_generations"],
+        per_device_train_batch_size=completions_per_micro_step(w),
+        gradient_accumulation_steps=w["gradient_accumulation_steps"],
         max_completion_length=w["max_completion_length"],
         learning_rate=w["learning_rate"],
         lr_scheduler_type="constant",
@@ -249,9 +260,10 @@ def run_trl(out: str, size: str, dtype: str = "bf16", mode: str | None = None) -
         callbacks=[clock],
     )
     trainer.train()
-    result = _timed_steps(trainer.state.log_history, clock, args.per_device_train_batch_size, w["warmup"])
-    skip = w["warmup"]
-    phase = {k: statistics.mean(v[skip:]) for k, v in times.items()}
+    result = _timed_steps(trainer.state.log_history, clock, w["prompts"] * w["num_generations"], w["warmup"])
+    # Seconds per optimizer step: `training_step` runs once per micro-step, the rollout once per step.
+    total = w["steps"] + w["warmup"]
+    phase = {k: sum(v[w["warmup"] * len(v) // total :]) / w["steps"] for k, v in times.items()}
     result["phases_s"] = {
         "generate": phase["generate"],
         "reward": phase["reward"],

@@ -5,8 +5,9 @@
 Each rank writes OUT_DIR/rank<r>.json with: the trainer's log history, whether every rank held identical
 weights after every optimizer step, the completions it sampled, its samples for one shared prompt, the
 largest gap between engine and trainer log-probs after the final sync, and how the weights were held
-(sharded or not) and synced (number of buckets), and its local rank (given by the launcher, and derived
-without it). Launched with a DeepSpeed ZeRO-3 config it trains sharded.
+(sharded or not) and synced (number of buckets), whether it trained the model's own tensors (not a copy),
+and its local rank (given by the launcher, and derived without it). Launched with a DeepSpeed ZeRO-3 config it
+trains sharded.
 """
 
 import argparse
@@ -110,6 +111,7 @@ def main() -> None:
     model = tiny.build_model(tie_word_embeddings=cli.tied)
     if cli.lora:
         model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"]))
+    built_at = next(model.parameters()).data_ptr()
     trainer = RecordingTrainer(
         model=model,
         reward_funcs="letters",
@@ -120,6 +122,7 @@ def main() -> None:
     )
     trainer.die_at_step = cli.die_at_step
     trainer.train()
+    trained_at = next(trainer.accelerator.unwrap_model(trainer.model).parameters()).data_ptr()
 
     # The last optimizer step has not reached the engine yet: sync it, then compare log-probs.
     trainer.sync_weights()
@@ -148,6 +151,7 @@ def main() -> None:
                 "engine_heads": trainer.engine.llm.collective_rpc(_attention_heads)[0],
                 "local_rank": int(os.environ["LOCAL_RANK"]),
                 "derived_local_rank": derived_local_rank,
+                "trained_in_place": trained_at == built_at,
             },
             f,
         )
