@@ -34,7 +34,7 @@ from colograd.agents import Agents, RolloutFunc
 from colograd.batch import pad_rollout, split_by_tokens, split_rows
 from colograd.checkpoints import checkpoint_step, resolve_checkpoint
 from colograd.completions import CompletionLog
-from colograd.config import ConfigError, GRPOConfig
+from colograd.config import GRPOConfig
 from colograd.config_loading import disable_dropout, model_init_kwargs, tokenizer_kwargs
 from colograd.data import keep_rows, tokenize_prompts
 from colograd.engine import Engine, Rollout
