@@ -466,12 +466,10 @@ class GRPOTrainer(Trainer):
             sampling_logps_NT=inputs.get("engine_logps"),
             entropy_mask_NT=entropy_mask_NT,
         )
-        out = out._replace(
-            loss=self.entropy.regularize(out.loss, entropy_NT, mask_NT, entropy_mask_NT, model.training)
-        )
-        if "loss_scale" in inputs:  # one pass of several over a slice (`micro_batch_tokens`)
-            out = out._replace(loss=out.loss * inputs["loss_scale"])
-        for name, value in loss_metrics(out, inputs["advantages"], mask_NT, self.args.epsilon, self.args.epsilon_high):
+        loss = self.entropy.regularize(out.loss, entropy_NT, mask_NT, entropy_mask_NT, model.training)
+        out = out._replace(loss=loss * inputs["loss_scale"] if "loss_scale" in inputs else loss)  # micro_batch_tokens
+        metrics = loss_metrics(out, inputs["advantages"], mask_NT, self.args.epsilon, self.args.epsilon_high)
+        for name, value in metrics.items():
             self._metrics[name].append(value)
         return out.loss
 
