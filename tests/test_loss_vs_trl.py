@@ -588,12 +588,17 @@ def test_chunked_entropies_and_their_gradients_equal_trls_fused_head(padding_fre
     assert torch.allclose(detached, entropies, atol=1e-6) and not detached.requires_grad
 
 
-def test_fp32_output_layer_equals_trls_cast_lm_head_to_fp32():
-    # A bfloat16 model. TRL casts its (untied) output layer to float32 and computes it outside autocast; colograd
-    # upcasts the same bfloat16 weights at each chunk, so the log-probs and entropies are the same.
-    ours = tiny.build_model(seed=6).to(torch.bfloat16)
+@pytest.mark.parametrize("tied", [False, True])
+def test_fp32_output_layer_equals_trls_cast_lm_head_to_fp32(tied):
+    # A bfloat16 model. TRL casts its output layer to float32 and computes it outside autocast; colograd upcasts
+    # the same bfloat16 weights at each chunk, so the log-probs and entropies are the same.
+    ours = tiny.build_model(tie_word_embeddings=tied, seed=6).to(torch.bfloat16)
     theirs = copy.deepcopy(ours)
-    theirs.lm_head = theirs.lm_head.float()  # what TRL's `_cast_lm_head_to_fp32` does to an untied head
+    # TRL's `_cast_lm_head_to_fp32`: the head (with a tied embedding, the shared weight) becomes float32, and a tied
+    # embedding's outputs are cast back to the model's dtype.
+    theirs.lm_head = theirs.lm_head.float()
+    if tied:
+        theirs.model.embed_tokens.register_forward_hook(lambda module, args, output: output.to(torch.bfloat16))
     add_fused_lm_head(theirs, cast_lm_head_to_fp32=True, outputs=("log_probs", "entropy"))
     batch = _forward_batch(seed=7)
     mask = batch["completion_mask"].bool()
@@ -604,6 +609,9 @@ def test_fp32_output_layer_equals_trls_cast_lm_head_to_fp32():
     assert torch.allclose(logps[mask], trl_logps[mask], atol=1e-5)
     assert torch.allclose(entropies[mask], trl_entropies[mask], atol=1e-5)
     assert (bf16_logps - logps)[mask].abs().max() > 1e-4  # a bfloat16 output layer does differ, by more
+    # colograd's weights keep their dtype, so the engine (built in the first parameter's dtype) and the weight
+    # sync see the same model with or without the option.
+    assert {p.dtype for p in ours.parameters()} == {torch.bfloat16}
 
 
 def test_lora_on_the_output_layer_with_fp32_head_is_refused():
