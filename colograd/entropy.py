@@ -14,6 +14,7 @@ import torch
 from accelerate import Accelerator
 from transformers import TrainerCallback
 
+from colograd.config import GRPOConfig
 from colograd.loss import Gather, masked_mean
 
 STATE_FILE = "entropy_ctrl_state.json"  # TRL's name, in each checkpoint folder
@@ -65,7 +66,11 @@ class EntropyTerms(TrainerCallback):
     """
 
     def __init__(
-        self, args, accelerator: Accelerator, gather: Callable[[torch.Tensor], torch.Tensor], metrics: dict
+        self,
+        args: GRPOConfig,
+        accelerator: Accelerator,
+        gather: Callable[[torch.Tensor], torch.Tensor],
+        metrics: dict[str, list[float]],
     ) -> None:
         self.args, self.accelerator, self.gather, self.metrics = args, accelerator, gather, metrics
         self.coef = args.entropy_coef
