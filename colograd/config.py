@@ -178,7 +178,9 @@ class GRPOConfig(
     )
     scale_rewards: str = field(
         default="group",
-        metadata={"help": "Divide advantages by the reward std of the group, of the batch, or not at all (none)."},
+        metadata={
+            "help": "Divide advantages by the reward std of the group, of the whole batch (all ranks), or none."
+        },
     )
     vllm_importance_sampling_correction: bool = field(
         default=False,

@@ -40,7 +40,7 @@ class SurrogateOptions:
         metadata={
             "help": "With several reward functions: sum_then_normalize (weighted sum, then normalised as "
             "scale_rewards says) or normalize_then_sum (GDPO: each function normalised within its group, then the "
-            "weighted sum normalised over the rank's batch)."
+            "weighted sum normalised over the whole batch, every rank's)."
         },
     )
     off_policy_mask_threshold: float | None = field(
