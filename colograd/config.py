@@ -14,7 +14,7 @@ from colograd.config_data import PromptOptions
 from colograd.config_generation import GenerationOptions
 from colograd.config_loading import LoadingOptions
 from colograd.config_logging import LoggingOptions
-from colograd.config_loss import SurrogateOptions
+from colograd.config_loss import RegularizerOptions, SurrogateOptions
 from colograd.errors import ConfigError
 from colograd.trl_compat import TRLOnlyFields, check_refused
 
@@ -26,7 +26,13 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 @dataclass
 class GRPOConfig(
-    TrainingArguments, GenerationOptions, LoadingOptions, LoggingOptions, SurrogateOptions, TRLOnlyFields
+    TrainingArguments,
+    GenerationOptions,
+    LoadingOptions,
+    LoggingOptions,
+    SurrogateOptions,
+    RegularizerOptions,
+    TRLOnlyFields,
 ):
     # Generation
     steps_per_generation: int | None = field(
@@ -172,7 +178,9 @@ class GRPOConfig(
     )
     scale_rewards: str = field(
         default="group",
-        metadata={"help": "Divide advantages by the reward std of the group, of the batch, or not at all (none)."},
+        metadata={
+            "help": "Divide advantages by the reward std of the group, of the whole batch (all ranks), or none."
+        },
     )
     vllm_importance_sampling_correction: bool = field(
         default=False,
@@ -287,6 +295,7 @@ class GRPOConfig(
         self.check_generation()
         self.check_loading()
         self.check_surrogate()
+        self.check_regularizers()
         if self.num_generations < 2:
             raise ConfigError(
                 f"num_generations={self.num_generations}: GRPO compares completions within a group, so it needs "

@@ -40,7 +40,7 @@ class SurrogateOptions:
         metadata={
             "help": "With several reward functions: sum_then_normalize (weighted sum, then normalised as "
             "scale_rewards says) or normalize_then_sum (GDPO: each function normalised within its group, then the "
-            "weighted sum normalised over the rank's batch)."
+            "weighted sum normalised over the whole batch, every rank's)."
         },
     )
     off_policy_mask_threshold: float | None = field(
@@ -69,3 +69,88 @@ class SurrogateOptions:
             )
         if self.off_policy_mask_threshold is not None and self.off_policy_mask_threshold <= 0:
             raise ConfigError(f"off_policy_mask_threshold={self.off_policy_mask_threshold}: set it above 0, or None.")
+
+
+@dataclass
+class RegularizerOptions:
+    """The entropy terms of the loss, the reference model's updates, and the output layer's precision (TRL's
+    names, defaults and meanings)."""
+
+    top_entropy_quantile: float = field(
+        default=1.0,
+        metadata={
+            "help": "ρ of Beyond the 80/20 Rule: only the top-ρ quantile of tokens by entropy (over every rank's "
+            "counted tokens of the micro-step) keeps its policy loss. 1.0 keeps all; 0.0 only the highest; the "
+            "paper recommends 0.2."
+        },
+    )
+    entropy_coef: float = field(
+        default=0.0,
+        metadata={
+            "help": "Weight of the entropy bonus: the loss minus entropy_coef × the mean per-token entropy (over the "
+            "tokens the policy loss counts), whatever the loss_type. With use_adaptive_entropy, its initial value."
+        },
+    )
+    use_adaptive_entropy: bool = field(
+        default=False,
+        metadata={
+            "help": "Skywork-OR1's adaptive entropy control: after each optimizer step entropy_coef moves by "
+            "entropy_coef_delta, up when the step's mean entropy (all ranks) was at or below entropy_target, down "
+            "otherwise; the bonus applies only while the last step's entropy was at or below the target."
+        },
+    )
+    entropy_coef_min: float = field(default=0.0, metadata={"help": "Adaptive entropy control: entropy_coef's floor."})
+    entropy_coef_max: float = field(default=1.0, metadata={"help": "Adaptive entropy control: entropy_coef's cap."})
+    entropy_coef_delta: float = field(
+        default=0.005, metadata={"help": "Adaptive entropy control: entropy_coef's change per optimizer step."}
+    )
+    entropy_target: float = field(
+        default=0.2,
+        metadata={
+            "help": "Adaptive entropy control: the target mean per-token entropy in nats (the `entropy` metric "
+            "shows it; language models are at 2-10, so set it near what the first steps log)."
+        },
+    )
+    sync_ref_model: bool = field(
+        default=False,
+        metadata={
+            "help": "TR-DPO: every ref_model_sync_steps optimizer steps the reference model becomes "
+            "ref_model_mixup_alpha × policy + (1 - ref_model_mixup_alpha) × reference. Needs beta > 0 and a "
+            "full (not LoRA) model."
+        },
+    )
+    ref_model_mixup_alpha: float = field(
+        default=0.6, metadata={"help": "sync_ref_model: the policy's share α of the new reference."}
+    )
+    ref_model_sync_steps: int = field(
+        default=512, metadata={"help": "sync_ref_model: optimizer steps between reference updates (τ)."}
+    )
+    cast_lm_head_to_fp32: bool = field(
+        default=False,
+        metadata={
+            "help": "The output layer computes the training log-probs and entropies in float32, outside autocast, "
+            "for the policy and the reference (ScaleRL). Its weights keep their dtype (see docs/reference.md)."
+        },
+    )
+
+    def check_regularizers(self) -> None:
+        """The values the entropy terms and the reference updates are defined for."""
+        if not 0.0 <= self.top_entropy_quantile <= 1.0:
+            raise ConfigError(f"top_entropy_quantile={self.top_entropy_quantile}: set it between 0.0 and 1.0.")
+        if self.use_adaptive_entropy and not self.entropy_coef_min <= self.entropy_coef_max:
+            raise ConfigError(
+                f"entropy_coef_min={self.entropy_coef_min} is above entropy_coef_max={self.entropy_coef_max}; "
+                "set the floor at or below the cap."
+            )
+        entropy_terms = self.top_entropy_quantile < 1.0 or self.entropy_coef != 0.0 or self.use_adaptive_entropy
+        if entropy_terms and self.micro_batch_tokens is not None:
+            raise ConfigError(
+                "top_entropy_quantile / the entropy bonus take their quantile and mean over a micro-step's tokens, "
+                "which micro_batch_tokens splits into passes; remove micro_batch_tokens or the entropy option."
+            )
+        if self.sync_ref_model and self.beta == 0.0:
+            raise ConfigError("sync_ref_model with beta=0: there is no reference model to update; set beta > 0.")
+        if not 0.0 <= self.ref_model_mixup_alpha <= 1.0:
+            raise ConfigError(f"ref_model_mixup_alpha={self.ref_model_mixup_alpha}: set it between 0.0 and 1.0.")
+        if self.ref_model_sync_steps < 1:
+            raise ConfigError(f"ref_model_sync_steps={self.ref_model_sync_steps}: set it to 1 or more.")

@@ -16,8 +16,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from colograd.errors import ConfigError
 
 
 @dataclass
@@ -109,7 +112,9 @@ def completion_logps(
     row_tokens: int | None = None,
     chunk_tokens: int = 1024,
     head: nn.Module | None = None,
-) -> torch.Tensor:
+    entropy: str | None = None,
+    fp32_head: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of `batch`'s completion tokens under `model` at `temperature`: [N, T], 0 where there is no token.
 
     Args:
@@ -119,8 +124,20 @@ def completion_logps(
             (None: the longest sequence's length).
         chunk_tokens: completion tokens whose logits exist at once.
         head: the output layer to swap (default: `model.get_output_embeddings()` through any wrappers).
+        entropy: also the entropy of each position's next-token distribution at `temperature`, chunk by chunk
+            like the log-probs: "detached" (no gradient: the `entropy` metric, the high-entropy mask) or "grad"
+            (the entropy bonus). None: log-probs only.
+        fp32_head: the output layer computes in float32, outside autocast (`cast_lm_head_to_fp32`).
+
+    Returns:
+        logps_NT; with `entropy`, (logps_NT, entropy_NT). Only the completion tokens' values are meaningful.
     """
     head = head if head is not None else _output_layer(model)
+    if fp32_head and isinstance(head, BaseTunerLayer):
+        raise ConfigError(
+            "cast_lm_head_to_fp32 with a LoRA adapter on the output layer: the adapter would be bypassed; remove "
+            "lm_head from lora_target_modules, or set cast_lm_head_to_fp32: false."
+        )
     completion_ids_NT = batch["completion_ids"]
     n, t = completion_ids_NT.shape
     if padding_free:
@@ -133,12 +150,14 @@ def completion_logps(
         index_K = (torch.arange(n)[:, None] * width + (width - t - 1) + torch.arange(t)[None, :]).flatten()
         index_K, target_K = index_K.to(completion_ids_NT.device), completion_ids_NT.flatten()
         inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
-    with _head_returns_logps(head, index_K, target_K, temperature, chunk_tokens):
-        logps_K = model(**inputs, use_cache=False).logits
-    if not padding_free:
-        return logps_K.view(n, t)
-    out_NT = logps_K.new_zeros((n, t))
-    return out_NT.index_put(packed.scatter, logps_K)
+    with _head_returns_logps(head, index_K, target_K, temperature, chunk_tokens, entropy, fp32_head):
+        out_K = model(**inputs, use_cache=False).logits  # [K], or [K, 2]: log-prob and entropy
+    if padding_free:
+        out_K = out_K.new_zeros((n, t, *out_K.shape[1:])).index_put(packed.scatter, out_K)
+    out_NT = out_K.view(n, t, -1)
+    if entropy is None:
+        return out_NT[..., 0]
+    return out_NT[..., 0], out_NT[..., 1] if entropy == "grad" else out_NT[..., 1].detach()
 
 
 def _output_layer(model: nn.Module) -> nn.Module:
@@ -151,18 +170,51 @@ def _output_layer(model: nn.Module) -> nn.Module:
     return head
 
 
-def _chunk_logps(forward, hidden_KH: torch.Tensor, target_K: torch.Tensor, temperature: float) -> torch.Tensor:
+def _chunk_logps(
+    forward, hidden_KH: torch.Tensor, target_K: torch.Tensor, temperature: float, entropy: str | None
+) -> torch.Tensor:
+    """[K] log-probs of `target_K`, or [K, 2] log-probs and entropies, from one chunk's logits."""
     logits_KV = forward(hidden_KH).float() / temperature
-    return logits_KV.gather(-1, target_K.unsqueeze(-1)).squeeze(-1) - logits_KV.logsumexp(-1)
+    lse_K = logits_KV.logsumexp(-1)
+    logps_K = logits_KV.gather(-1, target_K.unsqueeze(-1)).squeeze(-1) - lse_K
+    if entropy is None:
+        return logps_K
+    if entropy == "grad":
+        entropy_K = lse_K - (torch.softmax(logits_KV, -1) * logits_KV).sum(-1)
+    else:
+        # Computed last and without autograd, so a checkpoint's recomputation stops before it; in place, so it
+        # costs one more [K, V] buffer.
+        with torch.no_grad():
+            entropy_K = lse_K - (logits_KV - lse_K[:, None]).exp_().mul_(logits_KV).sum(-1)
+    return torch.stack([logps_K, entropy_K], -1)
+
+
+def _fp32_forward(head: nn.Module):
+    """`head`'s linear map in float32, outside autocast: its weights are read (and upcast) at each call, so
+    gathered (ZeRO-3) or updated weights are the ones used."""
+
+    def forward(hidden_KH: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(hidden_KH.device.type, enabled=False):
+            bias = None if head.bias is None else head.bias.float()
+            return nn.functional.linear(hidden_KH.float(), head.weight.float(), bias)
+
+    return forward
 
 
 @contextmanager
 def _head_returns_logps(
-    head: nn.Module, index_K: torch.Tensor, target_K: torch.Tensor, temperature: float, chunk_tokens: int
+    head: nn.Module,
+    index_K: torch.Tensor,
+    target_K: torch.Tensor,
+    temperature: float,
+    chunk_tokens: int,
+    entropy: str | None = None,
+    fp32_head: bool = False,
 ) -> Iterator[None]:
     """While active, `head` maps the model's final hidden states [R, L, H] to the log-probs [K] of `target_K` at
-    the flat positions `index_K`, instead of to logits. Hooks on `head` (DeepSpeed's gathers) still run."""
-    forward = head.forward
+    the flat positions `index_K` (with `entropy`, [K, 2]: log-probs and entropies), instead of to logits. Hooks on
+    `head` (DeepSpeed's gathers) still run."""
+    forward = _fp32_forward(head) if fp32_head else head.forward
     own_forward = head.__dict__.get("forward")  # an instance-level forward (e.g. set by an accelerate hook)
 
     def logps(hidden_RLH: torch.Tensor) -> torch.Tensor:
@@ -171,10 +223,11 @@ def _head_returns_logps(
         for start in range(0, len(index_K), chunk_tokens):
             args = (forward, hidden_KH[start : start + chunk_tokens], target_K[start : start + chunk_tokens])
             if torch.is_grad_enabled():
-                parts.append(checkpoint(_chunk_logps, *args, temperature, use_reentrant=False))
+                parts.append(checkpoint(_chunk_logps, *args, temperature, entropy, use_reentrant=False))
             else:
-                parts.append(_chunk_logps(*args, temperature))
-        return torch.cat(parts) if parts else hidden_RLH.new_zeros(0)
+                parts.append(_chunk_logps(*args, temperature, entropy))
+        empty = (0,) if entropy is None else (0, 2)
+        return torch.cat(parts) if parts else hidden_RLH.new_zeros(empty)
 
     head.forward = logps
     try:

@@ -5,10 +5,14 @@ Definitions follow TRL's `GRPOTrainer` so the same inputs give the same numbers.
 """
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 from trl.trainer.utils import nanstd
+
+# Every rank's values of a per-completion tensor, concatenated (NaN where a rank had fewer); identity on one rank.
+Gather = Callable[[torch.Tensor], torch.Tensor]
 
 
 def weighted_rewards(rewards_NF: torch.Tensor, weights_F: torch.Tensor) -> torch.Tensor:
@@ -25,13 +29,17 @@ def weighted_rewards(rewards_NF: torch.Tensor, weights_F: torch.Tensor) -> torch
     return rewards_N.masked_fill(rewards_NF.isnan().all(dim=1), float("nan"))
 
 
-def group_advantages(rewards_N: torch.Tensor, num_generations: int, scale_rewards: str = "group") -> torch.Tensor:
+def group_advantages(
+    rewards_N: torch.Tensor, num_generations: int, scale_rewards: str = "group", gather: Gather | None = None
+) -> torch.Tensor:
     """Advantages normalised within each group of `num_generations` consecutive completions.
 
     Args:
         rewards_N: total reward of each completion, groups contiguous; NaN for an unscorable completion.
         num_generations: the group size G; N must be a multiple of it.
-        scale_rewards: "group" divides by the group's std, "batch" by the std of all N, "none" does not scale.
+        scale_rewards: "group" divides by the group's std, "batch" by the std of the whole batch (every rank's
+            rewards, as TRL's), "none" does not scale.
+        gather: every rank's rewards from this rank's (only "batch" calls it); None: this rank is the batch.
 
     Returns:
         advantages_N: reward minus its group's mean, scaled as asked. A group whose rewards are all equal gets
@@ -44,19 +52,23 @@ def group_advantages(rewards_N: torch.Tensor, num_generations: int, scale_reward
     if scale_rewards == "group":
         advantages_N = advantages_N / (nanstd(grouped_GxK, dim=1).repeat_interleave(num_generations) + 1e-4)
     elif scale_rewards == "batch":
-        advantages_N = advantages_N / (nanstd(rewards_N) + 1e-4)
+        advantages_N = advantages_N / (nanstd(gather(rewards_N) if gather else rewards_N) + 1e-4)
     elif scale_rewards != "none":
         raise ValueError(f"unknown scale_rewards {scale_rewards!r}")
     return torch.nan_to_num(advantages_N, nan=0.0)
 
 
-def normalize_then_sum(rewards_NF: torch.Tensor, weights_F: torch.Tensor, num_generations: int) -> torch.Tensor:
+def normalize_then_sum(
+    rewards_NF: torch.Tensor, weights_F: torch.Tensor, num_generations: int, gather: Gather | None = None
+) -> torch.Tensor:
     """GDPO's aggregation (TRL's `multi_objective_aggregation: normalize_then_sum`): each function's rewards are
-    normalised within their group, then weighted and summed, and the sums normalised over the batch.
+    normalised within their group, then weighted and summed, and the sums normalised over the batch (every rank's,
+    as TRL's).
 
     Args:
         rewards_NF: one column per reward function, groups contiguous; NaN where a function abstained.
         weights_F: one weight per function.
+        gather: every rank's summed rewards from this rank's; None: this rank is the batch.
 
     Returns:
         advantages_N: 0 for a completion no function scored.
@@ -67,8 +79,9 @@ def normalize_then_sum(rewards_NF: torch.Tensor, weights_F: torch.Tensor, num_ge
     normalised_NF = ((grouped_GKF - mean_G1F) / (std_G1F + 1e-4)).view_as(rewards_NF)
     rewards_N = (normalised_NF * weights_F).nansum(dim=1)
     rewards_N = rewards_N.masked_fill(rewards_NF.isnan().all(dim=1), float("nan"))
-    std = nanstd(rewards_N) if rewards_N.numel() > 1 else torch.zeros(())
-    return torch.nan_to_num((rewards_N - torch.nanmean(rewards_N)) / (std + 1e-4), nan=0.0)
+    batch_M = gather(rewards_N) if gather else rewards_N
+    std = nanstd(batch_M) if batch_M.numel() > 1 else torch.zeros(())
+    return torch.nan_to_num((rewards_N - torch.nanmean(batch_M)) / (std + 1e-4), nan=0.0)
 
 
 def log_importance_weights(
@@ -249,6 +262,7 @@ def policy_loss(
     sampling_weights: torch.Tensor | None = None,
     surrogate: Surrogate | None = None,
     sampling_logps_NT: torch.Tensor | None = None,
+    entropy_mask_NT: torch.Tensor | None = None,
 ) -> PolicyLoss:
     """The clipped surrogate loss of PPO/GRPO plus `beta` × KL, averaged the way `loss_type` says (TRL's).
 
@@ -276,6 +290,8 @@ def policy_loss(
             defaults.
         sampling_logps_NT: the sampling policy's log-probs the off-policy mask compares with (the engine's);
             None: `old_logps_NT`.
+        entropy_mask_NT: the high-entropy tokens (`colograd.entropy.high_entropy_mask`): only they keep their
+            policy term (the KL term stays on every token, as in TRL).
 
     Returns:
         The loss, with the ratios and KL it was built from (detached, for metrics).
@@ -299,6 +315,8 @@ def policy_loss(
         per_token_NT = per_token_NT * off_policy_mask(
             adv_N1, logps_NT, sampling_logps_NT, mask_NT, surrogate.off_policy_mask_threshold
         )
+    if entropy_mask_NT is not None:
+        per_token_NT = per_token_NT * entropy_mask_NT
     if sampling_weights is not None and loss_type != "vespo":
         per_token_NT = per_token_NT * sampling_weights
     kl_NT = None
@@ -312,6 +330,30 @@ def policy_loss(
         kl_NT = kl_NT.detach()
     loss = reduce_loss(per_token_NT * mask_NT, mask_NT, loss_type, max_completion_length, num_items)
     return PolicyLoss(loss, ratio.detach(), kl_NT)
+
+
+def masked_mean(x: torch.Tensor, mask_NT: torch.Tensor) -> float:
+    """Mean of `x` over the counted tokens ([N, T]), or over completions for one value each ([N, 1])."""
+    if x.size(1) == 1:
+        return x.float().mean().item()
+    return ((x * mask_NT).sum() / mask_NT.sum().clamp(min=1.0)).item()
+
+
+def loss_metrics(
+    out: PolicyLoss,
+    advantages_N: torch.Tensor,
+    mask_NT: torch.Tensor,
+    epsilon_low: float,
+    epsilon_high: float,
+) -> dict[str, float]:
+    """TRL's per-micro-step loss metrics, each a mean over the counted tokens: `clip_ratio/{low,high,region}_mean`
+    and `kl` (when beta > 0)."""
+    mask_NT = mask_NT.float()
+    clipped = clipped_fractions(out.ratio, advantages_N, epsilon_low, epsilon_high)
+    metrics = {f"clip_ratio/{name}_mean": masked_mean(where.float(), mask_NT) for name, where in clipped.items()}
+    if out.kl_NT is not None:
+        metrics["kl"] = masked_mean(out.kl_NT, mask_NT)
+    return metrics
 
 
 def reduce_loss(

@@ -38,12 +38,13 @@ from colograd.config import GRPOConfig
 from colograd.config_loading import disable_dropout, model_init_kwargs, tokenizer_kwargs
 from colograd.data import keep_rows, tokenize_prompts
 from colograd.engine import Engine, Rollout
+from colograd.entropy import EntropyTerms
 from colograd.evaluation import evaluate
 from colograd.logps import completion_logps
 from colograd.loss import (
     Surrogate,
-    clipped_fractions,
     group_advantages,
+    loss_metrics,
     normalize_then_sum,
     policy_loss,
     sampling_correction,
@@ -53,18 +54,11 @@ from colograd.modelcard import Recipe, model_card, write_model_card
 from colograd.preemption import Preemption, stage_failures
 from colograd.preflight import check_argument_order, check_trainer_inputs, check_wrapped_trainer
 from colograd.reference import ReferencePolicy
-from colograd.rewards import RewardFunc, RewardModel, resolve_rewards, reward_name, score
+from colograd.rewards import RewardFunc, RewardModel, across_ranks, resolve_rewards, reward_name, score
 from colograd.streaming import check_stream_resume, rollout_stream
 from colograd.sync import WeightPlan, is_sharded
 from colograd.timing import OptimizerTimer, PhaseTimes, format_summary, run_summary, window_metrics
 from colograd.tools import ToolCallParser
-
-
-def _masked_mean(x: torch.Tensor, mask_NT: torch.Tensor) -> float:
-    """Mean of `x` over the counted tokens ([N, T]), or over completions for one value each ([N, 1])."""
-    if x.size(1) == 1:
-        return x.mean().item()
-    return ((x * mask_NT).sum() / mask_NT.sum().clamp(min=1.0)).item()
 
 
 class GRPOTrainer(Trainer):
@@ -127,7 +121,7 @@ class GRPOTrainer(Trainer):
             self.reward_funcs += self.agents.reward_funcs
             self.reward_weights = torch.cat([self.reward_weights, torch.ones(len(self.agents.reward_funcs))])
         # Copied before the Trainer wraps the model, so the copy is the initial policy, whole on every rank.
-        self.reference = ReferencePolicy(model) if args.beta != 0.0 else None
+        self.reference = ReferencePolicy(model, args) if args.beta != 0.0 else None
 
         super().__init__(
             model=model,
@@ -150,6 +144,7 @@ class GRPOTrainer(Trainer):
         self.engine = Engine(unwrapped, processing_class, args, lora_rank=self._lora_rank)
         if self.reference is not None:
             self.reference.prepare(self.accelerator)
+            self.add_callback(self.reference)  # sync_ref_model's updates
         for func in self.reward_funcs:
             if isinstance(func, RewardModel):
                 func.model.to(self.accelerator.device)
@@ -160,6 +155,8 @@ class GRPOTrainer(Trainer):
         self._rollout_rows: list[dict] = []  # the dataset rows of the current rollout
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._times = PhaseTimes()
+        self.entropy = EntropyTerms(args, self.accelerator, across_ranks(self.accelerator), self._metrics)
+        self.add_callback(self.entropy)
         self.add_callback(OptimizerTimer(self._times, self._metrics))
         self.preemption = Preemption()
         self.add_callback(self.preemption)
@@ -181,6 +178,7 @@ class GRPOTrainer(Trainer):
         self._synced_step = None
         # The first logging window starts where the run (re)starts: time/* are divided by its steps.
         self._last_logged_step = checkpoint_step(checkpoint) if checkpoint else 0
+        self.entropy.resume(checkpoint)
         if checkpoint and self._completion_log is not None:
             self._completion_log.forget_after(self._last_logged_step)
         self._times.reset()  # the summary covers this call
@@ -384,8 +382,8 @@ class GRPOTrainer(Trainer):
         zero_std_G = torch.isclose(group_std_G, torch.zeros_like(group_std_G))
         self._metrics["frac_reward_zero_std"].append(zero_std_G.float().mean().item())
         if self.args.multi_objective_aggregation == "normalize_then_sum":
-            return normalize_then_sum(rewards_NF, self.reward_weights, g)
-        return group_advantages(rewards_N, g, self.args.scale_rewards)
+            return normalize_then_sum(rewards_NF, self.reward_weights, g, across_ranks(self.accelerator))
+        return group_advantages(rewards_N, g, self.args.scale_rewards, across_ranks(self.accelerator))
 
     @torch.no_grad()
     def rollout_logps(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -420,7 +418,7 @@ class GRPOTrainer(Trainer):
         """The GRPO loss of one rollout slice. The old log-probs are the stored ones when the slice is trained
         after an optimizer step, else the current ones detached (ratio 1, gradient not)."""
         mask_NT = inputs["completion_mask"]
-        logps_NT = self.completion_logps(model, inputs)
+        logps_NT, entropy_NT = self.completion_logps(model, inputs, entropy=self.entropy.mode)
         if model.training:
             self._times.count("trained", inputs["attention_mask"].sum().item(), self._metrics)
         # On-policy, and on a rollout's first slice, the current weights are the ones that sampled. (When old
@@ -432,6 +430,7 @@ class GRPOTrainer(Trainer):
         if self.args.vllm_importance_sampling_correction:
             # The trainer's log-probs of the sampling policy: stored with the rollout, or, on-policy, the current.
             sampling_weights = self.sampling_correction(inputs.get("old_logps", logps_NT.detach()), inputs)
+        entropy_mask_NT = self.entropy.mask(entropy_NT, mask_NT)
         out = policy_loss(
             logps_NT,
             inputs.get("old_logps", logps_NT.detach()),
@@ -449,15 +448,13 @@ class GRPOTrainer(Trainer):
             sampling_weights=sampling_weights,
             surrogate=Surrogate(*(getattr(self.args, name) for name in Surrogate._fields)),
             sampling_logps_NT=inputs.get("engine_logps"),
+            entropy_mask_NT=entropy_mask_NT,
         )
-        if "loss_scale" in inputs:  # one pass of several over a slice (`micro_batch_tokens`)
-            out = out._replace(loss=out.loss * inputs["loss_scale"])
-        mask_NT = mask_NT.float()
-        clipped = clipped_fractions(out.ratio, inputs["advantages"], self.args.epsilon, self.args.epsilon_high)
-        for name, where in clipped.items():
-            self._metrics[f"clip_ratio/{name}_mean"].append(_masked_mean(where.float(), mask_NT))
-        if out.kl_NT is not None:
-            self._metrics["kl"].append(_masked_mean(out.kl_NT, mask_NT))
+        loss = self.entropy.regularize(out.loss, entropy_NT, mask_NT, entropy_mask_NT, model.training)
+        out = out._replace(loss=loss * inputs["loss_scale"] if "loss_scale" in inputs else loss)  # micro_batch_tokens
+        metrics = loss_metrics(out, inputs["advantages"], mask_NT, self.args.epsilon, self.args.epsilon_high)
+        for name, value in metrics.items():
+            self._metrics[name].append(value)
         return out.loss
 
     def sampling_correction(self, trainer_logps_NT: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -479,11 +476,11 @@ class GRPOTrainer(Trainer):
             self._metrics["sampling/importance_sampling_ratio/max"].append(counted.max().item())
         return weights
 
-    def completion_logps(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Log-probs of the completion tokens under `model`, at the sampling temperature: [N, T].
-
-        Padding-free (packed) or on the padded rows, as `padding_free` says; see `colograd.logps`.
-        """
+    def completion_logps(
+        self, model: nn.Module, inputs: dict[str, torch.Tensor], entropy: str | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs of the completion tokens under `model` at the sampling temperature, [N, T], and with `entropy`
+        ("detached" / "grad") each position's entropy; packed or not, head in fp32 or not, as args say (`logps`)."""
         return completion_logps(
             model,
             inputs,
@@ -491,6 +488,8 @@ class GRPOTrainer(Trainer):
             padding_free=self.args.padding_free,
             row_tokens=self.args.packed_row_tokens,
             chunk_tokens=self.args.logps_chunk_tokens,
+            entropy=entropy,
+            fp32_head=self.args.cast_lm_head_to_fp32,
         )
 
     def log_completions(

@@ -16,7 +16,6 @@ from colograd.errors import ConfigError
 
 _SERVER = "colograd runs its vLLM engine inside each training process (no server); remove it."
 _TRANSFORMERS_GENERATION = "colograd always generates with its vLLM engine, not transformers; remove it."
-_LATER = "is not implemented yet; remove it."
 
 
 # Help text -> (accepted values, reason). argparse takes a field's metadata as its own arguments, so the refusal
@@ -61,18 +60,12 @@ class TRLOnlyFields:
     log_completions_hub_repo: str | None = _only(
         None, why="completions go to output_dir/completions.jsonl, uploaded with output_dir by push_to_hub."
     )
-    router_aux_loss_coef: float | None = _only(None, why=f"the MoE load-balancing loss {_LATER}")
-    cast_lm_head_to_fp32: bool = _only(False, why=f"casting the output layer to float32 {_LATER}")
-    sync_ref_model: bool = _only(False, why=f"syncing the reference model {_LATER}")
-    ref_model_mixup_alpha: float = _only(0.6, why=f"syncing the reference model {_LATER}")
-    ref_model_sync_steps: int = _only(512, why=f"syncing the reference model {_LATER}")
-    top_entropy_quantile: float = _only(1.0, why=f"entropy masking {_LATER}")
-    entropy_coef: float = _only(0.0, why=f"the entropy bonus {_LATER}")
-    use_adaptive_entropy: bool = _only(False, why=f"adaptive entropy control {_LATER}")
-    entropy_coef_min: float = _only(0.0, why=f"adaptive entropy control {_LATER}")
-    entropy_coef_max: float = _only(1.0, why=f"adaptive entropy control {_LATER}")
-    entropy_coef_delta: float = _only(0.005, why=f"adaptive entropy control {_LATER}")
-    entropy_target: float = _only(0.2, why=f"adaptive entropy control {_LATER}")
+    router_aux_loss_coef: float | None = _only(
+        None,
+        0.0,
+        why="colograd trains dense models: its weight sync does not translate Mixture-of-Experts expert layers "
+        "(fused in transformers 5) into the engine, so there is no load-balancing loss to weight; remove it.",
+    )
     vllm_importance_sampling_cap: float | None = field(
         default=None, metadata={"help": "TRL's deprecated name of vllm_importance_sampling_clip_max; sets it."}
     )

@@ -95,6 +95,12 @@ def test_engine_logps_stand_in_for_old_logps_only_when_equal_to_the_trainers(kwa
         ({"multi_objective_aggregation": "sum"}, "multi_objective_aggregation='sum' is unknown"),
         ({"off_policy_mask_threshold": 0.0}, "off_policy_mask_threshold=0.0"),
         ({"loss_type": "sapo", "sapo_temperature_neg": 0.0}, "sapo_temperature_neg=0.0"),
+        ({"top_entropy_quantile": 1.5}, "top_entropy_quantile=1.5"),
+        ({"use_adaptive_entropy": True, "entropy_coef_min": 0.5, "entropy_coef_max": 0.1}, "entropy_coef_min=0.5"),
+        ({"entropy_coef": 0.01, "micro_batch_tokens": 64}, "remove micro_batch_tokens or the entropy option"),
+        ({"sync_ref_model": True}, "sync_ref_model with beta=0"),
+        ({"beta": 0.04, "sync_ref_model": True, "ref_model_mixup_alpha": 1.5}, "ref_model_mixup_alpha=1.5"),
+        ({"beta": 0.04, "sync_ref_model": True, "ref_model_sync_steps": 0}, "ref_model_sync_steps=0"),
     ],
 )
 def test_invalid_fields_are_named(kwargs, names):

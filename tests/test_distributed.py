@@ -98,10 +98,11 @@ def test_tensor_parallel_engine_spans_both_ranks(tmp_path):
 def test_zero3_sharded_training_syncs_in_buckets(tmp_path):
     """DeepSpeed ZeRO-3 on 2 ranks: parameters are partitioned during training, the sync gathers them a
     bucket of layers at a time (a 0.1 MiB budget gives several buckets), and the engine matches the trainer.
-    With beta > 0 the reference copy is partitioned too, and the KL to it starts at 0 and grows."""
+    With beta > 0 the reference copy is partitioned too, and the KL to it starts at 0 and grows; sync_ref_model
+    mixes the partitioned policy into it at step 2."""
     proc = launch(
         "tests/scripts/grpo_check.py", str(tmp_path), "--steps", "3", "--bucket-mib", "0.1", "--beta", "0.04",
-        config="tests/configs/zero3_cpu.yaml", env={"DS_ACCELERATOR": "cpu"},
+        "--sync-ref-steps", "2", config="tests/configs/zero3_cpu.yaml", env={"DS_ACCELERATOR": "cpu"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     for rank in (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)):
@@ -111,7 +112,7 @@ def test_zero3_sharded_training_syncs_in_buckets(tmp_path):
         assert rank["parity_gap"] <= 1e-4
         steps = [h for h in rank["log_history"] if "loss" in h]
         assert max(h["sampling/sampling_logp_difference/max"] for h in steps) < 1e-3
-        assert rank["reference_sharded"]
+        assert rank["reference_sharded"] and rank["reference_moved"]
         assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-6) and steps[-1]["kl"] > 1e-6
 
 

@@ -1,9 +1,13 @@
 """The GRPO family end to end: 2 processes, the real engine, one short run per loss type (one launch)."""
 
 import json
+import math
 
 import pytest
+import torch
 from conftest import launch
+
+from colograd.loss import group_advantages
 
 RUNS = ["grpo", "dr_grpo", "bnpo", "dapo", "lora"]
 CLIP_METRICS = ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"]
@@ -114,3 +118,31 @@ def test_weighted_rewards_sync_async_abstaining_and_model(runs):
 
 def test_conversational_prompts_get_the_chat_template(runs):
     assert runs["grpo"][0]["first_prompt"].startswith("u:") and runs["grpo"][0]["first_prompt"].endswith(";a:")
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_entropy_is_logged_at_every_step(runs, name):
+    for entry in steps(runs[name][0]):
+        assert 0.0 < entry["entropy"] <= math.log(64) + 1e-4  # the tiny model's vocabulary
+
+
+def test_adaptive_entropy_coefficient_rises_below_its_target(runs):
+    # dr_grpo: entropy_target 10 is above any entropy of a 64-token vocabulary: +0.01 after every optimizer step.
+    for record in runs["dr_grpo"]:
+        coefs = [entry["entropy_coef"] for entry in steps(record)]
+        assert coefs == pytest.approx([0.02, 0.03, 0.04, 0.05])
+        assert all("policy_loss" in entry for entry in steps(record))
+
+
+def test_sync_ref_model_moves_the_reference_copy(runs):
+    assert runs["dapo"][0]["reference_moved"] and runs["dapo"][1]["reference_moved"]
+    assert not runs["grpo"][0]["reference_moved"]  # without sync_ref_model the copy stays the initial model
+
+
+def test_batch_scaled_advantages_use_every_ranks_rewards(runs):
+    # bnpo scales by the std of the whole batch (both ranks' rewards), as TRL's gathered batch does.
+    ranks = runs["bnpo"]
+    for (rewards_0, adv_0), (rewards_1, adv_1) in zip(ranks[0]["advantages"], ranks[1]["advantages"], strict=True):
+        rewards_N = torch.tensor(rewards_0 + rewards_1)[:, 0]  # one reward function, weight 1
+        expected = group_advantages(rewards_N, 8, "batch")
+        assert torch.allclose(torch.tensor(adv_0 + adv_1), expected, atol=1e-5)

@@ -1,10 +1,14 @@
 """The GRPO math against values worked out by hand."""
 
+import json
 import math
+from collections import defaultdict
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from colograd.entropy import EntropyTerms, high_entropy_mask, next_coef
 from colograd.loss import (
     clipped_fractions,
     group_advantages,
@@ -134,3 +138,38 @@ def test_clipped_fractions_by_hand():
     assert clipped["low"].tolist() == [[True, False, False], [False, False, False]]
     assert clipped["high"].tolist() == [[False, False, False], [False, True, False]]
     assert clipped["region"].sum().item() == 2
+
+
+def test_adaptive_entropy_state_round_trips_through_a_checkpoint_in_trls_file(tmp_path):
+    args = SimpleNamespace(use_adaptive_entropy=True, entropy_coef=0.1, top_entropy_quantile=1.0,
+                           output_dir=str(tmp_path), should_save=True)  # fmt: skip
+    saved = EntropyTerms(args, None, None, defaultdict(list))
+    saved.coef, saved.last_entropy = 0.035, 1.25
+    (tmp_path / "checkpoint-3").mkdir()
+    saved.on_save(args, SimpleNamespace(global_step=3), None)
+    state = json.loads((tmp_path / "checkpoint-3" / "entropy_ctrl_state.json").read_text())
+    assert state == {"entropy_coef": 0.035, "last_world_entropy": 1.25}  # the keys TRL reads back
+    resumed = EntropyTerms(args, None, None, defaultdict(list))
+    resumed.resume(str(tmp_path / "checkpoint-3"))
+    assert (resumed.coef, resumed.last_entropy) == (0.035, 1.25)
+    fresh = EntropyTerms(args, None, None, defaultdict(list))
+    fresh.resume(None)  # a run that starts from scratch keeps its initial coefficient
+    assert (fresh.coef, fresh.last_entropy) == (0.1, math.inf)
+
+
+def test_high_entropy_mask_by_hand():
+    entropy = torch.tensor([[1.0, 2.0, 3.0, 9.0], [4.0, 5.0, 9.0, 9.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])  # the 9s are padding or tool results
+    # ρ = 0.4: the 0.6 quantile of [1, 2, 3, 4, 5] is 3.4, so 4 and 5 keep their loss.
+    kept = high_entropy_mask(entropy, mask, 0.4)
+    assert kept.tolist() == [[False, False, False, False], [True, True, False, False]]
+    # Another rank's tokens move the threshold: with [0.5] × 5 there, the 0.6 quantile of all ten (position 5.4 of
+    # 0.5 0.5 0.5 0.5 0.5 1 2 3 4 5) is 1.4.
+    everyone = high_entropy_mask(entropy, mask, 0.4, gather=lambda x: torch.cat([x, torch.full((5,), 0.5)]))
+    assert everyone.tolist() == [[False, True, True, False], [True, True, False, False]]
+
+
+def test_adaptive_entropy_coefficient_steps_by_hand():
+    assert next_coef(0.1, 0.5, target=0.8, delta=0.05, low=0.0, high=0.12) == 0.12  # below target: up, capped
+    assert next_coef(0.1, 0.8, target=0.8, delta=0.05, low=0.0, high=1.0) == pytest.approx(0.15)  # at target: up
+    assert next_coef(0.03, 2.0, target=0.8, delta=0.05, low=0.01, high=1.0) == 0.01  # above: down, floored

@@ -1,12 +1,15 @@
 """The reference policy: a frozen copy, or (with LoRA) the same model with its adapters disabled."""
 
 import contextlib
+import copy
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 from peft import LoraConfig, get_peft_model
+from trl.trainer import callbacks as trl_callbacks
+from trl.trainer.callbacks import SyncRefModelCallback
 
 from colograd import GRPOConfig, GRPOTrainer, tiny
 from colograd.batch import pad_rollout
@@ -16,6 +19,7 @@ from colograd.loss import policy_loss
 from colograd.reference import ReferencePolicy
 
 IDS = torch.tensor([[5, 6, 7, 8, 9, 10]])
+NO_SYNC = SimpleNamespace(sync_ref_model=False)
 
 
 def logits(model: torch.nn.Module) -> torch.Tensor:
@@ -26,7 +30,7 @@ def logits(model: torch.nn.Module) -> torch.Tensor:
 def test_frozen_copy_keeps_the_initial_weights():
     model = tiny.build_model()
     initial = logits(model)
-    reference = ReferencePolicy(model)
+    reference = ReferencePolicy(model, NO_SYNC)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05)  # as an optimizer step would
@@ -40,7 +44,7 @@ def test_lora_reference_is_the_base_model_without_a_copy():
     base = tiny.build_model()
     base_logits = logits(base)
     model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
-    reference = ReferencePolicy(model)
+    reference = ReferencePolicy(model, NO_SYNC)
     assert reference.frozen is None  # nothing copied
     assert not torch.allclose(logits(model), base_logits)  # the adapters change the policy...
     with reference.model(model) as ref:
@@ -57,7 +61,7 @@ def test_trainer_reference_stage_with_lora_gives_base_logps_and_a_kl_gradient_on
     stand_in = SimpleNamespace(
         args=args,
         model=policy,
-        reference=ReferencePolicy(policy),
+        reference=ReferencePolicy(policy, NO_SYNC),
         accelerator=SimpleNamespace(unwrap_model=lambda m: m),
         compute_loss_context_manager=contextlib.nullcontext,
     )
@@ -89,10 +93,50 @@ def test_fsdp_ram_efficient_loading_with_a_copied_reference_is_refused(monkeypat
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         with pytest.raises(ConfigError, match="fsdp_cpu_ram_efficient_loading: false"):
-            ReferencePolicy(tiny.build_model())
+            ReferencePolicy(tiny.build_model(), NO_SYNC)
         lora = get_peft_model(tiny.build_model(), LoraConfig(r=4, target_modules=["q_proj"]))
-        assert ReferencePolicy(lora).frozen is None
+        assert ReferencePolicy(lora, NO_SYNC).frozen is None
         monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")
-        assert ReferencePolicy(tiny.build_model()).frozen is not None
+        assert ReferencePolicy(tiny.build_model(), NO_SYNC).frozen is not None
     finally:
         dist.destroy_process_group()
+
+
+def test_sync_ref_model_mixes_the_policy_in_as_trls_callback_on_its_schedule(monkeypatch):
+    # Outside a launch there is no accelerate state to ask about ZeRO-3: there is none.
+    monkeypatch.setattr(trl_callbacks, "AcceleratorState", lambda: SimpleNamespace(deepspeed_plugin=None))
+    policy = tiny.build_model(seed=1)
+    args = SimpleNamespace(sync_ref_model=True, ref_model_mixup_alpha=0.6, ref_model_sync_steps=3)
+    reference = ReferencePolicy(policy, args)
+    reference.prepare(SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None), device=torch.device("cpu"),
+                                      unwrap_model=lambda m: m))  # fmt: skip
+    trl_reference = copy.deepcopy(reference.frozen)
+    trl_callback = SyncRefModelCallback(ref_model=trl_reference, accelerator=None)
+    initial = [p.clone() for p in reference.frozen.parameters()]
+    updated_at = []
+    for step in range(1, 8):
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(0.01 * step)  # as an optimizer step would
+        before = [p.clone() for p in reference.frozen.parameters()]
+        state = SimpleNamespace(global_step=step)
+        reference.on_step_end(None, state, None, model=policy)
+        trl_callback.on_step_end(args, state, None, model=policy)
+        for ours, theirs in zip(reference.frozen.parameters(), trl_reference.parameters(), strict=True):
+            assert torch.equal(ours, theirs)
+        if any(not torch.equal(a, b) for a, b in zip(before, reference.frozen.parameters(), strict=True)):
+            updated_at.append(step)
+        if step == 3:  # by hand: 0.6 × the policy + 0.4 × the initial weights
+            mixed = [0.6 * p + 0.4 * p0 for p, p0 in zip(policy.parameters(), initial, strict=True)]
+            assert all(
+                torch.allclose(m, r, atol=1e-6) for m, r in zip(mixed, reference.frozen.parameters(), strict=True)
+            )
+    assert updated_at == [3, 6]
+
+
+def test_sync_ref_model_is_refused_with_lora_and_without_a_kl_term(tmp_path):
+    lora = get_peft_model(tiny.build_model(), LoraConfig(r=4, target_modules=["q_proj"]))
+    with pytest.raises(ConfigError, match="sync_ref_model with a LoRA model"):
+        ReferencePolicy(lora, SimpleNamespace(sync_ref_model=True))
+    with pytest.raises(ConfigError, match="sync_ref_model with beta=0"):
+        GRPOConfig(output_dir=str(tmp_path), sync_ref_model=True, beta=0.0)

@@ -1,4 +1,4 @@
-"""`python -m colograd.bench {sync,soak,step,tools} [--json]`: run one benchmark."""
+"""`python -m colograd.bench {sync,soak,step,tools,entropy} [--json]`: run one benchmark."""
 
 import argparse
 import importlib
@@ -8,6 +8,7 @@ BENCHMARKS = {
     "soak": "colograd.bench.soak",
     "step": "colograd.bench.step",
     "tools": "colograd.bench.tools",
+    "entropy": "colograd.bench.entropy",
 }
 
 
@@ -16,7 +17,9 @@ def main() -> None:
     parser.add_argument("name", choices=sorted(BENCHMARKS))
     parser.add_argument("--json", action="store_true", help="print one JSON line instead of a table")
     parser.add_argument(
-        "--repeats", type=int, help="sync (default 7), tools (default 3): timed repetitions; medians are reported"
+        "--repeats",
+        type=int,
+        help="sync (default 7), tools and entropy (default 3): timed repetitions; medians are reported",
     )
     parser.add_argument("--steps", type=int, default=300, help="soak: training steps")
     parser.add_argument(
@@ -32,7 +35,7 @@ def main() -> None:
     elif args.name == "step":
         for dtype in ("fp32", "bf16") if args.dtype == "both" else (args.dtype,):
             bench.run(size=args.model, dtype=dtype, as_json=args.json)
-    elif args.name == "tools":
+    elif args.name in ("tools", "entropy"):
         bench.run(repeats=args.repeats or 3, as_json=args.json)
     else:
         bench.run(repeats=args.repeats or 7, as_json=args.json)

@@ -15,7 +15,7 @@ from colograd.config_data import PromptOptions
 from colograd.config_generation import GenerationOptions
 from colograd.config_loading import LoadingOptions
 from colograd.config_logging import LoggingOptions
-from colograd.config_loss import SurrogateOptions
+from colograd.config_loss import RegularizerOptions, SurrogateOptions
 from colograd.trl_compat import TRLOnlyFields, trl_compat_table
 
 CLASSES = {
@@ -26,6 +26,7 @@ CLASSES = {
     "LoadingOptions": LoadingOptions,
     "LoggingOptions": LoggingOptions,
     "SurrogateOptions": SurrogateOptions,
+    "RegularizerOptions": RegularizerOptions,
     "TRLOnlyFields": TRLOnlyFields,
     "PromptOptions": PromptOptions,
 }

@@ -50,6 +50,15 @@ def zero3_gathered(params: list[torch.nn.Parameter]):
     return deepspeed.zero.GatheredParameters(params)
 
 
+def reference_moved(trainer: GRPOTrainer, initial: torch.nn.Module) -> bool:
+    """Whether the reference copy (whole, gathered under ZeRO-3) differs from the initial weights."""
+    if trainer.reference is None or trainer.reference.frozen is None:
+        return False
+    params = list(trainer.reference.frozen.parameters())
+    with zero3_gathered(params):
+        return any(not torch.equal(p.cpu(), q) for p, q in zip(params, initial.parameters(), strict=True))
+
+
 class RecordingTrainer(GRPOTrainer):
     """Overrides one stage, `generate`, to keep the sampled completions (and, to test failures, to end rank 1
     abruptly at step `die_at_step`, as a crash or an out-of-memory kill would)."""
@@ -92,6 +101,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--bucket-mib", type=float, default=512)
     parser.add_argument("--beta", type=float, default=0.0)
+    parser.add_argument("--sync-ref-steps", type=int, help="sync_ref_model every this many optimizer steps")
     parser.add_argument("--lora", choices=["merged", "adapter"], help="train LoRA adapters, synced this way")
     parser.add_argument("--tp", type=int, default=1, help="vllm_tensor_parallel_size")
     parser.add_argument("--die-at-step", type=int, help="rank 1 exits abruptly when this step starts")
@@ -103,6 +113,8 @@ def main() -> None:
         learning_rate=3e-3,
         sync_bucket_mib=cli.bucket_mib,
         beta=cli.beta,
+        sync_ref_model=cli.sync_ref_steps is not None,
+        ref_model_sync_steps=cli.sync_ref_steps or 512,
         lora_sync=cli.lora or "merged",
         vllm_tensor_parallel_size=cli.tp,
     )
@@ -147,6 +159,7 @@ def main() -> None:
                 "sync_buckets": len(trainer._weight_plan.buckets),
                 "local_numel": callback.local_numel,
                 "reference_sharded": trainer.reference is not None and is_sharded(trainer.reference.frozen),
+                "reference_moved": reference_moved(trainer, tiny.build_model(tie_word_embeddings=cli.tied)),
                 "lora_request": trainer.engine.lora_request is not None,
                 "engine_heads": trainer.engine.llm.collective_rpc(_attention_heads)[0],
                 "local_rank": int(os.environ["LOCAL_RANK"]),

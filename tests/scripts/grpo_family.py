@@ -4,16 +4,18 @@
 
     grpo     beta > 0 (frozen reference copy), num_iterations 2, a conversational dataset folder with a chat
              template, four weighted rewards: sync with a dataset column, async, one that abstains, a reward model
-    dr_grpo  importance_sampling_level sequence (GSPO), steps_per_generation 2 (one rollout, two optimizer steps)
+    dr_grpo  importance_sampling_level sequence (GSPO), steps_per_generation 2 (one rollout, two optimizer steps),
+             entropy masking and the adaptive entropy bonus
     bnpo     gradient accumulation 2 (one rollout per optimizer step), scale_rewards batch, masked truncations,
              sequence-level importance-sampling correction against the engine, padded (not packed) forward
     dapo     beta > 0, generation_batch_size over two optimizer steps, scale_rewards none, token-level
-             importance-sampling correction
+             importance-sampling correction, the reference updated toward the policy every 2 steps (sync_ref_model)
     lora     beta > 0 with a LoRA model: the reference is the model with its adapters disabled (no copy)
 
 Each rank writes OUT/<run>-rank<r>.json: the log history, whether the ranks' weights agreed after every step,
 the global step of every sync and of every rollout, per micro-step the largest |log π_θ - log π_old| (0 where
-the loss used the current log-probs) and whether they were the engine's own, and the first templated prompt.
+the loss used the current log-probs) and whether they were the engine's own, the first templated prompt, each
+rollout's rewards and advantages, and whether the reference copy moved from the initial weights.
 """
 
 import argparse
@@ -77,6 +79,7 @@ class RecordingTrainer(GRPOTrainer):
         self.old_logp_gaps: list[float] = []
         self.old_from_engine: list[bool] = []
         self.first_prompt: str | None = None
+        self.advantages: list[tuple[list, list]] = []
 
     def sync_weights(self) -> None:
         if self._synced_step != self.state.global_step:
@@ -91,6 +94,11 @@ class RecordingTrainer(GRPOTrainer):
     def generate(self, prompt_ids):
         self.rollouts_at.append(self.state.global_step)
         return super().generate(prompt_ids)
+
+    def compute_advantages(self, rewards_NF):
+        advantages_N = super().compute_advantages(rewards_NF)
+        self.advantages.append((rewards_NF.tolist(), advantages_N.tolist()))
+        return advantages_N
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if "old_logps" in inputs:
@@ -110,7 +118,16 @@ RUNS = {
     },
     "dr_grpo": {
         "steps": 4,
-        "config": {"loss_type": "dr_grpo", "importance_sampling_level": "sequence", "steps_per_generation": 2},
+        "config": {
+            "loss_type": "dr_grpo",
+            "importance_sampling_level": "sequence",
+            "steps_per_generation": 2,
+            "top_entropy_quantile": 0.5,
+            "use_adaptive_entropy": True,
+            "entropy_coef": 0.01,
+            "entropy_coef_delta": 0.01,
+            "entropy_target": 10.0,  # above the tiny model's entropy: the coefficient rises every step
+        },
     },
     "bnpo": {
         "steps": 2,
@@ -132,6 +149,8 @@ RUNS = {
             "generation_batch_size": 64,
             "scale_rewards": "none",
             "vllm_importance_sampling_correction": True,
+            "sync_ref_model": True,
+            "ref_model_sync_steps": 2,
         },
     },
     "lora": {"steps": 3, "config": {"loss_type": "grpo", "beta": 0.04}},
@@ -139,6 +158,14 @@ RUNS = {
 
 
 FINISHED: list[GRPOTrainer] = []
+
+
+def record_moved(trainer: GRPOTrainer) -> bool:
+    """Whether the reference copy differs from the initial weights (all runs start from `tiny.build_model()`)."""
+    if trainer.reference is None or trainer.reference.frozen is None:
+        return False
+    initial = tiny.build_model().parameters()
+    return any(not torch.equal(p, q) for p, q in zip(trainer.reference.frozen.parameters(), initial, strict=True))
 
 
 def train(name: str, out: str, data_dir: str) -> dict:
@@ -185,6 +212,8 @@ def train(name: str, out: str, data_dir: str) -> dict:
         "first_prompt": trainer.first_prompt,
         "steps_per_generation": args.steps_per_generation,
         "reference_is_a_copy": trainer.reference is not None and trainer.reference.frozen is not None,
+        "advantages": trainer.advantages,
+        "reference_moved": record_moved(trainer),
     }
     # Kept alive: freeing a trainer shuts its engine down, and vLLM's shutdown under the external launcher tears
     # down the torch process group the next run needs.
