@@ -20,6 +20,7 @@ import inspect
 import random
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -337,6 +338,60 @@ class Agents:
             [not ids or ids[-1] not in ends for ids in output["completion_ids"]],  # no end-of-text: cut (TRL's rule)
             tool_mask=output.get("env_mask"),
             prompt_ids=[list(ids) for ids in output["prompt_ids"]],
+        )
+
+
+class VLLMGeneration:
+    """`trainer.vllm_generation`: the part of TRL's `trl.generation.VLLMGeneration` (colocate mode) that
+    `rollout_func` code reaches for, backed by the trainer's own engine, so such code runs unchanged.
+
+    `generate` samples once per prompt entry (the entries already repeat each prompt G times, as in TRL's colocate
+    mode) with the run's sampling settings and returns TRL's tuple; `llm` is the `vllm.LLM` itself; `sync_weights`
+    writes the current weights into it (the engine already holds them when a `rollout_func` runs).
+    """
+
+    mode = "colocate"
+
+    def __init__(self, trainer: Any) -> None:
+        self._trainer = trainer
+        self.structured_outputs_regex = trainer.args.vllm_structured_outputs_regex
+        self.tensor_parallel_size = trainer.args.vllm_tensor_parallel_size
+
+    @property
+    def llm(self) -> Any:
+        return self._trainer.engine.llm
+
+    def sync_weights(self) -> None:
+        self._trainer.sync_weights()
+
+    def generate(
+        self, prompts: list[list[int]], images: list | None, num_generations: int, profiler: Any = None
+    ) -> tuple[list[list[int]], list[list[int]], list[list[list[float]]], list[list[list[int]]]]:
+        """One completion per entry of `prompts` (token ids), as TRL's colocate mode does (`num_generations` is
+        only read by TRL's server mode).
+
+        Returns:
+            prompt_ids [N][P], completion_ids [N][T], logprobs [N][T][1] (the sampled token's log-prob) and
+            logprob_token_ids [N][T][1] (the sampled token), TRL's shapes with `logprobs=0`.
+        """
+        if images is not None and any(i is not None for i in images):
+            raise ValueError("vllm_generation.generate: images are not supported; pass images=None.")
+        if self.tensor_parallel_size > 1:  # the ranks of one engine would have to pass the same prompts
+            raise ValueError("vllm_generation.generate does not support vllm_tensor_parallel_size > 1; set it to 1.")
+        engine = self._trainer.engine
+        with profiler or nullcontext():
+            outputs = engine.llm.generate(
+                [{"prompt_token_ids": list(ids)} for ids in prompts],
+                sampling_params(self._trainer.args, n=1),
+                lora_request=engine.lora_request,
+                use_tqdm=False,
+            )
+        samples = [request.outputs[0] for request in outputs]
+        return (
+            [list(request.prompt_token_ids) for request in outputs],
+            [list(s.token_ids) for s in samples],
+            [[[pos[t].logprob] for pos, t in zip(s.logprobs, s.token_ids, strict=True)] for s in samples],
+            [[[t] for t in s.token_ids] for s in samples],
         )
 
 

@@ -31,7 +31,7 @@ from transformers.trainer_utils import has_length
 from trl.data_utils import is_conversational
 from trl.trainer.utils import RepeatSampler, disable_dropout_in_model, nanstd
 
-from colograd.agents import Agents, RolloutFunc
+from colograd.agents import Agents, RolloutFunc, VLLMGeneration
 from colograd.batch import pad_rollout, split_by_tokens, split_rows
 from colograd.checkpoints import checkpoint_step, resolve_checkpoint
 from colograd.completions import CompletionLog
@@ -164,6 +164,7 @@ class GRPOTrainer(Trainer):
         if args.vllm_enable_sleep_mode and not torch.cuda.is_available():
             raise ConfigError("vllm_enable_sleep_mode frees GPU memory and needs a GPU; remove it on this machine.")
         self.engine = Engine(unwrapped, processing_class, args, lora_rank=self._lora_rank)
+        self.vllm_generation = VLLMGeneration(self)  # TRL's handle on the engine, for `rollout_func` code
         if self.reference is not None:
             self.reference.prepare(self.accelerator)
         for func in self.reward_funcs:

@@ -176,8 +176,7 @@ def test_agents_refuse_what_they_cannot_do_before_start_up(tmp_path):
 def wordle_style_rollout_func(prompts: list[str], trainer) -> dict[str, list]:
     """A `rollout_func` in the shape of TRL's examples (e.g. its Wordle one): one episode per prompt (the trainer
     passes each prompt G times), turns of model tokens and environment feedback, `env_mask` 0 on the feedback,
-    extra fields for the rewards. Only the engine handle is colograd's (`trainer.engine.llm`; in TRL's colocate mode
-    `trainer.vllm_generation.llm`)."""
+    extra fields for the rewards. The engine is reached as in TRL's colocate mode: `trainer.vllm_generation.llm`."""
     from vllm import SamplingParams
 
     tokenizer = trainer.processing_class
@@ -187,7 +186,7 @@ def wordle_style_rollout_func(prompts: list[str], trainer) -> dict[str, list]:
         completion, logprobs, env_mask = [], [], []
         for turn in range(2):
             params = SamplingParams(max_tokens=4, logprobs=0, seed=1000 * episode + turn)
-            sample = trainer.engine.llm.generate(
+            sample = trainer.vllm_generation.llm.generate(
                 [{"prompt_token_ids": prompt_ids + completion}], params, use_tqdm=False
             )[0].outputs[0]
             completion += sample.token_ids
@@ -222,6 +221,91 @@ def test_rollout_func_replaces_generation(tmp_path, monkeypatch):
     # The feedback tokens (logprob 0.0 stand-ins) are out of the gap: what is left is engine == trainer.
     assert step["sampling/sampling_logp_difference/max"] < 1e-3
     assert 2 <= step["completions/mean_length"] <= 8  # model tokens only, the feedback not counted
+
+
+# TRL's echo `rollout_func` example (docs/source/openenv.md, "Before (`rollout_func`)", until TRL removed it with
+# `trl.experimental.openenv.generate_rollout_completions` before 1.16), copied below unchanged. Two things around it
+# are local: `client` stands in for the echo environment's server (OpenEnv's echo_env: the message comes back,
+# reward 0.1 per character), and `generate_rollout_completions`, gone from TRL 1.16, is rebuilt from what TRL 1.16
+# offers a rollout_func for it, `trainer.vllm_generation.generate` (TRL's own `_generate_single_turn` calls it so).
+
+
+class EchoAction:
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+class LocalEchoEnv:
+    def step(self, action: EchoAction):
+        from types import SimpleNamespace
+
+        echoed = SimpleNamespace(echoed_message=action.message, reward=0.1 * len(action.message))
+        return SimpleNamespace(observation=echoed, reward=echoed.reward, done=False)
+
+
+client = LocalEchoEnv()
+tokenizer = tiny.build_tokenizer()
+
+
+def generate_rollout_completions(trainer, prompts):
+    """TRL's removed helper (colocate mode), on TRL 1.16's `VLLMGeneration.generate`: one completion per prompt."""
+    from trl.data_utils import is_conversational
+
+    tok = trainer.processing_class
+    if is_conversational({"prompt": prompts[0]}):
+        ids = [tok.apply_chat_template(p, add_generation_prompt=True, return_dict=False) for p in prompts]
+    else:
+        ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    prompt_ids, completion_ids, logprobs, _ = trainer.vllm_generation.generate(
+        prompts=ids, images=None, num_generations=trainer.args.num_generations
+    )
+    return [
+        {"prompt_ids": p, "completion_ids": c, "logprobs": [lp[0] for lp in lps], "text": tok.decode(c)}
+        for p, c, lps in zip(prompt_ids, completion_ids, logprobs, strict=True)
+    ]
+
+
+def rollout_func(prompts, trainer):
+    outputs = generate_rollout_completions(trainer, prompts)
+    env_rewards = []
+    for out in outputs:
+        text = tokenizer.decode(out["completion_ids"], skip_special_tokens=True)
+        result = client.step(EchoAction(message=text))
+        env_rewards.append(result.reward)
+    return {
+        "prompt_ids": [out["prompt_ids"] for out in outputs],
+        "completion_ids": [out["completion_ids"] for out in outputs],
+        "logprobs": [out["logprobs"] for out in outputs],
+        "env_reward": env_rewards,
+    }
+
+
+def reward_from_env(completions, **kwargs):  # TRL's examples/scripts/openenv/catch.py, unchanged
+    rewards = kwargs.get("env_reward", [])
+    return [float(r) for r in rewards] if rewards else [0.0] * len(completions)
+
+
+def test_trl_echo_rollout_func_runs_unchanged_on_vllm_generation(tmp_path, monkeypatch):
+    from colograd import GRPOTrainer
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    data = tiny.letters_dataset(16).map(lambda row: {"prompt": [{"role": "user", "content": row["prompt"]}]})
+    args = tiny.run_config(str(tmp_path), 1, per_device_train_batch_size=8, num_generations=4)
+    trainer = GRPOTrainer(tiny.build_model(), reward_from_env, args, data, processing_class=tokenizer,
+                          rollout_func=rollout_func)  # fmt: skip
+    # TRL's return shapes: per completion, the prompt's ids, the sampled ids, and [[logprob]] / [[token id]] per token.
+    prompt = tokenizer.apply_chat_template(data[0]["prompt"], add_generation_prompt=True, return_dict=False)
+    with trainer.engine.awake(sync=trainer.sync_weights):
+        prompt_ids, completion_ids, logprobs, token_ids = trainer.vllm_generation.generate([prompt] * 3, None, 3)
+    assert prompt_ids == [prompt] * 3 and len({tuple(c) for c in completion_ids}) == 3  # each entry its own sample
+    assert [[t] for t in completion_ids[0]] == token_ids[0] and all(len(lp) == 1 for lp in logprobs[0])
+    assert 0 < len(completion_ids[0]) <= args.max_completion_length
+    trainer.train()
+    (step,) = [h for h in trainer.state.log_history if "loss" in h]
+    # The environment's reward (0.1 per echoed character) reached the reward function through `env_reward`.
+    assert step["rewards/reward_from_env/mean"] == pytest.approx(0.1 * step["completions/mean_length"], rel=0.3)
+    assert step["sampling/sampling_logp_difference/max"] < 1e-3  # the engine's log-probs, returned in TRL's shape
 
 
 CHATML_WITH_TOOLS = (
