@@ -141,6 +141,42 @@ def test_tool_runner_turns_raises_timeouts_and_unknown_tools_into_error_results(
     assert "'nope' not found" in results[3].content and "unreadable" in results[4].content
 
 
+def test_hung_sync_tools_neither_exhaust_threads_nor_keep_the_process_alive():
+    import subprocess
+    import sys
+    import threading
+
+    never = threading.Event()
+
+    def hang(x: int) -> int:
+        never.wait()
+        return x
+
+    def double(x: int) -> int:
+        return 2 * x
+
+    runner = ToolRunner(timeout=0.2)
+    hung = runner.submit({"hang": hang}, [ToolCall("hang", {"x": i}) for i in range(100)])  # more than any pool
+    while not hung.ready():
+        time.sleep(0.01)
+    assert all(r.failed and "timed out" in r.content for r in hung.results())
+    start = time.monotonic()
+    after = runner.submit({"double": double}, [ToolCall("double", {"x": 21})])
+    while not after.ready():
+        time.sleep(0.01)
+    assert after.results()[0].content == "42" and time.monotonic() - start < 0.15  # not queued behind the hung ones
+    never.set()  # let this process's hung threads end
+    # A process whose tool still hangs ends when its work is done: nothing joins the tool's thread at exit.
+    script = (
+        "import time\nfrom colograd.tools import ToolCall, ToolRunner\n"
+        "def hang(x: int) -> int:\n    time.sleep(3600)\n"
+        "p = ToolRunner(timeout=0.1).submit({'hang': hang}, [ToolCall('hang', {'x': 1})])\n"
+        "while not p.ready():\n    time.sleep(0.01)\nprint(p.results()[0].failed)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-2000:]
+
+
 def test_hermes_parser_reads_the_qwen_format():
     text = 'Let me compute.\n<tool_call>\n{"name": "multiply", "arguments": {"a": 3, "b": 4}}\n</tool_call>'
     assert HermesToolParser().parse(text) == [ToolCall("multiply", {"a": 3, "b": 4})]
