@@ -166,9 +166,15 @@ def test_hung_sync_tools_neither_exhaust_threads_nor_keep_the_process_alive():
         time.sleep(0.01)
     assert after.results()[0].content == "42" and time.monotonic() - start < 0.15  # not queued behind the hung ones
     never.set()  # let this process's hung threads end
-    # A process whose tool still hangs ends when its work is done: nothing joins the tool's thread at exit.
+    # A process whose tool still hangs ends when its work is done: nothing joins the tool's thread at exit. (The
+    # module is loaded from its file: importing the colograd package would load torch and vLLM for nothing.)
+    import colograd.tools
+
     script = (
-        "import time\nfrom colograd.tools import ToolCall, ToolRunner\n"
+        "import importlib.util, time\n"
+        f"spec = importlib.util.spec_from_file_location('tools', {colograd.tools.__file__!r})\n"
+        "tools = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(tools)\n"
+        "ToolCall, ToolRunner = tools.ToolCall, tools.ToolRunner\n"
         "def hang(x: int) -> int:\n    time.sleep(3600)\n"
         "p = ToolRunner(timeout=0.1).submit({'hang': hang}, [ToolCall('hang', {'x': 1})])\n"
         "while not p.ready():\n    time.sleep(0.01)\nprint(p.results()[0].failed)\n"
@@ -484,3 +490,74 @@ def test_a_task_only_a_tool_solves_is_learned(tmp_path, monkeypatch):
     first, last = sum(h["reward"] for h in steps[:2]) / 2, sum(h["reward"] for h in steps[-2:]) / 2
     assert last > first + 0.2, f"reward went from {first:.2f} to {last:.2f}"
     assert steps[-1]["tools/call_frequency"] > steps[0]["tools/call_frequency"]
+
+
+class Tally:
+    """A second environment, for runs that mix environments: its tool counts the target letter."""
+
+    def reset(self, prompt: str, target: str, **row) -> str:
+        self.target, self.tallied = target, 0
+        return "!"
+
+    def tally(self, text: str) -> str:
+        """How often the target letter occurs in a text.
+
+        Args:
+            text: the text to look at.
+        """
+        self.tallied += 1
+        return str(text.count(self.target))
+
+    def get_reward(self) -> float:
+        return float(self.tallied > 0)
+
+
+class TwoToolParser:
+    """A turn that ends with ";" calls `peek`, one that ends with "." calls `tally`, with the turn's text."""
+
+    stop = [";", "."]
+
+    def parse(self, text: str) -> list[ToolCall]:
+        tool = {";": "peek", ".": "tally"}.get(text[-1:])
+        return [ToolCall(tool, {"text": text[:-1]})] if tool else []
+
+
+def test_environments_by_name_and_evaluation_run_the_agent_loop(tmp_path, monkeypatch):
+    """TRL's dict of environment factories: each row's `environment` picks one, its prompt shows only that one's
+    tools, and its completion may call only those; `get_reward` scores only its own class's completions. Then
+    `evaluate` runs the same loop: the eval prompts' completions call tools and get their environments' rewards."""
+    from colograd import GRPOTrainer
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    data = tiny.letters_dataset(32).map(lambda row, i: {"environment": ["oracle", "tally"][i % 2]}, with_indices=True)
+    args = tiny.run_config(str(tmp_path), 1, per_device_train_batch_size=32, num_generations=4,
+                           max_completion_length=16, num_generations_eval=2)  # fmt: skip
+    tokenizer = tiny.build_tokenizer()
+    tokenizer.chat_template = None
+    shown: list[list[str]] = []
+
+    class Recording(GRPOTrainer):
+        def prepare_prompts(self, rows):
+            shown.append(sorted(s["function"]["name"] for s in self.agents.schemas))
+            return super().prepare_prompts(rows)
+
+    trainer = Recording(tiny.build_model(), "letters", args, data, eval_dataset=data.select(range(8)),
+                        processing_class=tokenizer, environment_factory={"oracle": Oracle, "tally": Tally},
+                        tool_call_parser=TwoToolParser())  # fmt: skip
+    trainer.train()
+    envs = trainer.agents.environments
+    kinds = {"oracle": Oracle, "tally": Tally}
+    assert [type(e) for e in envs] == [kinds[row["environment"]] for row in trainer._rollout_rows for _ in range(4)]
+    assert shown[0] == ["peek", "tally"] and ["peek"] in shown and ["tally"] in shown  # first all, then each its own
+    assert any(getattr(e, "peeked", False) or getattr(e, "tallied", 0) for e in envs)
+    (step,) = [h for h in trainer.state.log_history if "loss" in h]
+    # A completion that calls the other environment's tool gets "not found": both markers are sampled by chance.
+    assert 0 < step["tools/failure_frequency"] < 1
+    assert "rewards/Tally/mean" in step and "rewards/Oracle/mean" not in step  # Oracle owns no reward
+    metrics = trainer.evaluate()
+    assert len(trainer.agents.environments) == 8 * 2  # the eval prompts, num_generations_eval each
+    assert metrics["eval_tools/call_frequency"] > 0 and 0 <= metrics["eval_tools/failure_frequency"] <= 1
+    assert "eval_rewards/Tally/mean" in metrics and metrics["eval_completions/mean_length"] <= 16
+    with pytest.raises(ValueError, match="environment='nowhere'"):
+        trainer.evaluate(data.select(range(2)).map(lambda row: {"environment": "nowhere"}))
