@@ -334,8 +334,8 @@ def test_trl_echo_rollout_func_runs_unchanged_on_vllm_generation(tmp_path, monke
         monkeypatch.delenv(name, raising=False)
     data = tiny.letters_dataset(16).map(lambda row: {"prompt": [{"role": "user", "content": row["prompt"]}]})
     args = tiny.run_config(str(tmp_path), 1, per_device_train_batch_size=8, num_generations=4)
-    trainer = GRPOTrainer(tiny.build_model(), reward_from_env, args, data, processing_class=tokenizer,
-                          rollout_func=rollout_func)  # fmt: skip
+    trainer = GRPOTrainer(tiny.build_model(), reward_from_env, args, data, eval_dataset=data.select(range(3)),
+                          processing_class=tokenizer, rollout_func=rollout_func)  # fmt: skip
     # TRL's return shapes: per completion, the prompt's ids, the sampled ids, and [[logprob]] / [[token id]] per token.
     prompt = tokenizer.apply_chat_template(data[0]["prompt"], add_generation_prompt=True, return_dict=False)
     with trainer.engine.awake(sync=trainer.sync_weights):
@@ -348,6 +348,11 @@ def test_trl_echo_rollout_func_runs_unchanged_on_vllm_generation(tmp_path, monke
     # The environment's reward (0.1 per echoed character) reached the reward function through `env_reward`.
     assert step["rewards/reward_from_env/mean"] == pytest.approx(0.1 * step["completions/mean_length"], rel=0.3)
     assert step["sampling/sampling_logp_difference/max"] < 1e-3  # the engine's log-probs, returned in TRL's shape
+    # Evaluation calls the rollout_func too (each eval prompt num_generations_eval times), as TRL's does.
+    metrics = trainer.evaluate()
+    assert metrics["eval_rewards/reward_from_env/mean"] == pytest.approx(
+        0.1 * metrics["eval_completions/mean_length"], rel=0.3
+    )
 
 
 CHATML_WITH_TOOLS = (
