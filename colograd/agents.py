@@ -20,6 +20,7 @@ import inspect
 import random
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -206,6 +207,8 @@ class Agents:
         environment_factory: makes one environment per completion (instances are kept and reset for later rollouts).
             `reset(**row)` may return text added to the prompt's last message; its public methods are tools;
             an optional `get_reward()` scores the finished completion (a reward function named after the class).
+            Or a dict of such factories by name: each row's `environment` field picks one, and only that
+            environment's tools (besides `tools`) are shown in the row's prompt (TRL's multi-environment runs).
         rollout_func: ``rollout_func(prompts, trainer) -> dict`` replaces generation: it gets each prompt G times and
             returns ``prompt_ids``, ``completion_ids`` and ``logprobs`` (one list per completion), optionally
             ``env_mask`` (0 on tokens the model did not sample); other keys reach the reward functions.
@@ -217,7 +220,7 @@ class Agents:
         tokenizer: PreTrainedTokenizerBase,
         args: GRPOConfig,
         tools: list[Callable] | None = None,
-        environment_factory: Callable[[], Any] | None = None,
+        environment_factory: Callable[[], Any] | dict[str, Callable[[], Any]] | None = None,
         rollout_func: RolloutFunc | None = None,
         parser: ToolCallParser | None = None,
     ) -> None:
@@ -226,18 +229,26 @@ class Agents:
                 "tools, environment_factory and rollout_func do not support vllm_tensor_parallel_size > 1 (the ranks "
                 "of one engine would have to schedule tool turns identically); set it to 1."
             )
-        if isinstance(environment_factory, dict):
-            raise ConfigError("environment_factory: pass one factory (a dict of several is not supported).")
         self.tokenizer, self.args, self.rollout_func = tokenizer, args, rollout_func
         self.tools = {func.__name__: func for func in tools or []}
-        self._pool: list[Any] = [environment_factory()] if environment_factory else []
-        self._factory = environment_factory
-        self._env_tools = _environment_tools(self._pool[0]) if self._pool else []
-        probe = [getattr(self._pool[0], name) for name in self._env_tools] if self._pool else []
+        # {name: factory}; one factory is the dict of one, named None, that every row uses (TRL's normalisation).
+        self._multi = isinstance(environment_factory, dict)
+        factories = environment_factory if self._multi else {None: environment_factory} if environment_factory else {}
+        self._factories: dict[str | None, Callable[[], Any]] = dict(factories)
+        self._pools = {name: [factory()] for name, factory in self._factories.items()}  # the probes seed the pools
+        self._env_tools = {name: _environment_tools(pool[0]) for name, pool in self._pools.items()}
         try:
-            self.schemas = [get_json_schema(func) for func in [*self.tools.values(), *probe]]
+            standalone = [get_json_schema(func) for func in self.tools.values()]
+            self._env_schemas = {
+                name: standalone + [get_json_schema(getattr(pool[0], tool)) for tool in self._env_tools[name]]
+                for name, pool in self._pools.items()
+            }
         except Exception as e:
             raise ConfigError(f"tools: {e} (a tool needs type hints and a docstring with an Args section)") from e
+        # The schemas a prompt is first rendered with: with several environments, every one's (TRL's union), until
+        # each rollout's prompt is rendered again with only its own environment's.
+        every = [schema for schemas in [standalone, *self._env_schemas.values()] for schema in schemas]
+        self.schemas = list({schema["function"]["name"]: schema for schema in every}.values())
         if self.schemas and parser is None and not tokenizer.chat_template:
             raise ConfigError(
                 "tools: the tokenizer has no chat template to show them to the model; use one that has, or pass a "
@@ -250,42 +261,49 @@ class Agents:
             else plain_result_ids(tokenizer)
         )
         self.runner = ToolRunner(args.tool_timeout)
-        has_reward = self._pool and callable(getattr(self._pool[0], "get_reward", None))
-        self.reward_funcs = [_environment_reward(type(self._pool[0]))] if has_reward else []
+        # One reward function per environment class that owns a reward (a class under two names counts once).
+        rewarded = dict.fromkeys(
+            type(p[0]) for p in self._pools.values() if callable(getattr(p[0], "get_reward", None))
+        )
+        self.reward_funcs = [_environment_reward(env_type) for env_type in rewarded]
         self.environments: list[Any] = []  # the last rollout's, one per completion
         # What the last rollout gives the reward functions, one value per completion.
         self.columns: dict[str, list] = {}
         self.metrics: dict[str, float] = {}  # the last rollout's tools/* metrics
+        self.counts: dict[str, int] = {}  # the last rollout's completions, tool calls and failed calls
 
     def generate(self, trainer: Any, prompt_ids: list[list[int]], rows: list[dict], step: int) -> Rollout:
         """One rollout of this rank's prompts (G completions each), through `rollout_func` or the agent loop.
 
         Args:
-            trainer: the `GRPOTrainer` (its engine and tokenization; what `rollout_func` receives).
+            trainer: the `GRPOTrainer` (its engine and tokenization; what `rollout_func` receives). Its `args` give
+                G and the sampling settings (evaluation passes its own group size there).
             prompt_ids: the templated prompts, one per row. rows: the dataset rows. step: seeds the sampling.
         """
-        g = self.args.num_generations
+        args = trainer.args
+        g = args.num_generations
         prompts = [row["prompt"] for row in rows for _ in range(g)]
         if self.rollout_func is not None:
             return self._from_rollout_func(self.rollout_func(prompts, trainer), len(prompts))
         trajectory_prompts = [prompt_ids[i // g] for i in range(len(prompts))]
         tools = [self.tools] * len(prompts)
-        if self._factory is not None:
+        if self._factories:
             self.environments, trajectory_prompts, tools = self._reset(trainer, prompts, rows, trajectory_prompts)
             self.columns = {"environments": self.environments}
-        rng = random.Random(hash((self.args.seed, self.args.process_index, step)))
+        rng = random.Random(hash((args.seed, args.process_index, step)))
         trajectories = [
             Trajectory(p, t, seed=rng.getrandbits(31)) for p, t in zip(trajectory_prompts, tools, strict=True)
         ]
         engine = trainer.engine
         loop = AgentLoop(engine.llm, self.tokenizer, self.parser, self.result_ids, self.runner,
-                         self.args.max_completion_length, self.args.max_tool_calling_iterations,
+                         args.max_completion_length, args.max_tool_calling_iterations,
                          engine.lora_request)  # fmt: skip
-        loop.run(trajectories, turn_sampling_params(self.args, self.parser.stop))
-        calls = sum(t.calls for t in trajectories)
+        loop.run(trajectories, turn_sampling_params(args, self.parser.stop))
+        calls, failures = sum(t.calls for t in trajectories), sum(t.failures for t in trajectories)
+        self.counts = {"completions": len(trajectories), "calls": calls, "failures": failures}
         self.metrics = {
             "tools/call_frequency": calls / len(trajectories),
-            "tools/failure_frequency": sum(t.failures for t in trajectories) / calls if calls else 0.0,
+            "tools/failure_frequency": failures / calls if calls else 0.0,
             "tools/turns/mean": sum(t.turns for t in trajectories) / len(trajectories),
             "tools/turns/max": max(t.turns for t in trajectories),
         }
@@ -294,26 +312,60 @@ class Agents:
             [t.logps for t in trajectories],
             [t.truncated for t in trajectories],
             tool_mask=[t.tool_mask for t in trajectories],
-            prompt_ids=[t.prompt_ids for t in trajectories] if self._factory is not None else None,
+            prompt_ids=[t.prompt_ids for t in trajectories] if self._factories else None,
         )
 
     def _reset(
         self, trainer: Any, prompts: list, rows: list[dict], prompt_ids: list[list[int]]
     ) -> tuple[list[Any], list[list[int]], list[dict[str, Callable]]]:
-        """Reset one environment per completion with its row; a completion whose environment adds to the prompt
-        gets its own prompt, templated again. Returns the environments, prompts and tools of each completion."""
-        g = self.args.num_generations
-        while len(self._pool) < len(prompts):
-            self._pool.append(self._factory())
-        environments = self._pool[: len(prompts)]
-        observations = [env.reset(**rows[i // g]) for i, env in enumerate(environments)]
-        changed = [i for i, obs in enumerate(observations) if obs is not None]
-        if changed:
-            extended = [{"prompt": _add_to_prompt(prompts[i], observations[i])} for i in changed]
-            for i, ids in zip(changed, trainer.prepare_prompts(extended)[1], strict=True):
-                prompt_ids[i] = ids
-        tools = [{**self.tools, **{name: getattr(env, name) for name in self._env_tools}} for env in environments]
+        """Take one environment per completion from its pool (the one its row names, with several) and reset it
+        with the row; a completion whose environment adds to the prompt, or shows other tools than the first
+        rendering did, gets its prompt templated again. Returns the environments, prompts and tools of each one."""
+        g = trainer.args.num_generations
+        names = [self._environment_name(rows[i // g]) for i in range(len(prompts))]
+        environments, taken = [], dict.fromkeys(self._pools, 0)
+        for name in names:
+            pool = self._pools[name]
+            if taken[name] == len(pool):
+                pool.append(self._factories[name]())
+            environments.append(pool[taken[name]])
+            taken[name] += 1
+        observations = []
+        for i, env in enumerate(environments):
+            row = rows[i // g]
+            observations.append(
+                env.reset(**({k: v for k, v in row.items() if k != "environment"} if self._multi else row))
+            )
+        for name in self._pools:
+            changed = [
+                i for i, obs in enumerate(observations) if names[i] == name and (obs is not None or self._multi)
+            ]
+            if changed:
+                extended = [{"prompt": _add_to_prompt(prompts[i], observations[i])} for i in changed]
+                for i, ids in zip(changed, self._template(trainer, extended, self._env_schemas[name]), strict=True):
+                    prompt_ids[i] = ids
+        tools = [
+            {**self.tools, **{tool: getattr(env, tool) for tool in self._env_tools[name]}}
+            for env, name in zip(environments, names, strict=True)
+        ]
         return environments, prompt_ids, tools
+
+    def _environment_name(self, row: dict) -> str | None:
+        name = row.get("environment") if self._multi else None
+        if name not in self._factories:
+            raise ValueError(
+                f"Example has `environment={name!r}`, which is not among the environments passed to "
+                f"`environment_factory`. Expected one of: {list(self._factories)}."
+            )
+        return name
+
+    def _template(self, trainer: Any, rows: list[dict], schemas: list[dict]) -> list[list[int]]:
+        """The trainer's tokenization of `rows`' prompts (`prepare_prompts`), rendered with these tool schemas."""
+        shown, self.schemas = self.schemas, schemas
+        try:
+            return trainer.prepare_prompts(rows)[1]
+        finally:
+            self.schemas = shown
 
     def _from_rollout_func(self, output: dict[str, list], expected: int) -> Rollout:
         missing = {"prompt_ids", "completion_ids", "logprobs"} - output.keys()
@@ -340,6 +392,60 @@ class Agents:
         )
 
 
+class VLLMGeneration:
+    """`trainer.vllm_generation`: the part of TRL's `trl.generation.VLLMGeneration` (colocate mode) that
+    `rollout_func` code reaches for, backed by the trainer's own engine, so such code runs unchanged.
+
+    `generate` samples once per prompt entry (the entries already repeat each prompt G times, as in TRL's colocate
+    mode) with the run's sampling settings and returns TRL's tuple; `llm` is the `vllm.LLM` itself; `sync_weights`
+    writes the current weights into it (the engine already holds them when a `rollout_func` runs).
+    """
+
+    mode = "colocate"
+
+    def __init__(self, trainer: Any) -> None:
+        self._trainer = trainer
+        self.structured_outputs_regex = trainer.args.vllm_structured_outputs_regex
+        self.tensor_parallel_size = trainer.args.vllm_tensor_parallel_size
+
+    @property
+    def llm(self) -> Any:
+        return self._trainer.engine.llm
+
+    def sync_weights(self) -> None:
+        self._trainer.sync_weights()
+
+    def generate(
+        self, prompts: list[list[int]], images: list | None, num_generations: int, profiler: Any = None
+    ) -> tuple[list[list[int]], list[list[int]], list[list[list[float]]], list[list[list[int]]]]:
+        """One completion per entry of `prompts` (token ids), as TRL's colocate mode does (`num_generations` is
+        only read by TRL's server mode).
+
+        Returns:
+            prompt_ids [N][P], completion_ids [N][T], logprobs [N][T][1] (the sampled token's log-prob) and
+            logprob_token_ids [N][T][1] (the sampled token), TRL's shapes with `logprobs=0`.
+        """
+        if images is not None and any(i is not None for i in images):
+            raise ValueError("vllm_generation.generate: images are not supported; pass images=None.")
+        if self.tensor_parallel_size > 1:  # the ranks of one engine would have to pass the same prompts
+            raise ValueError("vllm_generation.generate does not support vllm_tensor_parallel_size > 1; set it to 1.")
+        engine = self._trainer.engine
+        with profiler or nullcontext():
+            outputs = engine.llm.generate(
+                [{"prompt_token_ids": list(ids)} for ids in prompts],
+                sampling_params(self._trainer.args, n=1),
+                lora_request=engine.lora_request,
+                use_tqdm=False,
+            )
+        samples = [request.outputs[0] for request in outputs]
+        return (
+            [list(request.prompt_token_ids) for request in outputs],
+            [list(s.token_ids) for s in samples],
+            [[[pos[t].logprob] for pos, t in zip(s.logprobs, s.token_ids, strict=True)] for s in samples],
+            [[[t] for t in s.token_ids] for s in samples],
+        )
+
+
 def _environment_tools(env: Any) -> list[str]:
     """The names of an environment's tools: its public methods besides `reset` and `get_reward`."""
     if not callable(getattr(env, "reset", None)):
@@ -350,22 +456,25 @@ def _environment_tools(env: Any) -> list[str]:
 
 
 def _environment_reward(env_type: type) -> Callable[..., list[float | None]]:
-    """A reward function that asks each completion's environment for its reward (`get_reward()`, sync or async)."""
+    """A reward function that asks each completion's environment of exactly this class for its reward (`get_reward()`,
+    sync or async); other environments' completions get None (no reward from it), as in TRL."""
     if inspect.iscoroutinefunction(env_type.get_reward):
 
         async def reward(environments: list, **kwargs: Any) -> list[float | None]:
-            return [await env.get_reward() for env in environments]
+            return [await env.get_reward() if type(env) is env_type else None for env in environments]
     else:
 
         def reward(environments: list, **kwargs: Any) -> list[float | None]:
-            return [env.get_reward() for env in environments]
+            return [env.get_reward() if type(env) is env_type else None for env in environments]
 
     reward.__name__ = env_type.__name__
     return reward
 
 
-def _add_to_prompt(prompt: Any, observation: str) -> Any:
-    """The prompt with an environment's first observation added to its last message (or to its text)."""
+def _add_to_prompt(prompt: Any, observation: str | None) -> Any:
+    """The prompt with an environment's first observation (if any) added to its last message (or to its text)."""
+    if observation is None:
+        return prompt
     if isinstance(prompt, str):
         return prompt + observation
     return [*prompt[:-1], {**prompt[-1], "content": prompt[-1]["content"] + observation}]

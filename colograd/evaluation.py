@@ -3,7 +3,9 @@
 Each rank takes its share of the prompts (every world-th row) and generates for all of them in one engine call;
 the metrics are sums and counts reduced over ranks, reported under TRL's eval names: `eval_reward`,
 `eval_reward_std`, `eval_rewards/<func>/mean`, `eval_completions/{mean,min,max}_length`,
-`eval_completions/clipped_ratio`.
+`eval_completions/clipped_ratio`, and with tools or environments `eval_tools/call_frequency` and
+`eval_tools/failure_frequency`. With tools, environments or a `rollout_func`, the eval prompts go through the same
+agent loop as training (`colograd.agents`), as TRL's evaluation does.
 """
 
 import copy
@@ -33,20 +35,29 @@ def evaluate(trainer: Any, dataset: Any) -> dict[str, float]:
     trainer.args.num_generations = train_args.num_generations_eval or train_args.num_generations
     try:
         prompts, prompt_ids, columns = trainer.prepare_prompts(rows)
+        step = -1 - trainer.state.global_step
         with trainer.engine.awake(sync=trainer.sync_weights):
-            rollout = trainer.engine.generate(prompt_ids, trainer.args, step=-1 - trainer.state.global_step)
+            if trainer.agents is not None:  # tools, environments, rollout_func: the same loop as training (TRL's)
+                rollout = trainer.agents.generate(trainer, prompt_ids, rows, step)
+            else:
+                rollout = trainer.engine.generate(prompt_ids, trainer.args, step=step)
         rewards_NF = trainer.score(prompts, rollout, columns)
     finally:
         trainer.args = train_args
         for key in list(trainer._metrics):
             del trainer._metrics[key][kept.get(key, 0) :]
-    lengths_N = torch.tensor([len(c) for c in rollout.completion_ids], dtype=torch.float32)
+    # Lengths count the tokens the model sampled, not inserted tool results, as in training.
+    counts = [sum(m) for m in rollout.tool_mask] if rollout.tool_mask else list(map(len, rollout.completion_ids))
+    lengths_N = torch.tensor(counts, dtype=torch.float32)
     rewards_N = weighted_rewards(rewards_NF, trainer.reward_weights)
     totals = eval_totals(rewards_NF, rewards_N, lengths_N, torch.tensor(rollout.truncated))
     totals = accelerator.reduce(totals.to(accelerator.device), reduction="sum").cpu()
     extremes = accelerator.gather(torch.stack([-lengths_N.min(), lengths_N.max()]).to(accelerator.device))
     low, high = extremes.view(-1, 2).amax(dim=0).tolist()
-    return eval_metrics(totals, [reward_name(f) for f in trainer.reward_funcs], -low, high)
+    metrics = eval_metrics(totals, [reward_name(f) for f in trainer.reward_funcs], -low, high)
+    if trainer.agents is not None and trainer.agents.rollout_func is None:
+        metrics |= eval_tool_metrics(accelerator.reduce(tool_totals(trainer.agents.counts), reduction="sum").cpu())
+    return metrics
 
 
 def rank_share(dataset: Any, rank: int, world: int) -> list[dict]:
@@ -97,3 +108,17 @@ def eval_metrics(totals: torch.Tensor, names: list[str], min_length: float, max_
     metrics["eval_completions/max_length"] = max_length
     metrics["eval_completions/clipped_ratio"] = truncated / completions
     return metrics
+
+
+def tool_totals(counts: dict[str, int]) -> torch.Tensor:
+    """This rank's completions, tool calls and failed calls (`colograd.agents.Agents.counts`), for one reduction."""
+    return torch.tensor([counts["completions"], counts["calls"], counts["failures"]], dtype=torch.float32)
+
+
+def eval_tool_metrics(totals: torch.Tensor) -> dict[str, float]:
+    """TRL's eval tool metrics from `tool_totals` summed over ranks: calls per completion, failures per call."""
+    completions, calls, failures = totals.tolist()
+    return {
+        "eval_tools/call_frequency": calls / completions,
+        "eval_tools/failure_frequency": failures / calls if calls else 0.0,
+    }

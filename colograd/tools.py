@@ -1,5 +1,6 @@
-"""Tools for agentic rollouts: how a turn's tool calls are found in the model's text, how tools run (sync ones in
-a thread pool, async ones on an event loop, each with a timeout), and which tokens a tool's result is inserted as.
+"""Tools for agentic rollouts: how a turn's tool calls are found in the model's text, how tools run (each sync call
+on a thread of its own, async ones on an event loop, each with a timeout), and which tokens a tool's result is
+inserted as.
 
 A tool is a plain Python function (or coroutine function) with type hints and a Google-style docstring, as TRL and
 transformers' chat templates expect: its JSON schema is read from them (`transformers.utils.get_json_schema`).
@@ -12,7 +13,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -125,17 +126,21 @@ class PendingCalls:
 
 
 class ToolRunner:
-    """Runs tool calls off the decoding thread: sync tools in a thread pool, async ones on one event loop in a
-    daemon thread. Nothing a tool does (raise, hang) reaches the caller except as a failed result.
+    """Runs tool calls off the decoding thread: each sync call on a daemon thread of its own, async ones on one event
+    loop in a daemon thread. Nothing a tool does (raise, hang) reaches the caller except as a failed result.
+
+    A thread per call rather than a pool: Python cannot stop a thread, so a sync tool that hangs past its timeout
+    keeps its thread (and what it holds) until it returns. In a pool, enough hung calls would take every worker and
+    the next calls would wait behind them forever, and the pool's workers are joined at exit, so the process could
+    not end; a daemon thread of its own blocks neither. A hung async tool is cancelled at its timeout (a coroutine
+    that blocks its event loop without awaiting stalls the other async tools, as on any event loop).
 
     Args:
         timeout: seconds each turn's calls may take, together; the model then reads a timeout error.
-        max_workers: threads for sync tools (a timed-out call keeps its thread until it returns).
     """
 
-    def __init__(self, timeout: float, max_workers: int = 64) -> None:
+    def __init__(self, timeout: float) -> None:
         self.timeout = timeout
-        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="colograd-tool")
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def submit(self, tools: dict[str, Callable], calls: list[ToolCall]) -> PendingCalls:
@@ -150,14 +155,13 @@ class ToolRunner:
                 if inspect.iscoroutinefunction(func):
                     future = asyncio.run_coroutine_threadsafe(_call_async(func, call.arguments), self._event_loop())
                 else:
-                    future = self._pool.submit(func, **call.arguments)
+                    future = _start_thread(func, call.arguments)
             futures.append(future)
             errors.append(error)
         return PendingCalls(calls, futures, errors, self.timeout)
 
     def close(self) -> None:
-        """Stop taking work; running calls are not waited for."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop the async tools' event loop; running calls are not waited for."""
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
 
@@ -166,6 +170,24 @@ class ToolRunner:
             self._loop = asyncio.new_event_loop()
             threading.Thread(target=self._loop.run_forever, name="colograd-tools-async", daemon=True).start()
         return self._loop
+
+
+def _start_thread(func: Callable, arguments: dict[str, Any]) -> Future:
+    """`func(**arguments)` on a new daemon thread; its outcome lands in the returned future."""
+    future: Future = Future()
+
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            result = func(**arguments)
+        except BaseException as e:  # whatever the tool raises becomes its failed result
+            future.set_exception(e)
+        else:
+            future.set_result(result)
+
+    threading.Thread(target=run, name=f"colograd-tool-{getattr(func, '__name__', 'call')}", daemon=True).start()
+    return future
 
 
 async def _call_async(func: Callable, arguments: dict[str, Any]) -> Any:

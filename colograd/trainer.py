@@ -30,7 +30,7 @@ from transformers.trainer_utils import has_length
 from trl.data_utils import is_conversational
 from trl.trainer.utils import RepeatSampler, nanstd
 
-from colograd.agents import Agents, RolloutFunc
+from colograd.agents import Agents, RolloutFunc, VLLMGeneration
 from colograd.batch import pad_rollout, split_by_tokens, split_rows
 from colograd.checkpoints import checkpoint_step, resolve_checkpoint
 from colograd.completions import CompletionLog
@@ -142,6 +142,7 @@ class GRPOTrainer(Trainer):
         # Built after super().__init__: the torch process group must exist before the engine joins it.
         unwrapped = self.accelerator.unwrap_model(self.model)
         self.engine = Engine(unwrapped, processing_class, args, lora_rank=self._lora_rank)
+        self.vllm_generation = VLLMGeneration(self)  # TRL's handle on the engine, for `rollout_func` code
         if self.reference is not None:
             self.reference.prepare(self.accelerator)
             self.add_callback(self.reference)  # sync_ref_model's updates

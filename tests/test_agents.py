@@ -141,6 +141,48 @@ def test_tool_runner_turns_raises_timeouts_and_unknown_tools_into_error_results(
     assert "'nope' not found" in results[3].content and "unreadable" in results[4].content
 
 
+def test_hung_sync_tools_neither_exhaust_threads_nor_keep_the_process_alive():
+    import subprocess
+    import sys
+    import threading
+
+    never = threading.Event()
+
+    def hang(x: int) -> int:
+        never.wait()
+        return x
+
+    def double(x: int) -> int:
+        return 2 * x
+
+    runner = ToolRunner(timeout=0.2)
+    hung = runner.submit({"hang": hang}, [ToolCall("hang", {"x": i}) for i in range(100)])  # more than any pool
+    while not hung.ready():
+        time.sleep(0.01)
+    assert all(r.failed and "timed out" in r.content for r in hung.results())
+    start = time.monotonic()
+    after = runner.submit({"double": double}, [ToolCall("double", {"x": 21})])
+    while not after.ready():
+        time.sleep(0.01)
+    assert after.results()[0].content == "42" and time.monotonic() - start < 0.15  # not queued behind the hung ones
+    never.set()  # let this process's hung threads end
+    # A process whose tool still hangs ends when its work is done: nothing joins the tool's thread at exit. (The
+    # module is loaded from its file: importing the colograd package would load torch and vLLM for nothing.)
+    import colograd.tools
+
+    script = (
+        "import importlib.util, time\n"
+        f"spec = importlib.util.spec_from_file_location('tools', {colograd.tools.__file__!r})\n"
+        "tools = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(tools)\n"
+        "ToolCall, ToolRunner = tools.ToolCall, tools.ToolRunner\n"
+        "def hang(x: int) -> int:\n    time.sleep(3600)\n"
+        "p = ToolRunner(timeout=0.1).submit({'hang': hang}, [ToolCall('hang', {'x': 1})])\n"
+        "while not p.ready():\n    time.sleep(0.01)\nprint(p.results()[0].failed)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-2000:]
+
+
 def test_hermes_parser_reads_the_qwen_format():
     text = 'Let me compute.\n<tool_call>\n{"name": "multiply", "arguments": {"a": 3, "b": 4}}\n</tool_call>'
     assert HermesToolParser().parse(text) == [ToolCall("multiply", {"a": 3, "b": 4})]
@@ -176,8 +218,7 @@ def test_agents_refuse_what_they_cannot_do_before_start_up(tmp_path):
 def wordle_style_rollout_func(prompts: list[str], trainer) -> dict[str, list]:
     """A `rollout_func` in the shape of TRL's examples (e.g. its Wordle one): one episode per prompt (the trainer
     passes each prompt G times), turns of model tokens and environment feedback, `env_mask` 0 on the feedback,
-    extra fields for the rewards. Only the engine handle is colograd's (`trainer.engine.llm`; in TRL's colocate mode
-    `trainer.vllm_generation.llm`)."""
+    extra fields for the rewards. The engine is reached as in TRL's colocate mode: `trainer.vllm_generation.llm`."""
     from vllm import SamplingParams
 
     tokenizer = trainer.processing_class
@@ -187,7 +228,7 @@ def wordle_style_rollout_func(prompts: list[str], trainer) -> dict[str, list]:
         completion, logprobs, env_mask = [], [], []
         for turn in range(2):
             params = SamplingParams(max_tokens=4, logprobs=0, seed=1000 * episode + turn)
-            sample = trainer.engine.llm.generate(
+            sample = trainer.vllm_generation.llm.generate(
                 [{"prompt_token_ids": prompt_ids + completion}], params, use_tqdm=False
             )[0].outputs[0]
             completion += sample.token_ids
@@ -222,6 +263,96 @@ def test_rollout_func_replaces_generation(tmp_path, monkeypatch):
     # The feedback tokens (logprob 0.0 stand-ins) are out of the gap: what is left is engine == trainer.
     assert step["sampling/sampling_logp_difference/max"] < 1e-3
     assert 2 <= step["completions/mean_length"] <= 8  # model tokens only, the feedback not counted
+
+
+# TRL's echo `rollout_func` example (docs/source/openenv.md, "Before (`rollout_func`)", until TRL removed it with
+# `trl.experimental.openenv.generate_rollout_completions` before 1.16), copied below unchanged. Two things around it
+# are local: `client` stands in for the echo environment's server (OpenEnv's echo_env: the message comes back,
+# reward 0.1 per character), and `generate_rollout_completions`, gone from TRL 1.16, is rebuilt from what TRL 1.16
+# offers a rollout_func for it, `trainer.vllm_generation.generate` (TRL's own `_generate_single_turn` calls it so).
+
+
+class EchoAction:
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+class LocalEchoEnv:
+    def step(self, action: EchoAction):
+        from types import SimpleNamespace
+
+        echoed = SimpleNamespace(echoed_message=action.message, reward=0.1 * len(action.message))
+        return SimpleNamespace(observation=echoed, reward=echoed.reward, done=False)
+
+
+client = LocalEchoEnv()
+tokenizer = tiny.build_tokenizer()
+
+
+def generate_rollout_completions(trainer, prompts):
+    """TRL's removed helper (colocate mode), on TRL 1.16's `VLLMGeneration.generate`: one completion per prompt."""
+    from trl.data_utils import is_conversational
+
+    tok = trainer.processing_class
+    if is_conversational({"prompt": prompts[0]}):
+        ids = [tok.apply_chat_template(p, add_generation_prompt=True, return_dict=False) for p in prompts]
+    else:
+        ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    prompt_ids, completion_ids, logprobs, _ = trainer.vllm_generation.generate(
+        prompts=ids, images=None, num_generations=trainer.args.num_generations
+    )
+    return [
+        {"prompt_ids": p, "completion_ids": c, "logprobs": [lp[0] for lp in lps], "text": tok.decode(c)}
+        for p, c, lps in zip(prompt_ids, completion_ids, logprobs, strict=True)
+    ]
+
+
+def rollout_func(prompts, trainer):
+    outputs = generate_rollout_completions(trainer, prompts)
+    env_rewards = []
+    for out in outputs:
+        text = tokenizer.decode(out["completion_ids"], skip_special_tokens=True)
+        result = client.step(EchoAction(message=text))
+        env_rewards.append(result.reward)
+    return {
+        "prompt_ids": [out["prompt_ids"] for out in outputs],
+        "completion_ids": [out["completion_ids"] for out in outputs],
+        "logprobs": [out["logprobs"] for out in outputs],
+        "env_reward": env_rewards,
+    }
+
+
+def reward_from_env(completions, **kwargs):  # TRL's examples/scripts/openenv/catch.py, unchanged
+    rewards = kwargs.get("env_reward", [])
+    return [float(r) for r in rewards] if rewards else [0.0] * len(completions)
+
+
+def test_trl_echo_rollout_func_runs_unchanged_on_vllm_generation(tmp_path, monkeypatch):
+    from colograd import GRPOTrainer
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    data = tiny.letters_dataset(16).map(lambda row: {"prompt": [{"role": "user", "content": row["prompt"]}]})
+    args = tiny.run_config(str(tmp_path), 1, per_device_train_batch_size=8, num_generations=4)
+    trainer = GRPOTrainer(tiny.build_model(), reward_from_env, args, data, eval_dataset=data.select(range(3)),
+                          processing_class=tokenizer, rollout_func=rollout_func)  # fmt: skip
+    # TRL's return shapes: per completion, the prompt's ids, the sampled ids, and [[logprob]] / [[token id]] per token.
+    prompt = tokenizer.apply_chat_template(data[0]["prompt"], add_generation_prompt=True, return_dict=False)
+    with trainer.engine.awake(sync=trainer.sync_weights):
+        prompt_ids, completion_ids, logprobs, token_ids = trainer.vllm_generation.generate([prompt] * 3, None, 3)
+    assert prompt_ids == [prompt] * 3 and len({tuple(c) for c in completion_ids}) == 3  # each entry its own sample
+    assert [[t] for t in completion_ids[0]] == token_ids[0] and all(len(lp) == 1 for lp in logprobs[0])
+    assert 0 < len(completion_ids[0]) <= args.max_completion_length
+    trainer.train()
+    (step,) = [h for h in trainer.state.log_history if "loss" in h]
+    # The environment's reward (0.1 per echoed character) reached the reward function through `env_reward`.
+    assert step["rewards/reward_from_env/mean"] == pytest.approx(0.1 * step["completions/mean_length"], rel=0.3)
+    assert step["sampling/sampling_logp_difference/max"] < 1e-3  # the engine's log-probs, returned in TRL's shape
+    # Evaluation calls the rollout_func too (each eval prompt num_generations_eval times), as TRL's does.
+    metrics = trainer.evaluate()
+    assert metrics["eval_rewards/reward_from_env/mean"] == pytest.approx(
+        0.1 * metrics["eval_completions/mean_length"], rel=0.3
+    )
 
 
 CHATML_WITH_TOOLS = (
@@ -364,3 +495,74 @@ def test_a_task_only_a_tool_solves_is_learned(tmp_path, monkeypatch):
     first, last = sum(h["reward"] for h in steps[:2]) / 2, sum(h["reward"] for h in steps[-2:]) / 2
     assert last > first + 0.2, f"reward went from {first:.2f} to {last:.2f}"
     assert steps[-1]["tools/call_frequency"] > steps[0]["tools/call_frequency"]
+
+
+class Tally:
+    """A second environment, for runs that mix environments: its tool counts the target letter."""
+
+    def reset(self, prompt: str, target: str, **row) -> str:
+        self.target, self.tallied = target, 0
+        return "!"
+
+    def tally(self, text: str) -> str:
+        """How often the target letter occurs in a text.
+
+        Args:
+            text: the text to look at.
+        """
+        self.tallied += 1
+        return str(text.count(self.target))
+
+    def get_reward(self) -> float:
+        return float(self.tallied > 0)
+
+
+class TwoToolParser:
+    """A turn that ends with ";" calls `peek`, one that ends with "." calls `tally`, with the turn's text."""
+
+    stop = [";", "."]
+
+    def parse(self, text: str) -> list[ToolCall]:
+        tool = {";": "peek", ".": "tally"}.get(text[-1:])
+        return [ToolCall(tool, {"text": text[:-1]})] if tool else []
+
+
+def test_environments_by_name_and_evaluation_run_the_agent_loop(tmp_path, monkeypatch):
+    """TRL's dict of environment factories: each row's `environment` picks one, its prompt shows only that one's
+    tools, and its completion may call only those; `get_reward` scores only its own class's completions. Then
+    `evaluate` runs the same loop: the eval prompts' completions call tools and get their environments' rewards."""
+    from colograd import GRPOTrainer
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    data = tiny.letters_dataset(32).map(lambda row, i: {"environment": ["oracle", "tally"][i % 2]}, with_indices=True)
+    args = tiny.run_config(str(tmp_path), 1, per_device_train_batch_size=32, num_generations=4,
+                           max_completion_length=16, num_generations_eval=2)  # fmt: skip
+    tokenizer = tiny.build_tokenizer()
+    tokenizer.chat_template = None
+    shown: list[list[str]] = []
+
+    class Recording(GRPOTrainer):
+        def prepare_prompts(self, rows):
+            shown.append(sorted(s["function"]["name"] for s in self.agents.schemas))
+            return super().prepare_prompts(rows)
+
+    trainer = Recording(tiny.build_model(), "letters", args, data, eval_dataset=data.select(range(8)),
+                        processing_class=tokenizer, environment_factory={"oracle": Oracle, "tally": Tally},
+                        tool_call_parser=TwoToolParser())  # fmt: skip
+    trainer.train()
+    envs = trainer.agents.environments
+    kinds = {"oracle": Oracle, "tally": Tally}
+    assert [type(e) for e in envs] == [kinds[row["environment"]] for row in trainer._rollout_rows for _ in range(4)]
+    assert shown[0] == ["peek", "tally"] and ["peek"] in shown and ["tally"] in shown  # first all, then each its own
+    assert any(getattr(e, "peeked", False) or getattr(e, "tallied", 0) for e in envs)
+    (step,) = [h for h in trainer.state.log_history if "loss" in h]
+    # A completion that calls the other environment's tool gets "not found": both markers are sampled by chance.
+    assert 0 < step["tools/failure_frequency"] < 1
+    assert "rewards/Tally/mean" in step and "rewards/Oracle/mean" not in step  # Oracle owns no reward
+    metrics = trainer.evaluate()
+    assert len(trainer.agents.environments) == 8 * 2  # the eval prompts, num_generations_eval each
+    assert metrics["eval_tools/call_frequency"] > 0 and 0 <= metrics["eval_tools/failure_frequency"] <= 1
+    assert "eval_rewards/Tally/mean" in metrics and metrics["eval_completions/mean_length"] <= 16
+    with pytest.raises(ValueError, match="environment='nowhere'"):
+        trainer.evaluate(data.select(range(2)).map(lambda row: {"environment": "nowhere"}))

@@ -7,7 +7,7 @@ import torch
 from trl.trainer.utils import nanstd
 
 from colograd.config import ConfigError
-from colograd.evaluation import eval_metrics, eval_totals, rank_share
+from colograd.evaluation import eval_metrics, eval_tool_metrics, eval_totals, rank_share, tool_totals
 
 NAN = float("nan")
 
@@ -49,3 +49,16 @@ def test_rank_share_splits_rows_and_refuses_too_few():
         rank_share(rows[:1], 0, 2)
     with pytest.raises(ConfigError, match="no eval dataset"):
         rank_share(None, 0, 2)
+
+
+def test_tool_metrics_of_two_ranks_by_hand():
+    # Rank 0: 4 completions, 3 calls, 1 failed; rank 1: 2 completions, no calls. Summed: 3 calls over 6 completions.
+    totals = tool_totals({"completions": 4, "calls": 3, "failures": 1}) + tool_totals(
+        {"completions": 2, "calls": 0, "failures": 0}
+    )
+    metrics = eval_tool_metrics(totals)
+    assert metrics == {"eval_tools/call_frequency": 0.5, "eval_tools/failure_frequency": pytest.approx(1 / 3)}
+    assert (
+        eval_tool_metrics(tool_totals({"completions": 2, "calls": 0, "failures": 0}))["eval_tools/failure_frequency"]
+        == 0.0
+    )

@@ -89,7 +89,7 @@ def run(prompts: int = 16, group: int = 8, length: int = 64, repeats: int = 3, a
         engine = Engine(model, tokenizer, args)
     WeightPlan(model).sync(engine)
     tools = SlowTools(seed=0)
-    runner = ToolRunner(timeout=10.0, max_workers=n)
+    runner = ToolRunner(timeout=10.0)
     loop = AgentLoop(engine.llm, tokenizer, tools, plain_result_ids(tokenizer), runner, length)
     params = turn_sampling_params(args, tools.stop)
     dataset = tiny.letters_dataset(prompts, seed=1)
