@@ -32,6 +32,18 @@ def test_phase_times_feed_the_window_and_the_run_totals():
     assert "generate        1.00 s   25.0%" in summary and "train tokens/s (all processes): 1,234" in summary
 
 
+def test_training_flops_count_every_matrix_product_by_hand():
+    from types import SimpleNamespace
+
+    from colograd.bench.step import training_flops
+
+    # One layer, hidden 2 (2 heads of 1, one KV head), MLP 3, vocabulary 5: q, o 2×2 each; k, v 2×1 each;
+    # gate, up, down 2×3 each: 8 + 4 + 18 = 30 weights per layer; the output layer 2×5.
+    config = SimpleNamespace(hidden_size=2, intermediate_size=3, num_hidden_layers=1, num_attention_heads=2,
+                             num_key_value_heads=1, vocab_size=5)  # fmt: skip
+    assert training_flops(config, trained_tokens=7, completion_tokens=3) == 6 * 30 * 7 + 8 * 10 * 3
+
+
 def test_step_report_of_the_pretrained_model_shows_memory_and_leaves_out_the_engine_comparisons():
     from colograd.bench.step import SMOLLM2_WORKLOAD, report, workload
 
@@ -42,8 +54,11 @@ def test_step_report_of_the_pretrained_model_shows_memory_and_leaves_out_the_eng
         "trl_tokens_per_s": 10.0, "speedup_vs_trl": 2.0, "trl_mode": "use_vllm=False (transformers generate)",
         "colograd_phases_s": phases, "trl_phases_s": phases,
         "colograd_peak_rss_mib": 5120.0, "trl_peak_rss_mib": 4096.0,
+        "machine_matmul_gflops": 150.0, "colograd_train_gflops": 100.0, "trl_train_gflops": 50.0,
     }  # fmt: skip
     text = report(result)
     assert workload("smollm2") is SMOLLM2_WORKLOAD and "4 prompts × 8 completions of ≤32 tokens" in text
+    assert "in 4 micro-step(s)" in text
+    assert "GFLOP/s of useful work: colograd 100, TRL 50; the machine's matrix product 150" in text
     assert "peak resident memory per process: colograd 5,120 MiB, TRL 4,096 MiB" in text
     assert "speedup_vs_trl 2.00" in text and "bare vllm" not in text

@@ -2,6 +2,7 @@
 
 import argparse
 import importlib
+import os
 
 BENCHMARKS = {
     "sync": "colograd.bench.sync",
@@ -28,8 +29,16 @@ def main() -> None:
     parser.add_argument(
         "--dtype", choices=["bf16", "fp32", "both"], default="bf16", help="step: the precision (both: fp32 then bf16)"
     )
+    parser.add_argument(
+        "--accumulation",
+        type=int,
+        help="step: train a step's completions in this many micro-steps (gradient accumulation), on both sides "
+        "(default: the workload's, 4 for smollm2, 1 otherwise)",
+    )
     args = parser.parse_args()
     bench = importlib.import_module(BENCHMARKS[args.name])
+    if args.accumulation is not None:
+        os.environ[bench.ACCUMULATION_ENV] = str(args.accumulation)
     if args.name == "soak":
         bench.run(steps=args.steps, as_json=args.json)
     elif args.name == "step":

@@ -36,7 +36,14 @@ from typing import Any
 
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM, TrainerCallback
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    TrainerCallback,
+)
 
 from colograd import GRPOTrainer, pretrained, sums, tiny
 from colograd.engine import free_port
@@ -80,9 +87,16 @@ MODELS = {
 }  # fmt: skip
 
 
+# `--accumulation N` reaches both sides' processes through the environment: a step's completions in N micro-steps.
+ACCUMULATION_ENV = "COLOGRAD_BENCH_ACCUMULATION"
+
+
 def workload(size: str) -> dict[str, Any]:
-    """The workload run on model `size`: `SMOLLM2_WORKLOAD` for smollm2, else `WORKLOAD`."""
-    return SMOLLM2_WORKLOAD if size == "smollm2" else WORKLOAD
+    """The workload run on model `size`: `SMOLLM2_WORKLOAD` for smollm2, else `WORKLOAD`, with the gradient
+    accumulation steps of `--accumulation` when given."""
+    w = SMOLLM2_WORKLOAD if size == "smollm2" else WORKLOAD
+    accumulation = os.environ.get(ACCUMULATION_ENV)
+    return {**w, "gradient_accumulation_steps": int(accumulation)} if accumulation else w
 
 
 def completions_per_micro_step(w: dict[str, Any]) -> int:
@@ -140,11 +154,55 @@ def _timed_steps(log_history: list[dict], clock: StepClock, completions_per_step
     steps = [h for h in log_history if "loss" in h][w:]
     tokens = sum(h["completions/mean_length"] * completions_per_step for h in steps)
     phases = sorted({k for h in steps for k in h if k.startswith("time/")})
-    return {
+    result = {
         "steps_per_s": len(times) / sum(times),
         "tokens_per_s": tokens / sum(times),
         "step_s_median": statistics.median(times),
         "phases_s": {p.removeprefix("time/"): statistics.mean(h.get(p, 0.0) for h in steps) for p in phases},
+        "completion_tokens_per_step": tokens / len(steps),
+    }
+    if all("tokens/trained" in h for h in steps):  # colograd's count of the (real) tokens it trains on
+        result["trained_tokens_per_step"] = statistics.mean(h["tokens/trained"] for h in steps)
+    return result
+
+
+def training_flops(config: Any, trained_tokens: float, completion_tokens: float) -> float:
+    """Matrix-product FLOPs of a training step: forward + backward (6 per weight per token) through the decoder
+    layers for every trained token, and through the output layer for the completion tokens only (colograd's
+    chunked output layer, whose logits are recomputed in the backward: 8 per weight per token). Attention scores,
+    short here (~100 tokens per sequence), are left out."""
+    h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    kv = config.num_key_value_heads * (h // config.num_attention_heads)
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * i  # q and o, k and v, gate, up and down
+    return 6 * layers * per_layer * trained_tokens + 8 * h * config.vocab_size * completion_tokens
+
+
+def matmul_gflops(dtype: str, m: int = 1024, k: int = 576, n: int = 1536, repeats: int = 20) -> float:
+    """What the machine allows: GFLOP/s of one [m, k] × [k, n] product (SmolLM2's hidden and MLP sizes) with
+    torch's threads, the median of `repeats`, in float32 or bfloat16."""
+    torch.manual_seed(0)
+    kind = torch.bfloat16 if dtype == "bf16" else torch.float32
+    a, b = torch.randn(m, k, dtype=kind), torch.randn(k, n, dtype=kind)
+    for _ in range(3):
+        torch.mm(a, b)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - start)
+    return 2 * m * k * n / statistics.median(times) / 1e9
+
+
+def against_the_limit(ours: dict[str, Any], theirs: dict[str, Any], dtype: str) -> dict[str, float]:
+    """Training rates in GFLOP/s of useful work (the same real tokens on both sides: TRL's padding and full-vocabulary
+    logits count as overhead), beside the machine's matrix-product rate."""
+    config = AutoConfig.from_pretrained(pretrained.materialise(SMOLLM2))
+    flops = training_flops(config, ours["trained_tokens_per_step"], ours["completion_tokens_per_step"])
+    limit = matmul_gflops(dtype)
+    return {
+        "machine_matmul_gflops": limit,
+        "colograd_train_gflops": flops / ours["phases_s"]["train"] / 1e9,
+        "trl_train_gflops": flops / theirs["phases_s"]["train"] / 1e9,
     }
 
 
@@ -359,7 +417,7 @@ def run(size: str = "small", dtype: str = "bf16", as_json: bool = False) -> dict
     then (but for smollm2) the packed-vs-padded comparison in this one."""
     ours = _side_in_subprocess("colograd", size, dtype)
     theirs = _side_in_subprocess("trl", size, dtype)
-    packing = packed_vs_padded(dtype) if size != "smollm2" else {}
+    packing = packed_vs_padded(dtype) if size != "smollm2" else against_the_limit(ours, theirs, dtype)
     result = {
         "workload": {**workload(size), "model": size, "dtype": dtype},
         "colograd_tokens_per_s": ours["tokens_per_s"],
@@ -413,8 +471,8 @@ def report(r: dict[str, Any]) -> str:
     w = r["workload"]
     lines = [
         f"GRPO step, {w['model']} model in {w['dtype']}, {w['prompts']} prompts × {w['num_generations']} "
-        f"completions of ≤{w['max_completion_length']} tokens per step; over {w['steps']} steps after "
-        f"{w['warmup']} warm-up steps, one process per side",
+        f"completions of ≤{w['max_completion_length']} tokens per step in {w['gradient_accumulation_steps']} "
+        f"micro-step(s); over {w['steps']} steps after {w['warmup']} warm-up steps, one process per side",
         f"  colograd   {r['colograd_steps_per_s']:.3f} steps/s  {r['colograd_tokens_per_s']:9.1f} tokens/s",
         f"  TRL        {r['trl_steps_per_s']:.3f} steps/s  {r['trl_tokens_per_s']:9.1f} tokens/s  ({r['trl_mode']})",
         f"  speedup_vs_trl {r['speedup_vs_trl']:.2f}",
@@ -426,7 +484,11 @@ def report(r: dict[str, Any]) -> str:
         ours, theirs = r["colograd_phases_s"].get(phase), r["trl_phases_s"].get(phase)
         fmt = lambda v: f"{v:8.3f}" if v is not None else "       -"  # noqa: E731
         lines.append(f"    {phase:<10} colograd {fmt(ours)}   TRL {fmt(theirs)}")
-    if "generation_vs_bare_vllm" not in r:  # smollm2: the model's workload only
+    if "machine_matmul_gflops" in r:  # smollm2: the training rate against what the machine allows
+        lines.append(
+            f"  training, GFLOP/s of useful work: colograd {r['colograd_train_gflops']:.0f}, TRL "
+            f"{r['trl_train_gflops']:.0f}; the machine's matrix product {r['machine_matmul_gflops']:.0f}"
+        )
         return "\n".join(lines)
     lines += [
         f"  generation, same prompts interleaved: colograd {r['colograd_generation_tokens_per_s']:.0f} tokens/s, "
