@@ -8,8 +8,8 @@ mistakes fails here in seconds instead of minutes later with a library's traceba
                   stream: its first rows, read without advancing the stream training reads)
     sizes         the dataset holds one full rollout batch for every rank; lengths fit the model and the engine
     rewards       every reward function accepts, by name, the arguments and dataset columns it will be called with
-    engine        vLLM's own objects (SamplingParams, LoRAConfig) built from the config; dtype and head size
-                  supported by the engine's backend
+    engine        vLLM's own objects (SamplingParams, LoRAConfig) built from the config; a dense model (the sync
+                  does not translate MoE experts); dtype and head size supported by the engine's backend
 
 `colograd/train.py` runs `preflight` after parsing; `GRPOTrainer` runs `check_settings`, `check_prompts`,
 `check_data` and `check_engine` on what it is given, before it builds its engine. Every failure is a
@@ -475,11 +475,22 @@ def check_rewards(reward_funcs: list[RewardFunc], columns: list[str]) -> None:
 # --- engine --------------------------------------------------------------------------------------------------
 
 
+# Config keys that count a Mixture-of-Experts model's experts (Qwen-MoE, Mixtral, DeepSeek, ...).
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
 def check_engine(
     args: GRPOConfig, model_config: PretrainedConfig, dtype: torch.dtype, lora_rank: int | None = None
 ) -> None:
     """What the engine would refuse at start-up or at its first request, found by vLLM's own code where it has a
-    check to run: the sampling settings, the LoRA settings, the dtype and the attention head size."""
+    check to run: the model's kind (dense), the sampling settings, the LoRA settings, the dtype and the attention
+    head size."""
+    experts = next((n for key in _EXPERT_COUNTS if (n := getattr(model_config, key, None))), None)
+    if experts and experts > 1:
+        raise ConfigError(
+            f"model_type {model_config.model_type!r} is a Mixture-of-Experts model ({experts} experts): colograd's "
+            "weight sync does not translate its fused expert layers into the engine; train a dense model."
+        )
     if args.temperature <= 0:
         raise ConfigError(
             f"temperature={args.temperature}: GRPO samples several completions per prompt and divides log-probs by "
