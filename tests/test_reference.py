@@ -90,7 +90,10 @@ def test_fsdp_ram_efficient_loading_with_a_copied_reference_is_refused(monkeypat
     # What `accelerate launch` exports for such a config; transformers reads it only inside a process group.
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "true")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    # An in-process engine built by an earlier test in this process may have left its (one-process) group.
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         with pytest.raises(ConfigError, match="fsdp_cpu_ram_efficient_loading: false"):
             ReferencePolicy(tiny.build_model(), NO_SYNC)
@@ -99,7 +102,8 @@ def test_fsdp_ram_efficient_loading_with_a_copied_reference_is_refused(monkeypat
         monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")
         assert ReferencePolicy(tiny.build_model(), NO_SYNC).frozen is not None
     finally:
-        dist.destroy_process_group()
+        if own_group:
+            dist.destroy_process_group()
 
 
 def test_sync_ref_model_mixes_the_policy_in_as_trls_callback_on_its_schedule(monkeypatch):
