@@ -80,9 +80,18 @@ class EntropyTerms(TrainerCallback):
         self._window: torch.Tensor | None = None  # [entropy sum, token count] of this optimizer step's micro-steps
 
     @property
+    def applied_coef(self) -> float:
+        """The bonus's coefficient for this optimizer step's micro-steps: the last step's; under adaptive control 0
+        while the last step's mean entropy was above the target (TRL's)."""
+        if self.args.use_adaptive_entropy and self.last_entropy > self.args.entropy_target:
+            return 0.0
+        return self.coef
+
+    @property
     def mode(self) -> str:
-        """How `colograd.logps` computes entropies: with gradient for the bonus, else for the mask and metric."""
-        return "grad" if self.bonus_enabled else "detached"
+        """How `colograd.logps` computes entropies: with gradient while a bonus applies, else (detached) for the
+        mask and the metric."""
+        return "grad" if self.bonus_enabled and self.applied_coef != 0.0 else "detached"
 
     def mask(self, entropy_NT: torch.Tensor, mask_NT: torch.Tensor) -> torch.Tensor | None:
         """The high-entropy mask, or None when `top_entropy_quantile` keeps every token."""
@@ -114,8 +123,7 @@ class EntropyTerms(TrainerCallback):
         counted_NT = mask_NT if entropy_mask_NT is None else mask_NT * entropy_mask_NT
         bonus = mean_entropy(entropy_NT, counted_NT)
         adaptive = self.args.use_adaptive_entropy
-        # The coefficient of the last optimizer step applies to every micro-step of this one.
-        coef = self.coef if not adaptive or self.last_entropy <= self.args.entropy_target else 0.0
+        coef = self.applied_coef  # the last optimizer step's, for every micro-step of this one
         metrics["policy_loss"].append(loss.item())
         step_ends = training and self.accelerator.sync_gradients
         if adaptive and training:

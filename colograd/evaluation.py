@@ -56,7 +56,8 @@ def evaluate(trainer: Any, dataset: Any) -> dict[str, float]:
     low, high = extremes.view(-1, 2).amax(dim=0).tolist()
     metrics = eval_metrics(totals, [reward_name(f) for f in trainer.reward_funcs], -low, high)
     if trainer.agents is not None and trainer.agents.rollout_func is None:
-        metrics |= eval_tool_metrics(accelerator.reduce(tool_totals(trainer.agents.counts), reduction="sum").cpu())
+        tools = tool_totals(trainer.agents.counts).to(accelerator.device)
+        metrics |= eval_tool_metrics(accelerator.reduce(tools, reduction="sum").cpu())
     return metrics
 
 

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 from trl.trainer.utils import nanstd
 
-# Every rank's values of a per-completion tensor, concatenated (NaN where a rank had fewer); identity on one rank.
+# Every rank's values of a 1-D tensor, concatenated (NaN where a rank had fewer); identity on one rank.
 Gather = Callable[[torch.Tensor], torch.Tensor]
 
 

@@ -485,7 +485,9 @@ def check_engine(
     """What the engine would refuse at start-up or at its first request, found by vLLM's own code where it has a
     check to run: the model's kind (dense), the sampling settings, the LoRA settings, the dtype and the attention
     head size."""
-    experts = next((n for key in _EXPERT_COUNTS if (n := getattr(model_config, key, None))), None)
+    # A multimodal model's text part (Llama 4, Qwen3-VL-MoE) keeps its expert count in its text config.
+    configs = (model_config, model_config.get_text_config())
+    experts = next((n for c in configs for key in _EXPERT_COUNTS if (n := getattr(c, key, None))), None)
     if experts and experts > 1:
         raise ConfigError(
             f"model_type {model_config.model_type!r} is a Mixture-of-Experts model ({experts} experts): colograd's "

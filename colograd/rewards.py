@@ -166,10 +166,11 @@ def resolve_rewards(
 
 
 def across_ranks(accelerator: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A gather of every rank's per-completion rewards, for what TRL normalises over the whole batch.
+    """A gather of every rank's values of a 1-D tensor: rewards, for what TRL normalises over the whole batch, and
+    per-token entropies, for the high-entropy mask's quantile.
 
     Returns:
-        A function of this rank's rewards [N] giving all ranks' [M] (on this rank's device), a rank with fewer
+        A function of this rank's values [N] giving all ranks' [M] (on this rank's device), a rank with fewer
         padded with NaN, which the nan-aware statistics leave out. A collective: every rank must call it.
     """
 

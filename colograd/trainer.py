@@ -6,7 +6,7 @@ A rollout on each rank (every `steps_per_generation × num_iterations` micro-ste
     prepare_prompts    template, tokenize and truncate this rank's B prompts
     generate           one engine call: B prompts × G completions (n=G shares each prompt's prefill)
     score              reward functions, in this rank
-    compute_advantages per group, in this rank: a rank owns whole groups, so nothing is gathered
+    compute_advantages per group (a rank owns whole groups); batch-wide scaling gathers every rank's rewards
     rollout_logps      old (sampling-policy) and reference log-probs, once per rollout, when the loss needs them
 
 then each micro-step trains on one slice of it:

@@ -157,6 +157,24 @@ def test_adaptive_entropy_state_round_trips_through_a_checkpoint_in_trls_file(tm
     assert (fresh.coef, fresh.last_entropy) == (0.1, math.inf)
 
 
+def test_entropies_carry_a_gradient_only_while_a_bonus_applies():
+    # Under adaptive control the bonus is off (coefficient 0) while the last step's entropy is above the target, the
+    # usual state: the entropies are then computed detached, which spares the backward pass through them.
+    args = SimpleNamespace(use_adaptive_entropy=True, entropy_coef=0.1, entropy_target=0.2, top_entropy_quantile=1.0)
+    terms = EntropyTerms(args, None, None, defaultdict(list))
+    assert (terms.applied_coef, terms.mode) == (0.0, "detached")  # nothing measured yet: no bonus
+    terms.last_entropy = 2.5
+    assert (terms.applied_coef, terms.mode) == (0.0, "detached")
+    terms.last_entropy = 0.15
+    assert (terms.applied_coef, terms.mode) == (0.1, "grad")
+    fixed = EntropyTerms(SimpleNamespace(**{**vars(args), "use_adaptive_entropy": False}), None, None, {})
+    assert (fixed.applied_coef, fixed.mode) == (0.1, "grad")
+    off = EntropyTerms(
+        SimpleNamespace(**{**vars(args), "use_adaptive_entropy": False, "entropy_coef": 0.0}), None, None, {}
+    )
+    assert off.mode == "detached"  # the metric and the mask only
+
+
 def test_high_entropy_mask_by_hand():
     entropy = torch.tensor([[1.0, 2.0, 3.0, 9.0], [4.0, 5.0, 9.0, 9.0]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])  # the 9s are padding or tool results
