@@ -85,3 +85,12 @@ def test_unservable_adapter_is_one_line_before_the_engine_starts(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("colograd: error: lora_sync=adapter") and "DoRA" in last, proc.stderr[-2000:]
+
+
+def test_fp32_output_layer_over_a_lora_head_is_one_line_before_the_engine_starts(tmp_path, monkeypatch):
+    # cast_lm_head_to_fp32 computes the output layer from its base weights: an adapter there would be bypassed.
+    monkeypatch.setattr(trainer_module, "Engine", lambda *a, **k: pytest.fail("the engine started"))
+    model = get_peft_model(tiny.build_model(), LoraConfig(r=4, target_modules=["q_proj", "lm_head"]))
+    args = tiny.run_config(str(tmp_path), 1, cast_lm_head_to_fp32=True)
+    with pytest.raises(ConfigError, match="cast_lm_head_to_fp32 with a LoRA adapter on the output layer"):
+        GRPOTrainer(model, "letters", args, tiny.letters_dataset(), processing_class=tiny.build_tokenizer())
