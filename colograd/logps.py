@@ -133,11 +133,8 @@ def completion_logps(
         logps_NT; with `entropy`, (logps_NT, entropy_NT). Only the completion tokens' values are meaningful.
     """
     head = head if head is not None else _output_layer(model)
-    if fp32_head and isinstance(head, BaseTunerLayer):
-        raise ConfigError(
-            "cast_lm_head_to_fp32 with a LoRA adapter on the output layer: the adapter would be bypassed; remove "
-            "lm_head from lora_target_modules, or set cast_lm_head_to_fp32: false."
-        )
+    if fp32_head:
+        check_fp32_head(head)
     completion_ids_NT = batch["completion_ids"]
     n, t = completion_ids_NT.shape
     if padding_free:
@@ -158,6 +155,16 @@ def completion_logps(
     if entropy is None:
         return out_NT[..., 0]
     return out_NT[..., 0], out_NT[..., 1] if entropy == "grad" else out_NT[..., 1].detach()
+
+
+def check_fp32_head(head: nn.Module) -> None:
+    """The output layer can compute in float32 (`cast_lm_head_to_fp32`): its base weights are used directly, so a
+    LoRA adapter on it would be bypassed."""
+    if isinstance(head, BaseTunerLayer):
+        raise ConfigError(
+            "cast_lm_head_to_fp32 with a LoRA adapter on the output layer: the adapter would be bypassed; remove "
+            "lm_head from lora_target_modules, or set cast_lm_head_to_fp32: false."
+        )
 
 
 def _output_layer(model: nn.Module) -> nn.Module:

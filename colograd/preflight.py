@@ -29,7 +29,6 @@ from typing import Any
 import torch
 from datasets import Dataset, IterableDataset
 from peft import PeftModel
-from peft.tuners.tuners_utils import BaseTunerLayer
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.trainer_utils import has_length
 from trl.data_utils import is_conversational
@@ -38,6 +37,7 @@ from colograd.checkpoints import resolve_checkpoint
 from colograd.config import ConfigError, GRPOConfig, ScriptArguments
 from colograd.data import first_line, load_prompts, tokenize_prompts
 from colograd.engine import sampling_params
+from colograd.logps import check_fp32_head
 from colograd.lora import check_lora, engine_max_lora_rank
 from colograd.precision import master_copy_warning
 from colograd.rewards import RewardFunc, resolve_reward, reward_name
@@ -139,11 +139,8 @@ def check_trainer_inputs(
     """
     # An adapter the chosen sync cannot serve is refused now, not at the first generation.
     lora_rank = check_lora(model.active_peft_config, args.lora_sync) if isinstance(model, PeftModel) else None
-    if args.cast_lm_head_to_fp32 and isinstance(model.get_output_embeddings(), BaseTunerLayer):
-        raise ConfigError(
-            "cast_lm_head_to_fp32 with a LoRA adapter on the output layer: the adapter would be bypassed; remove "
-            "lm_head from lora_target_modules, or set cast_lm_head_to_fp32: false."
-        )
+    if args.cast_lm_head_to_fp32:
+        check_fp32_head(model.get_output_embeddings())
     if getattr(model.config, "final_logit_softcapping", None):
         raise ConfigError(
             f"{type(model).__name__} soft-caps its logits (final_logit_softcapping), which colograd's log-prob "
