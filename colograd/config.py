@@ -219,6 +219,17 @@ class GRPOConfig(
             "padded rows."
         },
     )
+    share_prompts: bool = field(
+        default=True,
+        metadata={
+            "help": "With padding_free, completions of the same prompt compute it once in the forward pass instead "
+            "of once each: the prompt, then each completion attending to it and to itself only (a 4D attention "
+            "mask). Same log-probs and gradients, fewer tokens: GRPO's num_generations completions share a prompt. "
+            "A prompt copy takes completions while that costs less than a new copy (long completions attend across "
+            "a wider row). Used where the model's attention is sdpa with full attention in every layer; other "
+            "models compute each sequence whole."
+        },
+    )
     packed_row_tokens: int | None = field(
         default=None,
         metadata={

@@ -6,12 +6,17 @@ end to end (`pack`): no padding is computed, and the position ids restart at 0 f
 transformers' attention masks tell packed sequences apart. Either way the result is [N, T], the log-prob of
 each completion token at the sampling temperature (0 where there is no token).
 
+Completions of the same prompt can also share one copy of it (`pack_shared`, GRPO's groups): the prompt is
+computed once, each completion follows it with positions continuing from the prompt's end, and a 4D attention
+mask lets each completion see only its prompt and itself. Log-probs and gradients are those of the unshared
+sequences; the prompt's tokens are computed once per group instead of once per completion.
+
 The output layer never produces the whole [tokens × vocabulary] logit matrix: for the duration of the forward
 pass it is swapped for one that computes the log-probs of the wanted tokens a chunk at a time, and that, when
 gradients are needed, recomputes each chunk's logits in the backward pass instead of keeping them.
 """
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -31,6 +36,9 @@ class Packed:
     index_K: for each wanted completion token k, the flat position ([R × L]) whose logits predict it.
     target_K: the wanted token ids.
     scatter: (rows, columns) of each wanted token in the [N, T] result.
+    tokens: the real (not padding) tokens the rows hold.
+    attention_mask: None (position ids restarting at 0 tell the sequences apart) or, for shared prompts,
+        [R, 1, L, L], True where a token may attend.
     """
 
     input_ids: torch.Tensor
@@ -38,6 +46,8 @@ class Packed:
     index_K: torch.Tensor
     target_K: torch.Tensor
     scatter: tuple[torch.Tensor, torch.Tensor]
+    tokens: int
+    attention_mask: torch.Tensor | None = None
 
 
 def pack_rows(lengths: list[int], row_tokens: int | None = None) -> list[list[int]]:
@@ -101,6 +111,132 @@ def pack(batch: dict[str, torch.Tensor], row_tokens: int | None = None, pad_toke
         dest_T[wanted] - 1,
         batch["completion_ids"][rows_K, cols_K],
         (rows_K, cols_K),
+        sum(lengths),
+    )
+
+
+def prompt_sharing_cost(model: nn.Module) -> float | None:
+    """What sharing a prompt weighs (`pack_shared`'s `attention_cost`) for `model`, or None where it cannot be
+    shared: attention other than sdpa (flash kernels ignore a 4D mask), a layer with sliding-window attention
+    (the mask would widen its window), or a config without the sizes.
+
+    The cost is one query-key pair's attention (scores and weighted values: 4 × heads × head_dim FLOPs per
+    layer) in tokens' worth of a decoder layer's matrix products (2 FLOPs per weight per token)."""
+    while not hasattr(model, "config") and hasattr(model, "module"):
+        model = model.module
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
+        return None
+    config = config.get_text_config()
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and any(kind != "full_attention" for kind in layer_types):
+        return None
+    if layer_types is None and getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return None
+    try:
+        h, heads, inner = config.hidden_size, config.num_attention_heads, config.intermediate_size
+    except AttributeError:
+        return None
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    weights = 2 * h * heads * head_dim + 2 * h * kv_heads * head_dim + 3 * h * inner  # q, o; k, v; the MLP
+    return 4 * heads * head_dim / (2 * weights)
+
+
+def share_units(prompt_len: int, completion_lens: list[int], attention_cost: float) -> list[list[int]]:
+    """Split completions of one prompt into units that each compute the prompt once.
+
+    A unit takes the next completion while that costs less than a new copy of the prompt would: its tokens plus
+    the attention it adds (every pair of the longer unit is computed, masked or not, `attention_cost` tokens
+    each). So short completions of a long prompt share it widely, and long ones are not made to attend across a
+    huge masked row. Returns the completions' indices per unit, in order.
+    """
+    units: list[list[int]] = []
+    length = 0
+    for i, c in enumerate(completion_lens):
+        join = c + attention_cost * ((length + c) ** 2 - length**2)
+        fresh = prompt_len + c + attention_cost * (prompt_len + c) ** 2
+        if units and join <= fresh:
+            units[-1].append(i)
+            length += c
+        else:
+            units.append([i])
+            length = prompt_len + c
+    return units
+
+
+def pack_shared(
+    batch: dict[str, torch.Tensor], attention_cost: float, row_tokens: int | None = None, pad_token_id: int = 0
+) -> Packed:
+    """The padded rollout rows of `batch` packed with each prompt computed once for the completions that share it.
+
+    Sequences with the same prompt tokens form units (`share_units`): the prompt, then each completion, whose
+    positions continue from the prompt's end. Units are packed into rows like sequences (`pack_rows`), and the
+    attention mask lets a prompt token see its unit's earlier prompt tokens, and a completion token its unit's
+    prompt and its own earlier tokens: each completion's log-probs are those it has alone. The first completion
+    token of every member is predicted by the logits at the prompt's last token, which they share.
+    """
+    input_ids, mask = batch["input_ids"].cpu(), batch["attention_mask"].bool().cpu()
+    device, p = batch["input_ids"].device, input_ids.size(1) - batch["completion_ids"].size(1)
+    prompts = [row[:p][keep[:p]] for row, keep in zip(input_ids, mask, strict=True)]
+    completions = [row[p:][keep[p:]] for row, keep in zip(input_ids, mask, strict=True)]
+    if min(len(prompt) for prompt in prompts) < 1:
+        raise ValueError(
+            "every sequence needs at least one prompt token: its logits predict the first completion token"
+        )
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        groups.setdefault(tuple(prompt.tolist()), []).append(i)
+    units = []  # the sequences of each unit; they share their first one's prompt
+    for members in groups.values():
+        lens = [len(completions[i]) for i in members]
+        units += [[members[j] for j in unit] for unit in share_units(len(prompts[members[0]]), lens, attention_cost)]
+    unit_lengths = [len(prompts[unit[0]]) + sum(len(completions[i]) for i in unit) for unit in units]
+    rows = pack_rows(unit_lengths, row_tokens)
+    width = max(sum(unit_lengths[u] for u in row) for row in rows)
+    ids = torch.full((len(rows), width), pad_token_id, dtype=input_ids.dtype)
+    positions = torch.zeros(len(rows), width, dtype=torch.long)
+    unit_of = torch.full((len(rows), width), -1)  # padding belongs to no unit
+    branch = torch.zeros(len(rows), width, dtype=torch.long)  # 0: a prompt token; b: the unit's b-th completion
+    index, seq, column = [], [], []
+    for r, row in enumerate(rows):
+        offset = 0
+        for u in row:
+            prompt = prompts[units[u][0]]
+            end = offset + len(prompt)
+            ids[r, offset:end], positions[r, offset:end], unit_of[r, offset:end] = (
+                prompt,
+                torch.arange(end - offset),
+                u,
+            )
+            last_prompt = r * width + end - 1
+            offset = end
+            for b, i in enumerate(units[u], 1):
+                completion = completions[i]
+                end = offset + len(completion)
+                ids[r, offset:end], unit_of[r, offset:end], branch[r, offset:end] = completion, u, b
+                positions[r, offset:end] = torch.arange(len(prompt), len(prompt) + len(completion))
+                # Completion token j is predicted at the token before it: the prompt's last for j = 0.
+                before = torch.cat([torch.tensor([last_prompt]), r * width + torch.arange(offset, end - 1)])
+                index.append(before[: len(completion)])
+                seq.append(torch.full((len(completion),), i))
+                column.append(torch.arange(len(completion)))
+                offset = end
+    unit_of, branch = unit_of.to(device), branch.to(device)
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    same_unit = (unit_of[:, :, None] == unit_of[:, None, :]) & (unit_of[:, None, :] >= 0)
+    visible = (branch[:, None, :] == 0) | (branch[:, :, None] == branch[:, None, :])
+    # Every token sees at least itself, so padding rows are never all-masked (NaN in sdpa).
+    allowed = (causal & same_unit & visible) | torch.eye(width, dtype=torch.bool, device=device)
+    rows_K, cols_K = torch.cat(seq).to(device), torch.cat(column).to(device)
+    return Packed(
+        ids.to(device),
+        positions.to(device),
+        torch.cat(index).to(device),
+        batch["completion_ids"][rows_K, cols_K],
+        (rows_K, cols_K),
+        sum(unit_lengths),
+        allowed[:, None],
     )
 
 
@@ -114,6 +250,8 @@ def completion_logps(
     head: nn.Module | None = None,
     entropy: str | None = None,
     fp32_head: bool = False,
+    share_prompts: float | None = None,
+    count_tokens: Callable[[int], None] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of `batch`'s completion tokens under `model` at `temperature`: [N, T], 0 where there is no token.
 
@@ -128,6 +266,9 @@ def completion_logps(
             like the log-probs: "detached" (no gradient: the `entropy` metric, the high-entropy mask) or "grad"
             (the entropy bonus). None: log-probs only.
         fp32_head: the output layer computes in float32, outside autocast (`cast_lm_head_to_fp32`).
+        share_prompts: with `padding_free`, sequences with the same prompt compute it once (`pack_shared`), this
+            being the attention cost that bounds a shared unit (`prompt_sharing_cost`). None: each its own.
+        count_tokens: called with the number of real tokens the forward pass computes.
 
     Returns:
         logps_NT; with `entropy`, (logps_NT, entropy_NT). Only the completion tokens' values are meaningful.
@@ -138,8 +279,12 @@ def completion_logps(
     completion_ids_NT = batch["completion_ids"]
     n, t = completion_ids_NT.shape
     if padding_free:
-        packed = pack(batch, row_tokens)
-        inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "attention_mask": None}
+        packed = pack(batch, row_tokens) if share_prompts is None else pack_shared(batch, share_prompts, row_tokens)
+        inputs = {
+            "input_ids": packed.input_ids,
+            "position_ids": packed.position_ids,
+            "attention_mask": packed.attention_mask,
+        }
         index_K, target_K = packed.index_K, packed.target_K
     else:
         width = batch["input_ids"].size(1)
@@ -147,6 +292,8 @@ def completion_logps(
         index_K = (torch.arange(n)[:, None] * width + (width - t - 1) + torch.arange(t)[None, :]).flatten()
         index_K, target_K = index_K.to(completion_ids_NT.device), completion_ids_NT.flatten()
         inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    if count_tokens is not None:
+        count_tokens(packed.tokens if padding_free else int(batch["attention_mask"].sum()))
     with _head_returns_logps(head, index_K, target_K, temperature, chunk_tokens, entropy, fp32_head):
         out_K = model(**inputs, use_cache=False).logits  # [K], or [K, 2]: log-prob and entropy
     if padding_free:

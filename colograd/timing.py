@@ -41,7 +41,8 @@ class PhaseTimes:
         window[f"time/{phase}"].append(seconds)
 
     def count(self, kind: str, tokens: int, window: dict[str, list[float]]) -> None:
-        """Add `tokens` of `kind` ("generated": completion tokens sampled; "trained": tokens forwarded)."""
+        """Add `tokens` of `kind` ("generated": completion tokens sampled; "trained": the tokens of the sequences
+        trained on; "forwarded": the tokens their forward passes computed, fewer where completions share a prompt)."""
         self.tokens[kind] += tokens
         window[f"tokens/{kind}"].append(tokens)
 

@@ -18,7 +18,7 @@ Subclass and override one of these to change that stage alone.
 
 import os
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -40,7 +40,7 @@ from colograd.data import keep_rows, tokenize_prompts
 from colograd.engine import Engine, Rollout
 from colograd.entropy import EntropyTerms
 from colograd.evaluation import evaluate
-from colograd.logps import completion_logps
+from colograd.logps import completion_logps, prompt_sharing_cost
 from colograd.loss import (
     Surrogate,
     group_advantages,
@@ -151,6 +151,8 @@ class GRPOTrainer(Trainer):
                 func.model.to(self.accelerator.device)
         self._synced_step: int | None = None  # the global_step whose weights the engine holds
         self._weight_plan: WeightPlan | None = None
+        # Completions of one prompt compute it once in the forward pass, where the model's attention allows.
+        self._prompt_cost = prompt_sharing_cost(unwrapped) if args.share_prompts and args.padding_free else None
         self._micro_step = 0  # micro-steps trained since start (or resume): picks the rollout slice
         self._slices: list[dict[str, torch.Tensor]] | None = None  # the current rollout, one slice per micro-step
         self._rollout_rows: list[dict] = []  # the dataset rows of the current rollout
@@ -419,9 +421,11 @@ class GRPOTrainer(Trainer):
         """The GRPO loss of one rollout slice. The old log-probs are the stored ones when the slice is trained
         after an optimizer step, else the current ones detached (ratio 1, gradient not)."""
         mask_NT = inputs["completion_mask"]
-        logps_NT, entropy_NT = self.completion_logps(model, inputs, entropy=self.entropy.mode)
+        forwarded: list[int] = []  # tokens computed: fewer than the sequences' when completions share a prompt
+        logps_NT, entropy_NT = self.completion_logps(model, inputs, self.entropy.mode, forwarded.append)
         if model.training:
             self._times.count("trained", inputs["attention_mask"].sum().item(), self._metrics)
+            self._times.count("forwarded", forwarded[0], self._metrics)
         # On-policy, and on a rollout's first slice, the current weights are the ones that sampled. (When old
         # log-probs come from a forward pass, `rollout_logps` logged the gap for every slice already.)
         first_slice = (self._micro_step - 1) % (self.args.steps_per_generation * self.args.num_iterations) == 0
@@ -478,10 +482,15 @@ class GRPOTrainer(Trainer):
         return weights
 
     def completion_logps(
-        self, model: nn.Module, inputs: dict[str, torch.Tensor], entropy: str | None = None
+        self,
+        model: nn.Module,
+        inputs: dict[str, torch.Tensor],
+        entropy: str | None = None,
+        count_tokens: Callable[[int], None] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Log-probs of the completion tokens under `model` at the sampling temperature, [N, T], and with `entropy`
-        ("detached" / "grad") each position's entropy; packed or not, head in fp32 or not, as args say (`logps`)."""
+        ("detached" / "grad") each position's entropy; packed or not, prompts shared or not, head in fp32 or not, as
+        args say (`logps`)."""
         return completion_logps(
             model,
             inputs,
@@ -491,6 +500,8 @@ class GRPOTrainer(Trainer):
             chunk_tokens=self.args.logps_chunk_tokens,
             entropy=entropy,
             fp32_head=self.args.cast_lm_head_to_fp32,
+            share_prompts=self._prompt_cost,
+            count_tokens=count_tokens,
         )
 
     def log_completions(

@@ -71,6 +71,13 @@ def test_metrics_logged_every_step(run):
         assert entry["sampling/sampling_logp_difference/max"] < 1e-3
 
 
+def test_completions_of_a_prompt_compute_it_once(run):
+    # GRPO's groups share a prompt: the training forward computes it once per group, not once per completion
+    # (and the sampling gap above, every step, says the log-probs are still those of the whole sequences).
+    for entry in [h for h in run[0]["log_history"] if "loss" in h]:
+        assert entry["tokens/forwarded"] < entry["tokens/trained"]
+
+
 def test_reward_rises(run):
     rewards = [h["reward"] for h in run[0]["log_history"] if "reward" in h]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5

@@ -2,10 +2,11 @@
 
 import pytest
 import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
 from trl.trainer.utils import selective_log_softmax
 
 from colograd import tiny
-from colograd.logps import completion_logps, pack, pack_rows
+from colograd.logps import completion_logps, pack, pack_rows, pack_shared, prompt_sharing_cost, share_units
 from colograd.loss import policy_loss
 
 N, P, T = 8, 6, 9
@@ -94,3 +95,81 @@ def test_the_output_layer_is_restored():
     completion_logps(model, _batch())
     assert "forward" not in head.__dict__
     assert model(torch.tensor([[3, 4, 5]])).logits.shape == (1, 3, model.config.vocab_size)
+
+
+def _grouped_batch(seed: int = 0) -> dict[str, torch.Tensor]:
+    """`_batch` with GRPO's groups: rows 0-3 share row 0's prompt, rows 5-6 row 4's, row 7 has its own."""
+    batch = _batch(seed)
+    ids, mask = batch["input_ids"].clone(), batch["attention_mask"].clone()
+    for source, copies in ((0, (1, 2, 3)), (4, (5, 6))):
+        for i in copies:
+            ids[i, :P], mask[i, :P] = ids[source, :P], mask[source, :P]
+    return {
+        **batch,
+        "input_ids": ids,
+        "attention_mask": mask,
+        "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
+        "completion_ids": ids[:, P:],
+        "completion_mask": mask[:, P:],
+    }
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("row_tokens, chunk_tokens", [(None, 1024), (4096, 3), (10, 1024)])
+def test_shared_prompts_give_the_same_loss_and_gradients(tied, row_tokens, chunk_tokens):
+    model = tiny.build_model(tie_word_embeddings=tied)
+    batch = _grouped_batch()
+    cost = prompt_sharing_cost(model)
+    mask = batch["completion_mask"].bool()
+    shared = pack_shared(batch, cost, row_tokens)
+    # Each prompt is computed once: 6 of the 8 sequences' prompt tokens are not.
+    prompt_N = batch["attention_mask"][:, :P].sum(1)
+    assert (shared.input_ids != 0).sum() == batch["attention_mask"].sum() - prompt_N[[1, 2, 3, 5, 6]].sum()
+    unshared_logps, unshared_loss, unshared_grads = _loss_and_grads(model, batch, padding_free=True)
+    logps, loss, grads = _loss_and_grads(
+        model, batch, padding_free=True, row_tokens=row_tokens, chunk_tokens=chunk_tokens, share_prompts=cost
+    )
+    assert (logps - unshared_logps)[mask].abs().max() < 1e-5
+    assert (logps[~mask] == 0).all()
+    assert loss == pytest.approx(unshared_loss, abs=1e-6)
+    for name, grad in unshared_grads.items():
+        assert torch.allclose(grads[name], grad, atol=1e-5), name
+
+
+def test_shared_prompts_keep_completions_and_units_apart():
+    # A completion sees its prompt and itself only: each one's log-probs equal those it gets alone, in bf16 too.
+    model = tiny.build_model()
+    batch = _grouped_batch(seed=3)
+    cost = prompt_sharing_cost(model)
+    with torch.no_grad():
+        alone = torch.cat([completion_logps(model, {k: v[i : i + 1] for k, v in batch.items()}) for i in range(N)])
+        together = completion_logps(model, batch, row_tokens=4096, share_prompts=cost)
+        assert pack_shared(batch, cost, row_tokens=4096).input_ids.size(0) == 1  # all units in one row
+        assert torch.allclose(together, alone, atol=1e-5)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            alone = torch.cat([completion_logps(model, {k: v[i : i + 1] for k, v in batch.items()}) for i in range(N)])
+            together = completion_logps(model, batch, share_prompts=cost)
+    assert (together - alone)[batch["completion_mask"].bool()].abs().max() < 0.05
+
+
+def test_a_prompt_copy_takes_completions_while_that_is_cheaper_than_a_new_copy():
+    # Free attention: one copy for all. Otherwise long completions of a short prompt get a copy each, short
+    # completions of a long prompt share it, and a growing unit stops where its attention outweighs a new copy.
+    assert share_units(10, [5, 5, 5], attention_cost=0.0) == [[0, 1, 2]]
+    assert share_units(4, [100, 100, 100], attention_cost=0.01) == [[0], [1], [2]]
+    assert share_units(100, [4, 4, 4, 4], attention_cost=0.01) == [[0, 1, 2, 3]]
+    # 50 + 20: a new copy costs 70 + 0.05 × 70² = 315; the 6th completion would add 20 + 0.05 × (170² - 150²) = 340.
+    assert share_units(50, [20] * 8, attention_cost=0.05) == [[0, 1, 2, 3, 4], [5, 6, 7]]
+
+
+def test_prompts_are_shared_only_where_the_attention_takes_the_mask():
+    model = tiny.build_model()
+    # A query-key pair: 4 × 128 FLOPs per layer; a token: 2 × (q, k, v, o: 4 × 128² + MLP: 3 × 128 × 256) FLOPs.
+    assert prompt_sharing_cost(model) == pytest.approx(4 * 128 / (2 * (4 * 128 * 128 + 3 * 128 * 256)))
+    model.config._attn_implementation = "eager"  # adds the mask to its scores: a boolean mask would not do
+    assert prompt_sharing_cost(model) is None
+    config = {k: v for k, v in tiny.build_model().config.to_dict().items() if k != "layer_types"}
+    config.update(use_sliding_window=True, sliding_window=8, max_window_layers=1)  # the second layer slides
+    sliding = Qwen2ForCausalLM(Qwen2Config(**config))
+    assert "sliding_attention" in sliding.config.layer_types
+    assert prompt_sharing_cost(sliding) is None
