@@ -55,10 +55,12 @@ def test_step_report_of_the_pretrained_model_shows_memory_and_leaves_out_the_eng
         "colograd_phases_s": phases, "trl_phases_s": phases,
         "colograd_peak_rss_mib": 5120.0, "trl_peak_rss_mib": 4096.0,
         "machine_matmul_gflops": 150.0, "colograd_train_gflops": 100.0, "trl_train_gflops": 50.0,
+        "colograd_train_gflops_executed": 60.0, "trained_tokens_per_step": 2000.0, "forwarded_tokens_per_step": 750.0,
     }  # fmt: skip
     text = report(result)
     assert workload("smollm2") is SMOLLM2_WORKLOAD and "4 prompts × 8 completions of ≤32 tokens" in text
     assert "in 4 micro-step(s)" in text
     assert "GFLOP/s of useful work: colograd 100, TRL 50; the machine's matrix product 150" in text
+    assert "colograd forwards 750 of the step's 2,000 tokens (prompts shared), executing 60 GFLOP/s" in text
     assert "peak resident memory per process: colograd 5,120 MiB, TRL 4,096 MiB" in text
     assert "speedup_vs_trl 2.00" in text and "bare vllm" not in text

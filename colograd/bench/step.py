@@ -163,6 +163,8 @@ def _timed_steps(log_history: list[dict], clock: StepClock, completions_per_step
     }
     if all("tokens/trained" in h for h in steps):  # colograd's count of the (real) tokens it trains on
         result["trained_tokens_per_step"] = statistics.mean(h["tokens/trained"] for h in steps)
+        # and of those its forward passes compute: fewer where completions share their prompt
+        result["forwarded_tokens_per_step"] = statistics.mean(h["tokens/forwarded"] for h in steps)
     return result
 
 
@@ -195,14 +197,19 @@ def matmul_gflops(dtype: str, m: int = 1024, k: int = 576, n: int = 1536, repeat
 
 def against_the_limit(ours: dict[str, Any], theirs: dict[str, Any], dtype: str) -> dict[str, float]:
     """Training rates in GFLOP/s of useful work (the same real tokens on both sides: TRL's padding and full-vocabulary
-    logits count as overhead), beside the machine's matrix-product rate."""
+    logits count as overhead; colograd's shared prompts count as if computed once per completion), colograd's rate
+    over the products it executes (its forwarded tokens), and the machine's matrix-product rate."""
     config = AutoConfig.from_pretrained(pretrained.materialise(SMOLLM2))
     flops = training_flops(config, ours["trained_tokens_per_step"], ours["completion_tokens_per_step"])
+    executed = training_flops(config, ours["forwarded_tokens_per_step"], ours["completion_tokens_per_step"])
     limit = matmul_gflops(dtype)
     return {
         "machine_matmul_gflops": limit,
         "colograd_train_gflops": flops / ours["phases_s"]["train"] / 1e9,
+        "colograd_train_gflops_executed": executed / ours["phases_s"]["train"] / 1e9,
         "trl_train_gflops": flops / theirs["phases_s"]["train"] / 1e9,
+        "trained_tokens_per_step": ours["trained_tokens_per_step"],
+        "forwarded_tokens_per_step": ours["forwarded_tokens_per_step"],
     }
 
 
@@ -485,10 +492,13 @@ def report(r: dict[str, Any]) -> str:
         fmt = lambda v: f"{v:8.3f}" if v is not None else "       -"  # noqa: E731
         lines.append(f"    {phase:<10} colograd {fmt(ours)}   TRL {fmt(theirs)}")
     if "machine_matmul_gflops" in r:  # smollm2: the training rate against what the machine allows
-        lines.append(
+        lines += [
             f"  training, GFLOP/s of useful work: colograd {r['colograd_train_gflops']:.0f}, TRL "
-            f"{r['trl_train_gflops']:.0f}; the machine's matrix product {r['machine_matmul_gflops']:.0f}"
-        )
+            f"{r['trl_train_gflops']:.0f}; the machine's matrix product {r['machine_matmul_gflops']:.0f}",
+            f"  colograd forwards {r['forwarded_tokens_per_step']:,.0f} of the step's "
+            f"{r['trained_tokens_per_step']:,.0f} tokens (prompts shared), executing "
+            f"{r['colograd_train_gflops_executed']:.0f} GFLOP/s",
+        ]
         return "\n".join(lines)
     lines += [
         f"  generation, same prompts interleaved: colograd {r['colograd_generation_tokens_per_s']:.0f} tokens/s, "
