@@ -226,8 +226,8 @@ class GRPOConfig(
             "of once each: the prompt, then each completion attending to it and to itself only (a 4D attention "
             "mask). Same log-probs and gradients, fewer tokens: GRPO's num_generations completions share a prompt. "
             "A prompt copy takes completions while that costs less than a new copy (long completions attend across "
-            "a wider row). Used where the model's attention is sdpa with full attention in every layer; other "
-            "models compute each sequence whole."
+            "a wider row), and within packed_row_tokens when set. Used where the model's attention is sdpa with "
+            "full attention in every layer and no ALiBi; other models compute each sequence whole."
         },
     )
     packed_row_tokens: int | None = field(
@@ -235,7 +235,8 @@ class GRPOConfig(
         metadata={
             "help": "Token budget of one packed row: whole sequences are packed, longest first, into rows of at most "
             "this many tokens (a longer sequence gets a row of its own). Attention cost grows with its square. "
-            "None: the micro-batch's longest sequence, so rows are never wider than padded ones would be."
+            "None: the micro-batch's longest sequence, so rows are never wider than padded ones would be (but for "
+            "a shared prompt's copy with its completions, see share_prompts)."
         },
     )
     micro_batch_tokens: int | None = field(

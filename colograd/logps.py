@@ -118,7 +118,8 @@ def pack(batch: dict[str, torch.Tensor], row_tokens: int | None = None, pad_toke
 def prompt_sharing_cost(model: nn.Module) -> float | None:
     """What sharing a prompt weighs (`pack_shared`'s `attention_cost`) for `model`, or None where it cannot be
     shared: attention other than sdpa (flash kernels ignore a 4D mask), a layer with sliding-window attention
-    (the mask would widen its window), or a config without the sizes.
+    (the mask would widen its window), ALiBi position biases (built from a 2D mask), or a config without the
+    sizes.
 
     The cost is one query-key pair's attention (scores and weighted values: 4 × heads × head_dim FLOPs per
     layer) in tokens' worth of a decoder layer's matrix products (2 FLOPs per weight per token)."""
@@ -133,9 +134,12 @@ def prompt_sharing_cost(model: nn.Module) -> float | None:
         return None
     if layer_types is None and getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         return None
-    try:
-        h, heads, inner = config.hidden_size, config.num_attention_heads, config.intermediate_size
-    except AttributeError:
+    if getattr(config, "alibi", False) or config.model_type in ("bloom", "mpt"):
+        return None
+    h, heads, inner = (
+        getattr(config, name, None) for name in ("hidden_size", "num_attention_heads", "intermediate_size")
+    )
+    if not (isinstance(h, int) and isinstance(heads, int) and isinstance(inner, int)):
         return None
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or h // heads
@@ -143,20 +147,23 @@ def prompt_sharing_cost(model: nn.Module) -> float | None:
     return 4 * heads * head_dim / (2 * weights)
 
 
-def share_units(prompt_len: int, completion_lens: list[int], attention_cost: float) -> list[list[int]]:
+def share_units(
+    prompt_len: int, completion_lens: list[int], attention_cost: float, max_tokens: int | None = None
+) -> list[list[int]]:
     """Split completions of one prompt into units that each compute the prompt once.
 
     A unit takes the next completion while that costs less than a new copy of the prompt would: its tokens plus
     the attention it adds (every pair of the longer unit is computed, masked or not, `attention_cost` tokens
     each). So short completions of a long prompt share it widely, and long ones are not made to attend across a
-    huge masked row. Returns the completions' indices per unit, in order.
+    huge masked row. With `max_tokens` (`packed_row_tokens`) a unit also stops before it would hold more.
+    Returns the completions' indices per unit, in order.
     """
     units: list[list[int]] = []
     length = 0
     for i, c in enumerate(completion_lens):
         join = c + attention_cost * ((length + c) ** 2 - length**2)
         fresh = prompt_len + c + attention_cost * (prompt_len + c) ** 2
-        if units and join <= fresh:
+        if units and join <= fresh and (max_tokens is None or length + c <= max_tokens):
             units[-1].append(i)
             length += c
         else:
@@ -190,7 +197,8 @@ def pack_shared(
     units = []  # the sequences of each unit; they share their first one's prompt
     for members in groups.values():
         lens = [len(completions[i]) for i in members]
-        units += [[members[j] for j in unit] for unit in share_units(len(prompts[members[0]]), lens, attention_cost)]
+        shared = share_units(len(prompts[members[0]]), lens, attention_cost, row_tokens)
+        units += [[members[j] for j in unit] for unit in shared]
     unit_lengths = [len(prompts[unit[0]]) + sum(len(completions[i]) for i in unit) for unit in units]
     rows = pack_rows(unit_lengths, row_tokens)
     width = max(sum(unit_lengths[u] for u in row) for row in rows)
@@ -217,17 +225,20 @@ def pack_shared(
                 ids[r, offset:end], unit_of[r, offset:end], branch[r, offset:end] = completion, u, b
                 positions[r, offset:end] = torch.arange(len(prompt), len(prompt) + len(completion))
                 # Completion token j is predicted at the token before it: the prompt's last for j = 0.
-                before = torch.cat([torch.tensor([last_prompt]), r * width + torch.arange(offset, end - 1)])
-                index.append(before[: len(completion)])
+                before = r * width + torch.arange(offset - 1, end - 1)
+                before[:1] = last_prompt
+                index.append(before)
                 seq.append(torch.full((len(completion),), i))
                 column.append(torch.arange(len(completion)))
                 offset = end
     unit_of, branch = unit_of.to(device), branch.to(device)
-    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-    same_unit = (unit_of[:, :, None] == unit_of[:, None, :]) & (unit_of[:, None, :] >= 0)
-    visible = (branch[:, None, :] == 0) | (branch[:, :, None] == branch[:, None, :])
+    # [R, L, L] built in place: same unit (not padding), key in the prompt or in the query's own completion, causal.
+    allowed = unit_of[:, :, None] == unit_of[:, None, :]
+    allowed &= unit_of[:, None, :] >= 0
+    allowed &= (branch[:, None, :] == 0) | (branch[:, :, None] == branch[:, None, :])
+    allowed.tril_()
     # Every token sees at least itself, so padding rows are never all-masked (NaN in sdpa).
-    allowed = (causal & same_unit & visible) | torch.eye(width, dtype=torch.bool, device=device)
+    allowed.diagonal(dim1=-2, dim2=-1).fill_(True)
     rows_K, cols_K = torch.cat(seq).to(device), torch.cat(column).to(device)
     return Packed(
         ids.to(device),
@@ -268,7 +279,7 @@ def completion_logps(
         fp32_head: the output layer computes in float32, outside autocast (`cast_lm_head_to_fp32`).
         share_prompts: with `padding_free`, sequences with the same prompt compute it once (`pack_shared`), this
             being the attention cost that bounds a shared unit (`prompt_sharing_cost`). None: each its own.
-        count_tokens: called with the number of real tokens the forward pass computes.
+        count_tokens: called with the number of tokens the forward pass computes (padded: padding included).
 
     Returns:
         logps_NT; with `entropy`, (logps_NT, entropy_NT). Only the completion tokens' values are meaningful.
@@ -293,7 +304,7 @@ def completion_logps(
         index_K, target_K = index_K.to(completion_ids_NT.device), completion_ids_NT.flatten()
         inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
     if count_tokens is not None:
-        count_tokens(packed.tokens if padding_free else int(batch["attention_mask"].sum()))
+        count_tokens(packed.tokens if padding_free else batch["input_ids"].numel())  # padded: padding included
     with _head_returns_logps(head, index_K, target_K, temperature, chunk_tokens, entropy, fp32_head):
         out_K = model(**inputs, use_cache=False).logits  # [K], or [K, 2]: log-prob and entropy
     if padding_free:

@@ -422,10 +422,13 @@ class GRPOTrainer(Trainer):
         after an optimizer step, else the current ones detached (ratio 1, gradient not)."""
         mask_NT = inputs["completion_mask"]
         forwarded: list[int] = []  # tokens computed: fewer than the sequences' when completions share a prompt
-        logps_NT, entropy_NT = self.completion_logps(model, inputs, self.entropy.mode, forwarded.append)
+        logps_NT, entropy_NT = self.completion_logps(
+            model, inputs, entropy=self.entropy.mode, count_tokens=forwarded.append
+        )
         if model.training:
-            self._times.count("trained", inputs["attention_mask"].sum().item(), self._metrics)
-            self._times.count("forwarded", forwarded[0], self._metrics)
+            trained = inputs["attention_mask"].sum().item()
+            self._times.count("trained", trained, self._metrics)
+            self._times.count("forwarded", forwarded[0] if forwarded else trained, self._metrics)
         # On-policy, and on a rollout's first slice, the current weights are the ones that sampled. (When old
         # log-probs come from a forward pass, `rollout_logps` logged the gap for every slice already.)
         first_slice = (self._micro_step - 1) % (self.args.steps_per_generation * self.args.num_iterations) == 0

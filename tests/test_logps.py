@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import BloomConfig, BloomForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from trl.trainer.utils import selective_log_softmax
 
 from colograd import tiny
@@ -122,9 +122,12 @@ def test_shared_prompts_give_the_same_loss_and_gradients(tied, row_tokens, chunk
     cost = prompt_sharing_cost(model)
     mask = batch["completion_mask"].bool()
     shared = pack_shared(batch, cost, row_tokens)
-    # Each prompt is computed once: 6 of the 8 sequences' prompt tokens are not.
-    prompt_N = batch["attention_mask"][:, :P].sum(1)
-    assert (shared.input_ids != 0).sum() == batch["attention_mask"].sum() - prompt_N[[1, 2, 3, 5, 6]].sum()
+    if row_tokens is None or row_tokens > 2 * (P + T):
+        # Each prompt is computed once: 5 of the 8 sequences' prompt tokens are not.
+        prompt_N = batch["attention_mask"][:, :P].sum(1)
+        assert shared.tokens == batch["attention_mask"].sum() - prompt_N[[1, 2, 3, 5, 6]].sum()
+    else:  # a small row budget caps a prompt's copy (a longer sequence alone gets its own row)
+        assert shared.input_ids.size(1) <= max(row_tokens, int(batch["attention_mask"].sum(1).max()))
     unshared_logps, unshared_loss, unshared_grads = _loss_and_grads(model, batch, padding_free=True)
     logps, loss, grads = _loss_and_grads(
         model, batch, padding_free=True, row_tokens=row_tokens, chunk_tokens=chunk_tokens, share_prompts=cost
@@ -152,12 +155,30 @@ def test_shared_prompts_keep_completions_and_units_apart():
     assert (together - alone)[batch["completion_mask"].bool()].abs().max() < 0.05
 
 
+def test_shared_prompts_take_empty_completions_and_keep_rows_within_the_budget():
+    model = tiny.build_model()
+    batch = _grouped_batch(seed=4)
+    for key in ("attention_mask", "completion_mask"):
+        batch[key] = batch[key].clone()
+    batch["attention_mask"][2, P:] = 0  # a completion with no tokens (an agent's, a rollout_func's)
+    batch["completion_mask"] = batch["attention_mask"][:, P:]
+    cost = prompt_sharing_cost(model)
+    with torch.no_grad():
+        unshared = completion_logps(model, batch)
+        for row_tokens in (None, 8, 16):
+            shared = completion_logps(model, batch, row_tokens=row_tokens, share_prompts=cost)
+            assert torch.allclose(shared, unshared, atol=1e-5)
+    longest = int(batch["attention_mask"].sum(1).max())
+    assert pack_shared(batch, cost, row_tokens=longest).input_ids.size(1) <= longest  # as wide as a padded row
+
+
 def test_a_prompt_copy_takes_completions_while_that_is_cheaper_than_a_new_copy():
     # Free attention: one copy for all. Otherwise long completions of a short prompt get a copy each, short
     # completions of a long prompt share it, and a growing unit stops where its attention outweighs a new copy.
     assert share_units(10, [5, 5, 5], attention_cost=0.0) == [[0, 1, 2]]
     assert share_units(4, [100, 100, 100], attention_cost=0.01) == [[0], [1], [2]]
     assert share_units(100, [4, 4, 4, 4], attention_cost=0.01) == [[0, 1, 2, 3]]
+    assert share_units(100, [4, 4, 4, 4], attention_cost=0.01, max_tokens=108) == [[0, 1], [2, 3]]  # a row budget
     # 50 + 20: a new copy costs 70 + 0.05 × 70² = 315; the 6th completion would add 20 + 0.05 × (170² - 150²) = 340.
     assert share_units(50, [20] * 8, attention_cost=0.05) == [[0, 1, 2, 3, 4], [5, 6, 7]]
 
@@ -173,3 +194,10 @@ def test_prompts_are_shared_only_where_the_attention_takes_the_mask():
     sliding = Qwen2ForCausalLM(Qwen2Config(**config))
     assert "sliding_attention" in sliding.config.layer_types
     assert prompt_sharing_cost(sliding) is None
+    # ALiBi biases come from a 2D mask, which a shared row has not got.
+    bloom = BloomForCausalLM(BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=2))
+    bloom.config._attn_implementation = "sdpa"  # as if it had it: still not shared
+    assert prompt_sharing_cost(bloom) is None
+    model = tiny.build_model()
+    model.config.alibi = True
+    assert prompt_sharing_cost(model) is None
