@@ -7,6 +7,7 @@ Shapes: N completions (groups of G contiguous), P prompt tokens (left-padded), T
 import torch
 
 from colograd.engine import Rollout
+from colograd.logps import forwarded_tokens
 
 
 def pad_rollout(
@@ -70,18 +71,42 @@ def split_rows(batch: dict[str, torch.Tensor], parts: int) -> list[dict[str, tor
     return [{k: chunks[i] for k, chunks in chunked.items()} for i in range(parts)]
 
 
-def split_by_tokens(batch: dict[str, torch.Tensor], max_tokens: int, loss_type: str) -> list[dict[str, torch.Tensor]]:
-    """Split a micro-batch's rows into consecutive passes of at most `max_tokens` real tokens (prompt +
-    completion; a longer row makes a pass of its own), each with the `loss_scale` that makes the passes' scaled
-    losses add up to the micro-batch's loss for `loss_type` (see `colograd.loss.reduce_loss`).
+def split_by_tokens(
+    batch: dict[str, torch.Tensor],
+    max_tokens: int,
+    loss_type: str,
+    share_prompts: float | None = None,
+    row_tokens: int | None = None,
+) -> list[dict[str, torch.Tensor]]:
+    """Split a micro-batch's rows into consecutive passes whose forward computes at most `max_tokens` real tokens
+    (prompt + completion; a longer row makes a pass of its own), each with the `loss_scale` that makes the
+    passes' scaled losses add up to the micro-batch's loss for `loss_type` (see `colograd.loss.reduce_loss`).
+
+    With `share_prompts` (the forward's `pack_shared` cost, and its `row_tokens`), a row with the prompt of the
+    row before it in the pass costs what it adds to their shared copies (`forwarded_tokens`), so a pass holds
+    whole groups where the budget allows.
     """
-    tokens_N = batch["attention_mask"].sum(1).tolist()
-    bounds, used = [0], 0
+    mask = batch["attention_mask"]
+    tokens_N = mask.sum(1).tolist()
+    same_N, prompt_N = [False] * len(tokens_N), [0] * len(tokens_N)  # same_N: the row has the row before's prompt
+    if share_prompts is not None:
+        p = mask.size(1) - batch["completion_ids"].size(1)
+        ids, prompt_mask = batch["input_ids"][:, :p], mask[:, :p]
+        same_N[1:] = ((ids[1:] == ids[:-1]) & (prompt_mask[1:] == prompt_mask[:-1])).all(1).tolist()
+        prompt_N = prompt_mask.sum(1).tolist()
+    bounds, used, group = [0], 0, []  # group: completion lengths of the pass's last run of one prompt
     for i, tokens in enumerate(tokens_N):
-        if used and used + tokens > max_tokens:
+        completion = tokens - prompt_N[i]
+        if same_N[i] and group:
+            cost = forwarded_tokens(prompt_N[i], [*group, completion], share_prompts, row_tokens)
+            cost -= forwarded_tokens(prompt_N[i], group, share_prompts, row_tokens)
+        else:
+            cost, group = tokens, []
+        if used and used + cost > max_tokens:
             bounds.append(i)
-            used = 0
-        used += tokens
+            used, cost, group = 0, tokens, []
+        used += cost
+        group.append(completion)
     bounds.append(len(tokens_N))
     completion_tokens = batch["completion_mask"].sum().clamp(min=1)
     passes = []

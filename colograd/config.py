@@ -242,10 +242,10 @@ class GRPOConfig(
     micro_batch_tokens: int | None = field(
         default=None,
         metadata={
-            "help": "Most tokens (prompt + completion, padding excluded) in one forward + backward pass: a "
-            "micro-step's completions are split, whole, into passes of at most this many, whose gradients add up "
-            "to the micro-step's. Bounds activation memory at long lengths. None: one pass per micro-step. Not "
-            "with DeepSpeed."
+            "help": "Most tokens (prompt + completion, padding excluded; a prompt shared by completions counts once "
+            "per copy, see share_prompts) in one forward + backward pass: a micro-step's completions are split, "
+            "whole, into passes of at most this many, whose gradients add up to the micro-step's. Bounds activation "
+            "memory at long lengths. None: one pass per micro-step. Not with DeepSpeed."
         },
     )
     logps_chunk_tokens: int = field(

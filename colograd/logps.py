@@ -172,6 +172,15 @@ def share_units(
     return units
 
 
+def forwarded_tokens(
+    prompt_len: int, completion_lens: list[int], attention_cost: float, max_tokens: int | None = None
+) -> int:
+    """The tokens `pack_shared` computes for these completions of one prompt: a prompt per unit (`share_units`)
+    plus every completion token."""
+    units = share_units(prompt_len, completion_lens, attention_cost, max_tokens)
+    return prompt_len * len(units) + sum(completion_lens)
+
+
 def pack_shared(
     batch: dict[str, torch.Tensor], attention_cost: float, row_tokens: int | None = None, pad_token_id: int = 0
 ) -> Packed:

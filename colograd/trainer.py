@@ -260,7 +260,10 @@ class GRPOTrainer(Trainer):
         at most that many tokens, gradients accumulated locally until the last one."""
         if self.args.micro_batch_tokens is None:
             return super().training_step(model, batch, num_items_in_batch)
-        passes = split_by_tokens(batch, self.args.micro_batch_tokens, self.args.loss_type)
+        args = self.args
+        passes = split_by_tokens(
+            batch, args.micro_batch_tokens, args.loss_type, self._prompt_cost, args.packed_row_tokens
+        )
         loss = torch.zeros((), device=self.args.device)
         for i, part in enumerate(passes):
             # Gradients are reduced across ranks once, with the last pass (when the Trainer reduces at all).

@@ -5,8 +5,11 @@ import json
 import pytest
 import torch
 from conftest import launch
+from test_logps import _grouped_batch
 
+from colograd import tiny
 from colograd.batch import split_by_tokens
+from colograd.logps import pack_shared, prompt_sharing_cost
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
 
@@ -46,3 +49,22 @@ def test_split_keeps_rows_whole_and_scales_the_loss():
     bnpo = split_by_tokens(batch, max_tokens=7, loss_type="bnpo")
     # Completion tokens (from column 2): 1, 2, 7, 0, 0; the last pass has none, so it weighs nothing.
     assert [p["loss_scale"].item() for p in bnpo] == pytest.approx([3 / 10, 7 / 10, 0.0])
+
+
+def test_with_shared_prompts_a_pass_counts_the_tokens_its_forward_computes():
+    # GRPO's groups (rows 0-3 share a prompt, 5-6 another): a row that shares the prompt before it costs its
+    # completion, so passes hold whole groups; each pass's shared forward stays within the budget.
+    batch = _grouped_batch(seed=5)
+    cost = prompt_sharing_cost(tiny.build_model())
+    fewer = []
+    for budget in (10, 20, 30, 40, 60, 80):
+        unshared = split_by_tokens(batch, max_tokens=budget, loss_type="grpo")
+        shared = split_by_tokens(batch, max_tokens=budget, loss_type="grpo", share_prompts=cost)
+        fewer.append(len(shared) < len(unshared))
+        assert len(shared) <= len(unshared)
+        assert torch.cat([p["advantages"] for p in shared]).equal(batch["advantages"])  # rows whole, in order
+        assert sum(p["loss_scale"].item() for p in shared) == pytest.approx(1.0)
+        for part in shared:
+            longest = int(part["attention_mask"].sum(1).max())
+            assert pack_shared(part, cost).tokens <= max(budget, longest)
+    assert any(fewer)
