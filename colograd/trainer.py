@@ -264,7 +264,7 @@ class GRPOTrainer(Trainer):
         passes = split_by_tokens(
             batch, args.micro_batch_tokens, args.loss_type, self._prompt_cost, args.packed_row_tokens
         )
-        loss = torch.zeros((), device=self.args.device)
+        loss = torch.zeros((), device=args.device)
         for i, part in enumerate(passes):
             # Gradients are reduced across ranks once, with the last pass (when the Trainer reduces at all).
             with self.accelerator.no_sync(model) if i < len(passes) - 1 else nullcontext():

@@ -40,21 +40,25 @@ def _loss_and_grads(model, batch, **kwargs):
     return logps.detach(), out.loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
+def _assert_same_training(model, batch, reference: dict, **kwargs):
+    """`completion_logps` with `kwargs` gives the log-probs, loss and gradients that `reference` (its keywords)
+    gives, and 0 where there is no completion token."""
+    mask = batch["completion_mask"].bool()
+    expected_logps, expected_loss, expected_grads = _loss_and_grads(model, batch, **reference)
+    logps, loss, grads = _loss_and_grads(model, batch, **kwargs)
+    assert (logps - expected_logps)[mask].abs().max() < 1e-5
+    assert (logps[~mask] == 0).all()
+    assert loss == pytest.approx(expected_loss, abs=1e-6)
+    for name, grad in expected_grads.items():
+        assert torch.allclose(grads[name], grad, atol=1e-5), name
+
+
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("row_tokens, chunk_tokens", [(None, 1024), (4096, 1024), (24, 5)])
 def test_packed_and_padded_give_the_same_loss_and_gradients(tied, row_tokens, chunk_tokens):
     model = tiny.build_model(tie_word_embeddings=tied)
-    batch = _batch()
-    mask = batch["completion_mask"].bool()
-    padded_logps, padded_loss, padded_grads = _loss_and_grads(model, batch, padding_free=False)
-    logps, loss, grads = _loss_and_grads(
-        model, batch, padding_free=True, row_tokens=row_tokens, chunk_tokens=chunk_tokens
-    )
-    assert (logps - padded_logps)[mask].abs().max() < 1e-5
-    assert (logps[~mask] == 0).all()
-    assert loss == pytest.approx(padded_loss, abs=1e-6)
-    for name, grad in padded_grads.items():
-        assert torch.allclose(grads[name], grad, atol=1e-5), name
+    packed = {"padding_free": True, "row_tokens": row_tokens, "chunk_tokens": chunk_tokens}
+    _assert_same_training(model, _batch(), {"padding_free": False}, **packed)
 
 
 def test_padded_logps_equal_a_full_logit_softmax():
@@ -120,7 +124,6 @@ def test_shared_prompts_give_the_same_loss_and_gradients(tied, row_tokens, chunk
     model = tiny.build_model(tie_word_embeddings=tied)
     batch = _grouped_batch()
     cost = prompt_sharing_cost(model)
-    mask = batch["completion_mask"].bool()
     shared = pack_shared(batch, cost, row_tokens)
     if row_tokens is None or row_tokens > 2 * (P + T):
         # Each prompt is computed once: 5 of the 8 sequences' prompt tokens are not.
@@ -128,15 +131,8 @@ def test_shared_prompts_give_the_same_loss_and_gradients(tied, row_tokens, chunk
         assert shared.tokens == batch["attention_mask"].sum() - prompt_N[[1, 2, 3, 5, 6]].sum()
     else:  # a small row budget caps a prompt's copy (a longer sequence alone gets its own row)
         assert shared.input_ids.size(1) <= max(row_tokens, int(batch["attention_mask"].sum(1).max()))
-    unshared_logps, unshared_loss, unshared_grads = _loss_and_grads(model, batch, padding_free=True)
-    logps, loss, grads = _loss_and_grads(
-        model, batch, padding_free=True, row_tokens=row_tokens, chunk_tokens=chunk_tokens, share_prompts=cost
-    )
-    assert (logps - unshared_logps)[mask].abs().max() < 1e-5
-    assert (logps[~mask] == 0).all()
-    assert loss == pytest.approx(unshared_loss, abs=1e-6)
-    for name, grad in unshared_grads.items():
-        assert torch.allclose(grads[name], grad, atol=1e-5), name
+    shared_kwargs = {"row_tokens": row_tokens, "chunk_tokens": chunk_tokens, "share_prompts": cost}
+    _assert_same_training(model, batch, {"padding_free": True}, padding_free=True, **shared_kwargs)
 
 
 def test_shared_prompts_keep_completions_and_units_apart():
