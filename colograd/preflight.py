@@ -36,6 +36,7 @@ from trl.data_utils import is_conversational
 from colograd.checkpoints import resolve_checkpoint
 from colograd.config import ConfigError, GRPOConfig, ScriptArguments
 from colograd.data import first_line, load_prompts, tokenize_prompts
+from colograd.engine import engine_dtype as engine_dtype_of
 from colograd.engine import sampling_params
 from colograd.logps import check_fp32_head
 from colograd.lora import check_lora, engine_max_lora_rank
@@ -503,12 +504,11 @@ def check_engine(
         )
     with _quiet_logs():  # vLLM's import-time warnings (no Triton on CPU, ...) would add lines to a one-line error
         import vllm.config  # noqa: F401 (its first import logs platform warnings: it must happen in here)
-        from vllm.exceptions import VLLMError
         from vllm.platforms import current_platform
 
     try:
         sampling_params(args)
-    except (ValueError, VLLMError) as err:
+    except (ValueError, *_vllm_errors()) as err:
         raise ConfigError(f"sampling settings: vLLM refuses them: {first_line(err)}.") from err
     if lora_rank is not None:
         engine_max_lora_rank(lora_rank)  # a rank between the sizes vLLM serves is rounded up; above them, refused
@@ -518,14 +518,30 @@ def check_engine(
             f"vllm_max_model_length={args.vllm_max_model_length} exceeds the model's context of {context} "
             "(max_position_embeddings); lower it, or leave it unset."
         )
-    engine_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else dtype
+    engine_dtype = engine_dtype_of(args, dtype)
     supported = current_platform.supported_dtypes
     if engine_dtype not in supported:
         names = ", ".join(str(d).removeprefix("torch.") for d in supported)
         raise ConfigError(
             f"dtype {str(engine_dtype).removeprefix('torch.')}: the engine on this machine supports {names}; pick one."
         )
+    if lora_rank is not None and engine_dtype == torch.float32 and not current_platform.is_cpu():
+        raise ConfigError(
+            "lora_sync: adapter on a GPU needs a 16-bit engine (vLLM's LoRA kernels take fp16/bf16 only): set "
+            "bf16: true, or lora_sync: merged for an fp32 engine with exact parity, or vllm_dtype: bfloat16 to keep "
+            "an fp32 trainer (sampling is then corrected by importance sampling)."
+        )
     _check_head_size(model_config, current_platform)
+
+
+def _vllm_errors() -> tuple[type[Exception], ...]:
+    """vLLM's own error class where the installed version has one (`vllm.exceptions.VLLMError` is newer than 0.26,
+    the newest CUDA build for torch 2.11): preflight must not fail to import on an older engine."""
+    try:
+        from vllm.exceptions import VLLMError
+    except ImportError:
+        return ()
+    return (VLLMError,)
 
 
 def _check_head_size(model_config: PretrainedConfig, platform: Any) -> None:

@@ -75,7 +75,8 @@ class WeightPlan:
         self._base_sent = False
 
     def sync(self, engine: Engine) -> int:
-        """Bring `engine` up to date with the model, then drop its KV cache of the old weights.
+        """Bring `engine` up to date with the model. The engine's cached prompt KV of the old weights is not reused
+        after it: requests carry the weights' version as their cache salt (`Engine.prompt`).
 
         Returns:
             The number of bytes handed over.
@@ -89,7 +90,6 @@ class WeightPlan:
             sent, self._base_sent = self.nbytes, True
         if self.adapter_only:
             sent += self._sync_adapter(engine)
-        engine.reset_prefix_cache()
         return sent
 
     def __iter__(self) -> Iterator[list[tuple[str, torch.Tensor]]]:

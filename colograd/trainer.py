@@ -141,7 +141,7 @@ class GRPOTrainer(Trainer):
         self.accelerator.device_placement = args.device.type != "cpu"
         # Built after super().__init__: the torch process group must exist before the engine joins it.
         unwrapped = self.accelerator.unwrap_model(self.model)
-        self.engine = Engine(unwrapped, processing_class, args, lora_rank=self._lora_rank)
+        self.engine = Engine.acquire(unwrapped, processing_class, args, lora_rank=self._lora_rank)
         self.vllm_generation = VLLMGeneration(self)  # TRL's handle on the engine, for `rollout_func` code
         if self.reference is not None:
             self.reference.prepare(self.accelerator)

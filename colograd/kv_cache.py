@@ -1,0 +1,101 @@
+"""How much KV cache the colocated engine gets: what its rollouts need, not a fraction of the device.
+
+A GRPO engine serves one known workload: at most `max_num_seqs` sequences of at most a prompt and a completion
+each. A cache sized to that leaves the rest of the device to training. A fixed fraction of the card does not:
+0.3 of an 80 GB GPU is ~24 GB of KV for a 1.5B model whose rollout needs ~1 GB, held through every training
+step; and vLLM walks every block of it in Python whenever it resets its prefix cache or sleeps (767k blocks,
+30 ms, for the tiny model), so a sync of a 1.3 MiB model took 30 times its copy.
+"""
+
+import math
+from typing import Any
+
+import torch
+
+# Head-room over the counted need: requests that finish late, blocks in flight, a rounding of lengths.
+MARGIN = 1.25
+# Tokens per KV block: a sequence takes whole blocks (vLLM's default on GPUs; its CPU attention backend takes 128).
+GPU_BLOCK_TOKENS = 16
+CPU_BLOCK_TOKENS = 128
+# When the counted need is larger (a long context and no prompt limit), the cache stops at this share of a GPU
+# (TRL's default engine fraction) or this many bytes of host memory, which every rank of a CPU machine shares;
+# vLLM then schedules fewer sequences at a time (and preempts), which is slower but correct.
+GPU_CAP_FRACTION = 0.3
+CPU_CAP_BYTES = 2**30
+
+
+def kv_bytes_per_token(model_config: Any, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """Bytes of KV cache one token takes in one engine process: keys and values of every layer's KV heads.
+
+    Args:
+        model_config: the model's transformers config (a multimodal model's text config is read).
+        dtype: the engine's compute dtype (the cache's, as vLLM's `kv_cache_dtype="auto"` keeps it).
+        tp_size: tensor-parallel ranks sharing the engine; each holds its share of the KV heads (at least one).
+    """
+    text = model_config.get_text_config()
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return 2 * text.num_hidden_layers * max(1, kv_heads // tp_size) * head_dim * dtype.itemsize
+
+
+def engine_context(args: Any, model_config: Any) -> int | None:
+    """The engine's context length as colograd sets it: vllm_max_model_length, else a prompt and a completion, else
+    the model's own (None where the config does not say: vLLM then decides)."""
+    if args.vllm_max_model_length:
+        return args.vllm_max_model_length
+    if args.max_prompt_length:
+        return args.max_prompt_length + args.max_completion_length
+    return getattr(model_config.get_text_config(), "max_position_embeddings", None)
+
+
+def rollout_kv_bytes(
+    args: Any, model_config: Any, dtype: torch.dtype, max_num_seqs: int, device_bytes: int | None
+) -> int | None:
+    """The KV cache for `max_num_seqs` sequences of a prompt and a completion each (in whole blocks), with `MARGIN`,
+    at most `GPU_CAP_FRACTION` of a GPU of `device_bytes` (or `CPU_CAP_BYTES` without one), and never less than one
+    sequence of the whole context (vLLM refuses to start with less). None when the context is unknown.
+
+    Args:
+        args: the run's config (lengths, vllm_tensor_parallel_size).
+        model_config: the model's transformers config.
+        dtype: the engine's dtype.
+        max_num_seqs: sequences the engine decodes at once.
+        device_bytes: the GPU's total memory; None on a machine without one.
+    """
+    context = engine_context(args, model_config)
+    if context is None:
+        return None
+    per_token = kv_bytes_per_token(model_config, dtype, args.vllm_tensor_parallel_size)
+    block = GPU_BLOCK_TOKENS if device_bytes else CPU_BLOCK_TOKENS
+    longest = min(context, (args.max_prompt_length or context) + args.max_completion_length)
+    need = math.ceil(max_num_seqs * _whole_blocks(longest, block) * per_token * MARGIN)
+    cap = int(device_bytes * GPU_CAP_FRACTION) if device_bytes else CPU_CAP_BYTES
+    return max(min(need, cap), _whole_blocks(context, block) * per_token)
+
+
+def _whole_blocks(tokens: int, block: int) -> int:
+    """`tokens` rounded up to whole blocks."""
+    return -(-tokens // block) * block
+
+
+def engine_memory(args: Any, model_config: Any, dtype: torch.dtype, max_num_seqs: int) -> dict[str, Any]:
+    """The memory arguments of `vllm.LLM`: an explicit `vllm_gpu_memory_utilization` (GPU) or `vllm_kv_cache_gib`,
+    else a cache sized to the rollout (`rollout_kv_bytes`)."""
+    on_gpu = torch.cuda.is_available()
+    if on_gpu and args.vllm_gpu_memory_utilization is not None:
+        return {"gpu_memory_utilization": args.vllm_gpu_memory_utilization}
+    if args.vllm_kv_cache_gib is not None:
+        kv_bytes = int(args.vllm_kv_cache_gib * 2**30)
+    else:
+        kv_bytes = rollout_kv_bytes(
+            args, model_config, dtype, max_num_seqs, torch.cuda.mem_get_info()[1] if on_gpu else None
+        )
+        if kv_bytes is None:  # no context length to count with: the device's share, as before
+            return {"gpu_memory_utilization": GPU_CAP_FRACTION} if on_gpu else {"kv_cache_memory_bytes": CPU_CAP_BYTES}
+    if not on_gpu:
+        return {"kv_cache_memory_bytes": kv_bytes}
+    # vLLM still checks at start that `gpu_memory_utilization` of the card is free (the trainer's model and optimizer
+    # already hold some). With the cache size given, that fraction sizes nothing else: ask for what is free.
+    free, total = torch.cuda.mem_get_info()
+    return {"kv_cache_memory_bytes": kv_bytes, "gpu_memory_utilization": round(0.9 * free / total, 4)}

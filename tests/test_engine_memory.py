@@ -1,0 +1,204 @@
+"""The engine's memory: a KV cache sized to the rollout, syncs that never walk the cache, one engine per process."""
+
+import pytest
+import torch
+from transformers import Qwen2Config
+
+from colograd import kv_cache, tiny
+from colograd.config import GRPOConfig
+from colograd.engine import Engine, engine_settings
+from colograd.errors import ConfigError
+from colograd.sync import WeightPlan
+
+# Qwen2.5-1.5B's attention: 28 layers, 12 query heads and 2 KV heads of 128 dims.
+QWEN_1_5B = Qwen2Config(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                        intermediate_size=8960, vocab_size=64, max_position_embeddings=32768)  # fmt: skip
+
+
+def config(tmp_path, **overrides) -> GRPOConfig:
+    settings = dict(per_device_train_batch_size=128, num_generations=8, max_prompt_length=512,
+                    max_completion_length=256, report_to="none")  # fmt: skip
+    return GRPOConfig(output_dir=str(tmp_path), **settings | overrides)
+
+
+def test_kv_bytes_per_token_by_hand():
+    # keys and values × 28 layers × 2 KV heads × 128 dims × 2 bytes (bf16) = 28 KiB
+    assert kv_cache.kv_bytes_per_token(QWEN_1_5B, torch.bfloat16) == 2 * 28 * 2 * 128 * 2 == 28 * 1024
+    assert kv_cache.kv_bytes_per_token(QWEN_1_5B, torch.float32) == 56 * 1024
+    # Tensor parallel over 2 ranks: one KV head each; over 4: still one (vLLM replicates a KV head it cannot split).
+    assert kv_cache.kv_bytes_per_token(QWEN_1_5B, torch.bfloat16, tp_size=2) == 14 * 1024
+    assert kv_cache.kv_bytes_per_token(QWEN_1_5B, torch.bfloat16, tp_size=4) == 14 * 1024
+
+
+def test_rollout_kv_bytes_by_hand(tmp_path):
+    args = config(tmp_path)
+    # 128 sequences × (512 + 256 tokens: 48 blocks of 16) × 28 KiB × 1.25 margin ≈ 3.5 GB, not 24 GB (0.3 × 80 GB).
+    need = 128 * (512 + 256) * 28 * 1024 * 1.25
+    assert kv_cache.rollout_kv_bytes(args, QWEN_1_5B, torch.bfloat16, 128, 80 * 10**9) == pytest.approx(need, abs=1)
+    # Without a GPU the cap is 1 GiB of host memory.
+    assert kv_cache.rollout_kv_bytes(args, QWEN_1_5B, torch.bfloat16, 128, None) == 2**30
+    # No prompt limit: the model's 32k context per sequence would need ~150 GB; the cache stops at 0.3 of the card.
+    long = config(tmp_path, max_prompt_length=None)
+    assert kv_cache.rollout_kv_bytes(long, QWEN_1_5B, torch.bfloat16, 128, 80 * 10**9) == 24 * 10**9
+    # Never less than one sequence of the whole context (vLLM refuses to start with less).
+    one = config(tmp_path, per_device_train_batch_size=8, max_prompt_length=None)
+    assert kv_cache.rollout_kv_bytes(one, QWEN_1_5B, torch.bfloat16, 1, 10**9) == 32768 * 28 * 1024
+
+
+def test_engine_memory_arguments(tmp_path, monkeypatch):
+    args = config(tmp_path)
+    share = config(tmp_path, vllm_gpu_memory_utilization=0.3)  # configs first: they look for a GPU themselves
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert kv_cache.engine_memory(args, QWEN_1_5B, torch.bfloat16, 128) == {"kv_cache_memory_bytes": 2**30}
+    small = config(tmp_path, max_completion_length=16, max_prompt_length=16, per_device_train_batch_size=8)
+    expected = int(8 * 128 * 28 * 1024 * 1.25)  # CPU blocks hold 128 tokens: one per sequence of 32
+    assert kv_cache.engine_memory(small, QWEN_1_5B, torch.bfloat16, 8) == {"kv_cache_memory_bytes": expected}
+    explicit = config(tmp_path, vllm_kv_cache_gib=0.5)
+    assert kv_cache.engine_memory(explicit, QWEN_1_5B, torch.bfloat16, 128) == {"kv_cache_memory_bytes": 2**29}
+
+    # A GPU (stubbed: 80 GB card, 60 GB free): the rollout's cache, and vLLM's start-up check asked for what is free.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (60 * 10**9, 80 * 10**9))
+    sized = kv_cache.engine_memory(args, QWEN_1_5B, torch.bfloat16, 128)
+    assert sized == {"kv_cache_memory_bytes": int(128 * 768 * 28 * 1024 * 1.25), "gpu_memory_utilization": 0.675}
+    # An explicit fraction of the card is the override.
+    assert kv_cache.engine_memory(share, QWEN_1_5B, torch.bfloat16, 128) == {"gpu_memory_utilization": 0.3}
+
+
+@pytest.mark.parametrize("field, value", [("vllm_gpu_memory_utilization", 1.5), ("vllm_gpu_memory_utilization", 0),
+                                          ("vllm_kv_cache_gib", -1), ("vllm_dtype", "float64")])  # fmt: skip
+def test_engine_memory_fields_refused(tmp_path, field, value):
+    with pytest.raises(ConfigError, match=field):
+        config(tmp_path, **{field: value})
+
+
+def test_engine_dtype_opt_in_turns_correction_on(tmp_path):
+    """An fp32 trainer with a bf16 engine samples from a rounded policy: the correction is on, and the engine's
+    log-probs no longer stand in for the sampling policy's."""
+    plain = config(tmp_path)
+    assert not plain.vllm_importance_sampling_correction and plain.engine_logps_are_old_logps
+    rounded = config(tmp_path, vllm_dtype="bfloat16")
+    assert rounded.vllm_importance_sampling_correction and not rounded.engine_logps_are_old_logps
+    assert rounded.needs_engine_logps
+    same = config(tmp_path, vllm_dtype="bfloat16", bf16=True)  # the trainer computes in bf16 already
+    assert not same.engine_dtype_differs and not same.vllm_importance_sampling_correction
+
+
+def test_needs_engine_logps_only_where_consumed(tmp_path):
+    assert not config(tmp_path).needs_engine_logps  # on-policy, no correction: nothing reads them
+    assert config(tmp_path, vllm_importance_sampling_correction=True).needs_engine_logps
+    assert config(tmp_path, off_policy_mask_threshold=0.5).needs_engine_logps
+    # A rollout trained after an optimizer step, once, unfiltered: the engine's log-probs are the old ones.
+    reused = config(tmp_path, per_device_train_batch_size=16, steps_per_generation=2)
+    assert reused.reuses_rollouts_across_updates and reused.needs_engine_logps
+    # ... but with num_iterations > 1 the trainer computes them.
+    assert not config(tmp_path, per_device_train_batch_size=16, num_iterations=2).needs_engine_logps
+
+
+def stand_in(settings: dict) -> Engine:
+    """An `Engine` with these settings and no vLLM behind it: the reuse rule is pure logic."""
+    engine = Engine.__new__(Engine)
+    engine.settings, engine.stale, engine.weights_version, engine.lora_request = settings, False, 3, "adapter"
+    return engine
+
+
+def test_second_trainer_reuses_or_is_refused(tmp_path, monkeypatch):
+    import colograd.engine as engine_module
+
+    model, tokenizer = tiny.build_model(), tiny.build_tokenizer()
+    args = config(tmp_path, per_device_train_batch_size=8, max_prompt_length=32, max_completion_length=16)
+    held = stand_in(engine_settings(model, tokenizer, args))
+    monkeypatch.setattr(engine_module, "_PROCESS_ENGINE", held)
+    monkeypatch.setattr(engine_module, "one_engine_per_process", lambda: True)
+    monkeypatch.setattr(Engine, "__init__", lambda *a, **k: pytest.fail("a second engine was started"))
+
+    # Same settings (another run's output_dir, learning rate, seed): the same engine, its weights to be synced anew.
+    again = config(tmp_path / "other", per_device_train_batch_size=8, max_prompt_length=32, max_completion_length=16,
+                   learning_rate=1e-3)  # fmt: skip
+    assert Engine.acquire(tiny.build_model(), tokenizer, again) is held
+    assert held.stale and held.weights_version == 4 and held.lora_request is None
+
+    # A longer completion changes the engine's context: one line naming it, before anything starts.
+    longer = config(tmp_path, per_device_train_batch_size=8, max_prompt_length=32, max_completion_length=64)
+    with pytest.raises(ConfigError, match=r"already holds a colograd engine.*max_model_len.*restart"):
+        Engine.acquire(model, tokenizer, longer)
+    wider = tiny.build_model()
+    wider.config.num_hidden_layers = 3
+    with pytest.raises(ConfigError, match="architecture"):
+        Engine.acquire(wider, tokenizer, args)
+    with pytest.raises(ConfigError, match="dtype"):
+        Engine.acquire(model, tokenizer, config(tmp_path, per_device_train_batch_size=8, max_prompt_length=32,
+                                                max_completion_length=16, vllm_dtype="bfloat16"))  # fmt: skip
+
+
+def test_without_gpu_each_trainer_gets_its_own_engine(tmp_path, monkeypatch):
+    import colograd.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "_PROCESS_ENGINE", stand_in({}))
+    built = []
+    monkeypatch.setattr(Engine, "__init__", lambda self, *a, **k: built.append(self))
+    args = config(tmp_path, per_device_train_batch_size=8, max_prompt_length=32, max_completion_length=16)
+    engine = Engine.acquire(tiny.build_model(), tiny.build_tokenizer(), args)
+    assert built == [engine] and engine_module._PROCESS_ENGINE is engine
+
+
+@pytest.mark.slow
+def test_sync_salts_the_prefix_cache_instead_of_walking_it(tmp_path, monkeypatch):
+    """A sync never resets the prefix cache (vLLM walks every block to do it), and no prompt KV computed under the
+    old weights is reused after it; between syncs a repeated prompt is served from the cache."""
+    from vllm import SamplingParams
+    from vllm.v1.core.block_pool import BlockPool
+
+    walks = []
+    reset = BlockPool.reset_prefix_cache
+    monkeypatch.setattr(BlockPool, "reset_prefix_cache", lambda self: walks.append(1) or reset(self))
+    model, tokenizer = tiny.build_model().eval(), tiny.build_tokenizer()
+    args = config(tmp_path, per_device_train_batch_size=8, max_prompt_length=200, max_completion_length=8,
+                  vllm_enforce_eager=True)  # fmt: skip
+    engine = Engine(model, tokenizer, args)
+    # Sized to the rollout: 8 sequences of up to 200 + 8 tokens (two 128-token CPU blocks each), with margin; far
+    # below the 1 GiB cap.
+    per_token = kv_cache.kv_bytes_per_token(model.config, torch.float32)
+    assert 8 * 256 * per_token <= engine.kv_cache_bytes <= kv_cache.rollout_kv_bytes(args, model.config,
+                                                                                    torch.float32, 8, None)  # fmt: skip
+    plan = WeightPlan(model)
+    plan.sync(engine)
+    prompt = tokenizer("abcd" * 40 + ">a:")["input_ids"]  # over one 128-token block: a block to cache
+    params = SamplingParams(max_tokens=2)
+
+    def cached_tokens() -> int:
+        return engine.llm.generate([engine.prompt(prompt)], params, use_tqdm=False)[0].num_cached_tokens
+
+    cached_tokens()
+    assert cached_tokens() > 0  # the same weights: the prompt's blocks are reused
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    plan.sync(engine)
+    assert cached_tokens() == 0  # new weights: nothing computed under the old ones
+    assert cached_tokens() > 0
+    assert walks == []
+
+
+@pytest.mark.parametrize(
+    "settings, refused",
+    [({}, True), ({"bf16": True}, False), ({"vllm_dtype": "bfloat16"}, False), ({"lora": False}, False)],
+)
+def test_adapter_lora_on_gpu_needs_a_16_bit_engine(tmp_path, monkeypatch, settings, refused):
+    """vLLM's GPU LoRA kernels take fp16/bf16 activations only: an fp32 engine serving an adapter is refused before
+    start-up on a GPU (stubbed platform), where the CPU build would have accepted it."""
+    from vllm.platforms import current_platform
+
+    from colograd.preflight import check_engine
+
+    lora = settings.pop("lora", True)
+    args = config(tmp_path, per_device_train_batch_size=8, max_prompt_length=32, max_completion_length=16, **settings)
+    model = tiny.build_model()
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
+    monkeypatch.setattr(type(current_platform), "supported_dtypes", [torch.float32, torch.bfloat16, torch.float16])
+    check = lambda: check_engine(args, model.config, torch.float32, lora_rank=8 if lora else None)  # noqa: E731
+    if refused:
+        with pytest.raises(ConfigError, match=r"lora_sync: adapter on a GPU.*bf16: true.*merged"):
+            check()
+    else:
+        check()
