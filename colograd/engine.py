@@ -6,6 +6,7 @@ for a hub model, a local folder, or a model built in memory.
 """
 
 import copy
+import math
 import os
 import shutil
 import socket
@@ -178,6 +179,10 @@ class Engine:
         of a group pool their prompts, run one engine call together, and each keeps its own completions;
         `step` (the micro-step being trained) then seeds the call, so that every rank of the group samples the
         same tokens (vLLM's CPU sampler otherwise draws from each process's own generator).
+
+        The sampled tokens' log-probs are asked for every request when the loss reads them
+        (`args.needs_engine_logps`), else for each rank's first prompt only, for the sampling-gap metric: vLLM builds
+        them with per-token Python in its output path, which slows every decoding step. Completions not asked get NaN.
         """
         mine = len(prompt_ids)
         seeds: list[int | None] = [None] * mine
@@ -190,7 +195,10 @@ class Engine:
             base = hash((args.seed, self._tp_index, step)) % 2**31
             seeds = [base + i * args.num_generations for i in range(len(prompt_ids))]
 
-        params = [sampling_params(args, seed) for seed in seeds]
+        asks = range(len(prompt_ids)) if args.needs_engine_logps else range(0, len(prompt_ids), mine)
+        params = [
+            sampling_params(args, seed, **({} if i in asks else {"logprobs": None})) for i, seed in enumerate(seeds)
+        ]
         prompts = [self.prompt(ids) for ids in prompt_ids]
         outputs = self.llm.generate(prompts, params, lora_request=self.lora_request, use_tqdm=False)
         if self.tp_group is not None:
@@ -201,7 +209,7 @@ class Engine:
             for sample in request.outputs:
                 ids = list(sample.token_ids)
                 rollout.completion_ids.append(ids)
-                rollout.logps.append([pos[tok].logprob for pos, tok in zip(sample.logprobs, ids, strict=True)])
+                rollout.logps.append(sampled_logps(sample))
                 rollout.truncated.append(sample.finish_reason == "length")
         return rollout
 
@@ -342,9 +350,17 @@ def engine_settings(
 _NOT_ARCHITECTURE = ("_name_or_path", "transformers_version", "dtype", "torch_dtype")
 
 
+def sampled_logps(sample: Any) -> list[float]:
+    """The engine's log-prob of each token of a `vllm.CompletionOutput`, NaN for each when it was not asked."""
+    if sample.logprobs is None:
+        return [math.nan] * len(sample.token_ids)
+    return [pos[tok].logprob for pos, tok in zip(sample.logprobs, sample.token_ids, strict=True)]
+
+
 def sampling_params(args: GRPOConfig, seed: int | None = None, **overrides: Any) -> Any:
     """The `vllm.SamplingParams` of one rollout request: G completions of a prompt, with the sampled tokens'
-    log-probs. Building it runs vLLM's own checks of the sampling settings (preflight builds one for that).
+    log-probs (`logprobs=None` in `overrides` leaves them out). Building it runs vLLM's own checks of the sampling
+    settings (preflight builds one for that).
 
     Args:
         args: the run's config (num_generations, max_completion_length, temperature, top_p, top_k,

@@ -40,7 +40,7 @@ from colograd.data import keep_rows, tokenize_prompts
 from colograd.engine import Engine, Rollout
 from colograd.entropy import EntropyTerms
 from colograd.evaluation import evaluate
-from colograd.logps import completion_logps, prompt_sharing_cost
+from colograd.logps import completion_logps, prompt_sharing
 from colograd.loss import (
     Surrogate,
     group_advantages,
@@ -50,6 +50,7 @@ from colograd.loss import (
     sampling_correction,
     weighted_rewards,
 )
+from colograd.memory import PassBudget, compute_dtype
 from colograd.modelcard import Recipe, model_card, write_model_card
 from colograd.preemption import Preemption, stage_failures
 from colograd.preflight import check_argument_order, check_trainer_inputs, check_wrapped_trainer
@@ -151,8 +152,13 @@ class GRPOTrainer(Trainer):
                 func.model.to(self.accelerator.device)
         self._synced_step: int | None = None  # the global_step whose weights the engine holds
         self._weight_plan: WeightPlan | None = None
-        # Completions of one prompt compute it once in the forward pass, where the model's attention allows.
-        self._prompt_cost = prompt_sharing_cost(unwrapped) if args.share_prompts and args.padding_free else None
+        # Completions of one prompt compute it once in the forward pass, where the model's attention allows (and on
+        # a GPU, by default, where it pays); on a GPU a micro-step's passes get a token budget (`PassBudget`).
+        dtype = compute_dtype(unwrapped, args.mixed_precision)
+        self._prompt_cost = (
+            prompt_sharing(unwrapped, args.share_prompts, args.device, dtype) if args.padding_free else None
+        )
+        self._pass_budget = PassBudget(unwrapped, args, self.is_deepspeed_enabled, self.accelerator.is_main_process)
         self._micro_step = 0  # micro-steps trained since start (or resume): picks the rollout slice
         self._slices: list[dict[str, torch.Tensor]] | None = None  # the current rollout, one slice per micro-step
         self._rollout_rows: list[dict] = []  # the dataset rows of the current rollout
@@ -256,14 +262,14 @@ class GRPOTrainer(Trainer):
     def train_slice(
         self, model: nn.Module, batch: dict[str, torch.Tensor], num_items_in_batch: torch.Tensor | int | None = None
     ) -> torch.Tensor:
-        """The Trainer's forward + backward on one rollout slice; with `micro_batch_tokens`, in several passes of
-        at most that many tokens, gradients accumulated locally until the last one."""
-        if self.args.micro_batch_tokens is None:
-            return super().training_step(model, batch, num_items_in_batch)
+        """The Trainer's forward + backward on one rollout slice; with `micro_batch_tokens` (or on a GPU the budget
+        derived from free memory, see `PassBudget`), in several passes of at most that many tokens, gradients
+        accumulated locally until the last one."""
         args = self.args
-        passes = split_by_tokens(
-            batch, args.micro_batch_tokens, args.loss_type, self._prompt_cost, args.packed_row_tokens
-        )
+        max_tokens = args.micro_batch_tokens or self._pass_budget.tokens(model, self.optimizer)
+        if max_tokens is None:
+            return super().training_step(model, batch, num_items_in_batch)
+        passes = split_by_tokens(batch, max_tokens, args.loss_type, self._prompt_cost, args.packed_row_tokens)
         loss = torch.zeros((), device=args.device)
         for i, part in enumerate(passes):
             # Gradients are reduced across ranks once, with the last pass (when the Trainer reduces at all).
@@ -570,9 +576,11 @@ class GRPOTrainer(Trainer):
 
     def _log_sampling_gap(self, logps_NT: torch.Tensor, batch: dict[str, torch.Tensor]) -> None:
         """How far the engine's log-probs of the sampled tokens are from the trainer's for the same weights:
-        ~0 when the sync is exact. Over every token the engine sampled, in the loss or not (each completion has at
-        least one); inserted tool results are left out."""
-        sampled_NT = batch["tool_mask"].bool()
+        ~0 when the sync is exact. Over every token the engine sampled and scored, in the loss or not; inserted tool
+        results, and completions whose log-probs were not asked for (NaN, see `Engine.generate`), are left out."""
+        sampled_NT = batch["tool_mask"].bool() & ~batch["engine_logps"].isnan()
+        if not sampled_NT.any():  # this slice holds no completion the engine scored
+            return
         diff = (logps_NT - batch["engine_logps"]).abs()[sampled_NT]
         self._metrics["sampling/sampling_logp_difference/mean"].append(diff.mean().item())
         self._metrics["sampling/sampling_logp_difference/max"].append(diff.max().item())
