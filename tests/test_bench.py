@@ -1,8 +1,11 @@
 """The benchmarks' and the phase timers' own arithmetic (their figures come from running them, not from tests)."""
 
+import json
+import os
 from collections import defaultdict
 
 import pytest
+import torch
 
 from colograd.bench.soak import slope_per_100_steps
 from colograd.timing import PhaseTimes, format_summary, throughput
@@ -44,23 +47,203 @@ def test_training_flops_count_every_matrix_product_by_hand():
     assert training_flops(config, trained_tokens=7, completion_tokens=3) == 6 * 30 * 7 + 8 * 10 * 3
 
 
-def test_step_report_of_the_pretrained_model_shows_memory_and_leaves_out_the_engine_comparisons():
-    from colograd.bench.step import SMOLLM2_WORKLOAD, report, workload
+def _report_fields(model: str, **overrides) -> dict:
+    """A step result as `run` returns it, with made-up figures, for the report's own formatting."""
+    from colograd.bench.shapes import workload
 
     phases = {"generate": 10.0, "train": 20.0}
-    result = {
-        "workload": {**workload("smollm2"), "model": "smollm2", "dtype": "fp32"},
+    return {
+        "workload": {**workload(model), "model": model, "dtype": "fp32"},
         "colograd_steps_per_s": 0.03, "trl_steps_per_s": 0.015, "colograd_tokens_per_s": 20.0,
         "trl_tokens_per_s": 10.0, "speedup_vs_trl": 2.0, "trl_mode": "use_vllm=False (transformers generate)",
         "colograd_phases_s": phases, "trl_phases_s": phases,
         "colograd_peak_rss_mib": 5120.0, "trl_peak_rss_mib": 4096.0,
-        "machine_matmul_gflops": 150.0, "colograd_train_gflops": 100.0, "trl_train_gflops": 50.0,
-        "colograd_train_gflops_executed": 60.0, "trained_tokens_per_step": 2000.0, "forwarded_tokens_per_step": 750.0,
+        "colograd_peak_gpu_mib": None, "colograd_peak_gpu_reserved_mib": None, "colograd_peak_gpu_mib_by_phase": None,
+        "trl_peak_gpu_mib": None, "trl_peak_gpu_reserved_mib": None, "trl_peak_gpu_mib_by_phase": None,
+        **overrides,
     }  # fmt: skip
+
+
+def test_step_report_of_the_pretrained_model_shows_memory_and_leaves_out_the_engine_comparisons():
+    from colograd.bench.step import report
+
+    result = _report_fields(
+        "smollm2", machine_matmul_gflops=150.0, colograd_train_gflops=100.0, trl_train_gflops=50.0,
+        colograd_train_gflops_executed=60.0, trained_tokens_per_step=2000.0, forwarded_tokens_per_step=750.0,
+    )  # fmt: skip
     text = report(result)
-    assert workload("smollm2") is SMOLLM2_WORKLOAD and "4 prompts × 8 completions of ≤32 tokens" in text
-    assert "in 4 micro-step(s)" in text
+    assert "4 prompts × 8 completions of ≤32 tokens" in text and "in 4 micro-step(s)" in text
     assert "GFLOP/s of useful work: colograd 100, TRL 50; the machine's matrix product 150" in text
     assert "colograd forwards 750 of the step's 2,000 tokens (prompts shared), executing 60 GFLOP/s" in text
     assert "peak resident memory per process: colograd 5,120 MiB, TRL 4,096 MiB" in text
     assert "speedup_vs_trl 2.00" in text and "bare vllm" not in text
+    assert "GPU" not in text  # no GPU: the fields are None, and no line shows them
+
+
+def test_step_report_on_a_gpu_shows_memory_per_phase_and_generation_against_bare_vllm():
+    from colograd.bench.step import report
+
+    mib = {"startup": 30000.0, "generate": 31000.0, "train": 52500.0, "optimizer": 40000.0}
+    result = _report_fields(
+        "qwen2.5-1.5b", colograd_peak_gpu_mib=52500.0, colograd_peak_gpu_reserved_mib=60000.0,
+        colograd_peak_gpu_mib_by_phase=mib, trl_peak_gpu_mib=70000.0, trl_peak_gpu_reserved_mib=72000.0,
+        trl_peak_gpu_mib_by_phase={"train": 70000.0}, colograd_generation_tokens_per_s=9000.0,
+        bare_vllm_tokens_per_s=10000.0, bare_vllm_logprobs0_tokens_per_s=4500.0, generation_vs_bare_vllm=0.9,
+        packed_tokens_per_s=3.0, padded_tokens_per_s=1.0, packed_vs_padded=3.0, padding_fraction=0.5,
+    )  # fmt: skip
+    text = report(result)
+    assert "16 prompts × 8 completions of ≤256 tokens per step in 4 micro-step(s)" in text
+    assert "peak GPU memory allocated (reserved): colograd 52,500 (60,000) MiB, TRL 70,000 (72,000) MiB" in text
+    assert "train      colograd     52,500 MiB   TRL     70,000 MiB" in text
+    assert "sync       colograd          - MiB   TRL          - MiB" in text  # not measured is not zero
+    assert "bare vllm.LLM.generate 10000 tokens/s with logprobs=None (4500 with logprobs=0)" in text
+    assert "generation_vs_bare_vllm 0.90" in text
+
+
+def test_qwen_shapes_have_the_real_models_layers_and_parameters():
+    from transformers import Qwen2ForCausalLM
+
+    from colograd.bench.shapes import build_config, non_embedding_parameters
+
+    # Qwen2.5's report: 0.36B and 1.31B non-embedding parameters; "small" is the CPU model of ~9.5M.
+    expected = {"qwen2.5-0.5b": 0.36e9, "qwen2.5-1.5b": 1.31e9, "small": 9.45e6}
+    layers = {"qwen2.5-0.5b": (896, 24, 14, 2, 4864), "qwen2.5-1.5b": (1536, 28, 12, 2, 8960)}
+    for shape, count in expected.items():
+        config = build_config(shape)
+        with torch.device("meta"):  # sizes only: no memory, no initialisation
+            model = Qwen2ForCausalLM(config)
+        assert non_embedding_parameters(model) == pytest.approx(count, rel=0.02), shape
+        assert config.tie_word_embeddings and config.vocab_size == 64
+        if shape in layers:
+            c = config
+            sizes = (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
+                     c.intermediate_size)  # fmt: skip
+            assert sizes == layers[shape]
+    assert build_config("tiny", context=2000).max_position_embeddings == 2000  # room for a long workload
+
+
+def test_step_flags_give_the_gpu_workload():
+    from colograd.bench.__main__ import SHAPES, build_parser, step_workload
+    from colograd.bench.shapes import SHAPES as BUILT
+    from colograd.bench.shapes import workload
+
+    assert SHAPES == list(BUILT)
+    command = "step --shape qwen2.5-1.5b --prompts 16 --generations 8 --completion-tokens 256 --accumulation 4"
+    args = build_parser().parse_args([*command.split(), "--dtype", "bf16", "--steps", "5", "--prompt-tokens", "64"])
+    model, settings = step_workload(args)
+    w = workload(model, **settings)
+    assert model == "qwen2.5-1.5b" and args.dtype == "bf16"
+    assert (w["prompts"], w["num_generations"], w["max_completion_length"]) == (16, 8, 256)
+    assert (w["gradient_accumulation_steps"], w["steps"], w["prompt_tokens"]) == (4, 5, 64)
+    # Flags not given keep the model's workload: the CPU default for the small model.
+    model, settings = step_workload(build_parser().parse_args(["step", "--warmup", "0"]))
+    assert model == "small" and workload(model, **settings)["prompts"] == 2 and settings == {"warmup": 0}
+    with pytest.raises(SystemExit):
+        step_workload(build_parser().parse_args(["step", "--shape", "tiny", "--model", "smollm2"]))
+
+
+def test_workloads_refuse_accumulation_that_does_not_divide_the_step():
+    from colograd.bench.shapes import workload
+    from colograd.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--accumulation 3 does not divide the step's 16 completions"):
+        workload("tiny", gradient_accumulation_steps=3)
+    with pytest.raises(ConfigError, match="--prompt-tokens"):
+        workload("smollm2", prompt_tokens=64)
+
+
+def test_sized_prompts_have_that_many_tokens_and_keep_the_task():
+    from colograd import tiny
+    from colograd.bench.shapes import letters_prompts
+
+    tokenizer, plain = tiny.build_tokenizer(), tiny.letters_dataset(8)
+    sized = letters_prompts(40, num_prompts=8)
+    for row, original in zip(sized, plain, strict=True):
+        assert len(tokenizer(row["prompt"])["input_ids"]) == 40
+        assert row["prompt"].endswith(original["prompt"][-3:]) and row["target"] == original["target"]
+    assert letters_prompts(None, num_prompts=8)["prompt"] == plain["prompt"]
+
+
+def test_phase_peaks_charge_each_interval_to_its_innermost_phase(monkeypatch):
+    from colograd.bench.peaks import PhasePeaks
+
+    # What the allocator's peak since the last reset reads at each boundary (MiB), in the order they come: start-up,
+    # TRL's rollout nested in its training step, the optimizer step, the report.
+    readings = iter([100, 300, 900, 500, 400, 200, 50, 10])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: next(readings) * 2**20)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: 1000 * 2**20)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
+    peaks = PhasePeaks()
+    peaks.enabled = True
+    peaks.mark("startup")
+    with peaks.phase("step"), peaks.phase("rollout"):
+        pass
+    with peaks.phase("optimizer"):
+        pass
+    report = peaks.report({"step": "train", "rollout": "logps"})
+    assert next(readings, None) is None  # every boundary read the counter once
+    # startup 100; step: 900 (entering the rollout) and 400 (leaving the step); rollout 500; optimizer 50 (leaving
+    # it; 200 entering it was outside every phase)
+    assert report["peak_gpu_mib_by_phase"] == {"startup": 100, "train": 900, "logps": 500, "optimizer": 50}
+    assert report["peak_gpu_mib"] == 900 and report["peak_gpu_reserved_mib"] == 1000
+    peaks.enabled = False  # no GPU: nothing measured, and None rather than zero
+    assert peaks.report() == {"peak_gpu_mib": None, "peak_gpu_reserved_mib": None, "peak_gpu_mib_by_phase": None}
+
+
+class _Stop(Exception):
+    """Raised by a stand-in trainer once it has seen its arguments."""
+
+
+def test_trl_side_loads_the_built_model_from_a_saved_folder(tmp_path, monkeypatch):
+    import trl
+    from transformers import AutoTokenizer, Qwen2ForCausalLM
+
+    from colograd.bench import step
+    from colograd.bench.shapes import build_task, workload
+
+    seen = {}
+
+    class StandIn:
+        def __init__(self, model, **kwargs):
+            seen.update(kwargs, model=model)
+            raise _Stop
+
+    monkeypatch.setattr(trl, "GRPOTrainer", StandIn)
+    w = {**workload("tiny", steps=1, warmup=0), "model": "tiny", "dtype": "fp32"}
+    with pytest.raises(_Stop):
+        step.run_trl(str(tmp_path), w, mode="use_vllm=True, vllm_mode=colocate")
+    assert isinstance(seen["model"], str) and os.path.isdir(seen["model"])  # a path, not a model in memory
+    loaded, built = Qwen2ForCausalLM.from_pretrained(seen["model"]), build_task("tiny", w)[0]
+    assert loaded.dtype == torch.float32
+    for (name, a), (_, b) in zip(loaded.state_dict().items(), built.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name  # the weights colograd's side trains
+    assert AutoTokenizer.from_pretrained(seen["model"]).chat_template == seen["processing_class"].chat_template
+    args, defaults = seen["args"], trl.GRPOConfig.__dataclass_fields__
+    assert args.use_vllm and args.vllm_mode == "colocate"
+    assert args.vllm_gpu_memory_utilization == defaults["vllm_gpu_memory_utilization"].default  # TRL's own
+    assert args.per_device_train_batch_size == 16 and args.max_completion_length == 96
+
+
+def test_colograd_side_leaves_the_engine_memory_to_the_engine(tmp_path, monkeypatch):
+    from colograd.bench import step
+    from colograd.bench.shapes import workload
+    from colograd.config import GRPOConfig
+
+    seen = {}
+
+    class StandIn:
+        def __init__(self, model, **kwargs):
+            seen.update(kwargs, model=model)
+            raise _Stop
+
+    monkeypatch.setattr(step, "GRPOTrainer", StandIn)
+    w = {**workload("tiny", prompt_tokens=100, steps=1, warmup=0), "model": "tiny", "dtype": "bf16"}
+    with pytest.raises(_Stop):
+        step.run_colograd(str(tmp_path), w)
+    args = seen["args"]
+    default = GRPOConfig.__dataclass_fields__["vllm_gpu_memory_utilization"].default
+    assert args.vllm_gpu_memory_utilization == default and args.bf16
+    # On a CPU, the cache the figures were measured with; the prompts fit.
+    assert args.vllm_kv_cache_gib == 0.25 and args.max_prompt_length == 100
+    assert args.per_device_train_batch_size == 16 and seen["model"].config.max_position_embeddings == 512
+    assert json.loads(json.dumps(w)) == w  # the workload reaches each side's process as JSON

