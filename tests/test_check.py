@@ -1,5 +1,6 @@
 """The GPU acceptance check (`python -m colograd.check`): its checks run here against vLLM's CPU build, which is
-evidence that they measure what they claim; the command itself refuses to run without a GPU."""
+evidence that they measure what they claim; the command itself refuses to run without a GPU. Each engine row runs in
+a child process and hands its result back as JSON: that protocol runs here for real (a hidden `--allow-cpu`)."""
 
 import subprocess
 import sys
@@ -9,9 +10,11 @@ import torch
 from conftest import ROOT, _env
 
 from colograd import check
+from colograd.engine import Engine
 from colograd.sync import WeightPlan
 
 CPU = torch.device("cpu")
+GiB = 2**30
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the check runs instead")
@@ -24,11 +27,134 @@ def test_without_a_gpu_the_check_says_so_in_one_line_and_fails():
     assert len(lines) == 1 and "needs an NVIDIA GPU" in lines[0], lines
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_sync_check_passes_on_a_cpu_engine(dtype):
-    result = check.check_sync(check.tiny_setup(CPU), dtype)
+# --- one row per process ------------------------------------------------------------------------------------
+
+
+def test_a_row_runs_in_a_child_process_and_reports_as_json():
+    """The fp32 sync row through a real child (`--row ... --json ... --allow-cpu`) with vLLM's CPU build."""
+    result = check.run_row("sync parity float32", allow_cpu=True)
     assert result.status == "pass", result.detail
-    assert "stale" in result.detail and "GB/s" in result.detail
+    assert result.name == "sync parity float32" and "stale" in result.detail and "GB/s" in result.detail
+    assert result.figures["gap"] <= check.TOLERANCE["float32"] < check.STALE < result.figures["stale"]
+    # The engine sized its cache for 512 sequences of 64 tokens (no GPU: no free memory to report).
+    assert 0 < result.figures["kv_cache_gib"] < 1 and result.free_gib is None
+
+
+def test_a_child_that_fails_is_a_fail_row_with_its_last_error_line():
+    result = check.run_row("no such row", allow_cpu=True)
+    assert result.status == "FAIL" and result.name == "no such row"
+    assert result.detail.startswith("exit 2:") and "invalid choice: 'no such row'" in result.detail
+
+
+def test_a_child_past_its_time_is_killed_and_a_fail_row():
+    result = check.run_row("sync parity float32", allow_cpu=True, timeout=1)
+    assert result.status == "FAIL" and result.detail.startswith("timed out after 1 s")
+
+
+def test_run_checks_runs_every_row_and_compares_the_lora_sleep_levels(capsys):
+    """The parent with a stand-in for the child processes: every engine row once, in order, then tensor parallel
+    (skipped: no second GPU); the two LoRA sleep rows' times give the comparison."""
+    asked = []
+
+    def run(name: str) -> check.Result:
+        asked.append(name)
+        figures = {"cycle_ms": {"LoRA sleep level 1": 30.0, "LoRA sleep level 2": 45.0}.get(name, 0.0)}
+        return check.Result(name, "pass", "figures", figures, free_gib=70.0)
+
+    results = check.run_checks(run=run)
+    assert asked == list(check.ROWS) and "tiny recipe" in asked
+    assert [r.name for r in results] == [*check.ROWS, "tensor parallel 2"] and results[-1].status == "skip"
+    assert results[asked.index("LoRA sleep level 2")].detail == "figures: level 1 is 1.50× faster"
+    assert capsys.readouterr().out.splitlines()[0] == "pass  sync parity float32"
+
+
+def test_lora_sleep_levels_are_compared_only_when_both_passed():
+    rows = [check.Result("LoRA sleep level 1", "FAIL", "crashed"), check.Result("LoRA sleep level 2", "pass", "x",
+            {"cycle_ms": 1.0})]  # fmt: skip
+    check.compare_lora_sleep(rows)
+    assert rows[1].detail == "x"
+
+
+def test_table_shows_free_memory_counts_each_status_and_names_a_leak():
+    rows = [check.Result("a", "pass", "x", free_gib=70.0), check.Result("bb", "FAIL", "y", free_gib=69.5),
+            check.Result("c", "skip", "z")]  # fmt: skip
+    lines = check.format_table(rows).splitlines()
+    assert lines[2].split() == ["bb", "FAIL", "69.5", "y"] and lines[3].split()[:3] == ["c", "skip", "-"]
+    assert lines[4] == "1 passed, 1 failed, 1 skipped"
+    assert lines[5].startswith("every row started within 1 GiB")
+    rows.append(check.Result("d", "pass", "w", free_gib=46.0))
+    assert check.format_table(rows).splitlines()[-1].endswith("(a leak?): d (24.0 GiB less)")
+
+
+# --- sleep: what a sleep frees --------------------------------------------------------------------------------
+
+
+class MemoryLLM:
+    """Stands in for `vllm.LLM` under `Engine.awake`: waking takes GPU memory, sleeping gives it back."""
+
+    def __init__(self, gpu: dict[str, int], weights: int, kv: int) -> None:
+        self.gpu, self.weights, self.kv = gpu, weights, kv
+
+    def wake_up(self, tags: list[str]) -> None:
+        self.gpu["free"] -= self.weights if tags == ["weights"] else self.kv
+
+    def sleep(self, level: int) -> None:
+        self.gpu["free"] += self.kv + self.weights
+
+
+def test_sleep_freed_memory_is_measured_inside_awake_and_after_it(monkeypatch):
+    """The engine is asleep between rollouts (and from the start): what it holds shows only inside `awake`."""
+    gpu = {"free": 60 * GiB}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (gpu["free"], 80 * GiB))
+    engine = Engine.__new__(Engine)  # no vLLM: the wake/sleep order of `awake` and the arithmetic
+    engine.llm, engine.sleep_level, engine.stale = MemoryLLM(gpu, weights=2 * GiB, kv=GiB), 2, False
+    synced = []
+    gaps, freed = check.sleep_cycles(engine, lambda: synced.append(1), lambda: 1e-5, cycles=3)
+    assert freed == [3 * GiB] * 3 and gaps == [1e-5] * 3 and len(synced) == 3
+    assert gpu["free"] == 60 * GiB
+
+
+def test_sleep_row_fails_when_a_sleep_gives_back_less_than_the_kv_cache():
+    ok = check.sleep_result("sleep level 1", [1e-5] * 3, [3 * GiB] * 3, GiB, 1e-3)
+    assert ok.status == "pass" and "sleeping frees 3.00 GiB" in ok.detail
+    kept = check.sleep_result("sleep level 1", [1e-5] * 3, [3 * GiB, 0, 3 * GiB], GiB, 1e-3)
+    assert kept.status == "FAIL" and "least 0.00" in kept.detail
+    assert check.sleep_result("sleep level 1", [1e-5, 1e-2], [3 * GiB] * 2, GiB, 1e-3).status == "FAIL"
+
+
+# --- the tiny recipe -----------------------------------------------------------------------------------------
+
+
+def steps_logged(rewards: list[float], gap: float = 1e-6) -> list[dict[str, float]]:
+    return [{"reward": r, "sampling/sampling_logp_difference/max": gap, "time/sync": 0.002, "time/train": 0.1}
+            for r in rewards] + [{"train_runtime": 10.0}]  # fmt: skip
+
+
+def test_recipe_row_passes_when_the_reward_rises_and_the_gap_stays_small():
+    result = check.recipe_result(steps_logged([0.05] * 10 + [0.1] * 20 + [0.3] * 10), 2**28)
+    assert result.status == "pass", result.detail
+    assert result.detail.startswith("reward 0.05 → 0.30 (first / last 10 of 40 steps)")
+    assert "KV cache 0.25 GiB; 0.102 s/step, sync 2.00 ms/step" in result.detail
+
+
+@pytest.mark.parametrize(
+    "rewards, gap",
+    [([0.05] * 20 + [0.1] * 10, 1e-6), ([0.05] * 10 + [0.5] * 10, 5e-3), ([0.5], 1e-6)],
+    ids=["flat-reward", "gap", "one-step"],
+)
+def test_recipe_row_fails_without_a_rise_with_a_gap_or_too_few_steps(rewards, gap):
+    assert check.recipe_result(steps_logged(rewards, gap), 2**28).status == "FAIL"
+
+
+def test_recipe_row_trains_the_tiny_recipe():
+    """The recipe row builds and trains the trainer as the CLI does; a few steps only here (no rise asserted)."""
+    result = check.check_tiny_recipe(steps=4)
+    assert result.figures["gap"] <= check.TOLERANCE["float32"], result.detail
+    assert result.figures["kv_cache_gib"] == pytest.approx(0.25, rel=0.05)  # the recipe's vllm_kv_cache_gib
+    assert result.figures["step_s"] > 0 and "(first / last 2 of 4 steps)" in result.detail
+
+
+# --- rows run in this process (vLLM's CPU build) -------------------------------------------------------------
 
 
 def test_sync_check_fails_when_a_sync_does_not_reach_the_engine(monkeypatch):
@@ -45,19 +171,12 @@ def test_sync_check_fails_when_a_sync_does_not_reach_the_engine(monkeypatch):
     assert result.status == "FAIL", result.detail
 
 
-def test_lora_check_passes_on_a_cpu_engine():
+def test_lora_check_passes_on_a_bf16_cpu_engine():
     setup = check.tiny_setup(CPU)
     setup.prompts, setup.repeats = 1, 1  # the speed figures are for GPUs; here only that they are measured
     result = check.check_lora(setup)
     assert result.status == "pass", result.detail
-    assert "with the adapter" in result.detail
-
-
-def test_table_counts_each_status():
-    rows = [check.Result("a", "pass", "x"), check.Result("bb", "FAIL", "y"), check.Result("c", "skip", "z")]
-    table = check.format_table(rows)
-    assert table.splitlines()[-1] == "1 passed, 1 failed, 1 skipped"
-    assert table.splitlines()[2].startswith("bb  FAIL")
+    assert result.detail.startswith("bf16 gap") and "with the adapter" in result.detail
 
 
 @pytest.mark.gpu
