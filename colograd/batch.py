@@ -7,7 +7,7 @@ Shapes: N completions (groups of G contiguous), P prompt tokens (left-padded), T
 import torch
 
 from colograd.engine import Rollout
-from colograd.logps import forwarded_tokens
+from colograd.logps import PromptSharing, forwarded_tokens, plan_shared
 
 
 def pad_rollout(
@@ -75,20 +75,26 @@ def split_by_tokens(
     batch: dict[str, torch.Tensor],
     max_tokens: int,
     loss_type: str,
-    share_prompts: float | None = None,
+    share_prompts: PromptSharing | float | None = None,
     row_tokens: int | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Split a micro-batch's rows into consecutive passes whose forward computes at most `max_tokens` real tokens
     (prompt + completion; a longer row makes a pass of its own), each with the `loss_scale` that makes the
     passes' scaled losses add up to the micro-batch's loss for `loss_type` (see `colograd.loss.reduce_loss`).
 
-    With `share_prompts` (the forward's `pack_shared` cost, and its `row_tokens`), a row with the prompt of the
-    row before it in the pass costs what it adds to their shared copies (`forwarded_tokens`), so a pass holds
-    whole groups where the budget allows.
+    With `share_prompts` (the forward's, and its `row_tokens`), where sharing applies to the micro-batch
+    (`PromptSharing.applies`), a row with the prompt of the row before it in the pass costs what it adds to their
+    shared copies (`forwarded_tokens`), so a pass holds whole groups where the budget allows. (Each pass's forward
+    decides again; one that then computes its sequences whole holds at most 1 / (1 - `min_saving`) × the budget.)
     """
     mask = batch["attention_mask"]
     tokens_N = mask.sum(1).tolist()
     same_N, prompt_N = [False] * len(tokens_N), [0] * len(tokens_N)  # same_N: the row has the row before's prompt
+    if share_prompts is not None and not isinstance(share_prompts, PromptSharing):
+        share_prompts = PromptSharing(share_prompts)
+    if share_prompts is not None and share_prompts.min_saving:
+        plan = plan_shared(batch, share_prompts.attention_cost, row_tokens)
+        share_prompts = share_prompts if share_prompts.applies(plan, row_tokens) else None
     if share_prompts is not None:
         p = mask.size(1) - batch["completion_ids"].size(1)
         ids, prompt_mask = batch["input_ids"][:, :p], mask[:, :p]
@@ -98,8 +104,8 @@ def split_by_tokens(
     for i, tokens in enumerate(tokens_N):
         completion = tokens - prompt_N[i]
         if same_N[i] and group:
-            cost = forwarded_tokens(prompt_N[i], [*group, completion], share_prompts, row_tokens)
-            cost -= forwarded_tokens(prompt_N[i], group, share_prompts, row_tokens)
+            cost = forwarded_tokens(prompt_N[i], [*group, completion], share_prompts.attention_cost, row_tokens)
+            cost -= forwarded_tokens(prompt_N[i], group, share_prompts.attention_cost, row_tokens)
         else:
             cost, group = tokens, []
         if used and used + cost > max_tokens:

@@ -235,15 +235,18 @@ class GRPOConfig(
             "padded rows."
         },
     )
-    share_prompts: bool = field(
-        default=True,
+    share_prompts: str = field(
+        default="auto",
         metadata={
             "help": "With padding_free, completions of the same prompt compute it once in the forward pass instead "
             "of once each: the prompt, then each completion attending to it and to itself only (a 4D attention "
             "mask). Same log-probs and gradients, fewer tokens: GRPO's num_generations completions share a prompt. "
             "A prompt copy takes completions while that costs less than a new copy (long completions attend across "
             "a wider row), and within packed_row_tokens when set. Used where the model's attention is sdpa with "
-            "full attention in every layer and no ALiBi; other models compute each sequence whole."
+            "full attention in every layer and no ALiBi; other models compute each sequence whole. auto: on a CPU "
+            "whenever it saves tokens; on a GPU where it saves 20% of a pass's tokens (or any, where the pass's "
+            "unshared rows would need a mask anyway: a masked attention kernel is slower than the maskless one), "
+            "and not where SDPA would take its math kernel. true: whenever it saves tokens. false: never."
         },
     )
     packed_row_tokens: int | None = field(
@@ -261,7 +264,9 @@ class GRPOConfig(
             "help": "Most tokens (prompt + completion, padding excluded; a prompt shared by completions counts once "
             "per copy, see share_prompts) in one forward + backward pass: a micro-step's completions are split, "
             "whole, into passes of at most this many, whose gradients add up to the micro-step's. Bounds activation "
-            "memory at long lengths. None: one pass per micro-step. Not with DeepSpeed."
+            "memory at long lengths. None: on a GPU (with padding_free), a budget from the memory free at the first "
+            "pass and the model's activation bytes per token (logged once; none with DeepSpeed or the entropy "
+            "terms); elsewhere one pass per micro-step. Not with DeepSpeed."
         },
     )
     logps_chunk_tokens: int = field(
@@ -364,6 +369,11 @@ class GRPOConfig(
         for name in optional_counts:
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: set it to 1 or more, or to None.")
+        # YAML gives booleans, the command line strings: both become True, False or "auto".
+        share = {"auto": "auto", "true": True, "false": False}.get(str(self.share_prompts).lower())
+        if share is None:
+            raise ConfigError(f"share_prompts={self.share_prompts!r} is unknown; use auto, true or false.")
+        self.share_prompts = share
         if self.vllm_importance_sampling_mode not in IS_CORRECTION_MODES:
             raise ConfigError(
                 f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} is unknown; use one of "

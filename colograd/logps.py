@@ -9,13 +9,16 @@ each completion token at the sampling temperature (0 where there is no token).
 Completions of the same prompt can also share one copy of it (`pack_shared`, GRPO's groups): the prompt is
 computed once, each completion follows it with positions continuing from the prompt's end, and a 4D attention
 mask lets each completion see only its prompt and itself. Log-probs and gradients are those of the unshared
-sequences; the prompt's tokens are computed once per group instead of once per completion.
+sequences; the prompt's tokens are computed once per group instead of once per completion. `PromptSharing` says
+when a forward pass shares (`prompt_sharing`: always on a CPU, on a GPU by default only where it saves enough
+tokens to pay for the masked attention kernel) and in which form the mask is built.
 
 The output layer never produces the whole [tokens × vocabulary] logit matrix: for the duration of the forward
 pass it is swapped for one that computes the log-probs of the wanted tokens a chunk at a time, and that, when
 gradients are needed, recomputes each chunk's logits in the backward pass instead of keeping them.
 """
 
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
+from torch.nn.attention import SDPBackend
 from torch.utils.checkpoint import checkpoint
 
 from colograd.errors import ConfigError
@@ -38,7 +42,7 @@ class Packed:
     scatter: (rows, columns) of each wanted token in the [N, T] result.
     tokens: the real (not padding) tokens the rows hold.
     attention_mask: None (position ids restarting at 0 tell the sequences apart) or, for shared prompts,
-        [R, 1, L, L], True where a token may attend.
+        [R, 1, L, L]: True where a token may attend, or additive (0 there, -inf elsewhere).
     """
 
     input_ids: torch.Tensor
@@ -123,9 +127,7 @@ def prompt_sharing_cost(model: nn.Module) -> float | None:
 
     The cost is one query-key pair's attention (scores and weighted values: 4 × heads × head_dim FLOPs per
     layer) in tokens' worth of a decoder layer's matrix products (2 FLOPs per weight per token)."""
-    while not hasattr(model, "config") and hasattr(model, "module"):
-        model = model.module
-    config = getattr(model, "config", None)
+    config = _config(model)
     if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
         return None
     config = config.get_text_config()
@@ -145,6 +147,13 @@ def prompt_sharing_cost(model: nn.Module) -> float | None:
     head_dim = getattr(config, "head_dim", None) or h // heads
     weights = 2 * h * heads * head_dim + 2 * h * kv_heads * head_dim + 3 * h * inner  # q, o; k, v; the MLP
     return 4 * heads * head_dim / (2 * weights)
+
+
+def _config(model: nn.Module) -> object | None:
+    """The model's config, seen through DDP / DeepSpeed (`.module`) wrappers."""
+    while not hasattr(model, "config") and hasattr(model, "module"):
+        model = model.module
+    return getattr(model, "config", None)
 
 
 def share_units(
@@ -181,19 +190,32 @@ def forwarded_tokens(
     return prompt_len * len(units) + sum(completion_lens)
 
 
-def pack_shared(
-    batch: dict[str, torch.Tensor], attention_cost: float, row_tokens: int | None = None, pad_token_id: int = 0
-) -> Packed:
-    """The padded rollout rows of `batch` packed with each prompt computed once for the completions that share it.
+@dataclass
+class SharedPlan:
+    """Which sequences of a batch share a prompt copy (`plan_shared`).
 
-    Sequences with the same prompt tokens form units (`share_units`): the prompt, then each completion, whose
-    positions continue from the prompt's end. Units are packed into rows like sequences (`pack_rows`), and the
-    attention mask lets a prompt token see its unit's earlier prompt tokens, and a completion token its unit's
-    prompt and its own earlier tokens: each completion's log-probs are those it has alone. The first completion
-    token of every member is predicted by the logits at the prompt's last token, which they share.
+    prompts, completions: each sequence's prompt and completion tokens, on the CPU.
+    units: the sequences of each unit; a unit computes its first sequence's prompt once, then every member's
+        completion.
     """
+
+    prompts: list[torch.Tensor]
+    completions: list[torch.Tensor]
+    units: list[list[int]]
+
+    def unit_lengths(self) -> list[int]:
+        """The tokens each unit computes: its prompt once, then its completions."""
+        return [len(self.prompts[u[0]]) + sum(len(self.completions[i]) for i in u) for u in self.units]
+
+    def sequence_lengths(self) -> list[int]:
+        """Each sequence's tokens (prompt + completion): what packing them unshared computes."""
+        return [len(p) + len(c) for p, c in zip(self.prompts, self.completions, strict=True)]
+
+
+def plan_shared(batch: dict[str, torch.Tensor], attention_cost: float, row_tokens: int | None = None) -> SharedPlan:
+    """Group `batch`'s sequences by prompt tokens and split each group into units (`share_units`)."""
     input_ids, mask = batch["input_ids"].cpu(), batch["attention_mask"].bool().cpu()
-    device, p = batch["input_ids"].device, input_ids.size(1) - batch["completion_ids"].size(1)
+    p = input_ids.size(1) - batch["completion_ids"].size(1)
     prompts = [row[:p][keep[:p]] for row, keep in zip(input_ids, mask, strict=True)]
     completions = [row[p:][keep[p:]] for row, keep in zip(input_ids, mask, strict=True)]
     if min(len(prompt) for prompt in prompts) < 1:
@@ -203,15 +225,116 @@ def pack_shared(
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, prompt in enumerate(prompts):
         groups.setdefault(tuple(prompt.tolist()), []).append(i)
-    units = []  # the sequences of each unit; they share their first one's prompt
+    units = []
     for members in groups.values():
         lens = [len(completions[i]) for i in members]
         shared = share_units(len(prompts[members[0]]), lens, attention_cost, row_tokens)
         units += [[members[j] for j in unit] for unit in shared]
-    unit_lengths = [len(prompts[unit[0]]) + sum(len(completions[i]) for i in unit) for unit in units]
+    return SharedPlan(prompts, completions, units)
+
+
+# A masked SDPA call (cuDNN with a bias) costs ~13% more per token than the maskless causal kernel on an H100
+# (1.5B Qwen2 shape, bf16 autocast): sharing pays where it saves clearly more than that.
+GPU_MIN_SAVING = 0.2
+
+
+@dataclass(frozen=True)
+class PromptSharing:
+    """When and how a forward pass shares prompts (`pack_shared`).
+
+    attention_cost: `prompt_sharing_cost` of the model; bounds a shared unit.
+    min_saving: share only when that computes at least this fraction fewer tokens than packing every sequence
+        whole would, where that packing runs without a mask (every row one sequence, no padding) and so gets the
+        faster maskless kernel. Otherwise (or at 0) share whenever some prompt is computed fewer times.
+    additive_mask: build the mask additive in the attention's compute dtype, rows padded to a multiple of 16
+        (CUDA SDPA), instead of boolean.
+    """
+
+    attention_cost: float
+    min_saving: float = 0.0
+    additive_mask: bool = False
+
+    def applies(self, plan: SharedPlan, row_tokens: int | None = None) -> bool:
+        """Whether a forward pass over `plan`'s sequences should share their prompts."""
+        lengths = plan.sequence_lengths()
+        whole, shared = sum(lengths), sum(plan.unit_lengths())
+        if shared >= whole:  # no prompt is shared: the plain packing computes the same tokens
+            return False
+        one_per_row = len(set(lengths)) == 1 and all(len(row) == 1 for row in pack_rows(lengths, row_tokens))
+        if self.min_saving and one_per_row:  # unshared, no row needs a mask: transformers runs causal SDPA
+            return shared <= (1 - self.min_saving) * whole
+        return True
+
+
+def prompt_sharing(
+    model: nn.Module, setting: bool | str, device: torch.device, compute_dtype: torch.dtype
+) -> PromptSharing | None:
+    """How the trainer shares prompts for `share_prompts` = `setting` (True, False or "auto"), or None.
+
+    None where the model's attention cannot take a shared mask (`prompt_sharing_cost`). On a CPU sharing is used
+    whenever it saves tokens: CPU SDPA takes the 4D mask in its flash kernel. On a GPU the mask is additive, and
+    "auto" shares a pass only where it saves `GPU_MIN_SAVING` of its tokens; where SDPA would run a masked call
+    in its math kernel (O(L²) memory per layer: fp32 without autocast, older GPUs, odd head sizes) "auto" does
+    not share, with a warning, and True shares with the same warning.
+    """
+    if setting is False:
+        return None
+    cost = prompt_sharing_cost(model)
+    if cost is None or device.type != "cuda":
+        return None if cost is None else PromptSharing(cost)
+    config = _config(model).get_text_config()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kernel = masked_attention_kernel(config.num_attention_heads, head_dim, compute_dtype, device)
+    if kernel == SDPBackend.MATH:
+        logging.getLogger("colograd.trainer").warning(
+            f"share_prompts: a masked attention call in {compute_dtype} with head size {head_dim} runs in SDPA's "
+            "math kernel here (memory quadratic in the row's length); "
+            + ("prompts are not shared." if setting == "auto" else "sharing anyway, as share_prompts: true asks.")
+        )
+        if setting == "auto":
+            return None
+    return PromptSharing(cost, GPU_MIN_SAVING if setting == "auto" else 0.0, additive_mask=True)
+
+
+def masked_attention_kernel(heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> SDPBackend:
+    """The kernel `scaled_dot_product_attention` picks on `device` for queries of `dtype` with an additive mask,
+    gradients needed (a small probe; torch's own choice, which respects `torch.backends.cuda` settings)."""
+    q = torch.zeros(1, heads, 64, head_dim, dtype=dtype, device=device, requires_grad=True)
+    mask = torch.zeros(1, 1, 64, 64, dtype=dtype, device=device)
+    return SDPBackend(torch._fused_sdp_choice(q, q, q, attn_mask=mask, dropout_p=0.0, is_causal=False))
+
+
+def pack_shared(
+    batch: dict[str, torch.Tensor],
+    attention_cost: float,
+    row_tokens: int | None = None,
+    pad_token_id: int = 0,
+    mask_dtype: torch.dtype | None = None,
+    plan: SharedPlan | None = None,
+) -> Packed:
+    """The padded rollout rows of `batch` packed with each prompt computed once for the completions that share it.
+
+    Sequences with the same prompt tokens form units (`share_units`): the prompt, then each completion, whose
+    positions continue from the prompt's end. Units are packed into rows like sequences (`pack_rows`), and the
+    attention mask lets a prompt token see its unit's earlier prompt tokens, and a completion token its unit's
+    prompt and its own earlier tokens: each completion's log-probs are those it has alone. The first completion
+    token of every member is predicted by the logits at the prompt's last token, which they share.
+
+    Args:
+        mask_dtype: None: a boolean mask. A float dtype (the attention's compute dtype): an additive mask (0 or
+            -inf) and rows padded to a multiple of 16 tokens, which CUDA SDPA kernels take as they are: every
+            layer then uses (and saves for its backward) this one tensor instead of converting its own copy.
+        plan: `plan_shared(batch, attention_cost, row_tokens)`, when already made.
+    """
+    device = batch["input_ids"].device
+    plan = plan or plan_shared(batch, attention_cost, row_tokens)
+    prompts, completions, units = plan.prompts, plan.completions, plan.units
+    unit_lengths = plan.unit_lengths()
     rows = pack_rows(unit_lengths, row_tokens)
     width = max(sum(unit_lengths[u] for u in row) for row in rows)
-    ids = torch.full((len(rows), width), pad_token_id, dtype=input_ids.dtype)
+    if mask_dtype is not None:
+        width = -(-width // 16) * 16  # padding tokens attend to themselves only
+    ids = torch.full((len(rows), width), pad_token_id, dtype=batch["input_ids"].dtype)
     positions = torch.zeros(len(rows), width, dtype=torch.long)
     unit_of = torch.full((len(rows), width), -1)  # padding belongs to no unit
     branch = torch.zeros(len(rows), width, dtype=torch.long)  # 0: a prompt token; b: the unit's b-th completion
@@ -240,14 +363,6 @@ def pack_shared(
                 seq.append(torch.full((len(completion),), i))
                 column.append(torch.arange(len(completion)))
                 offset = end
-    unit_of, branch = unit_of.to(device), branch.to(device)
-    # [R, L, L] built in place: same unit (not padding), key in the prompt or in the query's own completion, causal.
-    allowed = unit_of[:, :, None] == unit_of[:, None, :]
-    allowed &= unit_of[:, None, :] >= 0
-    allowed &= (branch[:, None, :] == 0) | (branch[:, :, None] == branch[:, None, :])
-    allowed.tril_()
-    # Every token sees at least itself, so padding rows are never all-masked (NaN in sdpa).
-    allowed.diagonal(dim1=-2, dim2=-1).fill_(True)
     rows_K, cols_K = torch.cat(seq).to(device), torch.cat(column).to(device)
     return Packed(
         ids.to(device),
@@ -256,8 +371,25 @@ def pack_shared(
         batch["completion_ids"][rows_K, cols_K],
         (rows_K, cols_K),
         sum(unit_lengths),
-        allowed[:, None],
+        _shared_mask(unit_of.to(device), branch.to(device), mask_dtype),
     )
+
+
+def _shared_mask(unit_of: torch.Tensor, branch: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """[R, 1, L, L] attention mask from each token's unit (-1: padding) and branch (0: prompt, b: b-th completion):
+    same unit (not padding), key in the prompt or in the query's own completion, causal; boolean (True: attend)
+    for `dtype` None, else additive in `dtype`."""
+    # Built in place: [R, L, L] booleans, then (for an additive mask) one tensor of the compute dtype.
+    allowed = unit_of[:, :, None] == unit_of[:, None, :]
+    allowed &= unit_of[:, None, :] >= 0
+    allowed &= (branch[:, None, :] == 0) | (branch[:, :, None] == branch[:, None, :])
+    allowed.tril_()
+    # Every token sees at least itself, so padding rows are never all-masked (NaN in sdpa).
+    allowed.diagonal(dim1=-2, dim2=-1).fill_(True)
+    if dtype is None:
+        return allowed[:, None]
+    additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return additive.masked_fill_(allowed.logical_not_(), float("-inf"))[:, None]
 
 
 def completion_logps(
@@ -270,7 +402,7 @@ def completion_logps(
     head: nn.Module | None = None,
     entropy: str | None = None,
     fp32_head: bool = False,
-    share_prompts: float | None = None,
+    share_prompts: PromptSharing | float | None = None,
     count_tokens: Callable[[int], None] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of `batch`'s completion tokens under `model` at `temperature`: [N, T], 0 where there is no token.
@@ -286,8 +418,9 @@ def completion_logps(
             like the log-probs: "detached" (no gradient: the `entropy` metric, the high-entropy mask) or "grad"
             (the entropy bonus). None: log-probs only.
         fp32_head: the output layer computes in float32, outside autocast (`cast_lm_head_to_fp32`).
-        share_prompts: with `padding_free`, sequences with the same prompt compute it once (`pack_shared`), this
-            being the attention cost that bounds a shared unit (`prompt_sharing_cost`). None: each its own.
+        share_prompts: with `padding_free`, sequences with the same prompt compute it once (`pack_shared`) where
+            `PromptSharing.applies`; a float is the attention cost of a `PromptSharing` that shares whenever that
+            saves tokens (`prompt_sharing_cost`). None: each its own.
         count_tokens: called with the number of tokens the forward pass computes (padded: padding included).
 
     Returns:
@@ -299,7 +432,7 @@ def completion_logps(
     completion_ids_NT = batch["completion_ids"]
     n, t = completion_ids_NT.shape
     if padding_free:
-        packed = pack(batch, row_tokens) if share_prompts is None else pack_shared(batch, share_prompts, row_tokens)
+        packed = pack_for_forward(batch, share_prompts, row_tokens, _compute_dtype(head, completion_ids_NT.device))
         inputs = {
             "input_ids": packed.input_ids,
             "position_ids": packed.position_ids,
@@ -322,6 +455,33 @@ def completion_logps(
     if entropy is None:
         return out_NT[..., 0]
     return out_NT[..., 0], out_NT[..., 1] if entropy == "grad" else out_NT[..., 1].detach()
+
+
+def pack_for_forward(
+    batch: dict[str, torch.Tensor],
+    share_prompts: PromptSharing | float | None,
+    row_tokens: int | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> Packed:
+    """`batch` packed for one forward pass: prompts shared where `share_prompts` says it applies (its additive
+    mask in `compute_dtype`, the dtype of the attention's queries), else each sequence whole (`pack`)."""
+    if share_prompts is None:
+        return pack(batch, row_tokens)
+    if not isinstance(share_prompts, PromptSharing):
+        share_prompts = PromptSharing(share_prompts)
+    plan = plan_shared(batch, share_prompts.attention_cost, row_tokens)
+    if not share_prompts.applies(plan, row_tokens):
+        return pack(batch, row_tokens)
+    mask_dtype = compute_dtype if share_prompts.additive_mask else None
+    return pack_shared(batch, share_prompts.attention_cost, row_tokens, mask_dtype=mask_dtype, plan=plan)
+
+
+def _compute_dtype(head: nn.Module, device: torch.device) -> torch.dtype:
+    """The dtype the model's attention computes in on `device`: autocast's when it is on (it casts SDPA's inputs,
+    a mask in another float dtype included, at every call), else the weights'."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return head.weight.dtype
 
 
 def check_fp32_head(head: nn.Module) -> None:

@@ -2,11 +2,26 @@
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import BloomConfig, BloomForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from trl.trainer.utils import selective_log_softmax
 
-from colograd import tiny
-from colograd.logps import completion_logps, pack, pack_rows, pack_shared, prompt_sharing_cost, share_units
+from colograd import logps, tiny
+from colograd.config import GRPOConfig
+from colograd.errors import ConfigError
+from colograd.logps import (
+    PromptSharing,
+    completion_logps,
+    masked_attention_kernel,
+    pack,
+    pack_for_forward,
+    pack_rows,
+    pack_shared,
+    prompt_sharing,
+    prompt_sharing_cost,
+    share_units,
+)
 from colograd.loss import policy_loss
 
 N, P, T = 8, 6, 9
@@ -197,3 +212,123 @@ def test_prompts_are_shared_only_where_the_attention_takes_the_mask():
     model = tiny.build_model()
     model.config.alibi = True
     assert prompt_sharing_cost(model) is None
+
+
+def _one_prompt_batch(prompt_len: int, completion_lens: list[int]) -> dict[str, torch.Tensor]:
+    """One prompt of `prompt_len` tokens with completions of the given lengths, laid out as `pad_rollout` does."""
+    n, t = len(completion_lens), max(completion_lens)
+    ids = torch.randint(3, 60, (n, prompt_len + t), generator=torch.Generator().manual_seed(0))
+    ids[:, :prompt_len] = ids[0, :prompt_len]
+    mask = torch.zeros_like(ids)
+    for i, c in enumerate(completion_lens):
+        mask[i, : prompt_len + c] = 1
+    ids = ids * mask
+    return {"input_ids": ids, "attention_mask": mask, "completion_ids": ids[:, prompt_len:]}
+
+
+def _shares(sharing: PromptSharing, batch: dict[str, torch.Tensor], row_tokens: int | None = None) -> bool:
+    return pack_for_forward(batch, sharing, row_tokens).attention_mask is not None
+
+
+def test_auto_sharing_on_a_gpu_shares_where_it_saves_a_fifth_of_the_tokens():
+    gpu, cpu = PromptSharing(0.0, min_saving=0.2), PromptSharing(0.0)
+    # A long prompt and many short completions: one copy instead of 8 saves 7 × 64 of 8 × 72 tokens.
+    assert _shares(gpu, _one_prompt_batch(64, [8] * 8))
+    # A short prompt and long completions of one length: 10 + 8 × 40 of 8 × 50 tokens, 17.5% saved. Unshared, each
+    # row is one sequence with no padding (the maskless kernel), so the shared mask would cost more than it saves.
+    assert not _shares(gpu, _one_prompt_batch(10, [40] * 8))
+    assert _shares(cpu, _one_prompt_batch(10, [40] * 8))  # on a CPU any saving pays
+    # Lengths that differ (or rows holding two sequences) need a mask unshared too: any saving pays.
+    assert _shares(gpu, _one_prompt_batch(10, [40, 39, 40, 38, 40, 40, 37, 40]))
+    assert _shares(gpu, _one_prompt_batch(10, [40] * 8), row_tokens=100)
+    # Nothing shared (completions of one prompt each): the plain packing.
+    batch = _batch()
+    assert not _shares(cpu, batch) and not _shares(gpu, batch)
+
+
+def test_prompt_sharing_follows_the_setting_and_the_masked_kernel(monkeypatch, caplog):
+    model = tiny.build_model()
+    cost, cpu, cuda = prompt_sharing_cost(model), torch.device("cpu"), torch.device("cuda")
+    for setting in ("auto", True):
+        assert prompt_sharing(model, setting, cpu, torch.float32) == PromptSharing(cost)
+    assert prompt_sharing(model, False, cpu, torch.float32) is None
+    # On a GPU (the kernel probe stubbed): an additive mask; auto shares where it saves a fifth of the tokens.
+    asked = []
+    kernel = SDPBackend.CUDNN_ATTENTION
+    monkeypatch.setattr(logps, "masked_attention_kernel", lambda *a: asked.append(a) or kernel)
+    assert prompt_sharing(model, "auto", cuda, torch.bfloat16) == PromptSharing(cost, 0.2, additive_mask=True)
+    assert prompt_sharing(model, True, cuda, torch.bfloat16) == PromptSharing(cost, 0.0, additive_mask=True)
+    assert asked[0] == (2, 64, torch.bfloat16, cuda)  # the tiny model's heads and head size
+    kernel = SDPBackend.MATH  # O(L²) memory per layer: auto does not share, true does; both say so
+    with caplog.at_level("WARNING", logger="colograd.trainer"):
+        assert prompt_sharing(model, "auto", cuda, torch.float32) is None
+        assert prompt_sharing(model, True, cuda, torch.float32) == PromptSharing(cost, 0.0, additive_mask=True)
+    assert len(caplog.records) == 2 and "math kernel" in caplog.records[0].message
+    model.config._attn_implementation = "eager"
+    assert prompt_sharing(model, True, cuda, torch.bfloat16) is None
+
+
+def test_the_masked_kernel_probe_asks_torch():
+    kernel = masked_attention_kernel(2, 64, torch.float32, torch.device("cpu"))
+    assert kernel in (SDPBackend.FLASH_ATTENTION, SDPBackend.MATH)  # what CPU SDPA has
+
+
+def test_one_additive_mask_serves_every_layer_and_trains_as_unshared(monkeypatch):
+    # The GPU path, forced on the CPU: each layer's SDPA gets the same mask object, in the queries' dtype and of a
+    # width that is a multiple of 16, so no layer converts or pads its own copy; training is unchanged.
+    model = tiny.build_model()
+    batch = _grouped_batch(seed=6)
+    sharing = PromptSharing(prompt_sharing_cost(model), additive_mask=True)
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def hooked(query, key, value, attn_mask=None, **kwargs):
+        seen.append((attn_mask, query.dtype))
+        return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", hooked)
+    _assert_same_training(model, batch, {"padding_free": True}, share_prompts=sharing)
+    masks = seen[len(seen) // 2 :]  # the shared forward's layers (the first half: the unshared reference)
+    assert len(masks) == model.config.num_hidden_layers
+    assert all(mask is masks[0][0] for mask, _ in masks)
+    assert masks[0][0].dtype == torch.float32 and masks[0][0].size(-1) % 16 == 0
+
+
+class _KernelMasks(TorchDispatchMode):
+    """Records the storage of the mask each SDPA kernel call receives, below autocast and SDPA's conversions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.masks: list[tuple[int, torch.dtype]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        mask = kwargs.get("attn_mask")
+        if "scaled_dot_product" in func.name() and "backward" not in func.name() and mask is not None:
+            self.masks.append((mask.untyped_storage().data_ptr(), mask.dtype))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("additive", [True, False])
+def test_under_autocast_every_layer_takes_the_additive_mask_as_built(additive):
+    # bf16 autocast over fp32 weights, gradients on (each layer keeps what its kernel got for the backward): the
+    # kernels all receive the one bf16 mask built for the pass; a boolean mask is converted by each layer anew.
+    model = tiny.build_model()
+    sharing = PromptSharing(prompt_sharing_cost(model), additive_mask=additive)
+    with torch.autocast("cpu", dtype=torch.bfloat16), _KernelMasks() as seen:
+        completion_logps(model, _grouped_batch(seed=6), share_prompts=sharing).sum().backward()
+    assert len(seen.masks) == model.config.num_hidden_layers
+    assert all(dtype == torch.bfloat16 for _, dtype in seen.masks)
+    assert (len({ptr for ptr, _ in seen.masks}) == 1) == additive
+
+
+@pytest.mark.parametrize("value, expected", [("auto", "auto"), ("AUTO", "auto"), (True, True), ("true", True),
+                                             (False, False), ("False", False)])  # fmt: skip
+def test_share_prompts_takes_auto_true_or_false(tmp_path, value, expected):
+    assert GRPOConfig(output_dir=str(tmp_path), share_prompts=value).share_prompts == expected
+
+
+@pytest.mark.parametrize("value", ["sometimes", None, 1])
+def test_share_prompts_refuses_other_values(tmp_path, value):
+    with pytest.raises(ConfigError, match="share_prompts=.*use auto, true or false"):
+        GRPOConfig(output_dir=str(tmp_path), share_prompts=value)

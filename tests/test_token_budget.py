@@ -1,15 +1,24 @@
 """`micro_batch_tokens`: a micro-step in several forward + backward passes trains exactly as in one (2 processes)."""
 
 import json
+from collections import defaultdict
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import launch
-from test_logps import _grouped_batch
+from test_logps import _grouped_batch, _one_prompt_batch
 
-from colograd import tiny
+from colograd import memory, tiny
 from colograd.batch import split_by_tokens
-from colograd.logps import pack_shared, prompt_sharing_cost
+from colograd.logps import PromptSharing, pack_shared, prompt_sharing_cost
+from colograd.memory import (
+    PassBudget,
+    activation_bytes_per_token,
+    output_layer_bytes,
+    pass_token_budget,
+    pending_bytes,
+)
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
 
@@ -68,3 +77,91 @@ def test_with_shared_prompts_a_pass_counts_the_tokens_its_forward_computes():
             longest = int(part["attention_mask"].sum(1).max())
             assert pack_shared(part, cost).tokens <= max(budget, longest)
     assert any(fewer)
+
+
+def test_a_pass_budget_fits_a_1_5b_step_on_an_80gb_card():
+    # Qwen2.5-1.5B (hidden 1536, 28 layers, MLP 8960, vocabulary 151,936), fp32 weights under bf16 autocast.
+    # Per token and layer: (4 × 8960 + 9 × 1536) × 2 B + 4 × 1536 × 4 B = 99,328 + 24,576 = 123,904 B;
+    # × 28 layers + 4 × 1536 × 4 B outside them = 3,493,888 B (3.3 MiB; an H100 measured ~2.8).
+    qwen = SimpleNamespace(hidden_size=1536, num_hidden_layers=28, intermediate_size=8960)
+    per_token = activation_bytes_per_token(qwen, compute_bytes=2, residual_bytes=4)
+    assert per_token == 3_493_888
+    # Before the first pass training still allocates, per parameter, a 4 B gradient, 8 B of Adam moments and a
+    # 2 B autocast copy (1.54e9 × 14 B), and the output layer's chunk: 3 × 1024 × 151,936 × 4 B.
+    reserved = 1_540_000_000 * 14 + output_layer_bytes(151_936, 1024)
+    assert reserved == 21_560_000_000 + 1_866_989_568
+    # 60 GiB free (an 80 GB card less the fp32 weights and an engine whose KV cache is sized to the rollout):
+    # 0.8 × (64,424,509,440 - 23,426,989,568) // 3,493,888 = 9,387 tokens, so a micro-step of 32 completions
+    # × 270 tokens (16 × 8 × 256 in 4 micro-steps) is one pass.
+    assert pass_token_budget(60 * 2**30, reserved, per_token) == 9_387
+    # With 24 GiB of the card held by an engine at vllm_gpu_memory_utilization 0.3: 3,486 tokens, three passes.
+    assert pass_token_budget(36 * 2**30, reserved, per_token) == 3_486
+    assert pass_token_budget(20 * 2**30, reserved, per_token) == 1  # nothing left: a sequence per pass
+
+
+def test_pending_bytes_are_what_training_has_yet_to_allocate():
+    model = tiny.build_model()
+    model.lm_head.weight.requires_grad_(False)  # frozen: no gradient, no optimizer state
+    n = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    # float32: a 4 B gradient, 2 × 4 B of moments and, under bf16 autocast, a 2 B copy per trainable weight.
+    assert pending_bytes(model, optimizer, torch.bfloat16) == 14 * n
+    assert pending_bytes(model, None, None) == 12 * n
+    model(torch.tensor([[3, 4, 5]])).logits.sum().backward()
+    assert pending_bytes(model, optimizer, torch.bfloat16) == 10 * n
+    optimizer.step()
+    assert pending_bytes(model, optimizer, torch.bfloat16) == 2 * n
+    assert pending_bytes(model, optimizer, torch.float32) == 0
+
+
+def _run_args(**kwargs) -> SimpleNamespace:
+    """The fields `PassBudget` reads, with the defaults of a bf16 run on a GPU."""
+    fields = dict(device=torch.device("cuda"), mixed_precision="bf16", logps_chunk_tokens=1024, padding_free=True,
+                  top_entropy_quantile=1.0, entropy_coef=0.0, use_adaptive_entropy=False)  # fmt: skip
+    return SimpleNamespace(**{**fields, **kwargs})
+
+
+def test_the_pass_budget_is_derived_once_on_a_gpu(monkeypatch, capsys):
+    model = tiny.build_model()
+    asked = []
+    monkeypatch.setattr(memory, "free_bytes", lambda device: asked.append(device) or 2**30)
+    budget = PassBudget(model, _run_args(), announce=True)
+    per_token = activation_bytes_per_token(model.config, 2, 4)
+    reserved = pending_bytes(model, None, torch.bfloat16) + output_layer_bytes(64, 1024)
+    expected = pass_token_budget(2**30, reserved, per_token)
+    assert budget.tokens(model, None) == expected == budget.tokens(model, None)
+    assert asked == [torch.device("cuda")]  # measured once, at the first pass
+    assert f"training passes of at most {expected:,} tokens" in capsys.readouterr().out
+    assert PassBudget(model, _run_args(device=torch.device("cpu"))).tokens(model, None) is None
+    assert PassBudget(model, _run_args(), deepspeed=True).tokens(model, None) is None
+    assert PassBudget(model, _run_args(padding_free=False)).tokens(model, None) is None
+    assert PassBudget(model, _run_args(entropy_coef=0.01)).tokens(model, None) is None
+    assert PassBudget(model, _run_args(top_entropy_quantile=0.2)).tokens(model, None) is None
+
+
+def test_a_micro_batch_the_gpu_would_not_share_is_split_by_its_whole_tokens():
+    # One prompt of 10 tokens, 8 completions of 40: shared, 10 + 8 × 40 = 330 of 400 tokens, 17.5% fewer. Below
+    # the 20% the GPU's auto rule asks of rows that unshared need no mask, so passes count whole sequences (2 of 50
+    # tokens in 130); where sharing applies, a completion after the first adds 40 (50 + 40 + 40 = 130).
+    batch = _one_prompt_batch(10, [40] * 8)
+    batch.update(completion_mask=batch["attention_mask"][:, 10:], advantages=torch.arange(8.0))
+
+    def sizes(sharing):
+        return [len(p["advantages"]) for p in split_by_tokens(batch, 130, "grpo", share_prompts=sharing)]
+
+    assert sizes(None) == [2, 2, 2, 2]
+    assert sizes(0.0) == sizes(PromptSharing(0.0, min_saving=0.1)) == [3, 3, 2]
+    assert sizes(PromptSharing(0.0, min_saving=0.2)) == [2, 2, 2, 2]
+
+
+def test_peak_memory_records_a_phase_on_a_gpu_only(monkeypatch):
+    metrics = defaultdict(list)
+    with memory.peak_memory("train", metrics, torch.device("cpu")):
+        pass
+    assert not metrics
+    calls = []
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: calls.append("reset"))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: calls.append("read") or 3 * 2**29)
+    with memory.peak_memory("train", metrics, torch.device("cuda")):
+        calls.append("phase")
+    assert calls == ["reset", "phase", "read"] and metrics == {"memory/peak_gib/train": [1.5]}
