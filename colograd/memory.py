@@ -6,9 +6,6 @@ first pass (minus what training is still to allocate: gradients, optimizer state
 an estimate of the activation bytes per token from the model's config (`activation_bytes_per_token`).
 """
 
-from collections import defaultdict
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -123,17 +120,3 @@ class PassBudget:
                     flush=True,
                 )
         return self._tokens
-
-
-@contextmanager
-def peak_memory(phase: str, metrics: defaultdict[str, list[float]], device: torch.device) -> Iterator[None]:
-    """On a GPU, record `memory/peak_gib/<phase>`: the most memory torch's allocator held during the block (on
-    `device`, in GiB). Resets the process's peak counter when the block starts, so blocks must not nest."""
-    if device.type != "cuda":
-        yield
-        return
-    torch.cuda.reset_peak_memory_stats(device)
-    try:
-        yield
-    finally:
-        metrics[f"memory/peak_gib/{phase}"].append(torch.cuda.max_memory_allocated(device) / 2**30)

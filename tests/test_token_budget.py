@@ -1,7 +1,6 @@
 """`micro_batch_tokens`: a micro-step in several forward + backward passes trains exactly as in one (2 processes)."""
 
 import json
-from collections import defaultdict
 from types import SimpleNamespace
 
 import pytest
@@ -152,16 +151,3 @@ def test_a_micro_batch_the_gpu_would_not_share_is_split_by_its_whole_tokens():
     assert sizes(None) == [2, 2, 2, 2]
     assert sizes(0.0) == sizes(PromptSharing(0.0, min_saving=0.1)) == [3, 3, 2]
     assert sizes(PromptSharing(0.0, min_saving=0.2)) == [2, 2, 2, 2]
-
-
-def test_peak_memory_records_a_phase_on_a_gpu_only(monkeypatch):
-    metrics = defaultdict(list)
-    with memory.peak_memory("train", metrics, torch.device("cpu")):
-        pass
-    assert not metrics
-    calls = []
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: calls.append("reset"))
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: calls.append("read") or 3 * 2**29)
-    with memory.peak_memory("train", metrics, torch.device("cuda")):
-        calls.append("phase")
-    assert calls == ["reset", "phase", "read"] and metrics == {"memory/peak_gib/train": [1.5]}
