@@ -6,13 +6,14 @@ for a hub model, a local folder, or a model built in memory.
 """
 
 import copy
+import logging
 import math
 import os
 import shutil
 import socket
 import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,10 +28,14 @@ from peft import PeftModel
 from torch import nn
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from colograd import sampler_tap
 from colograd.config import GRPOConfig
 from colograd.errors import ConfigError
 from colograd.kv_cache import engine_memory, kv_bytes_per_token
 from colograd.lora import engine_max_lora_rank
+
+logger = logging.getLogger(__name__)
+_UNTRIED = object()  # an engine's sampler tap before its first install
 
 
 @dataclass
@@ -132,6 +137,7 @@ class Engine:
         self.max_prompt_tokens = self.llm.llm_engine.model_config.max_model_len - args.max_completion_length
         self.lora_request = None  # set by `load_adapter`; every generation then applies the adapter
         self._adapter_dir: tempfile.TemporaryDirectory | None = None
+        self._tap: sampler_tap.SamplerTap | None | object = _UNTRIED  # see `_sampler_tap`
         if self.sleep_level:
             # Asleep from the start: the memory is free while DeepSpeed / FSDP set up; the first rollout wakes it.
             self.llm.sleep(level=self.sleep_level)
@@ -183,6 +189,8 @@ class Engine:
         The sampled tokens' log-probs are asked for every request when the loss reads them
         (`args.needs_engine_logps`), else for each rank's first prompt only, for the sampling-gap metric: vLLM builds
         them with per-token Python in its output path, which slows every decoding step. Completions not asked get NaN.
+        Where every request asks, they are read as tensors from the sampler instead (`colograd.sampler_tap`), so that
+        vLLM builds no per-token objects at all.
         """
         mine = len(prompt_ids)
         seeds: list[int | None] = [None] * mine
@@ -200,18 +208,33 @@ class Engine:
             sampling_params(args, seed, **({} if i in asks else {"logprobs": None})) for i, seed in enumerate(seeds)
         ]
         prompts = [self.prompt(ids) for ids in prompt_ids]
-        outputs = self.llm.generate(prompts, params, lora_request=self.lora_request, use_tqdm=False)
+        tap = self._sampler_tap() if args.needs_engine_logps else None
+        with tap.capturing() if tap is not None else nullcontext():
+            outputs = self.llm.generate(prompts, params, lora_request=self.lora_request, use_tqdm=False)
         if self.tp_group is not None:
             first = dist.get_rank(self.tp_group) * mine
             outputs = outputs[first : first + mine]
-        rollout = Rollout([], [], [])
-        for request in outputs:
-            for sample in request.outputs:
-                ids = list(sample.token_ids)
-                rollout.completion_ids.append(ids)
-                rollout.logps.append(sampled_logps(sample))
-                rollout.truncated.append(sample.finish_reason == "length")
-        return rollout
+        samples = [sample for request in outputs for sample in request.outputs]
+        logps = tap.logps(outputs) if tap is not None else [sampled_logps(sample) for sample in samples]
+        if logps is None:
+            # The tap's rows did not hold these completions (and vLLM built no objects for them): sample this
+            # rollout again with the objects, and leave the tap off from now on.
+            logger.warning("colograd: the sampler tap missed a rollout's log-probs; reading vLLM's Logprob objects.")
+            self._tap = None
+            return self.generate(prompt_ids, args, step)  # (no tap under tensor parallelism: these are this rank's)
+        return Rollout(
+            completion_ids=[list(sample.token_ids) for sample in samples],
+            logps=logps,
+            truncated=[sample.finish_reason == "length" for sample in samples],
+        )
+
+    def _sampler_tap(self) -> sampler_tap.SamplerTap | None:
+        """The tap on this engine's sampler, installed (and probed) at the first rollout that reads every log-prob;
+        None where it does not install, and under tensor parallelism, where the ranks of an engine must take the
+        same path."""
+        if self._tap is _UNTRIED:
+            self._tap = sampler_tap.install(self.llm) if self.tp_group is None else None
+        return self._tap
 
     def prompt(self, token_ids: list[int]) -> dict[str, Any]:
         """One request's prompt for `vllm.LLM`: its token ids, salted with the weights' version so that its prompt

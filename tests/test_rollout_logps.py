@@ -9,6 +9,7 @@ from colograd import tiny
 from colograd.check import trainer_logprobs
 from colograd.config import GRPOConfig
 from colograd.engine import Engine
+from colograd.sampler_tap import SamplerTap
 from colograd.sync import WeightPlan
 
 pytestmark = pytest.mark.slow
@@ -16,8 +17,8 @@ pytestmark = pytest.mark.slow
 
 def test_log_probs_only_where_consumed(tmp_path):
     """Defaults (on-policy, no correction): the first prompt's group carries log-probs for the sampling-gap metric,
-    every other completion NaN; with the importance-sampling correction every completion carries them. Where given,
-    they are the trainer's log-probs of the same tokens."""
+    every other completion NaN; with the importance-sampling correction every completion carries them, read from the
+    sampler's tensors. Where given, they are the trainer's log-probs of the same tokens."""
     torch.manual_seed(0)
     model, tokenizer = tiny.build_model().eval(), tiny.build_tokenizer()
     settings = dict(per_device_train_batch_size=12, num_generations=4, max_prompt_length=16, max_completion_length=8,
@@ -35,6 +36,7 @@ def test_log_probs_only_where_consumed(tmp_path):
     assert [len(v) for v in rollout.logps] == [len(ids) for ids in rollout.completion_ids]
 
     rollout = engine.generate(prompts, corrected)
+    assert isinstance(engine._tap, SamplerTap)  # read from the sampler, with no per-token objects
     assert all(not any(math.isnan(v) for v in logps) for logps in rollout.logps)
     for i, (ids, logps) in enumerate(zip(rollout.completion_ids, rollout.logps, strict=True)):
         sequence = prompts[i // 4] + ids
