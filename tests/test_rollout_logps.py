@@ -15,7 +15,7 @@ from colograd.sync import WeightPlan
 pytestmark = pytest.mark.slow
 
 
-def test_log_probs_only_where_consumed(tmp_path):
+def test_log_probs_only_where_consumed(tmp_path, monkeypatch):
     """Defaults (on-policy, no correction): the first prompt's group carries log-probs for the sampling-gap metric,
     every other completion NaN; with the importance-sampling correction every completion carries them, read from the
     sampler's tensors. Where given, they are the trainer's log-probs of the same tokens."""
@@ -42,3 +42,10 @@ def test_log_probs_only_where_consumed(tmp_path):
         sequence = prompts[i // 4] + ids
         expected = trainer_logprobs(model, sequence)[len(prompts[i // 4]) - 1 :]
         assert torch.tensor(logps).sub(expected).abs().max() < 1e-4
+
+    # A capture the tap cannot assemble: one warning line, the rollout sampled again with vLLM's objects, tap off.
+    missed = []
+    monkeypatch.setattr(SamplerTap, "logps", lambda self, outputs: missed.append(1))
+    rollout = engine.generate(prompts, corrected)
+    assert missed == [1] and engine._tap is None
+    assert len(rollout.logps) == 12 and all(not any(math.isnan(v) for v in logps) for logps in rollout.logps)
