@@ -273,7 +273,12 @@ def _tap(sampler: Any, method: str, batch: Callable[[tuple, dict], tuple[Sequenc
     def tapped(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = original(self, *args, **kwargs)
         if recorder.armed:
-            recorder.record(*batch(args, kwargs), out)
+            try:
+                found = batch(args, kwargs)
+            except (AttributeError, IndexError, KeyError):
+                recorder.broken = True  # a runner unlike the one read: fail the capture, not the engine's step
+            else:
+                recorder.record(*found, out)
         return out
 
     sampler.__class__ = type(f"Tapped{cls.__name__}", (cls,), {method: tapped, "_colograd_tap_key": key})

@@ -175,7 +175,9 @@ def test_v2_sampler_is_tapped_through_its_input_batch(monkeypatch):
     from vllm.v1.worker.gpu.sample.output import SamplerOutput
     from vllm.v1.worker.gpu.sample.sampler import Sampler
 
-    steps = iter([([-0.5, -9.0], [11, 40]), ([-0.25, -1.5], [12, 13])])  # (log-probs, tokens) of each step
+    steps = iter(
+        [([-0.5, -9.0], [11, 40]), ([-0.25, -1.5], [12, 13]), ([-1.0, -1.0], [1, 1])]
+    )  # (log-probs, tokens) of each step
 
     def stub_call(self, logits, input_batch):
         logps, sampled = next(steps)
@@ -203,5 +205,11 @@ def test_v2_sampler_is_tapped_through_its_input_batch(monkeypatch):
         ]),
     ]  # fmt: skip
     assert tap.logps(outputs) == [[-0.5, -0.25], [-1.5], []]
+
+    # A batch unlike the one read (another V2 version) fails the capture, not the step; the objects stay.
+    with tap.capturing():
+        batch = SimpleNamespace(req_ids=["3-0123abcd", "0_5-89abcdef"], num_reqs=2)
+        assert llm.worker.model_runner.sampler(torch.zeros(2, 64), batch).logprobs_tensors is not None
+    assert tap.logps(outputs) is None
     tap.uninstall()
     assert type(llm.worker.model_runner.sampler) is Sampler
