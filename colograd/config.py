@@ -54,10 +54,15 @@ class GRPOConfig(
         default=8, metadata={"help": "Completions sampled per prompt (the group size G). At least 2."}
     )
     max_prompt_length: int | None = field(
-        default=512,
-        metadata={"help": "Prompts longer than this many tokens keep their last tokens. None keeps them whole."},
+        default=None,
+        metadata={
+            "help": "Prompts longer than this many tokens keep their last tokens. None (TRL 1.16 has no such field "
+            "and truncates nothing): prompts are kept whole, the engine's context is the model's own, and a prompt "
+            "that leaves no room in it for a whole completion is refused before start-up (or dropped, with "
+            "drop_invalid_prompts)."
+        },
     )
-    max_completion_length: int = field(default=256, metadata={"help": "Most tokens sampled per completion."})
+    max_completion_length: int = field(default=512, metadata={"help": "Most tokens sampled per completion."})
     temperature: float = field(
         default=1.0, metadata={"help": "Sampling temperature (also applied to training log-probs)."}
     )
@@ -104,7 +109,10 @@ class GRPOConfig(
     )
     vllm_max_model_length: int | None = field(
         default=None,
-        metadata={"help": "Engine context length. None: max_prompt_length + max_completion_length."},
+        metadata={
+            "help": "Engine context length. None: max_prompt_length + max_completion_length, or without "
+            "max_prompt_length the model's own context (max_position_embeddings)."
+        },
     )
     vllm_enforce_eager: bool = field(
         default=False, metadata={"help": "Disable CUDA graphs / compilation in the engine (faster start-up)."}
@@ -159,6 +167,9 @@ class GRPOConfig(
             "'adapter' (only the adapter tensors move; the engine applies them with vLLM's LoRA support)."
         },
     )
+
+    # Optimization
+    learning_rate: float = field(default=1e-6, metadata={"help": "Initial learning rate of the optimizer (AdamW)."})
 
     # Loss
     beta: float = field(

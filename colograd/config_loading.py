@@ -3,9 +3,12 @@
 from dataclasses import dataclass, field
 from typing import Any
 
+from peft import PeftConfig, PeftModel, get_peft_model
 from torch import nn
+from transformers import PreTrainedModel, set_seed
 
-from colograd.errors import keyword_arguments
+from colograd.errors import ConfigError, keyword_arguments
+from colograd.trl_compat import QUANTIZED
 
 
 @dataclass
@@ -37,8 +40,10 @@ class LoadingOptions:
     )
 
     def check_loading(self) -> None:
-        """Parse `model_init_kwargs` given as JSON on the command line."""
+        """Parse `model_init_kwargs` given as JSON on the command line; refuse a quantized base."""
         self.model_init_kwargs = keyword_arguments("model_init_kwargs", self.model_init_kwargs)
+        if "quantization_config" in (self.model_init_kwargs or {}):
+            raise ConfigError(f"model_init_kwargs: quantization_config: {QUANTIZED}; remove it.")
 
 
 def model_init_kwargs(args: LoadingOptions) -> dict[str, Any]:
@@ -50,6 +55,48 @@ def tokenizer_kwargs(args: LoadingOptions) -> dict[str, Any]:
     """Keyword arguments for the tokenizer's `from_pretrained`: the model's revision, as TRL reads it."""
     revision = (args.model_init_kwargs or {}).get("revision")
     return {"trust_remote_code": args.trust_remote_code, **({"revision": revision} if revision else {})}
+
+
+def model_name(model: PreTrainedModel | str) -> str:
+    """The last part of a model's hub id or folder (TRL's default output_dir is `<this>-GRPO`)."""
+    name = model if isinstance(model, str) else model.config._name_or_path
+    return name.rstrip("/").split("/")[-1] or type(model).__name__
+
+
+def wrap_with_peft(model: PreTrainedModel, peft_config: Any, args: Any) -> PeftModel:
+    """The policy with a new PEFT adapter (TRL's `peft_config`, the command line's `use_peft`), as TRL makes it.
+
+    Args:
+        model: the base model; it must not have an adapter already.
+        peft_config: a `peft.PeftConfig`, e.g. `LoraConfig(r=16, target_modules="all-linear")`.
+        args: the run's config (seed, DeepSpeed, gradient checkpointing).
+
+    Raises:
+        ConfigError: not a PEFT config; the model has an adapter already; the adapter does not fit the model
+            (e.g. target modules it does not have).
+    """
+    if not isinstance(peft_config, PeftConfig):
+        raise ConfigError(
+            f"peft_config is a {type(peft_config).__name__}; give a peft.PeftConfig such as peft.LoraConfig(r=16)."
+        )
+    if isinstance(model, PeftModel):
+        raise ConfigError(
+            "peft_config was given with a model that has an adapter already (a PeftModel); pass its base model, or "
+            "no peft_config to train the adapter it has."
+        )
+    set_seed(args.seed)  # PEFT initialises the adapter at random: the same adapter on every rank and every run
+    kwargs = {}
+    plugin = getattr(args, "deepspeed_plugin", None)
+    if plugin is not None and plugin.zero_stage == 3:
+        # ZeRO-3 gathers parameters in buckets of one dtype: adapters stay in the base model's dtype, as in TRL.
+        kwargs["autocast_adapter_dtype"] = False
+    try:
+        model = get_peft_model(model, peft_config, **kwargs)
+    except ValueError as err:  # e.g. target modules the model does not have
+        raise ConfigError(f"peft_config: {str(err).splitlines()[0]}") from err
+    if args.gradient_checkpointing:
+        model.enable_input_require_grads()  # checkpointed layers over a frozen embedding need inputs with grad
+    return model
 
 
 def disable_dropout(model: nn.Module) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from datasets import Dataset, IterableDataset
 from peft import PeftModel
-from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
 from transformers.trainer_utils import has_length
 from trl.data_utils import is_conversational
 
@@ -38,11 +38,13 @@ from colograd.config import ConfigError, GRPOConfig, ScriptArguments
 from colograd.data import first_line, load_prompts, tokenize_prompts
 from colograd.engine import engine_dtype as engine_dtype_of
 from colograd.engine import sampling_params
+from colograd.kv_cache import engine_context
 from colograd.logps import check_fp32_head
 from colograd.lora import check_lora, engine_max_lora_rank
 from colograd.precision import master_copy_warning
 from colograd.rewards import RewardFunc, resolve_reward, reward_name
 from colograd.streaming import PEEK_ROWS, check_stream, check_stream_resume, peek
+from colograd.trl_compat import QUANTIZED
 
 # What `colograd.rewards.score` passes every reward function besides the dataset's columns.
 REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state")
@@ -90,20 +92,21 @@ def preflight(
     name = script_args.dataset_name
     dataset = load_prompts(script_args, streaming=script_args.dataset_streaming)
     template_kwargs = training_args.chat_template_kwargs
+    room = prompt_room(training_args, model_config)
     if script_args.dataset_streaming:
         check_stream_resume(dataset, checkpoint)
         dataset = check_stream_data(
-            dataset, tokenizer, reward_funcs, training_args, name, script_args.drop_invalid_prompts
+            dataset, tokenizer, reward_funcs, training_args, name, script_args.drop_invalid_prompts, room=room
         )
     else:
-        dataset = check_prompts(dataset, tokenizer, name, script_args.drop_invalid_prompts, template_kwargs)
+        dataset = check_prompts(dataset, tokenizer, name, script_args.drop_invalid_prompts, template_kwargs, room)
         check_data(dataset, reward_funcs, training_args, name)
     eval_dataset = None
     if training_args.eval_strategy != "no":
         split = script_args.dataset_test_split
         eval_dataset = load_prompts(script_args, split)
         eval_dataset = check_prompts(
-            eval_dataset, tokenizer, f"{name} ({split})", script_args.drop_invalid_prompts, template_kwargs
+            eval_dataset, tokenizer, f"{name} ({split})", script_args.drop_invalid_prompts, template_kwargs, room
         )
         check_rewards(reward_funcs, [c for c in eval_dataset.column_names if c != "prompt"])
     # Last: importing vLLM's pieces takes seconds, which a mistake found above should not wait for.
@@ -111,12 +114,34 @@ def preflight(
     return Inputs(dataset, reward_funcs, eval_dataset)
 
 
-def check_argument_order(eval_dataset: Any) -> None:
-    """A tokenizer given where TRL's argument order has `eval_dataset` (before `processing_class`)."""
+def check_argument_order(eval_dataset: Any, reward_processing_classes: Any = None) -> None:
+    """Arguments given in another order than TRL's: a tokenizer where `eval_dataset` is (before
+    `processing_class`), callbacks where `reward_processing_classes` is (before `callbacks`)."""
     if isinstance(eval_dataset, PreTrainedTokenizerBase):
         raise ConfigError(
             "eval_dataset is a tokenizer: GRPOTrainer takes TRL's argument order (model, reward_funcs, args, "
             "train_dataset, eval_dataset, processing_class); pass it as processing_class=..."
+        )
+    given = reward_processing_classes if isinstance(reward_processing_classes, list) else [reward_processing_classes]
+    if any(isinstance(c, TrainerCallback) or (isinstance(c, type) and issubclass(c, TrainerCallback)) for c in given):
+        raise ConfigError(
+            "reward_processing_classes holds callbacks: GRPOTrainer takes TRL's argument order (..., "
+            "processing_class, reward_processing_classes, callbacks); pass them as callbacks=..."
+        )
+
+
+def check_trainer_arguments(eval_dataset: Any, processing_class: Any) -> None:
+    """What TRL's `GRPOTrainer` takes and colograd does not: several eval datasets, a multimodal processor."""
+    if isinstance(eval_dataset, dict):
+        raise ConfigError(
+            "eval_dataset is a dict of datasets, which colograd does not evaluate one by one; pass one Dataset."
+        )
+    if eval_dataset is not None and not has_length(eval_dataset):
+        raise ConfigError("eval_dataset is a stream; evaluation takes an in-memory Dataset (e.g. its first rows).")
+    if processing_class is not None and not isinstance(processing_class, PreTrainedTokenizerBase):
+        raise ConfigError(
+            f"processing_class is a {type(processing_class).__name__}, not a tokenizer: colograd trains text "
+            "models; pass its tokenizer (processor.tokenizer)."
         )
 
 
@@ -138,6 +163,8 @@ def check_trainer_inputs(
         The dataset (without its invalid rows, with `drop_invalid_prompts`) and the adapter's rank when the engine
         serves the adapter itself (`lora_sync: adapter`), else None.
     """
+    if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
+        raise ConfigError(f"model is quantized: {QUANTIZED}.")
     # An adapter the chosen sync cannot serve is refused now, not at the first generation.
     lora_rank = check_lora(model.active_peft_config, args.lora_sync) if isinstance(model, PeftModel) else None
     if args.cast_lm_head_to_fp32:
@@ -148,15 +175,25 @@ def check_trainer_inputs(
             "computation does not apply; use a model without it."
         )
     check_settings(args, model.config)
+    room = prompt_room(args, model.config)
     if isinstance(train_dataset, Dataset):
-        train_dataset = check_prompts(train_dataset, tokenizer, template_kwargs=args.chat_template_kwargs)
+        train_dataset = check_prompts(train_dataset, tokenizer, template_kwargs=args.chat_template_kwargs, room=room)
         check_data(train_dataset, reward_funcs, args, rewards_also_get=rewards_also_get)
     elif train_dataset is not None and not has_length(train_dataset):
         train_dataset = check_stream_data(
-            train_dataset, tokenizer, reward_funcs, args, rewards_also_get=rewards_also_get
+            train_dataset, tokenizer, reward_funcs, args, rewards_also_get=rewards_also_get, room=room
         )
     check_engine(args, model.config, next(model.parameters()).dtype, lora_rank)
     return train_dataset, lora_rank
+
+
+def check_reward_source(reward_funcs: list[RewardFunc]) -> None:
+    """At least one reward: `reward_funcs`, or an environment's `get_reward` (TRL's rule)."""
+    if not reward_funcs:
+        raise ConfigError(
+            "reward_funcs is None and no environment gives a reward; pass reward_funcs (a rollout_func's extra keys "
+            "reach them as keyword arguments), or an environment_factory whose environments define get_reward."
+        )
 
 
 def check_wrapped_trainer(trainer: Any) -> None:
@@ -184,6 +221,22 @@ def check_settings(args: GRPOConfig, model_config: PretrainedConfig) -> None:
     """The quick checks of the configuration alone: destination and lengths."""
     check_destination(args)
     args.check_lengths(model_config)
+    room = prompt_room(args, model_config)
+    if room is not None and room < 1:
+        raise ConfigError(
+            f"max_completion_length={args.max_completion_length} fills the engine's context of "
+            f"{engine_context(args, model_config)} tokens, leaving no room for a prompt; lower max_completion_length."
+        )
+
+
+def prompt_room(args: GRPOConfig, model_config: PretrainedConfig) -> int | None:
+    """The most tokens a prompt may have without `max_prompt_length`: the engine's context (the model's own, unless
+    vllm_max_model_length) less a whole completion. None where prompts are truncated instead (max_prompt_length)
+    or the context is unknown."""
+    context = engine_context(args, model_config)
+    if args.max_prompt_length is not None or context is None:
+        return None
+    return context - args.max_completion_length
 
 
 def check_data(
@@ -212,20 +265,22 @@ def check_stream_data(
     name: str = "train_dataset",
     drop_invalid: bool = False,
     rewards_also_get: list[str] | None = (),
+    room: int | None = None,
 ) -> IterableDataset:
     """A streamed dataset against the run (`colograd.streaming.check_stream`), and its first rows (at least one
     rollout batch's) as `check_prompts` and `check_data` check an in-memory dataset; read afresh, so the stream
     training reads starts at its first row.
 
     Returns:
-        The stream; with `drop_invalid`, filtered as it is read by the same row checks.
+        The stream; with `drop_invalid`, filtered as it is read by the same row checks (`room`: see
+        `check_prompts`).
     """
     check_stream(dataset, args)
     head = peek(dataset, max(PEEK_ROWS, args.prompts_per_device * args.steps_per_generation * args.world_size), name)
     columns = list(head[0]) if head else ["prompt"]
     head_name = f"{name} (its first {len(head)} rows)"
     prompts = [row["prompt"] for row in head]
-    kept = check_prompt_rows(columns, prompts, tokenizer, head_name, drop_invalid, args.chat_template_kwargs)
+    kept = check_prompt_rows(columns, prompts, tokenizer, head_name, drop_invalid, args.chat_template_kwargs, room)
     check_size(len(kept), args, head_name)
     if rewards_also_get is not None:
         check_rewards(reward_funcs, [c for c in columns if c != "prompt"] + list(rewards_also_get))
@@ -234,7 +289,7 @@ def check_stream_data(
     template_kwargs = args.chat_template_kwargs
 
     def valid(batch: dict[str, list]) -> list[bool]:
-        problems = _row_problems(batch["prompt"], tokenizer, template_kwargs)
+        problems = _row_problems(batch["prompt"], tokenizer, template_kwargs, room)
         return [i not in problems for i in range(len(batch["prompt"]))]
 
     return dataset.filter(valid, batched=True)
@@ -330,6 +385,7 @@ def check_prompts(
     name: str = "train_dataset",
     drop_invalid: bool = False,
     template_kwargs: dict[str, Any] | None = None,
+    room: int | None = None,
 ) -> Dataset:
     """Check every row's prompt, then template and tokenize it as a rollout will (`tokenize_prompts`).
 
@@ -339,6 +395,7 @@ def check_prompts(
         name: how messages name the dataset.
         drop_invalid: drop the rows with a problem (and print how many) instead of raising.
         template_kwargs: the run's `chat_template_kwargs`, which the rollouts give the chat template.
+        room: the most tokens a prompt may have (`prompt_room`), or None when any length is taken.
 
     Returns:
         The dataset, without its invalid rows when `drop_invalid`.
@@ -346,7 +403,9 @@ def check_prompts(
     Raises:
         ConfigError: the first invalid row (index and problem), unless `drop_invalid`; no valid row at all.
     """
-    kept = check_prompt_rows(dataset.column_names, dataset["prompt"], tokenizer, name, drop_invalid, template_kwargs)
+    kept = check_prompt_rows(
+        dataset.column_names, dataset["prompt"], tokenizer, name, drop_invalid, template_kwargs, room
+    )
     return dataset if len(kept) == len(dataset) else dataset.select(kept)
 
 
@@ -357,6 +416,7 @@ def check_prompt_rows(
     name: str,
     drop_invalid: bool,
     template_kwargs: dict[str, Any] | None,
+    room: int | None = None,
 ) -> list[int]:
     """`check_prompts` on a dataset's column names and prompts (for rows that need not share one arrow type).
 
@@ -366,7 +426,7 @@ def check_prompt_rows(
     if "prompt" not in columns:
         raise ConfigError(f"{name}: no 'prompt' column (columns: {', '.join(columns)}); add one.")
     _check_column_names(columns, name)
-    problems = _row_problems(prompts, tokenizer, template_kwargs)
+    problems = _row_problems(prompts, tokenizer, template_kwargs, room)
     if not problems:
         return list(range(len(prompts)))
     first, problem = next(iter(problems.items()))
@@ -387,9 +447,10 @@ def check_prompt_rows(
 
 
 def _row_problems(
-    prompts: list, tokenizer: PreTrainedTokenizerBase, template_kwargs: dict[str, Any] | None
+    prompts: list, tokenizer: PreTrainedTokenizerBase, template_kwargs: dict[str, Any] | None, room: int | None = None
 ) -> dict[int, str]:
-    """Row index → problem, for every row whose prompt is invalid or does not template and tokenize to tokens."""
+    """Row index → problem, for every row whose prompt is invalid, does not template and tokenize to tokens, or
+    has more than `room` tokens."""
     problems = {i: p for i, prompt in enumerate(prompts) if (p := prompt_problem(prompt, tokenizer)) is not None}
     valid = [i for i in range(len(prompts)) if i not in problems]
     kind = {True: "chat messages", False: "text"}
@@ -407,6 +468,12 @@ def _row_problems(
         for i, row_ids in zip(rows, ids, strict=True):
             if row_ids is not None and not row_ids:
                 problems[i] = "prompt tokenizes to no tokens"
+            elif row_ids is not None and room is not None and len(row_ids) > room:
+                problems[i] = (
+                    f"prompt is {len(row_ids)} tokens, more than the {room} the engine's context leaves beside a "
+                    "whole completion (max_completion_length); set max_prompt_length to keep prompts' last tokens, "
+                    "or lower max_completion_length"
+                )
     return dict(sorted(problems.items()))
 
 

@@ -145,24 +145,70 @@ def resolve_reward(name: str) -> RewardFunc:
 
 
 def resolve_rewards(
-    reward_funcs: RewardFunc | str | list[RewardFunc | str], reward_weights: list[float] | None
+    reward_funcs: RewardFunc | str | PreTrainedModel | list | None,
+    reward_weights: list[float] | None,
+    processing_classes: PreTrainedTokenizerBase | list[PreTrainedTokenizerBase | None] | None = None,
 ) -> tuple[list[RewardFunc], torch.Tensor]:
-    """The trainer's reward functions (names resolved) and their weights: [F], all 1 when `reward_weights` is None."""
-    if not isinstance(reward_funcs, list):
+    """The trainer's reward functions and their weights, from TRL's `reward_funcs` and `reward_processing_classes`.
+
+    Args:
+        reward_funcs: functions, names (`resolve_reward`), sequence-classification models; one, a list, or None.
+        reward_weights: one weight per function, or None for all 1.
+        processing_classes: TRL's `reward_processing_classes`: the tokenizer of each reward model (one, or a list
+            aligned with `reward_funcs`); an entry is read only for a model, and None loads the model's own.
+
+    Returns:
+        The functions, each model made a `RewardModel`, and their weights [F].
+    """
+    if reward_funcs is None:
+        reward_funcs = []
+    elif not isinstance(reward_funcs, list):
         reward_funcs = [reward_funcs]
-    funcs = [resolve_reward(f) if isinstance(f, str) else f for f in reward_funcs]
-    for func in funcs:
-        if isinstance(func, torch.nn.Module):
-            raise ConfigError(
-                f"reward_funcs: {type(func).__name__} is a bare model; pass RewardModel(model, tokenizer) "
-                "from colograd.rewards so it knows its tokenizer."
-            )
+    if processing_classes is None:
+        processing_classes = [None] * len(reward_funcs)
+    elif not isinstance(processing_classes, list):
+        processing_classes = [processing_classes]
+    if len(processing_classes) != len(reward_funcs):
+        raise ConfigError(
+            f"reward_processing_classes has {len(processing_classes)} entries for {len(reward_funcs)} reward "
+            "functions; give one per function (None for those that are not reward models)."
+        )
+    funcs = [_resolve(f, tokenizer) for f, tokenizer in zip(reward_funcs, processing_classes, strict=True)]
     if reward_weights is not None and len(reward_weights) != len(funcs):
         raise ConfigError(
             f"reward_weights has {len(reward_weights)} values for {len(funcs)} reward functions; give one weight "
             "per function."
         )
     return funcs, torch.tensor(reward_weights or [1.0] * len(funcs), dtype=torch.float32)
+
+
+def _resolve(func: Any, tokenizer: PreTrainedTokenizerBase | None) -> RewardFunc:
+    """One entry of `reward_funcs` as a reward function; a reward model gets `tokenizer`, or its own (TRL's)."""
+    if isinstance(func, str):
+        func = resolve_reward(func)
+        if isinstance(func, RewardModel) and tokenizer is not None:
+            return RewardModel(func.model, tokenizer)
+        return func
+    if isinstance(func, PreTrainedModel):
+        return RewardModel(func, tokenizer if tokenizer is not None else _reward_tokenizer(func))
+    if isinstance(func, torch.nn.Module):
+        raise ConfigError(
+            f"reward_funcs: {type(func).__name__} is a torch module but not a transformers model; pass a "
+            "sequence-classification model, or wrap it in a function with TRL's reward signature."
+        )
+    return func
+
+
+def _reward_tokenizer(model: PreTrainedModel) -> PreTrainedTokenizerBase:
+    """A reward model's tokenizer, loaded from the name it was loaded from, as TRL does."""
+    name = model.config._name_or_path
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as err:
+        raise ConfigError(
+            f"reward_funcs: cannot load the tokenizer of reward model {type(model).__name__} ({name!r}: "
+            f"{str(err).splitlines()[0] if str(err) else type(err).__name__}); pass it in reward_processing_classes."
+        ) from err
 
 
 def across_ranks(accelerator: Any) -> Callable[[torch.Tensor], torch.Tensor]:

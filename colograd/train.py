@@ -10,7 +10,6 @@ import traceback
 from typing import Any, NoReturn
 
 import torch
-from peft import get_peft_model
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -104,8 +103,6 @@ def main(
     peft_config = get_peft_config(model_args)
     inputs = preflight(script_args, training_args, config, tokenizer, dtype, peft_config, adapter_rank)
     model, tokenizer = load_model(model_args, training_args)
-    if peft_config is not None:
-        model = get_peft_model(model, peft_config)
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=inputs.reward_funcs,
@@ -113,6 +110,7 @@ def main(
         train_dataset=inputs.dataset,
         eval_dataset=inputs.eval_dataset,
         processing_class=tokenizer,
+        peft_config=peft_config,  # the trainer wraps the model, as for a Python caller
         recipe=recipe,
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)

@@ -35,7 +35,7 @@ from colograd.batch import pad_rollout, split_by_tokens, split_rows
 from colograd.checkpoints import checkpoint_step, resolve_checkpoint
 from colograd.completions import CompletionLog
 from colograd.config import GRPOConfig
-from colograd.config_loading import disable_dropout, model_init_kwargs, tokenizer_kwargs
+from colograd.config_loading import disable_dropout, model_init_kwargs, model_name, tokenizer_kwargs, wrap_with_peft
 from colograd.data import keep_rows, tokenize_prompts
 from colograd.engine import Engine, Rollout
 from colograd.entropy import EntropyTerms
@@ -53,65 +53,85 @@ from colograd.loss import (
 from colograd.memory import PassBudget, compute_dtype
 from colograd.modelcard import Recipe, model_card, write_model_card
 from colograd.preemption import Preemption, stage_failures
-from colograd.preflight import check_argument_order, check_trainer_inputs, check_wrapped_trainer
+from colograd.preflight import (
+    check_argument_order,
+    check_reward_source,
+    check_trainer_arguments,
+    check_trainer_inputs,
+    check_wrapped_trainer,
+)
 from colograd.reference import ReferencePolicy
 from colograd.rewards import RewardFunc, RewardModel, across_ranks, resolve_rewards, reward_name, score
 from colograd.streaming import check_stream_resume, rollout_stream
 from colograd.sync import WeightPlan, is_sharded
 from colograd.timing import OptimizerTimer, PhaseTimes, format_summary, run_summary, window_metrics
 from colograd.tools import ToolCallParser
+from colograd.trl_compat import check_refused_parameters
 
 
 class GRPOTrainer(Trainer):
     """Group Relative Policy Optimization with a vLLM engine inside each training process.
 
+    TRL 1.16's parameters, in its order, with its meanings (`colograd.trl_compat.TRAINER_PARAMETERS`), then
+    colograd's own, by keyword.
+
     Args:
-        model: a causal LM, or a hub id / local path to load one from.
-        reward_funcs: reward functions (TRL's signature, sync or async), `RewardModel`s, or their names (see
-            `colograd.rewards.resolve_reward`).
-        args: the run's configuration; defaults to `GRPOConfig(output_dir="colograd-output")`.
+        model: a causal LM (a `PeftModel` too), or a hub id / local path to load one from.
+        reward_funcs: reward functions (TRL's signature, sync or async), sequence-classification reward models
+            (`RewardModel`s, bare models, hub ids), or names (see `colograd.rewards.resolve_reward`); None when an
+            `environment_factory`'s environment gives the reward (`get_reward`).
+        args: the run's configuration; defaults to `GRPOConfig` with output_dir `<model name>-GRPO`, as TRL's.
         train_dataset: rows with a `prompt` column (text, or chat messages); other columns reach the rewards.
         eval_dataset: prompts like train_dataset's, sampled and scored every `eval_steps` (see `evaluate`).
         processing_class: the tokenizer; loaded from `model`'s path when omitted.
+        reward_processing_classes: the tokenizer of each reward model of `reward_funcs` (see `resolve_rewards`).
         callbacks: extra `TrainerCallback`s.
+        optimizers: an optimizer and a learning-rate scheduler instead of the Trainer's.
+        quantization_config: refused: the engine sync writes full-precision weights.
+        peft_config: a PEFT config: the model is wrapped with a new adapter (`wrap_with_peft`), as TRL does.
+        tools, rollout_func, environment_factory: agentic rollouts, as in TRL (see `colograd.agents.Agents` and
+            docs/agents.md).
         recipe: the recipe a command-line run was launched from, for the model card.
-        tools, environment_factory, rollout_func: agentic rollouts, as in TRL (see `colograd.agents.Agents` and
-            docs/agents.md). tool_call_parser: how tool calls are read from the model's text (default: the
-            Qwen / Hermes chat-template format).
+        tool_call_parser: how tool calls are read from the model's text (default: the Qwen / Hermes chat-template
+            format).
     """
 
     def __init__(
         self,
         model: PreTrainedModel | str,
-        reward_funcs: RewardFunc | str | list[RewardFunc | str],
+        reward_funcs: RewardFunc | str | PreTrainedModel | list | None = None,
         args: GRPOConfig | None = None,
         train_dataset: Any = None,
         eval_dataset: Any = None,
         processing_class: PreTrainedTokenizerBase | None = None,
+        reward_processing_classes: PreTrainedTokenizerBase | list[PreTrainedTokenizerBase | None] | None = None,
         callbacks: list | None = None,
         optimizers: tuple = (None, None),
-        recipe: Recipe | None = None,
+        quantization_config: Any = None,
+        peft_config: Any = None,
         tools: list | None = None,
-        environment_factory: Any = None,
         rollout_func: RolloutFunc | None = None,
+        environment_factory: Any = None,
+        *,
+        recipe: Recipe | None = None,
         tool_call_parser: ToolCallParser | None = None,
     ) -> None:
-        args = args or GRPOConfig(output_dir="colograd-output")
-        check_argument_order(eval_dataset)
+        args = args or GRPOConfig(output_dir=f"{model_name(model)}-GRPO")
+        check_argument_order(eval_dataset, reward_processing_classes)
+        check_refused_parameters(quantization_config=quantization_config)
+        check_trainer_arguments(eval_dataset, processing_class)
         if isinstance(model, str):
             model = AutoModelForCausalLM.from_pretrained(model, **model_init_kwargs(args))
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path, **tokenizer_kwargs(args))
+        if peft_config is not None:
+            model = wrap_with_peft(model, peft_config, args)
         if args.disable_dropout:
             disable_dropout(model)
         if processing_class.pad_token is None:
             processing_class.pad_token = processing_class.eos_token
-        self.reward_funcs, self.reward_weights = resolve_rewards(reward_funcs, args.reward_weights)
-        # An environment reaches the rewards as `environments`; a rollout_func's own fields show only at rollout
-        # time, so then the rewards' parameters are not checked before it.
-        rewards_also_get = None if rollout_func else (["environments"] if environment_factory else [])
-        train_dataset, self._lora_rank = check_trainer_inputs(
-            model, processing_class, args, train_dataset, self.reward_funcs, rewards_also_get
+        self.reward_funcs, self.reward_weights = resolve_rewards(
+            reward_funcs, args.reward_weights, reward_processing_classes
         )
         self.agents = (
             Agents(processing_class, args, tools, environment_factory, rollout_func, tool_call_parser)
@@ -121,6 +141,13 @@ class GRPOTrainer(Trainer):
         if self.agents is not None and self.agents.reward_funcs:  # an environment's own reward, weight 1 (TRL's)
             self.reward_funcs += self.agents.reward_funcs
             self.reward_weights = torch.cat([self.reward_weights, torch.ones(len(self.agents.reward_funcs))])
+        check_reward_source(self.reward_funcs)
+        # An environment reaches the rewards as `environments`; a rollout_func's own fields show only at rollout
+        # time, so then the rewards' parameters are not checked before it.
+        rewards_also_get = None if rollout_func else (["environments"] if environment_factory else [])
+        train_dataset, self._lora_rank = check_trainer_inputs(
+            model, processing_class, args, train_dataset, self.reward_funcs, rewards_also_get
+        )
         # Copied before the Trainer wraps the model, so the copy is the initial policy, whole on every rank.
         self.reference = ReferencePolicy(model, args) if args.beta != 0.0 else None
 

@@ -76,12 +76,62 @@ class TRLOnlyFields:
             self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
 
 
-# Fields colograd implements with TRL's meaning but a different default, and why.
+# Fields of TRL's GRPOConfig colograd implements with TRL's meaning but a different default, and why.
 DIFFERENT_DEFAULTS: dict[str, str] = {
-    "max_completion_length": "256 (TRL: 512); set it in the recipe",
-    "vllm_importance_sampling_correction": "off (TRL: on): the correction is opt-in (docs/throughput.md)",
+    "vllm_gpu_memory_utilization": "None (TRL: 0.3): the engine's KV cache is sized to the rollout, not to a share "
+    "of the GPU, leaving the rest to training; set it to have vLLM fill that share",
+    "vllm_importance_sampling_correction": "off (TRL: on): with the engine in the trainer's dtype the two compute "
+    "the same probabilities (gap ~1e-6 in fp32), so there is nothing to correct; it turns itself on where they "
+    "differ (vllm_dtype), and is opt-in otherwise (docs/throughput.md)",
     "vllm_importance_sampling_mode": "token_truncate (TRL: sequence_mask); it matters only with the correction on",
 }
+# `TrainingArguments` fields whose default TRL's GRPOConfig changes, where colograd's differs from TRL's, and why.
+DIFFERENT_TRAINING_DEFAULTS: dict[str, str] = {
+    "bf16": "False (TRL: None, which becomes True): an fp32 trainer and engine compute the same log-probs, so "
+    "sampling needs no correction; set bf16: true for speed (the engine follows)",
+    "gradient_checkpointing": "False (TRL: True): colograd bounds a pass's activations by splitting micro-steps "
+    "into token-bounded passes (micro_batch_tokens) and computing log-probs in chunks, instead of recomputing "
+    "every forward; set it for sequences whose single pass does not fit",
+    "logging_steps": "1 (TRL: 10): a GRPO step is a whole rollout and update, and its reward, length and phase "
+    "times are read step by step",
+    "remove_unused_columns": "True here as in TrainingArguments, but always set to False at construction, which "
+    "is TRL's default: the reward functions read the dataset's other columns",
+}
+
+
+# TRL 1.16's `GRPOTrainer.__init__` parameters, in its order (colograd's take the same order, then its own
+# `recipe` and `tool_call_parser`), and how colograd takes each.
+TRAINER_PARAMETERS: dict[str, str] = {
+    "model": "a model (a `PeftModel` too), or a hub id or local folder, loaded with `model_init_kwargs`",
+    "reward_funcs": "functions (sync or async), sequence-classification reward models (or their hub id or "
+    "folder), built-in names, dotted paths; None where an environment's `get_reward` gives the reward",
+    "args": "colograd's `GRPOConfig`; None: its defaults, with `output_dir` `<model name>-GRPO`",
+    "train_dataset": "a `Dataset` or `IterableDataset` with a `prompt` column",
+    "eval_dataset": "one in-memory `Dataset`, evaluated every `eval_steps` (a dict of datasets is refused)",
+    "processing_class": "the tokenizer; None: loaded from the model's name (a multimodal processor is refused)",
+    "reward_processing_classes": "the tokenizer of each reward model in `reward_funcs` (None: loaded from its name)",
+    "callbacks": "extra `TrainerCallback`s",
+    "optimizers": "an optimizer and a scheduler instead of the Trainer's",
+    "quantization_config": "refused (see below)",
+    "peft_config": "a PEFT config (LoRA): the model is wrapped with it, as TRL does; `lora_sync` picks how the "
+    "engine gets the weights",
+    "tools": "functions the model may call (docs/agents.md)",
+    "rollout_func": "replaces generation (docs/agents.md)",
+    "environment_factory": "makes one environment per completion, or a dict of factories (docs/agents.md)",
+}
+QUANTIZED = (
+    "colograd writes the trained weights into its engine at full precision, which a 4- or 8-bit quantized base "
+    "cannot give; train a LoRA adapter (peft_config) over a bf16 base instead"
+)
+# Parameters accepted only as None; any other value is refused with the reason given.
+REFUSED_PARAMETERS: dict[str, str] = {"quantization_config": f"{QUANTIZED}; remove it."}
+
+
+def check_refused_parameters(**given: Any) -> None:
+    """Raise `ConfigError` naming the first parameter of `REFUSED_PARAMETERS` given a value other than None."""
+    for name, value in given.items():
+        if value is not None:
+            raise ConfigError(f"{name}: {REFUSED_PARAMETERS[name]}")
 
 
 def refused_fields() -> dict[str, tuple[tuple[Any, ...], str]]:
@@ -152,5 +202,9 @@ def trl_compat_table() -> str:
     for name, (accepted, why) in refused.items():
         rows.append(f"| `{name}` | {', '.join(f'`{a!r}`' for a in accepted)} | {why} |")
     rows += ["", "| Field | Default here, and TRL's |", "|---|---|"]
-    rows += [f"| `{name}` | {why} |" for name, why in DIFFERENT_DEFAULTS.items()]
+    differing = DIFFERENT_DEFAULTS | DIFFERENT_TRAINING_DEFAULTS
+    rows += [f"| `{name}` | {why} |" for name, why in differing.items()]
+    rows += ["", "| `GRPOTrainer` parameter (TRL's order) | Taken as |", "|---|---|"]
+    taken = TRAINER_PARAMETERS | {name: f"refused: {why}" for name, why in REFUSED_PARAMETERS.items()}
+    rows += [f"| `{name}` | {how} |" for name, how in taken.items()]
     return "\n".join(rows)

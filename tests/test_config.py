@@ -265,7 +265,8 @@ def test_model_init_kwargs_and_revision_reach_from_pretrained(tmp_path):
     folder = tmp_path / "tiny"
     tiny.build_model().save_pretrained(folder)
     tiny.build_tokenizer().save_pretrained(folder)
-    args = make(model_init_kwargs={"dtype": "bfloat16"}, trust_remote_code=True, max_prompt_length=64)
+    args = make(model_init_kwargs={"dtype": "bfloat16"}, trust_remote_code=True, max_prompt_length=64,
+                max_completion_length=256)  # fmt: skip
     model, tokenizer = load_model(ModelConfig(model_name_or_path=str(folder)), args)
     assert model.dtype == torch.bfloat16  # model_init_kwargs override the model arguments (float32 by default)
     assert tokenizer.chat_template  # the folder's tokenizer
@@ -287,7 +288,7 @@ def test_model_revision_picks_the_revision_of_config_tokenizer_and_weights(tmp_p
         tokenizer.save_pretrained(repo / "snapshots" / commit)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    args = make(max_prompt_length=64)
+    args = make(max_prompt_length=64, max_completion_length=256)
     for revision, width in (("main", 256), ("small", 64)):
         model_args = ModelConfig(model_name_or_path="colograd-test/tiny", model_revision=revision)
         model, tokenizer = load_model(model_args, args)

@@ -115,11 +115,12 @@ def test_builtin_names_and_dotted_paths():
     assert resolve_reward("colograd.tiny:letters_reward") is tiny.letters_reward
 
 
-def test_resolve_rewards_checks_weights_and_bare_models():
+def test_resolve_rewards_checks_weights_and_reward_model_tokenizers():
     funcs, weights = resolve_rewards(["letters", tiny.letters_reward], [1.0, 0.5])
     assert len(funcs) == 2 and weights.tolist() == [1.0, 0.5]
     assert resolve_rewards("letters", None)[1].tolist() == [1.0]
     with pytest.raises(ConfigError, match="reward_weights has 1 values for 2"):
         resolve_rewards(["letters", "letters"], [1.0])
-    with pytest.raises(ConfigError, match="RewardModel"):
+    # A bare model is TRL's reward model: its tokenizer comes from its name, here none (built in memory).
+    with pytest.raises(ConfigError, match="pass it in reward_processing_classes"):
         resolve_rewards([_reward_model().model], None)
