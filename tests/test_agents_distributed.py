@@ -6,6 +6,8 @@ import json
 import pytest
 from conftest import launch
 
+pytestmark = pytest.mark.slow  # one multi-process launch with engines, shared by every test
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):

@@ -18,6 +18,7 @@ GiB = 2**30
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the check runs instead")
+@pytest.mark.slow
 def test_without_a_gpu_the_check_says_so_in_one_line_and_fails():
     proc = subprocess.run(
         [sys.executable, "-m", "colograd.check"], cwd=ROOT, env=_env(), capture_output=True, text=True
@@ -30,6 +31,7 @@ def test_without_a_gpu_the_check_says_so_in_one_line_and_fails():
 # --- one row per process ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_row_runs_in_a_child_process_and_reports_as_json():
     """The fp32 sync row through a real child (`--row ... --json ... --allow-cpu`) with vLLM's CPU build."""
     result = check.run_row("sync parity float32", allow_cpu=True)
@@ -40,12 +42,14 @@ def test_a_row_runs_in_a_child_process_and_reports_as_json():
     assert 0 < result.figures["kv_cache_gib"] < 1 and result.free_gib is None
 
 
+@pytest.mark.slow
 def test_a_child_that_fails_is_a_fail_row_with_its_last_error_line():
     result = check.run_row("no such row", allow_cpu=True)
     assert result.status == "FAIL" and result.name == "no such row"
     assert result.detail.startswith("exit 2:") and "invalid choice: 'no such row'" in result.detail
 
 
+@pytest.mark.slow
 def test_a_child_past_its_time_is_killed_and_a_fail_row():
     result = check.run_row("sync parity float32", allow_cpu=True, timeout=1)
     assert result.status == "FAIL" and result.detail.startswith("timed out after 1 s")
@@ -146,6 +150,7 @@ def test_recipe_row_fails_without_a_rise_with_a_gap_or_too_few_steps(rewards, ga
     assert check.recipe_result(steps_logged(rewards, gap), 2**28).status == "FAIL"
 
 
+@pytest.mark.slow
 def test_recipe_row_trains_the_tiny_recipe():
     """The recipe row builds and trains the trainer as the CLI does; a few steps only here (no rise asserted)."""
     result = check.check_tiny_recipe(steps=4)
@@ -157,6 +162,7 @@ def test_recipe_row_trains_the_tiny_recipe():
 # --- rows run in this process (vLLM's CPU build) -------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sync_check_fails_when_a_sync_does_not_reach_the_engine(monkeypatch):
     """A sync that works once and then hands the engine nothing: the second parity must catch it."""
     real_sync = WeightPlan.sync
@@ -171,6 +177,7 @@ def test_sync_check_fails_when_a_sync_does_not_reach_the_engine(monkeypatch):
     assert result.status == "FAIL", result.detail
 
 
+@pytest.mark.slow
 def test_lora_check_passes_on_a_bf16_cpu_engine():
     setup = check.tiny_setup(CPU)
     setup.prompts, setup.repeats = 1, 1  # the speed figures are for GPUs; here only that they are measured
@@ -181,5 +188,6 @@ def test_lora_check_passes_on_a_bf16_cpu_engine():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU and vLLM's CUDA build")
+@pytest.mark.slow
 def test_gpu_check_passes():
     assert check.main([]) == 0

@@ -5,6 +5,7 @@ import json
 import pytest
 from conftest import run_cli
 
+pytestmark = pytest.mark.slow  # each test runs colograd/train.py in a process of its own
 TINY = "recipes/grpo_tiny.yaml"
 
 

@@ -6,6 +6,7 @@ import time
 import pytest
 from conftest import launch
 
+pytestmark = pytest.mark.slow  # multi-process launches with engines
 STEPS = 30
 LOGGED_EVERY_STEP = [
     "reward",

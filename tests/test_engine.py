@@ -14,6 +14,8 @@ from colograd import engine as engine_module
 from colograd.engine import Engine
 from colograd.sync import WeightPlan
 
+pytestmark = pytest.mark.slow  # every test starts a vLLM engine
+
 
 def llama() -> torch.nn.Module:
     config = LlamaConfig(

@@ -9,6 +9,7 @@ from conftest import launch
 
 from colograd.loss import group_advantages
 
+pytestmark = pytest.mark.slow  # multi-process launches with engines
 RUNS = ["grpo", "dr_grpo", "bnpo", "dapo", "lora"]
 CLIP_METRICS = ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"]
 

@@ -4,8 +4,10 @@ turns on bf16 mixed precision."""
 import json
 import subprocess
 
+import pytest
 from conftest import BIN, ROOT, _env, _free_port, launch
 
+pytestmark = pytest.mark.slow  # multi-process launches with engines
 STEPS = 3
 
 

@@ -79,6 +79,7 @@ def test_merged_lora_is_synced_in_buckets(lora_sync, expected_buckets, monkeypat
     assert plans == [(model, expected_buckets)]
 
 
+@pytest.mark.slow
 def test_unservable_adapter_is_one_line_before_the_engine_starts(tmp_path):
     proc = run_cli("--config", "recipes/grpo_tiny.yaml", "--output_dir", str(tmp_path), "--use_peft", "--use_dora",
                    "--lora_sync", "adapter")  # fmt: skip

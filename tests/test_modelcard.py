@@ -3,6 +3,7 @@
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import transformers.trainer
 from huggingface_hub import ModelCard
 
@@ -50,6 +51,7 @@ def test_card_of_a_run_from_python_has_no_recipe_and_no_fake_hub_ids(tmp_path):
     assert "not from a recipe file" in card.text and "| `reward` | 0.25 |" in card.text
 
 
+@pytest.mark.slow
 def test_push_to_hub_uploads_the_card(tmp_path, monkeypatch):
     """`push_to_hub` (transformers') writes the card through `create_model_card` before uploading: the Hub is
     replaced by a stand-in that reads the folder at upload time."""

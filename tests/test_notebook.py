@@ -1,7 +1,10 @@
 """The docs notebook runs top to bottom: a subclass overriding one stage trains the tiny model on CPU."""
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
+
+pytestmark = pytest.mark.slow  # the notebook trains in a kernel process, with an engine
 
 
 def test_custom_advantages_notebook_runs(root, tmp_path, monkeypatch):

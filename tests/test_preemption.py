@@ -19,6 +19,7 @@ from conftest import run_cli, start_launch
 
 from colograd.checkpoints import is_complete, last_complete_checkpoint
 
+pytestmark = pytest.mark.slow  # launches that are signalled, killed and resumed
 MAX_STEPS = 40
 FLAGS = [
     "colograd/train.py", "--config", "recipes/grpo_tiny.yaml", "--max_steps", str(MAX_STEPS), "--save_strategy",

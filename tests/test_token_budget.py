@@ -31,6 +31,7 @@ def ranks(tmp_path_factory):
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.slow
 def test_passes_by_token_budget_give_the_same_step(ranks, loss_type):
     for rank in ranks:
         whole, split = rank[f"{loss_type}-None"], rank[f"{loss_type}-40"]

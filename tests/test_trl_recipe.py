@@ -54,6 +54,7 @@ def test_recipe_keeps_trl_and_open_r1_keys():
     assert RECIPE.read_text().startswith("# accelerate launch")
 
 
+@pytest.mark.slow
 def test_recipe_trains_two_steps_with_its_rewards(run):
     out, proc = run
     state = json.loads((out / "checkpoint-2/trainer_state.json").read_text())
@@ -64,6 +65,7 @@ def test_recipe_trains_two_steps_with_its_rewards(run):
     assert "warmup_ratio was renamed warmup_steps" in proc.stderr
 
 
+@pytest.mark.slow
 def test_system_prompt_stop_strings_and_regex_reach_the_engine(run):
     out, _ = run
     rows = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
@@ -74,6 +76,7 @@ def test_system_prompt_stop_strings_and_regex_reach_the_engine(run):
     assert any(r["completion"].endswith(";") for r in rows)
 
 
+@pytest.mark.slow
 def test_evaluation_generates_scores_and_logs_trl_eval_metrics(run):
     out, _ = run
     state = json.loads((out / "checkpoint-2/trainer_state.json").read_text())
@@ -133,6 +136,7 @@ def test_chat_template_kwargs_reach_the_template_of_every_rollout(tmp_path):
     assert ids["{'enable_thinking': False}"] == "u:ab>a;a:=;"
 
 
+@pytest.mark.slow
 def test_reward_curve_and_completions_reach_wandb_offline_and_trackio(run):
     out, _ = run
     state = json.loads((out / "checkpoint-2/trainer_state.json").read_text())
@@ -198,6 +202,7 @@ def _nest(flat: dict[tuple, Any]) -> dict:
     return nested
 
 
+@pytest.mark.slow
 def test_each_rank_trains_on_its_slice_of_the_streamed_split(run, tmp_path):
     out, _ = run
     parser = train._Parser((ScriptArguments, GRPOConfig, ModelConfig))
