@@ -288,6 +288,16 @@ class GRPOConfig(
         },
     )
 
+    # Output
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Start over in an output_dir that holds another run's checkpoints or model: its checkpoints and "
+            "completions.jsonl are removed at start, its model replaced at the end. Without it, a run that does not "
+            "resume is refused there (see docs/runs.md)."
+        },
+    )
+
     # Logging
     logging_steps: float = field(default=1, metadata={"help": "Log metrics every this many optimizer steps."})
     log_completions: bool = field(

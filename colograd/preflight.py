@@ -3,7 +3,8 @@
 Each check runs the input through the code the run itself will use, on the real data, so a whole class of
 mistakes fails here in seconds instead of minutes later with a library's traceback:
 
-    destination   output_dir can be created and written; resume_from_checkpoint is finished; push_to_hub can push
+    destination   output_dir can be written and no other run holds it or its work (colograd.output_dir);
+                  resume_from_checkpoint is finished; push_to_hub can push
     data          every row's prompt is text or chat messages, templated and tokenized as a rollout does it (a
                   stream: its first rows, read without advancing the stream training reads)
     sizes         the dataset holds one full rollout batch for every rank; lengths fit the model and the engine
@@ -20,7 +21,6 @@ import copy
 import inspect
 import logging
 import os
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,7 +33,6 @@ from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerB
 from transformers.trainer_utils import has_length
 from trl.data_utils import is_conversational
 
-from colograd.checkpoints import resolve_checkpoint
 from colograd.config import ConfigError, GRPOConfig, ScriptArguments
 from colograd.data import first_line, load_prompts, tokenize_prompts
 from colograd.engine import engine_dtype as engine_dtype_of
@@ -41,6 +40,7 @@ from colograd.engine import sampling_params
 from colograd.kv_cache import engine_context
 from colograd.logps import check_fp32_head
 from colograd.lora import check_lora, engine_max_lora_rank
+from colograd.output_dir import check_output_dir, claim_output_dir
 from colograd.precision import master_copy_warning
 from colograd.rewards import RewardFunc, resolve_reward, reward_name
 from colograd.streaming import PEEK_ROWS, check_stream, check_stream_resume, peek
@@ -87,7 +87,7 @@ def preflight(
     check_settings(training_args, model_config)
     if peft_config is not None:
         check_lora_targets(model_config, peft_config)
-    checkpoint = resolve_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
+    checkpoint = check_output_dir(training_args, training_args.resume_from_checkpoint)
     reward_funcs = [resolve_reward(name) for name in script_args.reward_funcs]
     name = script_args.dataset_name
     dataset = load_prompts(script_args, streaming=script_args.dataset_streaming)
@@ -299,16 +299,9 @@ def check_stream_data(
 
 
 def check_destination(args: GRPOConfig) -> None:
-    """`output_dir` can be created and written to; `push_to_hub` has a valid repository name and a token."""
-    out = args.output_dir
-    try:
-        os.makedirs(out, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out, prefix=".colograd-write-test-"):
-            pass
-    except OSError as err:
-        raise ConfigError(
-            f"output_dir={out!r} cannot be written ({err.strerror or err}); choose a folder you can write to."
-        ) from err
+    """`output_dir` can be written to and no other run holds it (the first process takes its lock, see
+    `colograd.output_dir`); `push_to_hub` has a valid repository name and a token."""
+    claim_output_dir(args)
     if args.push_to_hub:
         _check_hub(args)
 

@@ -24,6 +24,7 @@ from colograd import GRPOConfig, GRPOTrainer, ScriptArguments, pretrained, tiny
 from colograd.config import ConfigError
 from colograd.config_loading import model_init_kwargs, tokenizer_kwargs
 from colograd.modelcard import Recipe
+from colograd.output_dir import check_output_dir
 from colograd.preemption import PREEMPTED_EXIT_CODE, StepFailure
 from colograd.preflight import preflight
 from colograd.trl_compat import DROPPED_KEYS, RENAMED_KEYS, unknown_key_message
@@ -98,6 +99,8 @@ def main(
     """Check every input (`colograd.preflight`), load, train, save (with the model card) and, with `push_to_hub`,
     upload. A run stopped by SIGTERM exits with `PREEMPTED_EXIT_CODE` after its checkpoint."""
     check_supported(model_args)
+    # Before anything slow (a download, a conversion): a second run on this output_dir stops here.
+    check_output_dir(training_args, training_args.resume_from_checkpoint)
     config, tokenizer, dtype = load_model_config(model_args, training_args)
     adapter_rank = model_args.lora_r if model_args.use_peft and training_args.lora_sync == "adapter" else None
     peft_config = get_peft_config(model_args)

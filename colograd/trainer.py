@@ -26,13 +26,20 @@ import torch
 from peft import PeftModel
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, Trainer
-from transformers.trainer_utils import has_length
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, has_length
 from trl.data_utils import is_conversational
 from trl.trainer.utils import RepeatSampler, nanstd
 
 from colograd.agents import Agents, RolloutFunc, VLLMGeneration
 from colograd.batch import pad_rollout, split_by_tokens, split_rows
-from colograd.checkpoints import checkpoint_step, resolve_checkpoint
+from colograd.checkpoints import (
+    begin_record,
+    check_setup,
+    checkpoint_step,
+    finish_record,
+    rotate_checkpoints,
+    run_setup,
+)
 from colograd.completions import CompletionLog
 from colograd.config import GRPOConfig
 from colograd.config_loading import disable_dropout, model_init_kwargs, model_name, tokenizer_kwargs, wrap_with_peft
@@ -52,6 +59,7 @@ from colograd.loss import (
 )
 from colograd.memory import PassBudget, compute_dtype
 from colograd.modelcard import Recipe, model_card, write_model_card
+from colograd.output_dir import check_output_dir
 from colograd.preemption import Preemption, stage_failures
 from colograd.preflight import (
     check_argument_order,
@@ -207,8 +215,17 @@ class GRPOTrainer(Trainer):
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
         """transformers' `train`. `resume_from_checkpoint=True` takes the newest *finished* checkpoint of
-        `output_dir` (see `colograd.checkpoints`); a named one must be finished too."""
-        checkpoint = resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
+        `output_dir` (see `colograd.checkpoints`); a named one must be finished too, and saved by a run set up as
+        this one (`check_setup`). A run that resumes nothing is refused where another run's work is
+        (`colograd.output_dir`)."""
+        checkpoint = check_output_dir(self.args, resume_from_checkpoint)
+        policy = self.accelerator.unwrap_model(self.model)
+        self._setup = run_setup(
+            self.args, policy, (self.recipe and self.recipe.model_name_or_path) or policy.config._name_or_path,
+            self.train_dataset, [reward_name(f) for f in self.reward_funcs], self.reward_weights.tolist(),
+        )  # fmt: skip
+        if checkpoint:
+            check_setup(checkpoint, self._setup)
         check_stream_resume(self.train_dataset, checkpoint)
         # The model is about to change (restored, or trained on from here): the first rollout re-syncs.
         self._synced_step = None
@@ -571,10 +588,32 @@ class GRPOTrainer(Trainer):
     # --- saving -----------------------------------------------------------------------------------------
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """Every save of the model (final, checkpoint, before a push) writes its model card beside it.
-        The Trainer calls this on the saving process only."""
-        super()._save(output_dir, state_dict)
-        self.create_model_card(output_dir=output_dir)
+        """Every save of the model (final, checkpoint, before a push) writes its model card beside it; a failure (a
+        full disk) names the step and the stage 'save'. The Trainer calls this on the saving process only."""
+        with stage_failures("save", self.state.global_step, self.args.output_dir):
+            super()._save(output_dir, state_dict)
+            self.create_model_card(output_dir=output_dir)
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        """transformers' checkpoint save, bracketed by its record (`colograd.checkpoints`): marked unfinished
+        before anything is written, finished once every rank's part is. Older checkpoints are deleted only then
+        (`save_total_limit`), so a save cut short never costs the last finished one. A failure names the step and
+        the stage 'save'."""
+        step, run_dir = self.state.global_step, self._get_output_dir(trial=trial)
+        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        with stage_failures("save", step, self.args.output_dir):
+            if self.args.should_save:
+                begin_record(folder)
+            self.accelerator.wait_for_everyone()  # no rank writes into the folder before it is marked
+            limit, self.args.save_total_limit = self.args.save_total_limit, None  # no rotation inside the save
+            try:
+                super()._save_checkpoint(model, trial)
+            finally:
+                self.args.save_total_limit = limit
+            self.accelerator.wait_for_everyone()
+            if self.args.should_save:
+                finish_record(folder, self._setup)
+                rotate_checkpoints(run_dir, limit, self.state.best_model_checkpoint)
 
     def create_model_card(
         self,

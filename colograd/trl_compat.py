@@ -159,11 +159,9 @@ RENAMED_KEYS: dict[str, str] = {
     "push_to_hub_token": "hub_token",
     "push_to_hub_model_id": "hub_model_id",
 }
-# Removed keys that had no effect on the Trainer: read and dropped, with a notice.
-DROPPED_KEYS: dict[str, str] = {
-    "overwrite_output_dir": "transformers 5 removed it; the Trainer never read it (it writes into an existing "
-    "output_dir)",
-}
+# Removed keys that had no effect on the Trainer: read and dropped, with a notice. (transformers 5 also removed
+# overwrite_output_dir, which colograd keeps with a meaning: see GRPOConfig.)
+DROPPED_KEYS: dict[str, str] = {}
 REMOVED_KEYS: dict[str, str] = {
     "logging_dir": "transformers 5 removed it; set the TENSORBOARD_LOGGING_DIR environment variable instead.",
     "save_safetensors": "transformers 5 removed it (checkpoints are always safetensors); remove it.",
