@@ -131,6 +131,7 @@ def test_a_lock_from_another_host_is_refused_with_how_to_clear_it(tmp_path):
         claim_output_dir(args_for(tmp_path))
 
 
+@pytest.mark.slow  # two Python processes that import colograd (torch): 12-15 s
 def test_the_lock_goes_at_exit_and_a_killed_holder_leaves_one_that_is_taken_over(tmp_path, capsys):
     code = "import sys, time; from colograd.output_dir import take_lock; take_lock(sys.argv[1]); "
     exits = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, timeout=120)
