@@ -44,7 +44,11 @@ class StartingLLM(RecordingLLM):
     def __init__(self, log: list[str], **kwargs) -> None:
         super().__init__(log)
         log.append("start")
-        self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(max_model_len=kwargs["max_model_len"]))
+        cache = SimpleNamespace(num_gpu_blocks=4, block_size=16)
+        self.llm_engine = SimpleNamespace(
+            model_config=SimpleNamespace(max_model_len=kwargs["max_model_len"]),
+            vllm_config=SimpleNamespace(cache_config=cache),
+        )
 
     def collective_rpc(self, method, args=()) -> list:
         return [True]

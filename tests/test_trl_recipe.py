@@ -99,7 +99,7 @@ def offline_trainer(tmp_path, model=None, tokenizer=None, **overrides) -> GRPOTr
     """A `GRPOTrainer` built as a run builds it, on one process, with the engine replaced (no stage here uses it)."""
     args = tiny.run_config(str(tmp_path), steps=1, **overrides)
     with patch("colograd.trainer.Engine") as engine:
-        engine.return_value.max_prompt_tokens = 512
+        engine.acquire.return_value.max_prompt_tokens = 512
         return GRPOTrainer(
             model or tiny.build_model(), "letters", args, Dataset.from_list(list(tiny.letters_dataset(8))),
             processing_class=tokenizer or tiny.build_tokenizer(),
