@@ -74,7 +74,7 @@ from colograd.streaming import check_stream_resume, rollout_stream
 from colograd.sync import WeightPlan, is_sharded
 from colograd.timing import OptimizerTimer, PhaseTimes, format_summary, run_summary, window_metrics
 from colograd.tools import ToolCallParser
-from colograd.trl_compat import check_refused_parameters
+from colograd.trl_compat import check_refused_parameters, environment_dataset
 
 
 class GRPOTrainer(Trainer):
@@ -156,6 +156,8 @@ class GRPOTrainer(Trainer):
         train_dataset, self._lora_rank = check_trainer_inputs(
             model, processing_class, args, train_dataset, self.reward_funcs, rewards_also_get
         )
+        # After the checks: TRL's stand-in rows for an environment that gives the prompts have empty messages.
+        train_dataset = environment_dataset(train_dataset, environment_factory, args)
         # Copied before the Trainer wraps the model, so the copy is the initial policy, whole on every rank.
         self.reference = ReferencePolicy(model, args) if args.beta != 0.0 else None
 

@@ -12,6 +12,8 @@ import difflib
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from datasets import Dataset
+
 from colograd.errors import ConfigError
 
 _SERVER = "colograd runs its vLLM engine inside each training process (no server); remove it."
@@ -106,7 +108,8 @@ TRAINER_PARAMETERS: dict[str, str] = {
     "reward_funcs": "functions (sync or async), sequence-classification reward models (or their hub id or "
     "folder), built-in names, dotted paths; None where an environment's `get_reward` gives the reward",
     "args": "colograd's `GRPOConfig`; None: its defaults, with `output_dir` `<model name>-GRPO`",
-    "train_dataset": "a `Dataset` or `IterableDataset` with a `prompt` column",
+    "train_dataset": "a `Dataset` or `IterableDataset` with a `prompt` column; None where one environment_factory "
+    "gives the prompts (`reset()`), with `max_steps`",
     "eval_dataset": "one in-memory `Dataset`, evaluated every `eval_steps` (a dict of datasets is refused)",
     "processing_class": "the tokenizer; None: loaded from the model's name (a multimodal processor is refused)",
     "reward_processing_classes": "the tokenizer of each reward model in `reward_funcs` (None: loaded from its name)",
@@ -132,6 +135,32 @@ def check_refused_parameters(**given: Any) -> None:
     for name, value in given.items():
         if value is not None:
             raise ConfigError(f"{name}: {REFUSED_PARAMETERS[name]}")
+
+
+def environment_dataset(train_dataset: Any, environment_factory: Any, args: Any) -> Any:
+    """`train_dataset` as TRL 1.16 takes it: required, unless one `environment_factory` gives the prompts (its
+    `reset()` returns each rollout's prompt); then, as in TRL, one rollout's rows of an empty user message, drawn
+    again every epoch until `max_steps`.
+
+    Raises:
+        ConfigError: no dataset without an environment, with several environments (rows route them), or without
+            `max_steps`.
+    """
+    if train_dataset is not None:
+        return train_dataset
+    if environment_factory is None:
+        raise ConfigError("train_dataset is None; pass a Dataset with a 'prompt' column (or an environment_factory).")
+    if isinstance(environment_factory, dict):
+        raise ConfigError(
+            "train_dataset is None with several environments: pass a train_dataset whose 'environment' column "
+            "routes each row, or a single environment factory."
+        )
+    if args.max_steps <= 0:
+        raise ConfigError(
+            "train_dataset is None (the environment gives the prompts): set max_steps, the run's length."
+        )
+    rows = args.generation_batch_size // args.num_generations
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * rows})
 
 
 def refused_fields() -> dict[str, tuple[tuple[Any, ...], str]]:

@@ -37,10 +37,13 @@ def parameters(cls: type) -> list[inspect.Parameter]:
     return list(inspect.signature(cls.__init__).parameters.values())[1:]  # without self
 
 
-def offline(tmp_path, model=None, reward_funcs="letters", dataset=None, **kwargs) -> GRPOTrainer:
+LETTERS = object()  # `offline`'s default dataset: 8 rows of the letters task
+
+
+def offline(tmp_path, model=None, reward_funcs="letters", dataset=LETTERS, **kwargs) -> GRPOTrainer:
     """A `GRPOTrainer` built with the engine replaced: construction only (no stage here uses the engine)."""
     args = kwargs.pop("args", None) or tiny.run_config(str(tmp_path), steps=1)
-    dataset = dataset if dataset is not None else tiny.letters_dataset(8)
+    dataset = tiny.letters_dataset(8) if dataset is LETTERS else dataset
     with patch("colograd.trainer.Engine") as engine:
         engine.acquire.return_value.max_prompt_tokens = 512
         return GRPOTrainer(model or tiny.build_model(), reward_funcs, args, dataset,
@@ -166,6 +169,29 @@ def test_reward_funcs_none_without_a_reward_source_stops_in_one_line(tmp_path, k
     # TRL's rule: a rollout_func's extra keys reach the reward functions, but do not score by themselves.
     with pytest.raises(ConfigError, match="^reward_funcs is None and no environment gives a reward; pass"):
         offline(tmp_path, reward_funcs=None, **kwargs)
+
+
+def test_train_dataset_may_be_none_where_one_environment_gives_the_prompts(tmp_path):
+    """TRL's stand-in: one rollout's rows of an empty user message; the environment's reset() writes the prompt."""
+    args = tiny.run_config(str(tmp_path), 3, per_device_train_batch_size=16, num_generations=4)
+    trainer = offline(tmp_path, reward_funcs=None, dataset=None, args=args, environment_factory=Scored)
+    assert trainer.train_dataset["prompt"] == [[{"role": "user", "content": ""}]] * 4
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({}, "train_dataset is None; pass a Dataset with a 'prompt' column"),
+        ({"environment_factory": {"a": Scored, "b": Scored}}, "train_dataset is None with several environments"),
+        ({"environment_factory": Scored, "args": "no max_steps"}, "set max_steps, the run's length"),
+    ],
+    ids=["no-environment", "several-environments", "no-max_steps"],
+)
+def test_train_dataset_none_otherwise_stops_in_one_line(tmp_path, kwargs, message):
+    if kwargs.get("args") == "no max_steps":
+        kwargs["args"] = tiny.run_config(str(tmp_path), -1)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        offline(tmp_path, dataset=None, **kwargs)
 
 
 def reward_model() -> Qwen2ForSequenceClassification:
