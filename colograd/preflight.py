@@ -13,16 +13,14 @@ mistakes fails here in seconds instead of minutes later with a library's traceba
                   does not translate MoE experts); dtype and head size supported by the engine's backend
 
 `colograd/train.py` runs `preflight` after parsing; `GRPOTrainer` runs `check_settings`, `check_prompts`,
-`check_data` and `check_engine` on what it is given, before it builds its engine. Every failure is a
-`ConfigError` naming the input, the problem and the fix.
+`check_data` and `check_engine` (`colograd.preflight_engine`) on what it is given, before it builds its engine.
+Every failure is a `ConfigError` naming the input, the problem and the fix.
 """
 
 import copy
 import inspect
 import logging
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,13 +33,12 @@ from trl.data_utils import is_conversational
 
 from colograd.config import ConfigError, GRPOConfig, ScriptArguments
 from colograd.data import first_line, load_prompts, tokenize_prompts
-from colograd.engine import engine_dtype as engine_dtype_of
-from colograd.engine import sampling_params
 from colograd.kv_cache import engine_context
 from colograd.logps import check_fp32_head
-from colograd.lora import check_lora, engine_max_lora_rank
+from colograd.lora import check_lora
 from colograd.output_dir import check_output_dir, claim_output_dir
 from colograd.precision import master_copy_warning
+from colograd.preflight_engine import check_engine
 from colograd.rewards import RewardFunc, resolve_reward, reward_name
 from colograd.streaming import PEEK_ROWS, check_stream, check_stream_resume, peek
 from colograd.trl_compat import QUANTIZED
@@ -537,99 +534,3 @@ def check_rewards(reward_funcs: list[RewardFunc], columns: list[str]) -> None:
 
 
 # --- engine --------------------------------------------------------------------------------------------------
-
-
-# Config keys that count a Mixture-of-Experts model's experts (Qwen-MoE, Mixtral, DeepSeek, ...).
-_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
-
-
-def check_engine(
-    args: GRPOConfig, model_config: PretrainedConfig, dtype: torch.dtype, lora_rank: int | None = None
-) -> None:
-    """What the engine would refuse at start-up or at its first request, found by vLLM's own code where it has a
-    check to run: the model's kind (dense), the sampling settings, the LoRA settings, the dtype and the attention
-    head size."""
-    # A multimodal model's text part (Llama 4, Qwen3-VL-MoE) keeps its expert count in its text config.
-    configs = (model_config, model_config.get_text_config())
-    experts = next((n for c in configs for key in _EXPERT_COUNTS if (n := getattr(c, key, None))), None)
-    if experts and experts > 1:
-        raise ConfigError(
-            f"model_type {model_config.model_type!r} is a Mixture-of-Experts model ({experts} experts): colograd's "
-            "weight sync does not translate its fused expert layers into the engine; train a dense model."
-        )
-    if args.temperature <= 0:
-        raise ConfigError(
-            f"temperature={args.temperature}: GRPO samples several completions per prompt and divides log-probs by "
-            "the temperature; set it above 0 (1.0 samples from the model as it is)."
-        )
-    with _quiet_logs():  # vLLM's import-time warnings (no Triton on CPU, ...) would add lines to a one-line error
-        import vllm.config  # noqa: F401 (its first import logs platform warnings: it must happen in here)
-        from vllm.platforms import current_platform
-
-    try:
-        sampling_params(args)
-    except (ValueError, *_vllm_errors()) as err:
-        raise ConfigError(f"sampling settings: vLLM refuses them: {first_line(err)}.") from err
-    if lora_rank is not None:
-        engine_max_lora_rank(lora_rank)  # a rank between the sizes vLLM serves is rounded up; above them, refused
-    context = getattr(model_config, "max_position_embeddings", None)
-    if args.vllm_max_model_length is not None and context is not None and args.vllm_max_model_length > context:
-        raise ConfigError(
-            f"vllm_max_model_length={args.vllm_max_model_length} exceeds the model's context of {context} "
-            "(max_position_embeddings); lower it, or leave it unset."
-        )
-    engine_dtype = engine_dtype_of(args, dtype)
-    supported = current_platform.supported_dtypes
-    if engine_dtype not in supported:
-        names = ", ".join(str(d).removeprefix("torch.") for d in supported)
-        raise ConfigError(
-            f"dtype {str(engine_dtype).removeprefix('torch.')}: the engine on this machine supports {names}; pick one."
-        )
-    if lora_rank is not None and engine_dtype == torch.float32 and not current_platform.is_cpu():
-        raise ConfigError(
-            "lora_sync: adapter on a GPU needs a 16-bit engine (vLLM's LoRA kernels take fp16/bf16 only): set "
-            "bf16: true, or lora_sync: merged for an fp32 engine with exact parity, or vllm_dtype: bfloat16 to keep "
-            "an fp32 trainer (sampling is then corrected by importance sampling)."
-        )
-    _check_head_size(model_config, current_platform)
-
-
-def _vllm_errors() -> tuple[type[Exception], ...]:
-    """vLLM's own error class where the installed version has one (`vllm.exceptions.VLLMError` is newer than 0.26,
-    the newest CUDA build for torch 2.11): preflight must not fail to import on an older engine."""
-    try:
-        from vllm.exceptions import VLLMError
-    except ImportError:
-        return ()
-    return (VLLMError,)
-
-
-def _check_head_size(model_config: PretrainedConfig, platform: Any) -> None:
-    """On CPU, vLLM has one attention backend, with a fixed list of head sizes (GPU backends choose among
-    several at start-up, so there the engine decides)."""
-    if not platform.is_cpu():
-        return
-    with _quiet_logs():
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-    text = model_config.get_text_config()
-    heads = getattr(text, "num_attention_heads", None)
-    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
-    supported = CPUAttentionBackend.get_supported_head_sizes()
-    if head_dim is not None and head_dim not in supported:
-        raise ConfigError(
-            f"the model's attention head size is {head_dim}, which vLLM's CPU backend does not support (it supports "
-            f"{', '.join(map(str, supported))}); use a model with one of those, e.g. hidden_size / "
-            "num_attention_heads = 64."
-        )
-
-
-@contextmanager
-def _quiet_logs() -> Iterator[None]:
-    """No log record below ERROR while the body runs."""
-    previous = logging.root.manager.disable
-    logging.disable(logging.WARNING)
-    try:
-        yield
-    finally:
-        logging.disable(previous)
