@@ -98,3 +98,16 @@ class Preemption(TrainerCallback):
             control.should_save = True
             control.should_training_stop = True
         return control
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
+        """Say where the stopped run's checkpoint is and how to continue, once every rank's part is written."""
+        if not self.requested:
+            return
+        if dist.is_initialized():  # every rank stopped on the same step, so every rank gets here
+            dist.barrier()
+        if state.is_world_process_zero:
+            print(
+                f"colograd: stopped by SIGTERM after optimizer step {state.global_step}, checkpoint saved in "
+                f"{args.output_dir}; rerun with --resume_from_checkpoint true to continue.",
+                flush=True,
+            )

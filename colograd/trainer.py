@@ -16,7 +16,6 @@ then each micro-step trains on one slice of it:
 Subclass and override one of these to change that stage alone.
 """
 
-import os
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -25,20 +24,15 @@ from typing import Any
 import torch
 from peft import PeftModel
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, Trainer
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, has_length
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.trainer_utils import has_length
 from trl.data_utils import is_conversational
 from trl.trainer.utils import RepeatSampler, nanstd
 
 from colograd.agents import Agents, RolloutFunc, VLLMGeneration
 from colograd.batch import pad_rollout, split_by_tokens, split_rows
 from colograd.checkpoints import (
-    begin_record,
-    check_setup,
     checkpoint_step,
-    finish_record,
-    rotate_checkpoints,
-    run_setup,
 )
 from colograd.completions import CompletionLog
 from colograd.config import GRPOConfig
@@ -58,8 +52,7 @@ from colograd.loss import (
     weighted_rewards,
 )
 from colograd.memory import PassBudget, compute_dtype
-from colograd.modelcard import Recipe, model_card, write_model_card
-from colograd.output_dir import check_output_dir
+from colograd.modelcard import Recipe
 from colograd.preemption import Preemption, stage_failures
 from colograd.preflight import (
     check_argument_order,
@@ -70,6 +63,7 @@ from colograd.preflight import (
 )
 from colograd.reference import ReferencePolicy
 from colograd.rewards import RewardFunc, RewardModel, across_ranks, resolve_rewards, reward_name, score
+from colograd.saving import ModelSaving
 from colograd.streaming import check_stream_resume, rollout_stream
 from colograd.sync import WeightPlan, is_sharded
 from colograd.timing import OptimizerTimer, PhaseTimes, format_summary, run_summary, window_metrics
@@ -77,7 +71,7 @@ from colograd.tools import ToolCallParser
 from colograd.trl_compat import check_refused_parameters, environment_dataset
 
 
-class GRPOTrainer(Trainer):
+class GRPOTrainer(ModelSaving):
     """Group Relative Policy Optimization with a vLLM engine inside each training process.
 
     TRL 1.16's parameters, in its order, with its meanings (`colograd.trl_compat.TRAINER_PARAMETERS`), then
@@ -220,14 +214,7 @@ class GRPOTrainer(Trainer):
         `output_dir` (see `colograd.checkpoints`); a named one must be finished too, and saved by a run set up as
         this one (`check_setup`). A run that resumes nothing is refused where another run's work is
         (`colograd.output_dir`)."""
-        checkpoint = check_output_dir(self.args, resume_from_checkpoint)
-        policy = self.accelerator.unwrap_model(self.model)
-        self._setup = run_setup(
-            self.args, policy, (self.recipe and self.recipe.model_name_or_path) or policy.config._name_or_path,
-            self.train_dataset, [reward_name(f) for f in self.reward_funcs], self.reward_weights.tolist(),
-        )  # fmt: skip
-        if checkpoint:
-            check_setup(checkpoint, self._setup)
+        checkpoint = self.resume_point(resume_from_checkpoint)
         check_stream_resume(self.train_dataset, checkpoint)
         # The model is about to change (restored, or trained on from here): the first rollout re-syncs.
         self._synced_step = None
@@ -241,14 +228,6 @@ class GRPOTrainer(Trainer):
         with self.preemption.armed():
             output = super().train(resume_from_checkpoint=checkpoint, **kwargs)
         self.summarize_phases(self.state.global_step - first_step)
-        if self.preemption.requested:
-            self.accelerator.wait_for_everyone()  # every rank's part of the checkpoint is written
-            if self.accelerator.is_main_process:
-                print(
-                    f"colograd: stopped by SIGTERM after optimizer step {self.state.global_step}, checkpoint saved in "
-                    f"{self.args.output_dir}; rerun with --resume_from_checkpoint true to continue.",
-                    flush=True,
-                )
         return output
 
     def summarize_phases(self, steps: int) -> None:
@@ -256,9 +235,8 @@ class GRPOTrainer(Trainer):
         (mean over processes) and tokens/s of generation and training (all processes)."""
         self.phase_summary = run_summary(self._times, steps, self.accelerator)
         if self.accelerator.is_main_process:
-            summary = self.phase_summary
-            rates = {k: v for k, v in summary.items() if k.startswith("throughput/")}
-            print(format_summary(steps, summary["seconds"], rates), flush=True)
+            rates = {k: v for k, v in self.phase_summary.items() if k.startswith("throughput/")}
+            print(format_summary(steps, self.phase_summary["seconds"], rates), flush=True)
 
     # --- data -------------------------------------------------------------------------------------------
 
@@ -586,59 +564,6 @@ class GRPOTrainer(Trainer):
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
-
-    # --- saving -----------------------------------------------------------------------------------------
-
-    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """Every save of the model (final, checkpoint, before a push) writes its model card beside it; a failure (a
-        full disk) names the step and the stage 'save'. The Trainer calls this on the saving process only."""
-        with stage_failures("save", self.state.global_step, self.args.output_dir):
-            super()._save(output_dir, state_dict)
-            self.create_model_card(output_dir=output_dir)
-
-    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
-        """transformers' checkpoint save, bracketed by its record (`colograd.checkpoints`): marked unfinished
-        before anything is written, finished once every rank's part is. Older checkpoints are deleted only then
-        (`save_total_limit`), so a save cut short never costs the last finished one. A failure names the step and
-        the stage 'save'."""
-        step, run_dir = self.state.global_step, self._get_output_dir(trial=trial)
-        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
-        with stage_failures("save", step, self.args.output_dir):
-            if self.args.should_save:
-                begin_record(folder)
-            self.accelerator.wait_for_everyone()  # no rank writes into the folder before it is marked
-            limit, self.args.save_total_limit = self.args.save_total_limit, None  # no rotation inside the save
-            try:
-                super()._save_checkpoint(model, trial)
-            finally:
-                self.args.save_total_limit = limit
-            self.accelerator.wait_for_everyone()
-            if self.args.should_save:
-                finish_record(folder, self._setup)
-                rotate_checkpoints(run_dir, limit, self.state.best_model_checkpoint)
-
-    def create_model_card(
-        self,
-        model_name: str | None = None,
-        tags: str | list[str] | None = None,
-        finetuned_from: str | None = None,
-        output_dir: str | None = None,
-    ) -> None:
-        """Write `README.md` (see `colograd.modelcard`) into `output_dir` (default `args.output_dir`).
-
-        `push_to_hub` calls this before uploading, with the repository's name as `model_name`.
-        """
-        output_dir = output_dir or self.args.output_dir
-        base = finetuned_from or (self.recipe and self.recipe.model_name_or_path) or self.model.config._name_or_path
-        card = model_card(
-            model_name=model_name or os.path.basename(os.path.normpath(self.args.output_dir)),
-            base_model=base,
-            recipe=self.recipe,
-            log_history=self.state.log_history,
-            world_size=self.args.world_size,
-            tags=[tags] if isinstance(tags, str) else tags,
-        )
-        write_model_card(card, output_dir)
 
     # --- plumbing ---------------------------------------------------------------------------------------
 
