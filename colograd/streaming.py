@@ -1,5 +1,5 @@
-"""Training on a streamed dataset (`datasets.IterableDataset`), read in the order `RepeatSampler` gives a map-style
-one.
+"""The trainer's rollout batches of prompts (`RolloutBatches`), and training on a streamed dataset
+(`datasets.IterableDataset`), read in the order `RepeatSampler` gives a map-style one.
 
 A stream cannot be indexed, so no sampler can pick its rows. Instead the stream itself is reordered: rollout
 batches of `prompts_per_device × steps_per_generation × world_size` rows, each yielded once per micro-step that
@@ -18,7 +18,9 @@ from typing import Any
 import datasets
 import torch
 from accelerate import Accelerator
+from transformers import Trainer
 from transformers.trainer_utils import has_length
+from trl.trainer.utils import RepeatSampler
 
 from colograd.checkpoints import STATE_FILE
 from colograd.config import ConfigError, GRPOConfig
@@ -119,4 +121,38 @@ def check_stream_resume(dataset: Any, checkpoint: str | None) -> None:
             f"resume_from_checkpoint={checkpoint!r}: the streamed dataset had been read to its end {int(epoch)} "
             "time(s) when it was saved, and a resumed stream cannot be placed there; start afresh, or resume from a "
             "checkpoint saved in the stream's first pass."
+        )
+
+
+class RolloutBatches(Trainer):
+    """`GRPOTrainer`'s data loading: each micro-step gets a rollout's worth of whole prompts, from a map-style dataset
+    (`RepeatSampler`) or a stream (`RolloutStream`) in the same order."""
+
+    def get_train_dataloader(self) -> torch.utils.data.DataLoader:
+        """Each micro-step gets a rollout's worth of whole prompts: `prompts_per_device × steps_per_generation`.
+
+        Only the micro-steps that start a rollout use their batch; the sampler repeats each batch for the
+        micro-steps that train on the rollout, so the Trainer's step counting stays TRL's.
+        """
+        if self.train_dataset is None:
+            raise ValueError("GRPOTrainer: training requires a train_dataset.")
+        dataset = self.train_dataset  # a stream has no sampler: it is reordered into rollout batches instead
+        return self._get_dataloader(
+            dataset=dataset if has_length(dataset) else rollout_stream(dataset, self.args, self.accelerator),
+            description="Training",
+            batch_size=self.args.prompts_per_device * self.args.steps_per_generation,
+            sampler_fn=self._get_train_sampler,
+            is_training=True,
+        )
+
+    def _get_train_sampler(self, dataset: Any = None) -> torch.utils.data.Sampler:
+        """Shuffled prompts, each rollout's batch (for all ranks) repeated once per micro-step that trains on it."""
+        args = self.args
+        return RepeatSampler(
+            data_source=dataset if dataset is not None else self.train_dataset,
+            mini_repeat_count=1,  # the engine samples the G completions of a prompt itself (n=G)
+            batch_size=args.prompts_per_device * args.steps_per_generation * self.accelerator.num_processes,
+            repeat_count=args.steps_per_generation * args.num_iterations,
+            shuffle=args.shuffle_dataset,
+            seed=args.seed,
         )

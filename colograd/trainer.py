@@ -25,9 +25,8 @@ import torch
 from peft import PeftModel
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
-from transformers.trainer_utils import has_length
 from trl.data_utils import is_conversational
-from trl.trainer.utils import RepeatSampler, nanstd
+from trl.trainer.utils import nanstd
 
 from colograd.agents import Agents, RolloutFunc, VLLMGeneration
 from colograd.batch import pad_rollout, split_by_tokens, split_rows
@@ -37,7 +36,7 @@ from colograd.checkpoints import (
 from colograd.completions import CompletionLog
 from colograd.config import GRPOConfig
 from colograd.config_loading import disable_dropout, model_init_kwargs, model_name, tokenizer_kwargs, wrap_with_peft
-from colograd.data import keep_rows, tokenize_prompts
+from colograd.data import keep_rows, sampled_prompt_tokens, tokenize_prompts
 from colograd.engine import Engine, Rollout
 from colograd.entropy import EntropyTerms
 from colograd.evaluation import evaluate
@@ -64,14 +63,14 @@ from colograd.preflight import (
 from colograd.reference import ReferencePolicy
 from colograd.rewards import RewardFunc, RewardModel, across_ranks, resolve_rewards, reward_name, score
 from colograd.saving import ModelSaving
-from colograd.streaming import check_stream_resume, rollout_stream
+from colograd.streaming import RolloutBatches, check_stream_resume
 from colograd.sync import WeightPlan, is_sharded
 from colograd.timing import OptimizerTimer, PhaseTimes, format_summary, run_summary, window_metrics
 from colograd.tools import ToolCallParser
 from colograd.trl_compat import check_refused_parameters, environment_dataset
 
 
-class GRPOTrainer(ModelSaving):
+class GRPOTrainer(RolloutBatches, ModelSaving):
     """Group Relative Policy Optimization with a vLLM engine inside each training process.
 
     TRL 1.16's parameters, in its order, with its meanings (`colograd.trl_compat.TRAINER_PARAMETERS`), then
@@ -173,7 +172,10 @@ class GRPOTrainer(ModelSaving):
         self.accelerator.device_placement = args.device.type != "cpu"
         # Built after super().__init__: the torch process group must exist before the engine joins it.
         unwrapped = self.accelerator.unwrap_model(self.model)
-        self.engine = Engine.acquire(unwrapped, processing_class, args, lora_rank=self._lora_rank)
+        longest = sampled_prompt_tokens(
+            train_dataset, processing_class, self._tool_schemas(), args.chat_template_kwargs
+        )
+        self.engine = Engine.acquire(unwrapped, processing_class, args, self._lora_rank, prompt_tokens=longest)
         self.vllm_generation = VLLMGeneration(self)  # TRL's handle on the engine, for `rollout_func` code
         if self.reference is not None:
             self.reference.prepare(self.accelerator)
@@ -237,37 +239,6 @@ class GRPOTrainer(ModelSaving):
         if self.accelerator.is_main_process:
             rates = {k: v for k, v in self.phase_summary.items() if k.startswith("throughput/")}
             print(format_summary(steps, self.phase_summary["seconds"], rates), flush=True)
-
-    # --- data -------------------------------------------------------------------------------------------
-
-    def get_train_dataloader(self) -> torch.utils.data.DataLoader:
-        """Each micro-step gets a rollout's worth of whole prompts: `prompts_per_device × steps_per_generation`.
-
-        Only the micro-steps that start a rollout use their batch; the sampler repeats each batch for the
-        micro-steps that train on the rollout, so the Trainer's step counting stays TRL's.
-        """
-        if self.train_dataset is None:
-            raise ValueError("GRPOTrainer: training requires a train_dataset.")
-        dataset = self.train_dataset  # a stream has no sampler: it is reordered into rollout batches instead
-        return self._get_dataloader(
-            dataset=dataset if has_length(dataset) else rollout_stream(dataset, self.args, self.accelerator),
-            description="Training",
-            batch_size=self.args.prompts_per_device * self.args.steps_per_generation,
-            sampler_fn=self._get_train_sampler,
-            is_training=True,
-        )
-
-    def _get_train_sampler(self, dataset: Any = None) -> torch.utils.data.Sampler:
-        """Shuffled prompts, each rollout's batch (for all ranks) repeated once per micro-step that trains on it."""
-        args = self.args
-        return RepeatSampler(
-            data_source=dataset if dataset is not None else self.train_dataset,
-            mini_repeat_count=1,  # the engine samples the G completions of a prompt itself (n=G)
-            batch_size=args.prompts_per_device * args.steps_per_generation * self.accelerator.num_processes,
-            repeat_count=args.steps_per_generation * args.num_iterations,
-            shuffle=args.shuffle_dataset,
-            seed=args.seed,
-        )
 
     # --- the step ---------------------------------------------------------------------------------------
 
@@ -357,9 +328,9 @@ class GRPOTrainer(ModelSaving):
             columns: every other column, one value per row.
         """
         prompts = [row["prompt"] for row in rows]
-        # The tools' schemas go to the chat template (`or None`: some templates write tool text for an empty list).
-        tools = (self.agents.schemas or None) if self.agents is not None else None
-        prompt_ids = tokenize_prompts(prompts, self.processing_class, tools, self.args.chat_template_kwargs)
+        prompt_ids = tokenize_prompts(
+            prompts, self.processing_class, self._tool_schemas(), self.args.chat_template_kwargs
+        )
         limit = min(self.args.max_prompt_length or self.engine.max_prompt_tokens, self.engine.max_prompt_tokens)
         self._metrics["prompts/truncated_ratio"].append(sum(len(p) > limit for p in prompt_ids) / len(prompt_ids))
         prompt_ids = [p[-limit:] for p in prompt_ids]
@@ -566,6 +537,11 @@ class GRPOTrainer(ModelSaving):
         return metrics
 
     # --- plumbing ---------------------------------------------------------------------------------------
+
+    def _tool_schemas(self) -> list[dict] | None:
+        """The tools' schemas the chat template is given now (`or None`: some templates write tool text for an empty
+        list); an environment's own tools stand in while its prompts are templated (`Agents._template`)."""
+        return (self.agents.schemas or None) if self.agents is not None else None
 
     def _log_sampling_gap(self, logps_NT: torch.Tensor, batch: dict[str, torch.Tensor]) -> None:
         """How far the engine's log-probs of the sampled tokens are from the trainer's for the same weights:

@@ -45,6 +45,34 @@ def test_rollout_kv_bytes_by_hand(tmp_path):
     assert kv_cache.rollout_kv_bytes(one, QWEN_1_5B, torch.bfloat16, 1, 10**9) == 32768 * 28 * 1024
 
 
+def test_rollout_kv_bytes_from_the_longest_prompt(tmp_path):
+    """Without max_prompt_length (TRL's default) the dataset's longest prompt bounds a sequence, not the context."""
+    args = config(tmp_path, max_prompt_length=None)
+    need = 128 * (208 + 256) * 28 * 1024 * 1.25  # a 200-token prompt and a completion: 29 blocks of 16
+    assert kv_cache.rollout_kv_bytes(args, QWEN_1_5B, torch.bfloat16, 128, 80 * 10**9, 200) == int(need)
+    # A prompt limit, where set, is what bounds prompts.
+    limited = config(tmp_path, max_prompt_length=64)
+    assert kv_cache.rollout_kv_bytes(limited, QWEN_1_5B, torch.bfloat16, 128, 80 * 10**9, 200) == int(
+        128 * (64 + 256) * 28 * 1024 * 1.25
+    )
+
+
+def test_sampled_prompt_tokens():
+    from datasets import Dataset, IterableDataset
+
+    from colograd.data import sampled_prompt_tokens
+
+    tokenizer = tiny.build_tokenizer()
+    rows = [{"prompt": "ab" * (i % 50 + 1)} for i in range(1000)]  # lengths 2 to 100, the longest every 50 rows
+    assert sampled_prompt_tokens(Dataset.from_list(rows), tokenizer) == 100
+    assert sampled_prompt_tokens(Dataset.from_list(rows[:3]), tokenizer) == 6
+    chat = [{"prompt": [{"role": "user", "content": "abcd"}]}]
+    text = tokenizer.apply_chat_template(chat[0]["prompt"], tokenize=False, add_generation_prompt=True)
+    templated = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    assert sampled_prompt_tokens(Dataset.from_list(chat), tokenizer) == templated > 4
+    assert sampled_prompt_tokens(IterableDataset.from_generator(lambda: iter(rows)), tokenizer) is None
+
+
 def test_engine_memory_arguments(tmp_path, monkeypatch):
     args = config(tmp_path)
     share = config(tmp_path, vllm_gpu_memory_utilization=0.3)  # configs first: they look for a GPU themselves
