@@ -106,6 +106,7 @@ def convert_gguf(gguf_path: str, out: str) -> None:
     # GGUF stores the epsilon as float32 (9.99999975e-06); the published config says 1e-05.
     config["rms_norm_eps"] = float(f"{config['rms_norm_eps']:.6g}")
     config = AutoConfig.for_model(**config)
+    config.architectures = [type(loaded).__name__]  # what loaders that pick a class by name read (TRL does)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict(), strict=True, assign=True)

@@ -167,21 +167,19 @@ def build_task(model: str, w: dict[str, Any]) -> tuple[torch.nn.Module, Any, Dat
     return built, tokenizer, letters_prompts(w["prompt_tokens"]), tiny.letters_reward
 
 
-def saved_model(model: str, built: torch.nn.Module, tokenizer: Any, folder: str) -> str:
+def saved_model(built: torch.nn.Module, tokenizer: Any, folder: str) -> str:
     """A folder holding `built` and `tokenizer`, for a trainer that loads its model by path (TRL's colocated
     engine loads the weights from the model's `name_or_path`, empty for a model built in memory).
 
     Args:
-        model: the workload's model; "smollm2" is already a folder.
-        built: the model to save (float32, as built).
+        built: the model to save (float32, as built or loaded; `save_pretrained` records its class in the config's
+            `architectures`, which TRL reads to load it).
         tokenizer: its tokenizer.
         folder: where to save it.
 
     Returns:
         The folder's path.
     """
-    if model == "smollm2":
-        return pretrained.materialise(SMOLLM2)
     built.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder

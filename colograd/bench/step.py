@@ -235,7 +235,7 @@ def run_trl(out: str, w: dict[str, Any], mode: str | None = None) -> dict[str, A
             return timed("step", super().training_step)(*args, **kwargs)
 
     model, tokenizer, dataset, reward = build_task(w["model"], w)
-    path = saved_model(w["model"], model, tokenizer, os.path.join(out, "model"))
+    path = saved_model(model, tokenizer, os.path.join(out, "model"))
     del model  # TRL loads its own copy from `path`
     args = TRLConfig(
         output_dir=os.path.join(out, "trl"),
