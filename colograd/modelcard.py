@@ -12,9 +12,7 @@ from pathlib import Path
 
 from huggingface_hub import ModelCard, ModelCardData
 
-import colograd
-
-REPO_ROOT = Path(colograd.__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 TAGS = ["colograd", "grpo"]
 # The metrics a card reports, in this order, when the run logged them; rewards/<func>/mean are added after.
 _REPORTED = ["reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "loss"]
@@ -139,6 +137,8 @@ def _framework_versions() -> str:
     import transformers
     import trl
     import vllm
+
+    import colograd  # here, not at the top: the package imports the trainer, which imports this module
 
     modules = [colograd, vllm, transformers, trl, torch, accelerate]
     return "## Framework versions\n\n" + "\n".join(f"- {m.__name__}: {m.__version__}" for m in modules)
