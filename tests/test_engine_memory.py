@@ -162,12 +162,14 @@ def test_second_trainer_reuses_or_is_refused(tmp_path, monkeypatch):
 def test_without_gpu_each_trainer_gets_its_own_engine(tmp_path, monkeypatch):
     import colograd.engine as engine_module
 
-    monkeypatch.setattr(engine_module, "_PROCESS_ENGINE", stand_in({}))
+    monkeypatch.setattr(engine_module, "_PROCESS_ENGINE", None)
     built = []
     monkeypatch.setattr(Engine, "__init__", lambda self, *a, **k: built.append(self))
     args = config(tmp_path, per_device_train_batch_size=8, max_prompt_length=32, max_completion_length=16)
-    engine = Engine.acquire(tiny.build_model(), tiny.build_tokenizer(), args)
-    assert built == [engine] and engine_module._PROCESS_ENGINE is engine
+    first = Engine.acquire(tiny.build_model(), tiny.build_tokenizer(), args)
+    second = Engine.acquire(tiny.build_model(), tiny.build_tokenizer(), args)
+    # Each held by its trainer alone: a dropped trainer's engine goes with it, not later under another one.
+    assert built == [first, second] and engine_module._PROCESS_ENGINE is None
 
 
 @pytest.mark.slow
