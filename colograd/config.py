@@ -95,7 +95,8 @@ class GRPOConfig(
         default=None,
         metadata={
             "help": "KV-cache size in GiB of each engine. None: sized to the rollout (vllm_max_num_seqs sequences of "
-            "a prompt and a completion, with margin; at most 0.3 of a GPU, or 1 GiB of a machine without one)."
+            "a prompt and a completion, with margin; a prompt is max_prompt_length, else the longest of 256 sampled "
+            "from the dataset; at most 0.3 of a GPU, or 1 GiB of a machine without one)."
         },
     )
     vllm_dtype: str | None = field(
