@@ -276,23 +276,25 @@ class Agents:
         self.metrics: dict[str, float] = {}  # the last rollout's tools/* metrics
         self.counts: dict[str, int] = {}  # the last rollout's completions, tool calls and failed calls
 
-    def generate(self, trainer: Any, prompt_ids: list[list[int]], rows: list[dict], step: int) -> Rollout:
+    def generate(
+        self, trainer: Any, prompt_ids: list[list[int]], rows: list[dict], step: int, num_generations: int
+    ) -> Rollout:
         """One rollout of this rank's prompts (G completions each), through `rollout_func` or the agent loop.
 
         Args:
             trainer: the `GRPOTrainer` (its engine and tokenization; what `rollout_func` receives). Its `args` give
-                G and the sampling settings (evaluation passes its own group size there).
+                the sampling settings.
             prompt_ids: the templated prompts, one per row. rows: the dataset rows. step: seeds the sampling.
+            num_generations: G, the completions of each prompt (evaluation has its own).
         """
-        args = trainer.args
-        g = args.num_generations
+        args, g = trainer.args, num_generations
         prompts = [row["prompt"] for row in rows for _ in range(g)]
         if self.rollout_func is not None:
             return self._from_rollout_func(self.rollout_func(prompts, trainer), len(prompts))
         trajectory_prompts = [prompt_ids[i // g] for i in range(len(prompts))]
         tools = [self.tools] * len(prompts)
         if self._factories:
-            self.environments, trajectory_prompts, tools = self._reset(trainer, prompts, rows, trajectory_prompts)
+            self.environments, trajectory_prompts, tools = self._reset(trainer, prompts, rows, trajectory_prompts, g)
             self.columns = {"environments": self.environments}
         rng = random.Random(hash((args.seed, args.process_index, step)))
         trajectories = [
@@ -320,12 +322,12 @@ class Agents:
         )
 
     def _reset(
-        self, trainer: Any, prompts: list, rows: list[dict], prompt_ids: list[list[int]]
+        self, trainer: Any, prompts: list, rows: list[dict], prompt_ids: list[list[int]], g: int
     ) -> tuple[list[Any], list[list[int]], list[dict[str, Callable]]]:
         """Take one environment per completion from its pool (the one its row names, with several) and reset it
         with the row; a completion whose environment adds to the prompt, or shows other tools than the first
-        rendering did, gets its prompt templated again. Returns the environments, prompts and tools of each one."""
-        g = trainer.args.num_generations
+        rendering did, gets its prompt templated again (G completions per row). Returns the environments, prompts and
+        tools of each one."""
         names = [self._environment_name(rows[i // g]) for i in range(len(prompts))]
         environments, taken = [], dict.fromkeys(self._pools, 0)
         for name in names:
@@ -364,10 +366,11 @@ class Agents:
         return name
 
     def _template(self, trainer: Any, rows: list[dict], schemas: list[dict]) -> list[list[int]]:
-        """The trainer's tokenization of `rows`' prompts (`prepare_prompts`), rendered with these tool schemas."""
+        """The trainer's tokenization of `rows`' prompts (`prepare_prompts`), rendered with these tool schemas and cut
+        to the trainer's `prompt_limit` as every rollout's prompts are."""
         shown, self.schemas = self.schemas, schemas
         try:
-            return trainer.prepare_prompts(rows)[1]
+            return [ids[-trainer.prompt_limit :] for ids in trainer.prepare_prompts(rows)[1]]
         finally:
             self.schemas = shown
 

@@ -186,8 +186,10 @@ class Engine:
         self.weights_version += 1
         self.lora_request = None
 
-    def generate(self, prompt_ids: list[list[int]], args: GRPOConfig, step: int = 0) -> Rollout:
-        """Sample `args.num_generations` completions of every prompt in one engine call.
+    def generate(
+        self, prompt_ids: list[list[int]], args: GRPOConfig, step: int = 0, num_generations: int | None = None
+    ) -> Rollout:
+        """Sample `num_generations` (default `args.num_generations`) completions of every prompt in one engine call.
 
         `n=G` makes the engine prefill each prompt once for its whole group. Under tensor parallelism the ranks
         of a group pool their prompts, run one engine call together, and each keeps its own completions;
@@ -200,6 +202,7 @@ class Engine:
         Where every request asks, they are read as tensors from the sampler instead (`colograd.sampler_tap`), so that
         vLLM builds no per-token objects at all.
         """
+        g = num_generations or args.num_generations
         mine = len(prompt_ids)
         seeds: list[int | None] = [None] * mine
         if self.tp_group is not None:
@@ -209,11 +212,12 @@ class Engine:
             # One seed per request (vLLM gives its n samples seed, seed + 1, ...), so that a prompt that comes
             # twice still gets different completions.
             base = hash((args.seed, self._tp_index, step)) % 2**31
-            seeds = [base + i * args.num_generations for i in range(len(prompt_ids))]
+            seeds = [base + i * g for i in range(len(prompt_ids))]
 
         asks = range(len(prompt_ids)) if args.needs_engine_logps else range(0, len(prompt_ids), mine)
         params = [
-            sampling_params(args, seed, **({} if i in asks else {"logprobs": None})) for i, seed in enumerate(seeds)
+            sampling_params(args, seed, n=g, **({} if i in asks else {"logprobs": None}))
+            for i, seed in enumerate(seeds)
         ]
         prompts = [self.prompt(ids) for ids in prompt_ids]
         tap = self._sampler_tap() if args.needs_engine_logps else None
@@ -229,7 +233,7 @@ class Engine:
             # rollout again with the objects, and leave the tap off from now on.
             logger.warning("colograd: the sampler tap missed a rollout's log-probs; reading vLLM's Logprob objects.")
             self._tap = None
-            return self.generate(prompt_ids, args, step)  # (no tap under tensor parallelism: these are this rank's)
+            return self.generate(prompt_ids, args, step, g)  # (no tap under tensor parallelism: these are this rank's)
         return Rollout(
             completion_ids=[list(sample.token_ids) for sample in samples],
             logps=logps,

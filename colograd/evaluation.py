@@ -8,7 +8,6 @@ the metrics are sums and counts reduced over ranks, reported under TRL's eval na
 agent loop as training (`colograd.agents`), as TRL's evaluation does.
 """
 
-import copy
 from typing import Any
 
 import torch
@@ -16,6 +15,7 @@ import torch
 from colograd.errors import ConfigError
 from colograd.loss import weighted_rewards
 from colograd.rewards import reward_name
+from colograd.rollouts import sampled_lengths
 
 
 def evaluate(trainer: Any, dataset: Any) -> dict[str, float]:
@@ -23,34 +23,15 @@ def evaluate(trainer: Any, dataset: Any) -> dict[str, float]:
     engine, in one call, score them with its reward functions, and reduce TRL's eval metrics over ranks.
 
     Args:
-        trainer: the `GRPOTrainer`; its `prepare_prompts` and `score` stages run as in training, and the training
-            metrics they record are taken back out.
+        trainer: the `GRPOTrainer`; its rollout call (`sample`) runs the same stages as training.
         dataset: the eval prompts.
     """
     accelerator = trainer.accelerator
     rows = rank_share(dataset, accelerator.process_index, accelerator.num_processes)
-    train_args, kept = trainer.args, {k: len(v) for k, v in trainer._metrics.items()}
-    # The stages read the group size from the config, and record training metrics: both are undone after.
-    trainer.args = copy.copy(train_args)
-    trainer.args.num_generations = train_args.num_generations_eval or train_args.num_generations
-    try:
-        prompts, prompt_ids, columns = trainer.prepare_prompts(rows)
-        step = -1 - trainer.state.global_step
-        with trainer.engine.awake(sync=trainer.sync_weights):
-            if trainer.agents is not None:  # tools, environments, rollout_func: the same loop as training (TRL's)
-                rollout = trainer.agents.generate(trainer, prompt_ids, rows, step)
-            else:
-                rollout = trainer.engine.generate(prompt_ids, trainer.args, step=step)
-        rewards_NF = trainer.score(prompts, rollout, columns)
-    finally:
-        trainer.args = train_args
-        for key in list(trainer._metrics):
-            del trainer._metrics[key][kept.get(key, 0) :]
-    # Lengths count the tokens the model sampled, not inserted tool results, as in training.
-    counts = [sum(m) for m in rollout.tool_mask] if rollout.tool_mask else list(map(len, rollout.completion_ids))
-    lengths_N = torch.tensor(counts, dtype=torch.float32)
-    rewards_N = weighted_rewards(rewards_NF, trainer.reward_weights)
-    totals = eval_totals(rewards_NF, rewards_N, lengths_N, torch.tensor(rollout.truncated))
+    scored = trainer.sample(rows, evaluation=True)
+    lengths_N = sampled_lengths(scored.rollout)
+    rewards_N = weighted_rewards(scored.rewards_NF, trainer.reward_weights)
+    totals = eval_totals(scored.rewards_NF, rewards_N, lengths_N, torch.tensor(scored.rollout.truncated))
     totals = accelerator.reduce(totals.to(accelerator.device), reduction="sum").cpu()
     extremes = accelerator.gather(torch.stack([-lengths_N.min(), lengths_N.max()]).to(accelerator.device))
     low, high = extremes.view(-1, 2).amax(dim=0).tolist()

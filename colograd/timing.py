@@ -61,7 +61,7 @@ def throughput(tokens: dict[str, float], seconds: dict[str, float], processes: i
 
 def format_summary(steps: int, seconds: dict[str, float], rates: dict[str, float]) -> str:
     """The end-of-training table: each phase's seconds, share and seconds per step, then tokens/s."""
-    total = sum(seconds.values()) or 1.0
+    total = sum(seconds.get(phase, 0.0) for phase in PHASES) or 1.0  # the training step's (evaluation apart)
     lines = [f"colograd: time per phase over {steps} steps (mean over processes)"]
     for phase in PHASES:
         if phase in seconds:

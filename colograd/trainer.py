@@ -3,7 +3,7 @@
 A rollout on each rank (every `steps_per_generation × num_iterations` micro-steps):
 
     sync_weights       if the optimizer stepped since the last rollout, write the weights into the engine
-    prepare_prompts    template, tokenize and truncate this rank's B prompts
+    prepare_prompts    template and tokenize this rank's B prompts (`sample` then keeps the last `prompt_limit` tokens)
     generate           one engine call: B prompts × G completions (n=G shares each prompt's prefill)
     score              reward functions, in this rank
     compute_advantages per group (a rank owns whole groups); batch-wide scaling gathers every rank's rewards
@@ -13,7 +13,9 @@ then each micro-step trains on one slice of it:
 
     compute_loss       GRPO clipped policy-gradient loss (+ beta × KL); backward and optimizer step are the Trainer's
 
-Subclass and override one of these to change that stage alone.
+Subclass and override one of these to change that stage alone: a stage returns values and owes nothing else. The
+trainer records the metrics from what the stages return (`colograd.rollouts`); `sample` runs the first three stages
+for training and evaluation alike.
 """
 
 from collections import defaultdict
@@ -26,13 +28,10 @@ from peft import PeftModel
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from trl.data_utils import is_conversational
-from trl.trainer.utils import nanstd
 
 from colograd.agents import Agents, RolloutFunc, VLLMGeneration
 from colograd.batch import pad_rollout, split_by_tokens, split_rows
-from colograd.checkpoints import (
-    checkpoint_step,
-)
+from colograd.checkpoints import checkpoint_step
 from colograd.completions import CompletionLog
 from colograd.config import GRPOConfig
 from colograd.config_loading import disable_dropout, model_init_kwargs, model_name, tokenizer_kwargs, wrap_with_peft
@@ -60,8 +59,10 @@ from colograd.preflight import (
     check_trainer_inputs,
     check_wrapped_trainer,
 )
+from colograd.preflight_env import check_environment
 from colograd.reference import ReferencePolicy
 from colograd.rewards import RewardFunc, RewardModel, across_ranks, resolve_rewards, reward_name, score
+from colograd.rollouts import ScoredRollout, reward_metrics, rollout_metrics, sampled_lengths
 from colograd.saving import ModelSaving
 from colograd.streaming import RolloutBatches, check_stream_resume
 from colograd.sync import WeightPlan, is_sharded
@@ -118,6 +119,7 @@ class GRPOTrainer(RolloutBatches, ModelSaving):
         tool_call_parser: ToolCallParser | None = None,
     ) -> None:
         args = args or GRPOConfig(output_dir=f"{model_name(model)}-GRPO")
+        check_environment(args, model if isinstance(model, str) else None)
         check_argument_order(eval_dataset, reward_processing_classes)
         check_refused_parameters(quantization_config=quantization_config)
         check_trainer_arguments(eval_dataset, processing_class)
@@ -194,7 +196,8 @@ class GRPOTrainer(RolloutBatches, ModelSaving):
         self._pass_budget = PassBudget(unwrapped, args, self.is_deepspeed_enabled, self.accelerator.is_main_process)
         self._micro_step = 0  # micro-steps trained since start (or resume): picks the rollout slice
         self._slices: list[dict[str, torch.Tensor]] | None = None  # the current rollout, one slice per micro-step
-        self._rollout_rows: list[dict] = []  # the dataset rows of the current rollout
+        self._rollout_rows: list[dict] = []  # the dataset rows of the current rollout (see `sample`)
+        self._rollout_step = 0  # the step that seeds the current rollout's sampling (see `sample`)
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._times = PhaseTimes()
         self.entropy = EntropyTerms(args, self.accelerator, across_ranks(self.accelerator), self._metrics)
@@ -273,23 +276,25 @@ class GRPOTrainer(RolloutBatches, ModelSaving):
         return loss
 
     def make_rollout(self, rows: list[dict]) -> list[dict[str, torch.Tensor]]:
-        """Generate, score and prepare one rollout from this rank's prompts; returns one slice per micro-step.
+        """Sample and score one rollout from this rank's prompts (`sample`), record its metrics, and prepare it for
+        training; returns one slice per micro-step.
 
         The engine syncs the weights as it wakes, so at most once per optimizer step and only before a rollout.
         """
-        prompts, prompt_ids, columns = self.prepare_prompts(rows)
-        self._rollout_rows = rows  # environments reset from them, a rollout_func reads their prompts
-        with self.engine.awake(sync=self.sync_weights), self._timed("generate"):
-            rollout = self.generate(prompt_ids)
-        with self._timed("reward"):
-            rewards_NF = self.score(prompts, rollout, columns)
-        advantages_N = self.compute_advantages(rewards_NF)
-        self.log_completions(prompts, rollout, rewards_NF, advantages_N)
+        g = self.args.num_generations
+        scored = self.sample(rows)
+        self._record(rollout_metrics(scored, [reward_name(f) for f in self.reward_funcs]))
+        if self.agents is not None:
+            self._record(self.agents.metrics)
+        self._times.count("generated", int(sampled_lengths(scored.rollout).sum()), self._metrics)
+        advantages_N = self.compute_advantages(scored.rewards_NF)
+        self._record(reward_metrics(scored.rewards_NF, self.reward_weights, g))
+        self.log_completions(scored.prompts, scored.rollout, scored.rewards_NF, advantages_N)
         batch = pad_rollout(
-            prompt_ids,
-            rollout,
+            scored.prompt_ids,
+            scored.rollout,
             advantages_N,
-            self.args.num_generations,
+            g,
             self.processing_class.pad_token_id,
             self.args.mask_truncated_completions,
         )
@@ -301,6 +306,47 @@ class GRPOTrainer(RolloutBatches, ModelSaving):
             for part in slices:
                 part.update(self.rollout_logps(part))
         return slices
+
+    def sample(
+        self, rows: list[dict], num_generations: int | None = None, *, evaluation: bool = False
+    ) -> ScoredRollout:
+        """One rollout of `rows`, scored: the call training and evaluation share. Runs the stages
+        `prepare_prompts`, `generate` and `score`, cuts the prompts to fit between the first two, and records no
+        metric (the caller computes its own from what it returns).
+
+        Args:
+            rows: this rank's dataset rows.
+            num_generations: completions per prompt; default `num_generations`, in evaluation
+                `num_generations_eval` (when set).
+            evaluation: an evaluation rollout: seeded apart from training's, and its phases timed as `eval_generate`
+                and `eval_reward`, out of training's figures.
+        """
+        args = self.args
+        g = num_generations or (evaluation and args.num_generations_eval) or args.num_generations
+        prompts, prompt_ids, columns = self.prepare_prompts(rows)
+        limit = self.prompt_limit
+        truncated = sum(len(ids) > limit for ids in prompt_ids)
+        prompt_ids = [ids[-limit:] for ids in prompt_ids]
+        # What `generate` needs besides the prompts: environments reset from the rows, a rollout_func reads their
+        # prompts, and the step seeds the sampling (an evaluation's apart from every training step's).
+        self._rollout_rows = rows
+        self._rollout_step = (
+            -1 - self.state.global_step
+            if evaluation
+            else self.state.global_step * args.gradient_accumulation_steps + self._micro_step
+        )
+        prefix = "eval_" if evaluation else ""
+        with self.engine.awake(sync=self.sync_weights), self._timed(f"{prefix}generate"):
+            rollout = self.generate(prompt_ids, g)
+        with self._timed(f"{prefix}reward"):
+            rewards_NF = self.score(prompts, rollout, columns)
+        return ScoredRollout(prompts, prompt_ids, columns, rollout, rewards_NF, truncated)
+
+    @property
+    def prompt_limit(self) -> int:
+        """The most prompt tokens a rollout keeps (the last ones): `max_prompt_length`, or as many as the engine's
+        context leaves room for beside a whole completion, whichever is fewer."""
+        return min(self.args.max_prompt_length or self.engine.max_prompt_tokens, self.engine.max_prompt_tokens)
 
     def sync_weights(self) -> None:
         """Write the model's weights into the engine, once per optimizer step (not per accumulation step),
@@ -323,48 +369,32 @@ class GRPOTrainer(RolloutBatches, ModelSaving):
 
         Returns:
             prompts: the `prompt` of each row, as given (text or messages), for the reward functions.
-            prompt_ids: token ids of each templated prompt, keeping the last `max_prompt_length` (or as many as
-                the engine's context leaves room for beside a whole completion).
+            prompt_ids: token ids of each templated prompt, whole (`sample` keeps the last `prompt_limit`).
             columns: every other column, one value per row.
         """
         prompts = [row["prompt"] for row in rows]
         prompt_ids = tokenize_prompts(
             prompts, self.processing_class, self._tool_schemas(), self.args.chat_template_kwargs
         )
-        limit = min(self.args.max_prompt_length or self.engine.max_prompt_tokens, self.engine.max_prompt_tokens)
-        self._metrics["prompts/truncated_ratio"].append(sum(len(p) > limit for p in prompt_ids) / len(prompt_ids))
-        prompt_ids = [p[-limit:] for p in prompt_ids]
         columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
         return prompts, prompt_ids, columns
 
-    def generate(self, prompt_ids: list[list[int]]) -> Rollout:
-        """All G completions of every prompt of this rank, in one engine call; with tools, environments or a
-        `rollout_func`, through `colograd.agents`."""
-        step = self.state.global_step * self.args.gradient_accumulation_steps + self._micro_step
+    def generate(self, prompt_ids: list[list[int]], num_generations: int | None = None) -> Rollout:
+        """`num_generations` (default: the config's) completions of every prompt of this rank, in one engine call;
+        with tools, environments or a `rollout_func`, through `colograd.agents`."""
+        g = num_generations or self.args.num_generations
         if self.agents is not None:
-            rollout = self.agents.generate(self, prompt_ids, self._rollout_rows, step)
-            for name, value in self.agents.metrics.items():
-                self._metrics[name].append(value)
-        else:
-            rollout = self.engine.generate(prompt_ids, self.args, step=step)
-        # Lengths count the tokens the model sampled, not inserted tool results (TRL's way).
-        counts = [sum(m) for m in rollout.tool_mask] if rollout.tool_mask else list(map(len, rollout.completion_ids))
-        lengths = torch.tensor(counts, dtype=torch.float32)
-        self._times.count("generated", int(lengths.sum()), self._metrics)
-        self._metrics["completions/mean_length"].append(lengths.mean().item())
-        self._metrics["completions/min_length"].append(lengths.min().item())
-        self._metrics["completions/max_length"].append(lengths.max().item())
-        self._metrics["completions/clipped_ratio"].append(sum(rollout.truncated) / len(rollout.truncated))
-        return rollout
+            return self.agents.generate(self, prompt_ids, self._rollout_rows, self._rollout_step, g)
+        return self.engine.generate(prompt_ids, self.args, step=self._rollout_step, num_generations=g)
 
     def score(self, prompts: list, rollout: Rollout, columns: dict[str, list]) -> torch.Tensor:
         """Rewards of every completion from every reward function: [N, F], NaN where a function abstained."""
-        g = self.args.num_generations
+        g = len(rollout.completion_ids) // len(prompts)
         texts = self.processing_class.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         conversational = is_conversational({"prompt": prompts[0]})
         completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
         repeat = lambda values: [v for v in values for _ in range(g)]  # noqa: E731 — one value per completion
-        rewards_NF = score(
+        return score(
             self.reward_funcs,
             prompts=repeat(prompts),
             completions=completions,
@@ -375,21 +405,13 @@ class GRPOTrainer(RolloutBatches, ModelSaving):
                 "trainer_state": self.state,
             },
         )
-        for j, func in enumerate(self.reward_funcs):
-            self._metrics[f"rewards/{reward_name(func)}/mean"].append(torch.nanmean(rewards_NF[:, j]).item())
-        return rewards_NF
 
     def compute_advantages(self, rewards_NF: torch.Tensor) -> torch.Tensor:
         """Weighted total reward per completion, normalised within its group: [N]."""
         g = self.args.num_generations
-        rewards_N = weighted_rewards(rewards_NF, self.reward_weights)
-        group_std_G = nanstd(rewards_N.view(-1, g), dim=1)
-        self._metrics["reward"].append(torch.nanmean(rewards_N).item())
-        self._metrics["reward_std"].append(nanstd(rewards_N).item())
-        zero_std_G = torch.isclose(group_std_G, torch.zeros_like(group_std_G))
-        self._metrics["frac_reward_zero_std"].append(zero_std_G.float().mean().item())
         if self.args.multi_objective_aggregation == "normalize_then_sum":
             return normalize_then_sum(rewards_NF, self.reward_weights, g, across_ranks(self.accelerator))
+        rewards_N = weighted_rewards(rewards_NF, self.reward_weights)
         return group_advantages(rewards_N, g, self.args.scale_rewards, across_ranks(self.accelerator))
 
     @torch.no_grad()
@@ -464,9 +486,7 @@ class GRPOTrainer(RolloutBatches, ModelSaving):
         )
         loss = self.entropy.regularize(out.loss, entropy_NT, mask_NT, entropy_mask_NT, model.training)
         out = out._replace(loss=loss * inputs["loss_scale"] if "loss_scale" in inputs else loss)  # micro_batch_tokens
-        metrics = loss_metrics(out, inputs["advantages"], mask_NT, self.args.epsilon, self.args.epsilon_high)
-        for name, value in metrics.items():
-            self._metrics[name].append(value)
+        self._record(loss_metrics(out, inputs["advantages"], mask_NT, self.args.epsilon, self.args.epsilon_high))
         return out.loss
 
     def sampling_correction(self, trainer_logps_NT: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -542,6 +562,12 @@ class GRPOTrainer(RolloutBatches, ModelSaving):
         """The tools' schemas the chat template is given now (`or None`: some templates write tool text for an empty
         list); an environment's own tools stand in while its prompts are templated (`Agents._template`)."""
         return (self.agents.schemas or None) if self.agents is not None else None
+
+    def _record(self, metrics: dict[str, float]) -> None:
+        """Add one value of each metric to the current logging window (averaged over micro-steps and ranks when
+        logged, see `log`)."""
+        for name, value in metrics.items():
+            self._metrics[name].append(value)
 
     def _log_sampling_gap(self, logps_NT: torch.Tensor, batch: dict[str, torch.Tensor]) -> None:
         """How far the engine's log-probs of the sampled tokens are from the trainer's for the same weights:

@@ -94,8 +94,8 @@ class RecordingTrainer(GRPOTrainer):
     masks: list[dict[str, int]] = []
     last_prompt_ids: list[list[int]] | None = None
 
-    def generate(self, prompt_ids):
-        rollout = super().generate(prompt_ids)
+    def generate(self, prompt_ids, num_generations=None):
+        rollout = super().generate(prompt_ids, num_generations)
         self.last_prompt_ids = rollout.prompt_ids
         return rollout
 

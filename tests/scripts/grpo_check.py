@@ -66,10 +66,10 @@ class RecordingTrainer(GRPOTrainer):
     sampled: list[list[list[int]]] = []
     die_at_step: int | None = None
 
-    def generate(self, prompt_ids):
+    def generate(self, prompt_ids, num_generations=None):
         if self.die_at_step == self.state.global_step and dist.get_rank() == 1:
             os._exit(17)
-        rollout = super().generate(prompt_ids)
+        rollout = super().generate(prompt_ids, num_generations)
         self.sampled.append(rollout.completion_ids)
         return rollout
 

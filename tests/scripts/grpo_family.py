@@ -91,9 +91,9 @@ class RecordingTrainer(GRPOTrainer):
         self.first_prompt = self.first_prompt or self.processing_class.decode(prompt_ids[0])
         return prompts, prompt_ids, columns
 
-    def generate(self, prompt_ids):
+    def generate(self, prompt_ids, num_generations=None):
         self.rollouts_at.append(self.state.global_step)
-        return super().generate(prompt_ids)
+        return super().generate(prompt_ids, num_generations)
 
     def compute_advantages(self, rewards_NF):
         advantages_N = super().compute_advantages(rewards_NF)

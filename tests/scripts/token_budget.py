@@ -28,8 +28,8 @@ class Recording(GRPOTrainer):
         self.sampled: list[list[list[int]]] = []
         self.passes: list[int] = []
 
-    def generate(self, prompt_ids):
-        rollout = super().generate(prompt_ids)
+    def generate(self, prompt_ids, num_generations=None):
+        rollout = super().generate(prompt_ids, num_generations)
         self.sampled.append(rollout.completion_ids)
         return rollout
 
