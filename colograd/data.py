@@ -4,12 +4,13 @@ Rows need a ``prompt``: text (standard) or a list of chat messages (conversation
 template is applied per rollout). Every other column reaches the reward functions.
 """
 
+import codecs
 import json
 import logging
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import datasets
 from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict, load_dataset
@@ -22,6 +23,17 @@ from colograd.config import ConfigError, ScriptArguments
 BUILTIN_DATASETS = {"colograd:letters": tiny.letters_dataset, "colograd:sums": sums.sums_dataset}
 T = TypeVar("T")
 _FILE_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+# What `datasets` reads from a folder: text formats (read as UTF-8) and Parquet (binary, framed by its magic bytes).
+_TEXT_FILES = (".json", ".jsonl", ".csv", ".tsv", ".txt")
+_PARQUET_MAGIC = b"PAR1"
+# Byte-order marks of the encodings a file can say it is in; longest first (UTF-32-LE's starts with UTF-16-LE's).
+_BOMS = (
+    (codecs.BOM_UTF32_LE, "UTF-32LE"),
+    (codecs.BOM_UTF32_BE, "UTF-32BE"),
+    (codecs.BOM_UTF16_LE, "UTF-16LE"),
+    (codecs.BOM_UTF16_BE, "UTF-16BE"),
+)
+_CHUNK = 1 << 24  # bytes decoded at a time: a large file is checked without holding it in memory
 
 
 def load_prompts(
@@ -83,10 +95,107 @@ def _load_local(name: str, streaming: bool = False) -> DatasetDict | IterableDat
         ext = os.path.splitext(name)[1]
         if ext not in _FILE_FORMATS:
             raise ConfigError(f"dataset_name={name!r}: use a {', '.join(_FILE_FORMATS)} file or a dataset folder.")
-        if os.path.getsize(name) == 0:  # `datasets` fails on it deep inside its schema inference
-            raise ConfigError(f"dataset {name!r} is empty; give a file with at least one row.")
+        check_data_file(name)
         return _read(name, lambda: load_dataset(_FILE_FORMATS[ext], data_files=name, streaming=streaming))
+    for path in data_files(name):
+        check_data_file(path)
     return _read(name, lambda: load_dataset(name, streaming=streaming))
+
+
+# --- the bytes of local data files ---------------------------------------------------------------------------
+
+
+def data_files(folder: str) -> list[str]:
+    """The files of a dataset folder that `datasets` may read (text and Parquet files, hidden ones left out)."""
+    found = []
+    for root, dirs, names in os.walk(folder):
+        dirs[:] = [d for d in dirs if not d.startswith((".", "_"))]
+        found += [
+            os.path.join(root, n)
+            for n in sorted(names)
+            if not n.startswith((".", "_")) and n.endswith((*_TEXT_FILES, ".parquet"))
+        ]
+    return found
+
+
+def check_data_file(path: str) -> None:
+    """The file-level stage every local data file passes before `datasets` parses it: not empty, a text file
+    in UTF-8 (a UTF-8 byte-order mark is fine), a Parquet file whole. Parsing errors (a JSON line cut short) are
+    reported by `_read`, with their line.
+
+    Raises:
+        ConfigError: naming the file, what is wrong with its bytes, and the fix.
+    """
+    if os.path.getsize(path) == 0:  # `datasets` fails on it deep inside its schema inference
+        raise ConfigError(f"dataset {path!r} is empty; give a file with at least one row (or remove it).")
+    if path.endswith(".parquet"):
+        _check_parquet(path)
+    else:
+        _check_utf8(path)
+
+
+def _check_parquet(path: str) -> None:
+    """A Parquet file starts and ends with its magic bytes: a copy cut short, or another format renamed, does not."""
+    size, magic = os.path.getsize(path), len(_PARQUET_MAGIC)
+    with open(path, "rb") as f:
+        head = f.read(magic)
+        f.seek(-min(2 * magic, size), os.SEEK_END)
+        tail = f.read()  # the footer's length (4 bytes, little-endian), then the marker
+    footer = int.from_bytes(tail[:magic], "little") if len(tail) == 2 * magic else size
+    if head != _PARQUET_MAGIC:
+        problem = "no PAR1 marker at its start: not Parquet"
+    elif tail[-magic:] != _PARQUET_MAGIC or footer > size - 3 * magic:
+        problem = "no whole footer at its end: cut short"
+    else:
+        return
+    raise ConfigError(f"dataset {path!r} is not a whole Parquet file ({problem}); copy or export it again.")
+
+
+def _check_utf8(path: str) -> None:
+    """A text data file must be UTF-8 and hold more than whitespace; decoded in chunks, so a large file is checked
+    without being held in memory."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    lines, offset, blank = 1, 0, True
+    with open(path, "rb") as f:
+        head = f.read(4)
+        bom = next((enc for mark, enc in _BOMS if head.startswith(mark)), None)
+        if bom is not None:
+            _not_utf8(path, f"is {bom} encoded (it starts with that byte-order mark)", bom)
+        f.seek(0)
+        while chunk := f.read(_CHUNK):
+            try:
+                text = decoder.decode(chunk)
+            except UnicodeDecodeError as err:
+                lines += chunk.count(b"\n", 0, err.start)
+                _not_utf8(path, *_bad_byte(path, chunk[err.start], offset + err.start, lines))
+            lines, offset = lines + chunk.count(b"\n"), offset + len(chunk)
+            blank = blank and not text.lstrip("\ufeff").strip()
+        try:
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError:
+            _not_utf8(path, "ends in the middle of a character (the file is cut short)", None)
+    if blank:
+        raise ConfigError(f"dataset {path!r} holds only whitespace; give a file with at least one row.")
+
+
+def _bad_byte(path: str, byte: int, offset: int, line: int) -> tuple[str, str | None]:
+    """What a byte that is not UTF-8 says about the file's encoding, and the encoding to convert from."""
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    if head.count(0) > len(head) // 4:  # ASCII text in UTF-16 is every other byte zero
+        return f"is not UTF-8 but looks like UTF-16 without a byte-order mark (byte {offset})", "UTF-16LE"
+    return f"is not UTF-8 (byte 0x{byte:02x} on line {line}; perhaps Latin-1 or Windows-1252)", "CP1252"
+
+
+def _not_utf8(path: str, problem: str, encoding: str | None) -> NoReturn:
+    """Raise the one line for a text file in another encoding: what it is, and the command that converts it."""
+    stem, ext = os.path.splitext(path)
+    fix = (
+        f"convert it to UTF-8, e.g. `iconv -f {encoding} -t UTF-8 {path} > {stem}.utf8{ext}`"
+        if encoding
+        else "copy or export it again"
+    )
+    raise ConfigError(f"dataset {path!r} {problem}; colograd reads data files as UTF-8: {fix}.")
 
 
 def keep_rows(features: list[dict]) -> list[dict]:
