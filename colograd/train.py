@@ -27,6 +27,7 @@ from colograd.modelcard import Recipe
 from colograd.output_dir import check_output_dir
 from colograd.preemption import PREEMPTED_EXIT_CODE, StepFailure
 from colograd.preflight import preflight
+from colograd.preflight_env import check_environment, check_variables
 from colograd.trl_compat import DROPPED_KEYS, RENAMED_KEYS, unknown_key_message
 
 
@@ -99,6 +100,8 @@ def main(
     """Check every input (`colograd.preflight`), load, train, save (with the model card) and, with `push_to_hub`,
     upload. A run stopped by SIGTERM exits with `PREEMPTED_EXIT_CODE` after its checkpoint."""
     check_supported(model_args)
+    model_name, revision = model_args.model_name_or_path, model_args.model_revision
+    check_environment(training_args, model_name, script_args.dataset_name, revision)  # before anything is loaded
     # Before anything slow (a download, a conversion): a second run on this output_dir stops here.
     check_output_dir(training_args, training_args.resume_from_checkpoint)
     config, tokenizer, dtype = load_model_config(model_args, training_args)
@@ -133,6 +136,7 @@ def cli(argv: list[str] | None = None) -> None:
     argv = [arg for arg in argv if arg != "--debug"]
     parser = _Parser((ScriptArguments, GRPOConfig, ModelConfig))
     try:
+        check_variables()  # before parsing, which reads the launch variables (LOCAL_RANK, ...)
         # Parsing raises ValueError for unknown recipe keys and for values the dataclasses reject.
         script_args, training_args, model_args = parser.parse_args_and_config(argv)
     except ValueError as err:
