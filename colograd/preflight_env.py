@@ -253,13 +253,17 @@ def _visible_devices(value: str) -> Issue | None:
 
 
 def _thread_count(name: str) -> Callable[[str], Issue | None]:
-    """A thread count (OpenMP's form: a count per nesting level, comma-separated): a library that reads it as a
-    number stops on anything else; more threads than cores only slows every step."""
+    """A thread count (OpenMP's form: a count per nesting level, comma-separated). Neither a malformed one (OpenMP
+    ignores it, with a note of its own, and takes every core) nor more threads than cores (each step slows) stops
+    a run: both are warnings."""
 
     def check(value: str) -> Issue | None:
         counts = [_integer(part, 1) for part in value.split(",")]
         if None in counts:
-            return Issue(f"{name}={value!r} is not a positive whole number of threads; set e.g. {name}=4.", True)
+            return Issue(
+                f"{name}={value!r} is not a positive whole number of threads, so it is ignored; set e.g. {name}=4.",
+                False,
+            )
         cores = len(usable_cores())
         if counts[0] > cores:
             return Issue(
@@ -312,7 +316,7 @@ HARDWARE: dict[str, Callable[[str], Issue | None]] = {
     "VLLM_CPU_KVCACHE_SPACE": _whole("VLLM_CPU_KVCACHE_SPACE", 0, "give GiB as a whole number, or unset it"),
     "VLLM_CPU_OMP_THREADS_BIND": _omp_bind,
     "RANK": _whole("RANK", 0, _LAUNCH),
-    "LOCAL_RANK": _whole("LOCAL_RANK", 0, _LAUNCH),
+    "LOCAL_RANK": _whole("LOCAL_RANK", -1, _LAUNCH),  # -1: transformers' "no launcher"
     "WORLD_SIZE": _whole("WORLD_SIZE", 1, _LAUNCH),
     "LOCAL_WORLD_SIZE": _whole("LOCAL_WORLD_SIZE", 1, _LAUNCH),
     "MASTER_PORT": _port,
@@ -333,6 +337,15 @@ def launch_issue(env: Mapping[str, str]) -> Issue | None:
                 )
     if int(env.get("WORLD_SIZE", "1")) > 1 and "RANK" not in env:
         return Issue(f"WORLD_SIZE={env['WORLD_SIZE']} is set, but RANK is not: {_LAUNCH}.", True)
+    # A LOCAL_RANK makes transformers join a process group, which needs the rest of a launch's variables.
+    if int(env.get("LOCAL_RANK", "-1")) >= 0:
+        missing = [name for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if not env.get(name)]
+        if missing:
+            return Issue(
+                f"LOCAL_RANK={env['LOCAL_RANK']} is set, but {missing[0]} is not: a launcher sets them together; "
+                "unset LOCAL_RANK (left from another launch?) or start with accelerate launch or torchrun.",
+                True,
+            )
     return None
 
 
