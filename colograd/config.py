@@ -15,6 +15,7 @@ from colograd.config_generation import GenerationOptions
 from colograd.config_loading import LoadingOptions
 from colograd.config_logging import LoggingOptions
 from colograd.config_loss import RegularizerOptions, SurrogateOptions
+from colograd.config_ranges import check_ranges
 from colograd.errors import ConfigError
 from colograd.trl_compat import TRLOnlyFields, check_refused
 
@@ -316,6 +317,7 @@ class GRPOConfig(
     )
 
     def __post_init__(self) -> None:
+        check_ranges(self)  # first: transformers' own checks and the derived fields assume numbers in range
         # The reward functions read the dataset's extra columns, so the Trainer must not drop them.
         self.remove_unused_columns = False
         if not torch.cuda.is_available():
@@ -351,11 +353,6 @@ class GRPOConfig(
         self.check_loading()
         self.check_surrogate()
         self.check_regularizers()
-        if self.num_generations < 2:
-            raise ConfigError(
-                f"num_generations={self.num_generations}: GRPO compares completions within a group, so it needs "
-                "at least 2; set --num_generations 2 or more."
-            )
         if self.per_device_train_batch_size % self.num_generations:
             raise ConfigError(
                 f"per_device_train_batch_size={self.per_device_train_batch_size} is not a multiple of "
@@ -375,22 +372,6 @@ class GRPOConfig(
                 f"importance_sampling_level={self.importance_sampling_level!r} is unknown; use one of "
                 f"{', '.join(IMPORTANCE_SAMPLING_LEVELS)}."
             )
-        if self.beta < 0:
-            raise ConfigError(f"beta={self.beta}: the KL weight cannot be negative; set it to 0 or more.")
-        for name in ("num_iterations", "steps_per_generation", "max_completion_length", "logps_chunk_tokens"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)}: set it to 1 or more.")
-        optional_counts = (
-            "max_prompt_length",
-            "vllm_max_num_seqs",
-            "vllm_max_num_batched_tokens",
-            "packed_row_tokens",
-            "micro_batch_tokens",
-            "log_completions_steps",
-        )
-        for name in optional_counts:
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)}: set it to 1 or more, or to None.")
         # YAML gives booleans, the command line strings: both become True, False or "auto".
         share = {"auto": "auto", "true": True, "false": False}.get(str(self.share_prompts).lower())
         if share is None:
@@ -407,14 +388,8 @@ class GRPOConfig(
                 f"vllm_importance_sampling_clip_min={low} is not below vllm_importance_sampling_clip_max={high}; "
                 "lower the first or raise the second."
             )
-        if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
-            raise ConfigError(
-                f"max_tool_calling_iterations={self.max_tool_calling_iterations}: set it to 0 or more, or to None."
-            )
-        if self.tool_timeout <= 0:
-            raise ConfigError(f"tool_timeout={self.tool_timeout}: set it to a positive number of seconds.")
         self.check_engine_memory()
-        if self.vllm_tensor_parallel_size < 1 or self.world_size % self.vllm_tensor_parallel_size:
+        if self.world_size % self.vllm_tensor_parallel_size:
             raise ConfigError(
                 f"vllm_tensor_parallel_size={self.vllm_tensor_parallel_size} does not divide the {self.world_size} "
                 "processes; set it to a divisor of the number of processes (1 gives every rank its own engine)."
@@ -422,11 +397,6 @@ class GRPOConfig(
 
     def check_engine_memory(self) -> None:
         """The engine's memory and dtype fields; a differing engine dtype turns the sampling correction on."""
-        share = self.vllm_gpu_memory_utilization
-        if share is not None and not 0 < share <= 1:
-            raise ConfigError(f"vllm_gpu_memory_utilization={share}: set a fraction in (0, 1], or None.")
-        if self.vllm_kv_cache_gib is not None and self.vllm_kv_cache_gib <= 0:
-            raise ConfigError(f"vllm_kv_cache_gib={self.vllm_kv_cache_gib}: set a positive size in GiB, or None.")
         if self.vllm_dtype not in (None, "bfloat16", "float16"):
             raise ConfigError(f"vllm_dtype={self.vllm_dtype!r} is unknown; use 'bfloat16', 'float16' or None.")
         if self.engine_dtype_differs:

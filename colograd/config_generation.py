@@ -49,10 +49,6 @@ class GenerationOptions:
         """Parse JSON given on the command line; check the ranges and the SamplingParams keys."""
         for name in ("generation_kwargs", "chat_template_kwargs"):
             setattr(self, name, keyword_arguments(name, getattr(self, name)))
-        if self.num_generations_eval is not None and self.num_generations_eval < 1:
-            raise ConfigError(f"num_generations_eval={self.num_generations_eval}: set it to 1 or more, or to None.")
-        if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
-            raise ConfigError(f"min_p={self.min_p}: set it between 0 and 1, or to None.")
         if self.generation_kwargs:
             _check_sampling_keys(self.generation_kwargs)
 

@@ -59,16 +59,11 @@ class SurrogateOptions:
                 f"delta={self.delta} caps the ratio below the clipping range's top 1 + epsilon_high = "
                 f"{1 + self.epsilon_high}; set it above that, or to None."
             )
-        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name}={getattr(self, name)}: set it above 0.")
         if self.multi_objective_aggregation not in ("sum_then_normalize", "normalize_then_sum"):
             raise ConfigError(
                 f"multi_objective_aggregation={self.multi_objective_aggregation!r} is unknown; use "
                 "sum_then_normalize or normalize_then_sum."
             )
-        if self.off_policy_mask_threshold is not None and self.off_policy_mask_threshold <= 0:
-            raise ConfigError(f"off_policy_mask_threshold={self.off_policy_mask_threshold}: set it above 0, or None.")
 
 
 @dataclass
@@ -135,8 +130,6 @@ class RegularizerOptions:
 
     def check_regularizers(self) -> None:
         """The values the entropy terms and the reference updates are defined for."""
-        if not 0.0 <= self.top_entropy_quantile <= 1.0:
-            raise ConfigError(f"top_entropy_quantile={self.top_entropy_quantile}: set it between 0.0 and 1.0.")
         if self.use_adaptive_entropy and not self.entropy_coef_min <= self.entropy_coef_max:
             raise ConfigError(
                 f"entropy_coef_min={self.entropy_coef_min} is above entropy_coef_max={self.entropy_coef_max}; "
@@ -150,7 +143,3 @@ class RegularizerOptions:
             )
         if self.sync_ref_model and self.beta == 0.0:
             raise ConfigError("sync_ref_model with beta=0: there is no reference model to update; set beta > 0.")
-        if not 0.0 <= self.ref_model_mixup_alpha <= 1.0:
-            raise ConfigError(f"ref_model_mixup_alpha={self.ref_model_mixup_alpha}: set it between 0.0 and 1.0.")
-        if self.ref_model_sync_steps < 1:
-            raise ConfigError(f"ref_model_sync_steps={self.ref_model_sync_steps}: set it to 1 or more.")

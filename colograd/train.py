@@ -4,9 +4,12 @@ accelerate launch colograd/train.py --config recipes/grpo_qwen.yaml --max_steps 
 python colograd/train.py --config recipes/grpo_tiny.yaml          # one process
 """
 
+import dataclasses
 import os
+import re
 import sys
 import traceback
+import typing
 from typing import Any, NoReturn
 
 import torch
@@ -23,6 +26,8 @@ from trl import ModelConfig, TrlParser, get_peft_config
 from colograd import GRPOConfig, GRPOTrainer, ScriptArguments, pretrained, tiny
 from colograd.config import ConfigError
 from colograd.config_loading import model_init_kwargs, tokenizer_kwargs
+from colograd.config_ranges import check_ranges
+from colograd.config_recipe import check_recipe_value, read_recipe
 from colograd.modelcard import Recipe
 from colograd.output_dir import check_output_dir
 from colograd.preemption import PREEMPTED_EXIT_CODE, StepFailure
@@ -158,6 +163,16 @@ class _Parser(TrlParser):
         super().__init__(*args, **kwargs)
         # Several trackers on the command line, as a recipe lists them: --report_to wandb trackio.
         self._option_string_actions["--report_to"].nargs = "+"
+        # argparse takes "-1e-5" for a flag (it knows only -1 and -.5 as numbers): --learning_rate -1e-5 would
+        # end in "expected one argument" instead of reaching the range check.
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+        self._recipe_path = ""
+        self._fields = {
+            f.name: (hints[f.name], _default(f))
+            for cls in self.dataclass_types
+            for hints in [typing.get_type_hints(cls)]
+            for f in dataclasses.fields(cls)
+        }
 
     def error(self, message: str) -> NoReturn:
         _fail(message)
@@ -168,7 +183,17 @@ class _Parser(TrlParser):
             name, sep, value = arg.removeprefix("--").partition("=")
             if arg.startswith("--") and name in RENAMED_KEYS:
                 args[i] = f"--{_renamed(name)}{sep}{value}"
-        return super().parse_args_and_config(args, **kwargs)
+        path, args = _config_path(args)
+        if path is not None:  # read here, not by TRL's parser: every mistake in the file becomes one line
+            recipe = read_recipe(path)
+            _set_environment(path, recipe.pop("env", {}))
+            self._recipe_path = path
+            self.set_defaults_with_config(**recipe)
+        outputs = super().parse_args_and_config(args, **kwargs)
+        for output in outputs:
+            if not isinstance(output, GRPOConfig):  # GRPOConfig checks its own ranges when built
+                check_ranges(output)
+        return outputs
 
     def set_defaults_with_config(self, **kwargs: Any) -> list[str]:
         for key in DROPPED_KEYS.keys() & kwargs.keys():
@@ -179,6 +204,9 @@ class _Parser(TrlParser):
         for key in kwargs:
             if key not in known:
                 raise ValueError(unknown_key_message(key, sorted(known)))
+        for key, value in kwargs.items():
+            if key in self._fields:
+                kwargs[key] = check_recipe_value(self._recipe_path or "recipe", key, value, *self._fields[key])
         return super().set_defaults_with_config(**kwargs)
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[Any, list[str]]:
@@ -189,6 +217,35 @@ class _Parser(TrlParser):
             known = sorted(action.dest for action in self._actions)
             raise ValueError(unknown_key_message(flags[0].removeprefix("--").partition("=")[0], known))
         return namespace, remaining
+
+
+def _config_path(args: list[str]) -> tuple[str | None, list[str]]:
+    """The recipe named by `--config PATH` or `--config=PATH`, and the other arguments."""
+    for i, arg in enumerate(args):
+        if arg == "--config":
+            if i + 1 == len(args) or args[i + 1].startswith("--"):
+                raise ConfigError(
+                    "--config needs a value: the path of a YAML recipe, e.g. --config recipes/grpo_tiny.yaml."
+                )
+            return args[i + 1], args[:i] + args[i + 2 :]
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1], args[:i] + args[i + 1 :]
+    return None, args
+
+
+def _set_environment(path: str, env: Any) -> None:
+    """A recipe's `env:` mapping, set as environment variables (TRL's recipe key)."""
+    if not isinstance(env, dict):
+        raise ConfigError(f"{path}: env is not a mapping; write it as `env: {{NAME: value}}`, one variable a key.")
+    for name, value in env.items():
+        os.environ[str(name)] = str(value)
+
+
+def _default(f: dataclasses.Field) -> Any:
+    """A dataclass field's default (None where it has none, or a factory's value)."""
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None if f.default is dataclasses.MISSING else f.default
 
 
 def _renamed(key: str) -> str:
