@@ -248,7 +248,8 @@ def _visible_devices(value: str) -> Issue | None:
                 True,
             )
     if len(set(entries)) < len(entries):
-        return Issue(f"CUDA_VISIBLE_DEVICES={value!r} names a GPU twice; name each once.", True)
+        # CUDA then shows no GPU at all (torch.cuda._parse_visible_devices mirrors it).
+        return Issue(f"CUDA_VISIBLE_DEVICES={value!r} names a GPU twice, which hides them all; name each once.", True)
     return None
 
 
