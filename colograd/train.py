@@ -13,21 +13,24 @@ import typing
 from typing import Any, NoReturn
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
+    GenerationConfig,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 from trl import ModelConfig, TrlParser, get_peft_config
 
-from colograd import GRPOConfig, GRPOTrainer, ScriptArguments, pretrained, tiny
+from colograd import GRPOConfig, GRPOTrainer, ScriptArguments, model_files, pretrained, tiny
 from colograd.config import ConfigError
 from colograd.config_loading import model_init_kwargs, tokenizer_kwargs
 from colograd.config_ranges import check_ranges
 from colograd.config_recipe import check_recipe_value, read_recipe
+from colograd.data import first_line
 from colograd.modelcard import Recipe
 from colograd.output_dir import check_output_dir
 from colograd.preemption import PREEMPTED_EXIT_CODE, StepFailure
@@ -52,15 +55,43 @@ def load_model_config(
         return model.config, tiny.build_tokenizer(), model.dtype
     if name.startswith((".", "/")) and not os.path.isdir(name):
         raise ConfigError(f"model_name_or_path={name!r} does not exist; give an existing folder or a hub id.")
+    local = os.path.isdir(name)
+    if local:  # its files, before transformers reads them (`colograd.model_files`)
+        model_files.check_model_folder(name, training_args.trust_remote_code)
     try:
         config = AutoConfig.from_pretrained(name, **_hub_kwargs(args, training_args))
+    except (OSError, ValueError, StrictDataclassError) as err:  # no folder, no reachable hub id, a bad config
+        raise ConfigError(f"model_name_or_path={name!r} cannot be loaded: {first_line(err)}") from err
+    try:
         tokenizer = AutoTokenizer.from_pretrained(
             name, **_hub_kwargs(args, training_args) | tokenizer_kwargs(training_args)
         )
-    except (OSError, ValueError) as err:  # not a folder, not a reachable hub id, or a config it cannot read
-        raise ConfigError(f"model_name_or_path={name!r} cannot be loaded: {str(err).splitlines()[0]}") from err
+    except Exception as err:  # the tokenizers library raises a bare Exception for a tokenizer.json it cannot use
+        raise ConfigError(
+            f"model_name_or_path={name!r}: its tokenizer cannot be loaded ({first_line(err)}); restore "
+            "tokenizer.json and tokenizer_config.json from where the model came from."
+        ) from err
+    model_files.check_special_tokens(
+        name,
+        tokenizer,
+        _eos_token_id(name, config, args, training_args),
+        getattr(config.get_text_config(), "vocab_size", None),
+        model_files.saved_tokens(name) if local else None,
+    )
+    if local:  # the weights' headers against the config's model: nothing is read but the headers
+        model_files.check_weight_files(name, config, training_args.trust_remote_code)
     dtype = getattr(torch, args.dtype) if args.dtype not in (None, "auto") else getattr(config, "dtype", None)
     return config, tokenizer, dtype or torch.float32
+
+
+def _eos_token_id(name: str, config: PretrainedConfig, args: ModelConfig, training_args: GRPOConfig) -> Any:
+    """The model's end-of-sequence id(s), where the engine reads them: generation_config.json, else config.json."""
+    try:
+        generation = GenerationConfig.from_pretrained(name, **_hub_kwargs(args, training_args))
+    except OSError:  # none saved: transformers derives one from config.json
+        generation = None
+    found = generation.eos_token_id if generation is not None else None
+    return found if found is not None else getattr(config.get_text_config(), "eos_token_id", None)
 
 
 def load_model(args: ModelConfig, training_args: GRPOConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
