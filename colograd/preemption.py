@@ -10,11 +10,15 @@ optimizer step the ranks agree on it (one scalar all-reduce, so a signal that re
 all at the same step), save a checkpoint and stop training.
 """
 
+import os
 import signal
+import sys
 import threading
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -23,6 +27,25 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from colograd.checkpoints import last_complete_checkpoint
 
 PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM  # what a shell reports for a process ended by SIGTERM
+INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT  # ... and by Ctrl-C
+
+# Set by `Preemption`'s handler while it is armed; read by waits that must not outlast a preemption's grace.
+_sigterm = threading.Event()
+
+
+def sigterm_received() -> bool:
+    """Whether SIGTERM arrived during the current `train` call."""
+    return _sigterm.is_set()
+
+
+def _resume_hint(checkpoint: str | None, fix: bool = True) -> str:
+    """Where a stopped run continues from; `fix`: it stopped on an error the user fixes first."""
+    return (
+        f"the last finished checkpoint, {checkpoint}, is intact: {'fix the cause and ' if fix else ''}rerun with "
+        "--resume_from_checkpoint true"
+        if checkpoint
+        else "no checkpoint was saved yet"
+    )
 
 
 class StepFailure(RuntimeError):
@@ -36,27 +59,74 @@ class StepFailure(RuntimeError):
     """
 
     def __init__(self, step: int, stage: str, error: BaseException, checkpoint: str | None) -> None:
-        resume = (
-            f"the last finished checkpoint, {checkpoint}, is intact: fix the cause and rerun with "
-            "--resume_from_checkpoint true"
-            if checkpoint
-            else "no checkpoint was saved yet"
-        )
         message = (str(error).strip().splitlines() or [""])[0]
-        super().__init__(f"optimizer step {step}, stage {stage!r}: {type(error).__name__}: {message} ({resume}).")
+        super().__init__(
+            f"optimizer step {step}, stage {stage!r}: {type(error).__name__}: {message} ({_resume_hint(checkpoint)})."
+        )
         self.step, self.stage = step, stage
+
+
+class StoppedBySigterm(SystemExit):
+    """SIGTERM came while a stage could not finish within the grace a scheduler gives: the process stops now with
+    `PREEMPTED_EXIT_CODE`, without a checkpoint of the unfinished step (a SystemExit: nothing on the way catches
+    it as an error).
+
+    Args:
+        what: what the stage was waiting for, e.g. "reward function 'judge' had not returned 10 s after it".
+    """
+
+    def __init__(self, what: str) -> None:
+        super().__init__(PREEMPTED_EXIT_CODE)
+        self.what = what
+        self.reported = False  # said by the innermost stage; an outer one lets it pass
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C inside a stage; the message names the optimizer step and the stage."""
+
+    def __init__(self, step: int, stage: str) -> None:
+        super().__init__(f"optimizer step {step}, stage {stage!r}")
 
 
 @contextmanager
 def stage_failures(stage: str, step: int, output_dir: str) -> Iterator[None]:
     """Re-raise an exception from the body as a `StepFailure` naming `step` and `stage` (an inner stage's
-    `StepFailure` passes through: it names the innermost stage)."""
+    `StepFailure` passes through: it names the innermost stage). Ctrl-C becomes `Interrupted`, naming them too; a
+    stage stopped by SIGTERM (`StoppedBySigterm`) says so in one line on its way out."""
     try:
         yield
-    except StepFailure:
+    except (StepFailure, Interrupted):
+        raise
+    except KeyboardInterrupt as err:
+        raise Interrupted(step, stage) from err
+    except StoppedBySigterm as err:
+        if not err.reported:
+            checkpoint = last_complete_checkpoint(output_dir)
+            print(
+                f"colograd: stopped by SIGTERM during optimizer step {step}, stage {stage!r}: {err.what}; the "
+                f"unfinished step is not saved, {_resume_hint(checkpoint, fix=False)}.",
+                file=sys.stderr,
+                flush=True,
+            )
+            err.reported = True
         raise
     except Exception as err:
         raise StepFailure(step, stage, err, last_complete_checkpoint(output_dir)) from err
+
+
+def exit_interrupted(err: KeyboardInterrupt, output_dir: str, debug: bool = False) -> NoReturn:
+    """End a run stopped by Ctrl-C: one line on the main process (a launcher passes the signal to every rank)
+    naming where it stopped and the checkpoint to resume from, the traceback only with `debug`; exit code 130."""
+    if os.environ.get("RANK", "0") == "0":
+        if debug:
+            traceback.print_exception(err)
+        where = f" during {err}" if isinstance(err, Interrupted) else ""
+        print(
+            f"colograd: interrupted (Ctrl-C){where}; {_resume_hint(last_complete_checkpoint(output_dir), fix=False)}.",
+            file=sys.stderr,
+            flush=True,
+        )
+    sys.exit(INTERRUPTED_EXIT_CODE)
 
 
 class Preemption(TrainerCallback):
@@ -74,6 +144,7 @@ class Preemption(TrainerCallback):
     def armed(self) -> Iterator[None]:
         """Catch SIGTERM while the body runs (signal handlers can only be set from the main thread)."""
         self.requested = self._signalled = False
+        _sigterm.clear()
         if threading.current_thread() is not threading.main_thread():
             yield
             return
@@ -86,6 +157,7 @@ class Preemption(TrainerCallback):
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # Only a flag: the step in progress finishes, and a launcher's repeated SIGTERM changes nothing.
         self._signalled = True
+        _sigterm.set()
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs

@@ -9,14 +9,19 @@ concurrently, on an event loop of their own. A sequence-classification model ser
 """
 
 import asyncio
+import functools
 import importlib
+import importlib.util
 import inspect
 import math
 import os
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+import sys
+import threading
+import types
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import (
     AutoModelForSequenceClassification,
@@ -27,6 +32,8 @@ from transformers import (
 from trl.data_utils import apply_chat_template, is_conversational
 
 from colograd.config import ConfigError
+from colograd.preemption import StoppedBySigterm, sigterm_received
+from colograd.time_limit import GaveUp, call_within
 
 RewardFunc = Callable[..., list[float | None]]
 
@@ -119,11 +126,21 @@ def resolve_reward(name: str) -> RewardFunc:
 
     Args:
         name: a built-in name (`BUILTIN_REWARDS`); a local folder or hub id (``org/model``) of a
-            sequence-classification reward model; or a dotted path to user code, ``pkg.rewards.length`` or
-            ``pkg.rewards:length``.
+            sequence-classification reward model; a dotted path to user code, ``pkg.rewards.length`` or
+            ``pkg.rewards:length``, found from the working directory as TRL's script does; or a file and a name in
+            it, ``path/to/rewards.py:length``.
+
+    Raises:
+        ConfigError: in one line, for anything that keeps the name from giving a reward function: a module that does
+            not import (a syntax error, an import inside it failing, any error while it runs), a missing file or
+            name, something that is not callable, a class where an instance is needed.
     """
+    reward_timeout()  # the time limit's setting is read at each call: a bad value stops here, before start-up
     if name in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[name]()
+    module_name, colon, attr = name.rpartition(":")
+    if module_name.endswith(".py"):
+        return _checked_callable(name, getattr(_import_file(name, module_name), attr, None), attr)
     if os.path.isdir(name) or "/" in name:
         try:
             return RewardModel.from_pretrained(name)
@@ -133,15 +150,79 @@ def resolve_reward(name: str) -> RewardFunc:
     if not sep:
         raise ConfigError(
             f"reward_funcs: {name!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}), a reward model folder, "
-            "nor a dotted path like my_pkg.rewards.my_reward."
+            "a dotted path like my_pkg.rewards.my_reward, nor a file and a name like rewards.py:my_reward."
         )
     try:
-        func = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        raise ConfigError(f"reward_funcs: cannot import {name!r} ({err}); check the module is importable.") from err
-    if not callable(func):
-        raise ConfigError(f"reward_funcs: {name!r} is not callable.")
+        module = _import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name is not None and module_name.startswith(err.name):
+            raise ConfigError(
+                f"reward_funcs: {name!r}: no module {err.name!r} in the working directory ({os.getcwd()}) or the "
+                "Python path; run from the folder that holds it, or name its file: path/to/rewards.py:my_reward."
+            ) from err
+        raise ConfigError(_import_failure(name, err)) from err
+    except Exception as err:  # whatever the module's own code raises while it is imported
+        raise ConfigError(_import_failure(name, err)) from err
+    return _checked_callable(name, getattr(module, attr, None), attr)
+
+
+def _import_module(module_name: str) -> types.ModuleType:
+    """Import a module; one the Python path does not hold is looked for in the working directory too, as TRL's script
+    does (`python colograd/train.py` puts colograd/ on the path, not the folder it runs from). The folder goes last
+    on the path, so that it shadows no installed module."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name != module_name.partition(".")[0] or os.getcwd() in sys.path:
+            raise
+    sys.path.append(os.getcwd())
+    return importlib.import_module(module_name)
+
+
+def _import_file(name: str, path: str) -> types.ModuleType:
+    """Run a Python file as a module (named after the file), for a ``path/to/rewards.py:func`` reward."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"reward_funcs: {name!r}: there is no file {path!r} (from {os.getcwd()}).")
+    module_name = os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(module_name, module)  # pickling its functions (dataset maps, workers) finds it
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:
+        raise ConfigError(_import_failure(name, err)) from err
+    return module
+
+
+def _import_failure(name: str, err: BaseException) -> str:
+    """One line for a module that failed while it was imported; a syntax error with its file and line."""
+    if isinstance(err, SyntaxError):
+        where = f"{err.filename}, line {err.lineno}: {err.msg}"
+        return f"reward_funcs: {name!r}: its module has a syntax error ({where}); fix the file."
+    detail = (str(err).strip().splitlines() or [""])[0]
+    return f"reward_funcs: {name!r}: importing its module raised {type(err).__name__}: {detail}; fix the module."
+
+
+def _checked_callable(name: str, func: Any, attr: str) -> RewardFunc:
+    """`func`, found under `attr` for the recipe's `name`, if it can be a reward function; else a `ConfigError`."""
+    if func is None:
+        raise ConfigError(f"reward_funcs: {name!r}: its module has no {attr!r}; check the name.")
+    problem = _not_a_reward(func)
+    if problem:
+        raise ConfigError(f"reward_funcs: {name!r} {problem}")
     return func
+
+
+def _not_a_reward(func: Any) -> str | None:
+    """Why `func` cannot be called as a reward function (a class, something not callable), or None."""
+    if inspect.isclass(func):
+        return (
+            f"is a class; reward_funcs takes a function or an instance: create one (my_reward = "
+            f"{func.__name__}(...)) and give that."
+        )
+    if not callable(func):
+        return f"is not a function (its type is {type(func).__name__}); give a function."
+    return None
 
 
 def resolve_rewards(
@@ -191,6 +272,9 @@ def _resolve(func: Any, tokenizer: PreTrainedTokenizerBase | None) -> RewardFunc
         return func
     if isinstance(func, PreTrainedModel):
         return RewardModel(func, tokenizer if tokenizer is not None else _reward_tokenizer(func))
+    problem = _not_a_reward(func)
+    if problem:
+        raise ConfigError(f"reward_funcs: {getattr(func, '__name__', repr(func)[:60])} {problem}")
     if isinstance(func, torch.nn.Module):
         raise ConfigError(
             f"reward_funcs: {type(func).__name__} is a torch module but not a transformers model; pass a "
@@ -234,8 +318,68 @@ def reward_name(func: RewardFunc) -> str:
 
 
 def _is_async(func: RewardFunc) -> bool:
-    # An instance whose __call__ is `async def` counts too.
+    # An instance whose __call__ is `async def` counts too, and a partial of either (TRL's `is_async_callable`).
+    while isinstance(func, functools.partial):
+        func = func.func
     return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(type(func).__call__)
+
+
+# --- the time limit ---------------------------------------------------------------------------------------------
+
+REWARD_TIMEOUT_VARIABLE = "COLOGRAD_REWARD_TIMEOUT"
+# Seconds: an LLM judge or a code sandbox over a large batch takes minutes; a call that never returns, forever.
+DEFAULT_REWARD_TIMEOUT = 1800.0
+# Seconds a reward function still gets once SIGTERM came: a scheduler's grace is 30 s (Kubernetes, torchrun's
+# shutdown), and the rest of the step and its checkpoint need the remainder.
+SIGTERM_PATIENCE = 10.0
+
+
+def reward_timeout() -> float | None:
+    """Seconds one call of a reward function may take: `COLOGRAD_REWARD_TIMEOUT` (read at each call), 1800 when it
+    is unset, None (no limit) for 0. A launcher passes the variable to every rank."""
+    raw = os.environ.get(REWARD_TIMEOUT_VARIABLE, "").strip()
+    if not raw:
+        return DEFAULT_REWARD_TIMEOUT
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise ConfigError(
+            f"{REWARD_TIMEOUT_VARIABLE}={raw!r}: give the seconds a reward function call may take (e.g. 600), or 0 "
+            "for no limit."
+        )
+    return seconds or None
+
+
+class RewardError(ValueError):
+    """A reward function failed or returned something unusable; the message names the function and sample."""
+
+
+class RewardTimeout(RewardError):
+    """A reward function did not return within `reward_timeout()` seconds."""
+
+
+def _limited(call: Callable[[], Any], running: Callable[[], str]) -> Any:
+    """`call()` within the reward time limit (`colograd.time_limit`), in this thread.
+
+    Raises:
+        RewardTimeout: past the limit.
+        StoppedBySigterm: SIGTERM came and the call had not returned `SIGTERM_PATIENCE` seconds later.
+    """
+    limit = reward_timeout()
+    try:
+        return call_within(call, running, limit, SIGTERM_PATIENCE, sigterm_received)
+    except GaveUp as gave_up:
+        if gave_up.reason == "sigterm":
+            raise StoppedBySigterm(f"{gave_up.running} had not returned {SIGTERM_PATIENCE:g} s after it") from None
+        raise RewardTimeout(
+            f"{gave_up.running} did not return within {limit:g} s; make it return sooner (a time limit of its own "
+            f"per sample), or give it longer: {REWARD_TIMEOUT_VARIABLE}=<seconds>, 0 for no limit."
+        ) from None
+
+
+# --- scoring ----------------------------------------------------------------------------------------------------
 
 
 def score(
@@ -245,24 +389,34 @@ def score(
     completion_ids: list[list[int]],
     columns: dict[str, list],
 ) -> torch.Tensor:
-    """Run every reward function on every completion; the async ones concurrently.
+    """Run every reward function on every completion: the plain ones one after the other in this thread, the async
+    ones concurrently; each call within the reward time limit (`reward_timeout`).
+
+    A function may return a list or tuple, a 1-D numpy array or tensor, or an iterator (TRL reads each) of one number
+    or None per completion; a plain function may also return a coroutine, which is awaited.
 
     Returns:
         rewards_NF: float32 [N completions, F functions]; NaN where a function returned ``None``.
+
+    Raises:
+        RewardError: a function raised, did not return in time (`RewardTimeout`), or returned something unusable;
+            the message names it and, where there is one, the sample.
+        StoppedBySigterm: SIGTERM came while a function ran, and it did not return within `SIGTERM_PATIENCE`.
     """
     kwargs = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **columns}
-    outputs: dict[int, list] = {}
-    coroutines = {}
+    outputs: dict[int, Any] = {}
+    awaiting: dict[int, Callable[[], Awaitable]] = {}
     for j, func in enumerate(reward_funcs):
         if _is_async(func):
-            coroutines[j] = func(**kwargs)
+            awaiting[j] = functools.partial(func, **kwargs)
             continue
-        try:
-            outputs[j] = func(**kwargs)
-        except Exception as err:
-            raise RewardError(_describe_failure(func, kwargs, err)) from err
-    if coroutines:
-        outputs.update(zip(coroutines, _run_concurrently(list(coroutines.values())), strict=True))
+        output = _call(func, kwargs)
+        if inspect.isawaitable(output):  # a plain function handing back a coroutine: a lambda around an async one
+            awaiting[j] = functools.partial(_await, output)
+        else:
+            outputs[j] = output
+    if awaiting:
+        outputs.update(_run_concurrently(awaiting, reward_funcs))
 
     n = len(completions)
     rewards_NF = torch.zeros(n, len(reward_funcs), dtype=torch.float32)
@@ -271,23 +425,33 @@ def score(
     return rewards_NF
 
 
-class RewardError(ValueError):
-    """A reward function failed or returned something unusable; the message names the function and sample."""
+def _call(func: RewardFunc, kwargs: dict) -> Any:
+    """One plain reward function on the batch, within the time limit; a failure named with the sample."""
+    try:
+        return _limited(lambda: func(**kwargs), lambda: f"reward function {reward_name(func)!r}")
+    except RewardTimeout:
+        raise
+    except Exception as err:
+        raise RewardError(_describe_failure(func, kwargs, err)) from err
 
 
-def _checked(func: RewardFunc, values: list, kwargs: dict) -> torch.Tensor:
+async def _await(awaitable: Awaitable) -> Any:
+    return await awaitable
+
+
+def _checked(func: RewardFunc, values: Any, kwargs: dict) -> torch.Tensor:
     """The function's rewards as float32 [N] (NaN for None), or a `RewardError` naming the bad sample."""
     name, n = reward_name(func), len(kwargs["completions"])
-    if not isinstance(values, list | tuple) or len(values) != n:
-        got = f"{len(values)} rewards" if isinstance(values, list | tuple) else type(values).__name__
-        raise RewardError(f"reward function {name!r} returned {got} for {n} completions; return a list of {n}.")
+    values = _as_list(name, values, n)
     rewards = []
     for i, value in enumerate(values):
         try:
+            if isinstance(value, str | bytes):  # float("1") would take it; a text is a bug, not a score
+                raise TypeError
             reward = float("nan") if value is None else float(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of several values
             raise RewardError(
-                f"reward function {name!r} returned {value!r} for {_sample(kwargs, i)}; return a number or None."
+                f"reward function {name!r} returned {value!r:.60} for {_sample(kwargs, i)}; return a number or None."
             ) from None
         if value is not None and not math.isfinite(reward):
             raise RewardError(
@@ -298,13 +462,33 @@ def _checked(func: RewardFunc, values: list, kwargs: dict) -> torch.Tensor:
     return torch.tensor(rewards, dtype=torch.float32)
 
 
+def _as_list(name: str, values: Any, n: int) -> list:
+    """A function's output as a list of its `n` values: what TRL reads one by one (a list, a tuple, a 1-D array or
+    tensor, an iterator) is taken; a mapping, a set or a text is not: their items or order are not the rewards."""
+    if isinstance(values, torch.Tensor | np.ndarray) and values.ndim == 1:
+        values = values.tolist()
+    elif isinstance(values, Iterator) and not isinstance(values, str | bytes):
+        values = list(values)
+    if not isinstance(values, list | tuple):
+        shape = f" of shape {tuple(values.shape)}" if isinstance(values, torch.Tensor | np.ndarray) else ""
+        raise RewardError(
+            f"reward function {name!r} returned a {type(values).__name__}{shape}; return a list of {n} numbers (None "
+            "to leave a sample out), one per completion, in order."
+        )
+    if len(values) != n:
+        raise RewardError(f"reward function {name!r} returned {len(values)} rewards for {n} completions; return {n}.")
+    return values
+
+
 def _describe_failure(func: RewardFunc, kwargs: dict, err: Exception) -> str:
     """Name the function and, by scoring the samples one at a time, the first one it fails on."""
     name = reward_name(func)
     for i in range(len(kwargs["completions"])):
         one = {k: v[i : i + 1] if isinstance(v, list) else v for k, v in kwargs.items()}
         try:
-            func(**one)
+            _limited(lambda one=one: func(**one), lambda: f"reward function {name!r} (on one sample)")
+        except RewardTimeout:
+            raise
         except Exception as sample_err:
             return f"reward function {name!r} raised {type(sample_err).__name__}: {sample_err} on {_sample(kwargs, i)}"
     return f"reward function {name!r} raised {type(err).__name__}: {err} (on the whole batch, on no single sample)"
@@ -315,15 +499,35 @@ def _sample(kwargs: dict, i: int) -> str:
     return f"completion {i} (prompt {str(kwargs['prompts'][i])[:60]!r}, completion {str(completion)[:60]!r})"
 
 
-def _run_concurrently(coroutines: list) -> list:
-    """Await the coroutines together and return their results in order.
+def _run_concurrently(calls: dict[int, Callable[[], Awaitable]], funcs: Sequence[RewardFunc]) -> dict[int, Any]:
+    """Await the calls together; their results by index.
 
-    They run on a fresh event loop in a worker thread, so this works whether or not the caller already runs a
-    loop (a notebook does).
+    They run on an event loop of their own in a daemon thread, so this works whether or not the caller already runs
+    a loop (a notebook does), and a call that never returns holds nothing up once given up on: this thread waits
+    within the time limit.
     """
+    results: dict[int, Any] = {}
+    errors: dict[int, BaseException] = {}
 
-    async def gather() -> list:
-        return await asyncio.gather(*coroutines)
+    async def one(j: int) -> None:
+        try:
+            results[j] = await calls[j]()
+        except (Exception, asyncio.CancelledError) as err:
+            errors[j] = err
 
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(asyncio.run, gather()).result()
+    async def together() -> None:
+        await asyncio.gather(*(one(j) for j in calls))
+
+    def unfinished() -> str:
+        names = [repr(reward_name(funcs[j])) for j in calls if j not in results and j not in errors]
+        return f"reward function {' and '.join(names)}" if len(names) < 2 else f"reward functions {', '.join(names)}"
+
+    worker = threading.Thread(target=asyncio.run, args=(together(),), name="colograd-async-rewards", daemon=True)
+    worker.start()
+    _limited(worker.join, unfinished)
+    for j in sorted(errors):
+        err = errors[j]
+        raise RewardError(
+            f"reward function {reward_name(funcs[j])!r} raised {type(err).__name__}: {err} (on the whole batch)"
+        ) from err
+    return results
