@@ -171,7 +171,7 @@ def cache_issues(run: Run, env: Mapping[str, str]) -> list[Issue]:
         if problem is None:
             continue
         named = f"{variable}={env[variable]!r}" if variable != "HOME" else f"HOME={os.path.expanduser('~')!r}"
-        fix = "set HF_HOME (or its own variable) to" if variable == "HOME" else f"point {variable} at"
+        fix = f"set {cache.chain[0][0]} to" if variable == "HOME" else f"point {variable} at"
         offline = "; or set HF_HUB_OFFLINE=1 to only read a filled cache" if cache.written is _downloads else ""
         issues.append(
             Issue(f"{named}: {folder}, {cache.what}, {problem}; {fix} a folder you can write to{offline}.", True)

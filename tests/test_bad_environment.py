@@ -109,7 +109,7 @@ def test_hub_cache_only_read_offline_may_be_read_only(tmp_path, monkeypatch):
 def test_unwritable_home_is_named_when_it_decides(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", _read_only(tmp_path))
     issues = cache_issues(Run(hub_names=("org/model",)), _env())
-    assert issues[0].fatal and issues[0].text.startswith("HOME=") and "set HF_HOME" in issues[0].text
+    assert issues[0].fatal and issues[0].text.startswith("HOME=") and "set HF_HUB_CACHE to" in issues[0].text
 
 
 def test_first_variable_of_the_chain_decides(tmp_path, monkeypatch):
