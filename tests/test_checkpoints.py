@@ -1,9 +1,19 @@
-"""Choosing the checkpoint to resume from: finished saves only."""
+"""Choosing the checkpoint to resume from: finished saves only; a save the disk cuts short is never one."""
+
+import builtins
+import errno
+import os
+import tempfile
 
 import pytest
+import torch
+from transformers import TrainingArguments, modeling_utils
 
-from colograd.checkpoints import last_complete_checkpoint, resolve_checkpoint
+from colograd import tiny
+from colograd.checkpoints import RECORD_FILE, is_complete, last_complete_checkpoint, resolve_checkpoint
 from colograd.config import ConfigError
+from colograd.preemption import StepFailure
+from colograd.saving import ModelSaving
 
 
 def save(folder, step: int, finished: bool = True):
@@ -50,3 +60,111 @@ def test_resume_true_without_a_finished_checkpoint_names_the_folder(tmp_path):
     save(tmp_path, 2, finished=False)
     with pytest.raises(ConfigError, match="holds no finished checkpoint"):
         resolve_checkpoint(True, str(tmp_path))
+
+
+# --- a disk that fills during a save, at every file of it ---------------------------------------------------
+
+
+class Saver(ModelSaving):
+    """The trainer's save hooks on a plain transformers Trainer: what a GRPO checkpoint writes, with no engine."""
+
+    recipe = None
+    _setup = {"num_generations": 8}
+
+
+@pytest.fixture
+def saver(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), save_total_limit=1, report_to="none", use_cpu=True)
+    trainer = Saver(model=tiny.build_model(), args=args)
+    trainer.create_optimizer_and_scheduler(num_training_steps=5)
+    return trainer
+
+
+def save_at(trainer: Saver, step: int) -> None:
+    trainer.state.global_step = step
+    trainer._save_checkpoint(trainer.model, None)
+
+
+class FullDisk:
+    """A disk that fills while `name` is written (its `nth` write): part of it lands, then OSError(ENOSPC).
+    Stands in for the three ways a checkpoint's files are written (torch.save, safetensors, Python's open), so
+    any file can be the one the disk fills on."""
+
+    def __init__(self, monkeypatch, name: str, nth: int = 1) -> None:
+        self.name, self.hit, self.writes_left = name, False, nth
+        real_torch_save, real_safetensors, real_open = torch.save, modeling_utils.safe_save_file, builtins.open
+
+        def torch_save(obj, f, *args, **kwargs):
+            self._fill(f, lambda: real_torch_save(obj, f, *args, **kwargs))
+
+        def safetensors_save(tensors, filename, *args, **kwargs):
+            self._fill(filename, lambda: real_safetensors(tensors, filename, *args, **kwargs))
+
+        def open_(file, mode="r", *args, **kwargs):
+            handle = real_open(file, mode, *args, **kwargs)
+            if "w" in mode and self._target(file):
+                handle.write = self._failing_write(handle.write)
+            return handle
+
+        monkeypatch.setattr(torch, "save", torch_save)
+        monkeypatch.setattr(modeling_utils, "safe_save_file", safetensors_save)
+        monkeypatch.setattr(builtins, "open", open_)
+
+    def _target(self, path) -> bool:
+        # The record is written to a temporary name renamed into place.
+        if isinstance(path, str | os.PathLike) and os.path.basename(path).removesuffix(".tmp") == self.name:
+            self.writes_left -= 1
+            return self.writes_left == 0
+        return False
+
+    def _fill(self, path, write) -> None:
+        write()
+        if self._target(path):
+            os.truncate(path, os.path.getsize(path) // 2)
+            self._raise()
+
+    def _failing_write(self, write):
+        def half(data):
+            write(data[: len(data) // 2])
+            self._raise()
+
+        return half
+
+    def _raise(self):
+        self.hit = True
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def files_a_save_writes() -> list[str]:
+    """Every file of a checkpoint, as a save of the tiny model writes it (found by saving one)."""
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(output_dir=out, report_to="none", use_cpu=True)
+        trainer = Saver(model=tiny.build_model(), args=args)
+        trainer.create_optimizer_and_scheduler(num_training_steps=5)
+        save_at(trainer, 1)
+        return sorted(os.listdir(os.path.join(out, "checkpoint-1")))
+
+
+@pytest.mark.parametrize(
+    "name, nth", [*((name, 1) for name in files_a_save_writes()), (RECORD_FILE, 2)]
+)  # the record is written twice: begun, then finished
+def test_a_disk_that_fills_on_any_file_of_a_save_keeps_the_last_finished_checkpoint(saver, monkeypatch, name, nth):
+    out = saver.args.output_dir
+    save_at(saver, 1)
+    save_at(saver, 2)  # save_total_limit=1: checkpoint-1 goes once checkpoint-2 is finished
+    disk = FullDisk(monkeypatch, name, nth)
+    with pytest.raises(StepFailure) as err:
+        save_at(saver, 3)
+    monkeypatch.undo()
+    assert disk.hit
+    assert str(err.value) == (
+        "optimizer step 3, stage 'save': OSError: [Errno 28] No space left on device (the last finished "
+        f"checkpoint, {out}/checkpoint-2, is intact: fix the cause and rerun with --resume_from_checkpoint true)."
+    )
+    assert sorted(os.listdir(out)) == ["checkpoint-2", "checkpoint-3"]
+    assert is_complete(f"{out}/checkpoint-2") and not is_complete(f"{out}/checkpoint-3")
+    assert resolve_checkpoint(True, out) == f"{out}/checkpoint-2"
+    with pytest.raises(ConfigError, match="checkpoint-3' is incomplete .*resume from .*checkpoint-2"):
+        resolve_checkpoint(f"{out}/checkpoint-3", out)
+    save_at(saver, 4)  # the disk has room again: the next save finishes and the broken one is rotated away
+    assert sorted(os.listdir(out)) == ["checkpoint-4"] and is_complete(f"{out}/checkpoint-4")
