@@ -1,5 +1,6 @@
 """Interruptions lose nothing: SIGTERM checkpoints and stops, `kill -9` loses only the steps since the last
-finished checkpoint, and a failure names its step and stage; `--resume_from_checkpoint true` continues each.
+finished checkpoint, a failure names its step and stage, and Ctrl-C ends in one line naming them;
+`--resume_from_checkpoint true` continues each.
 
 One output folder goes through three 2-process runs of the tiny recipe (a checkpoint every 2 steps):
   1. SIGTERM reaches rank 1 alone after the step-2 checkpoint: both ranks stop at the same step and save it;
@@ -11,15 +12,18 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, start_launch
+from conftest import ROOT, run_cli, start_launch
 
+from colograd import train
 from colograd.checkpoints import is_complete, last_complete_checkpoint
+from colograd.preemption import Interrupted, exit_interrupted, stage_failures
 
-pytestmark = pytest.mark.slow  # launches that are signalled, killed and resumed
 MAX_STEPS = 40
 FLAGS = [
     "colograd/train.py", "--config", "recipes/grpo_tiny.yaml", "--max_steps", str(MAX_STEPS), "--save_strategy",
@@ -105,6 +109,7 @@ def runs(tmp_path_factory):
     return out, result
 
 
+@pytest.mark.slow  # launches that are signalled, killed and resumed
 def test_sigterm_to_one_rank_stops_both_at_one_step_with_a_checkpoint(runs):
     out, result = runs
     code, log, checkpoint = result["sigterm"]
@@ -118,6 +123,7 @@ def test_sigterm_to_one_rank_stops_both_at_one_step_with_a_checkpoint(runs):
     assert not re.search(r'File ".*/colograd/', log), log[-3000:]
 
 
+@pytest.mark.slow  # launches that are signalled, killed and resumed
 def test_kill_9_loses_only_the_steps_since_the_last_finished_checkpoint(runs):
     out, result = runs
     stopped = step_of(result["sigterm"][2])
@@ -129,6 +135,7 @@ def test_kill_9_loses_only_the_steps_since_the_last_finished_checkpoint(runs):
     assert logged_steps(checkpoint) == list(range(1, killed + 1)), log[-3000:]
 
 
+@pytest.mark.slow  # launches that are signalled, killed and resumed
 def test_resume_after_kill_9_trains_to_the_end(runs):
     out, result = runs
     killed = step_of(result["kill"][2])
@@ -139,6 +146,7 @@ def test_resume_after_kill_9_trains_to_the_end(runs):
     assert (out / "model.safetensors").exists()
 
 
+@pytest.mark.slow  # runs the command line
 def test_failure_names_step_and_stage_and_keeps_the_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setenv("FAIL_AT_STEP", "2")
     flags = ["--config", "recipes/grpo_tiny.yaml", "--max_steps", "3", "--save_strategy", "steps", "--save_steps"]
@@ -149,3 +157,118 @@ def test_failure_names_step_and_stage_and_keeps_the_checkpoint(tmp_path, monkeyp
     assert lines[-1].startswith("colograd: error: optimizer step 2, stage 'reward': RewardError:"), lines[-1]
     assert "injected failure" in lines[-1] and f"{tmp_path}/checkpoint-1, is intact" in lines[-1]
     assert is_complete(tmp_path / "checkpoint-1") and not (tmp_path / "checkpoint-2").exists()
+
+
+# --- Ctrl-C, in-process ------------------------------------------------------------------------------------------
+
+
+def test_ctrl_c_in_a_stage_names_the_step_and_the_stage(tmp_path):
+    with pytest.raises(Interrupted, match=r"optimizer step 4, stage 'generate'"):
+        with stage_failures("step", 4, str(tmp_path)), stage_failures("generate", 4, str(tmp_path)):
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_ctrl_c_ends_in_one_line_on_the_main_process_and_exit_130(tmp_path, monkeypatch, capsys, rank):
+    finished = tmp_path / "checkpoint-2"
+    finished.mkdir()
+    (finished / "trainer_state.json").write_text("{}")  # saved before records existed: counts as finished
+    monkeypatch.setenv("RANK", rank)
+    with pytest.raises(SystemExit) as exit_:
+        try:
+            with stage_failures("reward", 3, str(tmp_path)):
+                raise KeyboardInterrupt
+        except KeyboardInterrupt as err:
+            exit_interrupted(err, str(tmp_path))
+    err = capsys.readouterr().err
+    assert exit_.value.code == 130
+    if rank == "1":
+        assert err == ""
+    else:
+        assert err.splitlines() == [
+            f"colograd: interrupted (Ctrl-C) during optimizer step 3, stage 'reward'; the last finished checkpoint, "
+            f"{finished}, is intact: rerun with --resume_from_checkpoint true."
+        ]
+
+
+def test_ctrl_c_on_the_command_line_during_start_up(tmp_path, monkeypatch, capsys, root):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "load_model", interrupted)  # while the weights load
+    with pytest.raises(SystemExit) as exit_:
+        train.cli(["--config", str(root / "recipes/grpo_tiny.yaml"), "--output_dir", str(tmp_path)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 130 and lines == ["colograd: interrupted (Ctrl-C); no checkpoint was saved yet."], lines
+
+
+# --- a signal while a reward function hangs, end to end -------------------------------------------------------------
+
+HANG_FLAGS = [
+    "--config", "recipes/grpo_tiny.yaml", "--max_steps", "4", "--save_strategy", "steps", "--save_steps", "1",
+    "--reward_funcs", "tests.scripts.hanging_reward.letters_or_hang", "--disable_tqdm", "true",
+]  # fmt: skip
+
+
+def hung_run(tmp_path, monkeypatch, launcher: bool) -> tuple[subprocess.Popen, Path]:
+    """A run whose reward never returns from optimizer step 2 on (checkpoint-1 finished before), started in a
+    session of its own and waited for until the reward hangs."""
+    marker, log = tmp_path / "hung", tmp_path / "run.log"
+    monkeypatch.setenv("HANG_AT_STEP", "2")
+    monkeypatch.setenv("HANG_MARKER", str(marker))
+    flags = [*HANG_FLAGS, "--output_dir", str(tmp_path / "out")]
+    if launcher:
+        proc = start_launch("colograd/train.py", *flags, log=log)
+    else:
+        with open(log, "w") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "colograd/train.py", *flags], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}, start_new_session=True,
+            )  # fmt: skip
+    wait_for(marker.exists, proc, log)
+    return proc, log
+
+
+def ended_within(proc: subprocess.Popen, seconds: float, log: Path) -> int:
+    start = time.monotonic()
+    try:
+        proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"still running {seconds} s after the signal:\n{log.read_text()[-3000:]}") from None
+    return time.monotonic() - start
+
+
+@pytest.mark.slow  # runs the command line
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_a_signal_during_a_hung_reward_ends_the_run_keeping_the_last_checkpoint(tmp_path, monkeypatch, signum):
+    proc, log = hung_run(tmp_path, monkeypatch, launcher=False)
+    os.kill(proc.pid, signum)
+    ended_within(proc, 30, log)  # a scheduler's grace; SIGTERM waits 10 s for the reward, Ctrl-C none
+    out, text = tmp_path / "out", log.read_text()
+    assert "Traceback" not in text, text[-3000:]
+    lines = [line for line in text.splitlines() if line.startswith("colograd:")]
+    kept = f"the last finished checkpoint, {out}/checkpoint-1, is intact: rerun with --resume_from_checkpoint true."
+    if signum == signal.SIGTERM:
+        assert proc.returncode == 143 and lines == [
+            "colograd: stopped by SIGTERM during optimizer step 2, stage 'reward': reward function 'letters_or_hang' "
+            f"had not returned 10 s after it; the unfinished step is not saved, {kept}"
+        ], text[-3000:]
+    else:
+        assert proc.returncode == 130 and lines == [
+            f"colograd: interrupted (Ctrl-C) during optimizer step 2, stage 'reward'; {kept}"
+        ], text[-3000:]
+    assert is_complete(out / "checkpoint-1") and not (out / "checkpoint-2").exists()
+
+
+@pytest.mark.slow  # launches 2 ranks
+def test_sigterm_to_the_launcher_reaches_every_rank_and_ends_a_hung_run_within_the_grace(tmp_path, monkeypatch):
+    # Kubernetes signals the container's first process: here accelerate launch, which passes SIGTERM to each rank.
+    proc, log = hung_run(tmp_path, monkeypatch, launcher=True)
+    os.kill(proc.pid, signal.SIGTERM)
+    ended_within(proc, 30, log)
+    text, out = log.read_text(), tmp_path / "out"
+    assert proc.returncode != 0
+    assert "colograd: stopped by SIGTERM during optimizer step 2, stage 'reward'" in text, text[-3000:]
+    assert not re.search(r'File ".*/colograd/', text), text[-3000:]
+    assert is_complete(out / "checkpoint-1") and not (out / "checkpoint-2").exists()
