@@ -33,7 +33,7 @@ from colograd.config_recipe import check_recipe_value, read_recipe
 from colograd.data import first_line
 from colograd.modelcard import Recipe
 from colograd.output_dir import check_output_dir
-from colograd.preemption import PREEMPTED_EXIT_CODE, StepFailure
+from colograd.preemption import PREEMPTED_EXIT_CODE, StepFailure, exit_interrupted
 from colograd.preflight import preflight
 from colograd.preflight_env import check_environment, check_variables
 from colograd.trl_compat import DROPPED_KEYS, RENAMED_KEYS, unknown_key_message
@@ -184,6 +184,8 @@ def cli(argv: list[str] | None = None) -> None:
         _fail(err, debug=debug)
     except StepFailure as err:
         _fail(err, code=1, debug=debug)
+    except KeyboardInterrupt as err:  # Ctrl-C: one line naming the step and stage, exit code 130
+        exit_interrupted(err, training_args.output_dir, debug)
 
 
 class _Parser(TrlParser):
