@@ -20,7 +20,8 @@ class CompletionLog:
     step's first rollout as a `completions` table to the trackers of `report_to` that have one (wandb, trackio).
 
     One JSON object per completion: ``step``, ``prompt``, ``completion``, ``rewards`` (one value per reward
-    function, null where it abstained), ``reward`` (the weighted total) and ``advantage``.
+    function, null where it abstained), ``reward`` (the weighted total), ``advantage``, and ``extra`` when reward
+    functions added columns with TRL's `log_extra`.
 
     Args:
         output_dir: where `completions.jsonl` is written.
@@ -60,9 +61,13 @@ class CompletionLog:
         rewards: dict[str, list[float]],
         total: list[float],
         advantages: list[float],
+        extra: dict[str, list] | None = None,
     ) -> None:
         """Log one rollout of optimizer step `step`; every list but `prompts` (one per group) has one value per
-        completion. With gradient accumulation a step has several rollouts: all are written, the first printed."""
+        completion, as has each column of `extra` (what reward functions added with `log_extra`; a column with
+        another count is left out). With gradient accumulation a step has several rollouts: all are written, the
+        first printed."""
+        extra = {k: v for k, v in (extra or {}).items() if len(v) == len(completions)}
         group = len(completions) // len(prompts)
         prompt_per_completion = [prompts[i // group] for i in range(len(completions))]
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
@@ -75,6 +80,7 @@ class CompletionLog:
                     "rewards": {name: _finite(values[i]) for name, values in rewards.items()},
                     "reward": _finite(total[i]),
                     "advantage": _finite(advantages[i]),
+                    **({"extra": {column: values[i] for column, values in extra.items()}} if extra else {}),
                 }
                 f.write(json.dumps(row) + "\n")
         if self._printed_step == step:
@@ -87,6 +93,7 @@ class CompletionLog:
             "completion": [completions[i] for i in rows],
             **{name: [values[i] for i in rows] for name, values in rewards.items()},
             "advantage": [advantages[i] for i in rows],
+            **{column: [values[i] for i in rows] for column, values in extra.items()},
         }
         for tracker in trackers(self.report_to):
             tracker.log({"completions": tracker.Table(dataframe=pd.DataFrame(table))})

@@ -43,8 +43,8 @@ from colograd.rewards import RewardFunc, resolve_reward, reward_name
 from colograd.streaming import PEEK_ROWS, check_stream, check_stream_resume, peek
 from colograd.trl_compat import QUANTIZED
 
-# What `colograd.rewards.score` passes every reward function besides the dataset's columns.
-REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state")
+# What the trainer's `score` stage passes every reward function besides the dataset's columns (TRL's arguments).
+REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
 _BATCH = 1024  # prompts templated and tokenized per call
 
 

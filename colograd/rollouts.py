@@ -5,6 +5,8 @@ their metrics from those values, around them, so an override owes nothing but it
 evaluation take their rollouts from the same call and compute their own metrics from what it returns.
 """
 
+from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -69,3 +71,32 @@ def reward_metrics(rewards_NF: torch.Tensor, reward_weights: torch.Tensor, num_g
         "reward_std": nanstd(rewards_N).item(),
         "frac_reward_zero_std": zero_std_G.float().mean().item(),
     }
+
+
+class RewardLogs:
+    """What reward functions log through TRL's `log_extra` and `log_metric` arguments, kept for the rollout that
+    called them: extra columns of the completions log, and scalar metrics (averaged over a logging window and the
+    ranks, as every metric is)."""
+
+    def __init__(self) -> None:
+        self.extra: dict[str, list] = defaultdict(list)
+        self.metrics: dict[str, list[float]] = defaultdict(list)
+
+    def log_extra(self, column: str, values: list) -> None:
+        """Add a column to the completions log: one value per completion of the call."""
+        self.extra[column].extend(values)
+
+    def log_metric(self, name: str, value: float) -> None:
+        """Log one scalar for this rollout (several calls are averaged)."""
+        self.metrics[name].append(float(value))
+
+    def arguments(self) -> dict[str, Callable]:
+        """The keyword arguments every reward function is called with, as TRL names them."""
+        return {"log_extra": self.log_extra, "log_metric": self.log_metric}
+
+    def take(self) -> tuple[dict[str, list], dict[str, float]]:
+        """The extra columns and each metric's mean since the last call; forgets them."""
+        extra, metrics = dict(self.extra), {k: sum(v) / len(v) for k, v in self.metrics.items() if v}
+        self.extra.clear()
+        self.metrics.clear()
+        return extra, metrics

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import gather_object
 from transformers import TrainerCallback
 
 PHASES = ("sync", "generate", "reward", "logps", "train", "optimizer")
@@ -77,15 +78,24 @@ def window_metrics(window: dict[str, list[float]], steps: int, accelerator: Acce
     """A logging window's metrics over all processes: means over micro-steps and processes (max / min over
     processes for `*/max` / `*/min`); `time/*` and `tokens/*` as sums per optimizer step (the window's sum divided
     by its `steps`); and the window's `throughput/*_tokens_per_s` over all processes. Every process must call it."""
-    names = sorted(window)
+    # Every rank reduces the same names in the same order: a metric only some ranks recorded this window (a reward
+    # function's `log_metric` on some of them) is averaged over the ranks that recorded it.
+    names = sorted(set(gather_object(sorted(window)))) if accelerator.num_processes > 1 else sorted(window)
     per_step = ("time/", "tokens/")
-    values = [sum(window[k]) / (steps if k.startswith(per_step) else len(window[k])) for k in names]
+    recorded = [bool(window.get(k)) for k in names]
+    values = [
+        sum(window[k]) / (steps if k.startswith(per_step) else len(window[k])) if has else 0.0
+        for k, has in zip(names, recorded, strict=True)
+    ]
     local = torch.tensor(values, device=accelerator.device)
-    mean = accelerator.reduce(local.clone(), reduction="mean")
-    everywhere = accelerator.gather(local.unsqueeze(0))
+    present = torch.tensor(recorded, device=accelerator.device)
+    everywhere = accelerator.gather(torch.stack([local, present.to(local.dtype)]).unsqueeze(0))  # [ranks, 2, K]
+    values_RK, present_RK = everywhere[:, 0], everywhere[:, 1].bool()
+    mean = values_RK.sum(dim=0) / present_RK.sum(dim=0).clamp(min=1)
+    inf = torch.full_like(values_RK, float("inf"))
     ends = lambda suffix: torch.tensor([k.endswith(suffix) for k in names], device=local.device)  # noqa: E731
-    reduced = torch.where(ends("/max"), everywhere.amax(dim=0), mean)
-    reduced = torch.where(ends("/min"), everywhere.amin(dim=0), reduced)
+    reduced = torch.where(ends("/max"), torch.where(present_RK, values_RK, -inf).amax(dim=0), mean)
+    reduced = torch.where(ends("/min"), torch.where(present_RK, values_RK, inf).amin(dim=0), reduced)
     logs = dict(zip(names, reduced.tolist(), strict=True))
     tokens = {k.removeprefix("tokens/"): logs[k] for k in names if k.startswith("tokens/")}
     seconds = {k.removeprefix("time/"): logs[k] for k in names if k.startswith("time/")}

@@ -62,7 +62,7 @@ from colograd.preflight import (
 from colograd.preflight_env import check_environment
 from colograd.reference import ReferencePolicy
 from colograd.rewards import RewardFunc, RewardModel, across_ranks, resolve_rewards, reward_name, score
-from colograd.rollouts import ScoredRollout, reward_metrics, rollout_metrics, sampled_lengths
+from colograd.rollouts import RewardLogs, ScoredRollout, reward_metrics, rollout_metrics, sampled_lengths
 from colograd.saving import ModelSaving
 from colograd.streaming import RolloutBatches, check_stream_resume
 from colograd.sync import WeightPlan, is_sharded
@@ -200,6 +200,7 @@ class GRPOTrainer(RolloutBatches, ModelSaving):
         self._rollout_step = 0  # the step that seeds the current rollout's sampling (see `sample`)
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._times = PhaseTimes()
+        self.reward_logs = RewardLogs()
         self.entropy = EntropyTerms(args, self.accelerator, across_ranks(self.accelerator), self._metrics)
         self.add_callback(self.entropy)
         self.add_callback(OptimizerTimer(self._times, self._metrics))
@@ -283,13 +284,14 @@ class GRPOTrainer(RolloutBatches, ModelSaving):
         """
         g = self.args.num_generations
         scored = self.sample(rows)
-        self._record(rollout_metrics(scored, [reward_name(f) for f in self.reward_funcs]))
+        extra, logged = self.reward_logs.take()  # what the reward functions logged (TRL's log_extra / log_metric)
+        self._record(rollout_metrics(scored, [reward_name(f) for f in self.reward_funcs]) | logged)
         if self.agents is not None:
             self._record(self.agents.metrics)
         self._times.count("generated", int(sampled_lengths(scored.rollout).sum()), self._metrics)
         advantages_N = self.compute_advantages(scored.rewards_NF)
         self._record(reward_metrics(scored.rewards_NF, self.reward_weights, g))
-        self.log_completions(scored.prompts, scored.rollout, scored.rewards_NF, advantages_N)
+        self.log_completions(scored.prompts, scored.rollout, scored.rewards_NF, advantages_N, extra)
         batch = pad_rollout(
             scored.prompt_ids,
             scored.rollout,
@@ -336,6 +338,7 @@ class GRPOTrainer(RolloutBatches, ModelSaving):
             else self.state.global_step * args.gradient_accumulation_steps + self._micro_step
         )
         prefix = "eval_" if evaluation else ""
+        self.reward_logs.take()  # a reward's logs belong to the rollout that called it (an evaluation's are dropped)
         with self.engine.awake(sync=self.sync_weights), self._timed(f"{prefix}generate"):
             rollout = self.generate(prompt_ids, g)
         with self._timed(f"{prefix}reward"):
@@ -403,6 +406,7 @@ class GRPOTrainer(RolloutBatches, ModelSaving):
                 **{k: repeat(v) for k, v in columns.items()},
                 **(self.agents.columns if self.agents is not None else {}),  # one value per completion already
                 "trainer_state": self.state,
+                **self.reward_logs.arguments(),
             },
         )
 
@@ -532,17 +536,22 @@ class GRPOTrainer(RolloutBatches, ModelSaving):
         )
 
     def log_completions(
-        self, prompts: list, rollout: Rollout, rewards_NF: torch.Tensor, advantages_N: torch.Tensor
+        self,
+        prompts: list,
+        rollout: Rollout,
+        rewards_NF: torch.Tensor,
+        advantages_N: torch.Tensor,
+        extra: dict[str, list] | None = None,
     ) -> None:
-        """With `log_completions`, hand the first rank's rollout to the completion log every
-        `log_completions_steps` (every logging step when unset)."""
+        """With `log_completions`, hand the first rank's rollout (and the columns its reward functions added with
+        `log_extra`) to the completion log every `log_completions_steps` (every logging step when unset)."""
         step = self.state.global_step + 1  # the optimizer step this rollout trains, as logs number it
         if self._completion_log is None or step % (self.args.log_completions_steps or self.state.logging_steps):
             return
         texts = self.processing_class.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         rewards = {reward_name(f): rewards_NF[:, j].tolist() for j, f in enumerate(self.reward_funcs)}
         total_N = (rewards_NF * self.reward_weights).nansum(dim=1)
-        self._completion_log.record(step, prompts, texts, rewards, total_N.tolist(), advantages_N.tolist())
+        self._completion_log.record(step, prompts, texts, rewards, total_N.tolist(), advantages_N.tolist(), extra)
 
     # --- evaluation -------------------------------------------------------------------------------------
 

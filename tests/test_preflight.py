@@ -13,13 +13,13 @@ import os
 import sys
 import uuid
 from collections import Counter
-from contextlib import redirect_stderr, redirect_stdout
+from contextlib import redirect_stderr
 from unittest.mock import patch
 
 import pandas as pd
 import pytest
 import torch
-from conftest import ROOT, run_cli
+from conftest import ROOT, refused, run_cli
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer, Qwen2Config
@@ -68,25 +68,10 @@ def _model_folder(path, config, chat_template=None) -> str:
 
 
 def cli_error(label: str, *flags: str, env: dict | None = None) -> str:
-    """Run `colograd/train.py --config <tiny recipe> FLAGS` in this process and return its error line, having
-    checked: exit code 2, stderr exactly one line `colograd: error: ...`, no traceback, no weights read, no engine
-    started."""
+    """Run `colograd/train.py --config <tiny recipe> FLAGS` in this process and return its error line, checked as
+    `conftest.refused` checks one; counted under `label`."""
     CASES[label] += 1
-    err, out = io.StringIO(), io.StringIO()
-    with (
-        patch("colograd.train.load_model", side_effect=AssertionError("weights were read")),
-        patch("colograd.trainer.Engine", side_effect=AssertionError("an engine was started")),
-        patch.dict(os.environ, env or {}),
-        redirect_stderr(err),
-        redirect_stdout(out),
-        pytest.raises(SystemExit) as exit_,
-    ):
-        train.cli(["--config", TINY, *flags])
-    lines = err.getvalue().splitlines()
-    assert exit_.value.code == 2, err.getvalue()
-    assert len(lines) == 1 and lines[0].startswith("colograd: error: "), err.getvalue()
-    assert "Traceback" not in err.getvalue() + out.getvalue()
-    return lines[0]
+    return refused("--config", TINY, *flags, env=env)
 
 
 def write(work, rows: list[dict], fmt: str = "jsonl") -> str:

@@ -1,6 +1,8 @@
 """Stages owe nothing but their return values: the trainer records the metrics around them, and training and
 evaluation take their rollouts from one call (`GRPOTrainer.sample`)."""
 
+import json
+
 import pytest
 import torch
 
@@ -86,3 +88,56 @@ def test_overrides_without_super_keep_every_metric_and_evaluation_shares_the_rol
     window = set(trainer._metrics)
     assert not window & {"reward", "completions/mean_length", "time/generate", "time/reward"}
     assert {"time/eval_generate", "time/eval_reward"} <= window
+
+
+def logging_reward(completions, log_extra, log_metric, **kwargs):
+    """A TRL reward function that logs a column and a metric, as TRL's `log_extra` / `log_metric` allow."""
+    log_extra("length", [len(c) for c in completions])
+    log_metric("mean_length_seen", sum(map(len, completions)) / len(completions))
+    return [1.0] * len(completions)
+
+
+@pytest.mark.slow
+def test_reward_functions_log_columns_and_metrics_as_in_trl(tmp_path):
+    args = tiny.run_config(str(tmp_path), 1, per_device_train_batch_size=16, num_generations=4, logging_steps=1,
+                           log_completions=True)  # fmt: skip
+    trainer = GRPOTrainer(
+        model=tiny.build_model(),
+        reward_funcs=logging_reward,
+        args=args,
+        train_dataset=tiny.letters_dataset(16),
+        processing_class=tiny.build_tokenizer(),
+    )
+    trainer.train()
+    log = next(h for h in trainer.state.log_history if "loss" in h)
+    rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert len(rows) == 16 and all(row["extra"]["length"] == len(row["completion"]) for row in rows)
+    assert log["mean_length_seen"] == pytest.approx(sum(len(row["completion"]) for row in rows) / 16)
+
+
+class Ranks:
+    """Stands in for the accelerator of rank 0 of two, whose other rank's gathered tensors are `other`."""
+
+    num_processes, device = 2, "cpu"
+
+    def __init__(self, other: torch.Tensor | None) -> None:
+        self.other, self.sent = other, None
+
+    def gather(self, tensor):
+        self.sent = tensor
+        return torch.cat([tensor, self.other]) if self.other is not None else tensor
+
+
+def test_window_metrics_of_two_ranks_where_one_recorded_a_metric_the_other_did_not(monkeypatch):
+    from colograd import timing
+
+    mine = {"reward": [1.0, 3.0], "extra/max": [5.0], "time/train": [2.0, 2.0]}
+    theirs = {"reward": [4.0], "extra/max": [], "only_mine_seen/min": [], "time/train": [6.0]}
+    mine["only_mine_seen/min"] = [-2.0]
+    monkeypatch.setattr(timing, "gather_object", lambda names: sorted(set(mine) | set(theirs)))
+    other = Ranks(None)
+    timing.window_metrics(theirs, 2, other)  # what the other rank sends
+    logs = timing.window_metrics(mine, 2, Ranks(other.sent))
+    assert logs["reward"] == pytest.approx((2.0 + 4.0) / 2)
+    assert logs["extra/max"] == 5.0 and logs["only_mine_seen/min"] == -2.0  # the rank without it is left out
+    assert logs["time/train"] == pytest.approx((2.0 + 3.0) / 2)  # per optimizer step, mean over ranks
