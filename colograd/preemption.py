@@ -82,10 +82,10 @@ class StoppedBySigterm(SystemExit):
 
 
 class Interrupted(KeyboardInterrupt):
-    """Ctrl-C inside a stage; the message names the optimizer step and the stage."""
+    """Ctrl-C during training; the message names the optimizer step and, inside one, the stage."""
 
-    def __init__(self, step: int, stage: str) -> None:
-        super().__init__(f"optimizer step {step}, stage {stage!r}")
+    def __init__(self, step: int, stage: str | None = None) -> None:
+        super().__init__(f"optimizer step {step}" + (f", stage {stage!r}" if stage else ""))
 
 
 @contextmanager
@@ -139,10 +139,12 @@ class Preemption(TrainerCallback):
     def __init__(self) -> None:
         self.requested = False
         self._signalled = False
+        self._step = 0  # the optimizer step in progress, which a Ctrl-C outside the stages is said to stop
 
     @contextmanager
     def armed(self) -> Iterator[None]:
-        """Catch SIGTERM while the body runs (signal handlers can only be set from the main thread)."""
+        """Catch SIGTERM while the body runs (signal handlers can only be set from the main thread); Ctrl-C outside
+        a stage (`stage_failures`) leaves it as `Interrupted`, naming the step."""
         self.requested = self._signalled = False
         _sigterm.clear()
         if threading.current_thread() is not threading.main_thread():
@@ -151,6 +153,10 @@ class Preemption(TrainerCallback):
         previous = signal.signal(signal.SIGTERM, self._on_signal)
         try:
             yield
+        except KeyboardInterrupt as err:
+            if isinstance(err, Interrupted) or not self._step:
+                raise
+            raise Interrupted(self._step) from err
         finally:
             signal.signal(signal.SIGTERM, previous)
 
@@ -158,6 +164,12 @@ class Preemption(TrainerCallback):
         # Only a flag: the step in progress finishes, and a launcher's repeated SIGTERM changes nothing.
         self._signalled = True
         _sigterm.set()
+
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs
+    ) -> TrainerControl:
+        self._step = state.global_step + 1
+        return control
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs

@@ -19,10 +19,11 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, run_cli, start_launch
+from transformers import TrainerControl, TrainerState
 
 from colograd import train
 from colograd.checkpoints import is_complete, last_complete_checkpoint
-from colograd.preemption import Interrupted, exit_interrupted, stage_failures
+from colograd.preemption import Interrupted, Preemption, exit_interrupted, stage_failures
 
 MAX_STEPS = 40
 FLAGS = [
@@ -172,7 +173,7 @@ def test_ctrl_c_in_a_stage_names_the_step_and_the_stage(tmp_path):
 def test_ctrl_c_ends_in_one_line_on_the_main_process_and_exit_130(tmp_path, monkeypatch, capsys, rank):
     finished = tmp_path / "checkpoint-2"
     finished.mkdir()
-    (finished / "trainer_state.json").write_text("{}")  # saved before records existed: counts as finished
+    (finished / "trainer_state.json").write_text('{"global_step": 2}')  # saved before records existed: finished
     monkeypatch.setenv("RANK", rank)
     with pytest.raises(SystemExit) as exit_:
         try:
@@ -272,3 +273,10 @@ def test_sigterm_to_the_launcher_reaches_every_rank_and_ends_a_hung_run_within_t
     assert "colograd: stopped by SIGTERM during optimizer step 2, stage 'reward'" in text, text[-3000:]
     assert not re.search(r'File ".*/colograd/', text), text[-3000:]
     assert is_complete(out / "checkpoint-1") and not (out / "checkpoint-2").exists()
+
+
+def test_ctrl_c_between_stages_names_the_step():
+    preemption = Preemption()
+    preemption.on_step_begin(None, TrainerState(global_step=6), TrainerControl())
+    with pytest.raises(Interrupted, match=r"^optimizer step 7$"), preemption.armed():
+        raise KeyboardInterrupt  # in transformers' loop: the optimizer step, a save, a callback
