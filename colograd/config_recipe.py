@@ -24,6 +24,9 @@ from transformers.hf_argparser import string_to_bool
 
 from colograd.errors import ConfigError
 
+# Text fields whose values include true and false (`share_prompts: auto | true | false`): YAML's boolean there is
+# meant, and the field reads it.
+TEXT_OR_BOOLEAN = {"share_prompts"}
 _FIX_YAML = "indent with spaces, close every quote and bracket, and write each key as `key: value`"
 
 
@@ -139,6 +142,8 @@ def check_recipe_value(path: str, key: str, value: Any, field_type: Any, default
         ConfigError: the value cannot stand for the field: `num_generations: [8]`, `output_dir: {a: 1}`,
             `max_steps: 10.5`, `bf16: maybe`, an empty value for a field that needs one.
     """
+    if key in TEXT_OR_BOOLEAN and isinstance(value, bool):
+        return value
     try:
         return coerce(field_type, value)
     except _Mismatch:

@@ -167,6 +167,7 @@ def test_wrong_shapes_are_named_with_the_fix(cli, tmp_path, line, message):
         ("max_steps: 20.0", "max_steps", 20),
         ("dataset_config: 2023", "dataset_config", "2023"),  # a number where text goes reads back the same
         ("num_generations: '4'", "num_generations", 4),
+        ("share_prompts: false", "share_prompts", False),  # a text field whose values include true and false
     ],
 )
 def test_values_convert_as_trls_parser_converts_them(tmp_path, line, name, value):
