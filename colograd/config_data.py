@@ -1,19 +1,39 @@
-"""Dataset options beyond the training split: TRL's evaluation split and streaming, and open-r1's prompt column
-and system prompt, with their names and meanings."""
+"""Data and rewards: what `colograd/train.py` trains on (TRL's script arguments, open-r1's prompt column and system
+prompt, with their names and meanings)."""
 
 from dataclasses import dataclass, field
 
 
 @dataclass
-class PromptOptions:
-    """Which column holds the prompts, a system prompt to put before each, the split to evaluate on, and whether
-    the training split is streamed."""
+class ScriptArguments:
+    """The dataset, its splits and prompt column, and the reward functions."""
 
+    dataset_name: str = field(
+        default="colograd:letters",
+        metadata={
+            "help": "A hub dataset id, a local .json/.jsonl/.csv/.parquet file, a local folder of them, or a "
+            "built-in ('colograd:letters'). Rows need a 'prompt' (text or chat messages)."
+        },
+    )
+    dataset_config: str | None = field(
+        default=None, metadata={"help": "The hub dataset's configuration (subset) name."}
+    )
+    dataset_train_split: str = field(
+        default="train",
+        metadata={"help": "The split to train on (a file loads as 'train'; a folder's files name its splits)."},
+    )
     dataset_test_split: str = field(
         default="test",
         metadata={"help": "The split evaluated on every eval_steps when eval_strategy is set (TRL's name)."},
     )
-
+    dataset_streaming: bool = field(
+        default=False,
+        metadata={
+            "help": "Stream the training split (datasets' streaming=True): rows are read as training goes, never "
+            "all held or downloaded first. Needs max_steps; preflight checks the first rows. The eval split is "
+            "read whole."
+        },
+    )
     dataset_prompt_column: str = field(
         default="prompt",
         metadata={
@@ -24,11 +44,17 @@ class PromptOptions:
     system_prompt: str | None = field(
         default=None, metadata={"help": "A system message put before every prompt (which then becomes a chat)."}
     )
-    dataset_streaming: bool = field(
+    reward_funcs: list[str] = field(
+        default_factory=lambda: ["letters"],
+        metadata={
+            "help": "Reward functions: built-in names (see colograd.rewards.BUILTIN_REWARDS), dotted paths to "
+            "functions (my_pkg.rewards.length), or a sequence-classification reward model (a local folder or hub id)."
+        },
+    )
+    drop_invalid_prompts: bool = field(
         default=False,
         metadata={
-            "help": "Stream the training split (datasets' streaming=True): rows are read as training goes, never "
-            "all held or downloaded first. Needs max_steps; preflight checks the first rows. The eval split is "
-            "read whole."
+            "help": "Drop dataset rows whose prompt is invalid (empty, malformed messages, nothing after "
+            "tokenizing), and print how many, instead of stopping with an error that names the first."
         },
     )

@@ -1,4 +1,5 @@
-"""Generation options beyond the basic sampling ones, with TRL's `GRPOConfig` names and meanings."""
+"""Generation: the rollout's size, the prompt and completion lengths, sampling, and tool calls (TRL's names and
+meanings)."""
 
 import difflib
 from dataclasses import dataclass, field
@@ -9,8 +10,49 @@ from colograd.errors import ConfigError, keyword_arguments
 
 @dataclass
 class GenerationOptions:
-    """Sampling filters and the keyword arguments passed on to the engine and to the chat template."""
+    """How many completions are sampled per prompt and per rollout, how long they may be, how they are sampled
+    (the filters, and the keyword arguments passed on to the engine and to the chat template), and how many tool
+    calls a completion may make."""
 
+    num_generations: int = field(
+        default=8, metadata={"help": "Completions sampled per prompt (the group size G). At least 2."}
+    )
+    num_generations_eval: int | None = field(
+        default=None,
+        metadata={"help": "Completions sampled per prompt when evaluating (eval_strategy). None: num_generations."},
+    )
+    steps_per_generation: int | None = field(
+        default=None,
+        metadata={
+            "help": "Micro-steps one rollout feeds: each rank generates for per_device_train_batch_size × this many "
+            "completions at once, then trains on them a slice per micro-step. None: gradient_accumulation_steps "
+            "(one rollout per optimizer step). Exclusive with generation_batch_size."
+        },
+    )
+    generation_batch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Completions per rollout over all ranks; sets steps_per_generation to this divided by "
+            "per_device_train_batch_size × number of processes. Exclusive with steps_per_generation."
+        },
+    )
+    max_prompt_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "Prompts longer than this many tokens keep their last tokens. None (TRL 1.16 has no such field "
+            "and truncates nothing): prompts are kept whole, the engine's context is the model's own, and a prompt "
+            "that leaves no room in it for a whole completion is refused before start-up (or dropped, with "
+            "drop_invalid_prompts)."
+        },
+    )
+    max_completion_length: int = field(default=512, metadata={"help": "Most tokens sampled per completion."})
+    temperature: float = field(
+        default=1.0, metadata={"help": "Sampling temperature (also applied to training log-probs)."}
+    )
+    top_p: float = field(
+        default=1.0, metadata={"help": "Nucleus sampling: keep the smallest token set with this mass."}
+    )
+    top_k: int = field(default=0, metadata={"help": "Sample among the k likeliest tokens; 0 disables."})
     min_p: float | None = field(
         default=None,
         metadata={
@@ -18,6 +60,7 @@ class GenerationOptions:
             "0.01-0.2). None disables."
         },
     )
+    repetition_penalty: float = field(default=1.0, metadata={"help": "vLLM repetition penalty; 1.0 disables."})
     generation_kwargs: dict[str, Any] | str | None = field(
         default=None,
         metadata={
@@ -25,10 +68,6 @@ class GenerationOptions:
             "Keys that have a config field (temperature, top_p, ...) are set there; n, logprobs and seed are the "
             "trainer's."
         },
-    )
-    num_generations_eval: int | None = field(
-        default=None,
-        metadata={"help": "Completions sampled per prompt when evaluating (eval_strategy). None: num_generations."},
     )
     vllm_structured_outputs_regex: str | None = field(
         default=None,
@@ -44,6 +83,14 @@ class GenerationOptions:
             '{"enable_thinking": false}).'
         },
     )
+    max_tool_calling_iterations: int | None = field(
+        default=None,
+        metadata={"help": "Most model turns that may call tools per completion; None: no limit (TRL's meaning)."},
+    )
+    tool_timeout: float = field(
+        default=60.0,
+        metadata={"help": "Seconds a turn's tool calls may take; past it the model reads a timeout error."},
+    )
 
     def check_generation(self) -> None:
         """Parse JSON given on the command line; check the ranges and the SamplingParams keys."""
@@ -51,6 +98,43 @@ class GenerationOptions:
             setattr(self, name, keyword_arguments(name, getattr(self, name)))
         if self.generation_kwargs:
             _check_sampling_keys(self.generation_kwargs)
+
+    def derive_generation_batch(self) -> None:
+        """Fill in whichever of steps_per_generation / generation_batch_size was left out (TRL's rule)."""
+        global_batch = self.per_device_train_batch_size * self.world_size
+        if self.steps_per_generation is not None and self.generation_batch_size is not None:
+            raise ConfigError("steps_per_generation and generation_batch_size are both set; set only one of them.")
+        if self.generation_batch_size is not None:
+            if self.generation_batch_size % global_batch:
+                raise ConfigError(
+                    f"generation_batch_size={self.generation_batch_size} is not a multiple of "
+                    f"per_device_train_batch_size × processes = {global_batch}; set it to a multiple of it."
+                )
+            self.steps_per_generation = self.generation_batch_size // global_batch
+        if self.steps_per_generation is None:
+            self.steps_per_generation = self.gradient_accumulation_steps
+        self.generation_batch_size = global_batch * self.steps_per_generation
+
+    def check_lengths(self, model_config: Any) -> None:
+        """Check that a prompt and a completion fit the model's context and the engine's, before start-up."""
+        need = (self.max_prompt_length or 0) + self.max_completion_length
+        what = "max_prompt_length + max_completion_length" if self.max_prompt_length else "max_completion_length"
+        if self.vllm_max_model_length is not None and need > self.vllm_max_model_length:
+            raise ConfigError(
+                f"{what} = {need} tokens exceeds vllm_max_model_length={self.vllm_max_model_length}; lower them or "
+                "raise vllm_max_model_length."
+            )
+        context = getattr(model_config, "max_position_embeddings", None)
+        if context is not None and need > context:
+            raise ConfigError(
+                f"{what} = {need} tokens exceeds the model's context of {context} (max_position_embeddings); "
+                "lower max_prompt_length or max_completion_length."
+            )
+
+    @property
+    def prompts_per_device(self) -> int:
+        """Prompts each rank takes per micro-step: per_device_train_batch_size counts completions."""
+        return self.per_device_train_batch_size // self.num_generations
 
 
 # Set by the trainer for every request: n (the group), logprobs (the sampling policy's log-probs), seed (the

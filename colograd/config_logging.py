@@ -1,12 +1,26 @@
-"""Logging options beyond the basic ones, with TRL's `GRPOConfig` names and meanings."""
+"""Logging: what the completion log shows and when (TRL's names and meanings). `logging_steps`, a field of
+`TrainingArguments` whose default colograd changes, is set in `colograd.config`."""
 
 from dataclasses import dataclass, field
 
 
 @dataclass
 class LoggingOptions:
-    """What the completion log shows."""
+    """The sample of completions printed, written to completions.jsonl and sent to the trackers."""
 
+    log_completions: bool = field(
+        default=False,
+        metadata={
+            "help": "Print a sample of prompts, completions and rewards every log_completions_steps, and append "
+            "the first rank's rollout of that step to output_dir/completions.jsonl."
+        },
+    )
+    num_completions_to_print: int | None = field(
+        default=None, metadata={"help": "Completions printed each time (whole groups first). None prints all."}
+    )
+    log_completions_steps: int | None = field(
+        default=None, metadata={"help": "Log completions every this many optimizer steps. None: every logging step."}
+    )
     log_unique_prompts: bool = field(
         default=False,
         metadata={

@@ -1,20 +1,107 @@
-"""The surrogate objectives beyond PPO's clipping, with TRL's `GRPOConfig` names, defaults and meanings."""
+"""The loss: the objective (loss_type and its parameters, clipping, the KL penalty), how rewards become advantages,
+the importance-sampling correction, and the regularizers (entropy terms, reference updates), with TRL's names,
+defaults and meanings."""
 
 from dataclasses import dataclass, field
 
 from colograd.errors import ConfigError
 
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+IS_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+SCALE_REWARDS = ("group", "batch", "none")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+
 
 @dataclass
-class SurrogateOptions:
-    """Parameters of loss_type cispo / sapo / vespo, two-sided clipping, the off-policy sequence mask, and how
-    several rewards aggregate into advantages."""
+class LossOptions:
+    """The objective: its loss_type and parameters, clipping, the KL penalty, the passes over a rollout, how
+    rewards aggregate into advantages, and the correction for the engine's sampling policy."""
 
+    loss_type: str = field(
+        default="dapo",
+        metadata={"help": f"How per-token losses are averaged: one of {', '.join(LOSS_TYPES)} (TRL's meanings)."},
+    )
+    beta: float = field(
+        default=0.0,
+        metadata={
+            "help": "Weight of the KL penalty to the reference model (the initial policy; with LoRA, the model with "
+            "its adapters disabled). 0 loads no reference."
+        },
+    )
+    use_bias_correction_kl: bool = field(
+        default=True,
+        metadata={"help": "Multiply the per-token KL by the importance ratio (unbiased reverse-KL gradient, as TRL)."},
+    )
+    num_iterations: int = field(
+        default=1, metadata={"help": "Optimization passes over each rollout (μ in the GRPO paper)."}
+    )
+    importance_sampling_level: str = field(
+        default="token",
+        metadata={
+            "help": "token: one importance ratio per token; sequence: one per completion, the exponentiated mean "
+            "log-ratio of its tokens (GSPO)."
+        },
+    )
+    epsilon: float = field(
+        default=0.2, metadata={"help": "Lower clipping bound of the importance ratio: 1 - epsilon."}
+    )
+    epsilon_high: float | None = field(
+        default=None, metadata={"help": "Upper clipping bound: 1 + epsilon_high. None: same as epsilon."}
+    )
     delta: float | None = field(
         default=None,
         metadata={
             "help": "Two-sided clipping (INTELLECT-2): cap the unclipped importance ratio at delta too, so a "
             "negative advantage's loss stays bounded. Above 1 + epsilon_high when set. None: PPO's clipping."
+        },
+    )
+    scale_rewards: str = field(
+        default="group",
+        metadata={
+            "help": "Divide advantages by the reward std of the group, of the whole batch (all ranks), or none."
+        },
+    )
+    reward_weights: list[float] | None = field(
+        default=None, metadata={"help": "One weight per reward function; None weighs them all 1."}
+    )
+    multi_objective_aggregation: str = field(
+        default="sum_then_normalize",
+        metadata={
+            "help": "With several reward functions: sum_then_normalize (weighted sum, then normalised as "
+            "scale_rewards says) or normalize_then_sum (GDPO: each function normalised within its group, then the "
+            "weighted sum normalised over the whole batch, every rank's)."
+        },
+    )
+    mask_truncated_completions: bool = field(
+        default=False, metadata={"help": "Leave completions cut at max_completion_length out of the loss."}
+    )
+    vllm_importance_sampling_correction: bool = field(
+        default=False,
+        metadata={
+            "help": "Weight each token's loss by π_trainer / π_engine of its sampled token (the trainer's and the "
+            "engine's probabilities under the same weights), bounded as vllm_importance_sampling_mode says: "
+            "corrects for numerical differences between the two (TRL's truncated importance sampling)."
+        },
+    )
+    vllm_importance_sampling_mode: str = field(
+        default="token_truncate",
+        metadata={
+            "help": f"One of {', '.join(IS_CORRECTION_MODES)}: a ratio per token or per completion (the product "
+            "over its tokens); truncate clamps it to [clip_min, clip_max], mask zeroes it outside (TRL's modes)."
+        },
+    )
+    vllm_importance_sampling_clip_max: float | None = field(
+        default=3.0, metadata={"help": "Upper bound C_max of the correction ratio. None: no upper bound."}
+    )
+    vllm_importance_sampling_clip_min: float | None = field(
+        default=None, metadata={"help": "Lower bound C_min of the correction ratio. None: no lower bound."}
+    )
+    off_policy_mask_threshold: float | None = field(
+        default=None,
+        metadata={
+            "help": "Off-policy sequence masking (DeepSeek-V3.2): leave out of the loss a completion with a negative "
+            "advantage whose mean per-token KL between the engine's sampling policy and the current one exceeds "
+            "this (e.g. 0.5). None disables."
         },
     )
     sapo_temperature_pos: float = field(
@@ -35,41 +122,34 @@ class SurrogateOptions:
     vespo_lambda_neg: float = field(
         default=2.0, metadata={"help": "loss_type vespo: decay λ of the Gamma weight, negative advantages."}
     )
-    multi_objective_aggregation: str = field(
-        default="sum_then_normalize",
-        metadata={
-            "help": "With several reward functions: sum_then_normalize (weighted sum, then normalised as "
-            "scale_rewards says) or normalize_then_sum (GDPO: each function normalised within its group, then the "
-            "weighted sum normalised over the whole batch, every rank's)."
-        },
-    )
-    off_policy_mask_threshold: float | None = field(
-        default=None,
-        metadata={
-            "help": "Off-policy sequence masking (DeepSeek-V3.2): leave out of the loss a completion with a negative "
-            "advantage whose mean per-token KL between the engine's sampling policy and the current one exceeds "
-            "this (e.g. 0.5). None disables."
-        },
-    )
 
-    def check_surrogate(self) -> None:
-        """The values the objectives are defined for."""
+    def check_loss(self) -> None:
+        """The names the objective knows, and the values it is defined for."""
+        for name, known in (
+            ("loss_type", LOSS_TYPES),
+            ("scale_rewards", SCALE_REWARDS),
+            ("importance_sampling_level", IMPORTANCE_SAMPLING_LEVELS),
+            ("multi_objective_aggregation", ("sum_then_normalize", "normalize_then_sum")),
+            ("vllm_importance_sampling_mode", IS_CORRECTION_MODES),
+        ):
+            if getattr(self, name) not in known:
+                raise ConfigError(f"{name}={getattr(self, name)!r} is unknown; use one of {', '.join(known)}.")
         if self.delta is not None and self.delta <= 1 + self.epsilon_high:
             raise ConfigError(
                 f"delta={self.delta} caps the ratio below the clipping range's top 1 + epsilon_high = "
                 f"{1 + self.epsilon_high}; set it above that, or to None."
             )
-        if self.multi_objective_aggregation not in ("sum_then_normalize", "normalize_then_sum"):
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if low is not None and high is not None and low >= high:
             raise ConfigError(
-                f"multi_objective_aggregation={self.multi_objective_aggregation!r} is unknown; use "
-                "sum_then_normalize or normalize_then_sum."
+                f"vllm_importance_sampling_clip_min={low} is not below vllm_importance_sampling_clip_max={high}; "
+                "lower the first or raise the second."
             )
 
 
 @dataclass
 class RegularizerOptions:
-    """The entropy terms of the loss, the reference model's updates, and the output layer's precision (TRL's
-    names, defaults and meanings)."""
+    """The entropy terms of the loss and the reference model's updates (TRL's names, defaults and meanings)."""
 
     top_entropy_quantile: float = field(
         default=1.0,
@@ -119,13 +199,6 @@ class RegularizerOptions:
     )
     ref_model_sync_steps: int = field(
         default=512, metadata={"help": "sync_ref_model: optimizer steps between reference updates (τ)."}
-    )
-    cast_lm_head_to_fp32: bool = field(
-        default=False,
-        metadata={
-            "help": "The output layer computes the training log-probs and entropies in float32, outside autocast, "
-            "for the policy and the reference (ScaleRL). Its weights keep their dtype (see docs/reference.md)."
-        },
     )
 
     def check_regularizers(self) -> None:

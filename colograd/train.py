@@ -26,7 +26,7 @@ from transformers import (
 from trl import ModelConfig, TrlParser, get_peft_config
 
 from colograd import GRPOConfig, GRPOTrainer, ScriptArguments, model_files, pretrained, tiny
-from colograd.config import ConfigError
+from colograd.config import COMMON_FIELDS, TOPICS, ConfigError
 from colograd.config_loading import model_init_kwargs, tokenizer_kwargs
 from colograd.config_ranges import check_ranges
 from colograd.config_recipe import check_recipe_value, read_recipe
@@ -200,12 +200,33 @@ class _Parser(TrlParser):
         # end in "expected one argument" instead of reaching the range check.
         self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
         self._recipe_path = ""
+        # argparse's usage would list every field (200 lines) before the help: say how the command is used instead.
+        self.usage = "%(prog)s [--config RECIPE.yaml] [--FIELD VALUE ...] [--debug]"
+        self.description = (
+            "Train with GRPO. --config reads a YAML recipe of FIELD: VALUE keys (see recipes/); flags override them; "
+            "--debug adds the traceback to an error. The fields follow, by topic."
+        )
+        self._group_help()
         self._fields = {
             f.name: (hints[f.name], _default(f))
             for cls in self.dataclass_types
             for hints in [typing.get_type_hints(cls)]
             for f in dataclasses.fields(cls)
         }
+
+    def _group_help(self) -> None:
+        """`--help` by topic (`colograd.config.TOPICS`): the fields people set first, TRL's refused ones last."""
+        topic = _topics()
+        common = "Most used"
+        groups = {title: self.add_argument_group(title) for title in [common, *(title for title, _ in TOPICS)]}
+        ungrouped = []
+        for action in self._optionals._group_actions:
+            # argparse formats help with %: a bare one ("saves 20% of") broke --help; transformers' write %%.
+            action.help = action.help and re.sub(r"%%|%\(\w+\)\w|%", _escape_percent, action.help)
+            title = common if action.dest in COMMON_FIELDS else topic.get(action.dest)
+            (groups[title]._group_actions if title else ungrouped).append(action)
+        self._optionals._group_actions = ungrouped  # -h, and any field of a class TOPICS does not list
+        groups[common]._group_actions.sort(key=lambda action: COMMON_FIELDS.index(action.dest))
 
     def error(self, message: str) -> NoReturn:
         _fail(message)
@@ -250,6 +271,23 @@ class _Parser(TrlParser):
             known = sorted(action.dest for action in self._actions)
             raise ValueError(unknown_key_message(flags[0].removeprefix("--").partition("=")[0], known))
         return namespace, remaining
+
+
+def _escape_percent(match: re.Match) -> str:
+    """A help text's bare % doubled; %% and %(default)s kept."""
+    return "%%" if match.group(0) == "%" else match.group(0)
+
+
+def _topics() -> dict[str, str]:
+    """Each field's topic title: that of the smallest class in `TOPICS` that has it (GRPOConfig has every mixin's
+    field, so it is the topic of TrainingArguments' fields only)."""
+    topic: dict[str, tuple[int, str]] = {}
+    for title, cls in TOPICS:
+        names = [f.name for f in dataclasses.fields(cls)]
+        for name in names:
+            if name not in topic or len(names) < topic[name][0]:
+                topic[name] = (len(names), title)
+    return {name: title for name, (_, title) in topic.items()}
 
 
 def _config_path(args: list[str]) -> tuple[str | None, list[str]]:

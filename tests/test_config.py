@@ -15,7 +15,7 @@ from transformers import TrainingArguments
 from trl import ModelConfig, TrlParser
 
 from colograd import GRPOConfig, ScriptArguments, tiny
-from colograd.config import ConfigError
+from colograd.config import COMMON_FIELDS, TOPICS, ConfigError
 from colograd.rewards import resolve_reward
 from colograd.train import _Parser, load_model
 from colograd.trl_compat import DIFFERENT_DEFAULTS, refused_fields
@@ -310,3 +310,23 @@ def test_configuration_reference_lists_every_field():
     expected += [f.name for cls in (ScriptArguments, ModelConfig) for f in dataclasses.fields(cls)]
     assert sorted(set(expected) - set(listed)) == []
     assert len(listed) == len(set(listed))  # each field documented once
+
+
+def test_help_leads_with_the_fields_people_set_and_ends_with_trls_refused_ones(capsys):
+    """`--help` opens with the common fields (not with TRL's refused ones), then one section per topic module."""
+    with pytest.raises(SystemExit) as stop:
+        _Parser((ScriptArguments, GRPOConfig, ModelConfig)).parse_args_and_config(["--help"])
+    assert stop.value.code == 0
+    text = capsys.readouterr().out
+    flags = re.findall(r"^  --(\w+)", text, flags=re.MULTILINE)
+    head = ["model_name_or_path", "dataset_name", "reward_funcs", "output_dir", "learning_rate", "num_generations",
+            "max_completion_length", "per_device_train_batch_size"]  # fmt: skip
+    assert flags[: len(head)] == head
+    assert flags[: len(COMMON_FIELDS)] == list(COMMON_FIELDS)
+    last_title = TOPICS[-1][0]
+    before, last = text.split(f"\n{last_title}:\n")
+    assert set(refused_fields()) <= set(re.findall(r"^  --(\w+)", last, flags=re.MULTILINE))  # TRL's refused: last
+    assert not set(refused_fields()) & set(re.findall(r"^  --(\w+)", before, flags=re.MULTILINE))
+    sections = re.findall(r"^(\S[^\n]*):$", text, flags=re.MULTILINE)
+    assert sections == ["options", "Most used", *(title for title, _ in TOPICS)]
+    assert len(flags) == len(set(flags))  # every field once

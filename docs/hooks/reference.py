@@ -8,28 +8,12 @@ import dataclasses
 import re
 
 from transformers import TrainingArguments
-from trl import ModelConfig
 
-from colograd.config import GRPOConfig, ScriptArguments
-from colograd.config_data import PromptOptions
-from colograd.config_generation import GenerationOptions
-from colograd.config_loading import LoadingOptions
-from colograd.config_logging import LoggingOptions
-from colograd.config_loss import RegularizerOptions, SurrogateOptions
-from colograd.trl_compat import TRLOnlyFields, trl_compat_table
+from colograd.config import TOPICS, GRPOConfig
+from colograd.trl_compat import trl_compat_table
 
-CLASSES = {
-    "GRPOConfig": GRPOConfig,
-    "ScriptArguments": ScriptArguments,
-    "ModelConfig": ModelConfig,
-    "GenerationOptions": GenerationOptions,
-    "LoadingOptions": LoadingOptions,
-    "LoggingOptions": LoggingOptions,
-    "SurrogateOptions": SurrogateOptions,
-    "RegularizerOptions": RegularizerOptions,
-    "TRLOnlyFields": TRLOnlyFields,
-    "PromptOptions": PromptOptions,
-}
+# Each topic module's class, by the name its marker uses (GRPOConfig: the TrainingArguments fields it re-defaults).
+CLASSES = {cls.__name__: cls for _, cls in TOPICS}
 MARKER = re.compile(r"<!-- fields: (\w+) -->")
 TRL_MARKER = "<!-- trl-compat -->"
 
