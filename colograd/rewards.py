@@ -241,6 +241,7 @@ def resolve_rewards(
     Returns:
         The functions, each model made a `RewardModel`, and their weights [F].
     """
+    reward_timeout()  # its setting, checked where the rewards are resolved: before the engine starts
     if reward_funcs is None:
         reward_funcs = []
     elif not isinstance(reward_funcs, list):

@@ -241,10 +241,13 @@ def ended_within(proc: subprocess.Popen, seconds: float, log: Path) -> int:
 
 
 @pytest.mark.slow  # runs the command line
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, None], ids=["sigterm", "ctrl-c", "time-limit"])
 def test_a_signal_during_a_hung_reward_ends_the_run_keeping_the_last_checkpoint(tmp_path, monkeypatch, signum):
+    if signum is None:  # no signal: the reward time limit ends it
+        monkeypatch.setenv("COLOGRAD_REWARD_TIMEOUT", "3")
     proc, log = hung_run(tmp_path, monkeypatch, launcher=False)
-    os.kill(proc.pid, signum)
+    if signum is not None:
+        os.kill(proc.pid, signum)
     ended_within(proc, 30, log)  # a scheduler's grace; SIGTERM waits 10 s for the reward, Ctrl-C none
     out, text = tmp_path / "out", log.read_text()
     assert "Traceback" not in text, text[-3000:]
@@ -255,10 +258,15 @@ def test_a_signal_during_a_hung_reward_ends_the_run_keeping_the_last_checkpoint(
             "colograd: stopped by SIGTERM during optimizer step 2, stage 'reward': reward function 'letters_or_hang' "
             f"had not returned 10 s after it; the unfinished step is not saved, {kept}"
         ], text[-3000:]
-    else:
+    elif signum == signal.SIGINT:
         assert proc.returncode == 130 and lines == [
             f"colograd: interrupted (Ctrl-C) during optimizer step 2, stage 'reward'; {kept}"
         ], text[-3000:]
+    else:
+        assert proc.returncode == 1 and len(lines) == 1, text[-3000:]
+        says = "stage 'reward': RewardTimeout: reward function 'letters_or_hang' did not return within 3 s"
+        assert lines[0].startswith(f"colograd: error: optimizer step 2, {says}"), lines
+        assert kept.replace("intact: ", "intact: fix the cause and ").rstrip(".") in lines[0], lines
     assert is_complete(out / "checkpoint-1") and not (out / "checkpoint-2").exists()
 
 
