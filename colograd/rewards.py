@@ -135,7 +135,7 @@ def resolve_reward(name: str) -> RewardFunc:
             not import (a syntax error, an import inside it failing, any error while it runs), a missing file or
             name, something that is not callable, a class where an instance is needed.
     """
-    reward_timeout()  # the time limit's setting is read at each call: a bad value stops here, before start-up
+    check_time_limits()
     if name in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[name]()
     module_name, colon, attr = name.rpartition(":")
@@ -241,7 +241,7 @@ def resolve_rewards(
     Returns:
         The functions, each model made a `RewardModel`, and their weights [F].
     """
-    reward_timeout()  # its setting, checked where the rewards are resolved: before the engine starts
+    check_time_limits()
     if reward_funcs is None:
         reward_funcs = []
     elif not isinstance(reward_funcs, list):
@@ -330,27 +330,44 @@ def _is_async(func: RewardFunc) -> bool:
 REWARD_TIMEOUT_VARIABLE = "COLOGRAD_REWARD_TIMEOUT"
 # Seconds: an LLM judge or a code sandbox over a large batch takes minutes; a call that never returns, forever.
 DEFAULT_REWARD_TIMEOUT = 1800.0
-# Seconds a reward function still gets once SIGTERM came: a scheduler's grace is 30 s (Kubernetes, torchrun's
-# shutdown), and the rest of the step and its checkpoint need the remainder.
-SIGTERM_PATIENCE = 10.0
+SIGTERM_WAIT_VARIABLE = "COLOGRAD_REWARD_SIGTERM_WAIT"
+# Seconds a reward function still gets once SIGTERM came: a scheduler's grace is 30 s by default (Kubernetes,
+# torchrun's shutdown), and the rest of the step and its checkpoint need the remainder. A longer grace (SLURM's
+# GraceTime) can give it more.
+DEFAULT_SIGTERM_WAIT = 10.0
+
+
+def check_time_limits() -> None:
+    """The time limits' settings, read at each call, checked where rewards are resolved: a bad value stops there,
+    before start-up, in one line."""
+    reward_timeout()
+    sigterm_wait()
 
 
 def reward_timeout() -> float | None:
-    """Seconds one call of a reward function may take: `COLOGRAD_REWARD_TIMEOUT` (read at each call), 1800 when it
-    is unset, None (no limit) for 0. A launcher passes the variable to every rank."""
-    raw = os.environ.get(REWARD_TIMEOUT_VARIABLE, "").strip()
+    """Seconds one call of a reward function may take: `COLOGRAD_REWARD_TIMEOUT`, 1800 when it is unset, None (no
+    limit) for 0. Read at each call (and checked where rewards are resolved); a launcher passes it to every rank."""
+    return _seconds(REWARD_TIMEOUT_VARIABLE, DEFAULT_REWARD_TIMEOUT, "0 for no limit") or None
+
+
+def sigterm_wait() -> float:
+    """Seconds a reward function call may still take once SIGTERM came: `COLOGRAD_REWARD_SIGTERM_WAIT`, 10 when it
+    is unset."""
+    return _seconds(SIGTERM_WAIT_VARIABLE, DEFAULT_SIGTERM_WAIT, "0 to stop at once")
+
+
+def _seconds(variable: str, default: float, zero: str) -> float:
+    """A number of seconds from an environment variable, `default` when it is unset; else one line naming it."""
+    raw = os.environ.get(variable, "").strip()
     if not raw:
-        return DEFAULT_REWARD_TIMEOUT
+        return default
     try:
         seconds = float(raw)
     except ValueError:
         seconds = -1.0
     if not (math.isfinite(seconds) and seconds >= 0):
-        raise ConfigError(
-            f"{REWARD_TIMEOUT_VARIABLE}={raw!r}: give the seconds a reward function call may take (e.g. 600), or 0 "
-            "for no limit."
-        )
-    return seconds or None
+        raise ConfigError(f"{variable}={raw!r}: give a number of seconds (by default {default:g}), or {zero}.")
+    return seconds
 
 
 class RewardError(ValueError):
@@ -366,14 +383,14 @@ def _limited(call: Callable[[], Any], running: Callable[[], str]) -> Any:
 
     Raises:
         RewardTimeout: past the limit.
-        StoppedBySigterm: SIGTERM came and the call had not returned `SIGTERM_PATIENCE` seconds later.
+        StoppedBySigterm: SIGTERM came and the call had not returned `sigterm_wait()` seconds later.
     """
-    limit = reward_timeout()
+    limit, wait = reward_timeout(), sigterm_wait()
     try:
-        return call_within(call, running, limit, SIGTERM_PATIENCE, sigterm_received)
+        return call_within(call, running, limit, wait, sigterm_received)
     except GaveUp as gave_up:
         if gave_up.reason == "sigterm":
-            raise StoppedBySigterm(f"{gave_up.running} had not returned {SIGTERM_PATIENCE:g} s after it") from None
+            raise StoppedBySigterm(f"{gave_up.running} had not returned {wait:g} s after it") from None
         raise RewardTimeout(
             f"{gave_up.running} did not return within {limit:g} s; make it return sooner (a time limit of its own "
             f"per sample), or give it longer: {REWARD_TIMEOUT_VARIABLE}=<seconds>, 0 for no limit."
@@ -402,7 +419,7 @@ def score(
     Raises:
         RewardError: a function raised, did not return in time (`RewardTimeout`), or returned something unusable;
             the message names it and, where there is one, the sample.
-        StoppedBySigterm: SIGTERM came while a function ran, and it did not return within `SIGTERM_PATIENCE`.
+        StoppedBySigterm: SIGTERM came while a function ran, and it did not return within `sigterm_wait()`.
     """
     kwargs = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **columns}
     outputs: dict[int, Any] = {}

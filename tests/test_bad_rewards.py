@@ -239,11 +239,14 @@ def test_no_limit_when_set_to_zero(monkeypatch):
     assert rewards.reward_timeout() == rewards.DEFAULT_REWARD_TIMEOUT
 
 
+@pytest.mark.parametrize("variable", [rewards.REWARD_TIMEOUT_VARIABLE, rewards.SIGTERM_WAIT_VARIABLE])
 @pytest.mark.parametrize("value", ["-1", "inf", "nan", "10 min"])
-def test_a_bad_limit_is_one_line(monkeypatch, value):
-    monkeypatch.setenv(rewards.REWARD_TIMEOUT_VARIABLE, value)
-    with pytest.raises(ConfigError, match=rewards.REWARD_TIMEOUT_VARIABLE):
+def test_a_bad_limit_is_one_line(monkeypatch, variable, value):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError, match=f"{variable}='{re.escape(value)}': give a number of seconds"):
         resolve_reward("letters")
+    with pytest.raises(ConfigError, match=variable):
+        rewards.resolve_rewards([lambda completions, **kw: []], None)
 
 
 def test_the_step_failure_names_function_step_and_stage(limit, tmp_path):
@@ -263,7 +266,7 @@ def sigterm_in(seconds: float) -> threading.Timer:
 
 @pytest.fixture
 def patience(monkeypatch):
-    monkeypatch.setattr(rewards, "SIGTERM_PATIENCE", 0.5)
+    monkeypatch.setenv(rewards.SIGTERM_WAIT_VARIABLE, "0.5")
 
 
 @pytest.mark.parametrize("func", [hangs, hangs_async], ids=lambda f: f.__name__)
