@@ -166,14 +166,16 @@ RANGES: dict[str, Range] = {
 def check_ranges(config: Any) -> None:
     """Raise `ConfigError` for the first numeric field of `config` (a dataclass) outside its declared range, or
     not a number of its kind; None passes where the field may be None."""
-    for f, kind, optional in numeric_fields(type(config)):
+    for f, kind, optional, is_list in numeric_fields(type(config)):
         declared = RANGES.get(f.name)
         if declared is None or declared is TRL_ONLY:
             continue
         value = getattr(config, f.name)
         if value is None and optional:
             continue
-        for number in value if isinstance(value, list | tuple) else [value]:
+        if is_list and not isinstance(value, list | tuple):
+            raise ConfigError(f"{f.name}={value!r}: give a list of numbers, each {declared.describe()}.")
+        for number in value if is_list else [value]:
             _check(f.name, value, number, kind, declared, optional)
 
 
@@ -190,16 +192,17 @@ def _check(name: str, value: Any, number: Any, kind: type, declared: Range, opti
 
 
 @functools.cache
-def numeric_fields(cls: type) -> list[tuple[dataclasses.Field, type, bool]]:
-    """The fields of dataclass `cls` that hold numbers (or lists of them): each with `int` or `float`, and whether
-    it may be None. A field that also takes text (`int | str`) counts as numeric."""
+def numeric_fields(cls: type) -> list[tuple[dataclasses.Field, type, bool, bool]]:
+    """The fields of dataclass `cls` that hold numbers (or lists of them): each with `int` or `float`, whether it
+    may be None, and whether it is a list. A field that also takes text (`int | str`) counts as numeric."""
     hints = typing.get_type_hints(cls)
     found = []
     for f in dataclasses.fields(cls):
         members = _members(hints[f.name])
         numbers = [m for m in members if m in (int, float)]
         if numbers:
-            found.append((f, float if float in numbers else int, type(None) in members))
+            is_list = "list[" in str(hints[f.name])
+            found.append((f, float if float in numbers else int, type(None) in members, is_list))
     return found
 
 

@@ -14,7 +14,7 @@ from trl import ModelConfig
 import colograd.train
 from colograd import GRPOConfig, ScriptArguments
 from colograd.config import ConfigError
-from colograd.config_ranges import ANY, RANGES, TRL_ONLY, check_ranges, numeric_fields
+from colograd.config_ranges import RANGES, TRL_ONLY, check_ranges, numeric_fields
 from colograd.config_recipe import read_recipe
 from colograd.train import _Parser
 
@@ -183,7 +183,7 @@ def test_values_convert_as_trls_parser_converts_them(tmp_path, line, name, value
 
 def _all_numeric_fields() -> list[str]:
     """Every numeric field of GRPOConfig and ScriptArguments, and those of ModelConfig colograd reads (LoRA)."""
-    names = [f.name for cls in (GRPOConfig, ScriptArguments, ModelConfig) for f, _, _ in numeric_fields(cls)]
+    names = [f.name for cls in (GRPOConfig, ScriptArguments, ModelConfig) for f, *_ in numeric_fields(cls)]
     return sorted(set(names))
 
 
@@ -196,7 +196,7 @@ def test_every_numeric_field_declares_its_range(name):
 def _out_of_range(name: str) -> list[float]:
     """Values just outside the declared range of `name`, of its kind, and NaN for float fields."""
     declared = RANGES[name]
-    kind = next(k for cls in (GRPOConfig, ModelConfig) for f, k, _ in numeric_fields(cls) if f.name == name)
+    kind = next(k for cls in (GRPOConfig, ModelConfig) for f, k, *_ in numeric_fields(cls) if f.name == name)
     step = 1 if kind is int else 0.5
     values = []
     if not math.isinf(declared.low):
@@ -210,7 +210,8 @@ def _out_of_range(name: str) -> list[float]:
 
 
 CHECKED = sorted(name for name in RANGES if RANGES[name] not in (TRL_ONLY,) and name in _all_numeric_fields())
-MODEL_FIELDS = {f.name for f, _, _ in numeric_fields(ModelConfig)}
+MODEL_FIELDS = {f.name for f, *_ in numeric_fields(ModelConfig)}
+LIST_FIELDS = {f.name for f, _, _, is_list in numeric_fields(GRPOConfig) if is_list}
 
 
 def _build(name: str, value: object) -> None:
@@ -226,15 +227,18 @@ def _build(name: str, value: object) -> None:
 def test_every_out_of_range_value_is_one_line_naming_the_field(name, value):
     """Generated: for each field with a bounded range, the values just past each bound (and NaN, infinity)."""
     with pytest.raises(ConfigError) as err:
-        _build(name, value)
+        _build(name, [1.0, value] if name in LIST_FIELDS else value)
     message = str(err.value)
     assert message.startswith(f"{name}=") and "\n" not in message and "set it to" in message
 
 
-@pytest.mark.parametrize("name", [name for name in CHECKED if RANGES[name] is not ANY])
-def test_a_number_of_the_wrong_kind_is_refused_in_python_too(name):
+@pytest.mark.parametrize("name", CHECKED)
+@pytest.mark.parametrize("value", ["8", [8], True], ids=["text", "list", "boolean"])
+def test_a_value_of_the_wrong_kind_is_refused_in_python_too(name, value):
+    if name == "reward_weights" and value == [8]:
+        return  # a list of one weight is right there
     with pytest.raises(ConfigError, match=f"^{name}="):
-        _build(name, "8")
+        _build(name, value)
 
 
 @pytest.mark.parametrize(
