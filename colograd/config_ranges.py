@@ -8,7 +8,8 @@ numeric field and fails for one without an entry, so a field added later must de
 
 Special values keep TRL's and transformers' meanings: `max_steps: -1` trains for `num_train_epochs`, `top_k` 0 or
 -1 disables it, `save_steps`, `logging_steps`, `eval_steps` and `warmup_steps` below 1 are a fraction of the
-training steps, `save_total_limit: 0` keeps every checkpoint, `local_rank: -1` is no launcher.
+training steps (and are not read while their strategy is not "steps"), `save_total_limit: 0` keeps every
+checkpoint, `local_rank: -1` is no launcher.
 """
 
 import dataclasses
@@ -32,6 +33,7 @@ class Range:
     high_open: bool = False
     special: tuple[float, ...] = ()
     why: str = ""
+    when: str | None = None  # checked only while this strategy field is "steps" (transformers' rule)
 
     def holds(self, value: float) -> bool:
         """Whether `value` is in the range (NaN and infinities never are)."""
@@ -63,8 +65,13 @@ AT_LEAST_1 = Range(1)
 AT_LEAST_0 = Range(0)
 POSITIVE = Range(0, low_open=True)
 FRACTION = Range(0, 1)  # a probability or a mixing weight
-STEPS = Range(0, low_open=True, why="below 1: a fraction of the training steps")
 SEED = Range(0, 2**32 - 1, why="numpy's seeds are 32-bit")
+
+
+def _steps(strategy: str) -> Range:
+    """A `*_steps` interval: above 0, read only while `strategy` is "steps" (transformers ignores it otherwise)."""
+    return Range(0, low_open=True, why="below 1: a fraction of the training steps", when=strategy)
+
 
 RANGES: dict[str, Range] = {
     # Generation
@@ -138,10 +145,10 @@ RANGES: dict[str, Range] = {
     "label_smoothing_factor": FRACTION,
     "neftune_noise_alpha": POSITIVE,
     "torch_empty_cache_steps": AT_LEAST_1,
-    "logging_steps": STEPS,
-    "eval_steps": STEPS,
+    "logging_steps": _steps("logging_strategy"),
+    "eval_steps": _steps("eval_strategy"),
     "eval_delay": AT_LEAST_0,
-    "save_steps": STEPS,
+    "save_steps": _steps("save_strategy"),
     "save_total_limit": Range(0, why="0 keeps every checkpoint"),
     "seed": SEED,
     "data_seed": SEED,
@@ -171,12 +178,20 @@ def check_ranges(config: Any) -> None:
         if declared is None or declared is TRL_ONLY:
             continue
         value = getattr(config, f.name)
-        if value is None and optional:
+        if (value is None and optional) or not _applies(config, declared):
             continue
         if is_list and not isinstance(value, list | tuple):
             raise ConfigError(f"{f.name}={value!r}: give a list of numbers, each {declared.describe()}.")
         for number in value if is_list else [value]:
             _check(f.name, value, number, kind, declared, optional)
+
+
+def _applies(config: Any, declared: Range) -> bool:
+    """Whether the range applies: always, or while its strategy field is "steps" (a str or transformers' enum)."""
+    if declared.when is None:
+        return True
+    strategy = getattr(config, declared.when, "steps")
+    return getattr(strategy, "value", strategy) == "steps"
 
 
 def _check(name: str, value: Any, number: Any, kind: type, declared: Range, optional: bool) -> None:

@@ -220,6 +220,8 @@ def _build(name: str, value: object) -> None:
         check_ranges(ModelConfig(model_name_or_path="x", **{name: value}))
         return
     base = {"output_dir": "unused", "report_to": "none", "per_device_train_batch_size": 8, "num_generations": 4}
+    if RANGES[name].when:  # an interval is read only under its "steps" strategy
+        base[RANGES[name].when] = "steps"
     GRPOConfig(**{**base, name: value})
 
 
@@ -249,6 +251,7 @@ def test_a_value_of_the_wrong_kind_is_refused_in_python_too(name, value):
         {"top_k": 0},  # TRL's "disabled"
         {"save_steps": 0.25, "logging_steps": 0.1, "eval_steps": 0.5, "warmup_steps": 0.1},  # ratios of the steps
         {"save_total_limit": 0},  # keeps every checkpoint
+        {"save_strategy": "no", "save_steps": 0, "eval_steps": -1},  # intervals of strategies that are off
         {"learning_rate": 0.0, "beta": 0.0, "epsilon": 0.0, "max_grad_norm": 0.0},
         {"top_p": 1.0, "min_p": 0.0, "temperature": 1e-3},
         {"vllm_gpu_memory_utilization": 1.0, "num_generations": 2},
