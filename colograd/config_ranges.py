@@ -8,7 +8,7 @@ numeric field and fails for one without an entry, so a field added later must de
 
 Special values keep TRL's and transformers' meanings: `max_steps: -1` trains for `num_train_epochs`, `top_k` 0 or
 -1 disables it, `save_steps`, `logging_steps`, `eval_steps` and `warmup_steps` below 1 are a fraction of the
-training steps (and are not read while their strategy is not "steps"), `save_total_limit: 0` keeps every
+training steps (the first three are not read while their strategy is not "steps"), `save_total_limit: 0` keeps every
 checkpoint, `local_rank: -1` is no launcher.
 """
 
