@@ -138,7 +138,9 @@ def resolve_reward(name: str) -> RewardFunc:
     check_time_limits()
     if name in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[name]()
-    module_name, colon, attr = name.rpartition(":")
+    if name.endswith(".py"):
+        raise ConfigError(f"reward_funcs: {name!r} names a file but no function in it; write {name}:my_reward.")
+    module_name, _, attr = name.rpartition(":")
     if module_name.endswith(".py"):
         return _checked_callable(name, getattr(_import_file(name, module_name), attr, None), attr)
     if os.path.isdir(name) or "/" in name:
@@ -155,7 +157,7 @@ def resolve_reward(name: str) -> RewardFunc:
     try:
         module = _import_module(module_name)
     except ModuleNotFoundError as err:
-        if err.name is not None and module_name.startswith(err.name):
+        if err.name == module_name or module_name.startswith(f"{err.name}."):  # the named module, not its import
             raise ConfigError(
                 f"reward_funcs: {name!r}: no module {err.name!r} in the working directory ({os.getcwd()}) or the "
                 "Python path; run from the folder that holds it, or name its file: path/to/rewards.py:my_reward."

@@ -68,11 +68,13 @@ def test_reward_code_that_does_not_import_is_one_line(in_tmp, case, form):
     assert "\n" not in str(err.value) and name in str(err.value)
 
 
-@pytest.mark.parametrize("name", ["no_such_module.reward", "./no_such_file.py:reward", "pkg.no_such.reward"])
+@pytest.mark.parametrize(
+    "name", ["no_such_module.reward", "./no_such_file.py:reward", "pkg.no_such.reward", "pkg/rewards.py"]
+)
 def test_a_missing_module_or_file_is_one_line(in_tmp, name):
     (in_tmp / "pkg").mkdir()
     (in_tmp / "pkg" / "__init__.py").write_text("")
-    with pytest.raises(ConfigError, match="no module|no file"):
+    with pytest.raises(ConfigError, match="no module|no file|no function"):
         resolve_reward(name)
 
 
