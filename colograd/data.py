@@ -148,7 +148,9 @@ def _check_parquet(path: str) -> None:
         problem = "no whole footer at its end: cut short"
     else:
         return
-    raise ConfigError(f"dataset {path!r} is not a whole Parquet file ({problem}); copy or export it again.")
+    raise ConfigError(
+        f"dataset {path!r} cannot be read: not a whole Parquet file ({problem}); copy or export it again."
+    )
 
 
 def _check_utf8(path: str) -> None:
@@ -195,7 +197,7 @@ def _not_utf8(path: str, problem: str, encoding: str | None) -> NoReturn:
         if encoding
         else "copy or export it again"
     )
-    raise ConfigError(f"dataset {path!r} {problem}; colograd reads data files as UTF-8: {fix}.")
+    raise ConfigError(f"dataset {path!r} cannot be read: it {problem}; colograd reads data files as UTF-8: {fix}.")
 
 
 def keep_rows(features: list[dict]) -> list[dict]:

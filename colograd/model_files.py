@@ -14,7 +14,8 @@ Each check below covers a whole kind of breakage, in the order a folder is read:
                    on the meta device: no memory, nothing read)
 
 Each failure is a `ConfigError` naming the file and the fix. `colograd/train.py` runs the folder checks in
-`load_model_config`, before the weights load; `check_weight_files` also checks a checkpoint's weights on resume.
+`load_model_config`, before the weights load (a folder without weights is refused by `load_model`, just before it
+would read them); `check_weight_files` also checks a checkpoint's weights on resume.
 """
 
 import difflib
@@ -300,6 +301,7 @@ def check_weight_files(
     label: str | None = None,
     against: str = "config.json",
     fix: str = "use the config.json the weights were saved with",
+    required: bool = True,
 ) -> None:
     """The folder has weights, each file whole, holding the tensors the config's model has, in its shapes.
 
@@ -310,12 +312,16 @@ def check_weight_files(
         label: how the message names the folder (default: as model_name_or_path).
         against: how the message names the config the weights must match.
         fix: what the message tells the user to do when the weights do not fit the config.
+        required: whether a folder without weights is refused (a folder of config and tokenizer is enough for
+            what is checked before the weights load).
 
     Raises:
         ConfigError: naming the file and the tensor(s), and the fix.
     """
     label = label or f"model_name_or_path={folder!r}"
     files = weight_files(folder)
+    if not files and not required:
+        return
     if not files:
         raise ConfigError(
             f"{label} has a config.json but no weights (model.safetensors, its shards with "

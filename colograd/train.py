@@ -79,7 +79,7 @@ def load_model_config(
         model_files.saved_tokens(name) if local else None,
     )
     if local:  # the weights' headers against the config's model: nothing is read but the headers
-        model_files.check_weight_files(name, config, training_args.trust_remote_code)
+        model_files.check_weight_files(name, config, training_args.trust_remote_code, required=False)
     dtype = getattr(torch, args.dtype) if args.dtype not in (None, "auto") else getattr(config, "dtype", None)
     return config, tokenizer, dtype or torch.float32
 
@@ -106,11 +106,21 @@ def load_model(args: ModelConfig, training_args: GRPOConfig) -> tuple[PreTrained
     training_args.check_lengths(config)
     if name.startswith(tiny.PREFIX):
         return tiny.build_model(tie_word_embeddings=tiny.TINY_MODELS[name]), tokenizer
+    if os.path.isdir(name):  # weights present (their headers and shapes were checked with the config)
+        model_files.check_weight_files(name, None)
     dtype = args.dtype if args.dtype in (None, "auto") else getattr(torch, args.dtype)
     model_kwargs = {"dtype": dtype, "attn_implementation": args.attn_implementation}
-    model = AutoModelForCausalLM.from_pretrained(
-        name, **_hub_kwargs(args, training_args) | model_kwargs | model_init_kwargs(training_args)
-    )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            name, **_hub_kwargs(args, training_args) | model_kwargs | model_init_kwargs(training_args)
+        )
+    except torch.OutOfMemoryError:
+        raise
+    except (OSError, RuntimeError, ValueError) as err:  # what the checks above cannot see: names renamed on load
+        raise ConfigError(
+            f"model_name_or_path={name!r}: its weights cannot be loaded ({first_line(err)}); use the config.json "
+            "the weights were saved with, or copy the weights again."
+        ) from err
     return model, tokenizer
 
 

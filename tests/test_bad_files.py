@@ -16,7 +16,7 @@ from colograd import GRPOConfig, ScriptArguments, tiny
 from colograd.config import ConfigError
 from colograd.data import check_data_file, load_prompts
 from colograd.model_files import SIZE_FIELDS, check_special_tokens
-from colograd.train import cli, load_model_config
+from colograd.train import cli, load_model, load_model_config
 
 ROWS = [{"prompt": f"abcd>{c}é:", "target": c} for c in "abcd" * 4]
 TEXT = {
@@ -121,7 +121,7 @@ def test_a_whole_parquet_file_loads(tmp_path, parquet_bytes):
 def test_a_parquet_file_cut_anywhere_is_named_cut_short(tmp_path, parquet_bytes, cut):
     end = len(parquet_bytes) + cut if cut < 0 else int(len(parquet_bytes) * cut) if cut < 1 else cut
     path = write(tmp_path / "d.parquet", parquet_bytes[:end])
-    with pytest.raises(ConfigError, match="is not a whole Parquet file .*copy or export it again"):
+    with pytest.raises(ConfigError, match="cannot be read: not a whole Parquet file .*copy or export it again"):
         load_prompts(ScriptArguments(dataset_name=path))
 
 
@@ -300,10 +300,12 @@ def test_a_file_that_is_not_safetensors_is_named(copy, tmp_path, content):
         load(copy, tmp_path)
 
 
-def test_no_weights_at_all_is_named(copy, tmp_path):
+def test_no_weights_at_all_is_named_just_before_they_would_load(copy, tmp_path, monkeypatch):
     os.remove(copy / "model.safetensors")
+    load(copy, tmp_path)  # config and tokenizer are enough for what is checked before the weights load
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("weights were read"))
     with pytest.raises(ConfigError, match="has a config.json but no weights"):
-        load(copy, tmp_path)
+        load_model(ModelConfig(model_name_or_path=str(copy)), GRPOConfig(output_dir=str(tmp_path / "o")))
 
 
 def test_an_index_naming_a_missing_shard_is_named(copy, tmp_path):
@@ -395,3 +397,12 @@ def test_a_malformed_tokenizer_json_of_valid_json_is_one_line(copy, tmp_path):
     edit_json(copy / "tokenizer.json", lambda t: t.update(model={"type": "WordLevel"}))
     with pytest.raises(ConfigError, match="its tokenizer cannot be loaded .*restore tokenizer.json"):
         load(copy, tmp_path)
+
+
+def test_weights_transformers_cannot_load_for_a_reason_the_headers_hide_are_one_line(copy, tmp_path, monkeypatch):
+    def mismatch(*args, **kwargs):
+        raise RuntimeError("You set `ignore_mismatched_sizes` to `False`, thus raising an error.\nreport...")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", mismatch)
+    with pytest.raises(ConfigError, match=r"its weights cannot be loaded \(You set `ignore_mismatched_sizes`"):
+        load_model(ModelConfig(model_name_or_path=str(copy)), GRPOConfig(output_dir=str(tmp_path / "o")))
