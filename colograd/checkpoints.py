@@ -18,15 +18,17 @@ import os
 import re
 import shutil
 import sys
+import zipfile
 from collections.abc import Sequence
 from typing import Any
 
 from peft import PeftModel
 from torch import nn
-from transformers import TrainerState, TrainingArguments
+from transformers import PretrainedConfig, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, has_length
 
 from colograd.config import ConfigError
+from colograd.model_files import check_weight_files, safetensors_header, weight_files
 
 STATE_FILE = "trainer_state.json"
 RECORD_FILE = "colograd_run.json"
@@ -57,6 +59,8 @@ SETUP_FIELDS = (
     "bf16",
 )
 _DATASET_HEAD = 8  # rows whose prompts identify a dataset, with its length
+# How transformers names a checkpoint's weights: whole model, adapter, FSDP's sharded state, DeepSpeed's folder.
+_WEIGHT_PREFIXES = ("model", "pytorch_model", "adapter_model", "global_step")
 _noted: set[str] = set()  # notes already printed by this process (preflight and `train` both resolve the checkpoint)
 
 
@@ -71,12 +75,18 @@ def checkpoint_problem(checkpoint: str) -> str | None:
     """
     try:
         with open(os.path.join(checkpoint, STATE_FILE)) as f:
-            json.load(f)
+            state = json.load(f)
     except (OSError, ValueError):
         return f"its {STATE_FILE} is missing or cut short: its save was interrupted"
+    try:
+        TrainerState(**state)
+        if not isinstance(state["global_step"], int) or isinstance(state["global_step"], bool):
+            raise TypeError
+    except (TypeError, KeyError):  # not a mapping, unknown fields, no optimizer step
+        return f"its {STATE_FILE} is not a trainer's state (no whole-number global_step, or unknown fields)"
     record = read_record(checkpoint)
     if record is None:
-        return None  # saved before records existed: the state file, written last, is whole
+        return _unrecorded_problem(checkpoint)
     if not isinstance(record, dict):
         return f"its {RECORD_FILE} is unreadable: its save was interrupted"
     if not record.get("finished"):
@@ -87,6 +97,21 @@ def checkpoint_problem(checkpoint: str) -> str | None:
             return f"{name} is missing"
         if os.path.getsize(path) != size:
             return f"{name} is cut short or changed ({os.path.getsize(path)} of {size} bytes)"
+    return None
+
+
+def _unrecorded_problem(checkpoint: str) -> str | None:
+    """A checkpoint saved before records existed, whose state file (written last) is whole: every safetensors file
+    whole by its header, every PyTorch file a whole zip."""
+    for name in sorted(os.listdir(checkpoint)):
+        path = os.path.join(checkpoint, name)
+        try:
+            if name.endswith(".safetensors"):
+                safetensors_header(path)
+            elif name.endswith((".pt", ".pth", ".bin")) and not zipfile.is_zipfile(path):
+                return f"{name} is cut short or not a PyTorch file"
+        except ConfigError:
+            return f"{name} is cut short or not safetensors"
     return None
 
 
@@ -258,12 +283,10 @@ def run_setup(
     Returns:
         Plain JSON values, keyed by the names `check_setup` reports.
     """
-    text = model.config.get_text_config()
     adapter = f"LoRA r={model.active_peft_config.r}" if isinstance(model, PeftModel) else "none"
     setup = {
         "model": model_name or None,
-        "architecture": f"{text.model_type}, {text.num_hidden_layers} layers of {text.hidden_size}, "
-        f"vocabulary {text.vocab_size}",
+        "architecture": architecture(model.config),
         "adapter": adapter,
         "dataset": _dataset_identity(dataset),
         "reward_funcs": list(reward_names),
@@ -271,6 +294,12 @@ def run_setup(
         **{name: getattr(args, name) for name in SETUP_FIELDS},
     }
     return json.loads(json.dumps(setup, default=str))  # enums and the like as the strings a record holds
+
+
+def architecture(config: PretrainedConfig) -> str:
+    """The model as a checkpoint's record names it: type, depth, width and vocabulary."""
+    text = config.get_text_config()
+    return f"{text.model_type}, {text.num_hidden_layers} layers of {text.hidden_size}, vocabulary {text.vocab_size}"
 
 
 def _dataset_identity(dataset: Any) -> str | None:
@@ -306,3 +335,39 @@ def check_setup(checkpoint: str, setup: dict[str, Any]) -> None:
             "resume with the checkpoint's settings, or start a new run in another output_dir (or with "
             "overwrite_output_dir: true)."
         )
+
+
+def check_resume(
+    checkpoint: str | None, args: TrainingArguments, config: PretrainedConfig, trust_remote_code: bool = False
+) -> None:
+    """Before any weights load or engine starts: the checkpoint to resume from holds weights of the model this run
+    trains (names and shapes, from their headers; an adapter's are checked whole only), and its record names the
+    same architecture and `SETUP_FIELDS` (the dataset and rewards are compared once the trainer has them,
+    `check_setup`).
+
+    Args:
+        checkpoint: the resolved checkpoint (`resolve_checkpoint`), or None.
+        args: the run's config.
+        config: the config of the model this run trains.
+        trust_remote_code: passed to transformers when it builds the model on the meta device.
+
+    Raises:
+        ConfigError: naming the checkpoint and what differs.
+    """
+    if checkpoint is None:
+        return
+    if not any(name.startswith(_WEIGHT_PREFIXES) for name in os.listdir(checkpoint)):
+        raise ConfigError(
+            f"resume_from_checkpoint={checkpoint!r} holds no model weights; resume from a checkpoint that has them, "
+            "or start afresh in another output_dir."
+        )
+    if weight_files(checkpoint):  # a whole model (an adapter-only or FSDP-sharded save is checked by its record)
+        check_weight_files(
+            checkpoint,
+            config,
+            trust_remote_code,
+            label=f"resume_from_checkpoint={checkpoint!r}",
+            against=f"the model this run trains ({architecture(config)})",
+            fix="resume from a checkpoint of this model, or start afresh in another output_dir",
+        )
+    check_setup(checkpoint, {"architecture": architecture(config), **{n: getattr(args, n) for n in SETUP_FIELDS}})

@@ -31,6 +31,7 @@ from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerB
 from transformers.trainer_utils import has_length
 from trl.data_utils import is_conversational
 
+from colograd.checkpoints import check_resume
 from colograd.config import ConfigError, GRPOConfig, ScriptArguments
 from colograd.data import first_line, load_prompts, tokenize_prompts
 from colograd.kv_cache import engine_context
@@ -106,6 +107,7 @@ def preflight(
             eval_dataset, tokenizer, f"{name} ({split})", script_args.drop_invalid_prompts, template_kwargs, room
         )
         check_rewards(reward_funcs, [c for c in eval_dataset.column_names if c != "prompt"])
+    check_resume(checkpoint, training_args, model_config, training_args.trust_remote_code)
     # Last: importing vLLM's pieces takes seconds, which a mistake found above should not wait for.
     check_engine(training_args, model_config, dtype, lora_rank)
     return Inputs(dataset, reward_funcs, eval_dataset)

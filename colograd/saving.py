@@ -12,7 +12,14 @@ from torch import nn
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from colograd.checkpoints import begin_record, check_setup, finish_record, rotate_checkpoints, run_setup
+from colograd.checkpoints import (
+    begin_record,
+    check_resume,
+    check_setup,
+    finish_record,
+    rotate_checkpoints,
+    run_setup,
+)
 from colograd.modelcard import model_card, write_model_card
 from colograd.output_dir import check_output_dir
 from colograd.preemption import stage_failures
@@ -34,6 +41,7 @@ class ModelSaving(Trainer):
             self.train_dataset, [reward_name(f) for f in self.reward_funcs], self.reward_weights.tolist(),
         )  # fmt: skip
         if checkpoint:
+            check_resume(checkpoint, self.args, policy.config, self.args.trust_remote_code)
             check_setup(checkpoint, self._setup)
         return checkpoint
 
