@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from typing import NoReturn
 
 import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
 
 from colograd.config import ConfigError
@@ -172,7 +172,7 @@ def check_special_tokens(
     model's completions can end: an end-of-sequence token the tokenizer's files define and the model can emit.
 
     Args:
-        name: what the model was loaded from, for the message.
+        name: what the model was loaded from, for the message ("" for a model given as an object).
         tokenizer: the policy's tokenizer.
         eos_token_id: the model's end-of-sequence id(s) from its config or generation config, or None.
         vocab_size: the model's vocabulary size (its output layer's rows), None when unknown.
@@ -181,7 +181,7 @@ def check_special_tokens(
     Raises:
         ConfigError: naming the token that is missing or wrong, and where to set it.
     """
-    where = f"model_name_or_path={name!r}: the tokenizer"
+    where = f"model_name_or_path={name!r}: the tokenizer" if name else "processing_class (the tokenizer)"
     if tokenizer.pad_token is None and tokenizer.eos_token is None:
         raise ConfigError(
             f"{where} has neither a pad_token nor an eos_token, and batches are padded with one of them; set "
@@ -206,6 +206,16 @@ def check_special_tokens(
             f"{where}'s eos_token {eos!r} has id {tokenizer.eos_token_id}, beyond the model's vocab_size "
             f'{vocab_size}: the model cannot emit it; set "eos_token" in tokenizer_config.json to the model\'s own.'
         )
+
+
+def check_model_tokens(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    """`check_special_tokens` for a model given as an object (`GRPOTrainer`'s): its end-of-sequence id from its
+    generation config, else its config."""
+    text = model.config.get_text_config()
+    generation = model.generation_config
+    eos = generation.eos_token_id if generation is not None else None
+    eos = eos if eos is not None else getattr(text, "eos_token_id", None)
+    check_special_tokens("", tokenizer, eos, getattr(text, "vocab_size", None))
 
 
 def saved_tokens(folder: str) -> set[str] | None:

@@ -37,6 +37,7 @@ from colograd.data import first_line, load_prompts, tokenize_prompts
 from colograd.kv_cache import engine_context
 from colograd.logps import check_fp32_head
 from colograd.lora import check_lora
+from colograd.model_files import check_model_tokens
 from colograd.output_dir import check_output_dir, claim_output_dir
 from colograd.precision import master_copy_warning
 from colograd.preflight_engine import check_engine
@@ -174,6 +175,7 @@ def check_trainer_inputs(
             "computation does not apply; use a model without it."
         )
     check_settings(args, model.config)
+    check_model_tokens(model, tokenizer)
     room = prompt_room(args, model.config)
     if isinstance(train_dataset, Dataset):
         train_dataset = check_prompts(train_dataset, tokenizer, template_kwargs=args.chat_template_kwargs, room=room)

@@ -6,13 +6,14 @@ import codecs
 import json
 import os
 import shutil
+from unittest.mock import patch
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast, Qwen2Config
 from trl import ModelConfig
 
-from colograd import GRPOConfig, ScriptArguments, tiny
+from colograd import GRPOConfig, GRPOTrainer, ScriptArguments, tiny
 from colograd.config import ConfigError
 from colograd.data import check_data_file, load_prompts
 from colograd.model_files import SIZE_FIELDS, check_special_tokens
@@ -406,3 +407,20 @@ def test_weights_transformers_cannot_load_for_a_reason_the_headers_hide_are_one_
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", mismatch)
     with pytest.raises(ConfigError, match=r"its weights cannot be loaded \(You set `ignore_mismatched_sizes`"):
         load_model(ModelConfig(model_name_or_path=str(copy)), GRPOConfig(output_dir=str(tmp_path / "o")))
+
+
+@pytest.mark.parametrize(
+    "special, generation_eos, said",
+    [({}, 1, "neither a pad_token nor an eos_token"), ({"pad_token": "<pad>"}, None, "no end-of-sequence token")],
+    ids=["no pad no eos", "no eos anywhere"],
+)
+def test_the_trainer_refuses_such_a_tokenizer_before_its_engine_starts(tmp_path, special, generation_eos, said):
+    model = tiny.build_model()
+    model.generation_config.eos_token_id = generation_eos
+    model.config.eos_token_id = None
+    args = tiny.run_config(str(tmp_path), 1)
+    with (
+        patch("colograd.trainer.Engine.acquire", side_effect=AssertionError("an engine was started")),
+        pytest.raises(ConfigError, match=f"processing_class \\(the tokenizer\\) .*{said}"),
+    ):
+        GRPOTrainer(model, "letters", args, tiny.letters_dataset(64), processing_class=bare_tokenizer(**special))
