@@ -74,7 +74,8 @@ def refused(*argv: str, env: dict[str, str] | None = None) -> str:
     err, out = io.StringIO(), io.StringIO()
     with (
         patch("colograd.train.load_model", side_effect=AssertionError("weights were read")),
-        patch("colograd.trainer.Engine", side_effect=AssertionError("an engine was started")),
+        patch("colograd.engine.Engine.acquire", side_effect=AssertionError("an engine was started")),
+        patch("colograd.engine.Engine.__init__", side_effect=AssertionError("an engine was started")),
         patch.dict(os.environ, {"HF_HUB_OFFLINE": "1", **(env or {})}),
         patch("huggingface_hub.constants.HF_HUB_OFFLINE", True),
         redirect_stderr(err),

@@ -539,7 +539,7 @@ def test_trainer_checks_a_python_users_inputs_before_its_engine(tmp_path):
     rows = letters()
     rows[3]["prompt"] = " "
     tokenizer = tiny.build_tokenizer()
-    with patch("colograd.trainer.Engine", side_effect=AssertionError("an engine was started")):
+    with patch("colograd.engine.Engine.acquire", side_effect=AssertionError("an engine was started")):
         with pytest.raises(ConfigError, match="row 3: prompt is empty"):
             GRPOTrainer(tiny.build_model(), "letters", args, Dataset.from_list(rows), processing_class=tokenizer)
         with pytest.raises(ConfigError, match="eval_dataset is a tokenizer"):
