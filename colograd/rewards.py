@@ -459,8 +459,12 @@ async def _await(awaitable: Awaitable) -> Any:
     return await awaitable
 
 
+_NAN_NOTED: set[str] = set()  # reward functions whose NaN was reported as taken for None (once each, per process)
+
+
 def _checked(func: RewardFunc, values: Any, kwargs: dict) -> torch.Tensor:
-    """The function's rewards as float32 [N] (NaN for None), or a `RewardError` naming the bad sample."""
+    """The function's rewards as float32 [N] (NaN for None, and for NaN), or a `RewardError` naming the bad
+    sample."""
     name, n = reward_name(func), len(kwargs["completions"])
     values = _as_list(name, values, n)
     rewards = []
@@ -473,10 +477,18 @@ def _checked(func: RewardFunc, values: Any, kwargs: dict) -> torch.Tensor:
             raise RewardError(
                 f"reward function {name!r} returned {value!r:.60} for {_sample(kwargs, i)}; return a number or None."
             ) from None
-        if value is not None and not math.isfinite(reward):
+        if math.isinf(reward):
             raise RewardError(
                 f"reward function {name!r} returned {reward} for {_sample(kwargs, i)}; return a finite number, "
                 "or None to leave the sample out."
+            )
+        if value is not None and math.isnan(reward) and name not in _NAN_NOTED:
+            # TRL's nan-aware sums take NaN as an abstention, as None: so does colograd, saying so once.
+            _NAN_NOTED.add(name)
+            print(
+                f"colograd: warning: reward function {name!r} returned nan for {_sample(kwargs, i)}; taken as None "
+                "(the sample left out of this function's reward), as TRL takes it.",
+                file=sys.stderr,
             )
         rewards.append(reward)
     return torch.tensor(rewards, dtype=torch.float32)

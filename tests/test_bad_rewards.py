@@ -130,11 +130,19 @@ BAD_OUTPUTS = {  # case: (what the function returns, what the message says)
     "array_0d": (np.float64(1.0), "returned a float64"),
     "inf": ([1.0, math.inf], "returned inf for completion 1"),
     "minus_inf": ([-math.inf, 1.0], "returned -inf for completion 0"),
-    "nan": ([1.0, math.nan], "returned nan for completion 1"),
-    "nan_in_tensor": (torch.tensor([1.0, float("nan")]), "returned nan for completion 1"),
     "numeric_texts": (["1.0", "0.5"], "returned '1.0' for completion 0"),
     "nested": ([[1.0], [1.0]], r"returned \[1.0\] for completion 0"),
 }
+
+
+@pytest.mark.parametrize("nan", [[1.0, math.nan], torch.tensor([1.0, float("nan")]), np.array([1.0, np.nan])])
+def test_nan_is_taken_as_an_abstention_as_trl_takes_it_and_said_once(nan, capsys, monkeypatch):
+    monkeypatch.setattr("colograd.rewards._NAN_NOTED", set())
+    for _ in range(2):
+        rewards_NF = call(returning(nan))
+        assert rewards_NF[0, 0] == 1.0 and rewards_NF[1, 0].isnan()
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and "'bad' returned nan for completion 1" in lines[0] and "taken as None" in lines[0]
 
 
 @pytest.mark.parametrize("case", BAD_OUTPUTS)
