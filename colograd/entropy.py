@@ -12,7 +12,6 @@ from collections.abc import Callable
 
 import torch
 from accelerate import Accelerator
-from transformers import TrainerCallback
 
 from colograd.config import GRPOConfig
 from colograd.loss import Gather, masked_mean
@@ -55,7 +54,7 @@ def next_coef(coef: float, entropy: float, target: float, delta: float, low: flo
     return min(coef + delta, high) if entropy <= target else max(coef - delta, low)
 
 
-class EntropyTerms(TrainerCallback):
+class EntropyTerms:
     """The entropy options of one run, and the adaptive coefficient's state (saved with each checkpoint, as TRL's).
 
     Args:
@@ -142,10 +141,10 @@ class EntropyTerms(TrainerCallback):
             metrics["entropy_coef"].append(self.coef)
         return loss - coef * bonus
 
-    def on_save(self, args, state, control, **kwargs) -> None:
-        """Write the adaptive coefficient's state into the checkpoint just saved."""
-        if self.args.use_adaptive_entropy and args.should_save:
-            folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+    def write_state(self, folder: str) -> None:
+        """Write the adaptive coefficient's state into the checkpoint being saved in `folder` (TRL's file), before
+        its record says the save finished (`colograd.saving`), so a finished checkpoint always holds it."""
+        if self.args.use_adaptive_entropy:
             with open(os.path.join(folder, STATE_FILE), "w") as f:
                 json.dump({"entropy_coef": self.coef, "last_world_entropy": self.last_entropy}, f)
 

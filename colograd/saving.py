@@ -30,6 +30,10 @@ class ModelSaving(Trainer):
     """The save hooks of `GRPOTrainer` and where a `train` call starts from (`recipe`, `reward_funcs` and
     `reward_weights` are set by it)."""
 
+    # Objects with a `write_state(folder)` of their own state, written into each checkpoint before its record says
+    # the save finished, so that a finished checkpoint always holds it (the trainer's: the entropy coefficient).
+    checkpoint_parts: tuple = ()
+
     def resume_point(self, resume_from_checkpoint: str | bool | None) -> str | None:
         """The checkpoint a `train` call resumes from, or None: the newest finished one for True, a named one only
         if finished; either saved by a run set up as this one (`check_setup`). A run that resumes nothing is refused
@@ -68,6 +72,9 @@ class ModelSaving(Trainer):
                 super()._save_checkpoint(model, trial)
             finally:
                 self.args.save_total_limit = limit
+            if self.args.should_save:
+                for part in self.checkpoint_parts:  # colograd's own state, inside the bracket too
+                    part.write_state(folder)
             self.accelerator.wait_for_everyone()
             if self.args.should_save:
                 finish_record(folder, self._setup)

@@ -202,7 +202,7 @@ class GRPOTrainer(RolloutBatches, ModelSaving):
         self._times = PhaseTimes()
         self.reward_logs = RewardLogs()
         self.entropy = EntropyTerms(args, self.accelerator, across_ranks(self.accelerator), self._metrics)
-        self.add_callback(self.entropy)
+        self.checkpoint_parts = (self.entropy,)  # written into each checkpoint before its record finishes
         self.add_callback(OptimizerTimer(self._times, self._metrics))
         self.preemption = Preemption()
         self.add_callback(self.preemption)

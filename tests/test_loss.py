@@ -146,7 +146,7 @@ def test_adaptive_entropy_state_round_trips_through_a_checkpoint_in_trls_file(tm
     saved = EntropyTerms(args, None, None, defaultdict(list))
     saved.coef, saved.last_entropy = 0.035, 1.25
     (tmp_path / "checkpoint-3").mkdir()
-    saved.on_save(args, SimpleNamespace(global_step=3), None)
+    saved.write_state(str(tmp_path / "checkpoint-3"))
     state = json.loads((tmp_path / "checkpoint-3" / "entropy_ctrl_state.json").read_text())
     assert state == {"entropy_coef": 0.035, "last_world_entropy": 1.25}  # the keys TRL reads back
     resumed = EntropyTerms(args, None, None, defaultdict(list))
