@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
+import torch
+
 from colograd.errors import ConfigError
 from colograd.pretrained import MODELS
 
@@ -351,9 +353,12 @@ def launch_issue(env: Mapping[str, str]) -> Issue | None:
 
 
 def hardware_issues(env: Mapping[str, str]) -> list[Issue]:
-    """Every set variable of `HARDWARE` checked, then the launch variables together."""
+    """Every set variable of `HARDWARE` checked, then the launch variables together, unless the launch already
+    formed its process group: then they evidently worked, and since the first engine vLLM's CPU platform sets
+    LOCAL_WORLD_SIZE to the engine's tensor-parallel size (a second trainer on rank 1 would be refused)."""
     issues = [issue for name, check in HARDWARE.items() if name in env and (issue := check(env[name])) is not None]
-    if not any(issue.fatal for issue in issues) and (issue := launch_issue(env)) is not None:
+    formed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if not formed and not any(issue.fatal for issue in issues) and (issue := launch_issue(env)) is not None:
         issues.append(issue)
     return issues
 

@@ -16,6 +16,7 @@ from colograd.agents import AgentLoop, Trajectory, turn_sampling_params
 from colograd.batch import pad_rollout
 from colograd.engine import Engine, Rollout
 from colograd.logps import completion_logps
+from colograd.preemption import StepFailure
 from colograd.sync import WeightPlan
 from colograd.tools import HermesToolParser, MarkerToolParser, ToolCall, ToolRunner, plain_result_ids
 
@@ -570,5 +571,5 @@ def test_environments_by_name_and_evaluation_run_the_agent_loop(tmp_path, monkey
     assert len(trainer.agents.environments) == 8 * 2  # the eval prompts, num_generations_eval each
     assert metrics["eval_tools/call_frequency"] > 0 and 0 <= metrics["eval_tools/failure_frequency"] <= 1
     assert "eval_rewards/Tally/mean" in metrics and metrics["eval_completions/mean_length"] <= 16
-    with pytest.raises(ValueError, match="environment='nowhere'"):
+    with pytest.raises(StepFailure, match="stage 'eval_generate': ValueError: .*environment='nowhere'"):
         trainer.evaluate(data.select(range(2)).map(lambda row: {"environment": "nowhere"}))

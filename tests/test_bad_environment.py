@@ -226,6 +226,16 @@ def test_launch_variables_against_each_other(variables, message, monkeypatch):
         assert issues[0].fatal and message in issues[0].text
 
 
+def test_launch_variables_are_not_judged_once_the_process_group_is_formed(monkeypatch):
+    """vLLM's CPU platform sets LOCAL_WORLD_SIZE to the engine's tensor-parallel size when an engine starts: rank 1
+    of a launch then holds LOCAL_RANK=1, LOCAL_WORLD_SIZE=1, and its next trainer must still build."""
+    for name, value in {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "1", "RANK": "1", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    assert hardware_issues(_env())[0].fatal
+    monkeypatch.setattr("torch.distributed.is_initialized", lambda: True)
+    assert hardware_issues(_env()) == []
+
+
 # --- trackers and the offline hub ----------------------------------------------------------------------------
 
 

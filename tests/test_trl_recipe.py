@@ -153,8 +153,10 @@ def test_reward_curve_and_completions_reach_wandb_offline_and_trackio(run):
     tables = [
         json.loads((run_dir / "files" / h["completions"]["path"]).read_text()) for h in history if "completions" in h
     ]
+    # TRL's table: the rewards, then what they logged with log_extra (TRL's accuracy_reward logs three columns).
     assert tables[0]["columns"] == ["step", "prompt", "completion", "accuracy_reward", "think_format_reward",
-                                    "tag_count_reward", "advantage"]  # fmt: skip
+                                    "tag_count_reward", "solution", "gold_parsed", "answer_parsed",
+                                    "advantage"]  # fmt: skip
     assert [[r[0], r[1], r[2], r[-1]] for t in tables for r in t["data"]] == expected
     # trackio (local): its database in TRACKIO_DIR.
     with sqlite3.connect(out / "trackio/huggingface.db") as db:
