@@ -92,8 +92,8 @@ class CompletionLog:
             "prompt": [prompt_per_completion[i] for i in rows],
             "completion": [completions[i] for i in rows],
             **{name: [values[i] for i in rows] for name, values in rewards.items()},
+            **{column: [values[i] for i in rows] for column, values in extra.items()},  # before advantage, as TRL's
             "advantage": [advantages[i] for i in rows],
-            **{column: [values[i] for i in rows] for column, values in extra.items()},
         }
         for tracker in trackers(self.report_to):
             tracker.log({"completions": tracker.Table(dataframe=pd.DataFrame(table))})
