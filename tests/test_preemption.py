@@ -213,8 +213,9 @@ HANG_FLAGS = [
 
 def hung_run(tmp_path, monkeypatch, launcher: bool) -> tuple[subprocess.Popen, Path]:
     """A run whose reward never returns from optimizer step 2 on (checkpoint-1 finished before), started in a
-    session of its own and waited for until the reward hangs."""
+    session of its own and waited for until the reward hangs. After SIGTERM the reward gets 2 s (not 10)."""
     marker, log = tmp_path / "hung", tmp_path / "run.log"
+    monkeypatch.setenv("COLOGRAD_REWARD_SIGTERM_WAIT", "2")
     monkeypatch.setenv("HANG_AT_STEP", "2")
     monkeypatch.setenv("HANG_MARKER", str(marker))
     flags = [*HANG_FLAGS, "--output_dir", str(tmp_path / "out")]
@@ -248,7 +249,7 @@ def test_a_signal_during_a_hung_reward_ends_the_run_keeping_the_last_checkpoint(
     proc, log = hung_run(tmp_path, monkeypatch, launcher=False)
     if signum is not None:
         os.kill(proc.pid, signum)
-    ended_within(proc, 30, log)  # a scheduler's grace; SIGTERM waits 10 s for the reward, Ctrl-C none
+    ended_within(proc, 30, log)  # a scheduler's grace; SIGTERM waits 2 s here for the reward, Ctrl-C none
     out, text = tmp_path / "out", log.read_text()
     assert "Traceback" not in text, text[-3000:]
     lines = [line for line in text.splitlines() if line.startswith("colograd:")]
@@ -256,7 +257,7 @@ def test_a_signal_during_a_hung_reward_ends_the_run_keeping_the_last_checkpoint(
     if signum == signal.SIGTERM:
         assert proc.returncode == 143 and lines == [
             "colograd: stopped by SIGTERM during optimizer step 2, stage 'reward': reward function 'letters_or_hang' "
-            f"had not returned 10 s after it; the unfinished step is not saved, {kept}"
+            f"had not returned 2 s after it; the unfinished step is not saved, {kept}"
         ], text[-3000:]
     elif signum == signal.SIGINT:
         assert proc.returncode == 130 and lines == [
