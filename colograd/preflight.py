@@ -1,10 +1,15 @@
 """Preflight: every input of a run checked before any weights are read or any engine starts.
 
 Each check runs the input through the code the run itself will use, on the real data, so a whole class of
-mistakes fails here in seconds instead of minutes later with a library's traceback:
+mistakes fails here in seconds instead of minutes later with a library's traceback. Before this module runs, the
+command line has read the recipe file and checked each value's type and range (colograd.config_recipe,
+colograd.config_ranges), the environment (colograd.preflight_env: caches, hardware and launch variables, trackers)
+and the model folder (colograd.model_files: JSON files, config fields, tokenizer end tokens, weight headers):
 
     destination   output_dir can be written and no other run holds it or its work (colograd.output_dir);
-                  resume_from_checkpoint is finished; push_to_hub can push
+                  resume_from_checkpoint is finished, intact and saved by a run set up as this one
+                  (colograd.checkpoints); push_to_hub can push
+    files         a local data file's bytes: not empty, UTF-8 text, a whole Parquet file (colograd.data)
     data          every row's prompt is text or chat messages, templated and tokenized as a rollout does it (a
                   stream: its first rows, read without advancing the stream training reads)
     sizes         the dataset holds one full rollout batch for every rank; lengths fit the model and the engine
