@@ -339,6 +339,36 @@ def masked_mean(x: torch.Tensor, mask_NT: torch.Tensor) -> float:
     return ((x * mask_NT).sum() / mask_NT.sum().clamp(min=1.0)).item()
 
 
+def sampling_gap_metrics(
+    logps_NT: torch.Tensor, engine_logps_NT: torch.Tensor, sampled_NT: torch.Tensor
+) -> dict[str, float]:
+    """How far the engine's log-probs of the sampled tokens are from the trainer's for the same weights: ~0 when
+    the sync is exact. Over every token the engine sampled and scored (`sampled_NT`, 1 where the model sampled), in
+    the loss or not; completions whose log-probs were not asked for (NaN, see `Engine.generate`) are left out. Empty
+    when the slice holds no completion the engine scored."""
+    scored_NT = sampled_NT.bool() & ~engine_logps_NT.isnan()
+    if not scored_NT.any():
+        return {}
+    diff = (logps_NT - engine_logps_NT).abs()[scored_NT]
+    return {
+        "sampling/sampling_logp_difference/mean": diff.mean().item(),
+        "sampling/sampling_logp_difference/max": diff.max().item(),
+    }
+
+
+def importance_ratio_metrics(weights: torch.Tensor, mask_NT: torch.Tensor) -> dict[str, float]:
+    """The min, mean and max of the importance-sampling weights over the counted tokens ([N, T] weights) or
+    completions ([N, 1]); empty when none is counted."""
+    counted = weights.flatten() if weights.size(1) == 1 else weights[mask_NT.bool()]
+    if not counted.numel():
+        return {}
+    return {
+        "sampling/importance_sampling_ratio/min": counted.min().item(),
+        "sampling/importance_sampling_ratio/mean": counted.mean().item(),
+        "sampling/importance_sampling_ratio/max": counted.max().item(),
+    }
+
+
 def loss_metrics(
     out: PolicyLoss,
     advantages_N: torch.Tensor,

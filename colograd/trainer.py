@@ -43,10 +43,12 @@ from colograd.logps import completion_logps, prompt_sharing
 from colograd.loss import (
     Surrogate,
     group_advantages,
+    importance_ratio_metrics,
     loss_metrics,
     normalize_then_sum,
     policy_loss,
     sampling_correction,
+    sampling_gap_metrics,
     weighted_rewards,
 )
 from colograd.memory import PassBudget, compute_dtype
@@ -435,7 +437,7 @@ class GRPOTrainer(RolloutBatches, ModelSaving):
                 out["old_logps"] = batch["engine_logps"]
             elif self.args.reuses_rollouts_across_updates:
                 out["old_logps"] = self.completion_logps(policy, batch)
-                self._log_sampling_gap(out["old_logps"], batch)
+                self._record(sampling_gap_metrics(out["old_logps"], batch["engine_logps"], batch["tool_mask"]))
             if self.reference is not None:
                 with self.reference.model(policy) as reference:
                     out["ref_logps"] = self.completion_logps(reference, batch)
@@ -463,7 +465,7 @@ class GRPOTrainer(RolloutBatches, ModelSaving):
         # log-probs come from a forward pass, `rollout_logps` logged the gap for every slice already.)
         first_slice = (self._micro_step - 1) % (self.args.steps_per_generation * self.args.num_iterations) == 0
         if "old_logps" not in inputs or (first_slice and self.args.engine_logps_are_old_logps):
-            self._log_sampling_gap(logps_NT.detach(), inputs)
+            self._record(sampling_gap_metrics(logps_NT.detach(), inputs["engine_logps"], inputs["tool_mask"]))
         sampling_weights = None
         if self.args.vllm_importance_sampling_correction:
             # The trainer's log-probs of the sampling policy: stored with the rollout, or, on-policy, the current.
@@ -505,11 +507,7 @@ class GRPOTrainer(RolloutBatches, ModelSaving):
             args.vllm_importance_sampling_clip_min,
             args.vllm_importance_sampling_clip_max,
         )
-        counted = weights.flatten() if weights.size(1) == 1 else weights[mask_NT.bool()]
-        if counted.numel():
-            self._metrics["sampling/importance_sampling_ratio/min"].append(counted.min().item())
-            self._metrics["sampling/importance_sampling_ratio/mean"].append(counted.mean().item())
-            self._metrics["sampling/importance_sampling_ratio/max"].append(counted.max().item())
+        self._record(importance_ratio_metrics(weights, mask_NT))
         return weights
 
     def completion_logps(
@@ -577,17 +575,6 @@ class GRPOTrainer(RolloutBatches, ModelSaving):
         logged, see `log`)."""
         for name, value in metrics.items():
             self._metrics[name].append(value)
-
-    def _log_sampling_gap(self, logps_NT: torch.Tensor, batch: dict[str, torch.Tensor]) -> None:
-        """How far the engine's log-probs of the sampled tokens are from the trainer's for the same weights:
-        ~0 when the sync is exact. Over every token the engine sampled and scored, in the loss or not; inserted tool
-        results, and completions whose log-probs were not asked for (NaN, see `Engine.generate`), are left out."""
-        sampled_NT = batch["tool_mask"].bool() & ~batch["engine_logps"].isnan()
-        if not sampled_NT.any():  # this slice holds no completion the engine scored
-            return
-        diff = (logps_NT - batch["engine_logps"]).abs()[sampled_NT]
-        self._metrics["sampling/sampling_logp_difference/mean"].append(diff.mean().item())
-        self._metrics["sampling/sampling_logp_difference/max"].append(diff.max().item())
 
     @contextmanager
     def _timed(self, phase: str) -> Iterator[None]:

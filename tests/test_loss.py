@@ -12,9 +12,11 @@ from colograd.entropy import EntropyTerms, high_entropy_mask, next_coef
 from colograd.loss import (
     clipped_fractions,
     group_advantages,
+    importance_ratio_metrics,
     kl_k3,
     log_importance_weights,
     policy_loss,
+    sampling_gap_metrics,
     weighted_rewards,
 )
 
@@ -191,3 +193,28 @@ def test_adaptive_entropy_coefficient_steps_by_hand():
     assert next_coef(0.1, 0.5, target=0.8, delta=0.05, low=0.0, high=0.12) == 0.12  # below target: up, capped
     assert next_coef(0.1, 0.8, target=0.8, delta=0.05, low=0.0, high=1.0) == pytest.approx(0.15)  # at target: up
     assert next_coef(0.03, 2.0, target=0.8, delta=0.05, low=0.01, high=1.0) == 0.01  # above: down, floored
+
+
+def test_sampling_gap_leaves_out_inserted_tokens_and_completions_not_scored():
+    nan = float("nan")
+    trainer_NT = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]])
+    engine_NT = torch.tensor([[-1.5, -2.0, -9.0], [nan, nan, nan]])  # completion 1: log-probs not asked for
+    sampled_NT = torch.tensor([[1, 1, 0], [1, 1, 1]])  # token 2 of completion 0: an inserted tool result
+    assert sampling_gap_metrics(trainer_NT, engine_NT, sampled_NT) == {
+        "sampling/sampling_logp_difference/mean": 0.25,
+        "sampling/sampling_logp_difference/max": 0.5,
+    }
+    assert sampling_gap_metrics(trainer_NT[1:], engine_NT[1:], sampled_NT[1:]) == {}
+
+
+def test_importance_ratio_metrics_over_counted_tokens_or_completions():
+    weights_NT = torch.tensor([[0.5, 9.0], [1.5, 1.0]])
+    mask_NT = torch.tensor([[1, 0], [1, 1]])
+    assert importance_ratio_metrics(weights_NT, mask_NT) == {
+        "sampling/importance_sampling_ratio/min": 0.5,
+        "sampling/importance_sampling_ratio/mean": 1.0,
+        "sampling/importance_sampling_ratio/max": 1.5,
+    }
+    per_sequence = importance_ratio_metrics(torch.tensor([[2.0], [4.0]]), mask_NT)
+    assert per_sequence["sampling/importance_sampling_ratio/mean"] == 3.0
+    assert importance_ratio_metrics(weights_NT, torch.zeros_like(mask_NT)) == {}
