@@ -93,12 +93,6 @@ class GRPOConfig(
         self.check_regularizers()
         self.check_forward()
         self.check_engine()
-        if self.per_device_train_batch_size % self.num_generations:
-            raise ConfigError(
-                f"per_device_train_batch_size={self.per_device_train_batch_size} is not a multiple of "
-                f"num_generations={self.num_generations}: each rank generates whole groups; set it to a "
-                f"multiple such as {self.num_generations * max(1, self.prompts_per_device)}."
-            )
 
     @property
     def engine_logps_are_old_logps(self) -> bool:

@@ -2,6 +2,7 @@
 meanings)."""
 
 import difflib
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,10 +101,12 @@ class GenerationOptions:
             _check_sampling_keys(self.generation_kwargs)
 
     def derive_generation_batch(self) -> None:
-        """Fill in whichever of steps_per_generation / generation_batch_size was left out (TRL's rule)."""
+        """Fill in whichever of steps_per_generation / generation_batch_size was left out (TRL's rule), then check
+        that each rank's rollout holds whole groups (`check_rollout_groups`)."""
         global_batch = self.per_device_train_batch_size * self.world_size
         if self.steps_per_generation is not None and self.generation_batch_size is not None:
             raise ConfigError("steps_per_generation and generation_batch_size are both set; set only one of them.")
+        given = "steps_per_generation" if self.steps_per_generation is not None else "gradient_accumulation_steps"
         if self.generation_batch_size is not None:
             if self.generation_batch_size % global_batch:
                 raise ConfigError(
@@ -111,9 +114,40 @@ class GenerationOptions:
                     f"per_device_train_batch_size × processes = {global_batch}; set it to a multiple of it."
                 )
             self.steps_per_generation = self.generation_batch_size // global_batch
+            given = "generation_batch_size"
         if self.steps_per_generation is None:
             self.steps_per_generation = self.gradient_accumulation_steps
         self.generation_batch_size = global_batch * self.steps_per_generation
+        self.check_rollout_groups(given)
+
+    def check_rollout_groups(self, given: str) -> None:
+        """Each rank samples all num_generations completions of each of its prompts (n=G), so a rank's rollout,
+        per_device_train_batch_size × steps_per_generation completions, must hold whole groups; a micro-step's
+        slice of it need not. With one process this is TRL's rule (generation_batch_size a multiple of
+        num_generations); with several, TRL also lets a group span ranks, which colograd cannot.
+
+        Args:
+            given: the field the user set that fixed steps_per_generation (steps_per_generation,
+                generation_batch_size, or gradient_accumulation_steps when it defaulted to it); the fix names it.
+        """
+        batch, steps, g = self.per_device_train_batch_size, self.steps_per_generation, self.num_generations
+        if batch * steps % g == 0:
+            return
+        # The nearest larger value of one field that makes the rollout whole groups (the other kept).
+        fixed_steps, fixed_batch = _round_up(steps, g // math.gcd(batch, g)), _round_up(batch, g // math.gcd(steps, g))
+        if given == "generation_batch_size":  # the rollout's size is given, so only it can change
+            fix = f"set generation_batch_size to {batch * self.world_size * fixed_steps}"
+        else:
+            fix = f"set {given} to {fixed_steps}, or per_device_train_batch_size to {fixed_batch}"
+        spans = ""
+        if self.world_size > 1 and self.generation_batch_size % g == 0:
+            spans = (
+                f" (TRL would let a group span the {self.world_size} processes; here each rank samples whole groups)"
+            )
+        raise ConfigError(
+            f"per_device_train_batch_size={batch} × steps_per_generation={steps} = {batch * steps} completions per "
+            f"rank and rollout is not a multiple of num_generations={g}{spans}; {fix}."
+        )
 
     def check_lengths(self, model_config: Any) -> None:
         """Check that a prompt and a completion fit the model's context and the engine's, before start-up."""
@@ -132,9 +166,15 @@ class GenerationOptions:
             )
 
     @property
-    def prompts_per_device(self) -> int:
-        """Prompts each rank takes per micro-step: per_device_train_batch_size counts completions."""
-        return self.per_device_train_batch_size // self.num_generations
+    def prompts_per_rollout(self) -> int:
+        """Prompts each rank samples for per rollout: per_device_train_batch_size counts completions, and a rollout
+        feeds steps_per_generation micro-steps (a micro-step's slice may end inside a group)."""
+        return self.per_device_train_batch_size * self.steps_per_generation // self.num_generations
+
+
+def _round_up(value: int, step: int) -> int:
+    """The smallest multiple of `step` that is at least `value`."""
+    return -(-value // step) * step
 
 
 # Set by the trainer for every request: n (the group), logprobs (the sampling policy's log-probs), seed (the

@@ -2,11 +2,11 @@
 (`datasets.IterableDataset`), read in the order `RepeatSampler` gives a map-style one.
 
 A stream cannot be indexed, so no sampler can pick its rows. Instead the stream itself is reordered: rollout
-batches of `prompts_per_device × steps_per_generation × world_size` rows, each yielded once per micro-step that
-trains on it (`RolloutStream`). Every rank reads the same stream and accelerate's `IterableDatasetShard` hands each
-its own contiguous slice of every batch, so ranks see different prompts, and a rank samples all G completions of
-its prompts itself (n=G), so groups stay whole. It has no length, so a run needs `max_steps`; a stream that ends
-starts again (the next epoch, reshuffled).
+batches of `prompts_per_rollout × world_size` rows, each yielded once per micro-step that trains on it
+(`RolloutStream`). Every rank reads the same stream and accelerate's `IterableDatasetShard` hands each its own
+contiguous slice of every batch, so ranks see different prompts, and a rank samples all G completions of its
+prompts itself (n=G), so groups stay whole. It has no length, so a run needs `max_steps`; a stream that ends starts
+again (the next epoch, reshuffled).
 """
 
 import itertools
@@ -55,7 +55,7 @@ class RolloutStream(torch.utils.data.IterableDataset):
 
 def rollout_stream(dataset: Any, args: GRPOConfig, accelerator: Accelerator) -> RolloutStream:
     """The training stream of `dataset` (shuffled through a buffer with `shuffle_dataset`), for a dataloader of
-    `prompts_per_device × steps_per_generation` rows per rank.
+    `prompts_per_rollout` rows per rank.
 
     Each rank must read the whole stream and keep its slice of every batch, so accelerate's dispatching (rank 0
     reads and sends) is turned off, and so is its sharding by the stream's files, which would give each rank
@@ -64,9 +64,8 @@ def rollout_stream(dataset: Any, args: GRPOConfig, accelerator: Accelerator) -> 
     if args.shuffle_dataset:
         dataset = dataset.shuffle(seed=args.seed)
     accelerator.dataloader_config.dispatch_batches = False
-    world = accelerator.num_processes
-    rollout = args.prompts_per_device * args.steps_per_generation
-    return RolloutStream(dataset, rollout * world, args.steps_per_generation * args.num_iterations)
+    batch = args.prompts_per_rollout * accelerator.num_processes
+    return RolloutStream(dataset, batch, args.steps_per_generation * args.num_iterations)
 
 
 def check_stream(dataset: Any, args: GRPOConfig) -> None:
@@ -129,7 +128,7 @@ class RolloutBatches(Trainer):
     (`RepeatSampler`) or a stream (`RolloutStream`) in the same order."""
 
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:
-        """Each micro-step gets a rollout's worth of whole prompts: `prompts_per_device × steps_per_generation`.
+        """Each micro-step gets a rollout's worth of whole prompts: `prompts_per_rollout`.
 
         Only the micro-steps that start a rollout use their batch; the sampler repeats each batch for the
         micro-steps that train on the rollout, so the Trainer's step counting stays TRL's.
@@ -140,7 +139,7 @@ class RolloutBatches(Trainer):
         return self._get_dataloader(
             dataset=dataset if has_length(dataset) else rollout_stream(dataset, self.args, self.accelerator),
             description="Training",
-            batch_size=self.args.prompts_per_device * self.args.steps_per_generation,
+            batch_size=self.args.prompts_per_rollout,
             sampler_fn=self._get_train_sampler,
             is_training=True,
         )
@@ -151,7 +150,7 @@ class RolloutBatches(Trainer):
         return RepeatSampler(
             data_source=dataset if dataset is not None else self.train_dataset,
             mini_repeat_count=1,  # the engine samples the G completions of a prompt itself (n=G)
-            batch_size=args.prompts_per_device * args.steps_per_generation * self.accelerator.num_processes,
+            batch_size=args.prompts_per_rollout * self.accelerator.num_processes,
             repeat_count=args.steps_per_generation * args.num_iterations,
             shuffle=args.shuffle_dataset,
             seed=args.seed,

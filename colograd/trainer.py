@@ -305,6 +305,8 @@ class GRPOTrainer(RolloutBatches, ModelSaving):
         # dapo divides each slice by the completion tokens of all ranks' rollouts, per rank and slice.
         tokens = self.accelerator.gather(batch["completion_mask"].sum().to(self.args.device)).sum().float()
         batch["num_items"] = tokens / (self.accelerator.num_processes * self.args.steps_per_generation)
+        # A slice may end inside a group (per_device_train_batch_size not a multiple of num_generations): the
+        # advantages are the whole rollout's already, and prompt sharing matches any run of one prompt's rows.
         slices = split_rows(batch, self.args.steps_per_generation)
         with self._timed("logps"):
             for part in slices:

@@ -33,7 +33,7 @@ def make(**kwargs) -> GRPOConfig:
 def test_defaults_follow_trl():
     args = make()
     assert args.loss_type == "dapo" and args.scale_rewards == "group" and args.epsilon_high == args.epsilon
-    assert args.prompts_per_device == 2
+    assert args.prompts_per_rollout == 2
     assert args.remove_unused_columns is False  # the reward functions need the dataset's columns
 
 

@@ -112,7 +112,7 @@ def test_a_stream_reaches_each_rank_as_the_repeat_sampler_orders_prompts(tmp_pat
     accelerator = two_ranks()
     ordered = rollout_stream(stream, args, accelerator)
     assert accelerator.dataloader_config.dispatch_batches is False  # each rank reads the stream and keeps its slice
-    per_rank = args.prompts_per_device * args.steps_per_generation  # 4 prompts a rollout
+    per_rank = args.prompts_per_rollout  # 4 prompts a rollout
     ranks = [rank_batches(ordered, rank, 2, per_rank) for rank in range(2)]
     # Each rollout batch (8 prompts in stream order) is split between the ranks, and every rank's slice comes
     # twice (once per micro-step training on it); the 4 trailing prompts make no full rollout and are dropped.
