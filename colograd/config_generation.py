@@ -16,7 +16,12 @@ class GenerationOptions:
     calls a completion may make."""
 
     num_generations: int = field(
-        default=8, metadata={"help": "Completions sampled per prompt (the group size G). At least 2."}
+        default=8,
+        metadata={
+            "help": "Completions sampled per prompt (the group size G). At least 2. Each rank's rollout, "
+            "per_device_train_batch_size × steps_per_generation completions, must be a multiple of it (a micro-step "
+            "may hold part of a group)."
+        },
     )
     num_generations_eval: int | None = field(
         default=None,
