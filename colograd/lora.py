@@ -12,6 +12,17 @@ from peft import LoraConfig
 
 from colograd.config import ConfigError
 
+# PEFT options an adapter-only engine does not apply on every vLLM release colograd runs on, whatever that
+# release's own check says: 0.26's loader fails on a LoRA bias at the first generation, and serves aLoRA,
+# replicated layers and QA-LoRA as a plain LoRA (sampling from another model than the one trained).
+UNSERVED = {
+    "lora_bias": "lora_bias",
+    "alora_invocation_tokens": "aLoRA (alora_invocation_tokens)",
+    "layer_replication": "layer_replication",
+    "use_qalora": "QA-LoRA (use_qalora)",
+    "use_bdlora": "BD-LoRA (use_bdlora)",
+}
+
 
 def adapter_rank(config: LoraConfig) -> int:
     """The largest rank among the adapter's layers (`r`, or a larger one from `rank_pattern`)."""
@@ -62,6 +73,14 @@ def check_lora(config: LoraConfig, lora_sync: str) -> int | None:
 
     rank = adapter_rank(config)
     engine_config = LoRAConfig(max_lora_rank=engine_max_lora_rank(rank))
+    unserved = [label for option, label in UNSERVED.items() if getattr(config, option, None)]
+    if (config.rank_pattern or config.alpha_pattern) and not hasattr(PEFTHelper, "get_rank_and_scaling"):
+        unserved.append("a per-layer rank or alpha (rank_pattern, alpha_pattern), which this vLLM scales as r's")
+    if unserved:
+        raise ConfigError(
+            f"lora_sync=adapter: vLLM cannot serve this adapter's {' or '.join(unserved)}; set lora_sync: merged, "
+            "or drop the option."
+        )
     # vLLM's own check, the one its loader runs at the first generation (DoRA, modules_to_save, LoRA bias,
     # PiSSA-style inits, aLoRA, ...), run on the config alone.
     try:

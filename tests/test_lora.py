@@ -33,7 +33,7 @@ def test_adapter_rank_counts_rank_pattern():
     "options, adapter_message, merged_message",
     [
         ({"use_dora": True}, "does not yet support DoRA", "DoRA (use_dora)"),
-        ({"lora_bias": True}, "does not support LoRA bias", "lora_bias"),
+        ({"lora_bias": True}, "serve this adapter's lora_bias", "lora_bias"),
         ({"modules_to_save": ["lm_head"]}, "Unsupported modules_to_save: ['lm_head']", None),
         ({"init_lora_weights": "pissa"}, "init_lora_weights='pissa'", None),
     ],
@@ -53,6 +53,30 @@ def test_options_the_sync_cannot_serve_are_refused(options, adapter_message, mer
         with pytest.raises(ConfigError, match="lora_sync=merged") as err:
             check_lora(config, "merged")
         assert merged_message in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "options", [{"alora_invocation_tokens": [5, 6]}, {"layer_replication": [(0, 1)]}, {"use_qalora": True}]
+)
+def test_options_an_older_vllm_serves_as_a_plain_lora_are_refused_by_colograd(options, monkeypatch):
+    """vLLM 0.26's own check lets these pass (its loader then serves a plain LoRA); colograd refuses them itself,
+    so a run refuses them on every vLLM release, not only where vLLM does."""
+    from vllm.lora.peft_helper import PEFTHelper
+
+    monkeypatch.setattr(PEFTHelper, "validate_legal", lambda self, config: None)  # an older vLLM's check
+    with pytest.raises(ConfigError, match="lora_sync=adapter: vLLM cannot serve this adapter's"):
+        check_lora(LoraConfig(r=8, task_type="CAUSAL_LM", **options), "adapter")
+
+
+def test_per_layer_ranks_are_refused_where_vllm_scales_every_layer_alike(monkeypatch):
+    from vllm.lora.peft_helper import PEFTHelper
+
+    config = LoraConfig(r=4, rank_pattern={"q_proj": 8}, alpha_pattern={"q_proj": 32})
+    assert check_lora(config, "adapter") == 8  # vLLM 0.32 on scales each layer by its own rank and alpha
+    monkeypatch.delattr(PEFTHelper, "get_rank_and_scaling")  # as in 0.26: one scale, lora_alpha / r
+    with pytest.raises(ConfigError, match="per-layer rank or alpha .*set lora_sync: merged"):
+        check_lora(config, "adapter")
+    assert check_lora(LoraConfig(r=4), "adapter") == 4
 
 
 @pytest.mark.parametrize(
