@@ -8,6 +8,7 @@ This check runs the pieces a GPU run depends on, with the project's own engine a
     LoRA adapter              adapter-only sync parity (bf16 engine); generation speed with and without the adapter
     LoRA sleep level 1 / 2    level 1 (base to host and back) against level 2 + re-sending the base, timed
     tiny recipe               recipes/grpo_tiny.yaml for a few dozen steps: the reward rises, the gap stays small
+    segment attention         the varlen kernel of padding-free passes: shared prompts train as unshared SDPA
     tensor parallel 2         one engine over two GPUs (two processes), when there are two
 
 Each row that builds an engine runs in a fresh interpreter (`python -m colograd.check --row NAME --json OUT`):
@@ -17,6 +18,7 @@ against `log_softmax` of the trainer's logits. Without a GPU the check says so i
 """
 
 import argparse
+import copy
 import functools
 import json
 import os
@@ -36,8 +38,9 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from colograd import tiny
+from colograd.batch import pad_rollout
 from colograd.config import GRPOConfig
-from colograd.engine import Engine, free_port
+from colograd.engine import Engine, Rollout, free_port
 from colograd.sync import WeightPlan
 
 # Largest engine/trainer log-prob gap accepted: fp32 differs only by kernel order; bf16 rounds every layer.
@@ -344,6 +347,51 @@ def recipe_result(log_history: list[dict[str, float]], kv_cache_bytes: int) -> R
     return Result("tiny recipe", "pass" if ok else "FAIL", detail, figures)
 
 
+def check_segments(setup: Setup) -> Result:
+    """Padding-free passes as segments (`colograd.attention`): which varlen kernel this GPU runs, and a pass with
+    shared prompts against SDPA's unshared packing, in float32 and under bf16 autocast: the largest log-prob gap
+    and the largest gradient difference relative to the gradient's largest value."""
+    from colograd import attention
+    from colograd.logps import PromptSharing, completion_logps, segment_kernel
+
+    name, figures, parts = "segment attention", {}, []
+    model = setup.build().train()
+    switched = copy.deepcopy(model)
+    attention.install(switched)
+    batch = _grouped_batch(model.config.vocab_size, setup.device)
+    mask = batch["completion_mask"].bool()
+    for dtype, autocast in (("float32", None), ("bfloat16", torch.bfloat16)):
+        kernel = segment_kernel(model, setup.device, autocast or torch.float32)
+        if kernel is None:
+            return Result(name, "FAIL", f"no varlen kernel runs here in {dtype}")
+        outs = []
+        for net, kwargs in ((model, {}), (switched, {"share_prompts": PromptSharing(0.0), "segments": kernel})):
+            net.zero_grad()
+            with torch.autocast(setup.device.type, autocast) if autocast else nullcontext():
+                logps = completion_logps(net, batch, padding_free=True, **kwargs)
+            (logps * mask).sum().backward()
+            outs.append((logps.detach(), torch.cat([p.grad.flatten() for p in net.parameters()])))
+        gap = (outs[0][0] - outs[1][0])[mask].abs().max().item()
+        grad = ((outs[0][1] - outs[1][1]).abs().max() / outs[0][1].abs().max()).item()
+        figures |= {f"gap_{dtype}": gap, f"grad_{dtype}": grad}
+        parts.append(f"{dtype} {kernel}: gap {gap:.1e} (≤ {TOLERANCE[dtype]:.0e}), grad {grad:.1e}")
+    ok = all(figures[f"gap_{d}"] <= TOLERANCE[d] and figures[f"grad_{d}"] <= 10 * TOLERANCE[d] for d in TOLERANCE)
+    return Result(name, "pass" if ok else "FAIL", "; ".join(parts), figures)
+
+
+def _grouped_batch(vocab: int, device: torch.device, prompts: int = 4, group: int = 8) -> dict[str, torch.Tensor]:
+    """A padded rollout (`pad_rollout`) of random tokens: `prompts` prompts of 5 to 60 tokens, `group` completions
+    of 1 to 48 tokens each."""
+    gen = torch.Generator().manual_seed(0)
+    prompt_ids = [torch.randint(2, vocab, (int(torch.randint(5, 61, (1,), generator=gen)),), generator=gen).tolist()
+                  for _ in range(prompts)]  # fmt: skip
+    completions = [torch.randint(2, vocab, (int(torch.randint(1, 49, (1,), generator=gen)),), generator=gen).tolist()
+                   for _ in range(prompts * group)]  # fmt: skip
+    rollout = Rollout(completions, [[0.0] * len(c) for c in completions], [False] * len(completions))
+    batch = pad_rollout(prompt_ids, rollout, torch.zeros(len(completions)), group, pad_token_id=0)
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
 def check_tensor_parallel() -> Result:
     """One engine over two GPUs: two processes (torchrun), each syncs its trainer's weights and checks parity."""
     name = "tensor parallel 2"
@@ -403,6 +451,7 @@ ROWS: dict[str, Callable[[Setup], Result]] = {
     "LoRA sleep level 1": lambda setup: check_lora_sleep(setup, 1),
     "LoRA sleep level 2": lambda setup: check_lora_sleep(setup, 2),
     "tiny recipe": lambda setup: check_tiny_recipe(),  # the recipe names its own model
+    "segment attention": check_segments,  # no engine: in its own process all the same
 }
 
 

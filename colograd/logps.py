@@ -29,6 +29,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend
 from torch.utils.checkpoint import checkpoint
 
+from colograd import attention
 from colograd.errors import ConfigError
 
 
@@ -42,7 +43,8 @@ class Packed:
     scatter: (rows, columns) of each wanted token in the [N, T] result.
     tokens: the real (not padding) tokens the rows hold.
     attention_mask: None (position ids restarting at 0 tell the sequences apart) or, for shared prompts,
-        [R, 1, L, L]: True where a token may attend, or additive (0 there, -inf elsewhere).
+        [R, 1, L, L]: True where a token may attend, or additive (0 there, -inf elsewhere); or, packed for
+        segment attention, a `colograd.attention.segment_mask` (no mask values).
     """
 
     input_ids: torch.Tensor
@@ -74,10 +76,13 @@ def pack_rows(lengths: list[int], row_tokens: int | None = None) -> list[list[in
     return rows
 
 
-def pack(batch: dict[str, torch.Tensor], row_tokens: int | None = None, pad_token_id: int = 0) -> Packed:
+def pack(
+    batch: dict[str, torch.Tensor], row_tokens: int | None = None, pad_token_id: int = 0, segments: str | None = None
+) -> Packed:
     """The padded rollout rows of `batch` (input_ids, attention_mask, completion_ids) packed without padding.
 
     Vectorised: one host sync (the lengths, to plan the rows), then a scatter of every real token to its place.
+    With `segments` (a `colograd.attention.KERNELS` name) each sequence is a segment of its own (`segment_mask`).
     """
     input_ids, mask = batch["input_ids"], batch["attention_mask"].bool()
     device, n = input_ids.device, input_ids.size(0)
@@ -109,6 +114,12 @@ def pack(batch: dict[str, torch.Tensor], row_tokens: int | None = None, pad_toke
     column_T = pos_T - prompt_len_N[seq_T]
     wanted = column_T >= 0
     rows_K, cols_K = seq_T[wanted], column_T[wanted]
+    mask = None
+    if segments is not None:
+        unit_of = torch.full((len(rows) * width,), -1, dtype=torch.long, device=device)
+        unit_of[dest_T] = seq_T
+        layout = attention.segments_of(unit_of, torch.zeros_like(unit_of), segments)
+        mask = attention.segment_mask(layout, len(rows), device)
     return Packed(
         ids.view(len(rows), width),
         positions.view(len(rows), width),
@@ -116,6 +127,7 @@ def pack(batch: dict[str, torch.Tensor], row_tokens: int | None = None, pad_toke
         batch["completion_ids"][rows_K, cols_K],
         (rows_K, cols_K),
         sum(lengths),
+        mask,
     )
 
 
@@ -128,7 +140,7 @@ def prompt_sharing_cost(model: nn.Module) -> float | None:
     The cost is one query-key pair's attention (scores and weighted values: 4 × heads × head_dim FLOPs per
     layer) in tokens' worth of a decoder layer's matrix products (2 FLOPs per weight per token)."""
     config = _config(model)
-    if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
+    if config is None or getattr(config, "_attn_implementation", None) not in ("sdpa", attention.ATTENTION):
         return None
     config = config.get_text_config()
     layer_types = getattr(config, "layer_types", None)
@@ -266,20 +278,51 @@ class PromptSharing:
         return True
 
 
+def segment_kernel(model: nn.Module, device: torch.device, compute_dtype: torch.dtype) -> str | None:
+    """The varlen kernel that runs `model`'s padding-free passes as segments (`colograd.attention`) on `device`,
+    or None: not on CUDA, an attention that cannot be cut into segments (`prompt_sharing_cost`), or no varlen
+    kernel for its heads in `compute_dtype` (`attention.varlen_kernel`)."""
+    if device.type != "cuda" or prompt_sharing_cost(model) is None:
+        return None
+    config = _config(model).get_text_config()
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return attention.varlen_kernel(heads, kv_heads, head_dim, compute_dtype, device)
+
+
+def use_segments(models: list[nn.Module | None], device: torch.device, compute_dtype: torch.dtype) -> str | None:
+    """Switch the attention of `models` (the policy first; None entries skipped) to segment attention where
+    `segment_kernel` finds a kernel for the first; returns that kernel, or None (models left as they are)."""
+    kernel = segment_kernel(models[0], device, compute_dtype)
+    for model in models if kernel is not None else ():
+        if model is not None:
+            attention.install(model)
+    return kernel
+
+
 def prompt_sharing(
-    model: nn.Module, setting: bool | str, device: torch.device, compute_dtype: torch.dtype
+    model: nn.Module,
+    setting: bool | str,
+    device: torch.device,
+    compute_dtype: torch.dtype,
+    segments: str | None = None,
 ) -> PromptSharing | None:
     """How the trainer shares prompts for `share_prompts` = `setting` (True, False or "auto"), or None.
 
-    None where the model's attention cannot take a shared mask (`prompt_sharing_cost`). On a CPU sharing is used
-    whenever it saves tokens: CPU SDPA takes the 4D mask in its flash kernel. On a GPU the mask is additive, and
-    "auto" shares a pass only where it saves `GPU_MIN_SAVING` of its tokens; where SDPA would run a masked call
-    in its math kernel (O(L²) memory per layer: fp32 without autocast, older GPUs, odd head sizes) "auto" does
-    not share, with a warning, and True shares with the same warning.
+    None where the model's attention cannot take a shared mask (`prompt_sharing_cost`). With `segments` (a GPU
+    whose varlen kernel runs the passes, `segment_kernel`) a shared pass costs no mask and no other kernel, and a
+    completion attends to exactly the keys it has alone: sharing is used whenever it saves tokens, in units as
+    large as a pass. On a CPU too: CPU SDPA takes the 4D mask in its flash kernel. On a GPU without a varlen
+    kernel the mask is additive, and "auto" shares a pass only where it saves `GPU_MIN_SAVING` of its tokens;
+    where SDPA would run a masked call in its math kernel (O(L²) memory per layer: fp32 without autocast, older
+    GPUs, odd head sizes) "auto" does not share, with a warning, and True shares with the same warning.
     """
     if setting is False:
         return None
     cost = prompt_sharing_cost(model)
+    if cost is not None and segments is not None:
+        return PromptSharing(0.0)  # no masked pairs: a unit's attention is its members' own
     if cost is None or device.type != "cuda":
         return None if cost is None else PromptSharing(cost)
     config = _config(model).get_text_config()
@@ -311,6 +354,7 @@ def pack_shared(
     pad_token_id: int = 0,
     mask_dtype: torch.dtype | None = None,
     plan: SharedPlan | None = None,
+    segments: str | None = None,
 ) -> Packed:
     """The padded rollout rows of `batch` packed with each prompt computed once for the completions that share it.
 
@@ -325,6 +369,8 @@ def pack_shared(
             -inf) and rows padded to a multiple of 16 tokens, which CUDA SDPA kernels take as they are: every
             layer then uses (and saves for its backward) this one tensor instead of converting its own copy.
         plan: `plan_shared(batch, attention_cost, row_tokens)`, when already made.
+        segments: instead of a mask, the prompts and completions as segments for segment attention, run by this
+            `colograd.attention.KERNELS` kernel (`segment_mask`).
     """
     device = batch["input_ids"].device
     plan = plan or plan_shared(batch, attention_cost, row_tokens)
@@ -371,7 +417,11 @@ def pack_shared(
         batch["completion_ids"][rows_K, cols_K],
         (rows_K, cols_K),
         sum(unit_lengths),
-        _shared_mask(unit_of.to(device), branch.to(device), mask_dtype),
+        _shared_mask(unit_of.to(device), branch.to(device), mask_dtype)
+        if segments is None
+        else attention.segment_mask(
+            attention.segments_of(unit_of.flatten(), branch.flatten(), segments), len(rows), device
+        ),
     )
 
 
@@ -404,6 +454,7 @@ def completion_logps(
     fp32_head: bool = False,
     share_prompts: PromptSharing | float | None = None,
     count_tokens: Callable[[int], None] | None = None,
+    segments: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of `batch`'s completion tokens under `model` at `temperature`: [N, T], 0 where there is no token.
 
@@ -422,6 +473,9 @@ def completion_logps(
             `PromptSharing.applies`; a float is the attention cost of a `PromptSharing` that shares whenever that
             saves tokens (`prompt_sharing_cost`). None: each its own.
         count_tokens: called with the number of tokens the forward pass computes (padded: padding included).
+        segments: with `padding_free`, run the attention on segments with this `colograd.attention.KERNELS`
+            kernel instead of a mask, where `model`'s attention is switched to it (`attention.install`; else this
+            is ignored). All sequences then go in one row: segments, not rows, keep them apart.
 
     Returns:
         logps_NT; with `entropy`, (logps_NT, entropy_NT). Only the completion tokens' values are meaningful.
@@ -432,7 +486,9 @@ def completion_logps(
     completion_ids_NT = batch["completion_ids"]
     n, t = completion_ids_NT.shape
     if padding_free:
-        packed = pack_for_forward(batch, share_prompts, row_tokens, _compute_dtype(head, completion_ids_NT.device))
+        segments = segments if segments is not None and attention.installed(model) else None
+        dtype = _compute_dtype(head, completion_ids_NT.device)
+        packed = pack_for_forward(batch, share_prompts, row_tokens, dtype, segments)
         inputs = {
             "input_ids": packed.input_ids,
             "position_ids": packed.position_ids,
@@ -462,18 +518,24 @@ def pack_for_forward(
     share_prompts: PromptSharing | float | None,
     row_tokens: int | None = None,
     compute_dtype: torch.dtype = torch.float32,
+    segments: str | None = None,
 ) -> Packed:
     """`batch` packed for one forward pass: prompts shared where `share_prompts` says it applies (its additive
-    mask in `compute_dtype`, the dtype of the attention's queries), else each sequence whole (`pack`)."""
+    mask in `compute_dtype`, the dtype of the attention's queries), else each sequence whole (`pack`); with
+    `segments` (a `colograd.attention.KERNELS` kernel) in one row, as segments instead of under a mask."""
+    if segments is not None:
+        row_tokens = int(batch["attention_mask"].sum())  # one row: the segments keep the sequences apart
     if share_prompts is None:
-        return pack(batch, row_tokens)
+        return pack(batch, row_tokens, segments=segments)
     if not isinstance(share_prompts, PromptSharing):
         share_prompts = PromptSharing(share_prompts)
     plan = plan_shared(batch, share_prompts.attention_cost, row_tokens)
     if not share_prompts.applies(plan, row_tokens):
-        return pack(batch, row_tokens)
-    mask_dtype = compute_dtype if share_prompts.additive_mask else None
-    return pack_shared(batch, share_prompts.attention_cost, row_tokens, mask_dtype=mask_dtype, plan=plan)
+        return pack(batch, row_tokens, segments=segments)
+    mask_dtype = compute_dtype if share_prompts.additive_mask and segments is None else None
+    return pack_shared(
+        batch, share_prompts.attention_cost, row_tokens, mask_dtype=mask_dtype, plan=plan, segments=segments
+    )
 
 
 def _compute_dtype(head: nn.Module, device: torch.device) -> torch.dtype:

@@ -39,7 +39,7 @@ from colograd.data import keep_rows, sampled_prompt_tokens, tokenize_prompts
 from colograd.engine import Engine, Rollout
 from colograd.entropy import EntropyTerms
 from colograd.evaluation import evaluate
-from colograd.logps import completion_logps, prompt_sharing
+from colograd.logps import completion_logps, prompt_sharing, use_segments
 from colograd.loss import (
     Surrogate,
     group_advantages,
@@ -190,10 +190,15 @@ class GRPOTrainer(RolloutBatches, ModelSaving):
         self._synced_step: int | None = None  # the global_step whose weights the engine holds
         self._weight_plan: WeightPlan | None = None
         # Completions of one prompt compute it once in the forward pass, where the model's attention allows (and on
-        # a GPU, by default, where it pays); on a GPU a micro-step's passes get a token budget (`PassBudget`).
+        # a GPU without a varlen kernel, by default, where it pays); on a GPU a micro-step's passes get a token
+        # budget (`PassBudget`), and run their attention as segments, without a mask, where a varlen kernel runs.
         dtype = compute_dtype(unwrapped, args.mixed_precision)
+        frozen = self.reference.frozen if self.reference is not None else None
+        self._segments = use_segments([unwrapped, frozen], args.device, dtype) if args.padding_free else None
         self._prompt_cost = (
-            prompt_sharing(unwrapped, args.share_prompts, args.device, dtype) if args.padding_free else None
+            prompt_sharing(unwrapped, args.share_prompts, args.device, dtype, self._segments)
+            if args.padding_free
+            else None
         )
         self._pass_budget = PassBudget(unwrapped, args, self.is_deepspeed_enabled, self.accelerator.is_main_process)
         self._micro_step = 0  # micro-steps trained since start (or resume): picks the rollout slice
@@ -533,6 +538,7 @@ class GRPOTrainer(RolloutBatches, ModelSaving):
             fp32_head=self.args.cast_lm_head_to_fp32,
             share_prompts=self._prompt_cost,
             count_tokens=count_tokens,
+            segments=self._segments,
         )
 
     def log_completions(

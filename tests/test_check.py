@@ -191,3 +191,25 @@ def test_lora_check_passes_on_a_bf16_cpu_engine():
 @pytest.mark.slow
 def test_gpu_check_passes():
     assert check.main([]) == 0
+
+
+def test_segment_row_compares_shared_segments_with_unshared_sdpa(monkeypatch):
+    """The row's arithmetic on a CPU, the reference kernel standing in for CUDA's varlen kernels."""
+    from colograd import attention, logps
+
+    setup = check.tiny_setup(CPU)
+    assert check.check_segments(setup).status == "FAIL"  # no varlen kernel on a CPU, and the row says so
+    monkeypatch.setattr(logps, "segment_kernel", lambda *a: "reference")
+    result = check.check_segments(setup)
+    assert result.status == "pass", result.detail
+    assert result.figures["gap_float32"] < 1e-5 and result.detail.startswith("float32 reference: gap")
+    # Segments that gather the wrong keys (the queries' own positions): a completion no longer sees its prompt.
+    wrong = attention._reference
+
+    def misaligned(q, k, v, s, scale):
+        keys = s.cu_k.clone()
+        keys[1:] = s.cu_q[1:]  # each segment's first keys only, as many as its queries
+        return wrong(q, k, v, attention.Segments(s.cu_q, keys, s.kv_index, s.max_q, s.max_q, s.kernel), scale)
+
+    monkeypatch.setitem(attention.KERNELS, "reference", misaligned)
+    assert check.check_segments(setup).status == "FAIL"

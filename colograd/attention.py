@@ -1,0 +1,207 @@
+"""Attention over packed segments without a mask: CUDA's variable-length (varlen) attention kernels.
+
+A padding-free forward pass (`colograd.logps`) holds many sequences end to end. With SDPA, transformers tells them
+apart by a 4D mask, and shared prompts (`pack_shared`) need one too: an [L, L] tensor per pass, and a masked call
+that runs in the slower memory-efficient kernel. Here the pass is cut into *segments* instead, each a run of query
+tokens with the keys it may see:
+
+- a sequence computed alone, or a prompt computed once for its completions: its own tokens, causally;
+- a completion that shares its prompt: the prompt's tokens, then its own, causally.
+
+One varlen kernel call computes every segment: the flash kernel (fp16 / bf16) or the memory-efficient one (any
+dtype), both with causality aligned to the bottom right (query i of a segment of q queries and k keys sees keys
+0 … k - q + i), which is exactly "the whole prompt, then the completion up to itself". Keys and values are
+gathered per segment: a completion's prompt keys are copied once per completion (heads_kv × head_dim values per
+token and layer: a few percent of what computing that prompt again would cost in hidden states). No [L, L]
+tensor exists, and a shared pass runs the same kernel as an unshared one.
+
+The model's attention is switched to `ATTENTION` (`install`): a function that takes this path when its mask is a
+`segment_mask` and otherwise is transformers' SDPA attention unchanged, so any other call (generation in an
+evaluation, a pass without segments) behaves as before. The kernels exist on CUDA only; `varlen_kernel` probes
+which one runs. On a CPU the boolean-mask packing stays (CPU SDPA takes a mask in its flash kernel), and the
+`"reference"` kernel, a loop of masked SDPA calls over the same segments, lets tests check the layout there.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+ATTENTION = "colograd_segments"  # the attention implementation's name in transformers' registry
+
+
+@dataclass(frozen=True)
+class Segments:
+    """A packed row stream cut into segments, for one varlen kernel call.
+
+    cu_q, cu_k: int32 [S + 1]: where each segment's queries (in the stream) and gathered keys start.
+    kv_index: [K]: the stream position of each gathered key, segment after segment.
+    max_q, max_k: the longest segment's queries and keys.
+    kernel: "flash", "efficient" or "reference" (`KERNELS`).
+    """
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    kv_index: torch.Tensor
+    max_q: int
+    max_k: int
+    kernel: str
+
+    def to(self, device: torch.device) -> "Segments":
+        """The same segments with their tensors on `device`."""
+        return Segments(
+            self.cu_q.to(device), self.cu_k.to(device), self.kv_index.to(device), self.max_q, self.max_k, self.kernel
+        )
+
+
+def segments_of(unit_of: torch.Tensor, branch: torch.Tensor, kernel: str) -> Segments:
+    """The segments of a flat token stream, from each token's unit and branch (as `pack_shared` labels them).
+
+    Args:
+        unit_of: [L]: the unit (a sequence, or a prompt with the completions that share it) of each token; -1 for
+            padding. A unit's tokens are contiguous, its prompt first.
+        branch: [L]: 0 for a prompt token (or a token of a sequence computed alone), b for the unit's b-th
+            completion.
+        kernel: the kernel that will run them (`KERNELS`).
+    """
+    key = unit_of.cpu().long() * (int(branch.max()) + 1 if len(branch) else 1) + branch.cpu().long()
+    _, counts = torch.unique_consecutive(key, return_counts=True)
+    starts = (counts.cumsum(0) - counts).tolist()
+    units, branches = unit_of.cpu()[starts].tolist(), branch.cpu()[starts].tolist()
+    prompt_span: dict[int, tuple[int, int]] = {}
+    keys, q_lens, k_lens = [], [], []
+    for start, count, unit, b in zip(starts, counts.tolist(), units, branches, strict=True):
+        own = torch.arange(start, start + count)
+        if b == 0 or unit < 0:  # a prompt, a sequence alone, or padding: itself
+            prompt_span[unit] = (start, count)
+            keys.append(own)
+        else:  # a completion: its unit's prompt, then itself
+            first, length = prompt_span[unit]
+            keys += [torch.arange(first, first + length), own]
+        q_lens.append(count)
+        k_lens.append(len(own) + (0 if b == 0 or unit < 0 else prompt_span[unit][1]))
+    cu_q = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    cu_k = torch.tensor([0, *k_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return Segments(cu_q, cu_k, torch.cat(keys), max(q_lens), max(k_lens), kernel)
+
+
+def segment_mask(segments: Segments, rows: int, device: torch.device) -> torch.Tensor:
+    """What a packed pass gives the model as `attention_mask` to run on `segments`: a [rows, 1, 1, 1] marker.
+
+    transformers passes a 4D mask through unchanged, to every layer and into gradient checkpointing's
+    recomputation; `segment_attention` reads the segments from it. It holds no mask values."""
+    marker = torch.zeros(rows, 1, 1, 1, dtype=torch.bool, device=device)
+    marker.segments = segments.to(device)
+    return marker
+
+
+def segment_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention function for `ATTENTION`: the segments' varlen kernel where `attention_mask` is a
+    `segment_mask`, else SDPA as transformers runs it.
+
+    Args:
+        query: [B, heads, L, head_dim]; key, value: [B, kv_heads, L, head_dim] (after rotary embeddings).
+    Returns:
+        The attention output [B, L, heads, head_dim] and no weights, as `sdpa_attention_forward` returns them.
+    """
+    segments: Segments | None = getattr(attention_mask, "segments", None)
+    if segments is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None or dropout:
+        raise ValueError("segment attention has no sliding window, soft cap or dropout; share_prompts: false")
+    b, heads, length, head_dim = query.shape
+    q = query.transpose(1, 2).reshape(b * length, heads, head_dim)
+    k = key.transpose(1, 2).reshape(b * length, key.size(1), head_dim).index_select(0, segments.kv_index)
+    v = value.transpose(1, 2).reshape(b * length, value.size(1), head_dim).index_select(0, segments.kv_index)
+    scale = scaling if scaling is not None else head_dim**-0.5
+    out = KERNELS[segments.kernel](q, k, v, segments, scale)
+    return out.view(b, length, heads, head_dim), None
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: Segments, scale: float) -> torch.Tensor:
+    """CUDA's flash kernel, varlen: [Tq, heads, d] queries, [Tk, kv_heads, d] keys (grouped heads natively);
+    `is_causal` there is bottom-right aligned when a segment has more keys than queries."""
+    return torch.ops.aten._flash_attention_forward(
+        q, k, v, s.cu_q, s.cu_k, s.max_q, s.max_k, 0.0, True, False, scale=scale
+    )[0]
+
+
+def _efficient(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: Segments, scale: float) -> torch.Tensor:
+    """CUDA's memory-efficient kernel, varlen (any float dtype): mask type 2 is causal from the bottom right. It
+    has no grouped heads, so keys and values are repeated per query head."""
+    if k.size(1) != q.size(1):
+        k, v = (t.repeat_interleave(q.size(1) // t.size(1), dim=1) for t in (k, v))
+    lse = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))  # its backward needs the log-sum-exp
+    out = torch.ops.aten._efficient_attention_forward(
+        q[None], k[None], v[None], None, s.cu_q, s.cu_k, s.max_q, s.max_k, 0.0, 2, lse, scale=scale
+    )[0]
+    return out[0]
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: Segments, scale: float) -> torch.Tensor:
+    """The same computation as a loop of masked SDPA calls, one per segment: any device, for tests."""
+    cu_q, cu_k, out = s.cu_q.tolist(), s.cu_k.tolist(), []
+    for i in range(len(cu_q) - 1):
+        qs, ks, vs = (
+            t[a:z].transpose(0, 1) for t, a, z in ((q, *cu_q[i : i + 2]), (k, *cu_k[i : i + 2]), (v, *cu_k[i : i + 2]))
+        )
+        allowed = torch.ones(qs.size(1), ks.size(1), dtype=torch.bool, device=q.device).tril(ks.size(1) - qs.size(1))
+        part = nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, scale=scale, enable_gqa=True)
+        out.append(part.transpose(0, 1))
+    return torch.cat(out)
+
+
+KERNELS: dict[str, Callable[..., torch.Tensor]] = {"flash": _flash, "efficient": _efficient, "reference": _reference}
+
+
+def varlen_kernel(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> str | None:
+    """The varlen kernel that runs here for queries of `dtype` with these heads, forward and backward: "flash",
+    else "efficient", else None (not CUDA, or neither runs). A small probe per kernel, so a build or GPU without
+    one (older architectures, head sizes the flash kernel does not take) is found before training."""
+    if not _is_cuda(device):
+        return None
+    segments = segments_of(torch.zeros(48, dtype=torch.long), torch.tensor([0] * 16 + [1] * 16 + [2] * 16), "")
+    for name in ("flash", "efficient"):
+        probe = Segments(**{**segments.to(device).__dict__, "kernel": name})
+        q = torch.randn(48, heads, head_dim, dtype=dtype, device=device, requires_grad=True)
+        kv = torch.randn(48, kv_heads, head_dim, dtype=dtype, device=device, requires_grad=True)
+        try:
+            k = kv.index_select(0, probe.kv_index)
+            KERNELS[name](q, k, k, probe, head_dim**-0.5).sum().backward()
+        except (RuntimeError, NotImplementedError):
+            continue
+        return name
+    return None
+
+
+def _is_cuda(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def install(model: nn.Module) -> None:
+    """Switch `model`'s attention (through DDP / DeepSpeed / PEFT wrappers) to `ATTENTION`: segment attention
+    where a pass gives segments, SDPA otherwise. Its saved config is unchanged (transformers does not write the
+    attention implementation)."""
+    AttentionInterface.register(ATTENTION, segment_attention)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # passes without segments build SDPA's masks
+    pretrained = next(m for m in model.modules() if isinstance(m, PreTrainedModel))
+    pretrained.set_attn_implementation(ATTENTION)
+
+
+def installed(model: nn.Module) -> bool:
+    """Whether `model`'s attention is `ATTENTION` (`install`)."""
+    pretrained = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    return pretrained is not None and getattr(pretrained.config, "_attn_implementation", None) == ATTENTION

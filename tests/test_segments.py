@@ -1,0 +1,200 @@
+"""Segment attention (`colograd.attention`): padding-free passes, shared prompts included, without a mask.
+
+The varlen kernels exist on CUDA only; here the `reference` kernel (a loop of masked SDPA calls over the same
+segments) stands in for them, so what is proven on a CPU is the layout: which keys each query segment gathers,
+in which order, and that a model whose attention is switched trains exactly as SDPA trains it, through
+gradient checkpointing and PEFT. The `gpu` test at the end compares the CUDA kernels with that reference."""
+
+import copy
+
+import peft
+import pytest
+import torch
+from test_logps import _assert_same_training, _batch, _grouped_batch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from colograd import GRPOTrainer, attention, logps, tiny
+from colograd.attention import Segments, segments_of
+from colograd.logps import PromptSharing, completion_logps, pack_for_forward, prompt_sharing, use_segments
+
+
+def test_a_completion_gathers_its_prompt_then_itself():
+    # One row: unit 0 = prompt (3) + completions of 2 and 1; unit 1 = one sequence alone (2); then padding (2).
+    unit_of = torch.tensor([0, 0, 0, 0, 0, 0, 1, 1, -1, -1])
+    branch = torch.tensor([0, 0, 0, 1, 1, 2, 0, 0, 0, 0])
+    s = segments_of(unit_of, branch, "reference")
+    assert s.cu_q.tolist() == [0, 3, 5, 6, 8, 10]  # prompt, completion 1, completion 2, the sequence, padding
+    assert s.kv_index.tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 5, 6, 7, 8, 9]
+    assert s.cu_k.tolist() == [0, 3, 8, 12, 14, 16]
+    assert (s.max_q, s.max_k) == (3, 5)
+    assert s.cu_q.dtype == s.cu_k.dtype == torch.int32  # what the varlen kernels take
+
+
+def test_packing_for_segments_puts_every_sequence_in_one_row_without_padding():
+    batch = _grouped_batch()
+    real = int(batch["attention_mask"].sum())
+    for sharing in (None, PromptSharing(0.0)):
+        packed = pack_for_forward(batch, sharing, row_tokens=10, segments="reference")
+        assert packed.input_ids.shape[0] == 1 and packed.input_ids.shape[1] == packed.tokens
+        assert packed.attention_mask.shape == (1, 1, 1, 1)  # a marker: no [L, L] mask exists
+        layout = packed.attention_mask.segments
+        assert layout.cu_q[-1] == packed.tokens
+    # Shared: each of rows 1-3 and 5-6 skips its prompt copy, so the row holds fewer tokens than the sequences.
+    assert packed.tokens < real
+    assert len(layout.cu_q) - 1 == 3 + 8  # three prompts, eight completions
+
+
+def _switched(model):
+    switched = copy.deepcopy(model)
+    attention.install(switched)
+    return switched
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("chunk_tokens", [1024, 3])
+def test_segment_attention_trains_as_sdpa_with_and_without_shared_prompts(tied, chunk_tokens):
+    model = tiny.build_model(tie_word_embeddings=tied)
+    batch = _grouped_batch()
+    switched = _switched(model)
+    assert attention.installed(switched) and not attention.installed(model)
+    reference = {"padding_free": True}
+    for sharing in (None, PromptSharing(0.0)):
+        kwargs = {"padding_free": True, "chunk_tokens": chunk_tokens, "share_prompts": sharing}
+        expected = completion_logps(model, batch, **reference)
+        got = completion_logps(switched, batch, segments="reference", **kwargs)
+        mask = batch["completion_mask"].bool()
+        assert (got - expected)[mask].abs().max() < 1e-5
+        # Same loss and gradients, parameter by parameter (the switched copy has the same weights).
+        _assert_same_training(switched, batch, reference, segments="reference", **kwargs)
+
+
+def test_grouped_query_heads_and_gradient_checkpointing():
+    config = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    batch = _grouped_batch(seed=3)
+    switched = _switched(model)
+    switched.gradient_checkpointing_enable({"use_reentrant": False})
+    switched.train()
+    # The layers are recomputed in the backward pass: the recomputation must see the segments again.
+    _assert_same_training(
+        switched,
+        batch,
+        {"padding_free": True},
+        padding_free=True,
+        share_prompts=PromptSharing(0.0),
+        segments="reference",
+    )
+
+
+def test_a_peft_model_through_its_wrapper():
+    model = peft.get_peft_model(tiny.build_model(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    batch = _batch(seed=1)
+    expected = completion_logps(model, batch, padding_free=True)
+    attention.install(model)
+    assert attention.installed(model)
+    got = completion_logps(model, batch, padding_free=True, share_prompts=PromptSharing(0.0), segments="reference")
+    mask = batch["completion_mask"].bool()
+    assert (got - expected)[mask].abs().max() < 1e-5
+
+
+def test_a_switched_model_without_segments_is_sdpa_and_an_unswitched_one_ignores_them():
+    model = tiny.build_model()
+    batch = _batch(seed=2)
+    switched = _switched(model)
+    mask = batch["completion_mask"].bool()
+    for kwargs in ({"padding_free": False}, {"padding_free": True}, {"padding_free": True, "share_prompts": 0.01}):
+        expected = completion_logps(model, batch, **kwargs)
+        assert (completion_logps(switched, batch, **kwargs) - expected)[mask].abs().max() < 1e-6
+    # Segments asked of a model whose attention is SDPA (a reference model left as it was): the plain packing.
+    got = completion_logps(model, batch, padding_free=True, segments="reference")
+    assert (got - completion_logps(model, batch, padding_free=True))[mask].abs().max() == 0
+
+
+def test_segments_are_used_only_on_cuda_and_then_share_whenever_that_saves_tokens(monkeypatch):
+    model = tiny.build_model()
+    cpu = torch.device("cpu")
+    assert attention.varlen_kernel(2, 2, 64, torch.bfloat16, cpu) is None
+    assert use_segments([model], cpu, torch.float32) is None and not attention.installed(model)
+    # On a GPU whose probe finds a kernel: both the policy and the reference copy are switched.
+    monkeypatch.setattr(attention, "varlen_kernel", lambda *a: "flash")
+    frozen = copy.deepcopy(model)
+    assert use_segments([model, None, frozen], torch.device("cuda"), torch.bfloat16) == "flash"
+    assert attention.installed(model) and attention.installed(frozen)
+    gpu = torch.device("cuda")
+    assert prompt_sharing(model, "auto", gpu, torch.bfloat16, "flash") == PromptSharing(0.0)
+    assert prompt_sharing(model, True, gpu, torch.bfloat16, "flash") == PromptSharing(0.0)
+    assert prompt_sharing(model, False, gpu, torch.bfloat16, "flash") is None
+    # An attention that cannot be cut into segments (sliding windows) gets none.
+    config = tiny.build_model().config
+    config.layer_types = ["sliding_attention", "full_attention"]
+    windowed = Qwen2ForCausalLM(config)
+    assert logps.segment_kernel(windowed, gpu, torch.bfloat16) is None
+
+
+def test_the_kernel_probe_takes_the_first_kernel_that_runs_forward_and_backward(monkeypatch):
+    tried = []
+
+    def fails(*args):
+        tried.append("flash")
+        raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.")
+
+    def runs(q, k, v, s, scale):
+        tried.append("efficient")
+        assert isinstance(s, Segments) and s.cu_q.tolist() == [0, 16, 32, 48] and s.kernel == "efficient"
+        return attention._reference(q, k, v, s, scale)
+
+    monkeypatch.setitem(attention.KERNELS, "flash", fails)
+    monkeypatch.setitem(attention.KERNELS, "efficient", runs)
+    # The probe runs on the device it is given: the CPU, taken for a GPU here.
+    monkeypatch.setattr(attention, "_is_cuda", lambda device: True)
+    assert attention.varlen_kernel(4, 2, 16, torch.float32, torch.device("cpu")) == "efficient"
+    assert tried == ["flash", "efficient"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_varlen_kernels_equal_the_reference(dtype):
+    device = torch.device("cuda")
+    unit_of = torch.tensor([0] * 20 + [1] * 9 + [-1] * 3)
+    branch = torch.tensor([0] * 7 + [1] * 5 + [2] * 8 + [0] * 9 + [0] * 3)
+    kernel = attention.varlen_kernel(4, 2, 64, dtype, device)
+    assert kernel is not None, "no varlen kernel on this GPU"
+    s = segments_of(unit_of, branch, kernel).to(device)
+    q = torch.randn(32, 4, 64, dtype=dtype, device=device, requires_grad=True)
+    kv = torch.randn(32, 2, 64, dtype=dtype, device=device, requires_grad=True)
+    k = kv.index_select(0, s.kv_index)
+    out = attention.KERNELS[kernel](q, k, k, s, 0.125)
+    expected = attention._reference(q, k, k, s, 0.125)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    assert (out.float() - expected.float()).abs().max() < tolerance
+    grad = torch.autograd.grad(out.float().sum(), q)[0]
+    expected_grad = torch.autograd.grad(expected.float().sum(), q)[0]
+    assert (grad.float() - expected_grad.float()).abs().max() < 10 * tolerance
+
+
+@pytest.mark.slow
+def test_a_run_with_segment_attention_matches_the_engine(tmp_path, monkeypatch):
+    # The GPU path on a CPU: the probe's answer stubbed to the reference kernel, the engine and training real.
+    monkeypatch.setattr(logps, "segment_kernel", lambda *a: "reference")
+    args = tiny.run_config(str(tmp_path), 2, per_device_train_batch_size=16, num_generations=4, beta=0.04,
+                           logging_steps=1, gradient_checkpointing=True)  # fmt: skip
+    trainer = GRPOTrainer(
+        model=tiny.build_model(),
+        reward_funcs=tiny.letters_reward,
+        args=args,
+        train_dataset=tiny.letters_dataset(32),
+        processing_class=tiny.build_tokenizer(),
+    )
+    assert attention.installed(trainer.model) and attention.installed(trainer.reference.frozen)
+    assert trainer._prompt_cost == PromptSharing(0.0)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2
+    # The trainer's log-probs (segments, prompts shared) against the engine's of the same tokens, before any update.
+    assert logs[0]["sampling/sampling_logp_difference/max"] < 1e-3
+    # Before the first update the reference copy (its attention switched too) gives the policy's log-probs.
+    assert abs(logs[0]["kl"]) < 1e-6
+    assert logs[0]["tokens/forwarded"] < logs[0]["tokens/trained"]  # the prompts were shared
