@@ -90,8 +90,12 @@ def test_step_report_on_a_gpu_shows_memory_per_phase_and_generation_against_bare
         trl_peak_gpu_mib_by_phase={"train": 70000.0}, colograd_generation_tokens_per_s=9000.0,
         bare_vllm_tokens_per_s=10000.0, bare_vllm_logprobs0_tokens_per_s=4500.0, generation_vs_bare_vllm=0.9,
         packed_tokens_per_s=3.0, padded_tokens_per_s=1.0, packed_vs_padded=3.0, padding_fraction=0.5,
+        decode_sequences=128, decode_ms_per_step=3.43, decode_floor_ms=1.14, decode_vs_floor=3.0,
+        memory_bandwidth_gb_s=3000.0,
     )  # fmt: skip
     text = report(result)
+    assert "decode step, 128 sequences (bare, EOS ignored): 3.43 ms; memory-read floor 1.14 ms" in text
+    assert "at 3000 GB/s measured), decode_vs_floor 3.00" in text
     assert "16 prompts × 8 completions of ≤256 tokens per step in 4 micro-step(s)" in text
     assert "peak GPU memory allocated (reserved): colograd 52,500 (60,000) MiB, TRL 70,000 (72,000) MiB" in text
     assert "train      colograd     52,500 MiB   TRL     70,000 MiB" in text
@@ -247,3 +251,36 @@ def test_colograd_side_leaves_the_engine_memory_to_the_engine(tmp_path, monkeypa
     assert args.vllm_kv_cache_gib == 0.25 and args.max_prompt_length == 100
     assert args.per_device_train_batch_size == 16 and seen["model"].config.max_position_embeddings == 512
     assert json.loads(json.dumps(w)) == w  # the workload reaches each side's process as JSON
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_decode_floor_reads_every_weight_once_and_the_kv_caches(tied):
+    from colograd import tiny
+    from colograd.bench.decode import decode_floor_seconds
+
+    model = tiny.build_model(tie_word_embeddings=tied)
+    # The tiny Qwen2: 2 layers of hidden 128, MLP 256, 2 heads of 64 (2 KV heads); vocabulary 64.
+    layer = 4 * 128 * 128 + 3 * 128 + 3 * 128 * 256 + 2 * 128  # q, k, v, o; q, k, v biases; MLP; two norms
+    embedding_rows = 4 * 128  # 4 sequences read one row each, unless the output layer reads it all anyway
+    weights = 2 * layer + 128 + 64 * 128 + (0 if tied else embedding_rows)  # final norm, output layer
+    kv = 4 * 10 * (2 * 2 * 2 * 64) * 2  # 4 sequences × 10 tokens × keys and values of 2 layers × 2 heads × 64, bf16
+    floor = decode_floor_seconds(model, torch.bfloat16, sequences=4, context=10, bandwidth=1e9)
+    assert floor == pytest.approx((2 * weights + kv) / 1e9)
+
+
+@pytest.mark.slow
+def test_decode_against_the_floor_through_the_trainers_engine(tmp_path):
+    from colograd import GRPOTrainer, tiny
+    from colograd.bench.decode import decode_against_floor
+
+    args = tiny.run_config(str(tmp_path), 1, per_device_train_batch_size=16, num_generations=4)
+    trainer = GRPOTrainer(model=tiny.build_model(), reward_funcs=tiny.letters_reward, args=args,
+                          train_dataset=tiny.letters_dataset(8), processing_class=tiny.build_tokenizer())  # fmt: skip
+    r = decode_against_floor(trainer, prompts=4)
+    assert r["decode_sequences"] == 16
+    assert r["memory_bandwidth_gb_s"] > 0.1 and r["decode_ms_per_step"] > 0
+    # No engine decodes faster than its memory reads: the ratio is at least 1, whatever the machine.
+    assert (
+        r["decode_vs_floor"] == pytest.approx(r["decode_ms_per_step"] / r["decode_floor_ms"])
+        and r["decode_vs_floor"] > 1
+    )

@@ -16,7 +16,8 @@ defaults. Reported:
   TRL generates with transformers (`use_vllm=False`), its fastest configuration that runs there;
 - generation: colograd's generate stage against a bare `vllm.LLM.generate` of the same requests through the same
   engine object without log-probs (`logprobs=None`, the engine's fastest mode), interleaved
-  (`generation_vs_bare_vllm`), and with `logprobs=0` for reference;
+  (`generation_vs_bare_vllm`), and with `logprobs=0` for reference; and the engine's decode step against the
+  time its memory reads take at the measured bandwidth (`decode_vs_floor`, `colograd.bench.decode`);
 - training: packed (padding-free) against padded forward + backward on one variable-length batch
   (`packed_vs_padded`, tokens/s of real tokens);
 - the peak resident memory of each side's process (`peak_rss_mib`) and, on a GPU, the peak GPU memory torch
@@ -45,6 +46,7 @@ import torch
 from transformers import AutoConfig, TrainerCallback
 
 from colograd import GRPOTrainer, pretrained, tiny
+from colograd.bench.decode import decode_against_floor
 from colograd.bench.peaks import PeakCallback, PhasePeaks
 from colograd.bench.shapes import SMOLLM2, build_model, build_task, completions_per_micro_step, saved_model, workload
 from colograd.engine import free_port, sampling_params
@@ -446,7 +448,9 @@ def _side(side: str, w: dict[str, Any]) -> dict[str, Any]:
         else:
             result, trainer = run_colograd(out, w)
             if w["model"] != "smollm2":
-                result["generation"] = generation_side_by_side(trainer, w)
+                result["generation"] = generation_side_by_side(trainer, w) | decode_against_floor(
+                    trainer, w["prompts"]
+                )
     # The whole process's peak (ru_maxrss is in KiB on Linux): model, optimizer state, activations and, for
     # colograd, its in-process engine with its KV cache.
     return {**result, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
@@ -486,6 +490,9 @@ def report(r: dict[str, Any]) -> str:
         f"bare vllm.LLM.generate {r['bare_vllm_tokens_per_s']:.0f} tokens/s with logprobs=None "
         f"({r['bare_vllm_logprobs0_tokens_per_s']:.0f} with logprobs=0); generation_vs_bare_vllm "
         f"{r['generation_vs_bare_vllm']:.2f} (goal: at least 0.91, within 1.10x of the bare time)",
+        f"  decode step, {r['decode_sequences']} sequences (bare, EOS ignored): {r['decode_ms_per_step']:.2f} ms; "
+        f"memory-read floor {r['decode_floor_ms']:.2f} ms (weights + KV cache at "
+        f"{r['memory_bandwidth_gb_s']:.0f} GB/s measured), decode_vs_floor {r['decode_vs_floor']:.2f}",
         f"  training: packed {r['packed_tokens_per_s']:.0f} tokens/s, padded {r['padded_tokens_per_s']:.0f} "
         f"tokens/s ({100 * r['padding_fraction']:.0f}% padding), ratio {r['packed_vs_padded']:.2f}",
     ]
