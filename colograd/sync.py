@@ -245,7 +245,12 @@ class _QuietPartialReload(logging.Filter):
     """vLLM warns for every layer a reload call leaves out; a bucketed sync leaves layers out on purpose."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "Failed to load weights" not in record.getMessage()
+        message = record.getMessage()
+        return "Failed to load weights" not in message and "Following weights were not loaded" not in message
 
 
-logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_QuietPartialReload())
+# Where each vLLM release colograd runs on warns about a partial reload: 0.32's layerwise reload, 0.32 / 0.33's
+# in-place one, 0.26's model runner.
+for _logger in ("reload.layerwise", "reload.inplace"):
+    logging.getLogger(f"vllm.model_executor.model_loader.{_logger}").addFilter(_QuietPartialReload())
+logging.getLogger("vllm.v1.worker.gpu_model_runner").addFilter(_QuietPartialReload())
