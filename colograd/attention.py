@@ -123,9 +123,13 @@ def segment_attention(
     if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None or dropout:
         raise ValueError("segment attention has no sliding window, soft cap or dropout; share_prompts: false")
     b, heads, length, head_dim = query.shape
-    q = query.transpose(1, 2).reshape(b * length, heads, head_dim)
-    k = key.transpose(1, 2).reshape(b * length, key.size(1), head_dim).index_select(0, segments.kv_index)
-    v = value.transpose(1, 2).reshape(b * length, value.size(1), head_dim).index_select(0, segments.kv_index)
+    # Under autocast the rotary embedding leaves queries and keys in float32 beside bfloat16 values; SDPA's autocast
+    # rule casts all three to the autocast dtype, which the varlen kernels (not under autocast) need done here.
+    device = query.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else value.dtype
+    q = query.transpose(1, 2).reshape(b * length, heads, head_dim).to(dtype)
+    k = key.transpose(1, 2).reshape(b * length, key.size(1), head_dim).index_select(0, segments.kv_index).to(dtype)
+    v = value.transpose(1, 2).reshape(b * length, value.size(1), head_dim).index_select(0, segments.kv_index).to(dtype)
     scale = scaling if scaling is not None else head_dim**-0.5
     out = KERNELS[segments.kernel](q, k, v, segments, scale)
     return out.view(b, length, heads, head_dim), None

@@ -88,6 +88,29 @@ def test_grouped_query_heads_and_gradient_checkpointing():
     )
 
 
+def test_under_autocast_the_kernel_gets_queries_keys_and_values_in_the_autocast_dtype(monkeypatch):
+    # The rotary embedding leaves queries and keys in float32 beside bfloat16 values; CUDA's varlen kernels take
+    # one dtype, and are not under autocast's casting rules as SDPA is.
+    seen = []
+
+    def one_dtype(q, k, v, s, scale):
+        seen.append({q.dtype, k.dtype, v.dtype})
+        return attention._reference(q, k, v, s, scale)
+
+    monkeypatch.setitem(attention.KERNELS, "reference", one_dtype)
+    model = tiny.build_model()
+    batch = _grouped_batch()
+    switched = _switched(model)
+    with torch.autocast("cpu", torch.bfloat16):
+        expected = completion_logps(model, batch, padding_free=True)
+        got = completion_logps(
+            switched, batch, padding_free=True, share_prompts=PromptSharing(0.0), segments="reference"
+        )
+    assert seen and all(dtypes == {torch.bfloat16} for dtypes in seen)
+    mask = batch["completion_mask"].bool()
+    assert (got - expected)[mask].abs().max() < 0.1  # bf16 rounding, different kernels
+
+
 def test_a_peft_model_through_its_wrapper():
     model = peft.get_peft_model(tiny.build_model(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     batch = _batch(seed=1)
