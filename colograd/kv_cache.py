@@ -17,6 +17,9 @@ MARGIN = 1.25
 # Tokens per KV block: a sequence takes whole blocks (vLLM's default on GPUs; its CPU attention backend takes 128).
 GPU_BLOCK_TOKENS = 16
 CPU_BLOCK_TOKENS = 128
+# vLLM refuses to start with less than one sequence of the whole context in whole blocks of its attention backend's
+# size, which can be larger than 16 (FlashAttention 4 with large heads, vLLM 0.33): the floor is rounded to this.
+FLOOR_BLOCK_TOKENS = 256
 # When the counted need is larger (a long context and no prompt limit), the cache stops at this share of a GPU
 # (TRL's default engine fraction) or this many bytes of host memory, which every rank of a CPU machine shares;
 # vLLM then schedules fewer sequences at a time (and preempts), which is slower but correct.
@@ -78,7 +81,7 @@ def rollout_kv_bytes(
     longest = min(context, (args.max_prompt_length or prompt_tokens or context) + args.max_completion_length)
     need = math.ceil(max_num_seqs * _whole_blocks(longest, block) * per_token * MARGIN)
     cap = int(device_bytes * GPU_CAP_FRACTION) if device_bytes else CPU_CAP_BYTES
-    return max(min(need, cap), _whole_blocks(context, block) * per_token)
+    return max(min(need, cap), _whole_blocks(context, max(block, FLOOR_BLOCK_TOKENS)) * per_token)
 
 
 def _whole_blocks(tokens: int, block: int) -> int:
