@@ -12,7 +12,7 @@ With `sync_ref_model` (TR-DPO, TRL's `SyncRefModelCallback`), the copy moves tow
 
 import copy
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from accelerate import Accelerator
@@ -94,7 +94,10 @@ class ReferencePolicy(TrainerCallback):
     def model(self, policy: nn.Module) -> Iterator[nn.Module]:
         """The module whose forward gives reference log-probs, given the current (unwrapped) policy."""
         if self.frozen is not None:
-            yield self.frozen
+            # The copy was made before accelerate wrapped the policy's forward in autocast: it computes as the
+            # policy does only inside the same autocast (TRL prepares its reference model for that).
+            with self.accelerator.autocast() if self.accelerator is not None else nullcontext():
+                yield self.frozen
             return
         with policy.disable_adapter():
             yield policy

@@ -147,3 +147,21 @@ def test_sync_ref_model_is_refused_with_lora_and_without_a_kl_term(tmp_path):
         ReferencePolicy(lora, SimpleNamespace(sync_ref_model=True))
     with pytest.raises(ConfigError, match="sync_ref_model with beta=0"):
         GRPOConfig(output_dir=str(tmp_path), sync_ref_model=True, beta=0.0)
+
+
+def test_the_frozen_copy_computes_under_the_accelerators_autocast():
+    """accelerate wraps the policy's forward in autocast; the copy, made before, computes as the policy does only
+    inside the same autocast (else a bf16 run compares bf16 log-probs with float32 ones, and a GPU's flash
+    kernel refuses the copy's float32 attention)."""
+    seen = []
+    reference = ReferencePolicy(tiny.build_model(), NO_SYNC)
+    accelerator = SimpleNamespace(
+        state=SimpleNamespace(deepspeed_plugin=None),
+        device=torch.device("cpu"),
+        autocast=lambda: torch.autocast("cpu", torch.bfloat16),
+    )
+    reference.prepare(accelerator)
+    with reference.model(policy=None) as model:
+        seen.append(torch.is_autocast_enabled("cpu"))
+        assert model is reference.frozen
+    assert seen == [True] and not torch.is_autocast_enabled("cpu")
