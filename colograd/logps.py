@@ -298,6 +298,11 @@ def use_segments(models: list[nn.Module | None], device: torch.device, compute_d
     for model in models if kernel is not None else ():
         if model is not None:
             attention.install(model)
+    if kernel is not None and not attention.installed(models[0]):  # transformers kept its own (remote code)
+        logging.getLogger("colograd.trainer").warning(
+            "the model's attention could not be switched to segment attention: packed passes use a mask"
+        )
+        return None
     return kernel
 
 

@@ -275,7 +275,8 @@ class GRPOTrainer(RolloutBatches, ModelSaving):
         max_tokens = args.micro_batch_tokens or self._pass_budget.tokens(model, self.optimizer)
         if max_tokens is None:
             return super().training_step(model, batch, num_items_in_batch)
-        passes = split_by_tokens(batch, max_tokens, args.loss_type, self._prompt_cost, args.packed_row_tokens)
+        row_tokens = None if self._segments else args.packed_row_tokens  # segments: a pass is one row
+        passes = split_by_tokens(batch, max_tokens, args.loss_type, self._prompt_cost, row_tokens)
         loss = torch.zeros((), device=args.device)
         for i, part in enumerate(passes):
             # Gradients are reduced across ranks once, with the last pass (when the Trainer reduces at all).

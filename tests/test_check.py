@@ -206,7 +206,7 @@ def test_segment_row_compares_shared_segments_with_unshared_sdpa(monkeypatch):
     # Segments that gather the wrong keys (the queries' own positions): a completion no longer sees its prompt.
     wrong = attention._reference
 
-    def misaligned(q, k, v, s, scale):
+    def misaligned(q, k, v, s, scale, dropout=0.0):
         keys = s.cu_k.clone()
         keys[1:] = s.cu_q[1:]  # each segment's first keys only, as many as its queries
         return wrong(q, k, v, attention.Segments(s.cu_q, keys, s.kv_index, s.max_q, s.max_q, s.kernel), scale)

@@ -93,7 +93,7 @@ def test_under_autocast_the_kernel_gets_queries_keys_and_values_in_the_autocast_
     # one dtype, and are not under autocast's casting rules as SDPA is.
     seen = []
 
-    def one_dtype(q, k, v, s, scale):
+    def one_dtype(q, k, v, s, scale, dropout=0.0):
         seen.append({q.dtype, k.dtype, v.dtype})
         return attention._reference(q, k, v, s, scale)
 
@@ -156,6 +156,75 @@ def test_segments_are_used_only_on_cuda_and_then_share_whenever_that_saves_token
     assert logps.segment_kernel(windowed, gpu, torch.bfloat16) is None
 
 
+def test_buckets_keep_each_run_within_twice_its_tokens_and_cover_every_segment():
+    # A 40-token prompt, then completions of 3, 4, 50, 5 and 6 tokens (each gathering the prompt's keys).
+    lengths = [40, 3, 4, 50, 5, 6]
+    unit_of = torch.zeros(sum(lengths), dtype=torch.long)
+    branch = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    s = segments_of(unit_of, branch, "efficient")
+    runs = s.buckets()
+    assert [run.q_lengths for run in runs] == [(40, 3), (4, 50), (5, 6)]
+    for run in runs:
+        assert len(run.q_lengths) * run.max_q <= 2 * sum(run.q_lengths)
+        assert run.cu_q[0] == 0 and run.cu_q[-1] == sum(run.q_lengths) and run.cu_k[-1] == sum(run.k_lengths)
+    assert sum((run.k_lengths for run in runs), ()) == s.k_lengths
+
+
+def test_the_efficient_kernel_runs_bucket_by_bucket_on_its_own_slices(monkeypatch):
+    """`_efficient`'s slicing and grouped-head repetition, with CUDA's op replaced by the reference loop on what it
+    is given: each call must see whole segments, offsets from its own first token."""
+    calls = []
+
+    def op(q, k, v, bias, cu_q, cu_k, max_q, max_k, dropout, mask_type, lse, scale):
+        assert mask_type == 2 and q.size(2) == k.size(2)  # causal from the bottom right, heads repeated
+        run = Segments(cu_q, cu_k, torch.empty(0), max_q, max_k, "efficient")
+        calls.append(cu_q.tolist())
+        return (attention._reference(q[0], k[0], v[0], run, scale)[None],)
+
+    monkeypatch.setattr(torch.ops.aten, "_efficient_attention_forward", op)
+    lengths = [40, 3, 4, 50, 5, 6]
+    s = segments_of(torch.zeros(sum(lengths), dtype=torch.long),
+                    torch.repeat_interleave(torch.arange(6), torch.tensor(lengths)), "efficient")  # fmt: skip
+    q = torch.randn(sum(lengths), 4, 8, requires_grad=True)
+    kv = torch.randn(sum(lengths), 2, 8)
+    k = kv.index_select(0, s.kv_index)
+    got = attention._efficient(q, k, k, s, 0.3)
+    assert calls == [[0, 40, 43], [0, 4, 54], [0, 5, 11]]
+    assert torch.allclose(got, attention._reference(q, k, k, s, 0.3), atol=1e-6)
+
+
+def test_a_float32_model_under_flash_segments_runs_the_efficient_kernel(monkeypatch):
+    """A model that computes in float32 (a reference copy outside autocast) given flash segments: flash takes
+    fp16 / bf16 only, so the call goes to the memory-efficient kernel."""
+    ran = []
+
+    def flash(q, k, v, s, scale, dropout=0.0):
+        assert q.dtype in attention.HALF, "flash refuses float32"
+        ran.append("flash")
+        return attention._reference(q, k, v, s, scale)
+
+    def efficient(q, k, v, s, scale, dropout=0.0):
+        ran.append("efficient")
+        return attention._reference(q, k, v, s, scale)
+
+    monkeypatch.setitem(attention.KERNELS, "flash", flash)
+    monkeypatch.setitem(attention.KERNELS, "efficient", efficient)
+    switched = _switched(tiny.build_model())
+    completion_logps(switched, _grouped_batch(), padding_free=True, share_prompts=PromptSharing(0.0), segments="flash")
+    assert set(ran) == {"efficient"}
+    with torch.autocast("cpu", torch.bfloat16):
+        completion_logps(switched, _grouped_batch(), padding_free=True, segments="flash")
+    assert ran[-1] == "flash"
+
+
+def test_a_model_whose_attention_cannot_be_switched_gets_no_segments(monkeypatch, caplog):
+    monkeypatch.setattr(logps, "segment_kernel", lambda *a: "flash")
+    monkeypatch.setattr(attention, "install", lambda model: None)  # as transformers does for some remote code
+    model = tiny.build_model()
+    assert use_segments([model], torch.device("cuda"), torch.bfloat16) is None
+    assert "could not be switched to segment attention" in caplog.text
+
+
 def test_the_kernel_probe_takes_the_first_kernel_that_runs_forward_and_backward(monkeypatch):
     tried = []
 
@@ -165,7 +234,7 @@ def test_the_kernel_probe_takes_the_first_kernel_that_runs_forward_and_backward(
 
     def runs(q, k, v, s, scale):
         tried.append("efficient")
-        assert isinstance(s, Segments) and s.cu_q.tolist() == [0, 16, 32, 48] and s.kernel == "efficient"
+        assert isinstance(s, Segments) and s.cu_q.tolist() == [0, 16, 32, 48]
         return attention._reference(q, k, v, s, scale)
 
     monkeypatch.setitem(attention.KERNELS, "flash", fails)
@@ -176,26 +245,41 @@ def test_the_kernel_probe_takes_the_first_kernel_that_runs_forward_and_backward(
     assert tried == ["flash", "efficient"]
 
 
+def test_the_kernel_probe_refuses_a_kernel_that_runs_but_computes_other_attention(monkeypatch, caplog):
+    def top_left(q, k, v, s, scale):  # causality from the top left: a completion sees only part of its prompt
+        out = []
+        for i in range(len(s.q_lengths)):
+            a, z, ka, kz = *s.cu_q[i : i + 2].tolist(), *s.cu_k[i : i + 2].tolist()
+            qs, ks, vs = q[a:z].transpose(0, 1), k[ka:kz].transpose(0, 1), v[ka:kz].transpose(0, 1)
+            allowed = torch.ones(z - a, kz - ka, dtype=torch.bool).tril()
+            sdpa = torch.nn.functional.scaled_dot_product_attention
+            out.append(sdpa(qs, ks, vs, attn_mask=allowed, scale=scale, enable_gqa=True).transpose(0, 1))
+        return torch.cat(out)
+
+    monkeypatch.setitem(attention.KERNELS, "flash", top_left)
+    monkeypatch.setitem(attention.KERNELS, "efficient", top_left)
+    monkeypatch.setattr(attention, "_is_cuda", lambda device: True)
+    assert attention.varlen_kernel(4, 2, 16, torch.float32, torch.device("cpu")) is None
+    assert "the flash varlen kernel differs from the reference" in caplog.text
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cuda_varlen_kernels_equal_the_reference(dtype):
+@pytest.mark.parametrize("kernel, dtype", [("flash", torch.bfloat16), ("efficient", torch.bfloat16),
+                                           ("efficient", torch.float32)])  # fmt: skip
+def test_cuda_varlen_kernels_equal_the_reference(kernel, dtype):
+    """Output and gradients (queries, and keys and values through the gathered prompt keys), three query heads
+    per KV head, a prompt shared by two completions, a sequence alone, padding."""
     device = torch.device("cuda")
     unit_of = torch.tensor([0] * 20 + [1] * 9 + [-1] * 3)
     branch = torch.tensor([0] * 7 + [1] * 5 + [2] * 8 + [0] * 9 + [0] * 3)
-    kernel = attention.varlen_kernel(4, 2, 64, dtype, device)
-    assert kernel is not None, "no varlen kernel on this GPU"
     s = segments_of(unit_of, branch, kernel).to(device)
-    q = torch.randn(32, 4, 64, dtype=dtype, device=device, requires_grad=True)
-    kv = torch.randn(32, 2, 64, dtype=dtype, device=device, requires_grad=True)
-    k = kv.index_select(0, s.kv_index)
-    out = attention.KERNELS[kernel](q, k, k, s, 0.125)
-    expected = attention._reference(q, k, k, s, 0.125)
-    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
-    assert (out.float() - expected.float()).abs().max() < tolerance
-    grad = torch.autograd.grad(out.float().sum(), q)[0]
-    expected_grad = torch.autograd.grad(expected.float().sum(), q)[0]
-    assert (grad.float() - expected_grad.float()).abs().max() < 10 * tolerance
+    q = torch.randn(32, 6, 64, device=device).to(dtype).requires_grad_()
+    kv = torch.randn(32, 2, 64, device=device).to(dtype).requires_grad_()
+    got = attention._probe(attention.KERNELS[kernel], q, kv, s, 0.125)
+    expected = attention._probe(attention._reference, q, kv, s, 0.125)
+    for a, b in zip(got, expected, strict=True):
+        assert ((a - b).abs().max() / b.abs().max().clamp(min=1)).item() <= attention.PROBE_TOLERANCE[dtype]
 
 
 @pytest.mark.slow
