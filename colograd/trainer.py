@@ -194,7 +194,9 @@ class GRPOTrainer(RolloutBatches, ModelSaving):
         # budget (`PassBudget`), and run their attention as segments, without a mask, where a varlen kernel runs.
         dtype = compute_dtype(unwrapped, args.mixed_precision)
         frozen = self.reference.frozen if self.reference is not None else None
-        self._segments = use_segments([unwrapped, frozen], args.device, dtype) if args.padding_free else None
+        # (Not under torch.compile: torch's meta function of the memory-efficient kernel's backward cannot be traced.)
+        segmented = args.padding_free and not args.torch_compile
+        self._segments = use_segments([unwrapped, frozen], args.device, dtype) if segmented else None
         self._prompt_cost = (
             prompt_sharing(unwrapped, args.share_prompts, args.device, dtype, self._segments)
             if args.padding_free
