@@ -22,6 +22,7 @@ import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
@@ -304,6 +305,19 @@ def use_segments(models: list[nn.Module | None], device: torch.device, compute_d
         )
         return None
     return kernel
+
+
+def forward_packing(
+    models: list[nn.Module | None], args: Any, compute_dtype: torch.dtype
+) -> tuple[str | None, "PromptSharing | None"]:
+    """How a run's padding-free passes are packed: the segment kernel (`use_segments`, on the policy then the
+    reference copy in `models`) and the prompt sharing (`prompt_sharing`); neither with `padding_free` false.
+    Not segments under `torch_compile`: torch's meta function of the memory-efficient kernel's backward cannot
+    be traced."""
+    if not args.padding_free:
+        return None, None
+    segments = None if args.torch_compile else use_segments(models, args.device, compute_dtype)
+    return segments, prompt_sharing(models[0], args.share_prompts, args.device, compute_dtype, segments)
 
 
 def prompt_sharing(

@@ -39,7 +39,7 @@ from colograd.data import keep_rows, sampled_prompt_tokens, tokenize_prompts
 from colograd.engine import Engine, Rollout
 from colograd.entropy import EntropyTerms
 from colograd.evaluation import evaluate
-from colograd.logps import completion_logps, prompt_sharing, use_segments
+from colograd.logps import completion_logps, forward_packing
 from colograd.loss import (
     Surrogate,
     group_advantages,
@@ -189,19 +189,11 @@ class GRPOTrainer(RolloutBatches, ModelSaving):
                 func.model.to(self.accelerator.device)
         self._synced_step: int | None = None  # the global_step whose weights the engine holds
         self._weight_plan: WeightPlan | None = None
-        # Completions of one prompt compute it once in the forward pass, where the model's attention allows (and on
-        # a GPU without a varlen kernel, by default, where it pays); on a GPU a micro-step's passes get a token
-        # budget (`PassBudget`), and run their attention as segments, without a mask, where a varlen kernel runs.
-        dtype = compute_dtype(unwrapped, args.mixed_precision)
+        # Completions of one prompt compute it once in the forward pass where the model's attention allows; on a GPU
+        # passes run their attention as segments where a varlen kernel runs, and get a token budget (`PassBudget`).
         frozen = self.reference.frozen if self.reference is not None else None
-        # (Not under torch.compile: torch's meta function of the memory-efficient kernel's backward cannot be traced.)
-        segmented = args.padding_free and not args.torch_compile
-        self._segments = use_segments([unwrapped, frozen], args.device, dtype) if segmented else None
-        self._prompt_cost = (
-            prompt_sharing(unwrapped, args.share_prompts, args.device, dtype, self._segments)
-            if args.padding_free
-            else None
-        )
+        dtype = compute_dtype(unwrapped, args.mixed_precision)
+        self._segments, self._prompt_cost = forward_packing([unwrapped, frozen], args, dtype)
         self._pass_budget = PassBudget(unwrapped, args, self.is_deepspeed_enabled, self.accelerator.is_main_process)
         self._micro_step = 0  # micro-steps trained since start (or resume): picks the rollout slice
         self._slices: list[dict[str, torch.Tensor]] | None = None  # the current rollout, one slice per micro-step

@@ -11,6 +11,7 @@ import peft
 import pytest
 import torch
 from test_logps import _assert_same_training, _batch, _grouped_batch
+from torch.nn.attention import SDPBackend
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from colograd import GRPOTrainer, attention, logps, tiny
@@ -305,3 +306,18 @@ def test_a_run_with_segment_attention_matches_the_engine(tmp_path, monkeypatch):
     # Before the first update the reference copy (its attention switched too) gives the policy's log-probs.
     assert abs(logs[0]["kl"]) < 1e-6
     assert logs[0]["tokens/forwarded"] < logs[0]["tokens/trained"]  # the prompts were shared
+
+
+def test_forward_packing_follows_padding_free_and_torch_compile(monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(logps, "segment_kernel", lambda *a: "flash")  # a GPU whose probe found flash
+    monkeypatch.setattr(logps, "masked_attention_kernel", lambda *a: SDPBackend.EFFICIENT_ATTENTION)  # and its mask
+    settings = dict(padding_free=True, torch_compile=False, device=torch.device("cuda"), share_prompts="auto")
+    model = tiny.build_model()
+    assert logps.forward_packing([model], SimpleNamespace(**settings), torch.bfloat16) == ("flash", PromptSharing(0.0))
+    compiled = logps.forward_packing([tiny.build_model()], SimpleNamespace(**settings | {"torch_compile": True}),
+                                     torch.bfloat16)  # fmt: skip
+    assert compiled[0] is None and compiled[1] is not None and compiled[1].additive_mask  # the mask packing
+    padded = SimpleNamespace(**settings | {"padding_free": False})
+    assert logps.forward_packing([tiny.build_model()], padded, torch.bfloat16) == (None, None)
