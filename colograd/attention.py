@@ -22,6 +22,7 @@ which one runs. On a CPU the boolean-mask packing stays (CPU SDPA takes a mask i
 `"reference"` kernel, a loop of masked SDPA calls over the same segments, lets tests check the layout there.
 """
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -64,18 +65,19 @@ class Segments:
         moved = (self.cu_q.to(device), self.cu_k.to(device), self.kv_index.to(device))
         return Segments(*moved, self.max_q, self.max_k, self.kernel, self.q_lengths, self.k_lengths)
 
-    def buckets(self, padding: float = 2.0) -> list["Segments"]:
-        """These segments as consecutive runs whose count × longest queries is at most `padding` × their queries.
+    @functools.cached_property
+    def buckets(self) -> list["Segments"]:
+        """These segments as consecutive runs whose count × longest queries is at most twice their queries.
 
         A varlen kernel that sizes its buffers by segments × the longest segment (the memory-efficient kernel's
-        log-sum-exp and backward workspace) then needs about `padding` times what the tokens themselves need,
-        instead of every short segment padded to the longest of the pass."""
-        runs, start = [], 0
-        for end in range(1, len(self.q_lengths) + 1):
-            widest = max(self.q_lengths[start:end])
-            if end - start > 1 and (end - start) * widest > padding * sum(self.q_lengths[start:end]):
+        log-sum-exp and backward workspace) then needs about twice what the tokens themselves need, instead of
+        every short segment padded to the longest of the pass. Worked out once per pass (every layer asks)."""
+        runs, start, widest, tokens = [], 0, 0, 0
+        for end, length in enumerate(self.q_lengths, 1):
+            if end - 1 > start and (end - start) * max(widest, length) > 2 * (tokens + length):
                 runs.append((start, end - 1))
-                start = end - 1
+                start, widest, tokens = end - 1, 0, 0
+            widest, tokens = max(widest, length), tokens + length
         runs.append((start, len(self.q_lengths)))
         return [self._run(a, z) for a, z in runs]
 
@@ -195,7 +197,7 @@ def _efficient(
         k, v = (t.repeat_interleave(q.size(1) // t.size(1), dim=1) for t in (k, v))
     lse = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))  # its backward needs the log-sum-exp
     out, q_at, k_at = [], 0, 0
-    for run in s.buckets():
+    for run in s.buckets:
         q_end, k_end = q_at + sum(run.q_lengths), k_at + sum(run.k_lengths)
         part = torch.ops.aten._efficient_attention_forward(
             *(t[None] for t in (q[q_at:q_end], k[k_at:k_end], v[k_at:k_end])),

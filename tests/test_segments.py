@@ -163,7 +163,7 @@ def test_buckets_keep_each_run_within_twice_its_tokens_and_cover_every_segment()
     unit_of = torch.zeros(sum(lengths), dtype=torch.long)
     branch = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     s = segments_of(unit_of, branch, "efficient")
-    runs = s.buckets()
+    runs = s.buckets
     assert [run.q_lengths for run in runs] == [(40, 3), (4, 50), (5, 6)]
     for run in runs:
         assert len(run.q_lengths) * run.max_q <= 2 * sum(run.q_lengths)
