@@ -12,31 +12,45 @@ import traceback
 import typing
 from typing import Any, NoReturn
 
-import torch
-from huggingface_hub.errors import StrictDataclassError
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    GenerationConfig,
-    PretrainedConfig,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
-from trl import ModelConfig, TrlParser, get_peft_config
+# Importing transformers creates cache folders (TorchInductor's): a cache variable that names a file fails there,
+# before any of colograd's checks can run, so that failure is put in one line here.
+try:
+    import torch
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        GenerationConfig,
+        PretrainedConfig,
+        PreTrainedModel,
+        PreTrainedTokenizerBase,
+    )
+    from trl import ModelConfig, TrlParser, get_peft_config
 
-from colograd import GRPOConfig, GRPOTrainer, ScriptArguments, model_files, pretrained, tiny
-from colograd.config import COMMON_FIELDS, TOPICS, ConfigError
-from colograd.config_loading import model_init_kwargs, tokenizer_kwargs
-from colograd.config_ranges import check_ranges
-from colograd.config_recipe import check_recipe_value, read_recipe
-from colograd.data import first_line
-from colograd.modelcard import Recipe
-from colograd.output_dir import check_output_dir
-from colograd.preemption import PREEMPTED_EXIT_CODE, StepFailure, exit_interrupted
-from colograd.preflight import preflight
-from colograd.preflight_env import check_environment, check_variables
-from colograd.trl_compat import DROPPED_KEYS, RENAMED_KEYS, unknown_key_message
+    from colograd import GRPOConfig, GRPOTrainer, ScriptArguments, model_files, pretrained, tiny
+    from colograd.config import COMMON_FIELDS, TOPICS, ConfigError
+    from colograd.config_loading import model_init_kwargs, tokenizer_kwargs
+    from colograd.config_ranges import check_ranges
+    from colograd.config_recipe import check_recipe_value, read_recipe
+    from colograd.data import first_line
+    from colograd.modelcard import Recipe
+    from colograd.output_dir import check_output_dir
+    from colograd.preemption import PREEMPTED_EXIT_CODE, StepFailure, exit_interrupted
+    from colograd.preflight import preflight
+    from colograd.preflight_env import check_environment, check_variables
+    from colograd.trl_compat import DROPPED_KEYS, RENAMED_KEYS, unknown_key_message
+except OSError as err:
+    if err.filename is None:  # not a path (a library that cannot load): its own traceback says more
+        raise
+    failed = os.path.abspath(str(err.filename)) + os.sep
+    # The variable naming that folder, or the closest folder above it (TORCHINDUCTOR_CACHE_DIR before HOME).
+    paths = {k: os.path.abspath(v) + os.sep for k, v in os.environ.items() if v[:1] == os.sep and os.pathsep not in v}
+    named = max((k for k, path in paths.items() if failed.startswith(path)), key=lambda k: len(paths[k]), default=None)
+    where = f"{named}={os.environ[named]}" if named else err.filename
+    print(f"colograd: error: importing torch / transformers failed at {where}: {err.strerror}; point it at a "
+          "folder this user can create and write.", file=sys.stderr)  # fmt: skip
+    sys.exit(2)
 
 
 def load_model_config(

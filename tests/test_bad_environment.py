@@ -317,3 +317,27 @@ def test_trainer_refuses_before_its_engine(monkeypatch):
             args=_args(report_to=["wandb"]),
             processing_class=tiny.build_tokenizer(),
         )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("under", ["", "/inside"])
+def test_a_cache_variable_that_breaks_the_libraries_import_gets_one_line(under, tmp_path):
+    """Importing transformers creates TorchInductor's cache folder, before colograd's own checks run: a
+    TORCHINDUCTOR_CACHE_DIR that names a file (or a path under one) fails there, and the command says so in one
+    line naming the variable, instead of a traceback from torch's import."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, _env
+
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder")
+    env = {**_env(), "TORCHINDUCTOR_CACHE_DIR": f"{afile}{under}"}
+    cmd = [sys.executable, str(ROOT / "colograd/train.py"), "--config", "recipes/grpo_tiny.yaml"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr
+    assert lines[0].startswith(
+        f"colograd: error: importing torch / transformers failed at TORCHINDUCTOR_CACHE_DIR={afile}"
+    )
