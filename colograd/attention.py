@@ -8,18 +8,20 @@ tokens with the keys it may see:
 - a sequence computed alone, or a prompt computed once for its completions: its own tokens, causally;
 - a completion that shares its prompt: the prompt's tokens, then its own, causally.
 
-One varlen kernel call computes every segment (the memory-efficient kernel: one per bucket of segments of similar
-length): the flash kernel (fp16 / bf16) or the memory-efficient one (any dtype), both with causality aligned to the bottom right (query i of a segment of q queries and k keys sees keys
-0 … k - q + i), which is exactly "the whole prompt, then the completion up to itself". Keys and values are
-gathered per segment: a completion's prompt keys are copied once per completion (heads_kv × head_dim values per
-token and layer: a few percent of what computing that prompt again would cost in hidden states). No [L, L]
-tensor exists, and a shared pass runs the same kernel as an unshared one.
+One varlen kernel call computes every segment (the memory-efficient kernel: one per bucket of segments of
+similar length): the flash kernel (fp16 / bf16) or the memory-efficient one (any dtype), both with causality
+aligned to the bottom right (query i of a segment of q queries and k keys sees keys 0 … k - q + i), which is
+exactly "the whole prompt, then the completion up to itself". Keys and values are gathered per segment: a
+completion's prompt keys are copied once per completion (heads_kv × head_dim values per token and layer: a few
+percent of what computing that prompt again would cost in hidden states). No [L, L] tensor exists, and a shared
+pass runs the same kernel as an unshared one.
 
 The model's attention is switched to `ATTENTION` (`install`): a function that takes this path when its mask is a
 `segment_mask` and otherwise is transformers' SDPA attention unchanged, so any other call (generation in an
 evaluation, a pass without segments) behaves as before. The kernels exist on CUDA only; `varlen_kernel` probes
-which one runs and agrees with the reference loop. On a CPU the boolean-mask packing stays (CPU SDPA takes a mask in its flash kernel), and the
-`"reference"` kernel, a loop of masked SDPA calls over the same segments, lets tests check the layout there.
+which one runs and agrees with the reference loop. On a CPU the boolean-mask packing stays (CPU SDPA takes a
+mask in its flash kernel), and the `"reference"` kernel, a loop of masked SDPA calls over the same segments, lets
+tests check the layout there.
 """
 
 import functools
