@@ -72,6 +72,20 @@ class LossOptions:
             "weighted sum normalised over the whole batch, every rank's)."
         },
     )
+    reward_timeout: float = field(
+        default=1800.0,
+        metadata={
+            "help": "Seconds one call of a reward function may take; past it the step fails naming the function, "
+            "and the last finished checkpoint is kept. 0: no limit."
+        },
+    )
+    reward_sigterm_wait: float = field(
+        default=10.0,
+        metadata={
+            "help": "Seconds a reward function call may still take once SIGTERM came, before the run stops without "
+            "saving the unfinished step (within a scheduler's grace, 30 s by default). 0: stop at once."
+        },
+    )
     mask_truncated_completions: bool = field(
         default=False, metadata={"help": "Leave completions cut at max_completion_length out of the loss."}
     )

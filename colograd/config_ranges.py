@@ -103,6 +103,8 @@ RANGES: dict[str, Range] = {
     "epsilon_high": AT_LEAST_0,
     "delta": Range(1, low_open=True, why="it caps the importance ratio"),
     "reward_weights": ANY,
+    "reward_timeout": AT_LEAST_0,
+    "reward_sigterm_wait": AT_LEAST_0,
     "vllm_importance_sampling_clip_max": POSITIVE,
     "vllm_importance_sampling_clip_min": AT_LEAST_0,
     "vllm_importance_sampling_cap": POSITIVE,

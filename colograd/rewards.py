@@ -19,6 +19,8 @@ import sys
 import threading
 import types
 from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -135,7 +137,6 @@ def resolve_reward(name: str) -> RewardFunc:
             not import (a syntax error, an import inside it failing, any error while it runs), a missing file or
             name, something that is not callable, a class where an instance is needed.
     """
-    check_time_limits()
     if name in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[name]()
     if name.endswith(".py"):
@@ -243,7 +244,6 @@ def resolve_rewards(
     Returns:
         The functions, each model made a `RewardModel`, and their weights [F].
     """
-    check_time_limits()
     if reward_funcs is None:
         reward_funcs = []
     elif not isinstance(reward_funcs, list):
@@ -329,47 +329,27 @@ def _is_async(func: RewardFunc) -> bool:
 
 # --- the time limit ---------------------------------------------------------------------------------------------
 
-REWARD_TIMEOUT_VARIABLE = "COLOGRAD_REWARD_TIMEOUT"
-# Seconds: an LLM judge or a code sandbox over a large batch takes minutes; a call that never returns, forever.
-DEFAULT_REWARD_TIMEOUT = 1800.0
-SIGTERM_WAIT_VARIABLE = "COLOGRAD_REWARD_SIGTERM_WAIT"
-# Seconds a reward function still gets once SIGTERM came: a scheduler's grace is 30 s by default (Kubernetes,
-# torchrun's shutdown), and the rest of the step and its checkpoint need the remainder. A longer grace (SLURM's
-# GraceTime) can give it more.
-DEFAULT_SIGTERM_WAIT = 10.0
+
+@dataclass(frozen=True)
+class TimeLimits:
+    """How long reward function calls may take (`reward_timeout`, `reward_sigterm_wait`).
+
+    timeout: seconds per call, None for no limit. An LLM judge or a code sandbox over a large batch takes minutes;
+        a call that never returns would hang the run forever.
+    sigterm_wait: seconds a call may still take once SIGTERM came. A scheduler's grace is 30 s by default
+        (Kubernetes, torchrun's shutdown), and the rest of the step and its checkpoint need the remainder.
+    """
+
+    timeout: float | None = 1800.0
+    sigterm_wait: float = 10.0
+
+    @classmethod
+    def of(cls, args: Any) -> "TimeLimits":
+        """The run's limits (`reward_timeout` 0 is no limit)."""
+        return cls(args.reward_timeout or None, args.reward_sigterm_wait)
 
 
-def check_time_limits() -> None:
-    """The time limits' settings, read at each call, checked where rewards are resolved: a bad value stops there,
-    before start-up, in one line."""
-    reward_timeout()
-    sigterm_wait()
-
-
-def reward_timeout() -> float | None:
-    """Seconds one call of a reward function may take: `COLOGRAD_REWARD_TIMEOUT`, 1800 when it is unset, None (no
-    limit) for 0. Read at each call (and checked where rewards are resolved); a launcher passes it to every rank."""
-    return _seconds(REWARD_TIMEOUT_VARIABLE, DEFAULT_REWARD_TIMEOUT, "0 for no limit") or None
-
-
-def sigterm_wait() -> float:
-    """Seconds a reward function call may still take once SIGTERM came: `COLOGRAD_REWARD_SIGTERM_WAIT`, 10 when it
-    is unset."""
-    return _seconds(SIGTERM_WAIT_VARIABLE, DEFAULT_SIGTERM_WAIT, "0 to stop at once")
-
-
-def _seconds(variable: str, default: float, zero: str) -> float:
-    """A number of seconds from an environment variable, `default` when it is unset; else one line naming it."""
-    raw = os.environ.get(variable, "").strip()
-    if not raw:
-        return default
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = -1.0
-    if not (math.isfinite(seconds) and seconds >= 0):
-        raise ConfigError(f"{variable}={raw!r}: give a number of seconds (by default {default:g}), or {zero}.")
-    return seconds
+_LIMITS: ContextVar[TimeLimits | None] = ContextVar("colograd_reward_time_limits", default=None)  # `score` sets it
 
 
 class RewardError(ValueError):
@@ -377,25 +357,25 @@ class RewardError(ValueError):
 
 
 class RewardTimeout(RewardError):
-    """A reward function did not return within `reward_timeout()` seconds."""
+    """A reward function did not return within its time limit (`reward_timeout`)."""
 
 
 def _limited(call: Callable[[], Any], running: Callable[[], str]) -> Any:
-    """`call()` within the reward time limit (`colograd.time_limit`), in this thread.
+    """`call()` within the reward time limits `score` was given (`colograd.time_limit`), in this thread.
 
     Raises:
         RewardTimeout: past the limit.
-        StoppedBySigterm: SIGTERM came and the call had not returned `sigterm_wait()` seconds later.
+        StoppedBySigterm: SIGTERM came and the call had not returned `sigterm_wait` seconds later.
     """
-    limit, wait = reward_timeout(), sigterm_wait()
+    limits = _LIMITS.get() or TimeLimits()
     try:
-        return call_within(call, running, limit, wait, sigterm_received)
+        return call_within(call, running, limits.timeout, limits.sigterm_wait, sigterm_received)
     except GaveUp as gave_up:
         if gave_up.reason == "sigterm":
-            raise StoppedBySigterm(f"{gave_up.running} had not returned {wait:g} s after it") from None
+            raise StoppedBySigterm(f"{gave_up.running} had not returned {limits.sigterm_wait:g} s after it") from None
         raise RewardTimeout(
-            f"{gave_up.running} did not return within {limit:g} s; make it return sooner (a time limit of its own "
-            f"per sample), or give it longer: {REWARD_TIMEOUT_VARIABLE}=<seconds>, 0 for no limit."
+            f"{gave_up.running} did not return within {limits.timeout:g} s; make it return sooner (a time limit of "
+            "its own per sample), or give it longer: reward_timeout: <seconds>, 0 for no limit."
         ) from None
 
 
@@ -408,9 +388,11 @@ def score(
     completions: list,
     completion_ids: list[list[int]],
     columns: dict[str, list],
+    limits: TimeLimits | None = None,
 ) -> torch.Tensor:
     """Run every reward function on every completion: the plain ones one after the other in this thread, the async
-    ones concurrently; each call within the reward time limit (`reward_timeout`).
+    ones concurrently; each call within `limits` (default `TimeLimits()`: `reward_timeout`'s and
+    `reward_sigterm_wait`'s defaults).
 
     A function may return a list or tuple, a 1-D numpy array or tensor, or an iterator (TRL reads each) of one number
     or None per completion; a plain function may also return a coroutine, which is awaited.
@@ -421,9 +403,18 @@ def score(
     Raises:
         RewardError: a function raised, did not return in time (`RewardTimeout`), or returned something unusable;
             the message names it and, where there is one, the sample.
-        StoppedBySigterm: SIGTERM came while a function ran, and it did not return within `sigterm_wait()`.
+        StoppedBySigterm: SIGTERM came while a function ran, and it did not return within `limits.sigterm_wait`.
     """
-    kwargs = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **columns}
+    token = _LIMITS.set(limits or TimeLimits())
+    try:
+        return _score(reward_funcs, {"prompts": prompts, "completions": completions, "completion_ids": completion_ids,
+                                     **columns})  # fmt: skip
+    finally:
+        _LIMITS.reset(token)
+
+
+def _score(reward_funcs: Sequence[RewardFunc], kwargs: dict) -> torch.Tensor:
+    """`score` within the time limits it set."""
     outputs: dict[int, Any] = {}
     awaiting: dict[int, Callable[[], Awaitable]] = {}
     for j, func in enumerate(reward_funcs):
@@ -438,7 +429,7 @@ def score(
     if awaiting:
         outputs.update(_run_concurrently(awaiting, reward_funcs))
 
-    n = len(completions)
+    n = len(kwargs["completions"])
     rewards_NF = torch.zeros(n, len(reward_funcs), dtype=torch.float32)
     for j, func in enumerate(reward_funcs):
         rewards_NF[:, j] = _checked(func, outputs[j], kwargs)

@@ -63,7 +63,7 @@ from colograd.preflight import (
 )
 from colograd.preflight_env import check_environment
 from colograd.reference import ReferencePolicy
-from colograd.rewards import RewardFunc, RewardModel, across_ranks, resolve_rewards, reward_name, score
+from colograd.rewards import RewardFunc, RewardModel, TimeLimits, across_ranks, resolve_rewards, reward_name, score
 from colograd.rollouts import RewardLogs, ScoredRollout, reward_metrics, rollout_metrics, sampled_lengths
 from colograd.saving import ModelSaving
 from colograd.streaming import RolloutBatches, check_stream_resume
@@ -412,6 +412,7 @@ class GRPOTrainer(RolloutBatches, ModelSaving):
                 "trainer_state": self.state,
                 **self.reward_logs.arguments(),
             },
+            limits=TimeLimits.of(self.args),
         )
 
     def compute_advantages(self, rewards_NF: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch
 from conftest import refused
 
 from colograd import rewards, time_limit
-from colograd.config import ConfigError
+from colograd.config import ConfigError, GRPOConfig
 from colograd.preemption import Preemption, StoppedBySigterm, stage_failures
 from colograd.rewards import RewardError, RewardTimeout, resolve_reward, score
 
@@ -30,9 +30,19 @@ PROMPTS = ["ab>a:", "ab>a:"]
 COMPLETIONS = ["aa", "ab"]
 
 
+LIMITS = {"now": rewards.TimeLimits()}  # what `call` scores within: the defaults; the fixtures below shorten them
+
+
 def call(*funcs, **columns) -> torch.Tensor:
     ids = [[7, 7], [7, 8]]
-    return score(list(funcs), prompts=PROMPTS, completions=COMPLETIONS, completion_ids=ids, columns=columns)
+    return score(
+        list(funcs),
+        prompts=PROMPTS,
+        completions=COMPLETIONS,
+        completion_ids=ids,
+        columns=columns,
+        limits=LIMITS["now"],
+    )
 
 
 # --- import: one line before start-up ---------------------------------------------------------------------------
@@ -97,13 +107,12 @@ def test_a_class_given_to_the_trainer_is_refused():
 @pytest.mark.parametrize("case", [*MODULES, "wrong_signature", "bad_timeout"])
 def test_the_command_line_stops_before_start_up(in_tmp, root, case):
     source, attr, says = MODULES.get(case, ("def reward(x):\n    return [1.0]\n", "reward", "needs 'x'"))
-    env = {}
-    if case == "bad_timeout":
-        env = {rewards.REWARD_TIMEOUT_VARIABLE: "ten minutes"}
-        source, attr, says = GOOD, "reward", "COLOGRAD_REWARD_TIMEOUT='ten minutes'"
-    (in_tmp / f"cli_{case}.py").write_text(source)
     argv = ["--config", str(root / "recipes/grpo_tiny.yaml"), "--output_dir", str(in_tmp / "out")]
-    line = refused(*argv, "--reward_funcs", f"cli_{case}.{attr}", env=env)
+    if case == "bad_timeout":
+        source, attr, says = GOOD, "reward", "--reward_timeout.*invalid float value: 'ten minutes'"
+        argv += ["--reward_timeout", "ten minutes"]
+    (in_tmp / f"cli_{case}.py").write_text(source)
+    line = refused(*argv, "--reward_funcs", f"cli_{case}.{attr}")
     assert re.search(says, line), line
 
 
@@ -220,7 +229,7 @@ async def hangs_async(completions, **kwargs):
 
 @pytest.fixture
 def limit(monkeypatch):
-    monkeypatch.setenv(rewards.REWARD_TIMEOUT_VARIABLE, "0.5")
+    monkeypatch.setitem(LIMITS, "now", rewards.TimeLimits(timeout=0.5))
 
 
 @pytest.mark.parametrize("func", [hangs, hangs_and_swallows, hangs_async], ids=lambda f: f.__name__)
@@ -242,21 +251,18 @@ def test_a_reward_that_raises_on_the_batch_and_hangs_on_a_sample_still_stops(lim
         call(moody)
 
 
-def test_no_limit_when_set_to_zero(monkeypatch):
-    monkeypatch.setenv(rewards.REWARD_TIMEOUT_VARIABLE, "0")
-    assert rewards.reward_timeout() is None
-    monkeypatch.delenv(rewards.REWARD_TIMEOUT_VARIABLE)
-    assert rewards.reward_timeout() == rewards.DEFAULT_REWARD_TIMEOUT
+def test_the_limits_come_from_the_config_and_zero_is_no_limit(tmp_path):
+    args = GRPOConfig(output_dir=str(tmp_path), reward_timeout=0, reward_sigterm_wait=3, report_to="none")
+    assert rewards.TimeLimits.of(args) == rewards.TimeLimits(timeout=None, sigterm_wait=3)
+    default = GRPOConfig(output_dir=str(tmp_path), report_to="none")
+    assert rewards.TimeLimits.of(default) == rewards.TimeLimits() == rewards.TimeLimits(1800.0, 10.0)
 
 
-@pytest.mark.parametrize("variable", [rewards.REWARD_TIMEOUT_VARIABLE, rewards.SIGTERM_WAIT_VARIABLE])
-@pytest.mark.parametrize("value", ["-1", "inf", "nan", "10 min"])
-def test_a_bad_limit_is_one_line(monkeypatch, variable, value):
-    monkeypatch.setenv(variable, value)
-    with pytest.raises(ConfigError, match=f"{variable}='{re.escape(value)}': give a number of seconds"):
-        resolve_reward("letters")
-    with pytest.raises(ConfigError, match=variable):
-        rewards.resolve_rewards([lambda completions, **kw: []], None)
+@pytest.mark.parametrize("name", ["reward_timeout", "reward_sigterm_wait"])
+@pytest.mark.parametrize("value", [-1.0, float("inf"), float("nan")])
+def test_a_bad_limit_is_one_line(tmp_path, name, value):
+    with pytest.raises(ConfigError, match=f"^{name}=.*set it to 0 or more"):
+        GRPOConfig(output_dir=str(tmp_path), report_to="none", **{name: value})
 
 
 def test_the_step_failure_names_function_step_and_stage(limit, tmp_path):
@@ -276,7 +282,7 @@ def sigterm_in(seconds: float) -> threading.Timer:
 
 @pytest.fixture
 def patience(monkeypatch):
-    monkeypatch.setenv(rewards.SIGTERM_WAIT_VARIABLE, "0.5")
+    monkeypatch.setitem(LIMITS, "now", rewards.TimeLimits(sigterm_wait=0.5))
 
 
 @pytest.mark.parametrize("func", [hangs, hangs_async], ids=lambda f: f.__name__)

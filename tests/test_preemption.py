@@ -211,14 +211,13 @@ HANG_FLAGS = [
 ]  # fmt: skip
 
 
-def hung_run(tmp_path, monkeypatch, launcher: bool) -> tuple[subprocess.Popen, Path]:
+def hung_run(tmp_path, monkeypatch, launcher: bool, *flags: str) -> tuple[subprocess.Popen, Path]:
     """A run whose reward never returns from optimizer step 2 on (checkpoint-1 finished before), started in a
     session of its own and waited for until the reward hangs. After SIGTERM the reward gets 2 s (not 10)."""
     marker, log = tmp_path / "hung", tmp_path / "run.log"
-    monkeypatch.setenv("COLOGRAD_REWARD_SIGTERM_WAIT", "2")
     monkeypatch.setenv("HANG_AT_STEP", "2")
     monkeypatch.setenv("HANG_MARKER", str(marker))
-    flags = [*HANG_FLAGS, "--output_dir", str(tmp_path / "out")]
+    flags = [*HANG_FLAGS, "--output_dir", str(tmp_path / "out"), "--reward_sigterm_wait", "2", *flags]
     if launcher:
         proc = start_launch("colograd/train.py", *flags, log=log)
     else:
@@ -244,9 +243,8 @@ def ended_within(proc: subprocess.Popen, seconds: float, log: Path) -> int:
 @pytest.mark.slow  # runs the command line
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, None], ids=["sigterm", "ctrl-c", "time-limit"])
 def test_a_signal_during_a_hung_reward_ends_the_run_keeping_the_last_checkpoint(tmp_path, monkeypatch, signum):
-    if signum is None:  # no signal: the reward time limit ends it
-        monkeypatch.setenv("COLOGRAD_REWARD_TIMEOUT", "3")
-    proc, log = hung_run(tmp_path, monkeypatch, launcher=False)
+    limit = ["--reward_timeout", "3"] if signum is None else []  # no signal: the reward time limit ends it
+    proc, log = hung_run(tmp_path, monkeypatch, False, *limit)
     if signum is not None:
         os.kill(proc.pid, signum)
     ended_within(proc, 30, log)  # a scheduler's grace; SIGTERM waits 2 s here for the reward, Ctrl-C none
