@@ -284,3 +284,20 @@ def test_decode_against_the_floor_through_the_trainers_engine(tmp_path):
         r["decode_vs_floor"] == pytest.approx(r["decode_ms_per_step"] / r["decode_floor_ms"])
         and r["decode_vs_floor"] > 1
     )
+
+
+def test_sharing_bench_times_every_packing_and_counts_their_tokens(monkeypatch, capsys):
+    from colograd.bench import sharing
+
+    monkeypatch.setattr(sharing, "segment_kernel", lambda *a: "reference")  # the GPU's segments, on a CPU
+    r = sharing.run("tiny", prompts=2, prompt_tokens=40, generations=4, completion_tokens=8, repeats=1)
+    names = ["unshared", "shared_mask", "unshared_segments", "shared_segments"]
+    assert all(r[f"{name}_s"] > 0 for name in names) and r["unshared_vs_unshared"] == 1.0
+    # Sharing computes each prompt once instead of 4 times: 3 copies of 40 tokens fewer per prompt.
+    assert r["unshared_tokens"] - r["shared_mask_tokens"] == 2 * 3 * 40
+    assert (
+        r["shared_segments_tokens"] == r["shared_mask_tokens"]
+        and r["unshared_segments_tokens"] == r["unshared_tokens"]
+    )
+    assert r["unshared_peak_mib"] is None  # no GPU memory to report on a CPU
+    assert "shared_segments" in capsys.readouterr().out

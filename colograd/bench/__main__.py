@@ -1,4 +1,4 @@
-"""`python -m colograd.bench {sync,soak,step,tools,entropy} [--json]`: run one benchmark."""
+"""`python -m colograd.bench {sync,soak,step,tools,entropy,sharing} [--json]`: run one benchmark."""
 
 import argparse
 import importlib
@@ -10,6 +10,7 @@ BENCHMARKS = {
     "step": "colograd.bench.step",
     "tools": "colograd.bench.tools",
     "entropy": "colograd.bench.entropy",
+    "sharing": "colograd.bench.sharing",
 }
 # The step benchmark's model shapes (colograd.bench.shapes.SHAPES), named here so that parsing imports no torch.
 SHAPES = ["tiny", "small", "qwen2.5-0.5b", "qwen2.5-1.5b"]
@@ -22,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--repeats",
         type=int,
-        help="sync (default 7), tools and entropy (default 3): timed repetitions; medians are reported",
+        help="sync (default 7), tools, entropy and sharing (default 3): timed repetitions; medians are reported",
     )
     parser.add_argument(
         "--steps", type=int, help="soak: training steps (default 300); step: timed steps (default: the workload's)"
@@ -33,8 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--shape",
         choices=SHAPES,
-        help="step: a Qwen2 model built from a config of this shape (qwen2.5-*: those models' layers, for a GPU, "
-        "where they default to 16 prompts × 8 completions of ≤256 tokens in 4 micro-steps)",
+        help="step, sharing: a Qwen2 model built from a config of this shape (qwen2.5-*: those models' layers, for "
+        "a GPU, where step defaults to 16 prompts × 8 completions of ≤256 tokens in 4 micro-steps)",
     )
     parser.add_argument(
         "--dtype", choices=["bf16", "fp32", "both"], default="bf16", help="step: the precision (both: fp32 then bf16)"
@@ -45,11 +46,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="step: train a step's completions in this many micro-steps (gradient accumulation), on both sides "
         "(default: the workload's, 4 for smollm2 and the qwen2.5 shapes, 1 otherwise)",
     )
-    parser.add_argument("--prompts", type=int, help="step: prompts per step")
-    parser.add_argument("--generations", type=int, help="step: completions per prompt (num_generations)")
-    parser.add_argument("--completion-tokens", type=int, help="step: most tokens per completion")
+    parser.add_argument("--prompts", type=int, help="step: prompts per step; sharing: prompts (default 4)")
     parser.add_argument(
-        "--prompt-tokens", type=int, help="step: tokens per prompt (longer letters prompts; default: 7)"
+        "--generations", type=int, help="step: completions per prompt (num_generations); sharing: (default 16)"
+    )
+    parser.add_argument(
+        "--completion-tokens", type=int, help="step: most tokens per completion; sharing: (default 128)"
+    )
+    parser.add_argument(
+        "--prompt-tokens",
+        type=int,
+        help="step: tokens per prompt (longer letters prompts; default: 7); sharing: (default 1024)",
     )
     parser.add_argument("--warmup", type=int, help="step: untimed steps before the timed ones")
     return parser
@@ -84,6 +91,11 @@ def main() -> None:
             raise SystemExit(f"colograd.bench step: {err}") from None
         for dtype in ("fp32", "bf16") if args.dtype == "both" else (args.dtype,):
             bench.run(size=size, dtype=dtype, as_json=args.json, **settings)
+    elif args.name == "sharing":
+        settings = {"prompts": args.prompts, "generations": args.generations, "prompt_tokens": args.prompt_tokens,
+                    "completion_tokens": args.completion_tokens}  # fmt: skip
+        given = {k: v for k, v in settings.items() if v is not None}
+        bench.run(shape=args.shape or "small", repeats=args.repeats or 3, as_json=args.json, **given)
     elif args.name in ("tools", "entropy"):
         bench.run(repeats=args.repeats or 3, as_json=args.json)
     else:
