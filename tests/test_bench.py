@@ -301,3 +301,18 @@ def test_sharing_bench_times_every_packing_and_counts_their_tokens(monkeypatch, 
     )
     assert r["unshared_peak_mib"] is None  # no GPU memory to report on a CPU
     assert "shared_segments" in capsys.readouterr().out
+
+
+def test_sharing_bench_reports_a_packing_that_runs_out_of_memory_and_runs_the_others(monkeypatch, capsys):
+    from colograd.bench import sharing
+
+    def logps(model, batch, **kwargs):
+        if "share_prompts" not in kwargs:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 57.00 GiB")
+        return real(model, batch, **kwargs)
+
+    real = sharing.completion_logps
+    monkeypatch.setattr(sharing, "completion_logps", logps)
+    r = sharing.run("tiny", prompts=1, prompt_tokens=20, generations=2, completion_tokens=4, repeats=1)
+    assert r["unshared_s"] == float("inf") and r["shared_mask_s"] > 0
+    assert "unshared           out of memory" in capsys.readouterr().out

@@ -46,9 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="step: train a step's completions in this many micro-steps (gradient accumulation), on both sides "
         "(default: the workload's, 4 for smollm2 and the qwen2.5 shapes, 1 otherwise)",
     )
-    parser.add_argument("--prompts", type=int, help="step: prompts per step; sharing: prompts (default 4)")
+    parser.add_argument("--prompts", type=int, help="step: prompts per step; sharing: prompts (default 2)")
     parser.add_argument(
-        "--generations", type=int, help="step: completions per prompt (num_generations); sharing: (default 16)"
+        "--generations", type=int, help="step: completions per prompt (num_generations); sharing: (default 4)"
     )
     parser.add_argument(
         "--completion-tokens", type=int, help="step: most tokens per completion; sharing: (default 128)"
