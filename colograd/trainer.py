@@ -39,7 +39,7 @@ from colograd.data import keep_rows, sampled_prompt_tokens, tokenize_prompts
 from colograd.engine import Engine, Rollout
 from colograd.entropy import EntropyTerms
 from colograd.evaluation import evaluate
-from colograd.logps import completion_logps, forward_packing
+from colograd.logps import completion_logps
 from colograd.loss import (
     Surrogate,
     group_advantages,
@@ -53,6 +53,7 @@ from colograd.loss import (
 )
 from colograd.memory import PassBudget, compute_dtype
 from colograd.modelcard import Recipe
+from colograd.packing import forward_packing
 from colograd.preemption import Preemption, stage_failures
 from colograd.preflight import (
     check_argument_order,
@@ -189,11 +190,9 @@ class GRPOTrainer(RolloutBatches, ModelSaving):
                 func.model.to(self.accelerator.device)
         self._synced_step: int | None = None  # the global_step whose weights the engine holds
         self._weight_plan: WeightPlan | None = None
-        # Completions of one prompt compute it once in the forward pass where the model's attention allows; on a GPU
-        # passes run their attention as segments where a varlen kernel runs, and get a token budget (`PassBudget`).
-        frozen = self.reference.frozen if self.reference is not None else None
-        dtype = compute_dtype(unwrapped, args.mixed_precision)
-        self._segments, self._prompt_cost = forward_packing([unwrapped, frozen], args, dtype)
+        # How passes are packed (shared prompts; segments on a GPU: `colograd.packing`); GPU passes get a token budget.
+        nets = [unwrapped, self.reference and self.reference.frozen]  # the policy, and the reference's copy if any
+        self._segments, self._prompt_cost = forward_packing(nets, args, compute_dtype(unwrapped, args.mixed_precision))
         self._pass_budget = PassBudget(unwrapped, args, self.is_deepspeed_enabled, self.accelerator.is_main_process)
         self._micro_step = 0  # micro-steps trained since start (or resume): picks the rollout slice
         self._slices: list[dict[str, torch.Tensor]] | None = None  # the current rollout, one slice per micro-step
@@ -305,8 +304,7 @@ class GRPOTrainer(RolloutBatches, ModelSaving):
         # dapo divides each slice by the completion tokens of all ranks' rollouts, per rank and slice.
         tokens = self.accelerator.gather(batch["completion_mask"].sum().to(self.args.device)).sum().float()
         batch["num_items"] = tokens / (self.accelerator.num_processes * self.args.steps_per_generation)
-        # A slice may end inside a group (per_device_train_batch_size not a multiple of num_generations): the
-        # advantages are the whole rollout's already, and prompt sharing matches any run of one prompt's rows.
+        # A slice may end inside a group: its advantages are the whole rollout's; sharing matches any prompt's rows.
         slices = split_rows(batch, self.args.steps_per_generation)
         with self._timed("logps"):
             for part in slices:

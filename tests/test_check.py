@@ -195,11 +195,11 @@ def test_gpu_check_passes():
 
 def test_segment_row_compares_shared_segments_with_unshared_sdpa(monkeypatch):
     """The row's arithmetic on a CPU, the reference kernel standing in for CUDA's varlen kernels."""
-    from colograd import attention, logps
+    from colograd import attention, packing
 
     setup = check.tiny_setup(CPU)
     assert check.check_segments(setup).status == "FAIL"  # no varlen kernel on a CPU, and the row says so
-    monkeypatch.setattr(logps, "segment_kernel", lambda *a: "reference")
+    monkeypatch.setattr(packing, "segment_kernel", lambda *a: "reference")
     result = check.check_segments(setup)
     assert result.status == "pass", result.detail
     assert result.figures["gap_float32"] < 1e-5 and result.detail.startswith("float32 reference: gap")

@@ -7,22 +7,20 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import BloomConfig, BloomForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from trl.trainer.utils import selective_log_softmax
 
-from colograd import logps, tiny
+from colograd import packing, tiny
 from colograd.config import GRPOConfig
 from colograd.errors import ConfigError
 from colograd.logps import (
     PromptSharing,
     completion_logps,
-    masked_attention_kernel,
     pack,
     pack_for_forward,
     pack_rows,
     pack_shared,
-    prompt_sharing,
-    prompt_sharing_cost,
     share_units,
 )
 from colograd.loss import policy_loss
+from colograd.packing import masked_attention_kernel, prompt_sharing, prompt_sharing_cost
 
 N, P, T = 8, 6, 9
 
@@ -255,7 +253,7 @@ def test_prompt_sharing_follows_the_setting_and_the_masked_kernel(monkeypatch, c
     # On a GPU (the kernel probe stubbed): an additive mask; auto shares where it saves a fifth of the tokens.
     asked = []
     kernel = SDPBackend.CUDNN_ATTENTION
-    monkeypatch.setattr(logps, "masked_attention_kernel", lambda *a: asked.append(a) or kernel)
+    monkeypatch.setattr(packing, "masked_attention_kernel", lambda *a: asked.append(a) or kernel)
     assert prompt_sharing(model, "auto", cuda, torch.bfloat16) == PromptSharing(cost, 0.2, additive_mask=True)
     assert prompt_sharing(model, True, cuda, torch.bfloat16) == PromptSharing(cost, 0.0, additive_mask=True)
     assert asked[0] == (2, 64, torch.bfloat16, cuda)  # the tiny model's heads and head size

@@ -14,8 +14,9 @@ from colograd import GRPOTrainer, tiny
 from colograd.batch import pad_rollout, split_rows
 from colograd.config import ConfigError, GRPOConfig
 from colograd.engine import Rollout
-from colograd.logps import completion_logps, pack_shared, prompt_sharing_cost
+from colograd.logps import completion_logps, pack_shared
 from colograd.loss import group_advantages
+from colograd.packing import prompt_sharing_cost
 from colograd.preflight import check_size
 
 TINY = str(ROOT / "recipes/grpo_tiny.yaml")

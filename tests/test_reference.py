@@ -15,8 +15,8 @@ from colograd import GRPOConfig, GRPOTrainer, tiny
 from colograd.batch import pad_rollout
 from colograd.config import ConfigError
 from colograd.engine import Rollout, free_port
-from colograd.logps import prompt_sharing_cost
 from colograd.loss import policy_loss
+from colograd.packing import prompt_sharing_cost
 from colograd.reference import ReferencePolicy
 
 IDS = torch.tensor([[5, 6, 7, 8, 9, 10]])

@@ -14,9 +14,10 @@ from test_logps import _assert_same_training, _batch, _grouped_batch
 from torch.nn.attention import SDPBackend
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from colograd import GRPOTrainer, attention, logps, tiny
+from colograd import GRPOTrainer, attention, packing, tiny
 from colograd.attention import Segments, segments_of
-from colograd.logps import PromptSharing, completion_logps, pack_for_forward, prompt_sharing, use_segments
+from colograd.logps import PromptSharing, completion_logps, pack_for_forward
+from colograd.packing import prompt_sharing, use_segments
 
 
 def test_a_completion_gathers_its_prompt_then_itself():
@@ -154,7 +155,7 @@ def test_segments_are_used_only_on_cuda_and_then_share_whenever_that_saves_token
     config = tiny.build_model().config
     config.layer_types = ["sliding_attention", "full_attention"]
     windowed = Qwen2ForCausalLM(config)
-    assert logps.segment_kernel(windowed, gpu, torch.bfloat16) is None
+    assert packing.segment_kernel(windowed, gpu, torch.bfloat16) is None
 
 
 def test_buckets_keep_each_run_within_twice_its_tokens_and_cover_every_segment():
@@ -219,7 +220,7 @@ def test_a_float32_model_under_flash_segments_runs_the_efficient_kernel(monkeypa
 
 
 def test_a_model_whose_attention_cannot_be_switched_gets_no_segments(monkeypatch, caplog):
-    monkeypatch.setattr(logps, "segment_kernel", lambda *a: "flash")
+    monkeypatch.setattr(packing, "segment_kernel", lambda *a: "flash")
     monkeypatch.setattr(attention, "install", lambda model: None)  # as transformers does for some remote code
     model = tiny.build_model()
     assert use_segments([model], torch.device("cuda"), torch.bfloat16) is None
@@ -286,7 +287,7 @@ def test_cuda_varlen_kernels_equal_the_reference(kernel, dtype):
 @pytest.mark.slow
 def test_a_run_with_segment_attention_matches_the_engine(tmp_path, monkeypatch):
     # The GPU path on a CPU: the probe's answer stubbed to the reference kernel, the engine and training real.
-    monkeypatch.setattr(logps, "segment_kernel", lambda *a: "reference")
+    monkeypatch.setattr(packing, "segment_kernel", lambda *a: "reference")
     args = tiny.run_config(str(tmp_path), 2, per_device_train_batch_size=16, num_generations=4, beta=0.04,
                            logging_steps=1, gradient_checkpointing=True)  # fmt: skip
     trainer = GRPOTrainer(
@@ -311,13 +312,16 @@ def test_a_run_with_segment_attention_matches_the_engine(tmp_path, monkeypatch):
 def test_forward_packing_follows_padding_free_and_torch_compile(monkeypatch):
     from types import SimpleNamespace
 
-    monkeypatch.setattr(logps, "segment_kernel", lambda *a: "flash")  # a GPU whose probe found flash
-    monkeypatch.setattr(logps, "masked_attention_kernel", lambda *a: SDPBackend.EFFICIENT_ATTENTION)  # and its mask
+    monkeypatch.setattr(packing, "segment_kernel", lambda *a: "flash")  # a GPU whose probe found flash
+    monkeypatch.setattr(packing, "masked_attention_kernel", lambda *a: SDPBackend.EFFICIENT_ATTENTION)  # and its mask
     settings = dict(padding_free=True, torch_compile=False, device=torch.device("cuda"), share_prompts="auto")
     model = tiny.build_model()
-    assert logps.forward_packing([model], SimpleNamespace(**settings), torch.bfloat16) == ("flash", PromptSharing(0.0))
-    compiled = logps.forward_packing([tiny.build_model()], SimpleNamespace(**settings | {"torch_compile": True}),
+    assert packing.forward_packing([model], SimpleNamespace(**settings), torch.bfloat16) == (
+        "flash",
+        PromptSharing(0.0),
+    )
+    compiled = packing.forward_packing([tiny.build_model()], SimpleNamespace(**settings | {"torch_compile": True}),
                                      torch.bfloat16)  # fmt: skip
     assert compiled[0] is None and compiled[1] is not None and compiled[1].additive_mask  # the mask packing
     padded = SimpleNamespace(**settings | {"padding_free": False})
-    assert logps.forward_packing([tiny.build_model()], padded, torch.bfloat16) == (None, None)
+    assert packing.forward_packing([tiny.build_model()], padded, torch.bfloat16) == (None, None)

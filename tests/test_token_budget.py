@@ -10,7 +10,7 @@ from test_logps import _grouped_batch, _one_prompt_batch
 
 from colograd import memory, tiny
 from colograd.batch import split_by_tokens
-from colograd.logps import PromptSharing, pack_shared, prompt_sharing_cost
+from colograd.logps import PromptSharing, pack_shared
 from colograd.memory import (
     PassBudget,
     activation_bytes_per_token,
@@ -18,6 +18,7 @@ from colograd.memory import (
     pass_token_budget,
     pending_bytes,
 )
+from colograd.packing import prompt_sharing_cost
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
 

@@ -30,14 +30,18 @@ from colograd import attention
 from colograd.batch import pad_rollout
 from colograd.bench.shapes import build_model
 from colograd.engine import Rollout
-from colograd.logps import PromptSharing, completion_logps, pack_for_forward, prompt_sharing, segment_kernel
+from colograd.logps import PromptSharing, completion_logps, pack_for_forward
+from colograd.packing import prompt_sharing, segment_kernel
 
 
-def grouped_batch(vocab: int, prompts: int, prompt_tokens: int, generations: int, completion_tokens: int) -> dict:
-    """A padded rollout of random tokens: `prompts` prompts × `generations` completions of 1 to
-    `completion_tokens` tokens."""
+def grouped_batch(
+    vocab: int, prompts: int, prompt_tokens: int, generations: int, completion_tokens: int, shortest_prompt: int = 0
+) -> dict:
+    """A padded rollout (`pad_rollout`) of random tokens: `prompts` prompts of `prompt_tokens` tokens (or, with
+    `shortest_prompt`, of that many to `prompt_tokens`) × `generations` completions of 1 to `completion_tokens`."""
     gen = torch.Generator().manual_seed(0)
-    prompt_ids = [torch.randint(2, vocab, (prompt_tokens,), generator=gen).tolist() for _ in range(prompts)]
+    prompt_lengths = torch.randint(shortest_prompt or prompt_tokens, prompt_tokens + 1, (prompts,), generator=gen)
+    prompt_ids = [torch.randint(2, vocab, (n,), generator=gen).tolist() for n in prompt_lengths.tolist()]
     lengths = torch.randint(1, completion_tokens + 1, (prompts * generations,), generator=gen).tolist()
     completions = [torch.randint(2, vocab, (n,), generator=gen).tolist() for n in lengths]
     rollout = Rollout(completions, [[0.0] * n for n in lengths], [False] * len(lengths))
