@@ -38,9 +38,8 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from colograd import tiny
-from colograd.batch import pad_rollout
 from colograd.config import GRPOConfig
-from colograd.engine import Engine, Rollout, free_port
+from colograd.engine import Engine, free_port
 from colograd.sync import WeightPlan
 
 # Largest engine/trainer log-prob gap accepted: fp32 differs only by kernel order; bf16 rounds every layer.
@@ -352,13 +351,16 @@ def check_segments(setup: Setup) -> Result:
     shared prompts against SDPA's unshared packing, in float32 and under bf16 autocast: the largest log-prob gap
     and the largest gradient difference relative to the gradient's largest value."""
     from colograd import attention
-    from colograd.logps import PromptSharing, completion_logps, segment_kernel
+    from colograd.bench.sharing import grouped_batch
+    from colograd.logps import PromptSharing, completion_logps
+    from colograd.packing import segment_kernel
 
     name, figures, parts = "segment attention", {}, []
     model = setup.build().train()
     switched = copy.deepcopy(model)
     attention.install(switched)
-    batch = _grouped_batch(model.config.vocab_size, setup.device)
+    batch = grouped_batch(model.config.vocab_size, 4, 60, 8, 48, shortest_prompt=5)  # prompts of 5 to 60 tokens
+    batch = {k: v.to(setup.device) for k, v in batch.items()}
     mask = batch["completion_mask"].bool()
     for dtype, autocast in (("float32", None), ("bfloat16", torch.bfloat16)):
         kernel = segment_kernel(model, setup.device, autocast or torch.float32)
@@ -377,19 +379,6 @@ def check_segments(setup: Setup) -> Result:
         parts.append(f"{dtype} {kernel}: gap {gap:.1e} (≤ {TOLERANCE[dtype]:.0e}), grad {grad:.1e}")
     ok = all(figures[f"gap_{d}"] <= TOLERANCE[d] and figures[f"grad_{d}"] <= 10 * TOLERANCE[d] for d in TOLERANCE)
     return Result(name, "pass" if ok else "FAIL", "; ".join(parts), figures)
-
-
-def _grouped_batch(vocab: int, device: torch.device, prompts: int = 4, group: int = 8) -> dict[str, torch.Tensor]:
-    """A padded rollout (`pad_rollout`) of random tokens: `prompts` prompts of 5 to 60 tokens, `group` completions
-    of 1 to 48 tokens each."""
-    gen = torch.Generator().manual_seed(0)
-    prompt_ids = [torch.randint(2, vocab, (int(torch.randint(5, 61, (1,), generator=gen)),), generator=gen).tolist()
-                  for _ in range(prompts)]  # fmt: skip
-    completions = [torch.randint(2, vocab, (int(torch.randint(1, 49, (1,), generator=gen)),), generator=gen).tolist()
-                   for _ in range(prompts * group)]  # fmt: skip
-    rollout = Rollout(completions, [[0.0] * len(c) for c in completions], [False] * len(completions))
-    batch = pad_rollout(prompt_ids, rollout, torch.zeros(len(completions)), group, pad_token_id=0)
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 def check_tensor_parallel() -> Result:

@@ -10,11 +10,11 @@ between the step and the floor is the engine's own (kernel launches, scheduling,
 """
 
 import statistics
-import time
 from typing import Any
 
 import torch
 
+from colograd.bench.sync import median_time
 from colograd.engine import sampling_params
 from colograd.kv_cache import kv_bytes_per_token
 
@@ -24,14 +24,8 @@ def memory_bandwidth(device: torch.device, nbytes: int = 2**30, repeats: int = 5
     `repeats` copies."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    times = []
-    for _ in range(repeats + 1):  # the first copy warms up
-        _synchronize(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        _synchronize(device)
-        times.append(time.perf_counter() - start)
-    return 2 * nbytes / statistics.median(times[1:])
+    _synchronize(device)
+    return 2 * nbytes / median_time(lambda: (dst.copy_(src), _synchronize(device)), repeats)
 
 
 def decode_step_seconds(trainer: Any, prompt_ids: list[list[int]], tokens: int, repeats: int = 3) -> float:
@@ -41,12 +35,7 @@ def decode_step_seconds(trainer: Any, prompt_ids: list[list[int]], tokens: int, 
 
     def timed(max_tokens: int) -> float:
         params = sampling_params(trainer.args, logprobs=None, max_tokens=max_tokens, ignore_eos=True)
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            trainer.engine.llm.generate(prompts, params, use_tqdm=False)
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
+        return median_time(lambda: trainer.engine.llm.generate(prompts, params, use_tqdm=False), repeats)
 
     return (timed(tokens) - timed(1)) / (tokens - 1)
 
