@@ -11,7 +11,8 @@ This check runs the pieces a GPU run depends on, with the project's own engine a
     segment attention         the varlen kernel of padding-free passes: shared prompts train as unshared SDPA
     tensor parallel 2         one engine over two GPUs (two processes), when there are two
 
-Each row that builds an engine runs in a fresh interpreter (`python -m colograd.check --row NAME --json OUT`):
+Each row that builds an engine runs in a fresh interpreter (`python -m colograd.check --row NAME --json OUT`,
+run and read back by `colograd.check_runner`):
 vLLM never gives an engine's GPU memory back inside a process, and its sleep-mode allocator refuses a second
 engine in one. Parity is measured as in tests/test_engine.py: the engine's prompt log-probs of a token sequence
 against `log_softmax` of the trainer's logits. Without a GPU the check says so in one line and exits 1.
@@ -23,13 +24,12 @@ import functools
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,6 +38,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from colograd import tiny
+from colograd.check_runner import ROW_TIMEOUT_S, Result, format_table, read_result, run_child, write_result
 from colograd.config import GRPOConfig
 from colograd.engine import Engine, free_port
 from colograd.sync import WeightPlan
@@ -54,24 +55,6 @@ RECIPE_STEPS = 60
 # The tiny recipe's reward starts near 0.05; a working loop lifts the mean of the last 10 steps this far above
 # the first 10 within RECIPE_STEPS (one process, measured on CPU: 0.04 → 0.28).
 REWARD_RISE = 0.1
-ROW_TIMEOUT_S = 900
-# A row that starts with this much less free GPU memory than the first one suggests an earlier row leaked.
-LEAK_GIB = 1.0
-
-
-@dataclass
-class Result:
-    """One row of the table: `status` is pass, FAIL or skip; `detail` gives the figures or the reason.
-
-    `figures` holds the row's numbers for a program (the table shows `detail`); `free_gib` is the GPU memory
-    free when the row's process started, None where the row ran in the checking process or without a GPU.
-    """
-
-    name: str
-    status: str
-    detail: str
-    figures: dict[str, float] = field(default_factory=dict)
-    free_gib: float | None = None
 
 
 @dataclass
@@ -386,18 +369,20 @@ def check_tensor_parallel() -> Result:
     name = "tensor parallel 2"
     if torch.cuda.device_count() < 2:
         return Result(name, "skip", f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+
     with tempfile.TemporaryDirectory() as out:
+
+        def read() -> Result:  # each rank's gap, once both have ended
+            gaps = []
+            for rank in (0, 1):
+                with open(os.path.join(out, f"rank{rank}.json")) as f:
+                    gaps.append(json.load(f)["gap"])
+            ok = max(gaps) <= TOLERANCE["float32"]
+            return Result(name, "pass" if ok else "FAIL", f"gap per rank {gaps[0]:.1e} / {gaps[1]:.1e}")
+
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                str(free_port()), "-m", "colograd.check", "--tp-worker", out]  # fmt: skip
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=ROW_TIMEOUT_S)
-        except subprocess.TimeoutExpired as err:
-            return Result(name, "FAIL", f"timed out after {ROW_TIMEOUT_S} s: {_last_line(_text(err.stderr))}")
-        if proc.returncode != 0:
-            return Result(name, "FAIL", f"exit {proc.returncode}: {_last_line(proc.stderr or proc.stdout)}")
-        gaps = [json.load(open(os.path.join(out, f"rank{r}.json")))["gap"] for r in (0, 1)]
-    ok = max(gaps) <= TOLERANCE["float32"]
-    return Result(name, "pass" if ok else "FAIL", f"gap per rank {gaps[0]:.1e} / {gaps[1]:.1e}")
+        return run_child(name, cmd, read)
 
 
 def tensor_parallel_worker(out: str) -> None:
@@ -445,27 +430,12 @@ ROWS: dict[str, Callable[[Setup], Result]] = {
 
 
 def run_row(name: str, model: str | None = None, allow_cpu: bool = False, timeout: float = ROW_TIMEOUT_S) -> Result:
-    """Run the row `name` of `ROWS` in a fresh interpreter and read its result back.
-
-    A child that exits with an error, writes no result or runs past `timeout` seconds is a FAIL row with the
-    last line it wrote to stderr.
-    """
+    """Run the row `name` of `ROWS` in a fresh interpreter (`row_child`) and read its result back (`run_child`)."""
     with tempfile.TemporaryDirectory(prefix="colograd-check-") as out:
         path = os.path.join(out, "row.json")
         cmd = [sys.executable, "-m", "colograd.check", "--row", name, "--json", path]
         cmd += (["--model", model] if model else []) + (["--allow-cpu"] if allow_cpu else [])
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired as err:
-            return Result(name, "FAIL", f"timed out after {timeout:.0f} s: {_last_line(_text(err.stderr))}")
-        if not os.path.exists(path):
-            return Result(name, "FAIL", f"exit {proc.returncode}: {_last_line(proc.stderr or proc.stdout)}")
-        with open(path) as f:
-            result = Result(**json.load(f))
-    if proc.returncode != 0:  # the row finished, then its process failed (at teardown)
-        result.status = "FAIL"
-        result.detail += f"; then exit {proc.returncode}: {_last_line(proc.stderr)}"
-    return result
+        return run_child(name, cmd, lambda: read_result(path), timeout)
 
 
 def row_child(name: str, out: str, model: str | None) -> None:
@@ -475,8 +445,7 @@ def row_child(name: str, out: str, model: str | None) -> None:
     setup = model_setup(model, device) if model else tiny_setup(device)
     result = ROWS[name](setup)
     result.free_gib = free_gib
-    with open(out, "w") as f:
-        json.dump(asdict(result), f)
+    write_result(result, out)
 
 
 def run_checks(model: str | None = None, run: Callable[[str], Result] | None = None) -> list[Result]:
@@ -505,31 +474,6 @@ def compare_lora_sleep(results: list[Result]) -> None:
     level1, level2 = (rows[f"LoRA sleep level {level}"].figures["cycle_ms"] for level in (1, 2))
     faster, ratio = (1, level2 / level1) if level1 <= level2 else (2, level1 / level2)
     rows["LoRA sleep level 2"].detail += f": level {faster} is {ratio:.2f}× faster"
-
-
-def format_table(results: list[Result]) -> str:
-    """The results as a fixed-width table, one row per check (with the GPU memory free when its process started),
-    a closing count, and a line naming rows that started with much less free memory than the first."""
-    width = max(len(r.name) for r in results)
-    rows = [f"{'check':<{width}}  result  free GiB  figures"]
-    for r in results:
-        free = f"{r.free_gib:.1f}" if r.free_gib is not None else "-"
-        rows.append(f"{r.name:<{width}}  {r.status:<6}  {free:>8}  {r.detail}")
-    counts = {s: sum(r.status == s for r in results) for s in ("pass", "FAIL", "skip")}
-    rows.append(f"{counts['pass']} passed, {counts['FAIL']} failed, {counts['skip']} skipped")
-    return "\n".join(rows + leak_lines(results))
-
-
-def leak_lines(results: list[Result]) -> list[str]:
-    """One line when some row's process started with `LEAK_GIB` less free GPU memory than the first row's."""
-    measured = [r for r in results if r.free_gib is not None]
-    if not measured:
-        return []
-    first = measured[0].free_gib
-    short = [f"{r.name} ({first - r.free_gib:.1f} GiB less)" for r in measured if first - r.free_gib > LEAK_GIB]
-    if not short:
-        return [f"every row started within {LEAK_GIB:.0f} GiB of the first row's free GPU memory ({first:.1f} GiB)"]
-    return [f"started with less free GPU memory than the first row (a leak?): {', '.join(short)}"]
 
 
 def _sample_ids(setup: Setup, seed: int = 0, length: int = 24) -> list[int]:
@@ -570,16 +514,6 @@ def _synchronize() -> None:
 def _free_bytes() -> int:
     """The GPU memory free on this process's device, as the driver counts it (other processes' use included)."""
     return torch.cuda.mem_get_info()[0]
-
-
-def _text(output: str | bytes | None) -> str:
-    """What a timed-out child wrote: `TimeoutExpired` may carry bytes even for a text-mode run."""
-    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
-
-
-def _last_line(text: str) -> str:
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    return lines[-1][:200] if lines else ""
 
 
 def main(argv: list[str] | None = None) -> int:

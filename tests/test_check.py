@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import ROOT, _env
 
-from colograd import check
+from colograd import check, check_runner
 from colograd.engine import Engine
 from colograd.sync import WeightPlan
 
@@ -82,12 +82,25 @@ def test_lora_sleep_levels_are_compared_only_when_both_passed():
 def test_table_shows_free_memory_counts_each_status_and_names_a_leak():
     rows = [check.Result("a", "pass", "x", free_gib=70.0), check.Result("bb", "FAIL", "y", free_gib=69.5),
             check.Result("c", "skip", "z")]  # fmt: skip
-    lines = check.format_table(rows).splitlines()
+    lines = check_runner.format_table(rows).splitlines()
     assert lines[2].split() == ["bb", "FAIL", "69.5", "y"] and lines[3].split()[:3] == ["c", "skip", "-"]
     assert lines[4] == "1 passed, 1 failed, 1 skipped"
     assert lines[5].startswith("every row started within 1 GiB")
     rows.append(check.Result("d", "pass", "w", free_gib=46.0))
-    assert check.format_table(rows).splitlines()[-1].endswith("(a leak?): d (24.0 GiB less)")
+    assert check_runner.format_table(rows).splitlines()[-1].endswith("(a leak?): d (24.0 GiB less)")
+
+
+def test_a_child_that_wrote_its_result_then_failed_is_a_fail_row_with_its_figures(tmp_path):
+    """A row whose process crashes at teardown, after writing its result: the figures stay, the row fails."""
+    path = tmp_path / "row.json"
+    written = check.Result("r", "pass", "gap 1e-05", {"gap": 1e-5})
+    code = (f"from colograd.check_runner import Result, write_result; import sys; write_result(Result(**{vars(written)!r}), "
+            f"{str(path)!r}); print('teardown crashed', file=sys.stderr); sys.exit(3)")  # fmt: skip
+    result = check_runner.run_child("r", [sys.executable, "-c", code], lambda: check_runner.read_result(str(path)))
+    assert result.status == "FAIL" and result.figures == {"gap": 1e-5}
+    assert result.detail == "gap 1e-05; then exit 3: teardown crashed"
+    ok = check_runner.run_child("r", [sys.executable, "-c", "pass"], lambda: check_runner.read_result(str(path)))
+    assert ok.status == "pass" and ok.detail == "gap 1e-05"
 
 
 # --- sleep: what a sleep frees --------------------------------------------------------------------------------
