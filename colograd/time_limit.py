@@ -11,8 +11,10 @@ raises `GaveUp`. Code blocked where no signal reaches (C code that never returns
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from types import FrameType
 from typing import TypeVar
@@ -24,6 +26,8 @@ T = TypeVar("T")
 GIVE_UP_SIGNAL: int | None = signal.SIGRTMIN + 4 if hasattr(signal, "SIGRTMIN") else None
 EXIT_GRACE = 5.0  # seconds the main thread gets to leave the call once interrupted, before the process ends
 _POLL = 0.1  # seconds between the watcher's looks at the clock and at SIGTERM
+# Folders `exit_stuck` removes: its `os._exit` skips the finalizers that would (`removed_when_stuck`).
+_FOLDERS: "weakref.WeakSet[tempfile.TemporaryDirectory]" = weakref.WeakSet()
 
 
 class GaveUp(Exception):
@@ -134,7 +138,19 @@ class _Watch:
             return
 
 
+def removed_when_stuck(folder: tempfile.TemporaryDirectory) -> tempfile.TemporaryDirectory:
+    """`folder`, also removed when the process ends stuck (`exit_stuck`), not only at a normal exit: the engine's
+    model folder, and a LoRA adapter's, which may sit in RAM-backed /dev/shm and outlive the process there."""
+    _FOLDERS.add(folder)
+    return folder
+
+
 def exit_stuck(message: str, code: int) -> None:
     """End the process from the watcher: the main thread is stuck where nothing can reach it."""
     print(message, file=sys.stderr, flush=True)
+    for folder in list(_FOLDERS):
+        try:
+            folder.cleanup()
+        except OSError:  # gone already, or not ours to remove: the exit goes on
+            pass
     os._exit(code)

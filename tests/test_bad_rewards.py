@@ -11,10 +11,13 @@ import functools
 import math
 import os
 import re
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -330,3 +333,16 @@ def test_a_reward_stuck_where_no_signal_reaches_ends_the_process(limit, monkeypa
         call(deaf)
     assert len(ended) == 1 and ended[0][1] == 1, ended
     assert ended[0][0].startswith("colograd: error: reward function 'deaf' did not return, its time limit passed")
+
+
+def test_a_stuck_exit_removes_the_registered_folders_then_ends(monkeypatch, capsys):
+    """`os._exit` skips the finalizers that remove temporary folders (the engine's, a LoRA adapter's in /dev/shm):
+    `exit_stuck` removes the registered ones itself, one already gone included, then exits with the code."""
+    exits = []
+    monkeypatch.setattr(time_limit.os, "_exit", exits.append)
+    kept, gone = (time_limit.removed_when_stuck(tempfile.TemporaryDirectory()) for _ in range(2))
+    Path(kept.name, "adapter_model.safetensors").write_bytes(b"0" * 64)
+    shutil.rmtree(gone.name)
+    time_limit.exit_stuck("colograd: error: stuck", 1)
+    assert exits == [1] and not os.path.exists(kept.name)
+    assert capsys.readouterr().err == "colograd: error: stuck\n"

@@ -10,6 +10,7 @@ pytestmark = pytest.mark.slow  # the notebook trains in a kernel process, with a
 def test_custom_advantages_notebook_runs(root, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the kernel inherits this: nothing may download
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the notebook's output folder (mkdtemp) is removed with the test's
     # An engine started earlier in this test process left its launcher variables here (its port still in use):
     # the kernel is a fresh single process and must pick its own.
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
