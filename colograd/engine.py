@@ -33,6 +33,7 @@ from colograd.config import GRPOConfig
 from colograd.errors import ConfigError
 from colograd.kv_cache import engine_memory, kv_bytes_per_token
 from colograd.lora import engine_max_lora_rank
+from colograd.time_limit import removed_when_stuck
 
 logger = logging.getLogger(__name__)
 _UNTRIED = object()  # an engine's sampler tap before its first install
@@ -97,7 +98,7 @@ class Engine:
         self._tp_index = rank // self.tp_size  # which engine this rank belongs to
         self.settings = engine_settings(model, tokenizer, args, lora_rank, sleep_level)
         # vLLM reads the architecture from a folder: write the config and tokenizer, never the weights.
-        self._dir = tempfile.TemporaryDirectory(prefix=f"colograd-engine-{rank}-")
+        self._dir = removed_when_stuck(tempfile.TemporaryDirectory(prefix=f"colograd-engine-{rank}-"))
         base = model.get_base_model() if isinstance(model, PeftModel) else model
         config = _engine_config(base)
         config.save_pretrained(self._dir.name)
@@ -285,7 +286,8 @@ class Engine:
 
         if self._adapter_dir is None:
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-            self._adapter_dir = tempfile.TemporaryDirectory(prefix="colograd-adapter-", dir=_adapter_parent(nbytes))
+            folder = tempfile.TemporaryDirectory(prefix="colograd-adapter-", dir=_adapter_parent(nbytes))
+            self._adapter_dir = removed_when_stuck(folder)
             adapter_config.save_pretrained(self._adapter_dir.name)
         save_file(tensors, os.path.join(self._adapter_dir.name, "adapter_model.safetensors"))
         self.llm.llm_engine.add_lora(LoRARequest("colograd", 1, self._adapter_dir.name, load_inplace=True))

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from colograd import GRPOConfig, sync, tiny
+from colograd import GRPOConfig, sync, time_limit, tiny
 from colograd import engine as engine_module
 from colograd.engine import Engine
 from colograd.sync import WeightPlan
@@ -167,6 +167,8 @@ def test_lora_sync_gives_engine_the_adapted_model(adapter_only, repack, tmp_path
     if adapter_only:
         assert loads() == 2  # once per sync
         assert engine._adapter_dir.name.startswith("/dev/shm/") is repack
+        # Both folders are removed even by a stuck process's exit (`time_limit.exit_stuck`), /dev/shm's included.
+        assert {engine._dir, engine._adapter_dir} <= set(time_limit._FOLDERS)
     adapter_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n)
     if adapter_only:  # after the first sync, only the adapter moves
         assert second == adapter_bytes and first == plan.nbytes + adapter_bytes
