@@ -107,8 +107,8 @@ class GRPOConfig(
     def needs_engine_logps(self) -> bool:
         """Whether the loss reads the engine's log-probs of every sampled token: the importance-sampling correction,
         the off-policy mask, or old log-probs taken from the engine. Otherwise asking vLLM for them would only slow
-        its decoding (per-token work in its output path), so a rollout asks for one group's, for the sampling-gap
-        metric."""
+        its decoding (per-token work in its output path), so a rollout asks for one completion's per rank, for the
+        sampling-gap metric."""
         engine_as_old = self.reuses_rollouts_across_updates and self.engine_logps_are_old_logps
         return self.vllm_importance_sampling_correction or self.off_policy_mask_threshold is not None or engine_as_old
 

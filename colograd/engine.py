@@ -198,8 +198,9 @@ class Engine:
         same tokens (vLLM's CPU sampler otherwise draws from each process's own generator).
 
         The sampled tokens' log-probs are asked for every request when the loss reads them
-        (`args.needs_engine_logps`), else for each rank's first prompt only, for the sampling-gap metric: vLLM builds
-        them with per-token Python in its output path, which slows every decoding step. Completions not asked get NaN.
+        (`args.needs_engine_logps`), else for one completion per rank, for the sampling-gap metric: the first of its
+        first prompt, asked in a request of its own (`n=1`, beside its group's other G - 1), because vLLM builds them
+        with per-token Python in its output path, which slows every decoding step. Completions not asked get NaN.
         Where every request asks, they are read as tensors from the sampler instead (`colograd.sampler_tap`), so that
         vLLM builds no per-token objects at all.
         """
@@ -215,20 +216,25 @@ class Engine:
             base = hash((args.seed, self._tp_index, step)) % 2**31
             seeds = [base + i * g for i in range(len(prompt_ids))]
 
-        asks = range(len(prompt_ids)) if args.needs_engine_logps else range(0, len(prompt_ids), mine)
-        params = [
-            sampling_params(args, seed, n=g, **({} if i in asks else {"logprobs": None}))
-            for i, seed in enumerate(seeds)
-        ]
-        prompts = [self.prompt(ids) for ids in prompt_ids]
+        requests = rollout_requests(args, seeds, mine, g)
+        prompts = [self.prompt(prompt_ids[i]) for i, _ in requests]
         tap = self._sampler_tap() if args.needs_engine_logps else None
         with tap.capturing() if tap is not None else nullcontext():
-            outputs = self.llm.generate(prompts, params, lora_request=self.lora_request, use_tqdm=False)
-        if self.tp_group is not None:
-            first = dist.get_rank(self.tp_group) * mine
-            outputs = outputs[first : first + mine]
-        samples = [sample for request in outputs for sample in request.outputs]
-        logps = tap.logps(outputs) if tap is not None else [sampled_logps(sample) for sample in samples]
+            outputs = self.llm.generate(
+                prompts, [params for _, params in requests], lora_request=self.lora_request, use_tqdm=False
+            )
+        if tap is not None:  # one request per prompt, and no tensor parallelism
+            samples = [sample for request in outputs for sample in request.outputs]
+            logps = tap.logps(outputs)
+        else:
+            groups: list[list[Any]] = [[] for _ in prompt_ids]
+            for (i, _), request in zip(requests, outputs, strict=True):
+                groups[i] += request.outputs
+            if self.tp_group is not None:
+                first = dist.get_rank(self.tp_group) * mine
+                groups = groups[first : first + mine]
+            samples = [sample for group in groups for sample in group]
+            logps = [sampled_logps(sample) for sample in samples]
         if logps is None:
             # The tap's rows did not hold these completions (and vLLM built no objects for them): sample this
             # rollout again with the objects, and leave the tap off from now on.
@@ -385,6 +391,27 @@ def engine_settings(
 
 # Config entries that name or date a model rather than shape it.
 _NOT_ARCHITECTURE = ("_name_or_path", "transformers_version", "dtype", "torch_dtype")
+
+
+def rollout_requests(args: GRPOConfig, seeds: list[int | None], mine: int, g: int) -> list[tuple[int, Any]]:
+    """The engine requests of a rollout of `len(seeds)` prompts (`mine` per rank), as (prompt index, params).
+
+    One request of n = G per prompt, each asking for its log-probs where the loss reads them
+    (`args.needs_engine_logps`); else only the sampling-gap metric's completion asks, the first of each rank's first
+    prompt, in a request of its own (n = 1) beside one of n = G - 1, seeded as the one request would have been
+    (vLLM seeds a request's n completions seed, seed + 1, ...).
+    """
+    every = args.needs_engine_logps
+    requests = []
+    for i, seed in enumerate(seeds):
+        if every or i % mine != 0:
+            requests.append((i, sampling_params(args, seed, n=g, **({} if every else {"logprobs": None}))))
+            continue
+        requests.append((i, sampling_params(args, seed, n=1)))
+        if g > 1:
+            rest = None if seed is None else seed + 1
+            requests.append((i, sampling_params(args, rest, n=g - 1, logprobs=None)))
+    return requests
 
 
 def sampled_logps(sample: Any) -> list[float]:

@@ -1,4 +1,5 @@
-"""The engine's log-probs of its samples: asked for every request only when the loss reads them."""
+"""The engine's log-probs of its samples: asked for every request only when the loss reads them, else for one
+completion per rank (the sampling-gap metric's)."""
 
 import math
 
@@ -8,32 +9,43 @@ import torch
 from colograd import tiny
 from colograd.check import trainer_logprobs
 from colograd.config import GRPOConfig
-from colograd.engine import Engine
+from colograd.engine import Engine, rollout_requests, sampling_params
 from colograd.sampler_tap import SamplerTap
 from colograd.sync import WeightPlan
 
 pytestmark = pytest.mark.slow
 
+SETTINGS = dict(per_device_train_batch_size=12, num_generations=4, max_prompt_length=16, max_completion_length=8,
+                vllm_enforce_eager=True, report_to="none")  # fmt: skip
 
-def test_log_probs_only_where_consumed(tmp_path, monkeypatch):
-    """Defaults (on-policy, no correction): the first prompt's group carries log-probs for the sampling-gap metric,
-    every other completion NaN; with the importance-sampling correction every completion carries them, read from the
-    sampler's tensors. Where given, they are the trainer's log-probs of the same tokens."""
+
+@pytest.fixture(scope="module")
+def tiny_engine(tmp_path_factory):
+    """The tiny model, its tokenizer and an engine holding its weights (one engine for the module's tests)."""
     torch.manual_seed(0)
     model, tokenizer = tiny.build_model().eval(), tiny.build_tokenizer()
-    settings = dict(per_device_train_batch_size=12, num_generations=4, max_prompt_length=16, max_completion_length=8,
-                    vllm_enforce_eager=True, report_to="none")  # fmt: skip
-    args = GRPOConfig(output_dir=str(tmp_path), **settings)
-    corrected = GRPOConfig(output_dir=str(tmp_path), vllm_importance_sampling_correction=True, **settings)
-    engine = Engine(model, tokenizer, args)
+    engine = Engine(model, tokenizer, GRPOConfig(output_dir=str(tmp_path_factory.mktemp("engine")), **SETTINGS))
     WeightPlan(model).sync(engine)
+    return model, tokenizer, engine
+
+
+def test_log_probs_only_where_consumed(tiny_engine, tmp_path, monkeypatch):
+    """Defaults (on-policy, no correction): the first prompt's first completion carries log-probs for the
+    sampling-gap metric (asked alone, its group still G completions), every other completion NaN; with the
+    importance-sampling correction every completion carries them, read from the sampler's tensors. Where given,
+    they are the trainer's log-probs of the same tokens."""
+    model, tokenizer, engine = tiny_engine
+    args = GRPOConfig(output_dir=str(tmp_path), **SETTINGS)
+    corrected = GRPOConfig(output_dir=str(tmp_path), vllm_importance_sampling_correction=True, **SETTINGS)
     prompts = [tokenizer(p)["input_ids"] for p in ("abcd>b:", "dcba>c:", "bbad>a:")]
 
     rollout = engine.generate(prompts, args)
     asked = [not any(math.isnan(v) for v in logps) for logps in rollout.logps]
-    assert asked == [True] * 4 + [False] * 8
-    assert all(all(math.isnan(v) for v in logps) for logps in rollout.logps[4:])
+    assert asked == [True] + [False] * 11
+    assert all(all(math.isnan(v) for v in logps) for logps in rollout.logps[1:])
     assert [len(v) for v in rollout.logps] == [len(ids) for ids in rollout.completion_ids]
+    expected = trainer_logprobs(model, prompts[0] + rollout.completion_ids[0])[len(prompts[0]) - 1 :]
+    assert torch.tensor(rollout.logps[0]).sub(expected).abs().max() < 1e-4
 
     rollout = engine.generate(prompts, corrected)
     assert isinstance(engine._tap, SamplerTap)  # read from the sampler, with no per-token objects
@@ -49,3 +61,18 @@ def test_log_probs_only_where_consumed(tmp_path, monkeypatch):
     rollout = engine.generate(prompts, corrected)
     assert missed == [1] and engine._tap is None
     assert len(rollout.logps) == 12 and all(not any(math.isnan(v) for v in logps) for logps in rollout.logps)
+
+
+def test_the_metric_completion_asked_alone_keeps_the_seeds_of_its_group(tiny_engine, tmp_path):
+    """Seeded requests (as under tensor parallelism): the group whose first completion asks for log-probs in a
+    request of its own (`rollout_requests`) samples the same tokens as one request of n = G, completion by
+    completion."""
+    _, tokenizer, engine = tiny_engine
+    args = GRPOConfig(output_dir=str(tmp_path), **SETTINGS)
+    prompt = engine.prompt(tokenizer("abcd>b:")["input_ids"])
+    whole = engine.llm.generate([prompt], sampling_params(args, 1234, logprobs=None), use_tqdm=False)[0].outputs
+    requests = rollout_requests(args, [1234], 1, 4)
+    assert [(i, p.n, p.seed, p.logprobs) for i, p in requests] == [(0, 1, 1234, 0), (0, 3, 1235, None)]
+    split = [engine.llm.generate([prompt], p, use_tqdm=False)[0].outputs for _, p in requests]
+    assert [list(s.token_ids) for s in whole] == [list(s.token_ids) for s in split[0] + split[1]]
+    assert len({tuple(s.token_ids) for s in whole}) > 1  # the seeds differ per completion
