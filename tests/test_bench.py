@@ -269,8 +269,9 @@ def test_decode_floor_reads_every_weight_once_and_the_kv_caches(tied):
 
 
 @pytest.mark.slow
-def test_decode_against_the_floor_through_the_trainers_engine(tmp_path):
+def test_decode_against_the_floor_and_generation_against_bare_vllm_through_the_trainers_engine(tmp_path, monkeypatch):
     from colograd import GRPOTrainer, tiny
+    from colograd.bench import step
     from colograd.bench.decode import decode_against_floor
 
     args = tiny.run_config(str(tmp_path), 1, per_device_train_batch_size=16, num_generations=4)
@@ -283,6 +284,22 @@ def test_decode_against_the_floor_through_the_trainers_engine(tmp_path):
     assert (
         r["decode_vs_floor"] == pytest.approx(r["decode_ms_per_step"] / r["decode_floor_ms"])
         and r["decode_vs_floor"] > 1
+    )
+
+    # Every call of the generation comparison ignores EOS: each decodes the same tokens (4 prompts × 4 × 8), and
+    # the run's own settings are left as they were.
+    calls = []
+    generate = type(trainer.engine.llm).generate
+    monkeypatch.setattr(
+        type(trainer.engine.llm), "generate", lambda self, *a, **k: calls.append(generate(self, *a, **k)) or calls[-1]
+    )
+    g = step.generation_side_by_side(trainer, {"prompts": 4}, repeats=1)
+    assert len(calls) == 3 and "ignore_eos" not in (trainer.args.generation_kwargs or {})
+    assert [sum(len(s.token_ids) for o in out for s in o.outputs) for out in calls] == [
+        4 * 4 * trainer.args.max_completion_length
+    ] * 3
+    assert g["generation_vs_bare_vllm"] == pytest.approx(
+        g["colograd_generation_tokens_per_s"] / g["bare_vllm_tokens_per_s"]
     )
 
 

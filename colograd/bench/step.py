@@ -30,6 +30,7 @@ generation and packing comparisons, which are about the engine and the packing r
 out.
 """
 
+import copy
 import json
 import os
 import resource
@@ -284,22 +285,28 @@ def run_trl(out: str, w: dict[str, Any], mode: str | None = None) -> dict[str, A
 
 
 def generation_side_by_side(trainer: GRPOTrainer, w: dict[str, Any], repeats: int = 8) -> dict[str, float]:
-    """Completion tokens/s of colograd's generate stage (`GRPOTrainer.generate`) and of bare `vllm.LLM.generate`
-    calls through the same engine, on the run's first prompts with colograd's sampling settings, interleaved.
+    """Completion tokens/s of colograd's generate stage (`Engine.generate`, as `GRPOTrainer.generate` calls it) and
+    of bare `vllm.LLM.generate` calls through the same engine, on the run's first prompts with colograd's sampling
+    settings, interleaved.
 
     The bare reference asks no log-probs (`logprobs=None`), the engine's fastest mode: per-token log-prob objects
     cost the engine loop time at every decode step. A bare call with `logprobs=0` (the sampled token's log-prob)
-    runs beside it, to show that cost. Each rate is its total tokens over its total time: completion lengths vary
-    from call to call, and a batch in which some sequences stop early decodes fewer tokens per second.
+    runs beside it, to show that cost. Every call ignores EOS, so that each decodes `max_completion_length` tokens
+    per completion: a model stops at random lengths, and a batch in which some sequences stop early decodes fewer
+    tokens per second, which made the rates of one run differ by ±15% from call to call (a randomly initialised
+    model of vocabulary 64 ends ~3 completions in 4 before 96 tokens). Each rate is its total tokens over its total
+    time.
     """
     rows = [trainer.train_dataset[i] for i in range(w["prompts"])]
     _, prompt_ids, _ = trainer.prepare_prompts(rows)
     prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
-    bare = {name: sampling_params(trainer.args, logprobs=lp) for name, lp in (("bare", None), ("bare_logprobs0", 0))}
+    args = copy.copy(trainer.args)  # the run's sampling settings, EOS ignored
+    args.generation_kwargs = {**(args.generation_kwargs or {}), "ignore_eos": True}
+    bare = {name: sampling_params(args, logprobs=lp) for name, lp in (("bare", None), ("bare_logprobs0", 0))}
     tokens, seconds = dict.fromkeys(["colograd", *bare], 0), dict.fromkeys(["colograd", *bare], 0.0)
     for _ in range(repeats):
         start = time.perf_counter()
-        rollout = trainer.generate(prompt_ids)
+        rollout = trainer.engine.generate(prompt_ids, args)
         seconds["colograd"] += time.perf_counter() - start
         tokens["colograd"] += sum(len(c) for c in rollout.completion_ids)
         for name, params in bare.items():
