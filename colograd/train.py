@@ -5,9 +5,11 @@ python colograd/train.py --config recipes/grpo_tiny.yaml          # one process
 """
 
 import dataclasses
+import hashlib
 import os
 import re
 import sys
+import tempfile
 import traceback
 import typing
 from typing import Any, NoReturn
@@ -350,12 +352,60 @@ def _renamed(key: str) -> str:
 
 
 def _fail(err: Exception | str, code: int = 2, debug: bool = False) -> NoReturn:
-    """One line on stderr (after the traceback, with `debug`), then exit with `code`."""
+    """One line on stderr (after the traceback, with `debug`), then exit with `code`.
+
+    The line is written in one call, so that the lines of ranks failing together do not run into each other, and
+    by the first rank on this machine to fail with it (`_first_to_say`): every rank of a launch meets a mistake in
+    the recipe at once.
+    """
     if debug and isinstance(err, Exception):
         traceback.print_exception(err)
     hint = "" if debug or code == 2 else " (rerun with --debug for the traceback)"
-    print(f"colograd: error: {str(err).strip().splitlines()[0]}{hint}", file=sys.stderr)
+    line = f"colograd: error: {str(err).strip().splitlines()[0]}{hint}\n"
+    if debug or _first_to_say(line):
+        sys.stderr.write(line)
+        sys.stderr.flush()
     sys.exit(code)
+
+
+def _first_to_say(line: str) -> bool:
+    """Whether this process is the first of its launch on this machine to say `line` (True outside a launch of
+    several local processes, and for a line no other rank says).
+
+    The local ranks of a launch share one parent, the launcher's agent: each adds a byte to a file in the
+    temporary folder named after that parent (its pid and start time) and the line; the one that creates the file
+    says the line, and the last of `LOCAL_WORLD_SIZE` removes it.
+    """
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    if ranks <= 1:
+        return True
+    parent = os.getppid()
+    try:
+        with open(f"/proc/{parent}/stat") as f:  # its start time: a later process may reuse the pid
+            started = f.read().rpartition(")")[2].split()[19]
+    except (OSError, IndexError):
+        started = ""
+    key = hashlib.sha256(f"{parent} {started} {line}".encode()).hexdigest()[:24]
+    path = os.path.join(tempfile.gettempdir(), f"colograd-said-{key}")
+    flags = os.O_WRONLY | os.O_APPEND
+    try:
+        fd, first = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600), True
+    except FileExistsError:
+        try:
+            fd, first = os.open(path, flags), False
+        except OSError:
+            return False
+    except OSError:  # no temporary folder to write in: every rank says it
+        return True
+    try:
+        os.write(fd, b".")
+        if os.fstat(fd).st_size >= ranks:
+            os.unlink(path)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    return first
 
 
 if __name__ == "__main__":

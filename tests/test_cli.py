@@ -8,7 +8,7 @@ traceback, and also that no weights were read and no engine started.
 import json
 
 import pytest
-from conftest import ROOT, refused, run_cli
+from conftest import ROOT, launch, refused, run_cli
 
 TINY = str(ROOT / "recipes/grpo_tiny.yaml")
 
@@ -51,6 +51,35 @@ def test_a_refusal_in_a_process_of_its_own_is_one_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip().splitlines()[-1]], proc.stderr[-2000:]
     assert proc.stderr.startswith("colograd: error: loss_type='ppo'")
+
+
+@pytest.mark.slow
+def test_a_refusal_of_every_rank_of_a_launch_is_said_once(tmp_path):
+    """Two ranks meet the same mistake at once: one line (whole, not run into the other rank's), exit code 2 in the
+    launcher's report, and the ranks' shared file gone."""
+    proc = launch("colograd/train.py", "--config", TINY, "--output_dir", str(tmp_path / "out"), "--num_generations",
+                  "3", env={"TMPDIR": str(tmp_path)}, timeout=300)  # fmt: skip
+    lines = [line for line in proc.stderr.splitlines() if "colograd: error" in line]
+    assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr, proc.stderr[-3000:]
+    assert lines == [lines[0]] and lines[0].count("colograd: error") == 1, lines
+    assert lines[0].startswith("colograd: error: per_device_train_batch_size=64"), lines
+    assert not list(tmp_path.glob("colograd-said-*"))
+
+
+def test_a_line_is_said_by_the_first_local_rank_only(tmp_path, monkeypatch):
+    """`_first_to_say` with three local ranks: the first says a line, the others not, and the last removes their
+    file; another line is said again."""
+    from colograd import train
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    monkeypatch.setattr(train.tempfile, "tempdir", str(tmp_path))
+    assert [train._first_to_say("colograd: error: x\n") for _ in range(2)] == [True, False]
+    assert len(list(tmp_path.iterdir())) == 1
+    assert train._first_to_say("colograd: error: y\n")  # another mistake is another line
+    assert not train._first_to_say("colograd: error: x\n")
+    assert [p.read_bytes() for p in tmp_path.iterdir()] == [b"."]  # x's file removed by its third rank
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert train._first_to_say("colograd: error: x\n") and train._first_to_say("colograd: error: x\n")
 
 
 def test_unknown_recipe_key_is_one_line(tmp_path):
