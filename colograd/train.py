@@ -10,6 +10,7 @@ import os
 import re
 import sys
 import tempfile
+import time
 import traceback
 import typing
 from typing import Any, NoReturn
@@ -355,57 +356,80 @@ def _fail(err: Exception | str, code: int = 2, debug: bool = False) -> NoReturn:
     """One line on stderr (after the traceback, with `debug`), then exit with `code`.
 
     The line is written in one call, so that the lines of ranks failing together do not run into each other, and
-    by the first rank on this machine to fail with it (`_first_to_say`): every rank of a launch meets a mistake in
-    the recipe at once.
+    only once per machine where every local rank of a launch meets the same mistake at once (`_said_by_rank_0`).
     """
     if debug and isinstance(err, Exception):
         traceback.print_exception(err)
     hint = "" if debug or code == 2 else " (rerun with --debug for the traceback)"
     line = f"colograd: error: {str(err).strip().splitlines()[0]}{hint}\n"
-    if debug or _first_to_say(line):
+    if debug or not _said_by_rank_0(line):
         sys.stderr.write(line)
         sys.stderr.flush()
     sys.exit(code)
 
 
-def _first_to_say(line: str) -> bool:
-    """Whether this process is the first of its launch on this machine to say `line` (True outside a launch of
-    several local processes, and for a line no other rank says).
+SAID_WAIT_S = 2.0  # how long another local rank waits for local rank 0 to say the same line
+_SAID_FRESH_S = 60.0  # a mark older than this is not of this attempt
 
-    The local ranks of a launch share one parent, the launcher's agent: each adds a byte to a file in the
-    temporary folder named after that parent (its pid and start time) and the line; the one that creates the file
-    says the line, and the last of `LOCAL_WORLD_SIZE` removes it.
+
+def _said_by_rank_0(line: str) -> bool:
+    """Whether local rank 0 of this launch says `line`, so that this rank need not.
+
+    Local rank 0 always says its line (a launcher may show only its output), and marks it: a file in the temporary
+    folder named after the line and the launch (the launcher's agent, the local ranks' parent: its pid and start
+    time; torchelastic's run id and restart count). Another local rank waits up to `SAID_WAIT_S` for that mark and
+    says its line itself if none comes (rank 0 failed otherwise, or later). The last rank to find the mark removes
+    it. Outside a launch of several local ranks every process says its line.
     """
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    if ranks <= 1:
+    try:  # a value that is not a number is itself the mistake being said (`check_variables`)
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    except ValueError:
+        return False
+    local = os.environ.get("LOCAL_RANK")
+    if ranks <= 1 or local is None or "WORLD_SIZE" not in os.environ or os.getppid() == 1:
+        return False
+    path = _said_path(line)
+    try:
+        if local.strip() == "0":
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.write(fd, b".")
+            os.close(fd)
+            return False
+        deadline = time.monotonic() + SAID_WAIT_S
+        while not _fresh(path):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        try:
+            os.write(fd, b".")
+            if os.fstat(fd).st_size >= ranks:
+                os.unlink(path)
+        finally:
+            os.close(fd)
         return True
+    except OSError:  # no temporary folder to write in, or the mark removed meanwhile: say it
+        return False
+
+
+def _said_path(line: str) -> str:
     parent = os.getppid()
     try:
         with open(f"/proc/{parent}/stat") as f:  # its start time: a later process may reuse the pid
             started = f.read().rpartition(")")[2].split()[19]
     except (OSError, IndexError):
         started = ""
-    key = hashlib.sha256(f"{parent} {started} {line}".encode()).hexdigest()[:24]
-    path = os.path.join(tempfile.gettempdir(), f"colograd-said-{key}")
-    flags = os.O_WRONLY | os.O_APPEND
+    launch = [os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")]
+    key = hashlib.sha256(" ".join([str(parent), started, *launch, line]).encode()).hexdigest()[:24]
+    return os.path.join(tempfile.gettempdir(), f"colograd-said-{key}")
+
+
+def _fresh(path: str) -> bool:
+    """Whether local rank 0 has marked `path` within `_SAID_FRESH_S`."""
     try:
-        fd, first = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600), True
-    except FileExistsError:
-        try:
-            fd, first = os.open(path, flags), False
-        except OSError:
-            return False
-    except OSError:  # no temporary folder to write in: every rank says it
-        return True
-    try:
-        os.write(fd, b".")
-        if os.fstat(fd).st_size >= ranks:
-            os.unlink(path)
+        return time.time() - os.stat(path).st_mtime < _SAID_FRESH_S
     except OSError:
-        pass
-    finally:
-        os.close(fd)
-    return first
+        return False
 
 
 if __name__ == "__main__":

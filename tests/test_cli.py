@@ -6,6 +6,7 @@ traceback, and also that no weights were read and no engine started.
 """
 
 import json
+import os
 
 import pytest
 from conftest import ROOT, launch, refused, run_cli
@@ -56,7 +57,7 @@ def test_a_refusal_in_a_process_of_its_own_is_one_line(tmp_path):
 @pytest.mark.slow
 def test_a_refusal_of_every_rank_of_a_launch_is_said_once(tmp_path):
     """Two ranks meet the same mistake at once: one line (whole, not run into the other rank's), exit code 2 in the
-    launcher's report, and the ranks' shared file gone."""
+    launcher's report, and the ranks' mark gone."""
     proc = launch("colograd/train.py", "--config", TINY, "--output_dir", str(tmp_path / "out"), "--num_generations",
                   "3", env={"TMPDIR": str(tmp_path)}, timeout=300)  # fmt: skip
     lines = [line for line in proc.stderr.splitlines() if "colograd: error" in line]
@@ -66,20 +67,37 @@ def test_a_refusal_of_every_rank_of_a_launch_is_said_once(tmp_path):
     assert not list(tmp_path.glob("colograd-said-*"))
 
 
-def test_a_line_is_said_by_the_first_local_rank_only(tmp_path, monkeypatch):
-    """`_first_to_say` with three local ranks: the first says a line, the others not, and the last removes their
-    file; another line is said again."""
+def test_local_rank_0_says_the_line_and_the_others_only_a_line_it_did_not(tmp_path, monkeypatch):
+    """`_said_by_rank_0` with three local ranks: rank 0 always says its line and marks it; another rank stays
+    silent on a fresh mark of the same line, and says a line that rank 0 did not mark (after waiting), or marked
+    long ago; the last rank removes the mark."""
     from colograd import train
 
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
     monkeypatch.setattr(train.tempfile, "tempdir", str(tmp_path))
-    assert [train._first_to_say("colograd: error: x\n") for _ in range(2)] == [True, False]
-    assert len(list(tmp_path.iterdir())) == 1
-    assert train._first_to_say("colograd: error: y\n")  # another mistake is another line
-    assert not train._first_to_say("colograd: error: x\n")
-    assert [p.read_bytes() for p in tmp_path.iterdir()] == [b"."]  # x's file removed by its third rank
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    assert train._first_to_say("colograd: error: x\n") and train._first_to_say("colograd: error: x\n")
+    monkeypatch.setattr(train, "SAID_WAIT_S", 0.2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+
+    def silent(rank: int, line: str = "colograd: error: x\n") -> bool:
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        return train._said_by_rank_0(line)
+
+    assert not silent(1)  # rank 0 has not said it (yet): rank 1 says it, after the wait
+    assert not silent(0) and [p.read_bytes() for p in tmp_path.iterdir()] == [b"."]
+    assert silent(1) and not silent(1, "colograd: error: y\n")  # rank 1's own mistake is its own line
+    assert silent(2) and not list(tmp_path.iterdir())  # the third rank removed the mark
+    assert not silent(0)
+    (mark,) = tmp_path.iterdir()
+    os.utime(mark, (0, 0))  # a mark of long ago is not this launch's
+    assert not silent(1)
+    for name, value in (("LOCAL_WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "two")):
+        monkeypatch.setenv(name, value)
+        assert not silent(1)  # one local process, or a variable that is itself the mistake: every process says it
+
+
+def test_a_launch_variable_that_is_not_a_number_is_one_line(tmp_path):
+    line = refused("--config", TINY, "--output_dir", str(tmp_path), env={"LOCAL_WORLD_SIZE": "two"})
+    assert "LOCAL_WORLD_SIZE='two'" in line, line
 
 
 def test_unknown_recipe_key_is_one_line(tmp_path):
