@@ -45,8 +45,9 @@ def read_result(path: str) -> Result:
 def run_child(name: str, cmd: list[str], read: Callable[[], Result], timeout: float = ROW_TIMEOUT_S) -> Result:
     """Run the row `name` as the command `cmd` and build its result with `read` once the command has ended.
 
-    A command that runs past `timeout` seconds, or ends without the output `read` needs (`FileNotFoundError`), is
-    a FAIL row with the last line it wrote; one that wrote its result and then exited with an error (at teardown)
+    A command that runs past `timeout` seconds, or ends without the output `read` needs (missing, or cut short:
+    `read` raises `FileNotFoundError`, `ValueError`, `KeyError` or `TypeError`), is a FAIL row with the last line it
+    wrote; one that wrote its result and then exited with an error (at teardown)
     is a FAIL row with its figures and that line.
     """
     try:
@@ -55,7 +56,7 @@ def run_child(name: str, cmd: list[str], read: Callable[[], Result], timeout: fl
         return Result(name, "FAIL", f"timed out after {timeout:.0f} s: {last_line(_text(err.stderr))}")
     try:
         result = read()
-    except FileNotFoundError:
+    except (FileNotFoundError, ValueError, KeyError, TypeError):  # none written, or cut short by a crash
         return Result(name, "FAIL", f"exit {proc.returncode}: {last_line(proc.stderr or proc.stdout)}")
     if proc.returncode != 0:
         result.status = "FAIL"

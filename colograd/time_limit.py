@@ -147,10 +147,12 @@ def removed_when_stuck(folder: tempfile.TemporaryDirectory) -> tempfile.Temporar
 
 def exit_stuck(message: str, code: int) -> None:
     """End the process from the watcher: the main thread is stuck where nothing can reach it."""
-    print(message, file=sys.stderr, flush=True)
-    for folder in list(_FOLDERS):
-        try:
-            folder.cleanup()
-        except OSError:  # gone already, or not ours to remove: the exit goes on
-            pass
-    os._exit(code)
+    try:
+        print(message, file=sys.stderr, flush=True)
+        for folder in list(_FOLDERS):
+            try:
+                folder.cleanup()
+            except OSError:  # gone already, or not ours to remove
+                pass
+    finally:  # whatever happens above, the process ends
+        os._exit(code)

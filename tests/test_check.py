@@ -90,17 +90,23 @@ def test_table_shows_free_memory_counts_each_status_and_names_a_leak():
     assert check_runner.format_table(rows).splitlines()[-1].endswith("(a leak?): d (24.0 GiB less)")
 
 
-def test_a_child_that_wrote_its_result_then_failed_is_a_fail_row_with_its_figures(tmp_path):
-    """A row whose process crashes at teardown, after writing its result: the figures stay, the row fails."""
+def test_a_child_that_failed_after_or_while_writing_its_result_is_a_fail_row(tmp_path):
+    """A row whose process crashes at teardown, after writing its result: the figures stay, the row fails. One that
+    crashed while writing it: a FAIL row with its last line, and the other rows go on."""
     path = tmp_path / "row.json"
     written = check.Result("r", "pass", "gap 1e-05", {"gap": 1e-5})
-    code = (f"from colograd.check_runner import Result, write_result; import sys; write_result(Result(**{vars(written)!r}), "
-            f"{str(path)!r}); print('teardown crashed', file=sys.stderr); sys.exit(3)")  # fmt: skip
+    code = (f"from colograd.check_runner import Result, write_result; import sys; "
+            f"write_result(Result(**{vars(written)!r}), {str(path)!r}); "
+            "print('teardown crashed', file=sys.stderr); sys.exit(3)")  # fmt: skip
     result = check_runner.run_child("r", [sys.executable, "-c", code], lambda: check_runner.read_result(str(path)))
     assert result.status == "FAIL" and result.figures == {"gap": 1e-5}
     assert result.detail == "gap 1e-05; then exit 3: teardown crashed"
     ok = check_runner.run_child("r", [sys.executable, "-c", "pass"], lambda: check_runner.read_result(str(path)))
     assert ok.status == "pass" and ok.detail == "gap 1e-05"
+    path.write_text('{"name": "r", "sta')  # a child that crashed while writing
+    code = "import sys; print('killed', file=sys.stderr); sys.exit(1)"
+    cut = check_runner.run_child("r", [sys.executable, "-c", code], lambda: check_runner.read_result(str(path)))
+    assert cut.status == "FAIL" and cut.detail == "exit 1: killed"
 
 
 # --- sleep: what a sleep frees --------------------------------------------------------------------------------

@@ -302,6 +302,8 @@ def generation_side_by_side(trainer: GRPOTrainer, w: dict[str, Any], repeats: in
     prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
     args = copy.copy(trainer.args)  # the run's sampling settings, EOS ignored
     args.generation_kwargs = {**(args.generation_kwargs or {}), "ignore_eos": True}
+    # (generation_kwargs also decide whether old log-probs may come from the engine: the path timed must not change)
+    assert args.needs_engine_logps == trainer.args.needs_engine_logps
     bare = {name: sampling_params(args, logprobs=lp) for name, lp in (("bare", None), ("bare_logprobs0", 0))}
     tokens, seconds = dict.fromkeys(["colograd", *bare], 0), dict.fromkeys(["colograd", *bare], 0.0)
     for _ in range(repeats):
