@@ -245,7 +245,7 @@ def varlen_kernel(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, 
     for name in ("flash", "efficient"):
         try:
             got = _probe(KERNELS[name], q, kv, segments.to(device), head_dim**-0.5)
-        except (RuntimeError, NotImplementedError):
+        except (RuntimeError, NotImplementedError, TypeError):  # no kernel here, or a torch whose op differs
             continue
         gap = max(
             ((a - b).abs().max() / b.abs().max().clamp(min=1)).item() for a, b in zip(got, expected, strict=True)

@@ -227,12 +227,19 @@ def test_a_model_whose_attention_cannot_be_switched_gets_no_segments(monkeypatch
     assert "could not be switched to segment attention" in caplog.text
 
 
-def test_the_kernel_probe_takes_the_first_kernel_that_runs_forward_and_backward(monkeypatch):
+@pytest.mark.parametrize(
+    "error",
+    [
+        RuntimeError("FlashAttention only supports Ampere GPUs or newer."),
+        TypeError("_flash_attention_forward() got an unexpected keyword argument 'scale'"),  # another torch's op
+    ],
+)
+def test_the_kernel_probe_takes_the_first_kernel_that_runs_forward_and_backward(error, monkeypatch):
     tried = []
 
     def fails(*args):
         tried.append("flash")
-        raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.")
+        raise error
 
     def runs(q, k, v, s, scale):
         tried.append("efficient")
