@@ -223,18 +223,15 @@ class Engine:
             outputs = self.llm.generate(
                 prompts, [params for _, params in requests], lora_request=self.lora_request, use_tqdm=False
             )
-        if tap is not None:  # one request per prompt, and no tensor parallelism
-            samples = [sample for request in outputs for sample in request.outputs]
-            logps = tap.logps(outputs)
-        else:
-            groups: list[list[Any]] = [[] for _ in prompt_ids]
-            for (i, _), request in zip(requests, outputs, strict=True):
-                groups[i] += request.outputs
-            if self.tp_group is not None:
-                first = dist.get_rank(self.tp_group) * mine
-                groups = groups[first : first + mine]
-            samples = [sample for group in groups for sample in group]
-            logps = [sampled_logps(sample) for sample in samples]
+        groups: list[list[Any]] = [[] for _ in prompt_ids]  # each prompt's completions, over its requests
+        for (i, _), request in zip(requests, outputs, strict=True):
+            groups[i] += request.outputs
+        if self.tp_group is not None:
+            first = dist.get_rank(self.tp_group) * mine
+            groups = groups[first : first + mine]
+        samples = [sample for group in groups for sample in group]
+        # (The tap asks every request, one per prompt, and never runs under tensor parallelism: `outputs` is ours.)
+        logps = tap.logps(outputs) if tap is not None else [sampled_logps(sample) for sample in samples]
         if logps is None:
             # The tap's rows did not hold these completions (and vLLM built no objects for them): sample this
             # rollout again with the objects, and leave the tap off from now on.

@@ -34,6 +34,7 @@ from transformers import (
 from trl.data_utils import apply_chat_template, is_conversational
 
 from colograd.config import ConfigError
+from colograd.config_loss import LossOptions
 from colograd.preemption import StoppedBySigterm, sigterm_received
 from colograd.time_limit import GaveUp, call_within
 
@@ -340,8 +341,8 @@ class TimeLimits:
         (Kubernetes, torchrun's shutdown), and the rest of the step and its checkpoint need the remainder.
     """
 
-    timeout: float | None = 1800.0
-    sigterm_wait: float = 10.0
+    timeout: float | None = LossOptions.reward_timeout
+    sigterm_wait: float = LossOptions.reward_sigterm_wait
 
     @classmethod
     def of(cls, args: Any) -> "TimeLimits":
