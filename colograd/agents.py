@@ -420,7 +420,15 @@ class VLLMGeneration:
         return self._trainer.engine.llm
 
     def sync_weights(self) -> None:
-        self._trainer.sync_weights()
+        """Write the current weights into the engine. Called between rollouts (a callback) with sleep mode on, the
+        engine is asleep and has no weights memory to write into: it is woken for the sync and put back to sleep,
+        as a rollout does (`Engine.awake`)."""
+        engine = self._trainer.engine
+        if engine.sleeping:
+            with engine.awake(sync=self._trainer.sync_weights):
+                pass
+        else:
+            self._trainer.sync_weights()
 
     def generate(
         self, prompts: list[list[int]], images: list | None, num_generations: int, profiler: Any = None

@@ -81,7 +81,9 @@ def rollout_kv_bytes(
     longest = min(context, (args.max_prompt_length or prompt_tokens or context) + args.max_completion_length)
     need = math.ceil(max_num_seqs * _whole_blocks(longest, block) * per_token * MARGIN)
     cap = int(device_bytes * GPU_CAP_FRACTION) if device_bytes else CPU_CAP_BYTES
-    return max(min(need, cap), _whole_blocks(context, max(block, FLOOR_BLOCK_TOKENS)) * per_token)
+    # vLLM's block pool holds one block back (its null block): one sequence of the whole context needs one more.
+    floor_block = max(block, FLOOR_BLOCK_TOKENS)
+    return max(min(need, cap), (_whole_blocks(context, floor_block) + floor_block) * per_token)
 
 
 def _whole_blocks(tokens: int, block: int) -> int:

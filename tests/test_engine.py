@@ -176,6 +176,40 @@ def test_lora_sync_gives_engine_the_adapted_model(adapter_only, repack, tmp_path
         assert second == first
 
 
+def test_adapter_only_sync_reaches_lora_wrappers_that_do_not_forward(tmp_path, monkeypatch):
+    """vLLM 0.26's LoRA wrappers neither load weights nor forward to their `base_layer` (0.32 added both). Made to
+    behave so here, the base weights still reach the engine under `base_layer` names: parity after the first sync
+    and after the adapter moves. Without the renaming the first sync raises "There is no module or parameter"."""
+    from vllm.lora.layers.base import BaseLayerWithLoRA
+
+    forward = BaseLayerWithLoRA.__getattr__
+
+    def no_loading(self, name):
+        if name == "load_weights":
+            raise AttributeError(name)
+        return forward(self, name)
+
+    monkeypatch.delattr(BaseLayerWithLoRA, "load_weights")
+    monkeypatch.setattr(BaseLayerWithLoRA, "__getattr__", no_loading)
+    torch.manual_seed(0)
+    model = lora_model()
+    tokenizer = tiny.build_tokenizer()
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=8,
+                      max_prompt_length=32, max_completion_length=8, vllm_kv_cache_gib=0.1, vllm_enforce_eager=True,
+                      report_to="none", vllm_cpu_repack_weights=False)  # fmt: skip
+    engine = Engine(model, tokenizer, args, lora_rank=8)
+    hidden = engine.llm.collective_rpc(
+        lambda worker: sorted(engine_module._hidden_lora_wrappers(worker.model_runner.model))
+    )[0]
+    assert "model.layers.0.self_attn.qkv_proj" in hidden and "model.layers.1.mlp.gate_up_proj" in hidden
+    ids = tokenizer("abcd>b:bbbb and more text")["input_ids"]
+    plan = WeightPlan(model, adapter_only=True)
+    for _ in range(2):
+        plan.sync(engine)
+        assert (engine.prompt_logprobs(ids) - trainer_logprobs(model, ids)).abs().max() <= 1e-4
+        move_adapter(model)
+
+
 def test_merged_lora_builds_one_bucket_of_weights_at_a_time(tmp_path, monkeypatch):
     """Every merged (base + B·A) tensor the sync builds is tracked while alive: in buckets of one decoder layer
     (a 1-byte budget), no more than the largest bucket's bytes exist at once; in one bucket, all of them do."""

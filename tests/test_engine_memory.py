@@ -40,13 +40,14 @@ def test_rollout_kv_bytes_by_hand(tmp_path):
     # No prompt limit: the model's 32k context per sequence would need ~150 GB; the cache stops at 0.3 of the card.
     long = config(tmp_path, max_prompt_length=None)
     assert kv_cache.rollout_kv_bytes(long, QWEN_1_5B, torch.bfloat16, 128, 80 * 10**9) == 24 * 10**9
-    # Never less than one sequence of the whole context (vLLM refuses to start with less).
+    # Never less than one sequence of the whole context and the block vLLM's pool holds back (it refuses to start
+    # with less), counted in the largest blocks an attention backend takes (256 tokens).
     one = config(tmp_path, per_device_train_batch_size=8, max_prompt_length=None)
-    assert kv_cache.rollout_kv_bytes(one, QWEN_1_5B, torch.bfloat16, 1, 10**9) == 32768 * 28 * 1024
+    assert kv_cache.rollout_kv_bytes(one, QWEN_1_5B, torch.bfloat16, 1, 10**9) == (32768 + 256) * 28 * 1024
     # A context that is no whole number of the larger blocks some attention backends take: rounded up to them.
-    # (A 1,000-token context, short prompts: one sequence needs 340 tokens with the margin; the floor, 1,000.)
+    # (A 1,000-token context, short prompts: one sequence needs 340 tokens with the margin; the floor, 1,024 + 256.)
     odd = config(tmp_path, per_device_train_batch_size=8, max_prompt_length=None, vllm_max_model_length=1000)
-    assert kv_cache.rollout_kv_bytes(odd, QWEN_1_5B, torch.bfloat16, 1, 10**9, prompt_tokens=10) == 1024 * 28 * 1024
+    assert kv_cache.rollout_kv_bytes(odd, QWEN_1_5B, torch.bfloat16, 1, 10**9, prompt_tokens=10) == 1280 * 28 * 1024
 
 
 def test_rollout_kv_bytes_from_the_longest_prompt(tmp_path):

@@ -13,12 +13,16 @@ from colograd.trainer import GRPOTrainer
 class RecordingLLM:
     def __init__(self, log: list[str]) -> None:
         self.log = log
+        self.asleep = False
+        self.llm_engine = SimpleNamespace(is_sleeping=lambda: self.asleep)
 
     def wake_up(self, tags: list[str]) -> None:
         self.log.append("wake_up:" + ",".join(tags))
+        self.asleep = False
 
     def sleep(self, level: int) -> None:
         self.log.append(f"sleep:{level}")
+        self.asleep = True
 
 
 def engine_with(sleep_level: int, log: list[str]) -> Engine:
@@ -105,3 +109,18 @@ def test_trainer_syncs_only_when_the_engine_lacks_the_current_weights(synced_ste
     )
     GRPOTrainer.sync_weights(trainer)
     assert bool(synced) is expect_sync and trainer._synced_step == 3
+
+
+@pytest.mark.parametrize("asleep", [True, False], ids=["asleep", "awake"])
+def test_vllm_generation_sync_weights_wakes_a_sleeping_engine(asleep):
+    """`trainer.vllm_generation.sync_weights()` (TRL's name, reachable from a callback between rollouts) never
+    writes into a sleeping engine: it wakes it for the sync and puts it back to sleep; awake (inside a rollout,
+    from a rollout_func) it only syncs."""
+    from colograd.agents import VLLMGeneration
+
+    log: list[str] = []
+    engine = engine_with(2, log)
+    engine.llm.asleep = asleep
+    trainer = SimpleNamespace(engine=engine, sync_weights=lambda: log.append("sync"), args=GRPOConfig(output_dir="x"))
+    VLLMGeneration(trainer).sync_weights()
+    assert log == (["wake_up:weights", "sync", "wake_up:kv_cache", "sleep:2"] if asleep else ["sync"])

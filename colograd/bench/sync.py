@@ -1,11 +1,14 @@
 """Weight-sync benchmark: colograd's sync against the memory-copy floor and a per-tensor sync.
 
-On a Qwen2-architecture model of ~135M parameters built locally (untied head, as Qwen2.5-7B; fp32),
-in one process, with the real engine. Each time is the median of `repeats` timed runs after a warm-up:
+On a Qwen2-architecture model built locally, in one process, with the real engine, on the device the engine runs
+on: without a GPU ~135M parameters (untied head, as Qwen2.5-7B; fp32); on a GPU the layers of Qwen2.5-1.5B with its
+vocabulary (1.5B parameters, untied head, bf16: what a bf16 engine holds), moved to the GPU, so the sync is a
+GPU-to-GPU pass. Each time is the median of `repeats` timed runs after a warm-up (on a GPU, with the device
+synchronized before the clock stops):
 
 - sync_s: `WeightPlan.sync`, the trainer → engine sync colograd runs after every optimizer step;
-- memcpy_s: `torch._foreach_copy_` of the same tensors into preallocated buffers — one plain pass over the
-  bytes, the floor for any in-process sync;
+- memcpy_s: `torch._foreach_copy_` of the same tensors into preallocated buffers on the same device — one plain
+  pass over the bytes, the floor for any in-process sync;
 - per_tensor_s: one engine call per tensor, as TRL's colocate sync does (`load_weights` once per tensor);
 - lora_bytes_ratio: bytes of a full sync ÷ bytes of an adapter-only sync (LoRA r=16 on every linear layer);
 - without a GPU, the same sync into an engine that keeps vLLM's CPU default of repacking linear weights for
@@ -25,38 +28,51 @@ from colograd import GRPOConfig, tiny
 from colograd.engine import Engine
 from colograd.sync import WeightPlan
 
+# The CPU's model: ~135M parameters. A GPU's: Qwen2.5-1.5B's layers and vocabulary (config.json of
+# Qwen/Qwen2.5-1.5B-Instruct), in bf16.
+CPU_SHAPE = {"vocab_size": 32000, "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,
+             "num_attention_heads": 12, "num_key_value_heads": 12}  # fmt: skip
+GPU_SHAPE = {"vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+             "num_attention_heads": 12, "num_key_value_heads": 2}  # fmt: skip
 
-def build_model() -> Qwen2ForCausalLM:
+
+def build_model(device: torch.device | None = None) -> Qwen2ForCausalLM:
+    """The benchmark's model on `device` (default: a GPU where there is one, else the CPU)."""
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    on_gpu = device.type == "cuda"
     config = Qwen2Config(
-        vocab_size=32000,
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        num_key_value_heads=12,
+        **(GPU_SHAPE if on_gpu else CPU_SHAPE),
         max_position_embeddings=512,
         tie_word_embeddings=False,  # vLLM refuses a lone tensor of a tied model, so per-tensor needs untied
     )
     torch.manual_seed(0)
-    return Qwen2ForCausalLM(config).eval()
+    with device:  # built where it is trained: the sync on a GPU is a GPU-to-GPU pass
+        model = Qwen2ForCausalLM(config)
+    return model.to(torch.bfloat16 if on_gpu else torch.float32).eval()
 
 
 def median_time(fn: Callable[[], object], repeats: int) -> float:
+    """The median seconds of `repeats` calls of `fn` after one untimed call; on a GPU the clock stops once the
+    device has finished what the call queued."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
     fn()  # warm-up: first calls allocate
+    sync()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
 def parity_gap(model: torch.nn.Module, engine: Engine, ids: list[int]) -> float:
     """Largest |engine - trainer| log-prob over a sequence: proof the timed sync really moved the weights."""
+    device = next(model.parameters()).device
     with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0, :-1].float()
-    expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
-    return (engine.prompt_logprobs(ids) - expected).abs().max().item()
+        logits = model(torch.tensor([ids], device=device)).logits[0, :-1].float()
+    expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:], device=device)[:, None])[:, 0]
+    return (engine.prompt_logprobs(ids) - expected.cpu()).abs().max().item()
 
 
 def lora_bytes(model: torch.nn.Module) -> int:
@@ -117,7 +133,8 @@ def run(repeats: int = 7, as_json: bool = False) -> dict[str, float]:
         "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
         "bytes": plan.nbytes,
         "tensors": len(weights),
-        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "dtype": str(weights[0].dtype).removeprefix("torch."),
         "memcpy_s": median_time(lambda: torch._foreach_copy_(buffers, weights), repeats),
     }
     # The default engine: on a CPU it repacks its weights for oneDNN, and a sync re-runs that processing.
@@ -141,10 +158,10 @@ def run(repeats: int = 7, as_json: bool = False) -> dict[str, float]:
 
 
 def print_table(r: dict, repeats: int) -> None:
-    ms = lambda seconds: f"{seconds * 1e3:9.1f} ms"  # noqa: E731
-    print(f"model: Qwen2 {r['params_m']:.1f}M parameters, {r['tensors']} tensors, {r['bytes'] / 2**20:.0f} MiB, "
-          f"{r['device']}; medians of {repeats} runs")  # fmt: skip
-    print(f"memcpy floor        {ms(r['memcpy_s'])}")
+    ms = lambda seconds: f"{seconds * 1e3:9.2f} ms"  # noqa: E731
+    print(f"model: Qwen2 {r['params_m']:.1f}M parameters, {r['tensors']} tensors, {r['bytes'] / 2**20:.0f} MiB "
+          f"{r['dtype']}, {r['device']}; medians of {repeats} runs")  # fmt: skip
+    print(f"memcpy floor        {ms(r['memcpy_s'])}  ({2 * r['bytes'] / r['memcpy_s'] / 1e9:.0f} GB/s read + write)")
     rows = [("", f"default engine ({r['engine_path']} sync)")]
     if "cpu_plain_sync_s" in r:
         rows.append(("cpu_plain_", "CPU engine with plain weights (vllm_cpu_repack_weights: false)"))
