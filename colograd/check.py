@@ -247,7 +247,8 @@ def check_lora(setup: Setup) -> Result:
 def check_lora_sleep(setup: Setup, level: int) -> Result:
     """An adapter-only bf16 engine that sleeps at `level` between rollouts, through `Engine.awake` as in training:
     level 1 keeps the frozen base (copied to host and back at every rollout); level 2 drops it and the sync
-    re-sends it. Times sleep + wake + sync, parity after every cycle."""
+    re-sends it (a plan sends the base again whenever the engine is stale). Times sleep + wake + sync, parity after
+    every cycle."""
     model = lora(setup.build()).eval()
     ids = _sample_ids(setup)
     seconds, gaps = [], []
@@ -256,8 +257,6 @@ def check_lora_sleep(setup: Setup, level: int) -> Result:
         engine = Engine(model, setup.tokenizer, args, lora_rank=8, sleep_level=level)
         plan = WeightPlan(model, adapter_only=True)
         for cycle in range(CYCLES + 1):  # the first cycle brings the base in and is not timed
-            if level == 2:
-                plan = WeightPlan(model, adapter_only=True)  # a new plan sends the base again with the adapter
             move(model, lora_only=True)
             _synchronize()
             start = time.perf_counter()

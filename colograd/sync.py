@@ -82,7 +82,8 @@ class WeightPlan:
             The number of bytes handed over.
         """
         sent = 0
-        if not (self.adapter_only and self._base_sent):
+        # The frozen base goes once, and again whenever the engine dropped its weights (a level-2 sleep).
+        if not (self.adapter_only and self._base_sent and not engine.stale):
             for bucket in self:
                 engine.load_weights(bucket)
                 # Drop this bucket's gathered or merged tensors before the next bucket is built, not after.
