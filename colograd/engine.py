@@ -31,7 +31,7 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 from colograd import sampler_tap
 from colograd.config import GRPOConfig
 from colograd.errors import ConfigError
-from colograd.kv_cache import engine_memory, kv_bytes_per_token
+from colograd.kv_cache import engine_max_model_len, engine_memory, kv_bytes_per_token
 from colograd.lora import engine_max_lora_rank
 from colograd.time_limit import removed_when_stuck
 
@@ -77,6 +77,8 @@ class Engine:
             to host memory and back).
         prompt_tokens: the longest prompt expected, which sizes the KV cache where `max_prompt_length` does not
             bound prompts (see `colograd.kv_cache`).
+        longest_prompt: the longest prompt of every row the run will give, measured: the engine's context is that
+            and a completion (`colograd.kv_cache.engine_context`); None: the model's own context.
     """
 
     def __init__(
@@ -87,6 +89,7 @@ class Engine:
         lora_rank: int | None = None,
         sleep_level: int | None = None,
         prompt_tokens: int | None = None,
+        longest_prompt: int | None = None,
     ) -> None:
         from vllm import LLM
 
@@ -96,7 +99,7 @@ class Engine:
         self.tp_size = args.vllm_tensor_parallel_size
         self.tp_group = _tensor_parallel_group(self.tp_size, world) if self.tp_size > 1 else None
         self._tp_index = rank // self.tp_size  # which engine this rank belongs to
-        self.settings = engine_settings(model, tokenizer, args, lora_rank, sleep_level)
+        self.settings = engine_settings(model, tokenizer, args, lora_rank, sleep_level, longest_prompt)
         # vLLM reads the architecture from a folder: write the config and tokenizer, never the weights.
         self._dir = removed_when_stuck(tempfile.TemporaryDirectory(prefix=f"colograd-engine-{rank}-"))
         base = model.get_base_model() if isinstance(model, PeftModel) else model
@@ -113,7 +116,7 @@ class Engine:
         llm_args = {k: v for k, v in self.settings.items() if k not in _NOT_LLM_ARGUMENTS}
         dtype = _torch_dtype(self.settings["dtype"])
         triton_fp32_precision(dtype)
-        llm_args |= engine_memory(args, config, dtype, self.settings["max_num_seqs"], prompt_tokens)
+        llm_args |= engine_memory(args, config, dtype, self.settings["max_num_seqs"], prompt_tokens, longest_prompt)
         with _launcher_env(), _matmul_precision_kept():
             self.llm = LLM(
                 model=self._dir.name,
@@ -156,6 +159,7 @@ class Engine:
         lora_rank: int | None = None,
         sleep_level: int | None = None,
         prompt_tokens: int | None = None,
+        longest_prompt: int | None = None,
     ) -> "Engine":
         """The engine for a new trainer: on a GPU, the process's engine when one exists (its settings must match),
         else a new one, kept for the process's lifetime; without a GPU always a new one, held only by its trainer
@@ -167,17 +171,21 @@ class Engine:
         """
         global _PROCESS_ENGINE
         if not one_engine_per_process():
-            return cls(model, tokenizer, args, lora_rank, sleep_level, prompt_tokens)
+            return cls(model, tokenizer, args, lora_rank, sleep_level, prompt_tokens, longest_prompt)
         if _PROCESS_ENGINE is not None:
-            _PROCESS_ENGINE.reuse(engine_settings(model, tokenizer, args, lora_rank, sleep_level))
+            _PROCESS_ENGINE.reuse(engine_settings(model, tokenizer, args, lora_rank, sleep_level, longest_prompt))
             return _PROCESS_ENGINE
-        _PROCESS_ENGINE = cls(model, tokenizer, args, lora_rank, sleep_level, prompt_tokens)
+        _PROCESS_ENGINE = cls(model, tokenizer, args, lora_rank, sleep_level, prompt_tokens, longest_prompt)
         return _PROCESS_ENGINE
 
     def reuse(self, settings: dict[str, Any]) -> None:
         """Serve a new trainer whose engine would have `settings`: forget the old weights and adapter (the first
         rollout syncs everything), or refuse in one line naming the settings that differ."""
-        differ = sorted(k for k in settings.keys() | self.settings.keys() if settings.get(k) != self.settings.get(k))
+        differ = sorted(
+            k
+            for k in settings.keys() | self.settings.keys()
+            if settings.get(k) != self.settings.get(k) and not _holds(k, self.settings.get(k), settings.get(k))
+        )
         if differ:
             raise ConfigError(
                 f"this process already holds a colograd engine, and vLLM cannot free it in-process; the new trainer's "
@@ -346,6 +354,12 @@ _PROCESS_ENGINE: Engine | None = None
 _NOT_LLM_ARGUMENTS = ("sleep_level", "architecture", "tokenizer", "stop_ids", "memory", "cpu_repack_weights")
 
 
+def _holds(key: str, held: Any, wanted: Any) -> bool:
+    """Whether an engine built with `held` for setting `key` serves a trainer that wants `wanted`: a context
+    (`max_model_len`) as long or longer does."""
+    return key == "max_model_len" and held is not None and wanted is not None and held >= wanted
+
+
 def one_engine_per_process() -> bool:
     """Whether this process keeps one engine for its lifetime: on a GPU, where vLLM cannot free an engine's memory
     in-process."""
@@ -358,6 +372,7 @@ def engine_settings(
     args: GRPOConfig,
     lora_rank: int | None = None,
     sleep_level: int | None = None,
+    longest_prompt: int | None = None,
 ) -> dict[str, Any]:
     """What an engine for this trainer is built with: `vllm.LLM`'s arguments (but its memory, which `engine_memory`
     works out at start from what is free then), and what else fixes what it computes: the architecture, the
@@ -377,9 +392,8 @@ def engine_settings(
         "max_num_seqs": args.vllm_max_num_seqs
         or args.per_device_train_batch_size * args.steps_per_generation * args.vllm_tensor_parallel_size,
         "max_num_batched_tokens": args.vllm_max_num_batched_tokens,
-        # Without a prompt limit the engine takes the model's own context length.
-        "max_model_len": args.vllm_max_model_length
-        or (args.max_prompt_length + args.max_completion_length if args.max_prompt_length else None),
+        # A prompt limit or the measured longest prompt, and a completion; else the model's own context (None).
+        "max_model_len": engine_max_model_len(args, base.config, longest_prompt),
         "enforce_eager": args.vllm_enforce_eager,
         "enable_prefix_caching": args.vllm_enable_prefix_caching,
         "enable_sleep_mode": args.vllm_enable_sleep_mode,

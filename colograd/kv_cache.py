@@ -42,14 +42,30 @@ def kv_bytes_per_token(model_config: Any, dtype: torch.dtype, tp_size: int = 1) 
     return 2 * text.num_hidden_layers * max(1, kv_heads // tp_size) * head_dim * dtype.itemsize
 
 
-def engine_context(args: Any, model_config: Any) -> int | None:
-    """The engine's context length as colograd sets it: vllm_max_model_length, else a prompt and a completion, else
-    the model's own (None where the config does not say: vLLM then decides)."""
+def engine_context(args: Any, model_config: Any, longest_prompt: int | None = None) -> int | None:
+    """The engine's context length as colograd sets it: vllm_max_model_length, else a prompt of max_prompt_length
+    and a completion, else the longest prompt the run will give (`longest_prompt`, measured on every row) and a
+    completion, else the model's own (None where the config does not say: vLLM then decides).
+
+    A context no longer than the run's sequences keeps the KV cache's floor (one whole-context sequence, which vLLM
+    requires at start-up) at what the run needs: 16 GiB of bf16 KV for Llama-3.1-8B's 128k context, where its
+    sequences are a few hundred tokens."""
     if args.vllm_max_model_length:
         return args.vllm_max_model_length
     if args.max_prompt_length:
         return args.max_prompt_length + args.max_completion_length
-    return getattr(model_config.get_text_config(), "max_position_embeddings", None)
+    own = getattr(model_config.get_text_config(), "max_position_embeddings", None)
+    if longest_prompt is None:
+        return own
+    bounded = longest_prompt + args.max_completion_length
+    return bounded if own is None else min(own, bounded)
+
+
+def engine_max_model_len(args: Any, model_config: Any, longest_prompt: int | None = None) -> int | None:
+    """`max_model_len` for `vllm.LLM`: `engine_context`, or None where that is the model's own (vLLM reads it)."""
+    if not (args.vllm_max_model_length or args.max_prompt_length or longest_prompt is not None):
+        return None
+    return engine_context(args, model_config, longest_prompt)
 
 
 def rollout_kv_bytes(
@@ -59,6 +75,7 @@ def rollout_kv_bytes(
     max_num_seqs: int,
     device_bytes: int | None,
     prompt_tokens: int | None = None,
+    longest_prompt: int | None = None,
 ) -> int | None:
     """The KV cache for `max_num_seqs` sequences of a prompt and a completion each (in whole blocks), with `MARGIN`,
     at most `GPU_CAP_FRACTION` of a GPU of `device_bytes` (or `CPU_CAP_BYTES` without one), and never less than one
@@ -72,8 +89,11 @@ def rollout_kv_bytes(
         device_bytes: the GPU's total memory; None on a machine without one.
         prompt_tokens: the longest prompt expected (`colograd.data.sampled_prompt_tokens`), where `max_prompt_length`
             does not bound prompts; None: the whole context.
+        longest_prompt: the longest prompt of every row, measured: it bounds the engine's context
+            (`engine_context`) and counts as `prompt_tokens`.
     """
-    context = engine_context(args, model_config)
+    context = engine_context(args, model_config, longest_prompt)
+    prompt_tokens = longest_prompt if longest_prompt is not None else prompt_tokens
     if context is None:
         return None
     per_token = kv_bytes_per_token(model_config, dtype, args.vllm_tensor_parallel_size)
@@ -92,10 +112,15 @@ def _whole_blocks(tokens: int, block: int) -> int:
 
 
 def engine_memory(
-    args: Any, model_config: Any, dtype: torch.dtype, max_num_seqs: int, prompt_tokens: int | None = None
+    args: Any,
+    model_config: Any,
+    dtype: torch.dtype,
+    max_num_seqs: int,
+    prompt_tokens: int | None = None,
+    longest_prompt: int | None = None,
 ) -> dict[str, Any]:
     """The memory arguments of `vllm.LLM`: an explicit `vllm_gpu_memory_utilization` (GPU) or `vllm_kv_cache_gib`,
-    else a cache sized to the rollout (`rollout_kv_bytes`, with `prompt_tokens`)."""
+    else a cache sized to the rollout (`rollout_kv_bytes`, with `prompt_tokens` and `longest_prompt`)."""
     on_gpu = torch.cuda.is_available()
     if on_gpu and args.vllm_gpu_memory_utilization is not None:
         return {"gpu_memory_utilization": args.vllm_gpu_memory_utilization}
@@ -103,7 +128,13 @@ def engine_memory(
         kv_bytes = int(args.vllm_kv_cache_gib * 2**30)
     else:
         kv_bytes = rollout_kv_bytes(
-            args, model_config, dtype, max_num_seqs, torch.cuda.mem_get_info()[1] if on_gpu else None, prompt_tokens
+            args,
+            model_config,
+            dtype,
+            max_num_seqs,
+            torch.cuda.mem_get_info()[1] if on_gpu else None,
+            prompt_tokens,
+            longest_prompt,
         )
         if kv_bytes is None:  # no context length to count with: the device's share, as before
             return {"gpu_memory_utilization": GPU_CAP_FRACTION} if on_gpu else {"kv_cache_memory_bytes": CPU_CAP_BYTES}

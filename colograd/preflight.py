@@ -103,13 +103,13 @@ def preflight(
             dataset, tokenizer, reward_funcs, training_args, name, script_args.drop_invalid_prompts, room=room
         )
     else:
-        dataset = check_prompts(dataset, tokenizer, name, script_args.drop_invalid_prompts, template_kwargs, room)
+        dataset, _ = check_prompts(dataset, tokenizer, name, script_args.drop_invalid_prompts, template_kwargs, room)
         check_data(dataset, reward_funcs, training_args, name)
     eval_dataset = None
     if training_args.eval_strategy != "no":
         split = script_args.dataset_test_split
         eval_dataset = load_prompts(script_args, split)
-        eval_dataset = check_prompts(
+        eval_dataset, _ = check_prompts(
             eval_dataset, tokenizer, f"{name} ({split})", script_args.drop_invalid_prompts, template_kwargs, room
         )
         check_rewards(reward_funcs, [c for c in eval_dataset.column_names if c != "prompt"])
@@ -157,16 +157,19 @@ def check_trainer_inputs(
     train_dataset: Any,
     reward_funcs: list[RewardFunc],
     rewards_also_get: list[str] | None = (),
-) -> tuple[Any, int | None]:
+    eval_dataset: Any = None,
+) -> tuple[Any, int | None, int | None]:
     """What `GRPOTrainer` checks before the Trainer and the engine start: the model's adapter and head, the
-    settings, every row of an in-memory dataset (the first rows of a stream), the engine's limits.
+    settings, every row of an in-memory dataset (the first rows of a stream) and of an in-memory `eval_dataset`,
+    the engine's limits.
 
     Args:
         rewards_also_get: see `check_data`.
 
     Returns:
-        The dataset (without its invalid rows, with `drop_invalid_prompts`) and the adapter's rank when the engine
-        serves the adapter itself (`lora_sync: adapter`), else None.
+        The dataset (without its invalid rows, with `drop_invalid_prompts`); the adapter's rank when the engine
+        serves the adapter itself (`lora_sync: adapter`), else None; and the most tokens of any templated prompt
+        the run will give the engine, where every one was measured (in-memory datasets), else None.
     """
     if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
         raise ConfigError(f"model is quantized: {QUANTIZED}.")
@@ -182,15 +185,26 @@ def check_trainer_inputs(
     check_settings(args, model.config)
     check_model_tokens(model, tokenizer)
     room = prompt_room(args, model.config)
+    longest = None
     if isinstance(train_dataset, Dataset):
-        train_dataset = check_prompts(train_dataset, tokenizer, template_kwargs=args.chat_template_kwargs, room=room)
+        train_dataset, longest = check_prompts(
+            train_dataset, tokenizer, template_kwargs=args.chat_template_kwargs, room=room
+        )
         check_data(train_dataset, reward_funcs, args, rewards_also_get=rewards_also_get)
     elif train_dataset is not None and not has_length(train_dataset):
         train_dataset = check_stream_data(
             train_dataset, tokenizer, reward_funcs, args, rewards_also_get=rewards_also_get, room=room
         )
+    for evaluated in eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]:
+        if longest is not None and isinstance(evaluated, Dataset) and "prompt" in evaluated.column_names:
+            _, eval_longest = check_prompts(
+                evaluated, tokenizer, "eval_dataset", template_kwargs=args.chat_template_kwargs, room=room
+            )
+            longest = max(longest, eval_longest)
+        elif evaluated is not None:
+            longest = None  # prompts the checks have not measured: the engine keeps the model's context
     check_engine(args, model.config, next(model.parameters()).dtype, lora_rank)
-    return train_dataset, lora_rank
+    return train_dataset, lora_rank, longest
 
 
 def check_reward_source(reward_funcs: list[RewardFunc]) -> None:
@@ -286,7 +300,7 @@ def check_stream_data(
     columns = list(head[0]) if head else ["prompt"]
     head_name = f"{name} (its first {len(head)} rows)"
     prompts = [row["prompt"] for row in head]
-    kept = check_prompt_rows(columns, prompts, tokenizer, head_name, drop_invalid, args.chat_template_kwargs, room)
+    kept, _ = check_prompt_rows(columns, prompts, tokenizer, head_name, drop_invalid, args.chat_template_kwargs, room)
     check_size(len(kept), args, head_name)
     if rewards_also_get is not None:
         check_rewards(reward_funcs, [c for c in columns if c != "prompt"] + list(rewards_also_get))
@@ -397,15 +411,16 @@ def check_prompts(
         room: the most tokens a prompt may have (`prompt_room`), or None when any length is taken.
 
     Returns:
-        The dataset, without its invalid rows when `drop_invalid`.
+        The dataset, without its invalid rows when `drop_invalid`, and the most tokens among its templated prompts
+        (what the engine's context must hold beside a completion, `colograd.kv_cache.engine_context`).
 
     Raises:
         ConfigError: the first invalid row (index and problem), unless `drop_invalid`; no valid row at all.
     """
-    kept = check_prompt_rows(
+    kept, longest = check_prompt_rows(
         dataset.column_names, dataset["prompt"], tokenizer, name, drop_invalid, template_kwargs, room
     )
-    return dataset if len(kept) == len(dataset) else dataset.select(kept)
+    return (dataset if len(kept) == len(dataset) else dataset.select(kept)), longest
 
 
 def check_prompt_rows(
@@ -420,14 +435,15 @@ def check_prompt_rows(
     """`check_prompts` on a dataset's column names and prompts (for rows that need not share one arrow type).
 
     Returns:
-        The indices of the rows to keep.
+        The indices of the rows to keep, and the most tokens among their templated prompts.
     """
     if "prompt" not in columns:
         raise ConfigError(f"{name}: no 'prompt' column (columns: {', '.join(columns)}); add one.")
     _check_column_names(columns, name)
-    problems = _row_problems(prompts, tokenizer, template_kwargs, room)
+    lengths: dict[int, int] = {}
+    problems = _row_problems(prompts, tokenizer, template_kwargs, room, lengths)
     if not problems:
-        return list(range(len(prompts)))
+        return list(range(len(prompts))), max(lengths.values(), default=0)
     first, problem = next(iter(problems.items()))
     if not drop_invalid:
         raise ConfigError(
@@ -442,14 +458,19 @@ def check_prompt_rows(
             f"(drop_invalid_prompts); the first, row {first}: {problem}.",
             flush=True,
         )
-    return [i for i in range(len(prompts)) if i not in problems]
+    kept = [i for i in range(len(prompts)) if i not in problems]
+    return kept, max((lengths[i] for i in kept), default=0)
 
 
 def _row_problems(
-    prompts: list, tokenizer: PreTrainedTokenizerBase, template_kwargs: dict[str, Any] | None, room: int | None = None
+    prompts: list,
+    tokenizer: PreTrainedTokenizerBase,
+    template_kwargs: dict[str, Any] | None,
+    room: int | None = None,
+    lengths: dict[int, int] | None = None,
 ) -> dict[int, str]:
     """Row index → problem, for every row whose prompt is invalid, does not template and tokenize to tokens, or
-    has more than `room` tokens."""
+    has more than `room` tokens. `lengths`, when given, receives each tokenized row's token count."""
     problems = {i: p for i, prompt in enumerate(prompts) if (p := prompt_problem(prompt, tokenizer)) is not None}
     valid = [i for i in range(len(prompts)) if i not in problems]
     kind = {True: "chat messages", False: "text"}
@@ -465,6 +486,8 @@ def _row_problems(
         except Exception:  # find the row that breaks the template or the tokenizer
             ids = [_tokenize_one(prompts[i], tokenizer, template_kwargs, problems, i) for i in rows]
         for i, row_ids in zip(rows, ids, strict=True):
+            if row_ids is not None and lengths is not None:
+                lengths[i] = len(row_ids)
             if row_ids is not None and not row_ids:
                 problems[i] = "prompt tokenizes to no tokens"
             elif row_ids is not None and room is not None and len(row_ids) > room:

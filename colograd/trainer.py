@@ -151,9 +151,11 @@ class GRPOTrainer(RolloutBatches, ModelSaving):
         # An environment reaches the rewards as `environments`; a rollout_func's own fields show only at rollout
         # time, so then the rewards' parameters are not checked before it.
         rewards_also_get = None if rollout_func else (["environments"] if environment_factory else [])
-        train_dataset, self._lora_rank = check_trainer_inputs(
-            model, processing_class, args, train_dataset, self.reward_funcs, rewards_also_get
+        train_dataset, self._lora_rank, longest_prompt = check_trainer_inputs(
+            model, processing_class, args, train_dataset, self.reward_funcs, rewards_also_get, eval_dataset
         )
+        # Every prompt measured bounds the engine's context, unless turns of tools or an environment lengthen them.
+        self._longest_prompt = longest_prompt if self.agents is None else None
         # After the checks: TRL's stand-in rows for an environment that gives the prompts have empty messages.
         train_dataset = environment_dataset(train_dataset, environment_factory, args)
         # Copied before the Trainer wraps the model, so the copy is the initial policy, whole on every rank.
@@ -177,10 +179,20 @@ class GRPOTrainer(RolloutBatches, ModelSaving):
         self.accelerator.device_placement = args.device.type != "cpu"
         # Built after super().__init__: the torch process group must exist before the engine joins it.
         unwrapped = self.accelerator.unwrap_model(self.model)
-        longest = sampled_prompt_tokens(
-            train_dataset, processing_class, self._tool_schemas(), args.chat_template_kwargs
+        if self._longest_prompt is None:
+            expected = sampled_prompt_tokens(
+                train_dataset, processing_class, self._tool_schemas(), args.chat_template_kwargs
+            )
+        else:
+            expected = self._longest_prompt
+        self.engine = Engine.acquire(
+            unwrapped,
+            processing_class,
+            args,
+            self._lora_rank,
+            prompt_tokens=expected,
+            longest_prompt=self._longest_prompt,
         )
-        self.engine = Engine.acquire(unwrapped, processing_class, args, self._lora_rank, prompt_tokens=longest)
         self.vllm_generation = VLLMGeneration(self)  # TRL's handle on the engine, for `rollout_func` code
         if self.reference is not None:
             self.reference.prepare(self.accelerator)

@@ -247,7 +247,7 @@ def test_invalid_rows_dropped_and_counted_when_asked(work, chat_model, capsys):
     tokenizer = AutoTokenizer.from_pretrained(chat_model)
     with pytest.raises(ConfigError, match="row 2: prompt is empty"):
         check_prompts(dataset, tokenizer, "d")
-    kept = check_prompts(dataset, tokenizer, "d", drop_invalid=True)
+    kept, _ = check_prompts(dataset, tokenizer, "d", drop_invalid=True)
     assert len(kept) == NEED and [r["target"] for r in kept] == [
         r["target"] for i, r in enumerate(rows) if i not in (2, 5, 9)
     ]

@@ -309,7 +309,8 @@ def test_a_prompt_must_leave_room_for_a_whole_completion(tmp_path):
     message = "row 4: prompt is 15 tokens, more than the 12 the engine's context leaves beside a whole completion"
     with pytest.raises(ConfigError, match=message):
         check_prompts(Dataset.from_list(rows), tokenizer, room=12)
-    assert len(check_prompts(Dataset.from_list(rows), tokenizer, drop_invalid=True, room=12)) == 4
+    kept, longest = check_prompts(Dataset.from_list(rows), tokenizer, drop_invalid=True, room=12)
+    assert len(kept) == 4 and longest == 5  # the longest prompt kept, not the dropped one
     with pytest.raises(ConfigError, match=message):  # a Python caller's dataset, before any engine starts
         offline(tmp_path, args=args, dataset=Dataset.from_list(rows * 13))
     with pytest.raises(ConfigError, match="max_completion_length=512 fills the engine's context of 512 tokens"):
