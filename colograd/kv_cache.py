@@ -28,7 +28,8 @@ CPU_CAP_BYTES = 2**30
 
 
 def kv_bytes_per_token(model_config: Any, dtype: torch.dtype, tp_size: int = 1) -> int:
-    """Bytes of KV cache one token takes in one engine process: keys and values of every layer's KV heads.
+    """Bytes of KV cache one token takes in one engine process: keys and values of the KV heads of every layer slot
+    vLLM allocates (`kv_layer_slots`).
 
     Args:
         model_config: the model's transformers config (a multimodal model's text config is read).
@@ -39,7 +40,35 @@ def kv_bytes_per_token(model_config: Any, dtype: torch.dtype, tp_size: int = 1) 
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    return 2 * text.num_hidden_layers * max(1, kv_heads // tp_size) * head_dim * dtype.itemsize
+    return 2 * kv_layer_slots(text) * max(1, kv_heads // tp_size) * head_dim * dtype.itemsize
+
+
+def sliding_windows(text_config: Any) -> list[int | None]:
+    """Each layer's attention window (None: the whole context), as vLLM's model files read a config: the layer's
+    type where the config lists them (Gemma 3's local layers), else the config's `sliding_window` on every layer
+    unless `use_sliding_window` is false (Qwen2's)."""
+    window = getattr(text_config, "sliding_window", None)
+    types = getattr(text_config, "layer_types", None)
+    if types is not None:
+        return [window if kind == "sliding_attention" else None for kind in types]
+    off = getattr(text_config, "use_sliding_window", None) is False
+    return [None if off else window] * text_config.num_hidden_layers
+
+
+def kv_layer_slots(text_config: Any) -> int:
+    """The layers vLLM allocates KV cache for: every layer, and for a model whose layers attend in different ways
+    (Gemma 3's 22 sliding-window and 4 global layers) the padding vLLM's hybrid cache adds. It groups the layers of
+    each kind into groups of one size (the fewest layers of any kind, or the most where no kind has 1.5 times the
+    fewest) and pads every kind to whole groups: Gemma-3-1B takes 4 + 24 = 28 slots for its 26 layers.
+    tests/test_kv_floor.py holds this to vLLM's own grouping on every model of its zoo."""
+    kinds: dict[int | None, int] = {}
+    for window in sliding_windows(text_config):
+        kinds[window] = kinds.get(window, 0) + 1
+    if len(kinds) == 1:
+        return text_config.num_hidden_layers
+    fewest, most = min(kinds.values()), max(kinds.values())
+    group = most if most < 1.5 * fewest else fewest
+    return sum(-(-count // group) * group for count in kinds.values())
 
 
 def engine_context(args: Any, model_config: Any, longest_prompt: int | None = None) -> int | None:
@@ -101,9 +130,16 @@ def rollout_kv_bytes(
     longest = min(context, (args.max_prompt_length or prompt_tokens or context) + args.max_completion_length)
     need = math.ceil(max_num_seqs * _whole_blocks(longest, block) * per_token * MARGIN)
     cap = int(device_bytes * GPU_CAP_FRACTION) if device_bytes else CPU_CAP_BYTES
-    # vLLM's block pool holds one block back (its null block): one sequence of the whole context needs one more.
+    windowed = any(w is not None for w in sliding_windows(model_config.get_text_config()))
+    return max(min(need, cap), floor_bytes(context, per_token, block, windowed))
+
+
+def floor_bytes(context: int, per_token: int, block: int, windowed: bool = False) -> int:
+    """The least KV cache vLLM starts with: one sequence of the whole `context`, in whole blocks of the largest size
+    an attention backend takes, the block vLLM's pool holds back (its null block), and, where a layer attends over a
+    sliding window, one block more (vLLM gives a window one, as it may start inside a block)."""
     floor_block = max(block, FLOOR_BLOCK_TOKENS)
-    return max(min(need, cap), (_whole_blocks(context, floor_block) + floor_block) * per_token)
+    return (_whole_blocks(context, floor_block) + floor_block * (2 if windowed else 1)) * per_token
 
 
 def _whole_blocks(tokens: int, block: int) -> int:
