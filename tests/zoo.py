@@ -139,6 +139,11 @@ def layers(published: dict[str, Any]) -> int:
     return published.get("sliding_window_pattern") or LAYERS
 
 
+def layer_types(period: int, layers: int) -> list[str]:
+    """Gemma 3's `sliding_window_pattern` as transformers 5 lists it: every `period`-th layer global, the rest local."""
+    return ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(layers)]
+
+
 def shrunk(name: str) -> PretrainedConfig:
     """`name`'s published config, shrunk in width and depth only (see the module's docstring)."""
     published = ZOO[name]
@@ -155,11 +160,7 @@ def shrunk(name: str) -> PretrainedConfig:
     if "max_window_layers" in published:
         values["max_window_layers"] = min(published["max_window_layers"], values["num_hidden_layers"])
     if "sliding_window_pattern" in published:  # transformers 5 reads the pattern as layer types
-        period = published["sliding_window_pattern"]
-        values["layer_types"] = [
-            "full_attention" if (i + 1) % period == 0 else "sliding_attention"
-            for i in range(values["num_hidden_layers"])
-        ]
+        values["layer_types"] = layer_types(published["sliding_window_pattern"], values["num_hidden_layers"])
     model_type = values.pop("model_type")
     config = AutoConfig.for_model(model_type, **values)
     config.architectures = published["architectures"]
@@ -268,11 +269,7 @@ def published_config(name: str) -> PretrainedConfig:
     """`name`'s config as published, full size (for arithmetic: no model is built from it)."""
     published = dict(ZOO[name])
     if "sliding_window_pattern" in published:
-        period = published["sliding_window_pattern"]
-        published["layer_types"] = [
-            "full_attention" if (i + 1) % period == 0 else "sliding_attention"
-            for i in range(published["num_hidden_layers"])
-        ]
+        published["layer_types"] = layer_types(published["sliding_window_pattern"], published["num_hidden_layers"])
     config = AutoConfig.for_model(published.pop("model_type"), **published)
     config.architectures = ZOO[name]["architectures"]
     return config
