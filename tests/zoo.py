@@ -140,7 +140,7 @@ def layers(published: dict[str, Any]) -> int:
 
 
 def layer_types(period: int, layers: int) -> list[str]:
-    """Gemma 3's `sliding_window_pattern` as transformers 5 lists it: every `period`-th layer global, the rest local."""
+    """Gemma 3's `sliding_window_pattern` as transformers 5 lists it: each `period`-th layer global, the rest local."""
     return ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(layers)]
 
 
