@@ -15,7 +15,7 @@ from transformers import PretrainedConfig
 from colograd.config import ConfigError, GRPOConfig
 from colograd.data import first_line
 from colograd.engine import engine_dtype as engine_dtype_of
-from colograd.engine import sampling_params
+from colograd.engine import import_off_stack, sampling_params
 from colograd.lora import engine_max_lora_rank
 
 # Config keys that count a Mixture-of-Experts model's experts (Qwen-MoE, Mixtral, DeepSeek, ...).
@@ -42,7 +42,7 @@ def check_engine(
             "the temperature; set it above 0 (1.0 samples from the model as it is)."
         )
     with _quiet_logs():  # vLLM's import-time warnings (no Triton on CPU, ...) would add lines to a one-line error
-        import vllm.config  # noqa: F401 (its first import logs platform warnings: it must happen in here)
+        import_off_stack("vllm.config", "vllm.sampling_params")  # (its first import logs platform warnings)
         from vllm.platforms import current_platform
 
     try:
