@@ -211,8 +211,9 @@ def check_reward_source(reward_funcs: list[RewardFunc]) -> None:
     """At least one reward: `reward_funcs`, or an environment's `get_reward` (TRL's rule)."""
     if not reward_funcs:
         raise ConfigError(
-            "reward_funcs is None and no environment gives a reward; pass reward_funcs (a rollout_func's extra keys "
-            "reach them as keyword arguments), or an environment_factory whose environments define get_reward."
+            "No reward source provided: reward_funcs is None and no environment gives a reward; pass reward_funcs (a "
+            "rollout_func's extra keys reach them as keyword arguments), or an environment_factory whose environments "
+            "define get_reward."
         )
 
 

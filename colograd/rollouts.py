@@ -45,7 +45,7 @@ def sampled_lengths(rollout: Rollout) -> torch.Tensor:
 
 def rollout_metrics(scored: ScoredRollout, reward_names: list[str]) -> dict[str, float]:
     """The training metrics of a scored rollout: prompts truncated, completion lengths and truncation, and each
-    reward function's mean (TRL's names)."""
+    reward function's mean and standard deviation (TRL's names)."""
     lengths_N = sampled_lengths(scored.rollout)
     truncated = scored.rollout.truncated
     metrics = {
@@ -57,6 +57,7 @@ def rollout_metrics(scored: ScoredRollout, reward_names: list[str]) -> dict[str,
     }
     for j, name in enumerate(reward_names):
         metrics[f"rewards/{name}/mean"] = torch.nanmean(scored.rewards_NF[:, j]).item()
+        metrics[f"rewards/{name}/std"] = nanstd(scored.rewards_NF[:, j]).item()
     return metrics
 
 

@@ -71,10 +71,10 @@ from colograd.streaming import RolloutBatches, check_stream_resume
 from colograd.sync import WeightPlan, is_sharded
 from colograd.timing import OptimizerTimer, PhaseTimes, format_summary, run_summary, window_metrics
 from colograd.tools import ToolCallParser
-from colograd.trl_compat import check_refused_parameters, environment_dataset
+from colograd.trl_compat import TRLTrainerAttributes, check_refused_parameters, environment_dataset
 
 
-class GRPOTrainer(RolloutBatches, ModelSaving):
+class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
     """Group Relative Policy Optimization with a vLLM engine inside each training process.
 
     TRL 1.16's parameters, in its order, with its meanings (`colograd.trl_compat.TRAINER_PARAMETERS`), then
@@ -604,7 +604,9 @@ class GRPOTrainer(RolloutBatches, ModelSaving):
         `time/*` are seconds per optimizer step and `tokens/*` tokens per optimizer step and process: their sums over
         the window divided by its steps. `throughput/*_tokens_per_s` are the window's tokens/s over all processes.
         """
-        if self._metrics and "loss" in logs:
+        # A step's entry, and (as TRL's `log` merges them) the end of training's, which takes what the last window
+        # left when training ended between two logging steps.
+        if self._metrics and ("loss" in logs or "train_runtime" in logs):
             steps = max(1, self.state.global_step - self._last_logged_step)
             logs.update(window_metrics(self._metrics, steps, self.accelerator))
             self._metrics.clear()

@@ -235,3 +235,66 @@ def trl_compat_table() -> str:
     taken = TRAINER_PARAMETERS | {name: f"refused: {why}" for name, why in REFUSED_PARAMETERS.items()}
     rows += [f"| `{name}` | {how} |" for name, how in taken.items()]
     return "\n".join(rows)
+
+
+class _FromArgs:
+    """A trainer attribute that TRL's GRPOTrainer copies from its config (`self.temperature = args.temperature`),
+    read from the config instead, so that it never goes stale; `field` names the config field when it differs."""
+
+    def __init__(self, field: str | None = None) -> None:
+        self.field = field
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.field = self.field or name
+
+    def __get__(self, trainer: Any, owner: type | None = None) -> Any:
+        return self if trainer is None else getattr(trainer.args, self.field)
+
+
+class TRLTrainerAttributes:
+    """The attributes TRL's tests and helpers read on a GRPOTrainer (`trainer.temperature`, `trainer.use_vllm`, ...),
+    with TRL's values."""
+
+    temperature = _FromArgs()
+    top_p = _FromArgs()
+    top_k = _FromArgs()
+    min_p = _FromArgs()
+    repetition_penalty = _FromArgs()
+    max_completion_length = _FromArgs()
+    num_generations = _FromArgs()
+    num_generations_eval = _FromArgs()
+    num_iterations = _FromArgs()
+    beta = _FromArgs()
+    loss_type = _FromArgs()
+    scale_rewards = _FromArgs()
+    importance_sampling_level = _FromArgs()
+    mask_truncated_completions = _FromArgs()
+    off_policy_mask_threshold = _FromArgs()
+    epsilon_low = _FromArgs("epsilon")
+    vllm_importance_sampling_correction = _FromArgs()
+    vllm_importance_sampling_mode = _FromArgs()
+    vllm_importance_sampling_clip_min = _FromArgs()
+    vllm_importance_sampling_clip_max = _FromArgs()
+    vllm_tensor_parallel_size = _FromArgs()
+    vllm_gpu_memory_utilization = _FromArgs()
+    chat_template_kwargs = _FromArgs()
+    num_completions_to_print = _FromArgs()
+    max_tool_calling_iterations = _FromArgs()
+    shuffle_dataset = _FromArgs()
+    log_unique_prompts = _FromArgs()
+    log_multimodal = _FromArgs()
+    multi_objective_aggregation = _FromArgs()
+    entropy_coef = _FromArgs()
+    top_entropy_quantile = _FromArgs()
+    use_adaptive_entropy = _FromArgs()
+    pad_to_multiple_of = _FromArgs()
+    use_transformers_continuous_batching = _FromArgs()
+    # What colograd always does: generate with its colocated engine; train dense models (no router loss).
+    use_vllm = True
+    vllm_mode = "colocate"
+    aux_loss_enabled = False
+
+    @property
+    def epsilon_high(self) -> float:
+        """TRL's upper clip: `epsilon_high`, else `epsilon`."""
+        return self.args.epsilon_high if self.args.epsilon_high is not None else self.args.epsilon

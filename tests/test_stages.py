@@ -24,6 +24,9 @@ def test_rollout_metrics_by_hand():
         "completions/clipped_ratio": 0.5,
         "rewards/f/mean": 1.0,
         "rewards/g/mean": pytest.approx(8 / 3),
+        # TRL's nanstd: unbiased, over the rows the function scored (f: 1, 0, 3, 0; g: 2, 2, 4, its NaN left out).
+        "rewards/f/std": pytest.approx(2**0.5),
+        "rewards/g/std": pytest.approx((4 / 3) ** 0.5),
     }
 
 

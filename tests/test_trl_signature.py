@@ -167,7 +167,8 @@ def test_reward_funcs_may_be_none_where_an_environment_gives_the_reward(tmp_path
 )
 def test_reward_funcs_none_without_a_reward_source_stops_in_one_line(tmp_path, kwargs):
     # TRL's rule: a rollout_func's extra keys reach the reward functions, but do not score by themselves.
-    with pytest.raises(ConfigError, match="^reward_funcs is None and no environment gives a reward; pass"):
+    # TRL's own words first (its tests match "No reward source provided"), then what to do.
+    with pytest.raises(ValueError, match="^No reward source provided: reward_funcs is None and no environment gives"):
         offline(tmp_path, reward_funcs=None, **kwargs)
 
 
@@ -353,3 +354,27 @@ def test_peft_config_trains_and_the_engine_samples_the_trained_adapter(tmp_path,
     # Step 2 samples after the first update: the engine computes what the trained model computes.
     assert len(gaps) == 2 and gaps[1] < 1e-4
     assert (trainer.engine.lora_request is not None) == (lora_sync == "adapter")
+
+
+def test_the_attributes_trl_copies_from_its_config_read_ours():
+    """Every attribute TRL's GRPOTrainer.__init__ copies from its config (`self.x = args.y`), read from TRL's own
+    source, exists on colograd's trainer with TRL's value for the same config; and TRL's constants of the colocated
+    mode (`use_vllm`, `vllm_mode`) and of a dense model (`aux_loss_enabled`)."""
+    import inspect
+    import re
+
+    import trl.trainer.grpo_trainer as trl_grpo
+
+    from colograd.trl_compat import TRLTrainerAttributes
+
+    copied = set(re.findall(r"\n\s+self\.([a-z]\w*) = args\.", inspect.getsource(trl_grpo.GRPOTrainer.__init__)))
+    assert {"temperature", "top_p", "max_completion_length", "beta", "epsilon_low"} <= copied  # the source was read
+    trainer = TRLTrainerAttributes()
+    trainer.args = GRPOConfig(output_dir="x", temperature=0.7, top_p=0.9, epsilon=0.3, epsilon_high=None, beta=0.04)
+    # colograd's `log_completions` is its stage that logs them (a method); TRL's is the config's bool.
+    for name in sorted(copied - {"log_completions"}):
+        assert name in vars(TRLTrainerAttributes), f"TRL's trainer has `{name}`; colograd's does not"
+        assert not callable(getattr(GRPOTrainer, name, None)) or name == "epsilon_high"
+    assert (trainer.temperature, trainer.top_p, trainer.beta) == (0.7, 0.9, 0.04)
+    assert trainer.epsilon_low == trainer.epsilon_high == 0.3  # TRL: epsilon_high falls back to epsilon
+    assert (trainer.use_vllm, trainer.vllm_mode, trainer.aux_loss_enabled) == (True, "colocate", False)

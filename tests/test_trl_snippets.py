@@ -1,8 +1,8 @@
 """TRL 1.16's documented GRPO snippets, run with only the import changed (`from colograd import ...`).
 
 Each test is one snippet of TRL's docs (the section is named in its docstring), as written there, except for what a
-machine without network or GPU needs: a local tiny model folder for the hub model (its context widened to 1024
-tokens, room for TRL's default 512-token completions beside a prompt), a few in-memory rows for the hub dataset,
+machine without network or GPU needs: a local tiny model folder for the hub model (with the 32,768-token context of
+TRL's own tiny test models, as a user's Qwen has), a few in-memory rows for the hub dataset,
 and, to keep each run short, `max_steps=2` (and often `max_completion_length=64`) where the snippet has a config.
 Every run is real: the engine samples, the rewards score, the optimizer steps.
 """
@@ -24,10 +24,10 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory) -> str:
-    """Stands in for a hub id: the tiny model and tokenizer, saved, with a 1024-token context."""
+    """Stands in for a hub id: the tiny model and tokenizer, saved, with a real model's 32,768-token context."""
     folder = tmp_path_factory.mktemp("tiny-model")
     config = tiny.build_model().config
-    config.max_position_embeddings = 1024
+    config.max_position_embeddings = 32768
     torch.manual_seed(0)
     Qwen2ForCausalLM(config).save_pretrained(folder)
     tiny.build_tokenizer().save_pretrained(folder)
@@ -417,3 +417,21 @@ def test_gspo_configuration(model_folder):
     trained(trainer, 2)
     # The second step trains on the rollout sampled before the first update, as GSPO's setting intends.
     assert trainer.args.reuses_rollouts_across_updates and trainer.args.generation_batch_size == 32
+
+
+def test_the_end_of_training_entry_carries_the_pending_metrics(model_folder):
+    """TRL's `log` merges the metrics a logging window gathered into whatever it logs: three steps with TRL's
+    `logging_steps=10` log no step, and the end-of-training entry (`train_runtime`) carries the reward, each reward
+    function's mean and standard deviation, and the rest, as TRL's own tests read them from `log_history[-1]`."""
+    dataset = Dataset.from_list([{"prompt": chat("What is 2+2?"), "solution": "4"}])
+
+    def short(completions, **kwargs):
+        return [-len(c[0]["content"]) / 10 for c in completions]
+
+    args = GRPOConfig(logging_steps=10, max_completion_length=16, report_to="none")
+    trainer = GRPOTrainer(model=model_folder, reward_funcs=short, args=args, train_dataset=dataset)
+    trainer.train()
+    last = trainer.state.log_history[-1]
+    assert trainer.state.global_step == 3 and "train_runtime" in last
+    assert {"reward", "reward_std", "rewards/short/mean", "rewards/short/std", "completions/mean_length"} <= set(last)
+    assert last["reward"] == pytest.approx(last["rewards/short/mean"])
