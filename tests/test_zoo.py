@@ -1,0 +1,155 @@
+"""The zoo (tests/zoo.py) through a real run: preflight, engine start and one GRPO step for each published config,
+shrunk in width and depth only, with TRL's quickstart settings and with the Qwen recipe's.
+
+TRL's quickstart settings are GRPOConfig's defaults (8 completions of up to 512 tokens per prompt, no prompt limit,
+one prompt per step) with a few in-memory chat prompts; the engine is eager (no compilation: seconds, not tens of
+seconds, on a CPU) and each model is edited to end its answers after a few tokens (`zoo.stopping_model`), so that
+one step takes seconds. The sampling gap (the engine's log-prob of each sampled token against the trainer's) is
+the parity check: rope type and scaling, windows, head layout and tying are right in the engine when it is ~1e-5.
+"""
+
+import pytest
+import torch
+import yaml
+import zoo
+from datasets import Dataset, IterableDataset
+
+from colograd import GRPOConfig, GRPOTrainer, kv_cache
+from colograd.config import ConfigError
+from colograd.rewards import resolve_reward
+
+pytestmark = pytest.mark.slow
+
+ROOT_RECIPE = "recipes/grpo_qwen.yaml"
+QUESTIONS = ["what is 2+2?", "name a colour.", "say yes.", "(1+3)*2=?"]
+# One model of each dense architecture the zoo holds, for the recipe's settings (the quickstart runs every model).
+ARCHITECTURES = {
+    "qwen2": "Qwen/Qwen2.5-0.5B-Instruct",
+    "qwen3": "Qwen/Qwen3-0.6B",
+    "llama": "meta-llama/Llama-3.2-1B-Instruct",
+    "gemma3_text": "google/gemma-3-1b-it",
+    "phi3": "microsoft/Phi-4-mini-instruct",
+    "mistral": "mistralai/Mistral-7B-Instruct-v0.3",
+}
+
+
+def answer_length(completions: list, **kwargs) -> list[float]:
+    """A reward any completion gets: its length's remainder by 3 (varied, so that advantages are not all zero)."""
+    text = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [float(len(t) % 3) for t in text]
+
+
+def chat_rows() -> list[dict]:
+    return [{"prompt": [{"role": "user", "content": q}]} for q in QUESTIONS]
+
+
+def one_step(name: str, args: GRPOConfig, dataset, reward_funcs=answer_length) -> GRPOTrainer:
+    """Train `name`'s stopping model one step on `dataset`; return the trainer."""
+    model, tokenizer = zoo.stopping_model(name)
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset, processing_class=tokenizer
+    )
+    trainer.train()
+    assert trainer.state.global_step == 1
+    return trainer
+
+
+def step_log(trainer: GRPOTrainer) -> dict:
+    return next(h for h in trainer.state.log_history if "reward" in h)
+
+
+def engine_specs(trainer: GRPOTrainer) -> dict:
+    """The KV cache spec of each layer, as the trainer's engine reported them to vLLM."""
+    return trainer.engine.llm.collective_rpc(lambda worker: worker.get_kv_cache_spec())[0]
+
+
+def spec_key(spec) -> tuple:
+    return (type(spec).__name__, spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype,
+            getattr(spec, "sliding_window", None), spec.page_size_bytes)  # fmt: skip
+
+
+# Mixture-of-Experts models: colograd refuses them (its weight sync does not translate fused expert layers).
+MOE = [name for name, published in zoo.ZOO.items() if published.get("num_experts")]
+
+
+@pytest.mark.parametrize("name", [name for name in zoo.ZOO if name not in MOE])
+def test_quickstart_settings_train_every_model(name, tmp_path):
+    """TRL's defaults, an in-memory dataset: every prompt is measured, so the engine's context is the longest prompt
+    and a 512-token completion. The engine's layers are the ones the fast KV test hands vLLM's start-up check."""
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, report_to="none", save_strategy="no",
+                      vllm_enforce_eager=True)  # fmt: skip
+    trainer = one_step(name, args, Dataset.from_list(chat_rows()))
+    log = step_log(trainer)
+    assert log["sampling/sampling_logp_difference/max"] <= 1e-4  # fp32: the engine computes the trainer's model
+    assert 1 <= log["completions/mean_length"] < 64  # the stopping model answers in a few tokens
+    tokenizer = trainer.processing_class
+    rows = chat_rows()
+    texts = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in rows]
+    longest = max(len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts)
+    engine_context = trainer.engine.llm.llm_engine.model_config.max_model_len
+    assert engine_context == longest + args.max_completion_length < zoo.ZOO[name]["max_position_embeddings"]
+    config = trainer.model.config
+    block = trainer.engine.llm.llm_engine.vllm_config.cache_config.block_size
+    real = sorted(map(spec_key, engine_specs(trainer).values()))
+    assert real == sorted(map(spec_key, zoo.kv_specs(config, block, torch.float32).values()))
+
+
+# An 8k and a 128k model, started at their own context: prompts from a stream are not all
+# measured, so the engine keeps the model's context, and the cache its floor (the start-up TRL's quickstart failed).
+@pytest.mark.parametrize("name", ["HuggingFaceTB/SmolLM2-135M-Instruct", "meta-llama/Llama-3.2-1B-Instruct"])
+def test_a_stream_starts_the_engine_at_the_models_own_context(name, tmp_path):
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, report_to="none", save_strategy="no",
+                      vllm_enforce_eager=True)  # fmt: skip
+    stream = IterableDataset.from_generator(lambda: iter(chat_rows() * 4))
+    trainer = one_step(name, args, stream)
+    context = zoo.ZOO[name]["max_position_embeddings"]
+    assert trainer.engine.llm.llm_engine.model_config.max_model_len == context
+    per_token = kv_cache.kv_bytes_per_token(trainer.model.config, torch.float32)
+    assert trainer.engine.kv_cache_bytes >= (context + 1) * per_token  # one whole-context sequence fits
+    assert step_log(trainer)["sampling/sampling_logp_difference/max"] <= 1e-4
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_recipe_settings_train_each_architecture(architecture, tmp_path):
+    """recipes/grpo_qwen.yaml's training settings (bf16 autocast and engine, prompts of up to 512 tokens and
+    completions of up to 1,024, DAPO's clipping, gradient checkpointing, prefix caching), one prompt's 8 completions
+    per step instead of 64 (the step's size is not what is checked)."""
+    with open(ROOT_RECIPE) as f:
+        recipe = yaml.safe_load(f)
+    fields = {f for f in GRPOConfig.__dataclass_fields__}
+    settings = {k: v for k, v in recipe.items() if k in fields and k not in ("output_dir", "report_to")}
+    settings |= {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "max_steps": 1,
+                 "save_strategy": "no", "vllm_enforce_eager": True, "log_completions": False}  # fmt: skip
+    args = GRPOConfig(output_dir=str(tmp_path), report_to="none", **settings)
+    assert args.bf16 and args.max_prompt_length == 512 and args.max_completion_length == 1024
+    rewards = [resolve_reward(name) for name in recipe["reward_funcs"]]  # its math accuracy and <think> format
+    rows = [{**row, "solution": "4"} for row in chat_rows()]
+    trainer = one_step(ARCHITECTURES[architecture], args, Dataset.from_list(rows), rewards)
+    assert trainer.engine.llm.llm_engine.model_config.max_model_len == 512 + 1024
+    assert str(trainer.engine.llm.llm_engine.model_config.dtype) == "torch.bfloat16"
+    assert step_log(trainer)["sampling/sampling_logp_difference/max"] < 1.0  # bf16 rounds every layer
+
+
+def test_an_architecture_vllm_cannot_run_is_one_line(tmp_path):
+    """A config whose architecture vLLM does not know is refused before the engine starts, in one line naming it."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=64, n_embd=128, n_layer=2, n_head=2, n_positions=256)
+    model = GPT2LMHeadModel(config)
+    model.config.architectures = ["NotAModelForCausalLM"]
+    tokenizer = zoo.tokenizer_for(config)
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, report_to="none", vllm_enforce_eager=True)
+    with pytest.raises(ConfigError) as err:
+        GRPOTrainer(model=model, reward_funcs=answer_length, args=args,
+                    train_dataset=Dataset.from_list(chat_rows()), processing_class=tokenizer)  # fmt: skip
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_a_mixture_of_experts_model_is_refused_in_one_line_before_the_engine_starts(name, tmp_path):
+    model, tokenizer = zoo.stopping_model(name)
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, report_to="none", vllm_enforce_eager=True)
+    with pytest.raises(ConfigError, match=r"qwen3_moe.*Mixture-of-Experts.*train a dense model") as err:
+        GRPOTrainer(model=model, reward_funcs=answer_length, args=args,
+                    train_dataset=Dataset.from_list(chat_rows()), processing_class=tokenizer)  # fmt: skip
+    assert "\n" not in str(err.value)
