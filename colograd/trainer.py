@@ -36,7 +36,7 @@ from colograd.completions import CompletionLog
 from colograd.config import GRPOConfig
 from colograd.config_loading import disable_dropout, model_init_kwargs, model_name, tokenizer_kwargs, wrap_with_peft
 from colograd.data import keep_rows, sampled_prompt_tokens, tokenize_prompts
-from colograd.engine import Engine, Rollout
+from colograd.engine import Engine, Rollout, frozen_heap
 from colograd.entropy import EntropyTerms
 from colograd.evaluation import evaluate
 from colograd.logps import completion_logps
@@ -243,7 +243,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
             self._completion_log.forget_after(self._last_logged_step)
         self._times.reset()  # the summary covers this call
         first_step = self._last_logged_step
-        with self.preemption.armed():
+        with self.preemption.armed(), frozen_heap():
             output = super().train(resume_from_checkpoint=checkpoint, **kwargs)
         self.summarize_phases(self.state.global_step - first_step)
         return output

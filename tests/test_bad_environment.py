@@ -217,6 +217,7 @@ def test_thread_binding_the_engine_never_reads_is_a_warning(value, monkeypatch):
     ],
 )
 def test_launch_variables_against_each_other(variables, message, monkeypatch):
+    monkeypatch.setattr("torch.distributed.is_initialized", lambda: False)  # (an earlier engine's world of one)
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
     issues = hardware_issues(_env())
@@ -231,6 +232,7 @@ def test_launch_variables_are_not_judged_once_the_process_group_is_formed(monkey
     of a launch then holds LOCAL_RANK=1, LOCAL_WORLD_SIZE=1, and its next trainer must still build."""
     for name, value in {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "1", "RANK": "1", "WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(name, value)
+    monkeypatch.setattr("torch.distributed.is_initialized", lambda: False)
     assert hardware_issues(_env())[0].fatal
     monkeypatch.setattr("torch.distributed.is_initialized", lambda: True)
     assert hardware_issues(_env()) == []
