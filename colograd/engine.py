@@ -204,7 +204,12 @@ class Engine:
         self.lora_request = None
 
     def generate(
-        self, prompt_ids: list[list[int]], args: GRPOConfig, step: int = 0, num_generations: int | None = None
+        self,
+        prompt_ids: list[list[int]],
+        args: GRPOConfig,
+        step: int = 0,
+        num_generations: int | None = None,
+        gap_sample: bool = True,
     ) -> Rollout:
         """Sample `num_generations` (default `args.num_generations`) completions of every prompt in one engine call.
 
@@ -216,7 +221,8 @@ class Engine:
         The sampled tokens' log-probs are asked for every request when the loss reads them
         (`args.needs_engine_logps`), else for one completion per rank, for the sampling-gap metric: the first of its
         first prompt, asked in a request of its own (`n=1`, beside its group's other G - 1), because vLLM builds them
-        with per-token Python in its output path, which slows every decoding step. Completions not asked get NaN.
+        with per-token Python in its output path, which slows every decoding step; with `gap_sample` False (a
+        rollout whose steps do not log) none asks. Completions not asked get NaN.
         Where every request asks, they are read as tensors from the sampler instead (`colograd.sampler_tap`), so that
         vLLM builds no per-token objects at all.
         """
@@ -232,7 +238,7 @@ class Engine:
             base = hash((args.seed, self._tp_index, step)) % 2**31
             seeds = [base + i * g for i in range(len(prompt_ids))]
 
-        requests = rollout_requests(args, seeds, mine, g)
+        requests = rollout_requests(args, seeds, mine, g, gap_sample)
         prompts = [self.prompt(prompt_ids[i]) for i, _ in requests]
         tap = self._sampler_tap() if args.needs_engine_logps else None
         with tap.capturing() if tap is not None else nullcontext():
@@ -253,7 +259,9 @@ class Engine:
             # rollout again with the objects, and leave the tap off from now on.
             logger.warning("colograd: the sampler tap missed a rollout's log-probs; reading vLLM's Logprob objects.")
             self._tap = None
-            return self.generate(prompt_ids, args, step, g)  # (no tap under tensor parallelism: these are this rank's)
+            return self.generate(
+                prompt_ids, args, step, g, gap_sample
+            )  # (no tap under tensor parallelism: these are this rank's)
         return Rollout(
             completion_ids=[list(sample.token_ids) for sample in samples],
             logps=logps,
@@ -418,18 +426,20 @@ def engine_settings(
 _NOT_ARCHITECTURE = ("_name_or_path", "transformers_version", "dtype", "torch_dtype")
 
 
-def rollout_requests(args: GRPOConfig, seeds: list[int | None], mine: int, g: int) -> list[tuple[int, Any]]:
+def rollout_requests(
+    args: GRPOConfig, seeds: list[int | None], mine: int, g: int, gap_sample: bool = True
+) -> list[tuple[int, Any]]:
     """The engine requests of a rollout of `len(seeds)` prompts (`mine` per rank), as (prompt index, params).
 
     One request of n = G per prompt, each asking for its log-probs where the loss reads them
-    (`args.needs_engine_logps`); else only the sampling-gap metric's completion asks, the first of each rank's first
-    prompt, in a request of its own (n = 1) beside one of n = G - 1, seeded as the one request would have been
-    (vLLM seeds a request's n completions seed, seed + 1, ...).
+    (`args.needs_engine_logps`); else, with `gap_sample`, only the sampling-gap metric's completion asks, the first
+    of each rank's first prompt, in a request of its own (n = 1) beside one of n = G - 1, seeded as the one request
+    would have been (vLLM seeds a request's n completions seed, seed + 1, ...); without it, none.
     """
     every = args.needs_engine_logps
     requests = []
     for i, seed in enumerate(seeds):
-        if every or i % mine != 0:
+        if every or not gap_sample or i % mine != 0:
             requests.append((i, sampling_params(args, seed, n=g, **({} if every else {"logprobs": None}))))
             continue
         requests.append((i, sampling_params(args, seed, n=1)))

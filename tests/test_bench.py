@@ -89,6 +89,7 @@ def test_step_report_on_a_gpu_shows_memory_per_phase_and_generation_against_bare
         colograd_peak_gpu_mib_by_phase=mib, trl_peak_gpu_mib=70000.0, trl_peak_gpu_reserved_mib=72000.0,
         trl_peak_gpu_mib_by_phase={"train": 70000.0}, colograd_generation_tokens_per_s=9000.0,
         bare_vllm_tokens_per_s=10000.0, bare_vllm_logprobs0_tokens_per_s=4500.0, generation_vs_bare_vllm=0.9,
+        colograd_generation_between_logs_tokens_per_s=9900.0, generation_between_logs_vs_bare_vllm=0.99,
         packed_tokens_per_s=3.0, padded_tokens_per_s=1.0, packed_vs_padded=3.0, padding_fraction=0.5,
         decode_sequences=128, decode_ms_per_step=3.43, decode_floor_ms=1.14, decode_vs_floor=3.0,
         memory_bandwidth_gb_s=3000.0,
@@ -101,7 +102,8 @@ def test_step_report_on_a_gpu_shows_memory_per_phase_and_generation_against_bare
     assert "train      colograd     52,500 MiB   TRL     70,000 MiB" in text
     assert "sync       colograd          - MiB   TRL          - MiB" in text  # not measured is not zero
     assert "bare vllm.LLM.generate 10000 tokens/s with logprobs=None (4500 with logprobs=0)" in text
-    assert "generation_vs_bare_vllm 0.90" in text
+    assert "generation_vs_bare_vllm 0.90 on a step that logs" in text
+    assert "on a step between logs 9900 tokens/s, generation_between_logs_vs_bare_vllm 0.99" in text
 
 
 def test_qwen_shapes_have_the_real_models_layers_and_parameters():
@@ -294,13 +296,20 @@ def test_decode_against_the_floor_and_generation_against_bare_vllm_through_the_t
         type(trainer.engine.llm), "generate", lambda self, *a, **k: calls.append(generate(self, *a, **k)) or calls[-1]
     )
     g = step.generation_side_by_side(trainer, {"prompts": 4}, repeats=1)
-    assert len(calls) == 3 and "ignore_eos" not in (trainer.args.generation_kwargs or {})
+    assert len(calls) == 4 and "ignore_eos" not in (trainer.args.generation_kwargs or {})
     assert [sum(len(s.token_ids) for o in out for s in o.outputs) for out in calls] == [
         4 * 4 * trainer.args.max_completion_length
-    ] * 3
+    ] * 4
     assert g["generation_vs_bare_vllm"] == pytest.approx(
         g["colograd_generation_tokens_per_s"] / g["bare_vllm_tokens_per_s"]
     )
+    assert g["generation_between_logs_vs_bare_vllm"] == pytest.approx(
+        g["colograd_generation_between_logs_tokens_per_s"] / g["bare_vllm_tokens_per_s"]
+    )
+    # A step that logs asks for one completion's log-probs (the sampling-gap metric's); one between logs, none.
+    logged, between = calls[0], calls[1]
+    assert sum(s.logprobs is not None for o in logged for s in o.outputs) == 1
+    assert all(s.logprobs is None for o in between for s in o.outputs)
 
 
 def test_sharing_bench_times_every_packing_and_counts_their_tokens(monkeypatch, capsys):

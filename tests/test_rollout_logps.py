@@ -76,3 +76,60 @@ def test_the_metric_completion_asked_alone_keeps_the_seeds_of_its_group(tiny_eng
     split = [engine.llm.generate([prompt], p, use_tqdm=False)[0].outputs for _, p in requests]
     assert [list(s.token_ids) for s in whole] == [list(s.token_ids) for s in split[0] + split[1]]
     assert len({tuple(s.token_ids) for s in whole}) > 1  # the seeds differ per completion
+
+
+@pytest.mark.parametrize(
+    "logging, steps, expected",
+    [
+        (dict(logging_steps=1), {}, [True] * 6),
+        (dict(logging_steps=3), {}, [False, False, True, False, False, True]),
+        (dict(logging_steps=4, logging_first_step=True), {}, [True, False, False, True, False, True]),  # 6 is last
+        (dict(logging_steps=4), dict(steps_per_generation=2, gradient_accumulation_steps=1), [False, True, True]),
+        (dict(logging_steps=4, logging_strategy="no"), {}, [True] * 6),
+    ],
+)
+def test_a_rollout_asks_for_the_gap_sample_only_when_a_step_it_trains_logs(logging, steps, expected, tmp_path):
+    """The rollouts of a 6-step run: one asks when an optimizer step it trains logs. With two micro-steps per
+    rollout and one per optimizer step, a rollout trains two steps (1-2, 3-4, 5-6: 4 logs, 6 is the last)."""
+    from types import SimpleNamespace
+
+    from transformers import TrainerState
+
+    from colograd import GRPOTrainer
+
+    args = GRPOConfig(output_dir=str(tmp_path), **SETTINGS | steps | logging)
+    span = args.steps_per_generation // args.gradient_accumulation_steps  # optimizer steps per rollout
+    asked = []
+    for step in range(0, 6, span):  # the optimizer steps done when each rollout starts
+        state = TrainerState(global_step=step, max_steps=6, logging_steps=args.logging_steps)
+        asked.append(GRPOTrainer.gap_sampled(SimpleNamespace(args=args, state=state, _rollout_step=step)))
+    assert asked == expected
+    evaluation = SimpleNamespace(args=args, state=TrainerState(global_step=1, max_steps=6), _rollout_step=-2)
+    assert GRPOTrainer.gap_sampled(evaluation)  # an evaluation's rollout always asks
+
+
+def test_between_logging_steps_no_request_asks_and_the_metric_is_logged_where_steps_log(tmp_path, monkeypatch):
+    """logging_steps=2 over 4 steps: the rollouts of steps 1 and 3 ask the engine for no log-prob, those of steps 2
+    and 4 for the metric's one completion, and the logged entries carry the sampling gap."""
+    import colograd.engine
+    from colograd import GRPOTrainer
+
+    asked = []
+    requests = colograd.engine.rollout_requests
+    monkeypatch.setattr(
+        colograd.engine,
+        "rollout_requests",
+        lambda *a: asked.append(sum(p.logprobs is not None for _, p in requests(*a))) or requests(*a),
+    )
+    trainer = GRPOTrainer(
+        model=tiny.build_model(),
+        reward_funcs=tiny.letters_reward,
+        args=tiny.run_config(str(tmp_path), steps=4, logging_steps=2, per_device_train_batch_size=16),
+        train_dataset=tiny.letters_dataset(64),
+        processing_class=tiny.build_tokenizer(),
+    )
+    trainer.train()
+    assert asked == [0, 1, 0, 1]
+    steps = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["step"] for h in steps] == [2, 4]
+    assert all(h["sampling/sampling_logp_difference/max"] < 1e-3 for h in steps)
