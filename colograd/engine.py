@@ -751,17 +751,23 @@ def _gc_heap_kept() -> Iterator[None]:
 
 
 @contextmanager
-def frozen_heap() -> Iterator[None]:
+def frozen_heap(collect: bool = False) -> Iterator[None]:
     """Keep the objects alive now out of garbage collection inside the block (`gc.freeze`), and none after it.
 
     Training keeps its heap frozen this way (`GRPOTrainer.train`): the collections that follow its allocations
     then skip the ~800k objects of torch, transformers, vLLM and the trainer itself (a launched pair of two-rank runs
     took 79 s with the heap unfrozen, 70 s frozen for good as vLLM leaves it, 73 s with this, on the CPU); a trainer
     dropped after `train` is collected as any object.
-    Where the process had frozen objects itself (or an enclosing block has), the block changes nothing."""
+    Where the process had frozen objects itself (or an enclosing block has), the block changes nothing.
+
+    Args:
+        collect: collect first, so that garbage waiting for a collection (a trainer dropped before this one was
+            built) is freed rather than kept for the whole block."""
     if gc.get_freeze_count():
         yield
         return
+    if collect:
+        gc.collect()
     gc.freeze()
     try:
         yield

@@ -243,7 +243,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
             self._completion_log.forget_after(self._last_logged_step)
         self._times.reset()  # the summary covers this call
         first_step = self._last_logged_step
-        with self.preemption.armed(), frozen_heap():
+        with self.preemption.armed(), frozen_heap(collect=True):
             output = super().train(resume_from_checkpoint=checkpoint, **kwargs)
         self.summarize_phases(self.state.global_step - first_step)
         return output
