@@ -51,6 +51,15 @@ class ScriptArguments:
             "functions (my_pkg.rewards.length), or a sequence-classification reward model (a local folder or hub id)."
         },
     )
+    code_sandbox: str = field(
+        default="namespaces",
+        metadata={
+            "help": "How the code rewards (code, binary_code) run the completions' programs: 'namespaces', the "
+            "sandbox (no network, no view of the machine's files, processes or environment; refuses to start where "
+            "the namespaces are missing), or 'none': no isolation beyond rlimits and a temporary folder, for "
+            "trusted code only (docs/rewards.md)."
+        },
+    )
     drop_invalid_prompts: bool = field(
         default=False,
         metadata={

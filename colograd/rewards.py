@@ -124,7 +124,23 @@ BUILTIN_REWARDS: dict[str, Callable[[], RewardFunc]] = {
 }
 
 
-def resolve_reward(name: str) -> RewardFunc:
+def _code(sandbox: str) -> RewardFunc:
+    from colograd.code_rewards import code_reward
+
+    return code_reward(sandbox)
+
+
+def _binary_code(sandbox: str) -> RewardFunc:
+    from colograd.code_rewards import binary_code_reward
+
+    return binary_code_reward(sandbox)
+
+
+# Rewards that run model-written programs, built for the run's `code_sandbox` (see docs/rewards.md).
+CODE_REWARDS: dict[str, Callable[[str], RewardFunc]] = {"code": _code, "binary_code": _binary_code}
+
+
+def resolve_reward(name: str, code_sandbox: str = "namespaces") -> RewardFunc:
     """A reward function from its name in a recipe.
 
     Args:
@@ -132,6 +148,7 @@ def resolve_reward(name: str) -> RewardFunc:
             sequence-classification reward model; a dotted path to user code, ``pkg.rewards.length`` or
             ``pkg.rewards:length``, found from the working directory as TRL's script does; or a file and a name in
             it, ``path/to/rewards.py:length``.
+        code_sandbox: how the code rewards (`CODE_REWARDS`) run programs (`colograd.code_rewards.CodeReward`).
 
     Raises:
         ConfigError: in one line, for anything that keeps the name from giving a reward function: a module that does
@@ -140,6 +157,8 @@ def resolve_reward(name: str) -> RewardFunc:
     """
     if name in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[name]()
+    if name in CODE_REWARDS:
+        return CODE_REWARDS[name](code_sandbox)
     if name.endswith(".py"):
         raise ConfigError(f"reward_funcs: {name!r} names a file but no function in it; write {name}:my_reward.")
     module_name, _, attr = name.rpartition(":")
@@ -153,7 +172,8 @@ def resolve_reward(name: str) -> RewardFunc:
     module_name, sep, attr = name.replace(":", ".").rpartition(".")
     if not sep:
         raise ConfigError(
-            f"reward_funcs: {name!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}), a reward model folder, "
+            f"reward_funcs: {name!r} is neither a built-in ({', '.join([*BUILTIN_REWARDS, *CODE_REWARDS])}), a "
+            "reward model folder, "
             "a dotted path like my_pkg.rewards.my_reward, nor a file and a name like rewards.py:my_reward."
         )
     try:

@@ -1,0 +1,184 @@
+"""Code rewards: the completion's program run against the row's test cases, in the sandbox, with open-r1's meanings.
+
+open-r1's `code_reward` takes the last ```` ```python ```` block of a completion (none: the empty program), runs it
+once per test case of the row's ``verification_info`` (``{"language": "python", "test_cases": [{"input": ..., "output":
+...}, ...]}``) with the case's input on stdin, and counts a case passed when the program exits 0 and each line of its
+stripped stdout equals the expected line, stripped (line by line over the shorter of the two, as open-r1 compares).
+The reward is the fraction of cases passed; `binary_code_reward` gives 1.0 when it is above 0.99, else 0.0.
+
+Executions run in a pool of threads (each waits on its own sandboxed process), sized to the machine's cores.
+A completion's failure reason (the first failing case's: ``timeout``, ``memory``, ``wrong answer``, ``syntax error``,
+``no code block``, ...) goes to the completions log as the ``<name>_failure`` column (TRL's ``log_extra``).
+
+Scored while decoding: `prefetch` starts a completion's executions as soon as it is known; the call that scores the
+rollout afterwards takes the started results instead of running them again, so the rewards are those of scoring after
+the rollout, in the same order (`scores_while_decoding` marks the functions that take this).
+"""
+
+import json
+import os
+import re
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from colograd.errors import ConfigError
+from colograd.sandbox import Execution, Sandbox, SandboxLimits
+
+BINARY_THRESHOLD = 0.99  # open-r1's
+SANDBOX_MODES = ("namespaces", "none")
+
+
+def extract_code(completion: str, language: str = "python") -> str:
+    """The last ```` ```<language> ```` fenced block of `completion`, or "" when it has none (open-r1's)."""
+    matches = re.findall(rf"```{language}\n(.*?)```", completion, re.DOTALL)
+    return matches[-1] if matches else ""
+
+
+def output_matches(stdout: str, expected: str) -> bool:
+    """open-r1's comparison: stripped output and expected text, line by line, each line stripped, over the shorter."""
+    lines = stdout.strip().split("\n")
+    return all(a.strip() == b.strip() for a, b in zip(lines, expected.split("\n"), strict=False))
+
+
+@dataclass(frozen=True)
+class CodeResult:
+    """One completion against its test cases: `passed` of `total`, and the first failure's reason (None if none)."""
+
+    passed: int
+    total: int
+    reason: str | None
+
+    @property
+    def rate(self) -> float:
+        return self.passed / self.total if self.total else 0.0
+
+
+class CodeReward:
+    """open-r1's `code` reward (or, with `binary`, `binary_code`) on a local sandbox.
+
+    Args:
+        binary: 1.0 when the pass rate is above 0.99, else 0.0 (open-r1's `binary_code_reward`).
+        limits: what each execution (one test case) may use; open-r1 gives a case 5 s.
+        sandbox: "namespaces" (the sandbox: `colograd.sandbox`), or "none": no isolation at all beyond rlimits and a
+            temporary folder, the explicit opt-in for trusted code or a machine without namespaces.
+        workers: executions run at once; None: one per core this process may use.
+        program: how a completion's text becomes the program; default `extract_code` (its last python block).
+
+    Raises:
+        ConfigError: an unknown `sandbox`; `SandboxUnavailable` where the namespaces cannot be built.
+    """
+
+    scores_while_decoding = True
+
+    def __init__(
+        self,
+        binary: bool = False,
+        limits: SandboxLimits | None = None,
+        sandbox: str = "namespaces",
+        workers: int | None = None,
+        program: Callable[[str], str] = extract_code,
+    ) -> None:
+        if sandbox not in SANDBOX_MODES:
+            raise ConfigError(f"code_sandbox: {sandbox!r} is not one of {', '.join(SANDBOX_MODES)}.")
+        self.binary = binary
+        self.program = program
+        self.__name__ = "binary_code" if binary else "code"
+        self.sandbox = Sandbox(limits, isolated=sandbox == "namespaces")
+        self.workers = workers or len(os.sched_getaffinity(0))
+        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="colograd-code")
+        self._started: dict[tuple[str, str], Future] = {}  # by (program, test cases): see `prefetch`
+        self._lock = threading.Lock()
+
+    def __call__(
+        self,
+        completions: list,
+        verification_info: list,
+        log_extra: Callable[[str, list], None] | None = None,
+        **kwargs: Any,
+    ) -> list[float]:
+        """Each completion's reward: the share of its row's test cases its program passes (binary: 0 or 1).
+
+        Args:
+            completions: texts, or chats whose last message is the model's (``[{"role": "assistant", ...}]``).
+            verification_info: one per completion: a dict (or its JSON text) with ``test_cases``, each an
+                ``input`` (stdin) and an ``output`` (expected stdout); ``language`` must be python.
+            log_extra: TRL's; given, the failure reasons go to the completions log.
+        """
+        futures = [self._start(c, v) for c, v in zip(completions, verification_info, strict=True)]
+        results = [f.result() for f in futures]
+        with self._lock:
+            self._started.clear()  # a started result serves the rollout it was started for, no later one
+        if log_extra is not None:
+            log_extra(f"{self.__name__}_failure", [r.reason for r in results])
+        if self.binary:
+            return [1.0 if r.rate > BINARY_THRESHOLD else 0.0 for r in results]
+        return [r.rate for r in results]
+
+    def prefetch(self, completions: list, verification_info: list, **kwargs: Any) -> None:
+        """Start the executions of completions known before the rollout is scored; the scoring call takes them."""
+        for completion, info in zip(completions, verification_info, strict=True):
+            self._start(completion, info)
+
+    def _start(self, completion: Any, info: Any) -> Future:
+        text = completion if isinstance(completion, str) else completion[-1]["content"]
+        cases = _test_cases(info)
+        key = (self.program(text), json.dumps(cases))
+        with self._lock:
+            future = self._started.get(key)
+            if future is None:
+                future = self._started[key] = self._pool.submit(self.run_cases, key[0], cases)
+        return future
+
+    def run_cases(self, code: str, cases: list[dict]) -> CodeResult:
+        """Run `code` on each case (in this thread, one after the other); a program that does not compile fails
+        every case alike, so it runs once."""
+        if not code.strip():  # open-r1 runs the empty program, which passes a case that expects no output
+            passed = sum(output_matches("", case["output"]) for case in cases)
+            return CodeResult(passed, len(cases), "no code block" if passed < len(cases) else None)
+        passed, reason = 0, None
+        for case in cases:
+            execution = self.sandbox.run(code, case["input"])
+            failure = _failure(execution, case["output"])
+            passed += failure is None
+            reason = reason or failure
+            if failure == "syntax error":
+                break
+        return CodeResult(passed, len(cases), reason)
+
+
+def _failure(execution: Execution, expected: str) -> str | None:
+    if not execution.ok:
+        return execution.reason
+    return None if output_matches(execution.stdout, expected) else "wrong answer"
+
+
+def _test_cases(info: Any) -> list[dict]:
+    """The stdin/stdout cases of one row's `verification_info` (a dict or its JSON text)."""
+    if isinstance(info, str):
+        info = json.loads(info)
+    language = info.get("language", "python")
+    if language != "python":
+        raise ValueError(f"verification_info language {language!r}: the code rewards run python only")
+    return [{"input": c["input"], "output": c["output"]} for c in info["test_cases"]]
+
+
+def code_reward(sandbox: str = "namespaces") -> CodeReward:
+    """The built-in `code` reward (its pool and sandbox are made once per process and sandbox mode)."""
+    return _shared(False, sandbox)
+
+
+def binary_code_reward(sandbox: str = "namespaces") -> CodeReward:
+    """The built-in `binary_code` reward."""
+    return _shared(True, sandbox)
+
+
+_SHARED: dict[tuple[bool, str], CodeReward] = {}
+
+
+def _shared(binary: bool, sandbox: str) -> CodeReward:
+    if (binary, sandbox) not in _SHARED:
+        _SHARED[binary, sandbox] = CodeReward(binary=binary, sandbox=sandbox)
+    return _SHARED[binary, sandbox]
