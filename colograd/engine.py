@@ -216,6 +216,7 @@ class Engine:
         step: int = 0,
         num_generations: int | None = None,
         gap_sample: bool = True,
+        on_group: Callable[[int, list[list[int]]], None] | None = None,
     ) -> Rollout:
         """Sample `num_generations` (default `args.num_generations`) completions of every prompt in one engine call.
 
@@ -231,6 +232,9 @@ class Engine:
         rollout whose steps do not log) none asks. Completions not asked get NaN.
         Where every request asks, they are read as tensors from the sampler instead (`colograd.sampler_tap`), so that
         vLLM builds no per-token objects at all.
+
+        `on_group(i, completion_ids)` is called as soon as all G completions of prompt i are sampled, while the
+        engine decodes the others (rewards start on them: `colograd.early_scoring`); not under tensor parallelism.
         """
         g = num_generations or args.num_generations
         mine = len(prompt_ids)
@@ -247,7 +251,8 @@ class Engine:
         requests = rollout_requests(args, seeds, mine, g, gap_sample)
         prompts = [self.prompt(prompt_ids[i]) for i, _ in requests]
         tap = self._sampler_tap() if args.needs_engine_logps else None
-        with tap.capturing() if tap is not None else nullcontext():
+        reporting = self._reporting_groups(requests, on_group) if on_group and self.tp_group is None else nullcontext()
+        with tap.capturing() if tap is not None else nullcontext(), reporting:
             outputs = self.llm.generate(
                 prompts, [params for _, params in requests], lora_request=self.lora_request, use_tqdm=False
             )
@@ -272,6 +277,39 @@ class Engine:
             logps=logps,
             truncated=[sample.finish_reason == "length" for sample in samples],
         )
+
+    @contextmanager
+    def _reporting_groups(
+        self, requests: list[tuple[int, Any]], on_group: Callable[[int, list[list[int]]], None]
+    ) -> Iterator[None]:
+        """Around one `llm.generate`: call `on_group` with each prompt's completions once its requests (one, or two
+        for the gap-sampled prompt) have finished, from the engine's step loop, in the requests' order."""
+        engine = self.llm.llm_engine
+        step = engine.step
+        # `LLM.generate` numbers its requests from its counter, in order; the number drawn here goes unused.
+        first = int(next(self.llm.request_counter)) + 1
+        left = [0] * (max(i for i, _ in requests) + 1)  # unfinished requests per prompt
+        for i, _ in requests:
+            left[i] += 1
+        done: dict[int, list[list[int]]] = {}  # finished request -> its completions' token ids
+
+        def reporting_step() -> list[Any]:
+            outputs = step()
+            for output in outputs:
+                if output.finished:
+                    k = int(output.request_id) - first
+                    done[k] = [list(sample.token_ids) for sample in output.outputs]
+                    i = requests[k][0]
+                    left[i] -= 1
+                    if left[i] == 0:
+                        on_group(i, [ids for j, (p, _) in enumerate(requests) if p == i for ids in done[j]])
+            return outputs
+
+        engine.step = reporting_step
+        try:
+            yield
+        finally:
+            del engine.step  # the class's method again
 
     def _sampler_tap(self) -> sampler_tap.SamplerTap | None:
         """The tap on this engine's sampler, installed (and probed) at the first rollout that reads every log-prob;

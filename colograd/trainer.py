@@ -36,6 +36,7 @@ from colograd.completions import CompletionLog
 from colograd.config import GRPOConfig
 from colograd.config_loading import disable_dropout, model_init_kwargs, model_name, tokenizer_kwargs, wrap_with_peft
 from colograd.data import keep_rows, sampled_prompt_tokens, tokenize_prompts
+from colograd.early_scoring import early_rewards, group_starter
 from colograd.engine import Engine, Rollout
 from colograd.engine_lifetime import frozen_heap
 from colograd.entropy import EntropyTerms
@@ -399,12 +400,22 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int | None = None) -> Rollout:
         """`num_generations` (default: the config's) completions of every prompt of this rank, in one engine call;
-        with tools, environments or a `rollout_func`, through `colograd.agents`."""
+        with tools, environments or a `rollout_func`, through `colograd.agents`. Reward functions marked for it start
+        on each prompt's completions as soon as they are sampled (`colograd.early_scoring`)."""
         g = num_generations or self.args.num_generations
         if self.agents is not None:
             return self.agents.generate(self, prompt_ids, self._rollout_rows, self._rollout_step, g)
+        early = early_rewards(self.reward_funcs)
+        rows = self._rollout_rows
+        chats = bool(rows) and is_conversational({"prompt": rows[0]["prompt"]})
+        on_group = group_starter(early, self.processing_class, rows, chats) if early and rows else None
         return self.engine.generate(
-            prompt_ids, self.args, step=self._rollout_step, num_generations=g, gap_sample=self.gap_sampled()
+            prompt_ids,
+            self.args,
+            step=self._rollout_step,
+            num_generations=g,
+            gap_sample=self.gap_sampled(),
+            on_group=on_group,
         )
 
     def gap_sampled(self) -> bool:
