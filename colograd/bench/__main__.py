@@ -1,4 +1,4 @@
-"""`python -m colograd.bench {sync,soak,step,tools,entropy,sharing} [--json]`: run one benchmark."""
+"""`python -m colograd.bench {sync,soak,step,tools,entropy,sharing,code} [--json]`: run one benchmark."""
 
 import argparse
 import importlib
@@ -11,6 +11,7 @@ BENCHMARKS = {
     "tools": "colograd.bench.tools",
     "entropy": "colograd.bench.entropy",
     "sharing": "colograd.bench.sharing",
+    "code": "colograd.bench.code",
 }
 # The step benchmark's model shapes (colograd.bench.shapes.SHAPES), named here so that parsing imports no torch.
 SHAPES = ["tiny", "small", "qwen2.5-0.5b", "qwen2.5-1.5b"]
@@ -23,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--repeats",
         type=int,
-        help="sync (default 7), tools, entropy and sharing (default 3): timed repetitions; medians are reported",
+        help="sync (default 7), tools, entropy, sharing and code (default 3): timed repetitions; medians are reported",
     )
     parser.add_argument(
         "--steps", type=int, help="soak: training steps (default 300); step: timed steps (default: the workload's)"
@@ -96,7 +97,7 @@ def main() -> None:
                     "completion_tokens": args.completion_tokens}  # fmt: skip
         given = {k: v for k, v in settings.items() if v is not None}
         bench.run(shape=args.shape or "small", repeats=args.repeats or 3, as_json=args.json, **given)
-    elif args.name in ("tools", "entropy"):
+    elif args.name in ("tools", "entropy", "code"):
         bench.run(repeats=args.repeats or 3, as_json=args.json)
     else:
         bench.run(repeats=args.repeats or 7, as_json=args.json)

@@ -1,0 +1,94 @@
+"""Code rewards: a rollout of the tiny code task scored while it decodes against scored after it, and the sandbox's
+own cost per execution against a bare subprocess.
+
+The workload: P prompts × G completions of the tiny model on `colograd.code_task.expressions_dataset`, each
+completion run in the sandbox as a program (`print(<completion>)`) against its test case. Completions stop at any of
+a few characters (a stop string), so they end at varied lengths as a real model's do, and a group is scored while
+the longer ones decode. Both ways run the same trainer, engine and reward, alternately; medians are reported.
+"""
+
+import json
+import statistics
+import subprocess
+import tempfile
+import time
+
+from colograd import code_task, tiny
+from colograd.code_rewards import CodeReward
+from colograd.sandbox import Sandbox
+
+PROGRAM = "a, b = map(int, input().split())\nprint(a + b)\n"
+
+
+def sandbox_overhead(executions: int = 20) -> dict[str, float]:
+    """Median seconds per execution of one small program: a bare `python -I` subprocess, the sandbox, and the
+    unisolated opt-in (its launcher, rlimits and caps without namespaces)."""
+    isolated, unisolated = Sandbox(), Sandbox(isolated=False)
+    with tempfile.TemporaryDirectory() as folder:
+        with open(f"{folder}/main.py", "w") as f:
+            f.write(PROGRAM)
+
+        def bare() -> None:
+            subprocess.run([isolated.python, "-I", "main.py"], cwd=folder, input=b"3 4\n", capture_output=True)
+
+        times = {}
+        for name, call in (("bare", bare), ("sandbox", lambda: isolated.run(PROGRAM, "3 4\n")),
+                           ("unisolated", lambda: unisolated.run(PROGRAM, "3 4\n"))):  # fmt: skip
+            seconds = []
+            for _ in range(executions):
+                start = time.perf_counter()
+                call()
+                seconds.append(time.perf_counter() - start)
+            times[name] = statistics.median(seconds)
+    return times
+
+
+def run(repeats: int = 3, as_json: bool = False, prompts: int = 8, generations: int = 8) -> dict:
+    """Time `repeats` rollouts each way; print a table (or one JSON line) and return the figures."""
+    from colograd.trainer import GRPOTrainer  # torch and vLLM only when the benchmark runs
+
+    overhead = sandbox_overhead()
+    reward = CodeReward(program=code_task.as_print)
+    executions = []
+    run_in_sandbox = reward.sandbox.run
+    reward.sandbox.run = lambda *a: executions.append(1) or run_in_sandbox(*a)
+    dataset = code_task.expressions_dataset(prompts)
+    with tempfile.TemporaryDirectory() as out:
+        args = tiny.run_config(out, 1, num_generations=generations, per_device_train_batch_size=prompts * generations,
+                               max_completion_length=48, generation_kwargs={"stop": ["a", "b", "c"]})  # fmt: skip
+        trainer = GRPOTrainer(tiny.build_model(), reward, args, dataset, processing_class=tiny.build_tokenizer())
+        rows = [dataset[i] for i in range(prompts)]
+        trainer.sample(rows)  # warm-up: the first sync and the engine's first steps
+        seconds: dict[str, list[float]] = {"while decoding": [], "afterwards": []}
+        ran: dict[str, list[int]] = {"while decoding": [], "afterwards": []}
+        for _ in range(repeats):
+            for way in seconds:
+                reward.scores_while_decoding = way == "while decoding"
+                executions.clear()
+                start = time.perf_counter()
+                trainer.sample(rows)
+                seconds[way].append(time.perf_counter() - start)
+                ran[way].append(len(executions))
+    medians = {way: statistics.median(s) for way, s in seconds.items()}
+    result = {
+        "rollout_s": medians,
+        "speedup": medians["afterwards"] / medians["while decoding"],
+        "executions_per_rollout": statistics.median(ran["afterwards"]),
+        "executions_per_s": {way: statistics.median(ran[way]) / medians[way] for way in medians},
+        "workers": reward.workers,
+        "execution_s": overhead,
+        "sandbox_overhead_s": overhead["sandbox"] - overhead["bare"],
+    }
+    if as_json:
+        print(json.dumps(result))
+        return result
+    print(f"code rewards: {prompts} prompts × {generations} completions of the tiny model, {reward.workers} workers")
+    for way, s in medians.items():
+        print(f"  scored {way:<15} {s:6.2f} s per rollout   {result['executions_per_s'][way]:6.1f} executions/s")
+    print(f"  speed-up {result['speedup']:.2f}×  ({result['executions_per_rollout']:.0f} executions per rollout)")
+    print(
+        f"  one execution: bare subprocess {overhead['bare'] * 1e3:.1f} ms, sandbox {overhead['sandbox'] * 1e3:.1f} "
+        f"ms, unisolated {overhead['unisolated'] * 1e3:.1f} ms (sandbox overhead "
+        f"{result['sandbox_overhead_s'] * 1e3:.1f} ms)"
+    )
+    return result
