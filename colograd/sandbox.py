@@ -112,6 +112,8 @@ class Sandbox:
         self.limits = limits or SandboxLimits()
         self.isolated = isolated
         self.python = os.path.realpath(python or getattr(sys, "_base_executable", sys.executable))
+        if not os.access(self.python, os.X_OK):
+            raise ConfigError(f"code rewards: there is no Python interpreter at {self.python}; give one that exists.")
         prefix = os.path.dirname(os.path.dirname(self.python))
         system = prefix == "/usr" or prefix.startswith(("/usr/", "/bin", "/lib"))
         self._binds = [] if system else [prefix]
@@ -150,7 +152,7 @@ class Sandbox:
         }
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", LAUNCHER],
+                [self.python, "-I", "-S", LAUNCHER],  # standard library only: any Python 3.10+ runs it
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,

@@ -7,15 +7,18 @@ the wall-time and output caps, so the tests of those pass either way. The fork t
 so that the machine survives it unisolated.
 """
 
+import functools
 import os
 import signal
 import socket
+import subprocess
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 
+from colograd.errors import ConfigError
 from colograd.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
 
 ISOLATED = os.environ.get("COLOGRAD_TEST_SANDBOX", "namespaces") != "none"
@@ -221,10 +224,46 @@ def test_a_large_file_is_stopped_at_the_file_size_limit(sandbox):
     assert run.reason == "file size"
 
 
-def test_where_the_sandbox_cannot_be_built_it_refuses_in_one_line():
-    if not ISOLATED:
-        pytest.skip("the unisolated opt-in builds nothing")
+def test_where_the_sandbox_cannot_be_built_it_refuses_in_one_line(tmp_path, monkeypatch):
+    # A launcher that reports what the real one reports where the kernel refuses a namespace (this machine grants
+    # them, so the refusal itself is stood in for): the reward must not start, and must say why in one line.
+    refusing = tmp_path / "launch.py"
+    refusing.write_text(
+        "import json, os, sys\n"
+        "fd = json.loads(sys.stdin.read())['status_fd']\n"
+        "os.write(fd, json.dumps({'setup_error': 'unshare(user, mount, pid, network, IPC and UTS namespaces) failed: "
+        "Operation not permitted (errno 1)'}).encode())\n"
+    )
+    monkeypatch.setattr("colograd.sandbox.LAUNCHER", str(refusing))
     with pytest.raises(SandboxUnavailable) as err:
-        Sandbox(LIMITS, python="/nonexistent/bin/python3")
+        Sandbox(LIMITS)
     message = str(err.value)
-    assert "\n" not in message and "code_sandbox: none" in message and "No such file" in message
+    assert "\n" not in message and "Operation not permitted" in message and "code_sandbox: none" in message
+    with pytest.raises(ConfigError, match="no Python interpreter at /nonexistent"):
+        Sandbox(LIMITS, python="/nonexistent/bin/python3")
+
+
+@pytest.mark.skipif(
+    not (ISOLATED and os.geteuid() == 0 and os.path.exists("/usr/bin/python3")),
+    reason="needs root (to become an unprivileged user) and a system interpreter an unprivileged user can read",
+)
+def test_an_unprivileged_trainer_gets_the_same_isolation_through_a_user_namespace(monkeypatch, tmp_path):
+    # The launcher run as `nobody` takes the user-namespace path; the program is then uid 1000 inside.
+    monkeypatch.setattr(subprocess, "Popen", functools.partial(subprocess.Popen, user=65534, group=65534))
+    sandbox = Sandbox(LIMITS, python="/usr/bin/python3")
+    monkeypatch.setenv("HF_TOKEN", "hf_colograd_test_secret")
+    code = (
+        "import os, socket\n"
+        "print(os.getuid(), sorted(os.listdir('/')), 'HF_TOKEN' in os.environ)\n"
+        "try:\n"
+        "    socket.create_connection(('127.0.0.1', 22), timeout=1)\n"
+        "except OSError as err:\n"
+        "    print('refused', type(err).__name__)\n"
+    )
+    run = sandbox.run(code)
+    assert run.ok, run.stderr
+    assert run.stdout.splitlines() == [
+        "1000 ['bin', 'dev', 'input', 'lib', 'lib64', 'sandbox', 'sbin', 'tmp', 'usr'] False",
+        "refused OSError",
+    ]
+    assert sandbox.run("import os\nwhile True:\n    os.fork()").reason.startswith("error: ")
