@@ -112,9 +112,13 @@ class AgentLoop:
         self.max_tool_calling_iterations = max_tool_calling_iterations
         self.lora_request = lora_request
 
-    def run(self, trajectories: list[Trajectory], params: Any) -> None:
+    def run(
+        self, trajectories: list[Trajectory], params: Any, on_finished: Callable[[int], None] | None = None
+    ) -> None:
         """Complete every trajectory in place. `params`: the `SamplingParams` of a turn (n=1); each request gets a
-        copy with its own seed and the length left to its trajectory."""
+        copy with its own seed and the length left to its trajectory. `on_finished(i)` is called as trajectory i
+        completes, while the others go on."""
+        finished = on_finished or (lambda i: None)
         engine = self.llm.llm_engine
         waiting: dict[int, Any] = {}  # trajectory index -> its running tool calls
         for i, trajectory in enumerate(trajectories):
@@ -127,11 +131,15 @@ class AgentLoop:
                         calls = self.end_turn(trajectories[i], output.outputs[0])
                         if calls:
                             waiting[i] = self.runner.submit(trajectories[i].tools, calls)
+                        else:
+                            finished(i)
             else:  # every live trajectory is waiting for a tool: sleep until one returns or times out
                 _wait_for_any(waiting.values())
             for i in [i for i, pending in waiting.items() if pending.ready()]:
                 if self.insert_results(trajectories[i], waiting.pop(i).results()):
                     self._add(engine, i, trajectories[i], params)
+                else:
+                    finished(i)
 
     def _add(self, engine: Any, i: int, trajectory: Trajectory, params: Any) -> None:
         engine.add_request(
@@ -168,6 +176,24 @@ class AgentLoop:
             return False
         trajectory.add_inserted(ids)
         return True
+
+
+def _group_reporter(
+    trajectories: list[Trajectory], g: int, on_group: Callable[[int, list[list[int]]], None] | None
+) -> Callable[[int], None] | None:
+    """`AgentLoop.run`'s `on_finished` that calls `on_group(row, ids)` once all G trajectories of a row are
+    complete."""
+    if on_group is None:
+        return None
+    left = [g] * (len(trajectories) // g)
+
+    def finished(i: int) -> None:
+        row = i // g
+        left[row] -= 1
+        if left[row] == 0:
+            on_group(row, [t.ids for t in trajectories[row * g : (row + 1) * g]])
+
+    return finished
 
 
 def turn_params(params: Any, trajectory: Trajectory, max_completion_length: int) -> Any:
@@ -277,7 +303,13 @@ class Agents:
         self.counts: dict[str, int] = {}  # the last rollout's completions, tool calls and failed calls
 
     def generate(
-        self, trainer: Any, prompt_ids: list[list[int]], rows: list[dict], step: int, num_generations: int
+        self,
+        trainer: Any,
+        prompt_ids: list[list[int]],
+        rows: list[dict],
+        step: int,
+        num_generations: int,
+        on_group: Callable[[int, list[list[int]]], None] | None = None,
     ) -> Rollout:
         """One rollout of this rank's prompts (G completions each), through `rollout_func` or the agent loop.
 
@@ -286,6 +318,8 @@ class Agents:
                 the sampling settings.
             prompt_ids: the templated prompts, one per row. rows: the dataset rows. step: seeds the sampling.
             num_generations: G, the completions of each prompt (evaluation has its own).
+            on_group: called with row i and its G completions' token ids as soon as all of them are complete (as
+                `colograd.engine.Engine.generate`'s); not with a `rollout_func`, which returns them all at once.
         """
         args, g = trainer.args, num_generations
         prompts = [row["prompt"] for row in rows for _ in range(g)]
@@ -304,7 +338,8 @@ class Agents:
         loop = AgentLoop(engine.llm, self.tokenizer, self.parser, self.result_ids, self.runner,
                          args.max_completion_length, args.max_tool_calling_iterations,
                          engine.lora_request, engine.cache_salt)  # fmt: skip
-        loop.run(trajectories, turn_sampling_params(args, self.parser.stop))
+        params = turn_sampling_params(args, self.parser.stop)
+        loop.run(trajectories, params, _group_reporter(trajectories, g, on_group))
         calls, failures = sum(t.calls for t in trajectories), sum(t.failures for t in trajectories)
         self.counts = {"completions": len(trajectories), "calls": calls, "failures": failures}
         self.metrics = {

@@ -286,8 +286,12 @@ class Engine:
         for the gap-sampled prompt) have finished, from the engine's step loop, in the requests' order."""
         engine = self.llm.llm_engine
         step = engine.step
+        counter = getattr(self.llm, "request_counter", None)
+        if counter is None:  # a vLLM that numbers requests otherwise: the rewards are all scored afterwards
+            yield
+            return
         # `LLM.generate` numbers its requests from its counter, in order; the number drawn here goes unused.
-        first = int(next(self.llm.request_counter)) + 1
+        first = int(next(counter)) + 1
         left = [0] * (max(i for i, _ in requests) + 1)  # unfinished requests per prompt
         for i, _ in requests:
             left[i] += 1
@@ -296,13 +300,14 @@ class Engine:
         def reporting_step() -> list[Any]:
             outputs = step()
             for output in outputs:
-                if output.finished:
-                    k = int(output.request_id) - first
-                    done[k] = [list(sample.token_ids) for sample in output.outputs]
-                    i = requests[k][0]
-                    left[i] -= 1
-                    if left[i] == 0:
-                        on_group(i, [ids for j, (p, _) in enumerate(requests) if p == i for ids in done[j]])
+                k = int(output.request_id) - first if output.finished and output.request_id.isdigit() else -1
+                if not 0 <= k < len(requests):  # not one of this call's, as numbered: scored afterwards only
+                    continue
+                done[k] = [list(sample.token_ids) for sample in output.outputs]
+                i = requests[k][0]
+                left[i] -= 1
+                if left[i] == 0:
+                    on_group(i, [ids for j, (p, _) in enumerate(requests) if p == i for ids in done[j]])
             return outputs
 
         engine.step = reporting_step

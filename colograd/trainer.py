@@ -403,12 +403,12 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         with tools, environments or a `rollout_func`, through `colograd.agents`. Reward functions marked for it start
         on each prompt's completions as soon as they are sampled (`colograd.early_scoring`)."""
         g = num_generations or self.args.num_generations
-        if self.agents is not None:
-            return self.agents.generate(self, prompt_ids, self._rollout_rows, self._rollout_step, g)
         early = early_rewards(self.reward_funcs)
         rows = self._rollout_rows
         chats = bool(rows) and is_conversational({"prompt": rows[0]["prompt"]})
         on_group = group_starter(early, self.processing_class, rows, chats) if early and rows else None
+        if self.agents is not None:
+            return self.agents.generate(self, prompt_ids, rows, self._rollout_step, g, on_group)
         return self.engine.generate(
             prompt_ids,
             self.args,

@@ -9,6 +9,7 @@ import torch
 from colograd import code_task, tiny
 from colograd.code_rewards import CodeReward
 from colograd.sandbox import SandboxLimits
+from colograd.tools import MarkerToolParser
 from colograd.trainer import GRPOTrainer
 
 pytestmark = pytest.mark.slow
@@ -46,3 +47,32 @@ def test_the_tiny_code_task_trains_and_rewards_started_while_decoding_equal_thos
     trainer.reward_funcs = [afterwards]
     again = trainer.score(scored.prompts, scored.rollout, scored.columns)
     assert torch.equal(scored.rewards_NF, again)
+
+
+def digit(text: str) -> str:
+    """A digit, for the model to go on from.
+
+    Args:
+        text: the turn so far.
+    """
+    return str(len(text) % 10)
+
+
+def test_the_agent_loop_hands_over_each_prompts_trajectories_as_they_complete(tmp_path):
+    reward = CodeReward(limits=SandboxLimits(wall_s=2.0, cpu_s=1), program=code_task.as_print)
+    starts = []
+    prefetch = reward.prefetch
+    reward.prefetch = lambda **kwargs: starts.append(kwargs["completion_ids"]) or prefetch(**kwargs)
+    args = tiny.run_config(str(tmp_path), 1, per_device_train_batch_size=16, num_generations=4,
+                           max_completion_length=12)  # fmt: skip
+    tokenizer = tiny.build_tokenizer()
+    tokenizer.chat_template = None  # tool results come back as the parser's plain text
+    dataset = code_task.expressions_dataset(16)
+    trainer = GRPOTrainer(tiny.build_model(), reward, args, dataset, processing_class=tokenizer, tools=[digit],
+                          tool_call_parser=MarkerToolParser("+", "digit", "text"))  # fmt: skip
+    scored = trainer.sample([dataset[i] for i in range(4)])
+    assert len(starts) == 4  # each prompt's 4 trajectories, once all were complete, tool results included
+    assert sorted(ids for group in starts for ids in group) == sorted(scored.rollout.completion_ids)
+    assert any(0 in mask for mask in scored.rollout.tool_mask)  # some trajectories called the tool
+    trainer.reward_funcs = [CodeReward(limits=reward.sandbox.limits, program=code_task.as_print)]
+    assert torch.equal(scored.rewards_NF, trainer.score(scored.prompts, scored.rollout, scored.columns))
