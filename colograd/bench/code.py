@@ -5,6 +5,7 @@ The workload: P prompts × G completions of the tiny model on `colograd.code_tas
 completion run in the sandbox as a program (`print(<completion>)`) against its test case. Completions stop at any of
 a few characters (a stop string), so they end at varied lengths as a real model's do, and a group is scored while
 the longer ones decode. Both ways run the same trainer, engine and reward, alternately; medians are reported.
+TRL's rollout of the same task (`model.generate`, then the reward) is timed after them.
 """
 
 import json
@@ -43,6 +44,30 @@ def sandbox_overhead(executions: int = 20) -> dict[str, float]:
     return times
 
 
+def trl_rollout_seconds(reward: CodeReward, prompts: int, generations: int, repeats: int) -> float:
+    """Median seconds of TRL 1.16's rollout on the same task: `model.generate` (`use_vllm=False`, its configuration
+    that runs on a CPU), then the same reward called after generation. Its completions run to the length limit (its
+    generation is not given the stop strings), so they are not the same completions as colograd's."""
+    from trl import GRPOConfig as TRLConfig
+    from trl import GRPOTrainer as TRLTrainer
+
+    dataset = code_task.expressions_dataset(prompts)
+    with tempfile.TemporaryDirectory() as out:
+        args = TRLConfig(output_dir=out, use_vllm=False, num_generations=generations, report_to="none",
+                         per_device_train_batch_size=prompts * generations, max_completion_length=48,
+                         use_cpu=True)  # fmt: skip
+        trainer = TRLTrainer(model=tiny.build_model(), reward_funcs=reward, args=args, train_dataset=dataset,
+                             processing_class=tiny.build_tokenizer())  # fmt: skip
+        rows = [dataset[i] for i in range(prompts) for _ in range(generations)]  # TRL's sampler repeats each G times
+        trainer._generate_and_score_completions(rows)  # warm-up
+        seconds = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            trainer._generate_and_score_completions(rows)
+            seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
 def run(repeats: int = 3, as_json: bool = False, prompts: int = 8, generations: int = 8) -> dict:
     """Time `repeats` rollouts each way; print a table (or one JSON line) and return the figures."""
     from colograd.trainer import GRPOTrainer  # torch and vLLM only when the benchmark runs
@@ -70,11 +95,14 @@ def run(repeats: int = 3, as_json: bool = False, prompts: int = 8, generations: 
                 seconds[way].append(time.perf_counter() - start)
                 ran[way].append(len(executions))
     medians = {way: statistics.median(s) for way, s in seconds.items()}
+    reward.scores_while_decoding = False  # TRL calls its rewards after generation
+    medians["trl"] = trl_rollout_seconds(reward, prompts, generations, repeats)
     result = {
         "rollout_s": medians,
         "speedup": medians["afterwards"] / medians["while decoding"],
         "executions_per_rollout": statistics.median(ran["afterwards"]),
-        "executions_per_s": {way: statistics.median(ran[way]) / medians[way] for way in medians},
+        "speedup_vs_trl": medians["trl"] / medians["while decoding"],
+        "executions_per_s": {way: statistics.median(ran[way]) / medians[way] for way in ran},
         "workers": reward.workers,
         "execution_s": overhead,
         "sandbox_overhead_s": overhead["sandbox"] - overhead["bare"],
@@ -83,9 +111,14 @@ def run(repeats: int = 3, as_json: bool = False, prompts: int = 8, generations: 
         print(json.dumps(result))
         return result
     print(f"code rewards: {prompts} prompts × {generations} completions of the tiny model, {reward.workers} workers")
-    for way, s in medians.items():
-        print(f"  scored {way:<15} {s:6.2f} s per rollout   {result['executions_per_s'][way]:6.1f} executions/s")
-    print(f"  speed-up {result['speedup']:.2f}×  ({result['executions_per_rollout']:.0f} executions per rollout)")
+    for way in ran:
+        rate = result["executions_per_s"][way]
+        print(f"  scored {way:<15} {medians[way]:6.2f} s per rollout   {rate:6.1f} executions/s")
+    print(f"  TRL (generate, then reward) {medians['trl']:6.2f} s per rollout")
+    print(
+        f"  speed-up {result['speedup']:.2f}× over scoring afterwards, {result['speedup_vs_trl']:.2f}× over TRL "
+        f"({result['executions_per_rollout']:.0f} executions per rollout)"
+    )
     print(
         f"  one execution: bare subprocess {overhead['bare'] * 1e3:.1f} ms, sandbox {overhead['sandbox'] * 1e3:.1f} "
         f"ms, unisolated {overhead['unisolated'] * 1e3:.1f} ms (sandbox overhead "
