@@ -142,6 +142,10 @@ def _deselects_slow(item: pytest.Item) -> bool:
     return not Expression.compile(markexpr).evaluate(lambda name, **kwargs: name in marks)
 
 
+# Project scripts that are not training work: the code sandbox's launcher runs one small program, in milliseconds.
+_NOT_TRAINING = ("colograd/sandbox_launch.py",)
+
+
 def _launched(args: object) -> str | None:
     """What a `subprocess` command launches if it is training work: a distributed launcher (as a program or a
     module), a script or module of this project, or a Jupyter kernel (a notebook's cells); None for anything else
@@ -154,6 +158,8 @@ def _launched(args: object) -> str | None:
     for i, word in enumerate(words):
         path = (ROOT / word).resolve()
         if word.endswith(".py") and path.is_relative_to(ROOT) and path.is_file():
+            if str(path.relative_to(ROOT)) in _NOT_TRAINING:
+                return None
             return str(path.relative_to(ROOT))
         module = words[i + 1] if word == "-m" and i + 1 < len(words) else ""
         if module in _LAUNCHER_MODULES or module.split(".")[0] in ("colograd", "ipykernel_launcher"):
