@@ -111,7 +111,7 @@ TRAINER_PARAMETERS: dict[str, str] = {
     "train_dataset": "a `Dataset` or `IterableDataset` with a `prompt` column; None where one environment_factory "
     "gives the prompts (`reset()`), with `max_steps`",
     "eval_dataset": "one in-memory `Dataset`, evaluated every `eval_steps` (a dict of datasets is refused)",
-    "processing_class": "the tokenizer; None: loaded from the model's name (a multimodal processor is refused)",
+    "processing_class": "the tokenizer (a vision-language model: its processor); None: loaded from the model's name",
     "reward_processing_classes": "the tokenizer of each reward model in `reward_funcs` (None: loaded from its name)",
     "callbacks": "extra `TrainerCallback`s",
     "optimizers": "an optimizer and a scheduler instead of the Trainer's",
