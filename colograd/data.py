@@ -17,10 +17,14 @@ from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict,
 from transformers import PreTrainedTokenizerBase
 from trl.data_utils import maybe_apply_chat_template
 
-from colograd import sums, tiny
+from colograd import sums, tiny, tiny_vlm
 from colograd.config import ConfigError, ScriptArguments
 
-BUILTIN_DATASETS = {"colograd:letters": tiny.letters_dataset, "colograd:sums": sums.sums_dataset}
+BUILTIN_DATASETS = {
+    "colograd:letters": tiny.letters_dataset,
+    "colograd:sums": sums.sums_dataset,
+    "colograd:colours": tiny_vlm.colours_dataset,
+}
 T = TypeVar("T")
 _FILE_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 # What `datasets` reads from a folder: text formats (read as UTF-8) and Parquet (binary, framed by its magic bytes).

@@ -28,6 +28,7 @@ from transformers.models.llava.image_processing_pil_llava import LlavaImageProce
 
 from colograd.tiny import _CHARS, _SPECIALS
 
+TINY_VLM = "colograd:tiny-llava"  # its name as a recipe's model_name_or_path
 IMAGE_TOKEN = "<image>"
 IMAGE_SIZE = 28
 # Colours whose names start with different letters, so a partial answer (the initial) is already graded.
