@@ -77,6 +77,7 @@ from colograd.tools import ToolCallParser
 from colograd.trl_compat import TRLTrainerAttributes, check_refused_parameters, environment_dataset
 from colograd.vision import (
     check_expansion,
+    freeze_vision_tower,
     image_prompts,
     load_pretrained,
     pad_pixels,
@@ -147,6 +148,8 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
             model = wrap_with_peft(model, peft_config, args)
         if args.disable_dropout:
             disable_dropout(model)
+        if args.freeze_vision_tower:
+            freeze_vision_tower(model)
         if text_tokenizer(processing_class).pad_token is None:
             text_tokenizer(processing_class).pad_token = text_tokenizer(processing_class).eos_token
         self.reward_funcs, self.reward_weights = resolve_rewards(

@@ -203,6 +203,31 @@ def placeholder_ids(processing_class: Any) -> list[int]:
     return [token_id] if token_id is not None else []
 
 
+def freeze_vision_tower(model: nn.Module) -> int:
+    """Stop training the image encoder of `model` (bare or PEFT-wrapped): `requires_grad` off on its parameters.
+
+    Returns:
+        The number of parameters frozen.
+
+    Raises:
+        ConfigError: the model has no image encoder colograd knows (a LLaVA's `vision_tower`, a Qwen-VL's `visual`).
+    """
+    from colograd.errors import ConfigError
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = getattr(base, "model", base)
+    tower = getattr(inner, "vision_tower", None) or getattr(inner, "visual", None)
+    if tower is None:
+        raise ConfigError(
+            f"freeze_vision_tower: {type(base).__name__} has no vision tower (vision_tower / visual); set it to false."
+        )
+    frozen = 0
+    for param in tower.parameters():
+        param.requires_grad_(False)
+        frozen += param.numel()
+    return frozen
+
+
 def load_pretrained(source: Any, text_class: Any, **kwargs: Any) -> Any:
     """Load a model (`text_class` is `AutoModelForCausalLM`) or its processing class (`AutoTokenizer`) from a hub id
     or folder, or for a model already loaded from its name: for a vision-language model (its config has a vision

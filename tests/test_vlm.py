@@ -3,9 +3,11 @@ the real engine, parity of the engine's and the trainer's log-probs on image rol
 placeholders checked against the processor's, and a colour-naming task that learns."""
 
 import math
+import re
 
 import pytest
 import torch
+from conftest import ROOT, run_cli
 from datasets import Dataset
 from PIL import Image
 
@@ -23,7 +25,7 @@ from colograd.tiny_vlm import (
     save_tiny_vlm,
     solid_image,
 )
-from colograd.vision import check_expansion, forward_images, pad_pixels
+from colograd.vision import check_expansion, forward_images, freeze_vision_tower, pad_pixels
 
 USER = [{"role": "user", "content": QUESTION}]
 
@@ -88,7 +90,8 @@ def test_image_rollouts_match_and_learn(tmp_path):
     """One engine, fp32: (1) a rollout of mixed rows (text only, one image, two images; prompts of different
     lengths, so left padding) trains on the engine's own expansion, which equals the processor's; the trainer's
     log-probs of every completion equal the engine's at text tolerance; ids expanded before the engine (TRL 1.16's
-    path) are expanded again and fail the check. (2) The colour task's reward rises from `GRPOTrainer(...)`."""
+    path) are expanded again and fail the check. (2) The colour task's reward rises from `GRPOTrainer(...)`, and
+    from `colograd/train.py --config recipes/grpo_tiny_vlm.yaml`."""
     path = save_tiny_vlm(str(tmp_path / "tiny-llava"))
     colours = ["red", "blue", "green"]
     mixed = Dataset.from_dict(
@@ -144,6 +147,14 @@ def test_image_rollouts_match_and_learn(tmp_path):
     assert last > first + 0.1, rewards
     gaps = [h["sampling/sampling_logp_difference/max"] for h in logs]
     assert all(not math.isnan(g) and g < 1e-3 for g in gaps), gaps
+    del trainer
+
+    # The same from the command line, with the recipe.
+    recipe = str(ROOT / "recipes/grpo_tiny_vlm.yaml")
+    proc = run_cli("--config", recipe, "--max_steps", "24", "--output_dir", str(tmp_path / "cli"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rewards = [float(r) for r in re.findall(r"'reward': '?([0-9.e+-]+)", proc.stdout + proc.stderr)][:24]
+    assert sum(rewards[-6:]) / 6 > sum(rewards[:6]) / 6 + 0.05, rewards
 
 
 def _colour_settings() -> dict:
@@ -162,3 +173,14 @@ def test_processor_image_token_is_one_token():
     assert ids.count(processor.image_token_id) == 1
     out = processor(text=["u:<image>colour?;a:"], images=[Image.new("RGB", (28, 28))], return_tensors="pt")
     assert out["input_ids"][0].tolist().count(processor.image_token_id) == 4
+
+
+def test_freeze_vision_tower():
+    model = build_model()
+    frozen = freeze_vision_tower(model)
+    assert frozen == sum(p.numel() for p in model.model.vision_tower.parameters()) > 0
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and not any("vision_tower" in n for n in trained)
+    assert any("multi_modal_projector" in n for n in trained)
+    with pytest.raises(ConfigError, match="has no vision tower"):
+        freeze_vision_tower(build_text_model())
