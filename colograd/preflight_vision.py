@@ -24,7 +24,9 @@ def image_columns(dataset: Any) -> list[str]:
     return [c for c in IMAGE_COLUMNS if c in names]
 
 
-def check_image_data(model: Any, processing_class: Any, dataset: Any, template_kwargs: dict | None = None) -> tuple:
+def check_image_data(
+    model: Any, processing_class: Any, dataset: Any, template_kwargs: dict | None = None, name: str = "train_dataset"
+) -> tuple:
     """Check a dataset's images against the model and processor.
 
     Returns:
@@ -42,7 +44,7 @@ def check_image_data(model: Any, processing_class: Any, dataset: Any, template_k
         return 0, None
     if not is_vision_language(base):
         raise ConfigError(
-            f"train_dataset has an {columns[0]!r} column but {type(base).__name__} takes no images: use a "
+            f"{name} has an {columns[0]!r} column but {type(base).__name__} takes no images: use a "
             "vision-language model (e.g. a LLaVA or Qwen2.5-VL), or remove the column."
         )
     if not is_processor(processing_class):
@@ -55,13 +57,13 @@ def check_image_data(model: Any, processing_class: Any, dataset: Any, template_k
         try:
             row = dataset[i]
         except Exception as err:  # datasets decodes an Image column on access
-            raise ConfigError(f"train_dataset row {i}: its image cannot be read ({_short(err)}).") from None
+            raise ConfigError(f"{name} row {i}: its image cannot be read ({_short(err)}).") from None
         images = row_images(row)
         for image in images:
-            check_image(image, i)
+            check_image(image, i, name)
         if images and not is_conversational({"prompt": row["prompt"]}):
             raise ConfigError(
-                f"train_dataset row {i}: the prompt is text, but image rows need conversational prompts (a list of "
+                f"{name} row {i}: the prompt is text, but image rows need conversational prompts (a list of "
                 '{"role", "content"} messages) so that the chat template places the images.'
             )
         if images:
@@ -69,7 +71,7 @@ def check_image_data(model: Any, processing_class: Any, dataset: Any, template_k
                 prepare_multimodal_messages(row["prompt"], images)
             except ValueError as err:
                 raise ConfigError(
-                    f"train_dataset row {i}: {len(images)} images for the prompt's image parts ({_short(err)}); give "
+                    f"{name} row {i}: {len(images)} images for the prompt's image parts ({_short(err)}); give "
                     'one {"type": "image"} part per image, or plain-text messages (the images then go first).'
                 ) from None
         most = max(most, len(images))
@@ -80,7 +82,7 @@ def check_image_data(model: Any, processing_class: Any, dataset: Any, template_k
     return most, max(map(len, expanded))
 
 
-def check_image(value: Any, row: int) -> None:
+def check_image(value: Any, row: int, name: str = "train_dataset") -> None:
     """One image value: a PIL image; a string is named for what it is (a missing path, a file that is not an
     image, text)."""
     if isinstance(value, Image.Image):
@@ -91,15 +93,15 @@ def check_image(value: Any, row: int) -> None:
                 with Image.open(value) as image:
                     image.verify()
             except Exception:
-                raise ConfigError(f"train_dataset row {row}: {value!r} is not an image file PIL can read.") from None
+                raise ConfigError(f"{name} row {row}: {value!r} is not an image file PIL can read.") from None
             raise ConfigError(
-                f"train_dataset row {row}: the image is a path ({value!r}); cast the column to images first: "
+                f"{name} row {row}: the image is a path ({value!r}); cast the column to images first: "
                 "dataset.cast_column('image', datasets.Image())."
             )
         if os.sep in value or os.path.splitext(value)[1].lower() in (".png", ".jpg", ".jpeg", ".gif", ".webp"):
-            raise ConfigError(f"train_dataset row {row}: the image path {value!r} does not exist.")
-        raise ConfigError(f"train_dataset row {row}: the image is text ({value[:40]!r}), not an image.")
-    raise ConfigError(f"train_dataset row {row}: the image is a {type(value).__name__}, not a PIL image.")
+            raise ConfigError(f"{name} row {row}: the image path {value!r} does not exist.")
+        raise ConfigError(f"{name} row {row}: the image is text ({value[:40]!r}), not an image.")
+    raise ConfigError(f"{name} row {row}: the image is a {type(value).__name__}, not a PIL image.")
 
 
 def _short(err: Exception) -> str:

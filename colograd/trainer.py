@@ -24,6 +24,7 @@ from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
+from datasets import Dataset
 from peft import PeftModel
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -171,6 +172,13 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         self._images_per_prompt, longest_image_prompt = check_image_data(
             model, processing_class, train_dataset, args.chat_template_kwargs
         )
+        if isinstance(eval_dataset, Dataset):
+            eval_images, eval_longest = check_image_data(
+                model, processing_class, eval_dataset, args.chat_template_kwargs, "eval_dataset"
+            )
+            self._images_per_prompt = max(self._images_per_prompt, eval_images)
+            if eval_longest is not None:
+                longest_image_prompt = max(longest_image_prompt or 0, eval_longest)
         train_dataset, self._lora_rank, longest_prompt = check_trainer_inputs(
             model,
             text_tokenizer(processing_class),

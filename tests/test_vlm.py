@@ -69,6 +69,8 @@ def test_bad_image_data(tmp_path):
     with pytest.raises(ConfigError, match="2 images for the prompt's image parts"):
         check_image_data(model, processor, two_images)
     assert check_image_data(model, processor, _rows(prompt_only=1)) == (0, None)
+    with pytest.raises(ConfigError, match="^eval_dataset row 0: the image is text"):
+        check_image_data(model, processor, _rows(image="red"), name="eval_dataset")
 
 
 def test_pixels_travel_per_completion():
