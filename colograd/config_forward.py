@@ -10,6 +10,14 @@ class ForwardOptions:
     """How a micro-step's sequences are laid out and split for the policy's (and reference's) forward and backward
     passes, and how its log-probs are computed."""
 
+    freeze_vision_tower: bool = field(
+        default=False,
+        metadata={
+            "help": "A vision-language model's image encoder (a LLaVA's vision_tower, a Qwen-VL's visual) is not "
+            "trained: its parameters get no gradient and no optimizer state; the projector and the language model "
+            "still train. Refused for a text model. (colograd's own field: TRL has none.)"
+        },
+    )
     padding_free: bool = field(
         default=True,
         metadata={

@@ -17,13 +17,14 @@ from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict,
 from transformers import PreTrainedTokenizerBase
 from trl.data_utils import maybe_apply_chat_template
 
-from colograd import code_task, sums, tiny
+from colograd import code_task, sums, tiny, tiny_vlm
 from colograd.config import ConfigError, ScriptArguments
 
 BUILTIN_DATASETS = {
     "colograd:letters": tiny.letters_dataset,
     "colograd:sums": sums.sums_dataset,
     "colograd:code_sums": code_task.code_sums_dataset,
+    "colograd:colours": tiny_vlm.colours_dataset,
 }
 T = TypeVar("T")
 _FILE_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}

@@ -42,6 +42,13 @@ from colograd.errors import ConfigError
 from colograd.kv_cache import engine_max_model_len, engine_memory, kv_bytes_per_token
 from colograd.lora import engine_max_lora_rank
 from colograd.time_limit import removed_when_stuck
+from colograd.vision import (
+    is_vision_language,
+    multimodal_prompt,
+    placeholder_ids,
+    serve_without_torchvision,
+    text_tokenizer,
+)
 
 logger = logging.getLogger(__name__)
 _UNTRIED = object()  # an engine's sampler tap before its first install
@@ -65,6 +72,7 @@ class Rollout:
     truncated: list[bool]
     tool_mask: list[list[int]] | None = None
     prompt_ids: list[list[int]] | None = None
+    engine_prompt_ids: list[list[int]] | None = None  # image prompts: each prompt as the engine expanded it
 
 
 class Engine:
@@ -76,7 +84,8 @@ class Engine:
 
     Args:
         model: the trained model; its config (not its weights) defines the engine's architecture.
-        tokenizer: the tokenizer the engine detokenizes with.
+        tokenizer: the tokenizer the engine detokenizes with; a vision-language model's processor (its image
+            processor then expands the image placeholders of each prompt inside the engine).
         args: the run's config; the `vllm_*` fields, lengths and seed are read here.
         lora_rank: serve a LoRA adapter of this rank on top of the base weights (adapter-only sync); the
             engine's LoRA slots take the next size vLLM accepts.
@@ -87,6 +96,7 @@ class Engine:
             bound prompts (see `colograd.kv_cache`).
         longest_prompt: the longest prompt of every row the run will give, measured: the engine's context is that
             and a completion (`colograd.kv_cache.engine_context`); None: the model's own context.
+        images_per_prompt: a vision-language model's most images in one prompt (vLLM's `limit_mm_per_prompt`).
     """
 
     def __init__(
@@ -98,6 +108,7 @@ class Engine:
         sleep_level: int | None = None,
         prompt_tokens: int | None = None,
         longest_prompt: int | None = None,
+        images_per_prompt: int = 1,
     ) -> None:
         import_off_stack("vllm.entrypoints.llm")
         from vllm import LLM
@@ -108,7 +119,12 @@ class Engine:
         self.tp_size = args.vllm_tensor_parallel_size
         self.tp_group = _tensor_parallel_group(self.tp_size, world) if self.tp_size > 1 else None
         self._tp_index = rank // self.tp_size  # which engine this rank belongs to
-        self.settings = engine_settings(model, tokenizer, args, lora_rank, sleep_level, longest_prompt)
+        self.settings = engine_settings(
+            model, tokenizer, args, lora_rank, sleep_level, longest_prompt, images_per_prompt
+        )
+        # Image placeholders the engine never samples: the trainer's model would look for an image there.
+        self.suppressed = placeholder_ids(tokenizer)
+        self.vision = is_vision_language(model.get_base_model() if isinstance(model, PeftModel) else model)
         # vLLM reads the architecture from a folder: write the config and tokenizer, never the weights.
         self._dir = removed_when_stuck(tempfile.TemporaryDirectory(prefix=f"colograd-engine-{rank}-"))
         base = model.get_base_model() if isinstance(model, PeftModel) else model
@@ -120,6 +136,7 @@ class Engine:
         if base.generation_config is not None and base.generation_config.eos_token_id is not None:
             GenerationConfig(eos_token_id=base.generation_config.eos_token_id).save_pretrained(self._dir.name)
 
+        serve_without_torchvision(config.architectures[0])
         if not torch.cuda.is_available():
             _set_cpu_repacking(args.vllm_cpu_repack_weights)
         llm_args = {k: v for k, v in self.settings.items() if k not in _NOT_LLM_ARGUMENTS}
@@ -174,6 +191,7 @@ class Engine:
         sleep_level: int | None = None,
         prompt_tokens: int | None = None,
         longest_prompt: int | None = None,
+        images_per_prompt: int = 1,
     ) -> "Engine":
         """The engine for a new trainer: on a GPU, the process's engine when one exists (its settings must match),
         else a new one, kept for the process's lifetime; without a GPU always a new one, held only by its trainer
@@ -184,11 +202,17 @@ class Engine:
         """
         global _PROCESS_ENGINE
         if not one_engine_per_process():
-            return cls(model, tokenizer, args, lora_rank, sleep_level, prompt_tokens, longest_prompt)
+            return cls(
+                model, tokenizer, args, lora_rank, sleep_level, prompt_tokens, longest_prompt, images_per_prompt
+            )
         if _PROCESS_ENGINE is not None:
-            _PROCESS_ENGINE.reuse(engine_settings(model, tokenizer, args, lora_rank, sleep_level, longest_prompt))
+            _PROCESS_ENGINE.reuse(
+                engine_settings(model, tokenizer, args, lora_rank, sleep_level, longest_prompt, images_per_prompt)
+            )
             return _PROCESS_ENGINE
-        _PROCESS_ENGINE = cls(model, tokenizer, args, lora_rank, sleep_level, prompt_tokens, longest_prompt)
+        _PROCESS_ENGINE = cls(
+            model, tokenizer, args, lora_rank, sleep_level, prompt_tokens, longest_prompt, images_per_prompt
+        )
         return _PROCESS_ENGINE
 
     def reuse(self, settings: dict[str, Any]) -> None:
@@ -217,6 +241,7 @@ class Engine:
         num_generations: int | None = None,
         gap_sample: bool = True,
         on_group: Callable[[int, list[list[int]]], None] | None = None,
+        images: list[list[Any]] | None = None,
     ) -> Rollout:
         """Sample `num_generations` (default `args.num_generations`) completions of every prompt in one engine call.
 
@@ -235,6 +260,9 @@ class Engine:
 
         `on_group(i, completion_ids)` is called as soon as all G completions of prompt i are sampled, while the
         engine decodes the others (rewards start on them: `colograd.early_scoring`); not under tensor parallelism.
+
+        `images` (a vision-language model): each prompt's images, its ids holding one placeholder per image; the
+        engine expands the placeholders, and the rollout's `engine_prompt_ids` are the prompts it computed.
         """
         g = num_generations or args.num_generations
         mine = len(prompt_ids)
@@ -248,8 +276,10 @@ class Engine:
             base = hash((args.seed, self._tp_index, step)) % 2**31
             seeds = [base + i * g for i in range(len(prompt_ids))]
 
-        requests = rollout_requests(args, seeds, mine, g, gap_sample)
-        prompts = [self.prompt(prompt_ids[i]) for i, _ in requests]
+        if images is not None and self.tp_group is not None:
+            raise ConfigError("image prompts under vllm_tensor_parallel_size > 1 are not supported; set it to 1.")
+        requests = rollout_requests(args, seeds, mine, g, gap_sample, self.suppressed)
+        prompts = [self.prompt(prompt_ids[i], images[i] if images else None) for i, _ in requests]
         tap = self._sampler_tap() if args.needs_engine_logps else None
         reporting = self._reporting_groups(requests, on_group) if on_group and self.tp_group is None else nullcontext()
         with tap.capturing() if tap is not None else nullcontext(), reporting:
@@ -257,8 +287,10 @@ class Engine:
                 prompts, [params for _, params in requests], lora_request=self.lora_request, use_tqdm=False
             )
         groups: list[list[Any]] = [[] for _ in prompt_ids]  # each prompt's completions, over its requests
+        computed: list[list[int]] = [[] for _ in prompt_ids]
         for (i, _), request in zip(requests, outputs, strict=True):
             groups[i] += request.outputs
+            computed[i] = list(request.prompt_token_ids)
         if self.tp_group is not None:
             first = dist.get_rank(self.tp_group) * mine
             groups = groups[first : first + mine]
@@ -271,11 +303,12 @@ class Engine:
             logger.warning("colograd: the sampler tap missed a rollout's log-probs; reading vLLM's Logprob objects.")
             self._tap = None
             # (No tap under tensor parallelism: these are this rank's prompts.)
-            return self.generate(prompt_ids, args, step, g, gap_sample)
+            return self.generate(prompt_ids, args, step, g, gap_sample, images)
         return Rollout(
             completion_ids=[list(sample.token_ids) for sample in samples],
             logps=logps,
             truncated=[sample.finish_reason == "length" for sample in samples],
+            engine_prompt_ids=computed if images is not None else None,
         )
 
     @contextmanager
@@ -324,10 +357,11 @@ class Engine:
             self._tap = sampler_tap.install(self.llm) if self.tp_group is None else None
         return self._tap
 
-    def prompt(self, token_ids: list[int]) -> dict[str, Any]:
-        """One request's prompt for `vllm.LLM`: its token ids, salted with the weights' version so that its prompt
-        KV is reused only under the weights that computed it."""
-        return {"prompt_token_ids": token_ids, "cache_salt": self.cache_salt}
+    def prompt(self, token_ids: list[int], images: list[Any] | None = None) -> dict[str, Any]:
+        """One request's prompt for `vllm.LLM`: its token ids (with `images`, one placeholder per image, and the
+        images), salted with the weights' version so that its prompt KV is reused only under the weights that
+        computed it."""
+        return multimodal_prompt(token_ids, images) | {"cache_salt": self.cache_salt}
 
     @property
     def cache_salt(self) -> str:
@@ -345,8 +379,16 @@ class Engine:
             self.llm.collective_rpc(_load_into_model, args=(weights,))
         else:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self._forget_image_features()
         self.stale = False
         self.weights_version += 1
+
+    def _forget_image_features(self) -> None:
+        """Drop the image features the engine cached under the old weights (the cache salt keys prompt KV only):
+        they would be reused for the same image, and vLLM's cache of them breaks across a reload ("Encoder cache
+        miss" at the next rollout)."""
+        if self.vision:
+            self.llm.llm_engine.reset_encoder_cache()
 
     def load_adapter(self, tensors: dict[str, torch.Tensor], adapter_config: Any) -> None:
         """Serve this LoRA adapter (PEFT names and config) from the next generation on.
@@ -367,6 +409,7 @@ class Engine:
         save_file(tensors, os.path.join(self._adapter_dir.name, "adapter_model.safetensors"))
         self.llm.llm_engine.add_lora(LoRARequest("colograd", 1, self._adapter_dir.name, load_inplace=True))
         self.lora_request = LoRARequest("colograd", 1, self._adapter_dir.name)
+        self._forget_image_features()
         self.weights_version += 1
 
     @contextmanager
@@ -401,14 +444,16 @@ class Engine:
         vLLM walks every block of the cache to do it."""
         self.llm.reset_prefix_cache()
 
-    def prompt_logprobs(self, token_ids: list[int]) -> torch.Tensor:
-        """The engine's log-prob of each token of `token_ids` given the ones before it: shape [len - 1]."""
+    def prompt_logprobs(self, token_ids: list[int], images: list[Any] | None = None) -> torch.Tensor:
+        """The engine's log-prob of each token of `token_ids` given the ones before it: shape [len - 1] (with
+        `images`, of the prompt as the engine expands it)."""
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0)
-        out = self.llm.generate([self.prompt(token_ids)], params, lora_request=self.lora_request, use_tqdm=False)
-        steps = out[0].prompt_logprobs
-        return torch.tensor([steps[i][token_ids[i]].logprob for i in range(1, len(token_ids))])
+        prompt = self.prompt(token_ids, images)
+        out = self.llm.generate([prompt], params, lora_request=self.lora_request, use_tqdm=False)
+        steps, ids = out[0].prompt_logprobs, out[0].prompt_token_ids
+        return torch.tensor([steps[i][ids[i]].logprob for i in range(1, len(ids))])
 
 
 # The process's engine (see `Engine.acquire`).
@@ -436,6 +481,7 @@ def engine_settings(
     lora_rank: int | None = None,
     sleep_level: int | None = None,
     longest_prompt: int | None = None,
+    images_per_prompt: int = 1,
 ) -> dict[str, Any]:
     """What an engine for this trainer is built with: `vllm.LLM`'s arguments (but its memory, which `engine_memory`
     works out at start from what is free then), and what else fixes what it computes: the architecture, the
@@ -448,6 +494,9 @@ def engine_settings(
     architecture = {k: v for k, v in _engine_config(base).to_dict().items() if k not in _NOT_ARCHITECTURE}
     stop_ids = base.generation_config.eos_token_id if base.generation_config is not None else None
     lora = {"enable_lora": True, "max_lora_rank": engine_max_lora_rank(lora_rank), "max_loras": 1} if lora_rank else {}
+    # vLLM sizes its encoder cache and start-up profile by the most images a prompt may hold.
+    vision = {"limit_mm_per_prompt": {"image": max(1, images_per_prompt)}} if is_vision_language(base) else {}
+    tokenizer = text_tokenizer(tokenizer)
     return {
         "dtype": _engine_dtype(model, args),
         "tensor_parallel_size": args.vllm_tensor_parallel_size,
@@ -461,6 +510,7 @@ def engine_settings(
         "enable_prefix_caching": args.vllm_enable_prefix_caching,
         "enable_sleep_mode": args.vllm_enable_sleep_mode,
         **lora,
+        **vision,
         "memory": (args.vllm_gpu_memory_utilization, args.vllm_kv_cache_gib),
         "cpu_repack_weights": args.vllm_cpu_repack_weights,
         "sleep_level": sleep_level,
@@ -475,25 +525,32 @@ _NOT_ARCHITECTURE = ("_name_or_path", "transformers_version", "dtype", "torch_dt
 
 
 def rollout_requests(
-    args: GRPOConfig, seeds: list[int | None], mine: int, g: int, gap_sample: bool = True
+    args: GRPOConfig,
+    seeds: list[int | None],
+    mine: int,
+    g: int,
+    gap_sample: bool = True,
+    suppressed: list[int] | None = None,
 ) -> list[tuple[int, Any]]:
     """The engine requests of a rollout of `len(seeds)` prompts (`mine` per rank), as (prompt index, params).
 
     One request of n = G per prompt, each asking for its log-probs where the loss reads them
     (`args.needs_engine_logps`); else, with `gap_sample`, only the sampling-gap metric's completion asks, the first
     of each rank's first prompt, in a request of its own (n = 1) beside one of n = G - 1, seeded as the one request
-    would have been (vLLM seeds a request's n completions seed, seed + 1, ...); without it, none.
+    would have been (vLLM seeds a request's n completions seed, seed + 1, ...); without it, none. `suppressed`
+    token ids are never sampled (a bias of -inf: the log-probs are those of the distribution without them).
     """
     every = args.needs_engine_logps
+    bias = {"logit_bias": dict.fromkeys(suppressed, -math.inf)} if suppressed else {}
     requests = []
     for i, seed in enumerate(seeds):
         if every or not gap_sample or i % mine != 0:
-            requests.append((i, sampling_params(args, seed, n=g, **({} if every else {"logprobs": None}))))
+            requests.append((i, sampling_params(args, seed, n=g, **({} if every else {"logprobs": None}), **bias)))
             continue
-        requests.append((i, sampling_params(args, seed, n=1)))
+        requests.append((i, sampling_params(args, seed, n=1, **bias)))
         if g > 1:
             rest = None if seed is None else seed + 1
-            requests.append((i, sampling_params(args, rest, n=g - 1, logprobs=None)))
+            requests.append((i, sampling_params(args, rest, n=g - 1, logprobs=None, **bias)))
     return requests
 
 

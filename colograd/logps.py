@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from colograd import attention
 from colograd.errors import ConfigError
+from colograd.vision import forward_images
 
 
 @dataclass
@@ -343,8 +344,14 @@ def completion_logps(
     share_prompts: PromptSharing | float | None = None,
     count_tokens: Callable[[int], None] | None = None,
     segments: str | None = None,
+    suppressed: list[int] | None = None,
+    position_ids: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of `batch`'s completion tokens under `model` at `temperature`: [N, T], 0 where there is no token.
+
+    Rows with images (a vision-language model: `batch` holds `colograd.vision.pad_pixels`' tensors) run padded, not
+    packed: the model matches its image features to the placeholders in the order they come, which packing would
+    reorder, and a shared prompt would hold one image for several rows.
 
     Args:
         model: the causal LM, possibly wrapped (DDP, DeepSpeed, PEFT): it is called, never bypassed.
@@ -364,6 +371,9 @@ def completion_logps(
         segments: with `padding_free`, run the attention on segments with this `colograd.attention.KERNELS`
             kernel instead of a mask, where `model`'s attention is switched to it (`attention.install`; else this
             is ignored). All sequences then go in one row: segments, not rows, keep them apart.
+        suppressed: token ids the engine never samples (image placeholders): left out of every distribution, as
+            the engine's `logit_bias` of -inf leaves them out.
+        position_ids: give the model the rows' position ids (False: a model that computes its own, M-RoPE).
 
     Returns:
         logps_NT; with `entropy`, (logps_NT, entropy_NT). Only the completion tokens' values are meaningful.
@@ -373,7 +383,8 @@ def completion_logps(
         check_fp32_head(head)
     completion_ids_NT = batch["completion_ids"]
     n, t = completion_ids_NT.shape
-    if padding_free:
+    images = forward_images(batch)
+    if padding_free and not images:
         segments = segments if segments is not None and attention.installed(model) else None
         dtype = _compute_dtype(head, completion_ids_NT.device)
         packed = pack_for_forward(batch, share_prompts, row_tokens, dtype, segments)
@@ -388,12 +399,14 @@ def completion_logps(
         # Row i's logits at columns P - 1 … P + T - 2 predict its T completion tokens.
         index_K = (torch.arange(n)[:, None] * width + (width - t - 1) + torch.arange(t)[None, :]).flatten()
         index_K, target_K = index_K.to(completion_ids_NT.device), completion_ids_NT.flatten()
-        inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+        inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")[: 3 if position_ids else 2]}
+        inputs |= images
+    packed_rows = padding_free and not images
     if count_tokens is not None:
-        count_tokens(packed.tokens if padding_free else batch["input_ids"].numel())  # padded: padding included
-    with _head_returns_logps(head, index_K, target_K, temperature, chunk_tokens, entropy, fp32_head):
+        count_tokens(packed.tokens if packed_rows else batch["input_ids"].numel())  # padded: padding included
+    with _head_returns_logps(head, index_K, target_K, temperature, chunk_tokens, entropy, fp32_head, suppressed):
         out_K = model(**inputs, use_cache=False).logits  # [K], or [K, 2]: log-prob and entropy
-    if padding_free:
+    if packed_rows:
         out_K = out_K.new_zeros((n, t, *out_K.shape[1:])).index_put(packed.scatter, out_K)
     out_NT = out_K.view(n, t, -1)
     if entropy is None:
@@ -455,10 +468,18 @@ def _output_layer(model: nn.Module) -> nn.Module:
 
 
 def _chunk_logps(
-    forward, hidden_KH: torch.Tensor, target_K: torch.Tensor, temperature: float, entropy: str | None
+    forward,
+    hidden_KH: torch.Tensor,
+    target_K: torch.Tensor,
+    temperature: float,
+    entropy: str | None,
+    suppressed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[K] log-probs of `target_K`, or [K, 2] log-probs and entropies, from one chunk's logits."""
+    """[K] log-probs of `target_K`, or [K, 2] log-probs and entropies, from one chunk's logits (the `suppressed`
+    ids' logits at a finite floor: probability 0, and 0 × logit stays 0 in the entropy)."""
     logits_KV = forward(hidden_KH).float() / temperature
+    if suppressed is not None:
+        logits_KV = logits_KV.index_fill(-1, suppressed, _NEVER)
     lse_K = logits_KV.logsumexp(-1)
     logps_K = logits_KV.gather(-1, target_K.unsqueeze(-1)).squeeze(-1) - lse_K
     if entropy is None:
@@ -471,6 +492,10 @@ def _chunk_logps(
         with torch.no_grad():
             entropy_K = lse_K - (logits_KV - lse_K[:, None]).exp_().mul_(logits_KV).sum(-1)
     return torch.stack([logps_K, entropy_K], -1)
+
+
+# A logit no token is sampled at: exp(it - logsumexp) is 0 in float32.
+_NEVER = -1e30
 
 
 def _fp32_forward(head: nn.Module):
@@ -494,12 +519,14 @@ def _head_returns_logps(
     chunk_tokens: int,
     entropy: str | None = None,
     fp32_head: bool = False,
+    suppressed: list[int] | None = None,
 ) -> Iterator[None]:
     """While active, `head` maps the model's final hidden states [R, L, H] to the log-probs [K] of `target_K` at
     the flat positions `index_K` (with `entropy`, [K, 2]: log-probs and entropies), instead of to logits. Hooks on
     `head` (DeepSpeed's gathers) still run."""
     forward = _fp32_forward(head) if fp32_head else head.forward
     own_forward = head.__dict__.get("forward")  # an instance-level forward (e.g. set by an accelerate hook)
+    never = torch.tensor(suppressed, device=target_K.device) if suppressed else None
 
     def logps(hidden_RLH: torch.Tensor) -> torch.Tensor:
         hidden_KH = hidden_RLH.reshape(-1, hidden_RLH.size(-1))[index_K]
@@ -507,9 +534,9 @@ def _head_returns_logps(
         for start in range(0, len(index_K), chunk_tokens):
             args = (forward, hidden_KH[start : start + chunk_tokens], target_K[start : start + chunk_tokens])
             if torch.is_grad_enabled():
-                parts.append(checkpoint(_chunk_logps, *args, temperature, entropy, use_reentrant=False))
+                parts.append(checkpoint(_chunk_logps, *args, temperature, entropy, never, use_reentrant=False))
             else:
-                parts.append(_chunk_logps(*args, temperature, entropy))
+                parts.append(_chunk_logps(*args, temperature, entropy, never))
         empty = (0,) if entropy is None else (0, 2)
         return torch.cat(parts) if parts else hidden_RLH.new_zeros(empty)
 

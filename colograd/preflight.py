@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from datasets import Dataset, IterableDataset
 from peft import PeftModel
-from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin, TrainerCallback
 from transformers.trainer_utils import has_length
 from trl.data_utils import is_conversational
 
@@ -136,17 +136,18 @@ def check_argument_order(eval_dataset: Any, reward_processing_classes: Any = Non
 
 
 def check_trainer_arguments(eval_dataset: Any, processing_class: Any) -> None:
-    """What TRL's `GRPOTrainer` takes and colograd does not: several eval datasets, a multimodal processor."""
+    """What TRL's `GRPOTrainer` takes and colograd does not: several eval datasets; and a processing class that is
+    neither a tokenizer nor a processor."""
     if isinstance(eval_dataset, dict):
         raise ConfigError(
             "eval_dataset is a dict of datasets, which colograd does not evaluate one by one; pass one Dataset."
         )
     if eval_dataset is not None and not has_length(eval_dataset):
         raise ConfigError("eval_dataset is a stream; evaluation takes an in-memory Dataset (e.g. its first rows).")
-    if processing_class is not None and not isinstance(processing_class, PreTrainedTokenizerBase):
+    if processing_class is not None and not isinstance(processing_class, PreTrainedTokenizerBase | ProcessorMixin):
         raise ConfigError(
-            f"processing_class is a {type(processing_class).__name__}, not a tokenizer: colograd trains text "
-            "models; pass its tokenizer (processor.tokenizer)."
+            f"processing_class is a {type(processing_class).__name__}: pass the model's tokenizer, or for a "
+            "vision-language model its processor (AutoProcessor)."
         )
 
 

@@ -88,6 +88,12 @@ def _letters() -> RewardFunc:
     return letters_reward
 
 
+def _colour() -> RewardFunc:
+    from colograd.tiny_vlm import colour_reward
+
+    return colour_reward
+
+
 def _accuracy() -> RewardFunc:
     from trl.rewards import accuracy_reward
 
@@ -116,6 +122,7 @@ def tag_count_reward(completions: list, **kwargs: Any) -> list[float]:
 
 BUILTIN_REWARDS: dict[str, Callable[[], RewardFunc]] = {
     "letters": _letters,
+    "colour": _colour,
     "accuracy": _accuracy,
     "reasoning_accuracy": _reasoning_accuracy,
     "format": _think_format,

@@ -28,6 +28,7 @@ from peft import PeftModel
 from torch import nn
 
 from colograd.engine import Engine
+from colograd.vision import engine_weight_name
 
 _LAYER_INDEX = re.compile(r"\.\d+(?=\.|$)")
 _SAVED_COPY = re.compile(r"\.modules_to_save\.[^.]+\.")  # PEFT's `lm_head.modules_to_save.default.weight`
@@ -126,6 +127,8 @@ def _units(model: nn.Module, merge_lora: bool) -> list[_Unit]:
     # PEFT's modules_to_save: a trained copy per adapter replaces the frozen original; the active one is sent.
     active = model.active_adapter if isinstance(model, PeftModel) else None
     by_tensor: dict[int, _Unit] = {}
+    # The engine's name of a checkpoint name (a flat LLaVA vision tower is wrapped there, `colograd.vision`).
+    rename = engine_weight_name(model.get_base_model() if isinstance(model, PeftModel) else model)
     # remove_duplicate=False lists a tied tensor under both names: the engine needs `lm_head.weight` as well
     # (vLLM's CPU backend keeps its own processed copy of the output projection, refreshed only when it
     # arrives; without it the engine samples from a stale head).
@@ -134,7 +137,7 @@ def _units(model: nn.Module, merge_lora: bool) -> list[_Unit]:
             continue  # adapters reach the engine merged into their base weights, or on their own
         if ".original_module." in name or (".modules_to_save." in name and f".modules_to_save.{active}." not in name):
             continue
-        ckpt_name = _checkpoint_name(name)
+        ckpt_name = rename(_checkpoint_name(name))
         if id(param) in by_tensor:
             by_tensor[id(param)].names.append(ckpt_name)
             continue

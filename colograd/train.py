@@ -31,7 +31,7 @@ try:
     )
     from trl import ModelConfig, TrlParser, get_peft_config
 
-    from colograd import GRPOConfig, GRPOTrainer, ScriptArguments, model_files, pretrained, tiny
+    from colograd import GRPOConfig, GRPOTrainer, ScriptArguments, model_files, pretrained, tiny, tiny_vlm
     from colograd.config import COMMON_FIELDS, TOPICS, ConfigError
     from colograd.config_loading import model_init_kwargs, tokenizer_kwargs
     from colograd.config_ranges import check_ranges
@@ -43,6 +43,7 @@ try:
     from colograd.preflight import preflight
     from colograd.preflight_env import check_environment, check_variables
     from colograd.trl_compat import DROPPED_KEYS, RENAMED_KEYS, unknown_key_message
+    from colograd.vision import text_tokenizer
 except OSError as err:
     if err.filename is None:  # not a path (a library that cannot load): its own traceback says more
         raise
@@ -63,9 +64,13 @@ def load_model_config(
     if args.model_name_or_path is None:
         raise ConfigError("model_name_or_path is not set; give a hub id, a local folder or colograd:tiny-qwen2.")
     name = _folder(args.model_name_or_path)
+    if name == tiny_vlm.TINY_VLM:  # the tiny LLaVA: its processor stands for the tokenizer
+        with torch.device("meta"):
+            model = tiny_vlm.build_model()
+        return model.config, tiny_vlm.build_processor(), model.dtype
     if name.startswith(tiny.PREFIX):
         if name not in tiny.TINY_MODELS:
-            built_in = ", ".join([*tiny.TINY_MODELS, *pretrained.MODELS])
+            built_in = ", ".join([*tiny.TINY_MODELS, tiny_vlm.TINY_VLM, *pretrained.MODELS])
             raise ConfigError(f"model_name_or_path={name!r}: the built-in models are {built_in}.")
         with torch.device("meta"):  # the architecture only: no memory, no initialisation
             model = tiny.build_model(tie_word_embeddings=tiny.TINY_MODELS[name])
@@ -121,6 +126,8 @@ def load_model(args: ModelConfig, training_args: GRPOConfig) -> tuple[PreTrained
     config, tokenizer, _ = load_model_config(args, training_args)
     name = _folder(name)
     training_args.check_lengths(config)
+    if name == tiny_vlm.TINY_VLM:
+        return tiny_vlm.build_model(), tokenizer
     if name.startswith(tiny.PREFIX):
         return tiny.build_model(tie_word_embeddings=tiny.TINY_MODELS[name]), tokenizer
     if os.path.isdir(name):  # weights present (their headers and shapes were checked with the config)
@@ -170,7 +177,7 @@ def main(
     config, tokenizer, dtype = load_model_config(model_args, training_args)
     adapter_rank = model_args.lora_r if model_args.use_peft and training_args.lora_sync == "adapter" else None
     peft_config = get_peft_config(model_args)
-    inputs = preflight(script_args, training_args, config, tokenizer, dtype, peft_config, adapter_rank)
+    inputs = preflight(script_args, training_args, config, text_tokenizer(tokenizer), dtype, peft_config, adapter_rank)
     model, tokenizer = load_model(model_args, training_args)
     trainer = GRPOTrainer(
         model=model,

@@ -24,6 +24,7 @@ from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
+from datasets import Dataset
 from peft import PeftModel
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -40,6 +41,7 @@ from colograd.early_scoring import early_rewards, group_starter
 from colograd.engine import Engine, Rollout
 from colograd.engine_lifetime import frozen_heap
 from colograd.entropy import EntropyTerms
+from colograd.errors import ConfigError
 from colograd.evaluation import evaluate
 from colograd.logps import completion_logps
 from colograd.loss import (
@@ -65,6 +67,7 @@ from colograd.preflight import (
     check_wrapped_trainer,
 )
 from colograd.preflight_env import check_environment
+from colograd.preflight_vision import check_image_data
 from colograd.reference import ReferencePolicy
 from colograd.rewards import RewardFunc, RewardModel, TimeLimits, across_ranks, resolve_rewards, reward_name, score
 from colograd.rollouts import RewardLogs, ScoredRollout, reward_metrics, rollout_metrics, sampled_lengths
@@ -74,6 +77,17 @@ from colograd.sync import WeightPlan, is_sharded
 from colograd.timing import OptimizerTimer, PhaseTimes, format_summary, run_summary, window_metrics
 from colograd.tools import ToolCallParser
 from colograd.trl_compat import TRLTrainerAttributes, check_refused_parameters, environment_dataset
+from colograd.vision import (
+    check_expansion,
+    freeze_vision_tower,
+    image_prompts,
+    load_pretrained,
+    pad_pixels,
+    placeholder_ids,
+    row_images,
+    takes_position_ids,
+    text_tokenizer,
+)
 
 
 class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
@@ -129,15 +143,17 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         check_refused_parameters(quantization_config=quantization_config)
         check_trainer_arguments(eval_dataset, processing_class)
         if isinstance(model, str):
-            model = AutoModelForCausalLM.from_pretrained(model, **model_init_kwargs(args))
+            model = load_pretrained(model, AutoModelForCausalLM, **model_init_kwargs(args))
         if processing_class is None:
-            processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path, **tokenizer_kwargs(args))
+            processing_class = load_pretrained(model, AutoTokenizer, **tokenizer_kwargs(args))
         if peft_config is not None:
             model = wrap_with_peft(model, peft_config, args)
         if args.disable_dropout:
             disable_dropout(model)
-        if processing_class.pad_token is None:
-            processing_class.pad_token = processing_class.eos_token
+        if args.freeze_vision_tower:
+            freeze_vision_tower(model)
+        if text_tokenizer(processing_class).pad_token is None:
+            text_tokenizer(processing_class).pad_token = text_tokenizer(processing_class).eos_token
         self.reward_funcs, self.reward_weights = resolve_rewards(
             reward_funcs, args.reward_weights, reward_processing_classes
         )
@@ -153,9 +169,28 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         # An environment reaches the rewards as `environments`; a rollout_func's own fields show only at rollout
         # time, so then the rewards' parameters are not checked before it.
         rewards_also_get = None if rollout_func else (["environments"] if environment_factory else [])
-        train_dataset, self._lora_rank, longest_prompt = check_trainer_inputs(
-            model, processing_class, args, train_dataset, self.reward_funcs, rewards_also_get, eval_dataset
+        # Image rows: checked first; their prompts' lengths count the expanded images (the text checks cannot).
+        self._images_per_prompt, longest_image_prompt = check_image_data(
+            model, processing_class, train_dataset, args.chat_template_kwargs
         )
+        if isinstance(eval_dataset, Dataset):
+            eval_images, eval_longest = check_image_data(
+                model, processing_class, eval_dataset, args.chat_template_kwargs, "eval_dataset"
+            )
+            self._images_per_prompt = max(self._images_per_prompt, eval_images)
+            if eval_longest is not None:
+                longest_image_prompt = max(longest_image_prompt or 0, eval_longest)
+        train_dataset, self._lora_rank, longest_prompt = check_trainer_inputs(
+            model,
+            text_tokenizer(processing_class),
+            args,
+            train_dataset,
+            self.reward_funcs,
+            rewards_also_get,
+            eval_dataset,
+        )
+        if longest_image_prompt is not None:  # measured on the first rows only: the engine keeps the model's context
+            longest_prompt = None
         # Every prompt measured bounds the engine's context, unless turns of tools or an environment lengthen them.
         self._longest_prompt = longest_prompt if self.agents is None else None
         # After the checks: TRL's stand-in rows for an environment that gives the prompts have empty messages.
@@ -181,7 +216,9 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         self.accelerator.device_placement = args.device.type != "cpu"
         # Built after super().__init__: the torch process group must exist before the engine joins it.
         unwrapped = self.accelerator.unwrap_model(self.model)
-        if self._longest_prompt is None:
+        if longest_image_prompt is not None:
+            expected = longest_image_prompt
+        elif self._longest_prompt is None:
             expected = sampled_prompt_tokens(
                 train_dataset, processing_class, self._tool_schemas(), args.chat_template_kwargs
             )
@@ -194,7 +231,13 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
             self._lora_rank,
             prompt_tokens=expected,
             longest_prompt=self._longest_prompt,
+            images_per_prompt=self._images_per_prompt,
         )
+        # A vision-language model: image placeholders are never sampled (`Engine.suppressed`), nor scored here.
+        self._suppressed = placeholder_ids(processing_class)
+        self._position_ids = takes_position_ids(unwrapped.config)
+        self._rollout_images: list[list] | None = None  # this rollout's images, per prompt (`prepare_prompts`)
+        self._rollout_pixels: tuple[list[list[int]], list[dict]] | None = None  # expanded ids, processor outputs
         self.vllm_generation = VLLMGeneration(self)  # TRL's handle on the engine, for `rollout_func` code
         if self.reference is not None:
             self.reference.prepare(self.accelerator)
@@ -307,14 +350,20 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         advantages_N = self.compute_advantages(scored.rewards_NF)
         self._record(reward_metrics(scored.rewards_NF, self.reward_weights, g))
         self.log_completions(scored.prompts, scored.rollout, scored.rewards_NF, advantages_N, extra)
+        prompt_ids, pixels = scored.prompt_ids, None
+        if self._rollout_pixels is not None:  # image rows train on the prompts as the engine expanded them
+            prompt_ids, pixels = self._rollout_pixels
+            check_expansion(scored.rollout.engine_prompt_ids, prompt_ids)
         batch = pad_rollout(
-            scored.prompt_ids,
+            prompt_ids,
             scored.rollout,
             advantages_N,
             g,
-            self.processing_class.pad_token_id,
+            text_tokenizer(self.processing_class).pad_token_id,
             self.args.mask_truncated_completions,
         )
+        if pixels is not None:
+            batch.update(pad_pixels(pixels, g))
         # dapo divides each slice by the completion tokens of all ranks' rollouts, per rank and slice.
         tokens = self.accelerator.gather(batch["completion_mask"].sum().to(self.args.device)).sum().float()
         batch["num_items"] = tokens / (self.accelerator.num_processes * self.args.steps_per_generation)
@@ -392,10 +441,24 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
             columns: every other column, one value per row.
         """
         prompts = [row["prompt"] for row in rows]
+        columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
+        if self._images_per_prompt:
+            # The engine gets one placeholder per image and expands it; the trainer the processor's expansion.
+            images = [row_images(row) for row in rows]
+            prompt_ids, expanded, pixels = image_prompts(
+                self.processing_class, prompts, images, self.args.chat_template_kwargs
+            )
+            if max(map(len, expanded)) > self.prompt_limit:
+                raise ConfigError(
+                    f"an image prompt of {max(map(len, expanded))} tokens (images expanded) is longer than the "
+                    f"{self.prompt_limit} a rollout keeps; image prompts are not cut (that would cut an image): raise "
+                    "max_prompt_length, or use smaller images."
+                )
+            self._rollout_images, self._rollout_pixels = images, (expanded, pixels)
+            return prompts, prompt_ids, columns
         prompt_ids = tokenize_prompts(
             prompts, self.processing_class, self._tool_schemas(), self.args.chat_template_kwargs
         )
-        columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
         return prompts, prompt_ids, columns
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int | None = None) -> Rollout:
@@ -416,6 +479,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
             num_generations=g,
             gap_sample=self.gap_sampled(),
             on_group=on_group,
+            images=self._rollout_images if self._images_per_prompt else None,
         )
 
     def gap_sampled(self) -> bool:
@@ -579,6 +643,8 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
             share_prompts=self._prompt_cost,
             count_tokens=count_tokens,
             segments=self._segments,
+            suppressed=self._suppressed,
+            position_ids=self._position_ids,
         )
 
     def log_completions(

@@ -57,7 +57,11 @@ class TRLOnlyFields:
         "auto", None, why="colograd packs sequences without padding (padding_free); remove it."
     )
     log_multimodal: bool = field(
-        default=True, metadata={"help": "No effect: colograd trains text models; there is nothing multimodal to log."}
+        default=True,
+        metadata={
+            "help": "No effect yet: the completions table does not show a vision-language rollout's images "
+            "(docs/vlm.md)."
+        },
     )
     log_completions_hub_repo: str | None = _only(
         None, why="completions go to output_dir/completions.jsonl, uploaded with output_dir by push_to_hub."
@@ -111,7 +115,7 @@ TRAINER_PARAMETERS: dict[str, str] = {
     "train_dataset": "a `Dataset` or `IterableDataset` with a `prompt` column; None where one environment_factory "
     "gives the prompts (`reset()`), with `max_steps`",
     "eval_dataset": "one in-memory `Dataset`, evaluated every `eval_steps` (a dict of datasets is refused)",
-    "processing_class": "the tokenizer; None: loaded from the model's name (a multimodal processor is refused)",
+    "processing_class": "the tokenizer (a vision-language model: its processor); None: loaded from the model's name",
     "reward_processing_classes": "the tokenizer of each reward model in `reward_funcs` (None: loaded from its name)",
     "callbacks": "extra `TrainerCallback`s",
     "optimizers": "an optimizer and a scheduler instead of the Trainer's",

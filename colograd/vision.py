@@ -1,0 +1,243 @@
+"""Vision-language models in the engine: what vLLM needs to serve one, and how its weights are named there.
+
+Three things differ from a text model:
+
+- vLLM's multimodal model files (llava, qwen2_vl, qwen2_5_vl, ...) import transformers' pixtral image processor,
+  which needs torchvision; where torchvision is missing (the CPU torch build has none that matches), vLLM's model
+  inspection fails ("failed to be inspected"). `serve_without_torchvision` hands vLLM transformers' PIL pixtral
+  processor under that name and registers the architecture in this process, so the inspection vLLM runs in a
+  subprocess (and caches under ``~/.cache/vllm/modelinfos``) is not needed.
+- transformers 5 keeps a LLaVA's CLIP / SigLIP vision tower flat (``model.vision_tower.embeddings...``) where
+  vLLM's tower is wrapped (``vision_tower.vision_model.embeddings...``): `engine_weight_name` renames.
+- the engine gets prompts with one placeholder per image, not expanded (`multimodal_prompt`): vLLM's processor
+  expands them itself, and ids expanded already are expanded again, silently.
+"""
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+# transformers' modules that need torchvision, and their PIL twins with the same functions.
+_PIL_TWINS = {
+    "transformers.models.pixtral.image_processing_pixtral": "transformers.models.pixtral.image_processing_pil_pixtral",
+}
+# The vLLM module of each vision-language architecture colograd has run (docs/vlm.md).
+_VLLM_MODULES = {
+    "LlavaForConditionalGeneration": "vllm.model_executor.models.llava",
+}
+# Vision towers that transformers 5 keeps flat and vLLM wraps in `vision_model`.
+_FLAT_TOWERS = ("CLIPVisionTransformer", "SiglipVisionTransformer", "CLIPVisionModel", "SiglipVisionModel")
+
+
+def is_vision_language(model: nn.Module) -> bool:
+    """Whether `model` (bare, or the base model under PEFT) takes images: its config has a vision part."""
+    return getattr(model.config, "vision_config", None) is not None
+
+
+def text_tokenizer(processing_class: Any) -> Any:
+    """The tokenizer of a processor (a multimodal `processing_class`), or `processing_class` itself."""
+    return processing_class.tokenizer if is_processor(processing_class) else processing_class
+
+
+def is_processor(processing_class: Any) -> bool:
+    """Whether `processing_class` is a multimodal processor (a tokenizer and an image processor) not a tokenizer."""
+    from transformers import ProcessorMixin
+
+    return isinstance(processing_class, ProcessorMixin)
+
+
+def serve_without_torchvision(architecture: str) -> None:
+    """Let vLLM serve `architecture` where torchvision cannot be imported (nothing happens where it can).
+
+    The torchvision-only image processor modules are served by their PIL twins (the functions vLLM imports from them
+    are the same), and the architecture's vLLM class is registered in this process, so that vLLM inspects it here,
+    where the twins are in place, rather than in a fresh interpreter.
+    """
+    if architecture not in _VLLM_MODULES or importlib.util.find_spec("torchvision") is not None:
+        return
+    for name, twin in _PIL_TWINS.items():
+        if name not in sys.modules:
+            sys.modules[name] = importlib.import_module(twin)
+    from vllm import ModelRegistry
+
+    module = importlib.import_module(_VLLM_MODULES[architecture])
+    ModelRegistry.register_model(architecture, getattr(module, architecture))
+
+
+def engine_weight_name(model: nn.Module) -> Callable[[str], str]:
+    """How the engine names a checkpoint weight of `model`: the identity for text models; for a LLaVA whose vision
+    tower transformers keeps flat, ``model.vision_tower.X`` becomes ``model.vision_tower.vision_model.X`` (vLLM's
+    own checkpoint mapping then does the rest)."""
+    inner = getattr(model, "model", None)
+    tower = getattr(inner, "vision_tower", None)
+    if tower is None or type(tower).__name__ not in _FLAT_TOWERS or hasattr(tower, "vision_model"):
+        return lambda name: name
+    prefix = "model.vision_tower."
+    return lambda name: prefix + "vision_model." + name.removeprefix(prefix) if name.startswith(prefix) else name
+
+
+def multimodal_prompt(token_ids: list[int], images: list[Any] | None) -> dict[str, Any]:
+    """One engine prompt: `token_ids` with one placeholder per image (not expanded), and the images as vLLM's
+    `multi_modal_data`, which vLLM's processor expands once."""
+    if not images:
+        return {"prompt_token_ids": token_ids}
+    return {"prompt_token_ids": token_ids, "multi_modal_data": {"image": images if len(images) > 1 else images[0]}}
+
+
+# The dataset columns that hold a row's images, TRL's names: one image, or a list of them.
+IMAGE_COLUMNS = ("image", "images")
+# Multimodal architectures whose text positions the model computes itself from the images (M-RoPE): they are not
+# given 1-D position ids.
+_OWN_POSITIONS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+# Prefix of the rollout tensors that hold a processor's outputs, one padded block per completion.
+MM_PREFIX = "mm_"
+
+
+def row_images(row: dict[str, Any]) -> list[Any]:
+    """The images of one dataset row (TRL's `image` or `images` column), [] for a text-only row."""
+    if row.get("image") is not None:
+        return [row["image"]]
+    return list(row.get("images") or [])
+
+
+def image_prompts(
+    processor: Any, prompts: list, images: list[list[Any]], template_kwargs: dict[str, Any] | None = None
+) -> tuple[list[list[int]], list[list[int]], list[dict[str, torch.Tensor]]]:
+    """Template and process conversational prompts with their images, one row at a time.
+
+    Args:
+        processor: the model's processor (tokenizer, image processor, chat template).
+        prompts: each row's messages.
+        images: each row's images ([] for a text-only row).
+
+    Returns:
+        engine_ids: each prompt's ids with one placeholder per image, for the engine (it expands them itself).
+        expanded_ids: each prompt's ids as the processor expands them, for the trainer's forward.
+        pixels: each row's processor outputs besides the ids (`pixel_values` [images, C, H, W] or patches,
+            `image_grid_thw`, `image_sizes`, ...), first dimension per image or patch; {} for a text-only row.
+    """
+    from trl.data_utils import prepare_multimodal_messages
+
+    engine_ids, expanded_ids, pixels = [], [], []
+    for messages, imgs in zip(prompts, images, strict=True):
+        text = processor.apply_chat_template(
+            prepare_multimodal_messages(messages, imgs),
+            add_generation_prompt=True,
+            tokenize=False,
+            **(template_kwargs or {}),
+        )
+        engine_ids.append(processor.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if not imgs:
+            expanded_ids.append(engine_ids[-1])
+            pixels.append({})
+            continue
+        out = processor(text=[text], images=imgs, add_special_tokens=False, return_tensors="pt")
+        expanded_ids.append(out["input_ids"][0].tolist())
+        pixels.append({k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")})
+    return engine_ids, expanded_ids, pixels
+
+
+def check_expansion(engine_ids: list[list[int]], expanded_ids: list[list[int]]) -> None:
+    """The engine's prompts, as its own processor expanded them, must be the trainer's (each image's placeholders
+    once, the same count): else the engine sampled from other inputs than the ones trained on."""
+    for i, (engine, trainer) in enumerate(zip(engine_ids, expanded_ids, strict=True)):
+        if engine != trainer:
+            raise RuntimeError(
+                f"prompt {i}: the engine expanded its image placeholders to {len(engine)} tokens where the processor "
+                f"gives {len(trainer)}: the engine must get one placeholder per image, unexpanded (multimodal_prompt)."
+            )
+
+
+def pad_pixels(pixels: list[dict[str, torch.Tensor]], num_generations: int) -> dict[str, torch.Tensor]:
+    """Each completion's processor outputs as rollout tensors that split by rows like the others.
+
+    Row i's value of key k (first dimension: its images or patches, a count that varies) becomes row i of
+    ``mm_k`` [N, most, ...], zero-padded, with its count in ``mm_k_len`` [N]; each prompt's row repeats for its
+    `num_generations` completions. Empty when no row has an image.
+    """
+    keys = sorted({k for row in pixels for k in row})
+    out = {}
+    for key in keys:
+        rows = [row.get(key) for row in pixels for _ in range(num_generations)]
+        like = next(r for r in rows if r is not None)
+        most = max(len(r) if r is not None else 0 for r in rows)
+        block = like.new_zeros((len(rows), most, *like.shape[1:]))
+        for i, r in enumerate(rows):
+            if r is not None:
+                block[i, : len(r)] = r
+        out[MM_PREFIX + key] = block
+        out[MM_PREFIX + key + "_len"] = torch.tensor([len(r) if r is not None else 0 for r in rows])
+    return out
+
+
+def forward_images(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The processor outputs of a slice of rollout rows (`pad_pixels`' tensors), rebuilt as the model takes them:
+    each key's rows' real entries concatenated in row order, the order of their placeholders in the padded
+    input ids. Empty when the slice has no image."""
+    out = {}
+    for name, block in batch.items():
+        if not name.startswith(MM_PREFIX) or name.endswith("_len"):
+            continue
+        lengths = batch[name + "_len"].tolist()
+        if sum(lengths):
+            out[name.removeprefix(MM_PREFIX)] = torch.cat([block[i, :n] for i, n in enumerate(lengths)])
+    return out
+
+
+def takes_position_ids(model_config: Any) -> bool:
+    """Whether the model is given the rollout's 1-D position ids (not a model that computes M-RoPE positions)."""
+    return getattr(model_config, "model_type", None) not in _OWN_POSITIONS
+
+
+def placeholder_ids(processing_class: Any) -> list[int]:
+    """The token ids that stand for images, which a completion must never hold (the model would look for an image
+    there): the processor's image token, none for a tokenizer."""
+    if not is_processor(processing_class):
+        return []
+    token_id = getattr(processing_class, "image_token_id", None)
+    return [token_id] if token_id is not None else []
+
+
+def freeze_vision_tower(model: nn.Module) -> int:
+    """Stop training the image encoder of `model` (bare or PEFT-wrapped): `requires_grad` off on its parameters.
+
+    Returns:
+        The number of parameters frozen.
+
+    Raises:
+        ConfigError: the model has no image encoder colograd knows (a LLaVA's `vision_tower`, a Qwen-VL's `visual`).
+    """
+    from colograd.errors import ConfigError
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = getattr(base, "model", base)
+    tower = getattr(inner, "vision_tower", None) or getattr(inner, "visual", None)
+    if tower is None:
+        raise ConfigError(
+            f"freeze_vision_tower: {type(base).__name__} has no vision tower (vision_tower / visual); set it to false."
+        )
+    frozen = 0
+    for param in tower.parameters():
+        param.requires_grad_(False)
+        frozen += param.numel()
+    return frozen
+
+
+def load_pretrained(source: Any, text_class: Any, **kwargs: Any) -> Any:
+    """Load a model (`text_class` is `AutoModelForCausalLM`) or its processing class (`AutoTokenizer`) from a hub id
+    or folder, or for a model already loaded from its name: for a vision-language model (its config has a vision
+    part) the image-text model, or the processor (AutoProcessor), instead of the text class."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
+
+    name = source if isinstance(source, str) else source.config._name_or_path
+    config = source.config if not isinstance(source, str) else AutoConfig.from_pretrained(name)
+    if getattr(config, "vision_config", None) is None:
+        return text_class.from_pretrained(name, **kwargs)
+    return (AutoModelForImageTextToText if text_class is AutoModelForCausalLM else AutoProcessor).from_pretrained(
+        name, **kwargs
+    )

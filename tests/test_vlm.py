@@ -1,0 +1,188 @@
+"""Vision-language GRPO on the tiny LLaVA (`colograd.tiny_vlm`): bad image data refused before start-up, and, with
+the real engine, parity of the engine's and the trainer's log-probs on image rollouts, the engine's expansion of the
+placeholders checked against the processor's, and a colour-naming task that learns."""
+
+import math
+import re
+
+import pytest
+import torch
+from conftest import ROOT, run_cli
+from datasets import Dataset
+from PIL import Image
+
+from colograd import GRPOTrainer
+from colograd.errors import ConfigError
+from colograd.preflight_vision import check_image_data
+from colograd.tiny import build_model as build_text_model
+from colograd.tiny import run_config
+from colograd.tiny_vlm import (
+    QUESTION,
+    build_model,
+    build_processor,
+    colour_reward,
+    colours_dataset,
+    save_tiny_vlm,
+    solid_image,
+)
+from colograd.vision import check_expansion, forward_images, freeze_vision_tower, pad_pixels
+
+USER = [{"role": "user", "content": QUESTION}]
+
+
+def _rows(**columns) -> Dataset:
+    return Dataset.from_dict({"prompt": [USER], **{k: [v] for k, v in columns.items()}})
+
+
+@pytest.mark.parametrize(
+    ("columns", "message"),
+    [
+        ({"image": "/nowhere/red.png"}, "does not exist"),
+        ({"image": "a red square"}, "is text"),
+        ({"images": [solid_image("red")] * 2}, None),  # accepted: plain-text messages take any number of images
+    ],
+)
+def test_bad_image_values(columns, message):
+    dataset = _rows(**columns)
+    model, processor = build_model(), build_processor()
+    if message is None:
+        assert check_image_data(model, processor, dataset)[0] == 2
+        return
+    with pytest.raises(ConfigError, match=message) as err:
+        check_image_data(model, processor, dataset)
+    assert "\n" not in str(err.value)
+
+
+def test_bad_image_data(tmp_path):
+    model, processor = build_model(), build_processor()
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"not a png")
+    with pytest.raises(ConfigError, match="not an image file"):
+        check_image_data(model, processor, _rows(image=str(broken)))
+    with pytest.raises(ConfigError, match="takes no images"):
+        check_image_data(build_text_model(), processor, _rows(image=solid_image("red")))
+    text_prompt = Dataset.from_dict({"prompt": ["colour?"], "image": [solid_image("red")]})
+    with pytest.raises(ConfigError, match="conversational"):
+        check_image_data(model, processor, text_prompt)
+    one_part = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
+    two_images = Dataset.from_dict({"prompt": [one_part], "images": [[solid_image("red"), solid_image("blue")]]})
+    with pytest.raises(ConfigError, match="2 images for the prompt's image parts"):
+        check_image_data(model, processor, two_images)
+    assert check_image_data(model, processor, _rows(prompt_only=1)) == (0, None)
+    with pytest.raises(ConfigError, match="^eval_dataset row 0: the image is text"):
+        check_image_data(model, processor, _rows(image="red"), name="eval_dataset")
+
+
+def test_pixels_travel_per_completion():
+    """Each prompt's processor outputs repeat for its G completions and come back, for any slice of rows, as the
+    model takes them: the rows' images concatenated in row order, text-only rows adding none."""
+    a, b = torch.full((1, 3, 2, 2), 1.0), torch.stack([torch.full((3, 2, 2), 2.0), torch.full((3, 2, 2), 3.0)])
+    batch = pad_pixels([{"pixel_values": a}, {}, {"pixel_values": b}], num_generations=2)
+    assert batch["mm_pixel_values"].shape == (6, 2, 3, 2, 2)
+    assert batch["mm_pixel_values_len"].tolist() == [1, 1, 0, 0, 2, 2]
+    values = forward_images({k: v[3:6] for k, v in batch.items()})["pixel_values"]
+    assert values[:, 0, 0, 0].tolist() == [2.0, 3.0, 2.0, 3.0]
+    assert forward_images({k: v[2:4] for k, v in batch.items()}) == {}
+    with pytest.raises(RuntimeError, match="expanded its image placeholders to 7 tokens"):
+        check_expansion([[5, 9, 9, 9, 9, 9, 9]], [[5, 9, 9, 9, 9]])
+
+
+@pytest.mark.slow
+def test_image_rollouts_match_and_learn(tmp_path):
+    """One engine, fp32: (1) a rollout of mixed rows (text only, one image, two images; prompts of different
+    lengths, so left padding) trains on the engine's own expansion, which equals the processor's; the trainer's
+    log-probs of every completion equal the engine's at text tolerance; ids expanded before the engine (TRL 1.16's
+    path) are expanded again and fail the check. (2) The colour task's reward rises from `GRPOTrainer(...)`, and
+    from `colograd/train.py --config recipes/grpo_tiny_vlm.yaml`."""
+    path = save_tiny_vlm(str(tmp_path / "tiny-llava"))
+    colours = ["red", "blue", "green"]
+    mixed = Dataset.from_dict(
+        {
+            "prompt": [USER, [{"role": "user", "content": "say a colour name please"}], USER] * 4,
+            "images": [[solid_image("red")], [], [solid_image(c) for c in colours[:2]]] * 4,
+            "colour": ["red", "red", "blue"] * 4,
+        }
+    )
+    args = run_config(
+        str(tmp_path / "out"),
+        40,
+        max_prompt_length=None,
+        per_device_train_batch_size=24,
+        num_generations=8,
+        max_completion_length=6,
+        vllm_importance_sampling_correction=True,  # every completion then carries the engine's log-probs
+        logging_steps=1,
+    )
+    trainer = GRPOTrainer(path, colour_reward, args, mixed)
+    rows = [mixed[i] for i in range(3)]
+    batch = trainer.make_rollout(rows)[0]  # check_expansion ran inside: a mismatch raises
+    assert batch["mm_pixel_values_len"].tolist() == [1] * 8 + [0] * 8 + [2] * 8
+    pad = trainer.processing_class.tokenizer.pad_token_id
+    assert (batch["input_ids"][:8, 0] == pad).all()  # the one-image prompt is left-padded (the text one is longer)
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    with torch.no_grad():
+        logps = trainer.completion_logps(policy, batch)
+    mask = batch["completion_mask"].bool()
+    gap = (logps - batch["engine_logps"])[mask].abs().max().item()
+    assert gap < 1e-4, gap
+    # Another image scored for the same completions: the gap metric sees it.
+    swapped = {**batch, "mm_pixel_values": batch["mm_pixel_values"].flip(0)}
+    with torch.no_grad():
+        wrong = (trainer.completion_logps(policy, swapped) - batch["engine_logps"])[mask].abs().max().item()
+    assert wrong > 100 * max(gap, 1e-6)
+
+    # TRL 1.16 sends ids with the placeholders already expanded: vLLM expands them again.
+    prompts, engine_ids, _ = trainer.prepare_prompts(rows[:1])
+    expanded = trainer._rollout_pixels[0]
+    rollout = trainer.engine.generate(expanded, args, images=trainer._rollout_images, num_generations=2)
+    assert len(rollout.engine_prompt_ids[0]) > len(expanded[0])
+    with pytest.raises(RuntimeError, match="expanded its image placeholders"):
+        check_expansion(rollout.engine_prompt_ids, expanded)
+    del trainer
+
+    trainer = GRPOTrainer(path, colour_reward, run_config(str(tmp_path / "colours"), 40, **_colour_settings()),
+                          colours_dataset())  # fmt: skip
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    rewards = [h["reward"] for h in logs]
+    first, last = sum(rewards[:8]) / 8, sum(rewards[-8:]) / 8
+    assert last > first + 0.1, rewards
+    gaps = [h["sampling/sampling_logp_difference/max"] for h in logs]
+    assert all(not math.isnan(g) and g < 1e-3 for g in gaps), gaps
+    del trainer
+
+    # The same from the command line, with the recipe.
+    recipe = str(ROOT / "recipes/grpo_tiny_vlm.yaml")
+    proc = run_cli("--config", recipe, "--max_steps", "24", "--output_dir", str(tmp_path / "cli"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rewards = [float(r) for r in re.findall(r"'reward': '?([0-9.e+-]+)", proc.stdout + proc.stderr)][:24]
+    assert sum(rewards[-6:]) / 6 > sum(rewards[:6]) / 6 + 0.05, rewards
+
+
+def _colour_settings() -> dict:
+    return dict(
+        max_prompt_length=None,
+        per_device_train_batch_size=32,
+        num_generations=8,
+        max_completion_length=6,
+        logging_steps=1,
+    )
+
+
+def test_processor_image_token_is_one_token():
+    processor = build_processor()
+    ids = processor.tokenizer("u:<image>colour?;a:", add_special_tokens=False)["input_ids"]
+    assert ids.count(processor.image_token_id) == 1
+    out = processor(text=["u:<image>colour?;a:"], images=[Image.new("RGB", (28, 28))], return_tensors="pt")
+    assert out["input_ids"][0].tolist().count(processor.image_token_id) == 4
+
+
+def test_freeze_vision_tower():
+    model = build_model()
+    frozen = freeze_vision_tower(model)
+    assert frozen == sum(p.numel() for p in model.model.vision_tower.parameters()) > 0
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and not any("vision_tower" in n for n in trained)
+    assert any("multi_modal_projector" in n for n in trained)
+    with pytest.raises(ConfigError, match="has no vision tower"):
+        freeze_vision_tower(build_text_model())
