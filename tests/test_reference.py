@@ -67,6 +67,8 @@ def test_trainer_reference_stage_with_lora_gives_base_logps_and_a_kl_gradient_on
         compute_loss_context_manager=contextlib.nullcontext,
         _prompt_cost=prompt_sharing_cost(policy),  # each prompt's 2 completions share it, as in the trainer
         _segments=None,  # packed under a mask, as on a CPU
+        _suppressed=[],  # a text model: no image placeholder to keep out of the completions
+        _position_ids=True,
     )
     stand_in.completion_logps = lambda model, inputs: GRPOTrainer.completion_logps(stand_in, model, inputs)
     rollout = Rollout(completion_ids=[[7, 8], [9], [10, 11], [12, 1]], logps=[[0.0] * 2, [0.0], [0.0] * 2, [0.0] * 2],
