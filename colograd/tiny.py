@@ -42,7 +42,14 @@ def build_model(tie_word_embeddings: bool = False, seed: int = 0) -> Qwen2ForCau
     """A randomly initialised 2-layer Qwen2 (~0.4M parameters), identical for a given seed on every rank."""
     import torch
 
-    config = Qwen2Config(
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return Qwen2ForCausalLM(model_config(tie_word_embeddings))
+
+
+def model_config(tie_word_embeddings: bool = False) -> Qwen2Config:
+    """The tiny Qwen2's config (also the text model of `colograd.tiny_vlm`)."""
+    return Qwen2Config(
         vocab_size=64,  # the tokenizer uses 49; a round size, as real models pad theirs
         hidden_size=128,
         intermediate_size=256,
@@ -55,9 +62,6 @@ def build_model(tie_word_embeddings: bool = False, seed: int = 0) -> Qwen2ForCau
         eos_token_id=1,
         bos_token_id=None,
     )
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        return Qwen2ForCausalLM(config)
 
 
 def letters_dataset(num_prompts: int = 2048, seed: int = 0) -> Dataset:

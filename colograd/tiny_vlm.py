@@ -22,10 +22,10 @@ from transformers import (
     LlavaForConditionalGeneration,
     LlavaProcessor,
     PreTrainedTokenizerFast,
-    Qwen2Config,
 )
 from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
 
+from colograd import tiny
 from colograd.tiny import _CHARS, _SPECIALS
 
 TINY_VLM = "colograd:tiny-llava"  # its name as a recipe's model_name_or_path
@@ -82,19 +82,7 @@ def build_model(seed: int = 0, tie_word_embeddings: bool = False) -> LlavaForCon
     import torch
 
     image_token_id = len(_SPECIALS) + len(_CHARS)
-    text = Qwen2Config(
-        vocab_size=64,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=tie_word_embeddings,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=None,
-    )
+    text = tiny.model_config(tie_word_embeddings)
     vision = CLIPVisionConfig(
         image_size=IMAGE_SIZE,
         patch_size=14,
