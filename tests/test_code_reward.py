@@ -103,7 +103,7 @@ def test_started_early_the_rewards_are_the_same_and_run_once(code, monkeypatch):
     after = code(completions, infos)
     runs = []
     real_run = code.sandbox.run
-    monkeypatch.setattr(code.sandbox, "run", lambda *a: runs.append(a) or real_run(*a))
+    monkeypatch.setattr(code.sandbox, "run", lambda *a, **k: runs.append(a) or real_run(*a, **k))
     code.prefetch(completions[:2], infos[:2])  # the first two finished while the others decode
     code.prefetch(completions[2:], infos[2:])
     assert code(completions, infos) == after
@@ -187,7 +187,7 @@ def test_assert_tests_started_early_run_once(code, monkeypatch):
     after = code(completions, test_list=rows)
     runs = []
     real_run = code.sandbox.run
-    monkeypatch.setattr(code.sandbox, "run", lambda *a: runs.append(a) or real_run(*a))
+    monkeypatch.setattr(code.sandbox, "run", lambda *a, **k: runs.append(a) or real_run(*a, **k))
     code.prefetch(completions, test_list=rows)
     assert code(completions, test_list=rows) == after == [1.0, 1.0, 2 / 3]
     assert len(runs) == 2  # one execution per distinct program, all its tests in it
@@ -197,7 +197,29 @@ BAD_ROWS = {
     "no tests": ({"tests": "[]"}, "no column of tests"),
     "empty test_list": ({"test_list": []}, "test_list is empty"),
     "test_list as text": ({"test_list": "assert add(1, 2) == 3"}, "test_list is a str"),
-    "a test asserting nothing": ({"test_list": ["add(1, 2)"]}, "has no assert statement"),
+    "a test asserting nothing": ({"test_list": ["add(1, 2)"]}, "has no assert that runs"),
+    "an assert of a constant": ({"test_list": ["add(1, 2)\nassert True"]}, "has no assert that runs"),
+    "an assert under if False": ({"test_cases": ["if False:\n    assert add(1, 2) == 3"]}, "has no assert that runs"),
+    "an assert in an uncalled function": (
+        {"test_list": ["def t():\n    assert add(1, 2) == 3"]},
+        "has no assert that runs",
+    ),
+    "check's asserts in a helper it never calls": (
+        {
+            "test": "def helper(c):\n    assert c(1, 2) == 3\ndef check(candidate):\n    candidate(1, 2)\n",
+            "entry_point": "add",
+        },
+        "check(candidate) has no assert that runs",
+    ),
+    "a test of builtins only": ({"test_list": ["assert abs(-1) == len([1])"]}, "uses nothing of the program"),
+    "builtins, one of them the program's?": (
+        {"test_cases": ["assert max([1, 2]) == 2", "assert abs(min(1)) == 1"]},
+        "named like a builtin",
+    ),
+    "a test of the setup only": (
+        {"test_list": ["assert x == 1"], "test_setup_code": "x = 1"},
+        "uses nothing of the program",
+    ),
     "a test that does not parse": ({"test_cases": ["assert add(1, 2) =="]}, "does not parse as Python"),
     "test without entry_point": ({"test": HUMANEVAL["test"]}, "entry_point is not"),
     "test without check": ({"test": "assert add(1, 2) == 3", "entry_point": "add"}, "no check(candidate)"),
