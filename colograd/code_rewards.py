@@ -2,13 +2,17 @@
 
 open-r1's `code_reward` takes the last ```` ```python ```` block of a completion (none: the empty program), runs it
 once per test case of the row's ``verification_info`` (``{"language": "python", "test_cases": [{"input": ..., "output":
-...}, ...]}``) with the case's input on stdin, and counts a case passed when the program exits 0 and each line of its
-stripped stdout equals the expected line, stripped (line by line over the shorter of the two, as open-r1 compares).
-The reward is the fraction of cases passed; `binary_code_reward` gives 1.0 when it is above 0.99, else 0.0.
+...}, ...]}``) with the case's input on stdin, and counts a case passed when the program exits 0 and its stripped
+stdout matches the expected output line by line, each line stripped. Here every line counts: the output must have as
+many lines as the expected one (`output_lines="all"`). open-r1 compares over the shorter of the two, so that a
+program printing only the first of the expected lines passes; ``output_lines="shorter"`` keeps that meaning, for
+comparisons with open-r1's numbers. The reward is the fraction of cases passed; `binary_code_reward` gives 1.0 when
+it is above 0.99, else 0.0.
 
 Rows may instead hold assert-style tests (MBPP's ``test_list``, AceCode's ``test_cases``, HumanEval's ``test`` and
-``entry_point``: `colograd.code_tests`): each assert statement is one test, run after the program in one execution,
-with the same meanings: the reward is the fraction of tests passed, `binary_code` 1.0 when it is above 0.99.
+``entry_point``: `colograd.code_tests`): each assert statement is one test, decided by a judge process that never runs
+the program and holds the expected values (`colograd.code_harness`), with the same meanings: the reward is the
+fraction of tests passed, `binary_code` 1.0 when it is above 0.99.
 
 Executions run in a pool of threads (each waits on its own sandboxed process), sized to the machine's cores.
 A completion's failure reason (the first failing test's: ``timeout``, ``memory``, ``wrong answer``, ``syntax error``,
@@ -33,6 +37,7 @@ from colograd.sandbox import Execution, Sandbox, SandboxLimits
 
 BINARY_THRESHOLD = 0.99  # open-r1's
 SANDBOX_MODES = ("namespaces", "none")
+OUTPUT_LINES = ("all", "shorter")
 
 
 def extract_code(completion: str, language: str = "python") -> str:
@@ -41,10 +46,27 @@ def extract_code(completion: str, language: str = "python") -> str:
     return matches[-1] if matches else ""
 
 
-def output_matches(stdout: str, expected: str) -> bool:
-    """open-r1's comparison: stripped output and expected text, line by line, each line stripped, over the shorter."""
-    lines = stdout.strip().split("\n")
-    return all(a.strip() == b.strip() for a, b in zip(lines, expected.split("\n"), strict=False))
+def output_matches(stdout: str, expected: str, lines: str = "all") -> bool:
+    """Whether a program's output matches the expected output: both stripped, compared line by line, each line
+    stripped. `lines`: "all", every line, so the counts must agree; "shorter", open-r1's comparison, over the shorter
+    of the two (a program that prints only the first expected line passes: gameable)."""
+    got, want = stdout.strip().split("\n"), expected.split("\n")
+    if lines == "all":
+        want = expected.strip().split("\n")
+        if len(got) != len(want):
+            return False
+    return all(a.strip() == b.strip() for a, b in zip(got, want, strict=False))
+
+
+def completion_text(completion: Any) -> str:
+    """A completion's text: itself, or the content of a chat's last message; "" when that is None or not text (a
+    tool call, image parts): the empty program."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, list | tuple) and completion and isinstance(completion[-1], dict):
+        content = completion[-1].get("content")
+        return content if isinstance(content, str) else ""
+    return ""
 
 
 @dataclass(frozen=True)
@@ -71,9 +93,11 @@ class CodeReward:
             temporary folder, the explicit opt-in for trusted code or a machine without namespaces.
         workers: executions run at once; None: one per core this process may use.
         program: how a completion's text becomes the program; default `extract_code` (its last python block).
+        output_lines: how stdin/stdout cases compare the output: "all" its lines, or "shorter", open-r1's comparison
+            over the shorter of the output's and the expected output's lines (gameable: see `output_matches`).
 
     Raises:
-        ConfigError: an unknown `sandbox`; `SandboxUnavailable` where the namespaces cannot be built.
+        ConfigError: an unknown `sandbox` or `output_lines`; `SandboxUnavailable` where the namespaces cannot be built.
     """
 
     scores_while_decoding = True
@@ -85,11 +109,15 @@ class CodeReward:
         sandbox: str = "namespaces",
         workers: int | None = None,
         program: Callable[[str], str] = extract_code,
+        output_lines: str = "all",
     ) -> None:
         if sandbox not in SANDBOX_MODES:
             raise ConfigError(f"code_sandbox: {sandbox!r} is not one of {', '.join(SANDBOX_MODES)}.")
+        if output_lines not in OUTPUT_LINES:
+            raise ConfigError(f"code_output_lines: {output_lines!r} is not one of {', '.join(OUTPUT_LINES)}.")
         self.binary = binary
         self.program = program
+        self.output_lines = output_lines
         self.__name__ = "binary_code" if binary else "code"
         self.sandbox = Sandbox(limits, isolated=sandbox == "namespaces")
         self.workers = workers or len(os.sched_getaffinity(0))
@@ -135,8 +163,7 @@ class CodeReward:
             self._start(completion, row)
 
     def _start(self, completion: Any, row: dict[str, Any]) -> Future:
-        text = completion if isinstance(completion, str) else completion[-1]["content"]
-        key = (self.program(text), row_tests(row))
+        key = (self.program(completion_text(completion)), row_tests(row))
         with self._lock:
             future = self._started.get(key)
             if future is None:
@@ -154,11 +181,11 @@ class CodeReward:
             return CodeResult(failures.count(None), len(failures), next(filter(None, failures), None))
         cases = tests.cases
         if not code.strip():  # open-r1 runs the empty program, which passes a case that expects no output
-            passed = sum(output_matches("", expected) for _, expected in cases)
+            passed = sum(output_matches("", expected, self.output_lines) for _, expected in cases)
             return CodeResult(passed, len(cases), "no code block" if passed < len(cases) else None)
         passed, reason = 0, None
         for stdin, expected in cases:
-            failure = _failure(self.sandbox.run(code, stdin), expected)
+            failure = _failure(self.sandbox.run(code, stdin), expected, self.output_lines)
             passed += failure is None
             reason = reason or failure
             if failure == "syntax error":
@@ -174,10 +201,10 @@ def _rows(completions: list, verification_info: list | None, columns: dict[str, 
     return [{name: values[i] for name, values in tested.items()} for i in range(len(completions))]
 
 
-def _failure(execution: Execution, expected: str) -> str | None:
+def _failure(execution: Execution, expected: str, lines: str) -> str | None:
     if not execution.ok:
         return execution.reason
-    return None if output_matches(execution.stdout, expected) else "wrong answer"
+    return None if output_matches(execution.stdout, expected, lines) else "wrong answer"
 
 
 def check_code_rows(
@@ -217,20 +244,21 @@ def check_code_rows(
             raise ConfigError(f"reward function {reward!r}: dataset {name!r} row {i}: {err}.") from None
 
 
-def code_reward(sandbox: str = "namespaces") -> CodeReward:
-    """The built-in `code` reward (its pool and sandbox are made once per process and sandbox mode)."""
-    return _shared(False, sandbox)
+def code_reward(sandbox: str = "namespaces", output_lines: str = "all") -> CodeReward:
+    """The built-in `code` reward (its pool and sandbox are made once per process and setting)."""
+    return _shared(False, sandbox, output_lines)
 
 
-def binary_code_reward(sandbox: str = "namespaces") -> CodeReward:
+def binary_code_reward(sandbox: str = "namespaces", output_lines: str = "all") -> CodeReward:
     """The built-in `binary_code` reward."""
-    return _shared(True, sandbox)
+    return _shared(True, sandbox, output_lines)
 
 
-_SHARED: dict[tuple[bool, str], CodeReward] = {}
+_SHARED: dict[tuple[bool, str, str], CodeReward] = {}
 
 
-def _shared(binary: bool, sandbox: str) -> CodeReward:
-    if (binary, sandbox) not in _SHARED:
-        _SHARED[binary, sandbox] = CodeReward(binary=binary, sandbox=sandbox)
-    return _SHARED[binary, sandbox]
+def _shared(binary: bool, sandbox: str, output_lines: str) -> CodeReward:
+    key = (binary, sandbox, output_lines)
+    if key not in _SHARED:
+        _SHARED[key] = CodeReward(binary=binary, sandbox=sandbox, output_lines=output_lines)
+    return _SHARED[key]

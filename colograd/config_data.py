@@ -60,6 +60,15 @@ class ScriptArguments:
             "trusted code only (docs/rewards.md)."
         },
     )
+    code_output_lines: str = field(
+        default="all",
+        metadata={
+            "help": "How the code rewards compare a program's output with a stdin/stdout case's expected output, line "
+            "by line, each stripped: 'all' lines (their counts must agree), or 'shorter': open-r1's comparison, over "
+            "the shorter of the two, which a program printing only the first expected line passes (for comparisons "
+            "with open-r1's numbers; gameable)."
+        },
+    )
     drop_invalid_prompts: bool = field(
         default=False,
         metadata={

@@ -95,7 +95,10 @@ def preflight(
     if peft_config is not None:
         check_lora_targets(model_config, peft_config)
     checkpoint = check_output_dir(training_args, training_args.resume_from_checkpoint)
-    reward_funcs = [resolve_reward(name, script_args.code_sandbox) for name in script_args.reward_funcs]
+    reward_funcs = [
+        resolve_reward(name, script_args.code_sandbox, script_args.code_output_lines)
+        for name in script_args.reward_funcs
+    ]
     name = script_args.dataset_name
     dataset = load_prompts(script_args, streaming=script_args.dataset_streaming)
     template_kwargs = training_args.chat_template_kwargs

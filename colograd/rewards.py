@@ -131,23 +131,24 @@ BUILTIN_REWARDS: dict[str, Callable[[], RewardFunc]] = {
 }
 
 
-def _code(sandbox: str) -> RewardFunc:
+def _code(sandbox: str, output_lines: str) -> RewardFunc:
     from colograd.code_rewards import code_reward
 
-    return code_reward(sandbox)
+    return code_reward(sandbox, output_lines)
 
 
-def _binary_code(sandbox: str) -> RewardFunc:
+def _binary_code(sandbox: str, output_lines: str) -> RewardFunc:
     from colograd.code_rewards import binary_code_reward
 
-    return binary_code_reward(sandbox)
+    return binary_code_reward(sandbox, output_lines)
 
 
-# Rewards that run model-written programs, built for the run's `code_sandbox` (see docs/rewards.md).
-CODE_REWARDS: dict[str, Callable[[str], RewardFunc]] = {"code": _code, "binary_code": _binary_code}
+# Rewards that run model-written programs, built for the run's `code_sandbox` and `code_output_lines`
+# (see docs/rewards.md).
+CODE_REWARDS: dict[str, Callable[[str, str], RewardFunc]] = {"code": _code, "binary_code": _binary_code}
 
 
-def resolve_reward(name: str, code_sandbox: str = "namespaces") -> RewardFunc:
+def resolve_reward(name: str, code_sandbox: str = "namespaces", code_output_lines: str = "all") -> RewardFunc:
     """A reward function from its name in a recipe.
 
     Args:
@@ -156,6 +157,8 @@ def resolve_reward(name: str, code_sandbox: str = "namespaces") -> RewardFunc:
             ``pkg.rewards:length``, found from the working directory as TRL's script does; or a file and a name in
             it, ``path/to/rewards.py:length``.
         code_sandbox: how the code rewards (`CODE_REWARDS`) run programs (`colograd.code_rewards.CodeReward`).
+        code_output_lines: how the code rewards compare a program's output with the expected one ("all" its lines,
+            or "shorter": open-r1's comparison over the shorter of the two).
 
     Raises:
         ConfigError: in one line, for anything that keeps the name from giving a reward function: a module that does
@@ -165,7 +168,7 @@ def resolve_reward(name: str, code_sandbox: str = "namespaces") -> RewardFunc:
     if name in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[name]()
     if name in CODE_REWARDS:
-        return CODE_REWARDS[name](code_sandbox)
+        return CODE_REWARDS[name](code_sandbox, code_output_lines)
     if name.endswith(".py"):
         raise ConfigError(f"reward_funcs: {name!r} names a file but no function in it; write {name}:my_reward.")
     module_name, _, attr = name.rpartition(":")

@@ -37,10 +37,22 @@ def test_the_last_python_block_is_the_program():
     assert extract_code("no code here") == "" and extract_code("```\nprint(1)\n```") == ""
 
 
-def test_outputs_compare_line_by_line_stripped_over_the_shorter():
-    assert output_matches(" 3 \n4\n\n", "3\n4")
+def test_outputs_compare_every_line_stripped():
+    assert output_matches(" 3 \n4\n\n", "3\n4") and output_matches("3\n4\n", "3\n4\n")
     assert not output_matches("3\n5", "3\n4")
-    assert output_matches("3", "3\n4")  # open-r1 zips the lines: the shorter side decides
+    assert not output_matches("3", "3\n4") and not output_matches("3\n4\n5", "3\n4")  # a line short, a line more
+    assert output_matches("", "") and output_matches("\n", "") and not output_matches("x", "")
+
+
+def test_open_r1s_comparison_over_the_shorter_is_an_opt_in(code):
+    assert output_matches("3", "3\n4", "shorter")  # open-r1 zips the lines: the shorter side decides
+    first_line_only = {"language": "python", "test_cases": [{"input": "", "output": "3\n4\n"}]}
+    shorter = CodeReward(limits=LIMITS, workers=1, output_lines="shorter")
+    assert code([block("print(3)\n")], [first_line_only]) == [0.0]
+    assert shorter([block("print(3)\n")], [first_line_only]) == [1.0]
+    assert resolve_reward("code", "namespaces", "shorter").output_lines == "shorter"
+    with pytest.raises(ConfigError, match="code_output_lines: 'first'"):
+        resolve_reward("code", "namespaces", "first")
 
 
 def test_the_reward_is_the_share_of_cases_passed(code):
@@ -259,3 +271,11 @@ def test_the_offline_function_task_is_solved_by_a_correct_function(code):
     rows = code_task.code_functions_dataset(4)
     assert code([block(ADD)] * 4, test_list=rows["test_list"]) == [1.0] * 4
     assert "```python" in rows[0]["prompt"][0]["content"]
+
+
+def test_a_chat_completion_without_text_is_the_empty_program(code):
+    chats = [[{"role": "assistant", "content": None, "tool_calls": [{"name": "f"}]}],
+             [{"role": "assistant", "content": [{"type": "image"}]}]]  # fmt: skip
+    logged = {}
+    assert code(chats, [INFO] * 2, log_extra=lambda c, v: logged.update({c: v})) == [0.0, 0.0]
+    assert logged["code_failure"] == ["no code block"] * 2
