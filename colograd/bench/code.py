@@ -1,5 +1,6 @@
-"""Code rewards: a rollout of the tiny code task scored while it decodes against scored after it, and the sandbox's
-own cost per execution against a bare subprocess.
+"""Code rewards: a rollout of the tiny code task scored while it decodes against scored after it, the sandbox's own
+cost per execution against a bare subprocess, and the split harness's cost per completion against the
+single-interpreter harness it replaced.
 
 The workload: P prompts × G completions of the tiny model on `colograd.code_task.expressions_dataset`, each
 completion run in the sandbox as a program (`print(<completion>)`) against its test case. Completions stop at any of
@@ -10,6 +11,7 @@ TRL's rollout of the same task (`model.generate`, then the reward) is timed afte
 
 import json
 import os
+import secrets
 import statistics
 import subprocess
 import tempfile
@@ -17,15 +19,97 @@ import time
 
 from colograd import code_task, tiny
 from colograd.code_rewards import CodeReward
+from colograd.code_tests import AssertTests, row_tests, run_asserts
 from colograd.sandbox import Sandbox
 
 PROGRAM = "a, b = map(int, input().split())\nprint(a + b)\n"
+ADD = "def add(a, b):\n    return a + b\n"
+# Assert-style workloads for the harness comparison: MBPP's shape (three asserts, one call each) and HumanEval's
+# (check(candidate) with a loop of calls).
+HARNESS_ROWS = {
+    "MBPP (3 asserts)": {"test_list": ["assert add(1, 2) == 3", "assert add(0, 5) == 5", "assert add(-1, 1) == 0"]},
+    "HumanEval (check, 20 calls)": {
+        "test": "def check(candidate):\n    for i in range(20):\n        assert candidate(i, 1) == i + 1\n",
+        "entry_point": "add",
+    },
+}
+
+# The single-interpreter harness the split replaced (colograd before the split), kept here as the baseline: the
+# program and the tests in one interpreter, each test's outcome printed after a secret read from stdin. Its
+# weaknesses are docs/rewards.md's; only its cost is measured.
+_SINGLE = """\
+import os
+import sys
+
+
+def _outcome(err):
+    if isinstance(err, AssertionError):
+        return "wrong answer"
+    return "error: " + type(err).__name__
+
+
+def _run(setup, program, tests, exec=exec, compile=compile, outcome_of=_outcome, write=os.write):
+    nonce = sys.stdin.readline().strip()
+    namespace = {"__name__": "solution"}
+    try:
+        exec(compile(setup, "<test setup>", "exec"), namespace)
+        exec(compile(program, "solution.py", "exec"), namespace)
+        failed = None
+    except BaseException as err:
+        failed = outcome_of(err)
+    for i, test in enumerate(tests):
+        outcome = failed
+        if outcome is None:
+            try:
+                exec(compile(test, "<test %d>" % i, "exec"), namespace)
+                outcome = "ok"
+            except BaseException as err:
+                outcome = outcome_of(err)
+        write(1, ("\\n%s %d %s\\n" % (nonce, i, outcome)).encode())
+"""
+
+
+def single_interpreter(sandbox: Sandbox, tests: AssertTests, code: str) -> list[str | None]:
+    """Each test's failure reason (None: passed) under the single-interpreter harness."""
+    nonce = secrets.token_hex(16)
+    setup = "\n".join(filter(None, [tests.imports, tests.setup]))
+    execution = sandbox.run(f"{_SINGLE}\n_run({setup!r}, {code!r}, {list(tests.tests)!r})\n", f"{nonce}\n")
+    reports = {}
+    for line in execution.stdout.split("\n"):
+        mark, _, rest = line.partition(" ")
+        index, _, outcome = rest.partition(" ")
+        if mark == nonce and index.isdigit():
+            reports[int(index)] = outcome
+    return [None if reports.get(i) == "ok" else reports.get(i, "ended") for i in range(len(tests.tests))]
+
+
+def harness_cost(repeats: int = 15) -> dict[str, dict[str, float]]:
+    """Median seconds per completion of each assert-style workload through the single-interpreter harness and the
+    split one, in the same sandbox, alternately; and the ratio."""
+    sandbox = Sandbox()
+    figures = {}
+    for name, row in HARNESS_ROWS.items():
+        tests = row_tests(row)
+        ways = {"single": lambda t=tests: single_interpreter(sandbox, t, ADD),
+                "split": lambda t=tests: run_asserts(sandbox, t, ADD).failures}  # fmt: skip
+        for way in ways.values():  # warm-up; both ways must pass the right program
+            assert way() == [None] * len(tests.tests)
+        seconds: dict[str, list[float]] = {way: [] for way in ways}
+        for _ in range(repeats):
+            for way, call in ways.items():
+                start = time.perf_counter()
+                call()
+                seconds[way].append(time.perf_counter() - start)
+        medians = {way: statistics.median(values) for way, values in seconds.items()}
+        figures[name] = {**medians, "ratio": medians["split"] / medians["single"]}
+    return figures
 
 
 def sandbox_overhead(executions: int = 20) -> dict[str, float]:
-    """Median seconds per execution of one small program: a bare `python -I` subprocess, the sandbox, and the
-    unisolated opt-in (its launcher, rlimits and caps without namespaces)."""
-    isolated, unisolated = Sandbox(), Sandbox(isolated=False)
+    """Median seconds per execution of one small program: a bare `python -I` subprocess, the sandbox, the sandbox
+    without the protections beyond its namespaces (seccomp, memory cgroup, keyring, IPC limits), and the unisolated
+    opt-in (its launcher, rlimits and caps without namespaces)."""
+    isolated, bare_namespaces, unisolated = Sandbox(), Sandbox(protections=()), Sandbox(isolated=False)
     with tempfile.TemporaryDirectory() as folder:
         with open(f"{folder}/main.py", "w") as f:
             f.write(PROGRAM)
@@ -33,15 +117,16 @@ def sandbox_overhead(executions: int = 20) -> dict[str, float]:
         def bare() -> None:
             subprocess.run([isolated.python, "-I", "main.py"], cwd=folder, input=b"3 4\n", capture_output=True)
 
-        times = {}
-        for name, call in (("bare", bare), ("sandbox", lambda: isolated.run(PROGRAM, "3 4\n")),
-                           ("unisolated", lambda: unisolated.run(PROGRAM, "3 4\n"))):  # fmt: skip
-            seconds = []
-            for _ in range(executions):
+        calls = {"bare": bare, "sandbox": lambda: isolated.run(PROGRAM, "3 4\n"),
+                 "namespaces only": lambda: bare_namespaces.run(PROGRAM, "3 4\n"),
+                 "unisolated": lambda: unisolated.run(PROGRAM, "3 4\n")}  # fmt: skip
+        seconds: dict[str, list[float]] = {name: [] for name in calls}
+        for _ in range(executions):  # alternately, so that the machine's load falls on each alike
+            for name, call in calls.items():
                 start = time.perf_counter()
                 call()
-                seconds.append(time.perf_counter() - start)
-            times[name] = statistics.median(seconds)
+                seconds[name].append(time.perf_counter() - start)
+        times = {name: statistics.median(values) for name, values in seconds.items()}
     return times
 
 
@@ -74,6 +159,7 @@ def run(repeats: int = 3, as_json: bool = False, prompts: int = 8, generations: 
     from colograd.trainer import GRPOTrainer  # torch and vLLM only when the benchmark runs
 
     overhead = sandbox_overhead()
+    harness = harness_cost()
     reward = CodeReward(program=code_task.as_print)
     executions = []
     run_in_sandbox = reward.sandbox.run
@@ -118,6 +204,7 @@ def run(repeats: int = 3, as_json: bool = False, prompts: int = 8, generations: 
         "workers": reward.workers,
         "execution_s": overhead,
         "sandbox_overhead_s": overhead["sandbox"] - overhead["bare"],
+        "harness_s": harness,
     }
     if as_json:
         print(json.dumps(result))
@@ -137,7 +224,12 @@ def run(repeats: int = 3, as_json: bool = False, prompts: int = 8, generations: 
     )
     print(
         f"  one execution: bare subprocess {overhead['bare'] * 1e3:.1f} ms, sandbox {overhead['sandbox'] * 1e3:.1f} "
-        f"ms, unisolated {overhead['unisolated'] * 1e3:.1f} ms (sandbox overhead "
-        f"{result['sandbox_overhead_s'] * 1e3:.1f} ms)"
+        f"ms (namespaces only {overhead['namespaces only'] * 1e3:.1f} ms), unisolated "
+        f"{overhead['unisolated'] * 1e3:.1f} ms (sandbox overhead {result['sandbox_overhead_s'] * 1e3:.1f} ms)"
     )
+    for name, figures in harness.items():
+        print(
+            f"  assert-style, {name}: single interpreter {figures['single'] * 1e3:.1f} ms, split "
+            f"{figures['split'] * 1e3:.1f} ms per completion ({figures['ratio']:.2f}x)"
+        )
     return result
