@@ -12,7 +12,6 @@ memory is bounded per process only.
 import itertools
 import os
 import threading
-import time
 
 _names = itertools.count()
 _lock = threading.Lock()
@@ -72,17 +71,15 @@ class MemoryCgroups:
         return 0
 
     def remove(self, folder: str) -> None:
-        """Remove `folder`; its last processes may still be exiting, so it is retried briefly, then later."""
-        for _ in range(20):
-            try:
-                os.rmdir(folder)
-                return
-            except FileNotFoundError:
-                return
-            except OSError:  # EBUSY: a killed process not yet gone
-                time.sleep(0.005)
-        with _lock:
-            self._leftovers.append(folder)
+        """Remove `folder`, or, while its last killed processes are still exiting, leave it to the next `create` (the
+        execution does not wait for them)."""
+        try:
+            os.rmdir(folder)
+        except FileNotFoundError:
+            pass
+        except OSError:  # EBUSY
+            with _lock:
+                self._leftovers.append(folder)
 
     def _retry_leftovers(self) -> None:
         with _lock:

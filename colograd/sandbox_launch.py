@@ -72,7 +72,6 @@ REFUSED_SYSCALLS = (
     "acct", "quotactl", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex",
 )  # fmt: skip
 SOCKET_FAMILIES = (1, 2, 10)  # AF_UNIX, AF_INET, AF_INET6: a program may make sockets, which reach nothing
-MAX_FAMILY = 45
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -165,10 +164,10 @@ class SeccompFilter:
         self._refuse("clone", errnos.EPERM, (0, self.CMP_MASKED_EQ, CLONE_NEWUSER, CLONE_NEWUSER))
         for flag in (CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET, CLONE_NEWCGROUP):
             self._refuse("clone", errnos.EPERM, (0, self.CMP_MASKED_EQ, flag, flag))
-        for family in range(MAX_FAMILY + 1):
+        for family in range(max(SOCKET_FAMILIES)):
             if family not in SOCKET_FAMILIES:
                 self._refuse("socket", errnos.EPERM, (0, self.CMP_EQ, family, 0))
-        self._refuse("socket", errnos.EPERM, (0, self.CMP_GT, MAX_FAMILY, 0))
+        self._refuse("socket", errnos.EPERM, (0, self.CMP_GT, max(SOCKET_FAMILIES), 0))
 
     def _refuse(self, name: str, errno: int, compare: tuple | None = None) -> None:
         number = self.lib.seccomp_syscall_resolve_name(name.encode())
