@@ -32,10 +32,27 @@ class MemoryCgroups:
             try:
                 cgroups = cls(root, version)
                 cgroups.remove(cgroups.create(64 << 20))  # a probe: made, limited and removed
-                return cgroups
             except OSError:
                 continue
+            cgroups._remove_stale()
+            return cgroups
         return None
+
+    def _remove_stale(self) -> None:
+        """Remove the empty cgroups a trainer that has ended left behind (killed between an execution and its
+        cgroup's removal)."""
+        for name in os.listdir(self.root):
+            parts = name.split("-")
+            if len(parts) == 4 and name.startswith("colograd-sandbox-") and parts[2].isdigit():
+                try:
+                    os.kill(int(parts[2]), 0)
+                except ProcessLookupError:
+                    try:
+                        os.rmdir(os.path.join(self.root, name))
+                    except OSError:
+                        pass
+                except OSError:
+                    pass
 
     def create(self, limit_bytes: int) -> str:
         """A new cgroup limited to `limit_bytes` (memory and, where there is swap accounting, memory + swap)."""
