@@ -9,9 +9,11 @@ that is not root and has no delegated cgroup), `MemoryCgroups.find` returns None
 memory is bounded per process only.
 """
 
+import atexit
 import itertools
 import os
 import threading
+import time
 
 _names = itertools.count()
 _lock = threading.Lock()
@@ -24,6 +26,7 @@ class MemoryCgroups:
         self.root = root
         self.version = version
         self._leftovers: list[str] = []  # folders whose processes were still exiting when removed
+        atexit.register(self._retry_leftovers, wait_s=0.5)  # the last executions' folders, as the trainer ends
 
     @classmethod
     def find(cls) -> "MemoryCgroups | None":
@@ -98,17 +101,22 @@ class MemoryCgroups:
             with _lock:
                 self._leftovers.append(folder)
 
-    def _retry_leftovers(self) -> None:
-        with _lock:
-            leftovers, self._leftovers = self._leftovers, []
-        for folder in leftovers:
-            try:
-                os.rmdir(folder)
-            except FileNotFoundError:
-                pass
-            except OSError:
-                with _lock:
-                    self._leftovers.append(folder)
+    def _retry_leftovers(self, wait_s: float = 0.0) -> None:
+        deadline = time.monotonic() + wait_s
+        while True:
+            with _lock:
+                leftovers, self._leftovers = self._leftovers, []
+            for folder in leftovers:
+                try:
+                    os.rmdir(folder)
+                except FileNotFoundError:
+                    pass
+                except OSError:
+                    with _lock:
+                        self._leftovers.append(folder)
+            if not self._leftovers or time.monotonic() >= deadline:
+                return
+            time.sleep(0.01)
 
 
 def _write(folder: str, name: str, value: int) -> None:
