@@ -287,6 +287,17 @@ def test_an_unprivileged_trainer_gets_the_same_isolation_through_a_user_namespac
         "refused OSError",
     ]
     assert sandbox.run("import os\nwhile True:\n    os.fork()").reason.startswith("error: ")
+    # The judge of assert-style tests runs there too (its namespace capabilities cleared), and decides as it does
+    # as root; a program that kills it (they share the namespace's one uid) fails its tests.
+    tests = AssertTests("", "", ("assert add(1, 2) == 3", "assert add(0, 5) == 5"))
+    assert run_asserts(sandbox, tests, "def add(a, b):\n    return a + b\n").failures == [None, None]
+    equal = "class E:\n    def __eq__(self, other):\n        return True\ndef add(a, b):\n    return E()\n"
+    assert run_asserts(sandbox, tests, equal).failures == ["not plain data: E"] * 2
+    killer = (
+        "import os\nfor pid in set(range(1, 64)) - {os.getpid()}:\n    try:\n        os.kill(pid, 9)\n"
+        "    except OSError:\n        pass\ndef add(a, b):\n    return 0\n"
+    )
+    assert None not in run_asserts(sandbox, tests, killer).failures
 
 
 # --- the protections beyond the namespaces, each shown to hold by removing it ----------------------------------------
