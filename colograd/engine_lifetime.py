@@ -2,7 +2,9 @@
 undone: vLLM's imports keep their importers' frames, its start-up freezes the heap against garbage collection, a
 collected engine tears down the process-wide parallel groups, and its reload records keep every layer alive.
 Together they kept every trainer a process dropped (measured: 2.9 GB for one of a 120M-parameter model);
-tests/test_engine_memory.py checks that a dropped trainer, its optimizer and its engine's layers are freed."""
+tests/test_engine_memory.py checks that a dropped trainer, its optimizer and its engine's layers are freed. And
+for architectures vLLM runs through its Transformers backend, that backend rewrites the transformers classes
+themselves, for the whole process (`own_classes` keeps the trainer's models out of it)."""
 
 import gc
 import sys
@@ -11,6 +13,11 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+
+from torch import nn
+
+# vLLM marks each class it decorates for compilation with this attribute (vllm/compilation/decorators.py).
+VLLM_DECORATED = "_ignore_compile_vllm"
 
 
 def keep_parallel_groups_when_dropped(llm: Any) -> None:
@@ -113,3 +120,31 @@ def frozen_heap(collect: bool = False) -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
+
+
+def own_classes(models: list[nn.Module | None]) -> None:
+    """Give the modules of `models` (None entries skipped) whose class vLLM decorated a class of their own that calls
+    them as torch does.
+
+    vLLM's Transformers backend (the architectures it has no model of its own for: OLMo-2, Phi-2, GPT-NeoX ...)
+    decorates the transformers decoder class it builds for compilation: it rewrites the class's `__call__` and
+    `__init__` and adds a base, in place, for the whole process. A trainer's model of that class, built before the
+    engine, then goes through vLLM's `__call__`, which fails on attributes only vLLM's `__init__` sets
+    (`do_not_compile`), and would skip the module's hooks (accelerate's, DeepSpeed's) where it does not fail. The
+    class each such module gets derives from its own (isinstance holds, the name and module are the same) and calls
+    it as `torch.nn.Module` does."""
+    for model in models:
+        for module in model.modules() if model is not None else ():
+            cls = type(module)
+            if VLLM_DECORATED in vars(cls) and "__call__" in vars(cls):
+                module.__class__ = _undecorated(cls)
+
+
+_UNDECORATED: dict[type, type] = {}
+
+
+def _undecorated(cls: type) -> type:
+    if cls not in _UNDECORATED:
+        _UNDECORATED[cls] = type(cls.__name__, (cls,), {"__call__": nn.Module.__call__, "__module__": cls.__module__,
+                                                        "__qualname__": cls.__qualname__})  # fmt: skip
+    return _UNDECORATED[cls]
