@@ -18,7 +18,10 @@ pass runs the same kernel as an unshared one.
 
 The model's attention is switched to `ATTENTION` (`install`): a function that takes this path when its mask is a
 `segment_mask` and otherwise is transformers' SDPA attention unchanged, so any other call (generation in an
-evaluation, a pass without segments) behaves as before. The kernels exist on CUDA only; `varlen_kernel` probes
+evaluation, a pass without segments) behaves as before; except that a layer that soft-caps its attention scores
+(Gemma-2's `attn_logit_softcapping`, passed as `softcap`), which SDPA would silently ignore, runs the model's own
+eager attention, which applies it. Every SDPA model a trainer trains is switched to it (`honour_softcaps`), so that
+its attention is the engine's. The kernels exist on CUDA only; `varlen_kernel` probes
 which one runs and agrees with the reference loop. On a CPU the boolean-mask packing stays (CPU SDPA takes a
 mask in its flash kernel), and the `"reference"` kernel, a loop of masked SDPA calls over the same segments, lets
 tests check the layout there.
@@ -158,6 +161,9 @@ def segment_attention(
         The attention output [B, L, heads, head_dim] and no weights, as `sdpa_attention_forward` returns them.
     """
     segments: Segments | None = getattr(attention_mask, "segments", None)
+    if segments is None and kwargs.get("softcap") is not None:  # SDPA has no soft cap; the model's eager has
+        return _eager(module)(module, query, key, value, _additive(attention_mask, query, key), dropout, scaling,
+                              **kwargs)  # fmt: skip
     if segments is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
@@ -267,6 +273,38 @@ def _probe(kernel: Callable[..., torch.Tensor], q: torch.Tensor, kv: torch.Tenso
 
 def _is_cuda(device: torch.device) -> bool:
     return device.type == "cuda"
+
+
+def _eager(module: nn.Module) -> Callable:
+    """The eager attention function of `module`'s modeling file (each transformers model file defines one)."""
+    import sys
+
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if eager is None:
+        raise ValueError(f"{type(module).__name__} soft-caps its attention but its model file has no eager attention")
+    return eager
+
+
+def _additive(mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """SDPA's mask (None: causal; boolean: True where a query may attend) as eager attention takes it: 0 where a
+    query may attend, the dtype's lowest value elsewhere, [B or 1, 1, queries, keys]."""
+    if mask is None:
+        q, k = query.size(-2), key.size(-2)
+        mask = torch.ones(q, k, dtype=torch.bool, device=query.device).tril(k - q)[None, None]
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+        ~mask, torch.finfo(query.dtype).min
+    )
+
+
+def honour_softcaps(models: list[nn.Module | None]) -> None:
+    """Switch `models` (None entries skipped) whose attention is transformers' SDPA to `ATTENTION`, which is SDPA
+    but for layers that soft-cap their attention scores (see the module's docstring)."""
+    for model in models:
+        pretrained = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None) if model else None
+        if pretrained is not None and getattr(pretrained.config, "_attn_implementation", None) == "sdpa":
+            install(model)
 
 
 def install(model: nn.Module) -> None:

@@ -16,7 +16,9 @@ kernel).
 
 The output layer never produces the whole [tokens × vocabulary] logit matrix: for the duration of the forward
 pass it is swapped for one that computes the log-probs of the wanted tokens a chunk at a time, and that, when
-gradients are needed, recomputes each chunk's logits in the backward pass instead of keeping them.
+gradients are needed, recomputes each chunk's logits in the backward pass instead of keeping them. Each chunk's
+logits first get what the model's forward does to its logits after the output layer (Granite's scaling, Gemma-2's
+soft-cap: `colograd.logit_transform`), so the log-probs are those of the distribution the model defines.
 """
 
 from collections.abc import Callable, Iterator
@@ -28,8 +30,9 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from colograd import attention
+from colograd import attention, logit_transform
 from colograd.errors import ConfigError
+from colograd.logit_transform import LogitTransform
 from colograd.vision import forward_images
 
 
@@ -348,6 +351,8 @@ def completion_logps(
     position_ids: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of `batch`'s completion tokens under `model` at `temperature`: [N, T], 0 where there is no token.
+    The log-probs are of the model's own distribution: what its forward does to the logits after the output layer
+    is applied to each chunk (`colograd.logit_transform.of(model)`, learnt at the first call).
 
     Rows with images (a vision-language model: `batch` holds `colograd.vision.pad_pixels`' tensors) run padded, not
     packed: the model matches its image features to the placeholders in the order they come, which packing would
@@ -379,6 +384,7 @@ def completion_logps(
         logps_NT; with `entropy`, (logps_NT, entropy_NT). Only the completion tokens' values are meaningful.
     """
     head = head if head is not None else _output_layer(model)
+    transform = logit_transform.of(model)
     if fp32_head:
         check_fp32_head(head)
     completion_ids_NT = batch["completion_ids"]
@@ -404,8 +410,11 @@ def completion_logps(
     packed_rows = padding_free and not images
     if count_tokens is not None:
         count_tokens(packed.tokens if packed_rows else batch["input_ids"].numel())  # padded: padding included
-    with _head_returns_logps(head, index_K, target_K, temperature, chunk_tokens, entropy, fp32_head, suppressed):
+    swap = _head_returns_logps(head, index_K, target_K, temperature, chunk_tokens, entropy, fp32_head, suppressed,
+                               transform)  # fmt: skip
+    with swap as left:
         out_K = model(**inputs, use_cache=False).logits  # [K], or [K, 2]: log-prob and entropy
+    out_K = logit_transform.returned(out_K, left, transform, model)
     if packed_rows:
         out_K = out_K.new_zeros((n, t, *out_K.shape[1:])).index_put(packed.scatter, out_K)
     out_NT = out_K.view(n, t, -1)
@@ -474,10 +483,15 @@ def _chunk_logps(
     temperature: float,
     entropy: str | None,
     suppressed: torch.Tensor | None = None,
+    transform: LogitTransform | None = None,
 ) -> torch.Tensor:
-    """[K] log-probs of `target_K`, or [K, 2] log-probs and entropies, from one chunk's logits (the `suppressed`
-    ids' logits at a finite floor: probability 0, and 0 × logit stays 0 in the entropy)."""
-    logits_KV = forward(hidden_KH).float() / temperature
+    """[K] log-probs of `target_K`, or [K, 2] log-probs and entropies, from one chunk's logits, transformed as the
+    model's forward transforms them (`transform`, in float32), the `suppressed` ids' logits at a finite floor
+    (probability 0, and 0 × logit stays 0 in the entropy)."""
+    logits_KV = forward(hidden_KH).float()
+    if transform:
+        logits_KV = transform(logits_KV)
+    logits_KV = logits_KV / temperature
     if suppressed is not None:
         logits_KV = logits_KV.index_fill(-1, suppressed, _NEVER)
     lse_K = logits_KV.logsumexp(-1)
@@ -520,13 +534,18 @@ def _head_returns_logps(
     entropy: str | None = None,
     fp32_head: bool = False,
     suppressed: list[int] | None = None,
-) -> Iterator[None]:
+    transform: LogitTransform | None = None,
+) -> Iterator[list]:
     """While active, `head` maps the model's final hidden states [R, L, H] to the log-probs [K] of `target_K` at
-    the flat positions `index_K` (with `entropy`, [K, 2]: log-probs and entropies), instead of to logits. Hooks on
-    `head` (DeepSpeed's gathers) still run."""
+    the flat positions `index_K` (with `entropy`, [K, 2]: log-probs and entropies), instead of to logits, the
+    model's `transform` of its logits applied to each chunk; what the forward then does to them, the same transform,
+    leaves them as they are. Yields the transform's operations the forward has yet to apply
+    (`colograd.logit_transform.returned` checks). Hooks on `head` (DeepSpeed's gathers) still run."""
     forward = _fp32_forward(head) if fp32_head else head.forward
     own_forward = head.__dict__.get("forward")  # an instance-level forward (e.g. set by an accelerate hook)
     never = torch.tensor(suppressed, device=target_K.device) if suppressed else None
+    transform = transform or LogitTransform()
+    left: list = []
 
     def logps(hidden_RLH: torch.Tensor) -> torch.Tensor:
         hidden_KH = hidden_RLH.reshape(-1, hidden_RLH.size(-1))[index_K]
@@ -534,15 +553,18 @@ def _head_returns_logps(
         for start in range(0, len(index_K), chunk_tokens):
             args = (forward, hidden_KH[start : start + chunk_tokens], target_K[start : start + chunk_tokens])
             if torch.is_grad_enabled():
-                parts.append(checkpoint(_chunk_logps, *args, temperature, entropy, never, use_reentrant=False))
+                parts.append(
+                    checkpoint(_chunk_logps, *args, temperature, entropy, never, transform, use_reentrant=False)
+                )
             else:
-                parts.append(_chunk_logps(*args, temperature, entropy, never))
+                parts.append(_chunk_logps(*args, temperature, entropy, never, transform))
         empty = (0,) if entropy is None else (0, 2)
-        return torch.cat(parts) if parts else hidden_RLH.new_zeros(empty)
+        out = torch.cat(parts) if parts else hidden_RLH.new_zeros(empty)
+        return logit_transform.passthrough(out, transform, left)
 
     head.forward = logps
     try:
-        yield
+        yield left
     finally:
         if own_forward is None:
             del head.forward

@@ -38,6 +38,7 @@ from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerB
 from transformers.trainer_utils import has_length
 from trl.data_utils import is_conversational
 
+from colograd import logit_transform
 from colograd.checkpoints import check_resume
 from colograd.code_rewards import check_code_rows
 from colograd.config import ConfigError, GRPOConfig, ScriptArguments
@@ -185,11 +186,7 @@ def check_trainer_inputs(
     lora_rank = check_lora(model.active_peft_config, args.lora_sync) if isinstance(model, PeftModel) else None
     if args.cast_lm_head_to_fp32:
         check_fp32_head(model.get_output_embeddings())
-    if getattr(model.config, "final_logit_softcapping", None):
-        raise ConfigError(
-            f"{type(model).__name__} soft-caps its logits (final_logit_softcapping), which colograd's log-prob "
-            "computation does not apply; use a model without it."
-        )
+    logit_transform.of(model)  # what it does to its logits after the output layer, or a one-line refusal
     check_settings(args, model.config)
     check_model_tokens(model, tokenizer)
     room = prompt_room(args, model.config)

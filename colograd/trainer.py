@@ -30,6 +30,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from trl.data_utils import is_conversational
 
+from colograd import attention, logit_transform
 from colograd.agents import Agents, RolloutFunc, VLLMGeneration
 from colograd.batch import pad_rollout, split_by_tokens, split_rows
 from colograd.checkpoints import checkpoint_step
@@ -39,7 +40,7 @@ from colograd.config_loading import disable_dropout, model_init_kwargs, model_na
 from colograd.data import keep_rows, sampled_prompt_tokens, tokenize_prompts
 from colograd.early_scoring import early_rewards, group_starter
 from colograd.engine import Engine, Rollout
-from colograd.engine_lifetime import frozen_heap
+from colograd.engine_lifetime import frozen_heap, own_classes
 from colograd.entropy import EntropyTerms
 from colograd.errors import ConfigError
 from colograd.evaluation import evaluate
@@ -233,6 +234,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
             longest_prompt=self._longest_prompt,
             images_per_prompt=self._images_per_prompt,
         )
+        own_classes([unwrapped, self.reference and self.reference.frozen])  # vLLM's class rewrites kept out
         # A vision-language model: image placeholders are never sampled (`Engine.suppressed`), nor scored here.
         self._suppressed = placeholder_ids(processing_class)
         self._position_ids = takes_position_ids(unwrapped.config)
@@ -249,6 +251,9 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         self._weight_plan: WeightPlan | None = None
         # How passes are packed (shared prompts; segments on a GPU: `colograd.packing`); GPU passes get a token budget.
         nets = [unwrapped, self.reference and self.reference.frozen]  # the policy, and the reference's copy if any
+        for net in filter(None, nets):  # what each model does to its logits, learnt before DeepSpeed wraps it
+            logit_transform.of(net)
+        attention.honour_softcaps(nets)  # the attention scores a layer soft-caps, soft-capped as in the engine
         self._segments, self._prompt_cost = forward_packing(nets, args, compute_dtype(unwrapped, args.mixed_precision))
         self._pass_budget = PassBudget(unwrapped, args, self.is_deepspeed_enabled, self.accelerator.is_main_process)
         self._micro_step = 0  # micro-steps trained since start (or resume): picks the rollout slice
