@@ -178,9 +178,11 @@ class Engine:
         self.lora_request = None  # set by `load_adapter`; every generation then applies the adapter
         self._adapter_dir: tempfile.TemporaryDirectory | None = None
         self._tap: sampler_tap.SamplerTap | None | object = _UNTRIED  # see `_sampler_tap`
+        self.weights_resident = True  # whether the weights memory is there to write into (see `awake`)
         if self.sleep_level:
             # Asleep from the start: the memory is free while DeepSpeed / FSDP set up; the first rollout wakes it.
             self.llm.sleep(level=self.sleep_level)
+            self.weights_resident = False
 
     @classmethod
     def acquire(
@@ -375,7 +377,11 @@ class Engine:
         The model's own loaders translate checkpoint names and layouts (fused qkv / gate_up, transposed
         Conv1D, vocabulary padding, tied heads, dtype) and copy into the engine's tensors. Where the backend
         repacked its weights into a kernel layout, vLLM's in-place reload re-runs that processing instead.
+
+        Raises:
+            RuntimeError: the engine is asleep (`awake` wakes it).
         """
+        self._check_resident("load_weights")
         if self.direct_load:
             self.llm.collective_rpc(_load_into_model, args=(weights,))
         else:
@@ -402,6 +408,7 @@ class Engine:
         from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
+        self._check_resident("load_adapter")
         if self._adapter_dir is None:
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
             folder = tempfile.TemporaryDirectory(prefix="colograd-adapter-", dir=adapter_parent(nbytes))
@@ -426,13 +433,24 @@ class Engine:
             yield
             return
         self.llm.wake_up(tags=["weights"])
+        self.weights_resident = True
         sync()
         self.llm.wake_up(tags=["kv_cache"])
         try:
             yield
         finally:
+            self.weights_resident = False
             self.llm.sleep(level=self.sleep_level)
             self.stale = self.stale or self.sleep_level == 2
+
+    def _check_resident(self, what: str) -> None:
+        """Refuse to write weights into an asleep engine: its weights memory is released (level 2) or on the host
+        (level 1), and a write there is lost or, on a GPU, lands in freed memory (an illegal address)."""
+        if not getattr(self, "weights_resident", True):
+            raise RuntimeError(
+                f"Engine.{what}: the engine is asleep (vllm_enable_sleep_mode, between rollouts), its weights memory "
+                "released; write weights inside `Engine.awake`, or call trainer.sync_weights(), which wakes it."
+            )
 
     @property
     def sleeping(self) -> bool:

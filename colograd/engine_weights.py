@@ -26,7 +26,10 @@ def named_through_lora_wrappers(model: nn.Module, weights: list[tuple[str, Any]]
     vLLM 0.32 on forwards a wrapper's attributes and weight loading to that layer; 0.26 (the newest CUDA build for
     torch 2.11) does neither, so a base weight under its checkpoint name finds no parameter ("There is no module or
     parameter named '...qkv_proj.weight'"). Those names get the `base_layer` step; the model's own loader still maps
-    them (`q_proj` into the fused `qkv_proj`, and so on). Where no wrapper hides its layer, `weights` is returned.
+    them (`q_proj` into the fused `qkv_proj`, and so on). A checkpoint name is matched to the engine's module through
+    the model's own renaming first (`hf_to_vllm_mapper`: a vision-language model's `model.language_model.` is
+    vLLM's `language_model.model.`), and gets its step under the checkpoint name, which the model's loader renames.
+    Where no wrapper hides its layer, `weights` is returned.
     """
     hidden = getattr(model, "_colograd_hidden_wrappers", None)
     if hidden is None:  # the wrappers never change after start-up: found once per engine
@@ -36,10 +39,12 @@ def named_through_lora_wrappers(model: nn.Module, weights: list[tuple[str, Any]]
         return weights
     # A checkpoint module (`q_proj`) and the engine's fused module it is loaded into (`qkv_proj`).
     fused = {part: whole for whole, parts in getattr(model, "packed_modules_mapping", {}).items() for part in parts}
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
     named = []
     for name, tensor in weights:
         module, _, leaf = name.rpartition(".")
-        parent, _, last = module.rpartition(".")
+        engine_name = mapper._map_name(name) if mapper is not None else name  # None: a weight the model drops
+        parent, _, last = (engine_name or name).rpartition(".")[0].rpartition(".")
         engine_module = f"{parent}.{fused.get(last, last)}" if parent else fused.get(last, last)
         named.append((f"{module}.base_layer.{leaf}" if engine_module in hidden else name, tensor))
     return named

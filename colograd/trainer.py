@@ -270,6 +270,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         self.add_callback(self.preemption)
         self.phase_summary: dict[str, Any] = {}  # filled at the end of `train` (see `summarize_phases`)
         self._last_logged_step = 0
+        self._last_window: dict[str, float] = {}  # the last logged window's metrics (`log`)
         self.recipe = recipe
         self._completion_log = (
             CompletionLog(args.output_dir, args.num_completions_to_print, args.log_unique_prompts, args.report_to)
@@ -424,9 +425,13 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
 
     def sync_weights(self) -> None:
         """Write the model's weights into the engine, once per optimizer step (not per accumulation step),
-        and again whenever the engine dropped them (sleep mode)."""
+        and again whenever the engine dropped them (sleep mode). Called while the engine is asleep (from a callback
+        between rollouts, with sleep mode on), it wakes the engine for the sync and puts it back to sleep."""
         if self._synced_step == self.state.global_step and not self.engine.stale:
             return
+        if not getattr(self.engine, "weights_resident", True):
+            with self.engine.awake(sync=self.sync_weights):
+                return
         if self._weight_plan is None:
             # Built at the first sync, once accelerate / DeepSpeed have wrapped (and maybe sharded) the model.
             model = self.accelerator.unwrap_model(self.model)
@@ -715,10 +720,14 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         the window divided by its steps. `throughput/*_tokens_per_s` are the window's tokens/s over all processes.
         """
         # A step's entry, and (as TRL's `log` merges them) the end of training's, which takes what the last window
-        # left when training ended between two logging steps.
+        # left when training ended between two logging steps, else the last logged window's metrics again: TRL's
+        # entry carries a window's (its default logs every 10 steps), and TRL's tests read them from there.
         if self._metrics and ("loss" in logs or "train_runtime" in logs):
             steps = max(1, self.state.global_step - self._last_logged_step)
-            logs.update(window_metrics(self._metrics, steps, self.accelerator))
+            self._last_window = window_metrics(self._metrics, steps, self.accelerator)
+            logs.update(self._last_window)
             self._metrics.clear()
             self._last_logged_step = self.state.global_step
+        elif "train_runtime" in logs:
+            logs.update({k: v for k, v in self._last_window.items() if k not in logs})
         super().log(logs, start_time)

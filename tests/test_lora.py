@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 from conftest import run_cli
 from peft import LoraConfig, get_peft_model
+from torch import nn
 
 from colograd import tiny
 from colograd import trainer as trainer_module
@@ -119,3 +120,48 @@ def test_fp32_output_layer_over_a_lora_head_is_one_line_before_the_engine_starts
     args = tiny.run_config(str(tmp_path), 1, cast_lm_head_to_fp32=True)
     with pytest.raises(ConfigError, match="cast_lm_head_to_fp32 with a LoRA adapter on the output layer"):
         GRPOTrainer(model, "letters", args, tiny.letters_dataset(), processing_class=tiny.build_tokenizer())
+
+
+class EngineModel(nn.Module):
+    """Stands in for an engine's model under vLLM 0.26 with LoRA: the module paths of its LoRA wrappers that hide
+    their layer (`base_layer`), vLLM's fused modules, and the model's own checkpoint renaming, if any."""
+
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+    def __init__(self, hidden: set[str], mapper=None) -> None:
+        super().__init__()
+        self._colograd_hidden_wrappers = hidden
+        if mapper is not None:
+            self.hf_to_vllm_mapper = mapper
+
+
+def test_adapter_only_lora_base_weights_reach_layers_an_older_vllm_hides():
+    """vLLM 0.26 with LoRA hides each adaptable layer in a wrapper that does not load weights: the base weights get
+    the `base_layer` step under their checkpoint names (the model's loader renames and fuses them). A text model's
+    checkpoint names are the engine's; a vision-language model's are renamed by its `hf_to_vllm_mapper` (LLaVA's,
+    as vLLM 0.26 and 0.32 write it in models/llava.py), and must be matched through it."""
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    from colograd.engine_weights import named_through_lora_wrappers
+
+    llava = WeightsMapper(orig_to_new_prefix={"model.language_model.": "language_model.model.",
+                                              "model.vision_tower.": "vision_tower.",
+                                              "model.multi_modal_projector.": "multi_modal_projector.",
+                                              "lm_head.": "language_model.lm_head."})  # fmt: skip
+    layer = "self_attn.q_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight"
+    text = EngineModel({"model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.down_proj"})
+    names = [n for n, _ in named_through_lora_wrappers(text, [(f"model.layers.0.{leaf}", None) for leaf in layer])]
+    assert names == ["model.layers.0.self_attn.q_proj.base_layer.weight",
+                     "model.layers.0.mlp.down_proj.base_layer.weight",
+                     "model.layers.0.input_layernorm.weight"]  # fmt: skip
+    engine = "language_model.model.layers.0"
+    vlm = EngineModel({f"{engine}.self_attn.qkv_proj", f"{engine}.mlp.down_proj"},
+                      llava)  # fmt: skip
+    weights = [(f"model.language_model.layers.0.{leaf}", None) for leaf in layer] + [("lm_head.weight", None)]
+    names = [n for n, _ in named_through_lora_wrappers(vlm, weights)]
+    assert names == ["model.language_model.layers.0.self_attn.q_proj.base_layer.weight",
+                     "model.language_model.layers.0.mlp.down_proj.base_layer.weight",
+                     "model.language_model.layers.0.input_layernorm.weight", "lm_head.weight"]  # fmt: skip
+    # What the model's loader then sees: its own renaming of those names reaches the wrapped layer.
+    mapped = llava._map_name(names[0])
+    assert mapped == "language_model.model.layers.0.self_attn.q_proj.base_layer.weight"

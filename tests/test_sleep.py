@@ -124,3 +124,41 @@ def test_vllm_generation_sync_weights_wakes_a_sleeping_engine(asleep):
     trainer = SimpleNamespace(engine=engine, sync_weights=lambda: log.append("sync"), args=GRPOConfig(output_dir="x"))
     VLLMGeneration(trainer).sync_weights()
     assert log == (["wake_up:weights", "sync", "wake_up:kv_cache", "sleep:2"] if asleep else ["sync"])
+
+
+def test_weights_are_never_written_into_an_asleep_engine():
+    """Between rollouts with sleep mode on, the weights memory is released (level 2) or on the host (level 1): a
+    write there is lost, or on a GPU lands in freed memory. `Engine.load_weights` and `load_adapter` refuse it in
+    one line; inside `awake`'s sync they write."""
+    log: list[str] = []
+    engine = engine_with(2, log)
+    engine.weights_resident = False  # as `Engine.__init__` leaves an engine with sleep mode on
+    engine.direct_load, engine.weights_version, engine.vision = True, 0, False
+    engine.llm.collective_rpc = lambda *args, **kwargs: log.append("written")
+    with pytest.raises(RuntimeError, match=r"Engine.load_weights: the engine is asleep.*trainer.sync_weights") as err:
+        engine.load_weights([])
+    assert "\n" not in str(err.value)
+    with pytest.raises(RuntimeError, match="Engine.load_adapter: the engine is asleep"):
+        engine.load_adapter({}, None)
+    with engine.awake(sync=lambda: engine.load_weights([])):
+        pass
+    assert log == ["wake_up:weights", "written", "wake_up:kv_cache", "sleep:2"] and engine.weights_version == 1
+    with pytest.raises(RuntimeError, match="asleep"):  # asleep again after the rollout
+        engine.load_weights([])
+
+
+def test_a_sync_called_between_rollouts_wakes_the_engine_for_it():
+    """`trainer.sync_weights()` from a callback between rollouts (sleep mode on): woken, synced, asleep again."""
+    log: list[str] = []
+    engine = engine_with(2, log)
+    engine.weights_resident, engine.stale = False, True
+    trainer = SimpleNamespace(
+        state=SimpleNamespace(global_step=3),
+        engine=engine,
+        _synced_step=2,
+        _weight_plan=SimpleNamespace(sync=lambda engine: log.append(f"sync:{engine.weights_resident}")),
+        _timed=lambda phase: nullcontext(),
+    )
+    trainer.sync_weights = lambda: GRPOTrainer.sync_weights(trainer)
+    trainer.sync_weights()
+    assert log == ["wake_up:weights", "sync:True", "wake_up:kv_cache", "sleep:2"] and trainer._synced_step == 3
