@@ -419,19 +419,27 @@ def test_gspo_configuration(model_folder):
     assert trainer.args.reuses_rollouts_across_updates and trainer.args.generation_batch_size == 32
 
 
-def test_the_end_of_training_entry_carries_the_pending_metrics(model_folder):
+@pytest.mark.parametrize("logging_steps", [10, None])
+def test_the_end_of_training_entry_carries_the_pending_metrics(model_folder, logging_steps):
     """TRL's `log` merges the metrics a logging window gathered into whatever it logs: three steps with TRL's
     `logging_steps=10` log no step, and the end-of-training entry (`train_runtime`) carries the reward, each reward
-    function's mean and standard deviation, and the rest, as TRL's own tests read them from `log_history[-1]`."""
+    function's mean and standard deviation, and the rest, as TRL's own tests read them from `log_history[-1]`.
+    With colograd's default (every step logged) the end-of-training entry carries the last step's again."""
     dataset = Dataset.from_list([{"prompt": chat("What is 2+2?"), "solution": "4"}])
 
     def short(completions, **kwargs):
         return [-len(c[0]["content"]) / 10 for c in completions]
 
-    args = GRPOConfig(logging_steps=10, max_completion_length=16, report_to="none")
+    logging = {"logging_steps": logging_steps} if logging_steps else {}
+    args = GRPOConfig(max_completion_length=16, report_to="none", **logging)
     trainer = GRPOTrainer(model=model_folder, reward_funcs=short, args=args, train_dataset=dataset)
     trainer.train()
     last = trainer.state.log_history[-1]
     assert trainer.state.global_step == 3 and "train_runtime" in last
     assert {"reward", "reward_std", "rewards/short/mean", "rewards/short/std", "completions/mean_length"} <= set(last)
     assert last["reward"] == pytest.approx(last["rewards/short/mean"])
+    steps = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(steps) == (0 if logging_steps else 3)
+    if steps:
+        window = ("reward", "reward_std", "rewards/short/mean", "completions/mean_length")
+        assert {k: last[k] for k in window} == {k: steps[-1][k] for k in window}
