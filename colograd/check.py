@@ -314,7 +314,7 @@ def check_tiny_recipe(steps: int = RECIPE_STEPS) -> Result:
 def recipe_result(log_history: list[dict[str, float]], kv_cache_bytes: int) -> Result:
     """The tiny-recipe row from the trainer's per-step logs (`logging_steps: 1`): the mean reward of the last 10
     steps against the first 10 (of the last and first half, in a run of fewer than 20 steps)."""
-    steps = [entry for entry in log_history if "reward" in entry]
+    steps = [entry for entry in log_history if "loss" in entry]
     if len(steps) < 2:
         return Result("tiny recipe", "FAIL", f"{len(steps)} steps logged, 2 at least needed to compare rewards")
     window = min(10, len(steps) // 2)

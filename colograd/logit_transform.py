@@ -209,8 +209,10 @@ def returned(out: torch.Tensor, left: list, transform: LogitTransform, model: nn
 
 
 def _unwrapped(model: nn.Module) -> nn.Module:
-    """The transformers model inside DDP / DeepSpeed (`.module`) and PEFT wrappers."""
-    while not hasattr(model, "get_output_embeddings") and hasattr(model, "module"):
+    """The transformers model inside DDP / DeepSpeed (`.module`) and PEFT wrappers. DeepSpeed's engine answers
+    for its module's attributes (`get_output_embeddings` included) but not for its `config`, so a wrapper is told
+    by the module it holds."""
+    while isinstance(getattr(model, "module", None), nn.Module):
         model = model.module
     get_base_model = getattr(model, "get_base_model", None)
     return get_base_model() if callable(get_base_model) else model

@@ -241,6 +241,10 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         self._rollout_images: list[list] | None = None  # this rollout's images, per prompt (`prepare_prompts`)
         self._rollout_pixels: tuple[list[list[int]], list[dict]] | None = None  # expanded ids, processor outputs
         self.vllm_generation = VLLMGeneration(self)  # TRL's handle on the engine, for `rollout_func` code
+        # What each model does to its logits (the policy, and the reference's copy if any), learnt before DeepSpeed
+        # wraps or partitions them.
+        for net in filter(None, [unwrapped, self.reference and self.reference.frozen]):
+            logit_transform.of(net)
         if self.reference is not None:
             self.reference.prepare(self.accelerator)
             self.add_callback(self.reference)  # sync_ref_model's updates
@@ -251,8 +255,6 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         self._weight_plan: WeightPlan | None = None
         # How passes are packed (shared prompts; segments on a GPU: `colograd.packing`); GPU passes get a token budget.
         nets = [unwrapped, self.reference and self.reference.frozen]  # the policy, and the reference's copy if any
-        for net in filter(None, nets):  # what each model does to its logits, learnt before DeepSpeed wraps it
-            logit_transform.of(net)
         attention.honour_softcaps(nets)  # the attention scores a layer soft-caps, soft-capped as in the engine
         self._segments, self._prompt_cost = forward_packing(nets, args, compute_dtype(unwrapped, args.mixed_precision))
         self._pass_budget = PassBudget(unwrapped, args, self.is_deepspeed_enabled, self.accelerator.is_main_process)
@@ -720,14 +722,18 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         the window divided by its steps. `throughput/*_tokens_per_s` are the window's tokens/s over all processes.
         """
         # A step's entry, and (as TRL's `log` merges them) the end of training's, which takes what the last window
-        # left when training ended between two logging steps, else the last logged window's metrics again: TRL's
-        # entry carries a window's (its default logs every 10 steps), and TRL's tests read them from there.
+        # left when training ended between two logging steps.
         if self._metrics and ("loss" in logs or "train_runtime" in logs):
             steps = max(1, self.state.global_step - self._last_logged_step)
             self._last_window = window_metrics(self._metrics, steps, self.accelerator)
             logs.update(self._last_window)
             self._metrics.clear()
             self._last_logged_step = self.state.global_step
-        elif "train_runtime" in logs:
-            logs.update({k: v for k, v in self._last_window.items() if k not in logs})
+            super().log(logs, start_time)
+            return
         super().log(logs, start_time)
+        if "train_runtime" in logs:
+            # Every step was logged: the end of training's entry in `log_history` gets the last window's metrics
+            # again, as TRL's carries a window's (its default logs every 10 steps) and TRL's tests read them from
+            # `log_history[-1]`. Trackers are not sent them twice; a step's entry is the one with a `loss`.
+            self.state.log_history[-1].update({k: v for k, v in self._last_window.items() if k not in logs})

@@ -115,6 +115,26 @@ def test_what_is_learnt_is_read_off_the_forward():
     assert not logit_transform.of(sharp("llama"))
 
 
+class _Forwarding(nn.Module):
+    """As DeepSpeed's engine wraps a model: its module's attributes answer through it, its `config` is its own."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module, self.config = module, {"train_batch_size": 2}
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.module, name)
+
+
+def test_a_wrapped_model_gives_its_modules_transform():
+    # A partitioned reference copy reaches the probe wrapped in DeepSpeed's engine, which answers for the model's
+    # `get_output_embeddings` but whose `config` is DeepSpeed's dict.
+    assert logit_transform.of(_Forwarding(sharp("granite"))).describe() == "div"
+
+
 def test_a_transform_across_positions_is_refused_in_one_line():
     model = sharp("llama")
     forward = type(model).forward

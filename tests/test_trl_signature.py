@@ -350,7 +350,7 @@ def test_peft_config_trains_and_the_engine_samples_the_trained_adapter(tmp_path,
     trainer.train()
     model = trainer.accelerator.unwrap_model(trainer.model)
     assert any(p.abs().sum() > 0 for n, p in model.named_parameters() if "lora_B" in n)  # the adapter trained
-    gaps = [h["sampling/sampling_logp_difference/max"] for h in trainer.state.log_history if "reward" in h]
+    gaps = [h["sampling/sampling_logp_difference/max"] for h in trainer.state.log_history if "loss" in h]
     # Step 2 samples after the first update: the engine computes what the trained model computes.
     assert len(gaps) == 2 and gaps[1] < 1e-4
     assert (trainer.engine.lora_request is not None) == (lora_sync == "adapter")
