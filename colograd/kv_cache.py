@@ -8,9 +8,12 @@ step; and vLLM walks every block of it in Python whenever it resets its prefix c
 """
 
 import math
+import os
 from typing import Any
 
 import torch
+
+from colograd.errors import ConfigError
 
 # Head-room over the counted need: requests that finish late, blocks in flight, a rounding of lengths.
 MARGIN = 1.25
@@ -25,22 +28,137 @@ FLOOR_BLOCK_TOKENS = 256
 # vLLM then schedules fewer sequences at a time (and preempts), which is slower but correct.
 GPU_CAP_FRACTION = 0.3
 CPU_CAP_BYTES = 2**30
+# The model types whose vLLM model files cache attention as MLA's one compressed latent per token when the config has
+# a `kv_lora_rank`: the list of vLLM's `ModelArchConfigConvertorBase.is_deepseek_mla`
+# (vllm/transformers_utils/model_arch_config_convertor.py), which `ModelConfig.use_mla` reads. Other configs with a
+# `kv_lora_rank` (MiniCPM3) attend with plain keys and values. tests/test_kv_floor.py holds this set to vLLM's.
+MLA_MODEL_TYPES = frozenset({
+    "axk1", "deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v4", "deepseek_v41", "dots3_note", "deepseek_mtp",
+    "k3_dspark", "glm5_next", "glm5_next_text", "glm_moe_dsa", "glm4_moe_lite", "glm4_moe_lite_mtp", "kimi_k2",
+    "kimi_linear", "longcat_flash", "pangu_ultra_moe", "pangu_ultra_moe_mtp", "bailing_hybrid", "bailing_hybrid_mtp",
+    "bailing_hybrid_v3_mtp", "hy_v4", "hy_v4_mtp",
+})  # fmt: skip
 
 
 def kv_bytes_per_token(model_config: Any, dtype: torch.dtype, tp_size: int = 1) -> int:
-    """Bytes of KV cache one token takes in one engine process: keys and values of the KV heads of every layer slot
-    vLLM allocates (`kv_layer_slots`).
+    """Bytes of KV cache one token takes in one engine process, as vLLM's layers report their cache
+    (`get_kv_cache_spec`): for each layer slot vLLM allocates (`kv_layer_slots`), the keys and values of the KV heads
+    of the process's share, or for an MLA model (`uses_mla`) one latent of `kv_lora_rank + qk_rope_head_dim`, which
+    every tensor-parallel rank holds whole.
 
     Args:
         model_config: the model's transformers config (a multimodal model's text config is read).
         dtype: the engine's compute dtype (the cache's, as vLLM's `kv_cache_dtype="auto"` keeps it).
         tp_size: tensor-parallel ranks sharing the engine; each holds its share of the KV heads (at least one).
+
+    Returns:
+        The bytes per token.
+
+    Raises:
+        ConfigError: the model has layers whose cache colograd does not size (`check_sized_layers`).
     """
     text = model_config.get_text_config()
+    check_sized_layers(text)
+    if uses_mla(text):
+        # vLLM's `MLAAttention.get_kv_cache_spec`: an `MLAAttentionSpec` of 1 KV head of that size, no separate
+        # values (head_size_v 0), and `max_tp_shards=1`: not split across ranks.
+        return kv_layer_slots(text) * (text.kv_lora_rank + text.qk_rope_head_dim) * dtype.itemsize
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    if is_deepseek_mla(text):  # MLA switched off: DeepseekV2Attention caches keys and values of qk_head_dim
+        head_dim = text.qk_nope_head_dim + text.qk_rope_head_dim
+    else:
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     return 2 * kv_layer_slots(text) * max(1, kv_heads // tp_size) * head_dim * dtype.itemsize
+
+
+def is_deepseek_mla(text_config: Any) -> bool:
+    """Whether vLLM counts the model as a DeepSeek-style MLA model: one of `MLA_MODEL_TYPES` with a `kv_lora_rank`
+    (vLLM's `ModelArchConfigConvertorBase.is_deepseek_mla`).
+
+    Args:
+        text_config: the model's text config.
+
+    Returns:
+        True for DeepSeek-V2/V3, Kimi-K2, Moonlight and the other types of the list.
+    """
+    model_type = getattr(text_config, "model_type", None)
+    return model_type in MLA_MODEL_TYPES and getattr(text_config, "kv_lora_rank", None) is not None
+
+
+def uses_mla(text_config: Any) -> bool:
+    """Whether vLLM's engine runs the model's attention as MLA, caching one latent per token: `ModelConfig.use_mla`,
+    which is `is_deepseek_mla` unless `VLLM_MLA_DISABLE` is set or the config attends bidirectionally
+    (`is_causal: false`, which MLA's kernels do not serve).
+
+    Args:
+        text_config: the model's text config.
+
+    Returns:
+        True where the cache holds MLA latents.
+    """
+    if bool(int(os.environ.get("VLLM_MLA_DISABLE", "0"))) or getattr(text_config, "is_causal", True) is False:
+        return False
+    return is_deepseek_mla(text_config)
+
+
+def unsized_layers(text_config: Any) -> str | None:
+    """What in the model colograd cannot count its KV cache per token for, or None where every layer is attention
+    (full, sliding-window, or MLA).
+
+    vLLM gives Mamba, linear-attention and short-convolution layers (Jamba, Qwen3-Next, Qwen3.5, Granite 4 hybrid,
+    Falcon-H1, LFM2, MiniMax) a state per sequence in pages of their own (`MambaSpec`), and raises the attention block
+    size to match those pages (`Platform._align_hybrid_block_size`); it reads which layers are which from
+    `layers_block_type`, `attn_type_list` or `layer_types` (`ModelConfig.get_num_layers_by_block_type`), as this
+    does. DeepSeek-V3.2's sparse attention adds an indexer cache per layer (`index_topk`), DeepSeek-V4's compresses
+    its cache (`compress_ratios`).
+
+    Args:
+        text_config: the model's text config.
+
+    Returns:
+        A description of those layers, for an error message; None where colograd sizes the model.
+    """
+    kinds: dict[Any, None] = {}  # in order of first appearance
+    for name in ("layers_block_type", "layer_types"):
+        kinds |= {kind: None for kind in getattr(text_config, name, None) or () if not _is_attention(kind)}
+    if kinds:
+        return f"hybrid, Mamba or linear-attention layers ({', '.join(map(str, kinds))})"
+    if any(kind != 1 for kind in getattr(text_config, "attn_type_list", None) or ()):  # MiniMax: 0 is linear
+        return "hybrid, Mamba or linear-attention layers (attn_type_list)"
+    if getattr(text_config, "num_attention_heads", None) is None:
+        return "no attention layers (a Mamba or other attention-free model)"
+    if getattr(text_config, "index_topk", None) is not None:
+        return "a sparse-attention indexer cache (index_topk)"
+    if getattr(text_config, "compress_ratios", None) is not None:
+        return "compressed attention (compress_ratios)"
+    return None
+
+
+def check_sized_layers(text_config: Any) -> None:
+    """Refuse a model whose KV cache colograd cannot count per token (`unsized_layers`), in one line, before an
+    engine starts with a cache sized by a wrong count.
+
+    Args:
+        text_config: the model's text config.
+
+    Raises:
+        ConfigError: naming the model type and those layers.
+    """
+    layers = unsized_layers(text_config)
+    if layers is not None:
+        raise ConfigError(
+            f"model_type {getattr(text_config, 'model_type', None)!r} has {layers}: colograd does not yet size the "
+            "engine's KV cache for them (vLLM keeps such state in pages of its own); train a model whose layers are "
+            "all attention."
+        )
+
+
+def _is_attention(kind: Any) -> bool:
+    """Whether a layer kind of a config's layer list is attention with a per-token KV cache: "attention" (Jamba's
+    and Granite 4's spelling), "full_attention", "sliding_attention" and the other "*_attention" kinds, except
+    "linear_attention" (transformers' name for Mamba and linear-attention layers)."""
+    return isinstance(kind, str) and kind.endswith("attention") and kind != "linear_attention"
 
 
 def sliding_windows(text_config: Any) -> list[int | None]:

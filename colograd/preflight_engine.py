@@ -17,6 +17,7 @@ from colograd.data import first_line
 from colograd.engine import engine_dtype as engine_dtype_of
 from colograd.engine_lifetime import import_off_stack
 from colograd.engine_requests import sampling_params
+from colograd.kv_cache import check_sized_layers
 from colograd.lora import engine_max_lora_rank
 
 # Config keys that count a Mixture-of-Experts model's experts (Qwen-MoE, Mixtral, DeepSeek, ...).
@@ -27,8 +28,11 @@ def check_engine(
     args: GRPOConfig, model_config: PretrainedConfig, dtype: torch.dtype, lora_rank: int | None = None
 ) -> None:
     """What the engine would refuse at start-up or at its first request, found by vLLM's own code where it has a
-    check to run: the model's kind (dense), the sampling settings, the LoRA settings, the dtype and the attention
-    head size."""
+    check to run: the model's kind (attention layers whose KV cache colograd sizes, dense), the sampling settings,
+    the LoRA settings, the dtype and the attention head size."""
+    # Hybrid, Mamba and linear-attention layers (Jamba, Qwen3-Next): the cache colograd would give the engine is
+    # counted for attention layers only, so vLLM would start with a cache of the wrong size, or refuse to.
+    check_sized_layers(model_config.get_text_config())
     # A multimodal model's text part (Llama 4, Qwen3-VL-MoE) keeps its expert count in its text config.
     configs = (model_config, model_config.get_text_config())
     experts = next((n for c in configs for key in _EXPERT_COUNTS if (n := getattr(c, key, None))), None)

@@ -4,20 +4,25 @@ vLLM refuses to start when its cache cannot hold one sequence of the engine's wh
 holds back); colograd sizes the cache itself (`colograd.kv_cache`). Rather than repeat vLLM's arithmetic, each case
 hands colograd's bytes to the function that raised at start-up for TRL's quickstart on 8k and 32k models
 (`vllm.v1.core.kv_cache_utils.get_kv_cache_configs`), for the published configs (full size: no model is built), the
-CPU's and a GPU's block sizes, small and large rollouts, prompts measured or not. No engine starts.
+CPU's and a GPU's block sizes, small and large rollouts, prompts measured or not. MLA models (DeepSeek-V2-Lite,
+DeepSeek-V3) are held to the specs vLLM's own MLA layers report, at 1, 2 and 8 tensor-parallel ranks; hybrid models
+(Jamba, Qwen3-Next), whose Mamba and linear-attention state colograd does not count, to their refusal. No engine
+starts.
 """
 
 import os
 import tempfile
+from types import SimpleNamespace
 
 import pytest
 import torch
 import zoo
-from transformers import LlamaConfig
+from transformers import AutoConfig, LlamaConfig, PretrainedConfig
 
 import colograd.engine  # noqa: F401  (sets the environment vLLM reads at import)
 from colograd import kv_cache, tiny
 from colograd.config import GRPOConfig
+from colograd.errors import ConfigError
 
 # (block tokens, dtype, device bytes): vLLM's CPU attention's blocks; a GPU's 16-token blocks (FlashAttention 3) and
 # 256-token ones (some FlashAttention 4 head sizes), on an 80 GB card.
@@ -147,3 +152,210 @@ def test_a_model_with_two_kinds_of_layer_takes_vllms_padded_slots():
     assert kv_cache.kv_layer_slots(config) == 28
     assert kv_cache.kv_bytes_per_token(config, torch.bfloat16) == 28 * 1024
     assert kv_cache.kv_layer_slots(zoo.published_config("meta-llama/Llama-3.1-8B-Instruct")) == 32  # one kind
+
+
+# MLA: DeepSeek-V2-Lite's and DeepSeek-V3's config.json as published (huggingface.co/deepseek-ai/<id>), the keys that
+# shape attention, the context and the experts, under the names of transformers' DeepseekV2Config / DeepseekV3Config.
+# Their cache is one latent of kv_lora_rank + qk_rope_head_dim (512 + 64) per layer and token, on every TP rank.
+DEEPSEEK_ROPE = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                 "beta_slow": 1}  # fmt: skip
+MLA_MODELS: dict[str, dict] = {
+    "deepseek-ai/DeepSeek-V2-Lite": {"model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"],
+                                     "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+                                     "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
+                                     "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128,
+                                     "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 102400,
+                                     "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6,
+                                     "first_k_dense_replace": 1, "max_position_embeddings": 163840,
+                                     "rope_theta": 10000, "rope_scaling": {**DEEPSEEK_ROPE, "mscale": 0.707,
+                                                                           "mscale_all_dim": 0.707},
+                                     "tie_word_embeddings": False},
+    "deepseek-ai/DeepSeek-V3": {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+                                "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+                                "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
+                                "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+                                "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 129280,
+                                "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
+                                "first_k_dense_replace": 3, "max_position_embeddings": 163840, "rope_theta": 10000,
+                                "rope_scaling": {**DEEPSEEK_ROPE, "mscale": 1.0, "mscale_all_dim": 1.0},
+                                "tie_word_embeddings": False},
+}  # fmt: skip
+# Hybrids: Jamba-v0.1's (one attention layer in 8, the rest Mamba) and Qwen3-Next-80B-A3B's (one full-attention layer
+# in 4, the rest Gated DeltaNet linear attention) published configs.
+HYBRID_MODELS: dict[str, dict] = {
+    "ai21labs/Jamba-v0.1": {"model_type": "jamba", "architectures": ["JambaForCausalLM"], "hidden_size": 4096,
+                            "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+                            "num_key_value_heads": 8, "attn_layer_period": 8, "attn_layer_offset": 4,
+                            "expert_layer_period": 2, "expert_layer_offset": 1, "num_experts": 16,
+                            "num_experts_per_tok": 2, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2,
+                            "mamba_dt_rank": 256, "vocab_size": 65536, "max_position_embeddings": 262144},
+    "Qwen/Qwen3-Next-80B-A3B-Instruct": {"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"],
+                                         "hidden_size": 2048, "intermediate_size": 5120, "num_hidden_layers": 48,
+                                         "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+                                         "full_attention_interval": 4, "linear_conv_kernel_dim": 4,
+                                         "linear_key_head_dim": 128, "linear_num_key_heads": 16,
+                                         "linear_num_value_heads": 32, "linear_value_head_dim": 128,
+                                         "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+                                         "shared_expert_intermediate_size": 512, "partial_rotary_factor": 0.25,
+                                         "vocab_size": 151936, "max_position_embeddings": 262144},
+}  # fmt: skip
+# Block sizes of vLLM's MLA backends: CPU_MLA's 16 (and FlashAttention MLA's), FlashMLA's 64, CUTLASS MLA's 128.
+MLA_DEVICES = {"cpu-mla-16": (16, torch.bfloat16, None), "gpu-flashmla-64": (64, torch.bfloat16, 80 * 10**9),
+               "gpu-cutlass-128": (128, torch.bfloat16, 80 * 10**9)}  # fmt: skip
+
+
+def published(values: dict) -> PretrainedConfig:
+    """A transformers config of these published values (full size: no model is built from it)."""
+    values = dict(values)
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    config.architectures = values["architectures"]
+    return config
+
+
+def vllm_model_config(values: dict):
+    """vLLM's own `ModelConfig` of a published config, read from a folder as the engine reads it (offline)."""
+    from vllm.config import ModelConfig
+
+    with tempfile.TemporaryDirectory() as folder:
+        published(values).save_pretrained(folder)
+        return ModelConfig(model=folder, skip_tokenizer_init=True)
+
+
+@pytest.fixture(scope="module")
+def mla_model_configs() -> dict:
+    """vLLM's `ModelConfig` of each MLA model."""
+    return {name: vllm_model_config(values) for name, values in MLA_MODELS.items()}
+
+
+def vllm_mla_specs(model_config, block: int, dtype: torch.dtype, tp_size: int) -> dict:
+    """The KV cache spec each attention layer of an MLA model reports to vLLM's start-up check: vLLM's own
+    `MLAAttention.get_kv_cache_spec`, called on a stand-in for the layer that holds what `MLAAttention.__init__`
+    sets (its `head_size` is kv_lora_rank + qk_rope_head_dim, which `ModelConfig.get_head_size` gives for MLA).
+    The spec is checked against the per-token page vLLM computes from the `ModelConfig` for TP ranks
+    (`Platform._align_hybrid_block_size`: `MLAAttentionSpec(block_size=1, num_kv_heads=get_num_kv_heads(...),
+    head_size=get_head_size())`)."""
+    from vllm.config import ParallelConfig
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    layer = SimpleNamespace(kv_cache_dtype="auto", head_size=model_config.get_head_size(), sliding_window=None,
+                            indexer=None, non_causal_multi_token_decode=False)  # fmt: skip
+    engine = SimpleNamespace(cache_config=SimpleNamespace(block_size=block), model_config=SimpleNamespace(dtype=dtype))
+    spec = MLAAttention.get_kv_cache_spec(layer, engine)
+    heads = model_config.get_num_kv_heads(ParallelConfig(tensor_parallel_size=tp_size))
+    one_token = MLAAttentionSpec(block_size=1, num_kv_heads=heads, head_size=model_config.get_head_size(), dtype=dtype)
+    assert spec.page_size_bytes == block * one_token.page_size_bytes
+    layers = model_config.get_total_num_hidden_layers()
+    return {f"model.layers.{i}.self_attn.attn": spec for i in range(layers)}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tp_size", [1, 2, 8])
+@pytest.mark.parametrize("name", MLA_MODELS)
+def test_an_mla_models_bytes_per_token_are_vllms(name, tp_size, dtype, mla_model_configs):
+    """DeepSeek-V2-Lite and DeepSeek-V3: vLLM caches one latent of 512 + 64 per layer and token, not split across TP
+    ranks: 27 × 576 × 2 = 31,104 bf16 bytes (V2-Lite) and 61 × 576 × 2 = 70,272 (V3) at every TP size. Counted as
+    keys and values of 16 (128) KV heads of 64 dims, they were 110,592 and 1,998,848 at TP 1 (28 times V3's), and
+    V2-Lite's 13,824 at TP 8 was less than half what vLLM allocates, so it refused to start."""
+    model_config = mla_model_configs[name]
+    assert model_config.use_mla and model_config.get_head_size() == 512 + 64
+    specs = vllm_mla_specs(model_config, 16, dtype, tp_size)
+    vllm_bytes = sum(spec.page_size_bytes for spec in specs.values()) // 16
+    config = published(MLA_MODELS[name])
+    assert kv_cache.uses_mla(config)
+    assert kv_cache.kv_bytes_per_token(config, dtype, tp_size) == vllm_bytes
+    layers = MLA_MODELS[name]["num_hidden_layers"]
+    assert vllm_bytes == layers * (512 + 64) * dtype.itemsize  # {27, 61} × 576 × 2 bytes in bf16
+
+
+@pytest.mark.parametrize("rollout", ROLLOUTS)
+@pytest.mark.parametrize("device", MLA_DEVICES)
+@pytest.mark.parametrize("tp_size", [1, 2, 8])
+@pytest.mark.parametrize("name", MLA_MODELS)
+def test_vllm_starts_an_mla_model_with_the_cache_colograd_gives(name, tp_size, device, rollout, mla_model_configs,
+                                                                vllm_config, tmp_path):  # fmt: skip
+    """The start-up check of the zoo's test, with the specs vLLM's MLA layers report: colograd's bytes per rank and its
+    floor pass it at every TP size, and the floor exceeds vLLM's minimum by no more than its rounding."""
+    block, dtype, device_bytes = MLA_DEVICES[device]
+    overrides, seqs, prompts = ROLLOUTS[rollout]
+    args = GRPOConfig(output_dir=str(tmp_path), report_to="none", **overrides)
+    args.vllm_tensor_parallel_size = tp_size  # (GRPOConfig checks it against the processes of this run: 1)
+    config = published(MLA_MODELS[name])
+    context = kv_cache.engine_context(args, config, prompts.get("longest_prompt"))
+    available = kv_cache.rollout_kv_bytes(args, config, dtype, seqs, device_bytes, **prompts)
+    per_token = kv_cache.kv_bytes_per_token(config, dtype, tp_size)
+    specs = vllm_mla_specs(mla_model_configs[name], block, dtype, tp_size)
+    assert vllm_accepts(vllm_config, specs, context, block, available), (
+        f"{name}: vLLM refuses {available / 2**30:.3f} GiB for a {context}-token context at TP {tp_size}"
+    )
+    floor = kv_cache.floor_bytes(context, per_token, block)
+    assert vllm_accepts(vllm_config, specs, context, block, floor)
+    minimum = vllm_floor(vllm_config, specs, context, block, per_token)
+    assert floor <= minimum + 2 * kv_cache.FLOOR_BLOCK_TOKENS * per_token
+
+
+def test_the_mla_model_types_are_vllms():
+    """colograd's MLA rule is vLLM's (`ModelArchConfigConvertorBase.is_deepseek_mla`, which `ModelConfig.use_mla`
+    reads): for every model type transformers knows and every one vLLM lists, a config with a `kv_lora_rank` is MLA
+    for both or for neither (MiniCPM3 has one and attends with plain keys and values)."""
+    import vllm.config  # noqa: F401  (vLLM's config package first: the convertor's module imports it circularly)
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from vllm.transformers_utils.model_arch_config_convertor import ModelArchConfigConvertorBase
+
+    for model_type in (set(CONFIG_MAPPING_NAMES) | kv_cache.MLA_MODEL_TYPES) - {"eagle"}:  # an EAGLE draft's own
+        config = SimpleNamespace(model_type=model_type, kv_lora_rank=512)
+        vllm_says = ModelArchConfigConvertorBase(config, config).is_deepseek_mla()
+        assert kv_cache.is_deepseek_mla(config) == vllm_says, model_type
+    assert not kv_cache.uses_mla(SimpleNamespace(model_type="minicpm3", kv_lora_rank=256))
+    assert not kv_cache.uses_mla(SimpleNamespace(model_type="deepseek_v2", kv_lora_rank=None))
+
+
+def test_mla_switched_off_caches_keys_and_values(monkeypatch):
+    """With `VLLM_MLA_DISABLE=1` vLLM runs DeepSeek's attention as plain attention (`DeepseekV2Attention`): keys and
+    values of qk_nope_head_dim + qk_rope_head_dim (192) for each KV head of the rank, as its `ModelConfig` says."""
+    from vllm.config import ParallelConfig
+
+    monkeypatch.setenv("VLLM_MLA_DISABLE", "1")
+    values = MLA_MODELS["deepseek-ai/DeepSeek-V2-Lite"]
+    model_config = vllm_model_config(values)
+    assert not model_config.use_mla and model_config.get_head_size() == 128 + 64
+    config = published(values)
+    for tp_size in (1, 2, 8):
+        heads = model_config.get_num_kv_heads(ParallelConfig(tensor_parallel_size=tp_size))
+        per_layer = 2 * heads * model_config.get_head_size() * 2  # keys and values, bf16
+        assert kv_cache.kv_bytes_per_token(config, torch.bfloat16, tp_size) == 27 * per_layer
+
+
+@pytest.mark.parametrize("name", HYBRID_MODELS)
+def test_a_hybrid_model_is_refused_in_one_line_before_its_engine_starts(name, tmp_path):
+    """Jamba and Qwen3-Next, which vLLM runs as hybrids (`ModelConfig.is_hybrid`: Mamba or linear-attention state in
+    pages of its own, the attention block size raised to match): colograd cannot count their cache per token, so
+    preflight refuses them in one line naming the model type, and the engine's own sizing refuses them too."""
+    from vllm.config import ParallelConfig
+
+    from colograd.preflight_engine import check_engine
+
+    values = HYBRID_MODELS[name]
+    model_config = vllm_model_config(values)
+    attention = model_config.get_num_layers_by_block_type(ParallelConfig(), "attention")
+    assert model_config.is_hybrid and 0 < attention < values["num_hidden_layers"]  # 4 of 32, 12 of 48
+    config = published(values)
+    args = GRPOConfig(output_dir=str(tmp_path), report_to="none")
+    with pytest.raises(ConfigError) as refused:
+        check_engine(args, config, torch.float32)
+    message = str(refused.value)
+    assert "\n" not in message and repr(values["model_type"]) in message and "linear-attention" in message
+    with pytest.raises(ConfigError):
+        kv_cache.kv_bytes_per_token(config, torch.bfloat16)
+    with pytest.raises(ConfigError):
+        kv_cache.rollout_kv_bytes(args, config, torch.bfloat16, 8, None)
+
+
+def test_attention_only_layer_lists_are_sized():
+    """What vLLM does not count as hybrid is sized: Granite 4's attention-only variant (its hybrid config with every
+    layer "attention", which `ModelConfig.is_hybrid` excepts), Gemma 3's sliding and global layers, every zoo model."""
+    granite = AutoConfig.for_model("granitemoehybrid", layer_types=["attention"] * 4, num_hidden_layers=4,
+                                   num_local_experts=0)  # fmt: skip
+    assert kv_cache.unsized_layers(granite) is None
+    assert all(kv_cache.unsized_layers(zoo.published_config(name)) is None for name in zoo.ZOO)
+    assert kv_cache.unsized_layers(SimpleNamespace(num_attention_heads=8, attn_type_list=[0, 1])) is not None
