@@ -149,8 +149,11 @@ def test_sleep_row_fails_when_a_sleep_gives_back_less_than_the_kv_cache():
 
 
 def steps_logged(rewards: list[float], gap: float = 1e-6) -> list[dict[str, float]]:
-    return [{"reward": r, "sampling/sampling_logp_difference/max": gap, "time/sync": 0.002, "time/train": 0.1}
-            for r in rewards] + [{"train_runtime": 10.0}]  # fmt: skip
+    """A run's log history as the trainer writes it: a step's entry has a loss; the end of training's carries the
+    last step's metrics again (as TRL's tests read them), and is no step."""
+    steps = [{"loss": 0.0, "reward": r, "sampling/sampling_logp_difference/max": gap, "time/sync": 0.002,
+              "time/train": 0.1} for r in rewards]  # fmt: skip
+    return steps + [{"train_runtime": 10.0, **{k: v for k, v in steps[-1].items() if k != "loss"}}]
 
 
 def test_recipe_row_passes_when_the_reward_rises_and_the_gap_stays_small():
