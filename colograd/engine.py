@@ -37,7 +37,7 @@ from colograd.engine_lifetime import (
     layer_refs,
 )
 from colograd.engine_requests import rollout_requests, sampled_logps
-from colograd.engine_weights import _holds_plain_weights, _load_into_model
+from colograd.engine_weights import _holds_plain_weights, _known_names, _load_into_model
 from colograd.errors import ConfigError
 from colograd.kv_cache import engine_max_model_len, engine_memory, kv_bytes_per_token
 from colograd.lora import adapter_parent, engine_max_lora_rank
@@ -389,6 +389,10 @@ class Engine:
         self._forget_image_features()
         self.stale = False
         self.weights_version += 1
+
+    def known_names(self, names: list[str]) -> list[str]:
+        """Those of the checkpoint `names` whose module the engine's model has (see `_known_names`)."""
+        return self.llm.collective_rpc(_known_names, args=(names,))[0]
 
     def _forget_image_features(self) -> None:
         """Drop the image features the engine cached under the old weights (the cache salt keys prompt KV only):

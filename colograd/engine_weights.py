@@ -19,6 +19,16 @@ def _load_into_model(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> No
     model.load_weights(named_through_lora_wrappers(model, weights))
 
 
+def _known_names(worker: Any, names: list[str]) -> list[str]:
+    """Runs in the engine's worker: those of the checkpoint `names` whose module the engine's model has, after the
+    model's own renaming (a tied output layer is `lm_head` in most of vLLM's models, absent from Gemma-2's)."""
+    model = worker.model_runner.model
+    modules = {path for path, _ in model.named_modules()}
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    mapped = ((name, mapper._map_name(name) if mapper is not None else name) for name in names)
+    return [name for name, engine_name in mapped if engine_name and engine_name.rpartition(".")[0] in modules]
+
+
 def named_through_lora_wrappers(model: nn.Module, weights: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
     """`weights` named so that the engine's model finds them when its LoRA wraps their layers.
 

@@ -74,6 +74,7 @@ class WeightPlan:
         self._groups = [_fsdp_groups(model, bucket) for bucket in self.buckets]
         self._lora_groups = [_fsdp_groups(model, bucket) for bucket in self._lora_buckets]
         self._base_sent = False
+        self._names_checked = False
 
     def sync(self, engine: Engine) -> int:
         """Bring `engine` up to date with the model. The engine's cached prompt KV of the old weights is not reused
@@ -83,6 +84,12 @@ class WeightPlan:
             The number of bytes handed over.
         """
         sent = 0
+        if not self._names_checked:  # a tied tensor's second name, only where the engine's model has that module
+            tied = [name for bucket in self.buckets for unit in bucket for name in unit.names[1:]]
+            known = set(engine.known_names(tied)) if tied else set()
+            for unit in (unit for bucket in self.buckets for unit in bucket):
+                unit.names[1:] = [name for name in unit.names[1:] if name in known]
+            self._names_checked = True
         # The frozen base goes once, and again whenever the engine dropped its weights (a level-2 sleep).
         if not (self.adapter_only and self._base_sent and not engine.stale):
             for bucket in self:
@@ -131,7 +138,7 @@ def _units(model: nn.Module, merge_lora: bool) -> list[_Unit]:
     rename = engine_weight_name(model.get_base_model() if isinstance(model, PeftModel) else model)
     # remove_duplicate=False lists a tied tensor under both names: the engine needs `lm_head.weight` as well
     # (vLLM's CPU backend keeps its own processed copy of the output projection, refreshed only when it
-    # arrives; without it the engine samples from a stale head).
+    # arrives; without it the engine samples from a stale head). Gemma-2's has no such layer: `sync` drops the name.
     for name, param in model.named_parameters(remove_duplicate=False):
         if "lora_" in name:
             continue  # adapters reach the engine merged into their base weights, or on their own

@@ -15,6 +15,7 @@ import zoo
 from datasets import Dataset, IterableDataset
 
 from colograd import GRPOConfig, GRPOTrainer, kv_cache
+from colograd import engine as engine_module
 from colograd.config import ConfigError
 from colograd.rewards import resolve_reward
 
@@ -55,7 +56,7 @@ def one_step(name: str, args: GRPOConfig, dataset, reward_funcs=answer_length) -
 
 
 def step_log(trainer: GRPOTrainer) -> dict:
-    return next(h for h in trainer.state.log_history if "reward" in h)
+    return next(h for h in trainer.state.log_history if "loss" in h)
 
 
 def engine_specs(trainer: GRPOTrainer) -> dict:
@@ -68,19 +69,23 @@ def spec_key(spec) -> tuple:
             getattr(spec, "sliding_window", None), spec.page_size_bytes)  # fmt: skip
 
 
+# The sampling gap of an fp32 step whose engine runs the trainer's model (sharp weights: a few 1e-5 at most).
+GAP_BOUND = 1e-3
+
 # Mixture-of-Experts models: colograd refuses them (its weight sync does not translate fused expert layers).
 MOE = [name for name, published in zoo.ZOO.items() if published.get("num_experts")]
 
 
 @pytest.mark.parametrize("name", [name for name in zoo.ZOO if name not in MOE])
-def test_quickstart_settings_train_every_model(name, tmp_path):
+def test_quickstart_settings_train_every_model(name, tmp_path, record_property):
     """TRL's defaults, an in-memory dataset: every prompt is measured, so the engine's context is the longest prompt
     and a 512-token completion. The engine's layers are the ones the fast KV test hands vLLM's start-up check."""
     args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, report_to="none", save_strategy="no",
                       vllm_enforce_eager=True)  # fmt: skip
     trainer = one_step(name, args, Dataset.from_list(chat_rows()))
     log = step_log(trainer)
-    assert log["sampling/sampling_logp_difference/max"] <= 1e-4  # fp32: the engine computes the trainer's model
+    record_property("sampling_gap", log["sampling/sampling_logp_difference/max"])  # --junitxml lists each model's
+    assert log["sampling/sampling_logp_difference/max"] <= GAP_BOUND  # fp32, sharp weights: the same model
     assert 1 <= log["completions/mean_length"] < 64  # the stopping model answers in a few tokens
     tokenizer = trainer.processing_class
     rows = chat_rows()
@@ -92,6 +97,44 @@ def test_quickstart_settings_train_every_model(name, tmp_path):
     block = trainer.engine.llm.llm_engine.vllm_config.cache_config.block_size
     real = sorted(map(spec_key, engine_specs(trainer).values()))
     assert real == sorted(map(spec_key, zoo.kv_specs(config, block, torch.float32).values()))
+
+
+def rope_without_scaling(config) -> None:
+    config.rope_parameters = {"rope_type": "default", "rope_theta": config.rope_parameters["rope_theta"]}
+
+
+def rope_base_of_10k(config) -> None:
+    config.rope_parameters = {**config.rope_parameters, "rope_theta": 10000.0}
+
+
+# Errors the parity check must see, each in the engine's model alone (the config it is started from), as a rope, a
+# soft-cap or a logit scale lost on the way to the engine would be: the model, and the error injected into it.
+MUTATIONS = {
+    "rope scaling dropped": ("meta-llama/Llama-3.2-1B-Instruct", rope_without_scaling),
+    "rope base changed": ("Qwen/Qwen3-0.6B", rope_base_of_10k),
+    "logit soft-cap dropped": ("google/gemma-2-2b-it", lambda c: setattr(c, "final_logit_softcapping", None)),
+    "logits scaled": ("ibm-granite/granite-3.1-2b-instruct", lambda c: setattr(c, "logits_scaling", 1.0)),
+}
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS)
+def test_the_parity_check_fails_on_a_wrong_model_in_the_engine(mutation, tmp_path, monkeypatch, record_property):
+    """The quickstart test's gap bound has power: with one error injected into the engine's model, the same step's
+    sampling gap is over it (with transformers' flat 0.02 weights, a dropped rope scaling moved it by 1e-6)."""
+    name, mutate = MUTATIONS[mutation]
+    own = engine_module._engine_config
+
+    def mutated(model):
+        config = own(model)
+        mutate(config)
+        return config
+
+    monkeypatch.setattr(engine_module, "_engine_config", mutated)
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, report_to="none", save_strategy="no",
+                      vllm_enforce_eager=True, max_completion_length=64)  # fmt: skip
+    trainer = one_step(name, args, Dataset.from_list(chat_rows()))
+    record_property("sampling_gap", step_log(trainer)["sampling/sampling_logp_difference/max"])
+    assert step_log(trainer)["sampling/sampling_logp_difference/max"] > GAP_BOUND
 
 
 # An 8k and a 128k model, started at their own context: prompts from a stream are not all

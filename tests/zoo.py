@@ -42,6 +42,9 @@ PHI4_LONG_FACTOR = [1, 1.118320672, 1.250641126, 1.398617824, 1.564103225, 1.749
                     25.61086418, 28.64115884, 32.03, 32.1, 32.13, 32.23, 32.6, 32.61, 32.64, 32.66, 32.7, 32.71,
                     32.93, 32.97, 33.28, 33.49, 33.5, 44.16, 47.77]  # fmt: skip
 
+# Qwen's documented way to run Qwen2.5 past 32k tokens: YaRN over its original context.
+QWEN2_5_YARN = {"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"}
+
 ZOO: dict[str, dict[str, Any]] = {
     "Qwen/Qwen2.5-0.5B-Instruct": {**QWEN2_5, "vocab_size": 151936, "max_position_embeddings": 32768,
                                    "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
@@ -117,6 +120,73 @@ ZOO: dict[str, dict[str, Any]] = {
                                                   "num_key_value_heads": 2, "tie_word_embeddings": False,
                                                   "rope_theta": 10000, "sliding_window": 4096,
                                                   "max_window_layers": 21, "eos_token_id": 151643},
+    # Qwen2.5-7B with the YaRN scaling its model card gives for long contexts.
+    "Qwen/Qwen2.5-7B-Instruct (YaRN)": {**QWEN2_5, "vocab_size": 152064, "max_position_embeddings": 32768,
+                                        "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+                                        "num_attention_heads": 28, "num_key_value_heads": 4,
+                                        "tie_word_embeddings": False, "sliding_window": 131072,
+                                        "max_window_layers": 28, "rope_scaling": QWEN2_5_YARN},
+    # Logits divided by logits_scaling after the head (and µP multipliers inside).
+    "ibm-granite/granite-3.1-2b-instruct": {"model_type": "granite", "architectures": ["GraniteForCausalLM"],
+                                            "vocab_size": 49155, "max_position_embeddings": 131072,
+                                            "hidden_size": 2048, "intermediate_size": 8192,
+                                            "num_hidden_layers": 40, "num_attention_heads": 32,
+                                            "num_key_value_heads": 8, "rope_theta": 5000000.0,
+                                            "rms_norm_eps": 1e-05, "attention_multiplier": 0.015625,
+                                            "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                                            "logits_scaling": 8.0, "tie_word_embeddings": True,
+                                            "attention_bias": False, "mlp_bias": False, "bos_token_id": 0,
+                                            "eos_token_id": 0, "pad_token_id": 0},
+    # Logits multiplied by logit_scale after the head; LayerNorm, parallel attention and MLP.
+    "CohereForAI/c4ai-command-r-v01": {"model_type": "cohere", "architectures": ["CohereForCausalLM"],
+                                       "vocab_size": 256000, "max_position_embeddings": 8192, "hidden_size": 8192,
+                                       "intermediate_size": 22528, "num_hidden_layers": 40,
+                                       "num_attention_heads": 64, "num_key_value_heads": 64,
+                                       "rope_theta": 8000000.0, "layer_norm_eps": 1e-05, "logit_scale": 0.0625,
+                                       "use_qk_norm": False, "tie_word_embeddings": True, "bos_token_id": 5,
+                                       "eos_token_id": 255001, "pad_token_id": 0},
+    # Soft-capped logits and attention scores, sliding windows on every other layer.
+    "google/gemma-2-2b-it": {"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], "vocab_size": 256000,
+                             "max_position_embeddings": 8192, "hidden_size": 2304, "intermediate_size": 9216,
+                             "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+                             "head_dim": 256, "rope_theta": 10000.0, "rms_norm_eps": 1e-06,
+                             "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
+                             "sliding_window": 4096, "final_logit_softcapping": 30.0,
+                             "attn_logit_softcapping": 50.0, "attention_bias": False, "tie_word_embeddings": True,
+                             "bos_token_id": 2, "eos_token_id": [1, 107], "pad_token_id": 0},
+    # vLLM runs it through its Transformers backend; QK norms, norms after attention and MLP.
+    "allenai/OLMo-2-0425-1B-Instruct": {"model_type": "olmo2", "architectures": ["Olmo2ForCausalLM"],
+                                        "vocab_size": 100352, "max_position_embeddings": 4096, "hidden_size": 2048,
+                                        "intermediate_size": 8192, "num_hidden_layers": 16,
+                                        "num_attention_heads": 16, "num_key_value_heads": 16,
+                                        "rope_theta": 500000, "rms_norm_eps": 1e-06, "attention_bias": False,
+                                        "tie_word_embeddings": False, "eos_token_id": 100257,
+                                        "pad_token_id": 100277},
+    # Transformers backend too; partial rotary (32 of 80 head dims), LayerNorm, parallel blocks, gelu_new.
+    "microsoft/phi-2": {"model_type": "phi", "architectures": ["PhiForCausalLM"], "vocab_size": 51200,
+                        "max_position_embeddings": 2048, "hidden_size": 2560, "intermediate_size": 10240,
+                        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+                        "partial_rotary_factor": 0.4, "rope_theta": 10000.0, "layer_norm_eps": 1e-05,
+                        "hidden_act": "gelu_new", "qk_layernorm": False, "tie_word_embeddings": False,
+                        "bos_token_id": 50256, "eos_token_id": 50256},
+    # Partial rotary (half the head), biases on q/k/v, norms after attention and MLP.
+    "THUDM/GLM-4-9B-0414": {"model_type": "glm4", "architectures": ["Glm4ForCausalLM"], "vocab_size": 151552,
+                            "max_position_embeddings": 32768, "hidden_size": 4096, "intermediate_size": 13696,
+                            "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 2,
+                            "head_dim": 128, "partial_rotary_factor": 0.5, "rope_theta": 10000.0,
+                            "rms_norm_eps": 1e-05, "attention_bias": True, "tie_word_embeddings": False,
+                            "eos_token_id": [151329, 151336, 151338], "pad_token_id": 151329},
+    # llama3 rope scaling, QK norms, three sliding-window layers to one global one (no rope on the global).
+    "LGAI-EXAONE/EXAONE-4.0-32B": {"model_type": "exaone4", "architectures": ["Exaone4ForCausalLM"],
+                                   "vocab_size": 102400, "max_position_embeddings": 131072, "hidden_size": 5120,
+                                   "intermediate_size": 27392, "num_hidden_layers": 64, "num_attention_heads": 40,
+                                   "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 1000000,
+                                   "rope_scaling": {"factor": 16.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                                    "original_max_position_embeddings": 8192,
+                                                    "rope_type": "llama3"},
+                                   "sliding_window": 4096, "sliding_window_pattern": 4, "rms_norm_eps": 1e-05,
+                                   "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 361,
+                                   "pad_token_id": 0},
 }  # fmt: skip
 
 # Width after shrinking (where the architecture lets the hidden size shrink on its own) and MLP / expert width.
@@ -124,9 +194,13 @@ HIDDEN = 64
 INTERMEDIATE = 128
 MOE_INTERMEDIATE = 32
 LAYERS = 2
-# Architectures where the head dimension follows the hidden size: vLLM's qwen2.py computes it so, and transformers
-# checks Phi-3's longrope factors (one per rotated pair) against hidden_size / heads.
-HEAD_DIM_FROM_HIDDEN = {"qwen2", "phi3"}
+# Architectures where the head dimension follows the hidden size: vLLM's qwen2.py computes it so, transformers
+# checks Phi-3's longrope factors (one per rotated pair) against hidden_size / heads, and the other configs have no
+# head_dim of their own.
+HEAD_DIM_FROM_HIDDEN = {"qwen2", "phi3", "granite", "cohere", "olmo2", "phi"}
+# Weights drawn at this std, norms and biases moved by as much: at transformers' 0.02, attention is near uniform and
+# the next-token distributions near flat, so a wrong rope scaling moved the log-probs by 1e-6 (by 0.06 here).
+SHARP_STD = 0.2
 
 
 def head_dim(published: dict[str, Any]) -> int:
@@ -204,37 +278,93 @@ def tokenizer_for(config: PretrainedConfig) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def stopping_model(name: str, seed: int = 0, eos_probability: float = 0.25) -> Any:
-    """`name`'s shrunk model (float32, random weights) edited to end its answers after a few tokens, with its
-    tokenizer: at every position it samples its end-of-sequence token with about `eos_probability`, so completions are
-    a few tokens long (as a chat model's answer to a short question is) rather than a random model's whole
-    `max_completion_length` over a 150k-token vocabulary.
+def sharpen(model: Any, seed: int = 0) -> None:
+    """Redraw `model`'s weights at `SHARP_STD` (matrices), and move its vectors (norm weights, biases) by as much, so
+    that its logits are far from flat and a different model in the engine shows in the log-probs."""
+    import torch
 
-    The edit: every token's embedding gets the same first coordinate, so the final hidden state of every position
-    shares a positive first coordinate; the output layer's end-of-sequence row is then raised along it, by as much as
-    one forward pass says gives that probability. Every shape stays as it was."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            noise = torch.randn(param.shape, generator=generator) * SHARP_STD
+            param.copy_(noise if param.dim() > 1 else param + noise)
+
+
+# The model's own answers that `stopping_model` calibrates its end-of-sequence token on: how many, how long.
+ANSWERS, ANSWER_TOKENS = 8, 32
+
+
+def stopping_model(
+    name: str, seed: int = 0, eos_probability: float = 0.25, sharp: bool = True, max_tokens: int = 512
+) -> Any:
+    """`name`'s shrunk model (float32, random weights: `sharpen`ed unless `sharp` is false) edited to end its answers
+    after a few tokens, with its tokenizer: at the positions it reaches while answering, it samples its
+    end-of-sequence token with a probability of about `eos_probability`, so completions are a few tokens long (as a
+    chat model's answer to a short question is) rather than a random model's whole `max_completion_length` over a
+    150k-token vocabulary.
+
+    The edit: every token's embedding gets the same first coordinate, so that the final hidden states share a
+    common direction (their mean, over the positions of a few answers the model samples); the output layer's
+    end-of-sequence row is raised along it, by as much as gives an expected answer length of 1 / `eos_probability`
+    tokens under the model's own distribution (whatever it does to its logits after the output layer). Every shape
+    stays as it was."""
     import torch
     from transformers import AutoModelForCausalLM
+
+    from colograd import logit_transform
 
     config = shrunk(name)
     tokenizer = tokenizer_for(config)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config).eval()
+    if sharp:
+        sharpen(model, seed)
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     eos = tokenizer.eos_token_id
-    with torch.no_grad():
+    with torch.no_grad(), torch.random.fork_rng():
+        torch.manual_seed(seed)
         embed[:, 0] = 1.0
         text = tokenizer.apply_chat_template([{"role": "user", "content": "2+2?"}], add_generation_prompt=True,
                                              tokenize=False)  # fmt: skip
-        ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
-        hidden = model(ids, output_hidden_states=True).hidden_states[-1][0]  # after the final norm: [T, H]
-        logits = model(ids).logits[0]  # [T, V]
-        # Raise the EOS logit to log(p / (1 - p)) above the log-sum-exp of the others, at the median position.
-        others = torch.logsumexp(torch.cat([logits[:, :eos], logits[:, eos + 1 :]], dim=1), dim=1)
-        target = others + math.log(eos_probability / (1 - eos_probability))
-        raise_by = ((target - logits[:, eos]) / hidden[:, 0]).median()
-        head[eos, 0] += raise_by
+        prompt = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+        ids = prompt.repeat(ANSWERS, 1)
+        out = model(ids, use_cache=True, logits_to_keep=1)
+        for _ in range(ANSWER_TOKENS):  # answers the model samples (its cache: one token a forward), ended by no EOS
+            probabilities = out.logits[:, -1].float().softmax(-1).index_fill(-1, torch.tensor([eos]), 0)
+            token = torch.multinomial(probabilities, 1)  # [answers, 1]
+            ids = torch.cat([ids, token], dim=1)
+            out = model(token, past_key_values=out.past_key_values, use_cache=True)
+        answer = slice(prompt.size(1) - 1, ids.size(1) - 1)  # the positions that sample those tokens
+        # One forward gives what the raise acts on: the output layer's input and its logits, which the model's own
+        # transform after the layer (Granite's scale, Gemma-2's soft-cap) turns into the distribution it samples. The
+        # EOS row is raised along the inputs' mean direction, which they share (the shared embedding coordinate
+        # through RMSNorm, a LayerNorm's bias); no other logit depends on that row (no EOS in `ids`).
+        seen = {}
+        hook = model.get_output_embeddings().register_forward_hook(lambda _, a, out: seen.update(x=a[0], logits=out))
+        model(ids)
+        hook.remove()
+        transform = logit_transform.of(model)
+        inputs = seen["x"][:, answer].float()  # [answers, tokens, hidden]
+        direction = inputs.mean((0, 1))
+        direction /= direction.norm()
+        first = inputs @ direction  # [answers, tokens]
+        logits = seen["logits"][:, answer].float()
+        eos_logit = logits[..., eos]
+        others = torch.logsumexp(transform(torch.cat([logits[..., :eos], logits[..., eos + 1 :]], -1)), -1)
+
+        def expected_length(raise_by: float) -> float:
+            ended = torch.sigmoid(transform(eos_logit + raise_by * first) - others)  # [answers, tokens]
+            going = torch.cat([torch.ones(ANSWERS, 1), (1 - ended).cumprod(-1)], dim=1)  # still going before each
+            return (going[:, :-1].sum(-1) + going[:, -1] * (max_tokens - ANSWER_TOKENS)).mean().item()
+
+        low, high = -1.0, 1.0
+        while expected_length(high) > 1 / eos_probability and high < 1e6:
+            low, high = high, high * 2
+        for _ in range(40):
+            middle = (low + high) / 2
+            low, high = (middle, high) if expected_length(middle) > 1 / eos_probability else (low, middle)
+        head[eos] += high * direction.to(head.dtype)
     return model, tokenizer
 
 
