@@ -93,6 +93,7 @@ class GRPOConfig(
         self.check_regularizers()
         self.check_forward()
         self.check_engine()
+        self.check_logging()
 
     @property
     def engine_logps_are_old_logps(self) -> bool:
@@ -105,12 +106,14 @@ class GRPOConfig(
 
     @property
     def needs_engine_logps(self) -> bool:
-        """Whether the loss reads the engine's log-probs of every sampled token: the importance-sampling correction,
-        the off-policy mask, or old log-probs taken from the engine. Otherwise asking vLLM for them would only slow
-        its decoding (per-token work in its output path), so a rollout asks for one completion's per rank, for the
-        sampling-gap metric."""
+        """Whether the engine is asked the log-probs of every sampled token: the loss reads them (the
+        importance-sampling correction, the off-policy mask, or old log-probs taken from the engine), or the
+        sampling-gap metric covers every completion (`sampling_gap_completions: all`). Otherwise asking vLLM for
+        them would only slow its decoding (per-token work in its output path), so a rollout asks for one
+        completion's per rank, for the sampling-gap metric."""
         engine_as_old = self.reuses_rollouts_across_updates and self.engine_logps_are_old_logps
-        return self.vllm_importance_sampling_correction or self.off_policy_mask_threshold is not None or engine_as_old
+        read = self.vllm_importance_sampling_correction or self.off_policy_mask_threshold is not None or engine_as_old
+        return read or self.sampling_gap_completions == "all"  # the metric over every completion
 
     @property
     def reuses_rollouts_across_updates(self) -> bool:

@@ -3,6 +3,10 @@
 
 from dataclasses import dataclass, field
 
+from colograd.errors import ConfigError
+
+SAMPLING_GAP_COMPLETIONS = ("one", "all")
+
 
 @dataclass
 class LoggingOptions:
@@ -37,3 +41,21 @@ class LoggingOptions:
             "sizes; false leaves them out, for smaller logs with large images."
         },
     )
+    sampling_gap_completions: str = field(
+        default="one",
+        metadata={
+            "help": "Which completions the sampling-gap metric (sampling/sampling_logp_difference/*, the engine's "
+            "log-probs against the trainer's) covers. 'one': one per rank, on the steps that log (an image run takes "
+            "it from another of its prompts at each such step, so every row is covered in turn); no cost beside it. "
+            "'all': every completion of every rollout, read as tensors from vLLM's sampler, so a wrong image or "
+            "prompt in any row shows at once; generation ran at 0.84 of bare vLLM's speed against 0.91 with 'one' "
+            "(the CPU, docs/benchmarks.md). Set on its own when the loss reads every log-prob already."
+        },
+    )
+
+    def check_logging(self) -> None:
+        """The logging choices (a `ConfigError` naming the field and the values it takes)."""
+        if self.sampling_gap_completions not in SAMPLING_GAP_COMPLETIONS:
+            raise ConfigError(
+                f"sampling_gap_completions={self.sampling_gap_completions!r} is unknown; use 'one' or 'all'."
+            )

@@ -12,7 +12,7 @@ again (the next epoch, reshuffled).
 import itertools
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import datasets
@@ -27,6 +27,9 @@ from colograd.config import ConfigError, GRPOConfig
 from colograd.data import first_line
 
 PEEK_ROWS = 256  # rows of a stream that preflight checks (at least one rollout batch's)
+# The key under which a row read for training carries its index in the dataset (a stream: its position as read), so
+# that a check at its rollout can name it; the trainer removes it before anything else reads the row.
+ROW_KEY = "__colograd_row__"
 
 
 class RolloutStream(torch.utils.data.IterableDataset):
@@ -37,23 +40,74 @@ class RolloutStream(torch.utils.data.IterableDataset):
         dataset: the streamed rows.
         batch_size: prompts of one rollout over all ranks.
         repeat_count: micro-steps that train on one rollout (`steps_per_generation × num_iterations`).
+        numbered: each row carries its position in the stream (as read, after any shuffle) under `ROW_KEY`, and a
+            row that cannot be read is refused naming that position.
     """
 
-    def __init__(self, dataset: datasets.IterableDataset, batch_size: int, repeat_count: int) -> None:
+    def __init__(
+        self, dataset: datasets.IterableDataset, batch_size: int, repeat_count: int, numbered: bool = False
+    ) -> None:
         self.dataset, self.batch_size, self.repeat_count = dataset, batch_size, repeat_count
+        self.numbered = numbered
 
     def set_epoch(self, epoch: int) -> None:
         """Called by the Trainer each epoch: a shuffled stream reshuffles with `seed + epoch`."""
         self.dataset.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[dict]:
-        rows = iter(self.dataset)
+        rows = _numbered(iter(self.dataset)) if self.numbered else iter(self.dataset)
         while len(batch := list(itertools.islice(rows, self.batch_size))) == self.batch_size:
             for _ in range(self.repeat_count):
                 yield from batch
 
 
-def rollout_stream(dataset: Any, args: GRPOConfig, accelerator: Accelerator) -> RolloutStream:
+def _numbered(rows: Iterator[dict], name: str = "train_dataset") -> Iterator[dict]:
+    """`rows`, each with its position under `ROW_KEY`; a row that cannot be read (an image that does not decode as
+    the stream reads it) is refused in one line naming its position."""
+    for index in itertools.count():
+        try:
+            row = next(rows)
+        except StopIteration:
+            return
+        except (OSError, ValueError, TypeError, datasets.exceptions.DatasetsError) as err:
+            raise ConfigError(f"{name} row {index} cannot be read ({first_line(err)}); fix or remove it.") from err
+        yield {**row, ROW_KEY: index}
+
+
+class NumberedRows(torch.utils.data.Dataset):
+    """An in-memory dataset whose rows carry their index under `ROW_KEY`; a row that cannot be read (an image that
+    does not decode) is refused in one line naming it."""
+
+    def __init__(self, dataset: Any, name: str = "train_dataset") -> None:
+        self.dataset, self.name = dataset, name
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict:
+        return {**read_row(self.dataset, index, self.name), ROW_KEY: index}
+
+
+def read_row(dataset: Any, index: int, name: str = "train_dataset") -> dict:
+    """Row `index` of an in-memory dataset, or a one-line refusal naming it (an image that does not decode)."""
+    try:
+        return dataset[index]
+    except Exception as err:  # datasets decodes an Image column as a row is read
+        raise ConfigError(f"{name} row {index} cannot be read ({first_line(err)}); fix or remove it.") from None
+
+
+def row_names(
+    rows: list[dict], name: str, indices: Iterable[int] | None = None
+) -> tuple[list[dict], list[str] | None]:
+    """The rows without the index they carry (`ROW_KEY`), and how messages name each ("train_dataset row 300"):
+    by that index, else by `indices` where given, else None."""
+    if rows and ROW_KEY in rows[0]:
+        names = [f"{name} row {row[ROW_KEY]}" for row in rows]
+        return [{k: v for k, v in row.items() if k != ROW_KEY} for row in rows], names
+    return rows, None if indices is None else [f"{name} row {i}" for i in indices]
+
+
+def rollout_stream(dataset: Any, args: GRPOConfig, accelerator: Accelerator, numbered: bool = False) -> RolloutStream:
     """The training stream of `dataset` (shuffled through a buffer with `shuffle_dataset`), for a dataloader of
     `prompts_per_rollout` rows per rank.
 
@@ -65,7 +119,7 @@ def rollout_stream(dataset: Any, args: GRPOConfig, accelerator: Accelerator) -> 
         dataset = dataset.shuffle(seed=args.seed)
     accelerator.dataloader_config.dispatch_batches = False
     batch = args.prompts_per_rollout * accelerator.num_processes
-    return RolloutStream(dataset, batch, args.steps_per_generation * args.num_iterations)
+    return RolloutStream(dataset, batch, args.steps_per_generation * args.num_iterations, numbered)
 
 
 def check_stream(dataset: Any, args: GRPOConfig) -> None:
@@ -136,8 +190,14 @@ class RolloutBatches(Trainer):
         if self.train_dataset is None:
             raise ValueError("GRPOTrainer: training requires a train_dataset.")
         dataset = self.train_dataset  # a stream has no sampler: it is reordered into rollout batches instead
+        # A vision-language run's rows carry their index, for the row checks at each rollout (`colograd.trainer`).
+        numbered = getattr(self, "numbered_rows", False)
+        if has_length(dataset):
+            dataset = NumberedRows(dataset) if numbered else dataset
+        else:
+            dataset = rollout_stream(dataset, self.args, self.accelerator, numbered)
         return self._get_dataloader(
-            dataset=dataset if has_length(dataset) else rollout_stream(dataset, self.args, self.accelerator),
+            dataset=dataset,
             description="Training",
             batch_size=self.args.prompts_per_rollout,
             sampler_fn=self._get_train_sampler,

@@ -42,7 +42,6 @@ from colograd.early_scoring import early_rewards, group_starter
 from colograd.engine import Engine, Rollout
 from colograd.engine_lifetime import frozen_heap, own_classes
 from colograd.entropy import EntropyTerms
-from colograd.errors import ConfigError
 from colograd.evaluation import evaluate
 from colograd.logps import completion_logps
 from colograd.loss import (
@@ -68,12 +67,12 @@ from colograd.preflight import (
     check_wrapped_trainer,
 )
 from colograd.preflight_env import check_environment
-from colograd.preflight_vision import check_image_data
+from colograd.preflight_vision import check_image_data, check_prompt_lengths, check_row
 from colograd.reference import ReferencePolicy
 from colograd.rewards import RewardFunc, RewardModel, TimeLimits, across_ranks, resolve_rewards, reward_name, score
 from colograd.rollouts import RewardLogs, ScoredRollout, reward_metrics, rollout_metrics, sampled_lengths
 from colograd.saving import ModelSaving
-from colograd.streaming import RolloutBatches, check_stream_resume
+from colograd.streaming import RolloutBatches, check_stream_resume, row_names
 from colograd.sync import WeightPlan, is_sharded
 from colograd.timing import OptimizerTimer, PhaseTimes, format_summary, run_summary, window_metrics
 from colograd.tools import ToolCallParser
@@ -82,10 +81,11 @@ from colograd.vision import (
     check_expansion,
     freeze_vision_tower,
     image_prompts,
+    is_vision_language,
     load_pretrained,
     pad_pixels,
     placeholder_ids,
-    row_images,
+    rotate_prompts,
     takes_position_ids,
     text_tokenizer,
 )
@@ -170,13 +170,19 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         # An environment reaches the rewards as `environments`; a rollout_func's own fields show only at rollout
         # time, so then the rewards' parameters are not checked before it.
         rewards_also_get = None if rollout_func else (["environments"] if environment_factory else [])
-        # Image rows: checked first; their prompts' lengths count the expanded images (the text checks cannot).
+        # Image rows: checked first, on a sample of the rows (every row is checked again at its rollout: `check_row`);
+        # their prompts' lengths count the expanded images (the text checks cannot).
         self._images_per_prompt, longest_image_prompt = check_image_data(
-            model, processing_class, train_dataset, args.chat_template_kwargs
+            model, processing_class, train_dataset, args.chat_template_kwargs, max_prompt_length=args.max_prompt_length
         )
         if isinstance(eval_dataset, Dataset):
             eval_images, eval_longest = check_image_data(
-                model, processing_class, eval_dataset, args.chat_template_kwargs, "eval_dataset"
+                model,
+                processing_class,
+                eval_dataset,
+                args.chat_template_kwargs,
+                "eval_dataset",
+                args.max_prompt_length,
             )
             self._images_per_prompt = max(self._images_per_prompt, eval_images)
             if eval_longest is not None:
@@ -238,6 +244,10 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         # A vision-language model: image placeholders are never sampled (`Engine.suppressed`), nor scored here.
         self._suppressed = placeholder_ids(processing_class)
         self._position_ids = takes_position_ids(unwrapped.config)
+        # A vision-language model's rows are checked at each rollout, named by the index they carry (`ROW_KEY`).
+        self._vision = is_vision_language(getattr(unwrapped, "get_base_model", lambda: unwrapped)())
+        self.numbered_rows = self._vision
+        self._gap_rotation = 0  # image runs: which of a rank's prompts the sampling-gap metric's completion is from
         self._rollout_images: list[list] | None = None  # this rollout's images, per prompt (`prepare_prompts`)
         self._rollout_pixels: tuple[list[list[int]], list[dict]] | None = None  # expanded ids, processor outputs
         self.vllm_generation = VLLMGeneration(self)  # TRL's handle on the engine, for `rollout_func` code
@@ -355,6 +365,9 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         if self.agents is not None:
             self._record(self.agents.metrics)
         self._times.count("generated", int(sampled_lengths(scored.rollout).sum()), self._metrics)
+        if self._vision:  # a vision-language run shows at every step whether its prompts had images
+            images = self._rollout_images or [[] for _ in scored.prompts]
+            self._record({"images/per_prompt": sum(map(len, images)) / max(1, len(images))})
         advantages_N = self.compute_advantages(scored.rewards_NF)
         self._record(reward_metrics(scored.rewards_NF, self.reward_weights, g))
         images = self._rollout_images if self._images_per_prompt and self.args.log_multimodal else None
@@ -399,7 +412,12 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         """
         args = self.args
         g = num_generations or (evaluation and args.num_generations_eval) or args.num_generations
-        prompts, prompt_ids, columns = self.prepare_prompts(rows)
+        # Rows read for training carry their index (vision-language runs, `ROW_KEY`); an evaluation's are this
+        # rank's share of the eval dataset (`colograd.evaluation.rank_share`).
+        world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        shares = range(rank, rank + world * len(rows), world) if evaluation else None
+        rows, names = row_names(rows, "eval_dataset" if evaluation else "train_dataset", shares)
+        prompts, prompt_ids, columns = self.prepare_prompts(rows, names)
         limit = self.prompt_limit
         truncated = sum(len(ids) > limit for ids in prompt_ids)
         prompt_ids = [ids[-limit:] for ids in prompt_ids]
@@ -445,8 +463,15 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
             self._weight_plan.sync(self.engine)
         self._synced_step = self.state.global_step
 
-    def prepare_prompts(self, rows: list[dict]) -> tuple[list, list[list[int]], dict[str, list]]:
-        """Template and tokenize a batch of dataset rows.
+    def prepare_prompts(
+        self, rows: list[dict], names: list[str] | None = None
+    ) -> tuple[list, list[list[int]], dict[str, list]]:
+        """Template and tokenize a batch of dataset rows. A vision-language run's rows are each checked first
+        (`check_row`, as preflight checks its sample), so a bad row stops the rollout before any work on it.
+
+        Args:
+            rows: this rank's dataset rows.
+            names: how messages name each row ("train_dataset row 300"); default: by its place in the rollout.
 
         Returns:
             prompts: the `prompt` of each row, as given (text or messages), for the reward functions.
@@ -455,18 +480,21 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         """
         prompts = [row["prompt"] for row in rows]
         columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
+        names = names or [f"the rollout's prompt {k}" for k in range(len(rows))]
+        self._rollout_images, self._rollout_pixels = None, None
+        if self._vision:
+            image_run, most = bool(self._images_per_prompt), self._images_per_prompt or None
+            images = [
+                check_row(row, name, self.processing_class, image_run, most)
+                for row, name in zip(rows, names, strict=True)
+            ]
         if self._images_per_prompt:
             # The engine gets one placeholder per image and expands it; the trainer the processor's expansion.
-            images = [row_images(row) for row in rows]
             prompt_ids, expanded, pixels = image_prompts(
                 self.processing_class, prompts, images, self.args.chat_template_kwargs
             )
-            if max(map(len, expanded)) > self.prompt_limit:
-                raise ConfigError(
-                    f"an image prompt of {max(map(len, expanded))} tokens (images expanded) is longer than the "
-                    f"{self.prompt_limit} a rollout keeps; image prompts are not cut (that would cut an image): raise "
-                    "max_prompt_length, or use smaller images."
-                )
+            setting = "max_prompt_length" if self.args.max_prompt_length else "the engine's context less a completion"
+            check_prompt_lengths(expanded, names, self.prompt_limit, setting)
             self._rollout_images, self._rollout_pixels = images, (expanded, pixels)
             return prompts, prompt_ids, columns
         prompt_ids = tokenize_prompts(
@@ -485,14 +513,28 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         on_group = group_starter(early, self.processing_class, rows, chats) if early and rows else None
         if self.agents is not None:
             return self.agents.generate(self, prompt_ids, rows, self._rollout_step, g, on_group)
-        return self.engine.generate(
+        gap_sample, images = self.gap_sampled(), self._rollout_images if self._images_per_prompt else None
+        # The engine asks the sampling-gap metric's log-probs of its first prompt's first completion: an image run
+        # puts another of its prompts first at each rollout that asks, so that the metric covers every row in turn
+        # (the same requests, at no cost); `sampling_gap_completions: all` asks every completion instead.
+        shift = 0
+        if images is not None and gap_sample and not self.args.needs_engine_logps:
+            shift, self._gap_rotation = self._gap_rotation % len(prompt_ids), self._gap_rotation + 1
+        return rotate_prompts(
+            lambda ids, imgs, report: self.engine.generate(
+                ids,
+                self.args,
+                step=self._rollout_step,
+                num_generations=g,
+                gap_sample=gap_sample,
+                on_group=report,
+                images=imgs,
+            ),
             prompt_ids,
-            self.args,
-            step=self._rollout_step,
-            num_generations=g,
-            gap_sample=self.gap_sampled(),
-            on_group=on_group,
-            images=self._rollout_images if self._images_per_prompt else None,
+            images,
+            on_group,
+            shift,
+            g,
         )
 
     def gap_sampled(self) -> bool:

@@ -13,6 +13,7 @@ Three things differ from a text model:
   expands them itself, and ids expanded already are expanded again, silently.
 """
 
+import dataclasses
 import importlib
 import importlib.util
 import sys
@@ -89,8 +90,9 @@ def multimodal_prompt(token_ids: list[int], images: list[Any] | None) -> dict[st
     return {"prompt_token_ids": token_ids, "multi_modal_data": {"image": images if len(images) > 1 else images[0]}}
 
 
-# The dataset columns that hold a row's images, TRL's names: one image, or a list of them.
-IMAGE_COLUMNS = ("image", "images")
+# The dataset columns that hold a row's images, TRL's names in TRL 1.16's order: a row with an `images` column is
+# read from it (a list, or one image), else from `image` (one image, or None for a text-only row).
+IMAGE_COLUMNS = ("images", "image")
 # Multimodal architectures whose text positions the model computes itself from the images (M-RoPE): they are not
 # given 1-D position ids.
 _OWN_POSITIONS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
@@ -98,11 +100,21 @@ _OWN_POSITIONS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 MM_PREFIX = "mm_"
 
 
+def image_field(row: dict[str, Any]) -> str:
+    """The column a row's images are read from: `images` where the row has it (as TRL 1.16 reads it first, even
+    beside an `image` column), else `image`."""
+    return "images" if "images" in row else "image"
+
+
 def row_images(row: dict[str, Any]) -> list[Any]:
-    """The images of one dataset row (TRL's `image` or `images` column), [] for a text-only row."""
-    if row.get("image") is not None:
-        return [row["image"]]
-    return list(row.get("images") or [])
+    """The images of one dataset row, [] for a text-only row, read as TRL 1.16 reads them (`image_field`): an
+    `images` value that is not a list is one image (a column of single images), a None one no image; an `image`
+    value is one image whatever it is (`check_image` refuses a list there)."""
+    field = image_field(row)
+    value = row.get(field)
+    if value is None:
+        return []
+    return list(value) if field == "images" and isinstance(value, list | tuple) else [value]
 
 
 def image_prompts(
@@ -140,6 +152,49 @@ def image_prompts(
         expanded_ids.append(out["input_ids"][0].tolist())
         pixels.append({k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")})
     return engine_ids, expanded_ids, pixels
+
+
+def rotate_prompts(
+    generate: Callable[[list[list[int]], list[list[Any]] | None, Callable | None], Any],
+    prompt_ids: list[list[int]],
+    images: list[list[Any]] | None,
+    on_group: Callable[[int, list[list[int]]], None] | None,
+    shift: int,
+    num_generations: int,
+) -> Any:
+    """One engine call with the prompts rotated left by `shift` (prompt `shift` first, where the engine asks the
+    sampling-gap metric's log-probs), its `Rollout` put back in the prompts' own order.
+
+    Args:
+        generate: the engine call, `generate(prompt_ids, images, on_group)`, returning a `Rollout` of
+            `num_generations` completions per prompt, groups contiguous.
+        prompt_ids, images: each prompt's ids and images (None: no images).
+        on_group: called as `on_group(i, completions)` with the prompt's own index i; None.
+        shift: the prompt to put first; 0 calls `generate` as given.
+    """
+    if not shift:
+        return generate(prompt_ids, images, on_group)
+    n, g = len(prompt_ids), num_generations
+    order = [(shift + j) % n for j in range(n)]  # the prompt at each place of the call
+    report = None if on_group is None else lambda j, completions: on_group(order[j], completions)
+    rollout = generate([prompt_ids[i] for i in order], None if images is None else [images[i] for i in order], report)
+    place = [(i - shift) % n for i in range(n)]  # each prompt's place in the call
+
+    def per_completion(values: list | None) -> list | None:
+        return None if values is None else [values[place[i] * g + c] for i in range(n) for c in range(g)]
+
+    def per_prompt(values: list | None) -> list | None:
+        return None if values is None else [values[place[i]] for i in range(n)]
+
+    return dataclasses.replace(
+        rollout,
+        completion_ids=per_completion(rollout.completion_ids),
+        logps=per_completion(rollout.logps),
+        truncated=per_completion(rollout.truncated),
+        tool_mask=per_completion(rollout.tool_mask),
+        prompt_ids=per_completion(rollout.prompt_ids),
+        engine_prompt_ids=per_prompt(rollout.engine_prompt_ids),
+    )
 
 
 def check_expansion(engine_ids: list[list[int]], expanded_ids: list[list[int]]) -> None:

@@ -68,10 +68,10 @@ def test_bad_image_data(tmp_path):
         check_image_data(model, processor, text_prompt)
     one_part = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
     two_images = Dataset.from_dict({"prompt": [one_part], "images": [[solid_image("red"), solid_image("blue")]]})
-    with pytest.raises(ConfigError, match="2 images for the prompt's image parts"):
+    with pytest.raises(ConfigError, match="row 0: 2 images for the prompt's 1 image part;"):
         check_image_data(model, processor, two_images)
     assert check_image_data(model, processor, _rows(prompt_only=1)) == (0, None)
-    with pytest.raises(ConfigError, match="^eval_dataset row 0: the image is text"):
+    with pytest.raises(ConfigError, match="^eval_dataset row 0: 'image' is text"):
         check_image_data(model, processor, _rows(image="red"), name="eval_dataset")
 
 
