@@ -303,6 +303,38 @@ def test_the_gap_metric_rotates_through_an_image_rollouts_prompts():
     assert sorted(reported) == [(0, 10), (1, 11), (2, 12)]
 
 
+def test_an_image_trainer_puts_another_prompt_first_at_each_rollout_that_asks(tmp_path):
+    """`GRPOTrainer.generate` on an image run: the engine's first prompt (whose first completion the gap metric
+    reads) moves on at each rollout that asks; a text run's order and an `all` run's are left as they are."""
+    from colograd.engine import Rollout
+
+    first = []
+
+    def engine_generate(ids, args, step, num_generations, gap_sample, on_group, images):
+        first.append(ids[0][0])
+        g = num_generations
+        return Rollout([[i[0]] for i in ids for _ in range(g)], [[0.0]] * len(ids) * g, [False] * len(ids) * g)
+
+    def trainer(images_per_prompt: int, **settings) -> SimpleNamespace:
+        fake = SimpleNamespace(
+            reward_funcs=[], _rollout_rows=[{"prompt": USER}] * 3, agents=None, processing_class=None,
+            args=run_config(str(tmp_path), 1, num_generations=2, **settings), _rollout_step=0, _gap_rotation=0,
+            _images_per_prompt=images_per_prompt, _rollout_images=[[solid_image("red")]] * 3,
+            engine=SimpleNamespace(generate=engine_generate), gap_sampled=lambda: True,
+        )  # fmt: skip
+        return fake
+
+    image_run = trainer(1)
+    rollouts = [GRPOTrainer.generate(image_run, [[10], [11], [12]]) for _ in range(4)]
+    assert first == [10, 11, 12, 10]
+    assert all(r.completion_ids == [[10], [10], [11], [11], [12], [12]] for r in rollouts)  # back in order
+    first.clear()
+    for run in (trainer(0), trainer(1, sampling_gap_completions="all")):
+        GRPOTrainer.generate(run, [[10], [11], [12]])
+        GRPOTrainer.generate(run, [[10], [11], [12]])
+    assert first == [10, 10, 10, 10]
+
+
 def test_sampling_gap_completions_setting(tmp_path):
     assert LoggingOptions.__dataclass_fields__["sampling_gap_completions"].default == "one"
     assert not run_config(str(tmp_path), 1).needs_engine_logps  # text runs: unchanged
