@@ -26,7 +26,7 @@ from peft import PeftModel
 from torch import nn
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from colograd import engine_cpu, sampler_tap
+from colograd import engine_cpu, moe, sampler_tap
 from colograd.config import GRPOConfig
 from colograd.engine_launch import _launcher_env, _tensor_parallel_group
 from colograd.engine_lifetime import (
@@ -37,7 +37,12 @@ from colograd.engine_lifetime import (
     layer_refs,
 )
 from colograd.engine_requests import rollout_requests, sampled_logps
-from colograd.engine_weights import _holds_plain_weights, _known_names, _load_into_model
+from colograd.engine_weights import (
+    _holds_plain_weights,
+    _known_names,
+    _load_into_model,
+    _load_with_prepacked_experts,
+)
 from colograd.errors import ConfigError
 from colograd.kv_cache import engine_max_model_len, engine_memory, kv_bytes_per_token
 from colograd.lora import adapter_parent, engine_max_lora_rank
@@ -173,6 +178,8 @@ class Engine:
         # Whether the engine computes with the weight tensors it holds (GPU; CPU without repacking), so a sync
         # can copy straight into them, or re-processes them into a kernel layout that needs a reload.
         self.direct_load = all(self.llm.collective_rpc(_holds_plain_weights))
+        # Expert layers whose weights the CPU backend prepacked: a sync must prepack what it writes into them again.
+        self.prepacked_experts = any(self.llm.collective_rpc(moe.has_prepacked_experts_in_engine))
         # Prompts must leave room for a whole completion in the engine's context.
         self.max_prompt_tokens = self.llm.llm_engine.model_config.max_model_len - args.max_completion_length
         self.lora_request = None  # set by `load_adapter`; every generation then applies the adapter
@@ -376,13 +383,16 @@ class Engine:
 
         The model's own loaders translate checkpoint names and layouts (fused qkv / gate_up, transposed
         Conv1D, vocabulary padding, tied heads, dtype) and copy into the engine's tensors. Where the backend
-        repacked its weights into a kernel layout, vLLM's in-place reload re-runs that processing instead.
+        repacked its weights into a kernel layout, vLLM's in-place reload re-runs that processing instead; expert
+        weights the CPU backend prepacked are copied and prepacked again (`colograd.moe.load_experts`).
 
         Raises:
             RuntimeError: the engine is asleep (`awake` wakes it).
         """
         self._check_resident("load_weights")
-        if self.direct_load:
+        if self.prepacked_experts:
+            self.llm.collective_rpc(_load_with_prepacked_experts, args=(weights, self.direct_load))
+        elif self.direct_load:
             self.llm.collective_rpc(_load_into_model, args=(weights,))
         else:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})

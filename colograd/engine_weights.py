@@ -7,10 +7,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from colograd import moe
+
 
 def _holds_plain_weights(worker: Any) -> bool:
-    """Runs in the engine's worker: whether every parameter still holds its data (none repacked away)."""
-    return all(p.numel() > 0 for p in worker.model_runner.model.parameters())
+    """Runs in the engine's worker: whether the engine computes with its weights as the model's loaders write them:
+    every parameter still holds its data (no linear weight repacked away into a oneDNN handle), and every expert layer
+    computes with its weights as loaded (vLLM's CPU backend prepacks them in place, same shape: a copy into them
+    would pass the first test and leave the engine computing with garbage)."""
+    model = worker.model_runner.model
+    return all(p.numel() > 0 for p in model.parameters()) and all(
+        moe.computes_as_loaded(layer) for layer in moe.expert_layers(model).values()
+    )
 
 
 def _load_into_model(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
@@ -19,14 +27,36 @@ def _load_into_model(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> No
     model.load_weights(named_through_lora_wrappers(model, weights))
 
 
+def _load_with_prepacked_experts(worker: Any, weights: list[tuple[str, torch.Tensor]], direct: bool) -> None:
+    """Runs in the engine's worker: write checkpoint-named weights into an engine whose expert layers are prepacked
+    (vLLM's CPU backend). The expert weights are copied through the model's loader and prepacked again
+    (`colograd.moe.load_experts`); the rest take the engine's usual path: a copy (`direct`), or vLLM's in-place
+    reload, which re-processes the layers it writes (and leaves the expert layers, none of whose weights it gets,
+    as they are)."""
+    model = worker.model_runner.model
+    experts, rest = moe.split_expert_weights(model, named_through_lora_wrappers(model, weights))
+    if rest and direct:
+        model.load_weights(rest)
+    elif rest:
+        worker.reload_weights(weights_iterator=rest)
+    if experts:
+        moe.load_experts(model, experts)
+
+
 def _known_names(worker: Any, names: list[str]) -> list[str]:
     """Runs in the engine's worker: those of the checkpoint `names` whose module the engine's model has, after the
-    model's own renaming (a tied output layer is `lm_head` in most of vLLM's models, absent from Gemma-2's)."""
+    model's own renaming (a tied output layer is `lm_head` in most of vLLM's models, absent from Gemma-2's), and, in
+    an expert layer, that its loader takes (`colograd.moe.takes_name`)."""
     model = worker.model_runner.model
     modules = {path for path, _ in model.named_modules()}
     mapper = getattr(model, "hf_to_vllm_mapper", None)
     mapped = ((name, mapper._map_name(name) if mapper is not None else name) for name in names)
-    return [name for name, engine_name in mapped if engine_name and engine_name.rpartition(".")[0] in modules]
+    # An expert layer's module exists whatever names its loader takes: those are asked of vLLM's expert mappings.
+    return [
+        name
+        for name, engine_name in mapped
+        if engine_name and engine_name.rpartition(".")[0] in modules and moe.takes_name(model, engine_name)
+    ]
 
 
 def named_through_lora_wrappers(model: nn.Module, weights: list[tuple[str, Any]]) -> list[tuple[str, Any]]:

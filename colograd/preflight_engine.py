@@ -17,30 +17,21 @@ from colograd.data import first_line
 from colograd.engine import engine_dtype as engine_dtype_of
 from colograd.engine_lifetime import import_off_stack
 from colograd.engine_requests import sampling_params
-from colograd.kv_cache import check_sized_layers
+from colograd.kv_cache import check_sized_layers, uses_mla
 from colograd.lora import engine_max_lora_rank
-
-# Config keys that count a Mixture-of-Experts model's experts (Qwen-MoE, Mixtral, DeepSeek, ...).
-_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+from colograd.moe import expert_count
 
 
 def check_engine(
     args: GRPOConfig, model_config: PretrainedConfig, dtype: torch.dtype, lora_rank: int | None = None
 ) -> None:
     """What the engine would refuse at start-up or at its first request, found by vLLM's own code where it has a
-    check to run: the model's kind (attention layers whose KV cache colograd sizes, dense), the sampling settings,
-    the LoRA settings, the dtype and the attention head size."""
+    check to run: the model's kind (attention layers whose KV cache colograd sizes, experts its sync can write), the
+    sampling settings, the LoRA settings, the dtype and the attention head size."""
     # Hybrid, Mamba and linear-attention layers (Jamba, Qwen3-Next): the cache colograd would give the engine is
     # counted for attention layers only, so vLLM would start with a cache of the wrong size, or refuse to.
     check_sized_layers(model_config.get_text_config())
-    # A multimodal model's text part (Llama 4, Qwen3-VL-MoE) keeps its expert count in its text config.
-    configs = (model_config, model_config.get_text_config())
-    experts = next((n for c in configs for key in _EXPERT_COUNTS if (n := getattr(c, key, None))), None)
-    if experts and experts > 1:
-        raise ConfigError(
-            f"model_type {model_config.model_type!r} is a Mixture-of-Experts model ({experts} experts): colograd's "
-            "weight sync does not translate its fused expert layers into the engine; train a dense model."
-        )
+    _check_experts(model_config, torch.cuda.is_available())
     if args.temperature <= 0:
         raise ConfigError(
             f"temperature={args.temperature}: GRPO samples several completions per prompt and divides log-probs by "
@@ -78,6 +69,32 @@ def check_engine(
     _check_head_size(model_config, current_platform)
 
 
+def _check_experts(model_config: PretrainedConfig, gpu: bool) -> None:
+    """A Mixture-of-Experts model trains where the engine's experts can take the trainer's weights at every sync
+    (see `colograd.moe`): full-precision experts, on a GPU, or on vLLM's CPU backend where its grouped-GEMM kernel
+    takes the hidden size (it pads the expert intermediate size itself)."""
+    experts = expert_count(model_config)
+    if experts is None:
+        return
+    kind = f"model_type {model_config.model_type!r} is a Mixture-of-Experts model ({experts} experts)"
+    if getattr(model_config, "quantization_config", None) is not None:
+        raise ConfigError(
+            f"{kind} with quantized weights: colograd's sync writes full-precision expert weights, which vLLM's "
+            "quantized expert kernels do not take in place; train it unquantized."
+        )
+    if gpu:
+        return
+    with _quiet_logs():
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    alignment = CPUUnquantizedExperts.output_alignment
+    hidden = model_config.get_text_config().hidden_size
+    if hidden % alignment:
+        raise ConfigError(
+            f"{kind} of hidden size {hidden}: vLLM's CPU expert kernel needs a multiple of {alignment}; use a GPU, "
+            "or a model with such a hidden size."
+        )
+
+
 def _vllm_errors() -> tuple[type[Exception], ...]:
     """vLLM's own error class where the installed version has one (`vllm.exceptions.VLLMError` is newer than 0.26,
     the newest CUDA build for torch 2.11): preflight must not fail to import on an older engine."""
@@ -100,11 +117,16 @@ def _check_head_size(model_config: PretrainedConfig, platform: Any) -> None:
     heads = getattr(text, "num_attention_heads", None)
     head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
     supported = CPUAttentionBackend.get_supported_head_sizes()
+    hint = "hidden_size / num_attention_heads = 64"
+    if uses_mla(text):  # MLA attends over its cached latent: vLLM's CPU MLA backend takes its size, not head_dim
+        with _quiet_logs():
+            from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
+        head_dim = text.kv_lora_rank + text.qk_rope_head_dim
+        supported, hint = CPUMLABackend.get_supported_head_sizes(), "kv_lora_rank + qk_rope_head_dim = 512 + 64"
     if head_dim is not None and head_dim not in supported:
         raise ConfigError(
             f"the model's attention head size is {head_dim}, which vLLM's CPU backend does not support (it supports "
-            f"{', '.join(map(str, supported))}); use a model with one of those, e.g. hidden_size / "
-            "num_attention_heads = 64."
+            f"{', '.join(map(str, supported))}); use a model with one of those, e.g. {hint}."
         )
 
 

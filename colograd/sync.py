@@ -27,6 +27,7 @@ import torch
 from peft import PeftModel
 from torch import nn
 
+from colograd import moe
 from colograd.engine import Engine
 from colograd.vision import engine_weight_name
 
@@ -75,6 +76,10 @@ class WeightPlan:
         self._lora_groups = [_fsdp_groups(model, bucket) for bucket in self._lora_buckets]
         self._base_sent = False
         self._names_checked = False
+        # Names of a Mixture-of-Experts model that the engine's model does not take: sent in its checkpoints' layout on
+        # disk, converted at each sync (Mixtral's and DeepSeek-V2's engines take only per-expert expert names).
+        self._on_disk: set[str] = set()
+        self._to_disk_layout = moe.on_disk_names(model.get_base_model() if isinstance(model, PeftModel) else model)
 
     def sync(self, engine: Engine) -> int:
         """Bring `engine` up to date with the model. The engine's cached prompt KV of the old weights is not reused
@@ -89,6 +94,10 @@ class WeightPlan:
             known = set(engine.known_names(tied)) if tied else set()
             for unit in (unit for bucket in self.buckets for unit in bucket):
                 unit.names[1:] = [name for name in unit.names[1:] if name in known]
+            base = self.model.get_base_model() if isinstance(self.model, PeftModel) else self.model
+            if moe.expert_count(base.config):
+                names = [name for bucket in self.buckets for unit in bucket for name in unit.names]
+                self._on_disk = set(names) - set(engine.known_names(names))
             self._names_checked = True
         # The frozen base goes once, and again whenever the engine dropped its weights (a level-2 sleep).
         if not (self.adapter_only and self._base_sent and not engine.stale):
@@ -105,7 +114,11 @@ class WeightPlan:
         """Yield each bucket as (name, tensor) pairs; sharded buckets are gathered only while in use."""
         for bucket, groups in zip(self.buckets, self._groups, strict=True):
             with _gathered(bucket, groups):
-                yield [(name, _tensor(self.model, u, reread=bool(groups))) for u in bucket for name in u.names]
+                pairs = [(name, _tensor(self.model, u, reread=bool(groups))) for u in bucket for name in u.names]
+                if self._on_disk:
+                    on_disk = [pair for pair in pairs if pair[0] in self._on_disk]
+                    pairs = [pair for pair in pairs if pair[0] not in self._on_disk] + self._to_disk_layout(on_disk)
+                yield pairs
 
     def _sync_adapter(self, engine: Engine) -> int:
         """Hand the engine the active adapter's tensors under PEFT's saved names (adapter name left out)."""

