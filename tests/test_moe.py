@@ -112,7 +112,7 @@ CASES = {  # case: (model, the engine's linear weights repacked (vLLM's CPU defa
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
-def test_sync_leaves_the_engines_experts_equal_to_the_trainers(case, tmp_path, monkeypatch):
+def test_sync_leaves_the_engines_experts_equal_to_the_trainers(case, tmp_path, monkeypatch, record_property):
     """Three optimizer steps at lr 1e-2 on tokens routed to every expert, each followed by a sync: the engine's
     log-probs stay within 1e-4 of the trainer's (fp32). Without the prepack after a sync the gap is far above it."""
     from colograd.engine import Engine
@@ -147,6 +147,7 @@ def test_sync_leaves_the_engines_experts_equal_to_the_trainers(case, tmp_path, m
         model.eval()
         plan.sync(engine)
         gaps.append((engine.prompt_logprobs(ids) - trainer_logprobs(model, ids)).abs().max().item())
+    record_property("gaps", gaps)
     assert fused and all(moved_experts(before, model))  # every expert of every layer moved
     if prepack:
         assert max(gaps) <= PARITY, gaps
@@ -163,7 +164,7 @@ LAUNCHES = {  # layout: (model, extra flags, launcher config and environment)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAUNCHES)
-def test_two_ranks_train_a_moe_model_and_keep_its_engine_in_step(layout, tmp_path):
+def test_two_ranks_train_a_moe_model_and_keep_its_engine_in_step(layout, tmp_path, record_property):
     """2 ranks under accelerate's launcher, each with its engine: plain (Qwen3-MoE, fused expert names), and DeepSpeed
     ZeRO-3 (Mixtral, per-expert names, the sync gathering a bucket of layers at a time). After every step the ranks
     hold the same weights, and after the final sync each engine's log-probs are its trainer's."""
@@ -177,5 +178,6 @@ def test_two_ranks_train_a_moe_model_and_keep_its_engine_in_step(layout, tmp_pat
         assert rank["sync_buckets"] > 1 if layout == "zero3" else rank["sync_buckets"] == 1
         assert rank["weights_agree"] == [True] * 3
         assert rank["parity_gap"] <= PARITY
+        record_property("parity_gap", rank["parity_gap"])  # --junitxml lists each rank's
         steps = [h for h in rank["log_history"] if "loss" in h]
         assert len(steps) == 3 and max(h["sampling/sampling_logp_difference/max"] for h in steps) <= PARITY

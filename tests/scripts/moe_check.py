@@ -1,0 +1,78 @@
+"""GRPO on a Mixture-of-Experts model of the zoo, with TRL's quickstart settings but a learning rate that moves the
+experts; run it under a multi-process launch (plain, or with a DeepSpeed ZeRO-3 config to train sharded):
+
+    accelerate launch --config_file recipes/accelerate_configs/cpu.yaml tests/scripts/moe_check.py OUT_DIR MODEL
+
+Each rank writes OUT_DIR/rank<r>.json with: the trainer's log history, whether every rank held identical weights
+after every optimizer step, the largest gap between engine and trainer log-probs after the final sync, whether the
+model was sharded and into how many buckets the sync cut it, and whether the engine's experts are prepacked.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from datasets import Dataset
+from grpo_check import WeightsAgree, hf_logprobs
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import zoo  # noqa: E402  (tests/zoo.py)
+
+from colograd import GRPOConfig, GRPOTrainer  # noqa: E402
+from colograd.sync import is_sharded  # noqa: E402
+
+QUESTIONS = ["what is 2+2?", "name a colour.", "say yes.", "(1+3)*2=?"]
+
+
+def answer_length(completions: list, **kwargs) -> list[float]:
+    """A reward any completion gets: its length's remainder by 3 (varied, so that advantages are not all zero)."""
+    text = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [float(len(t) % 3) for t in text]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("model", help="a Mixture-of-Experts model of tests/zoo.py")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--bucket-mib", type=float, default=512)
+    cli = parser.parse_args()
+
+    model, tokenizer = zoo.stopping_model(cli.model)
+    # GRPOConfig's defaults (TRL's quickstart) but a learning rate that moves every expert in a few steps and
+    # shorter completions (the stopping model answers in a few tokens anyway).
+    args = GRPOConfig(output_dir=os.path.join(cli.out, "run"), max_steps=cli.steps, learning_rate=1e-2,
+                      max_completion_length=64, sync_bucket_mib=cli.bucket_mib, vllm_enforce_eager=True,
+                      save_strategy="no", report_to="none", disable_tqdm=True)  # fmt: skip
+    callback = WeightsAgree()
+    rows = [{"prompt": [{"role": "user", "content": q}]} for q in QUESTIONS]
+    trainer = GRPOTrainer(model=model, reward_funcs=answer_length, args=args, train_dataset=Dataset.from_list(rows),
+                          processing_class=tokenizer, callbacks=[callback])  # fmt: skip
+    trainer.train()
+
+    trainer.sync_weights()  # the last optimizer step has not reached the engine yet
+    model = trainer.accelerator.unwrap_model(trainer.model).eval()
+    text = tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS[3]}], add_generation_prompt=True,
+                                         tokenize=False) + "8, or (1+3)*2 = 8."  # fmt: skip
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        gap = (trainer.engine.prompt_logprobs(ids) - hf_logprobs(model, ids)).abs().max().item()
+    with open(os.path.join(cli.out, f"rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(
+            {
+                "log_history": trainer.state.log_history,
+                "weights_agree": callback.per_step,
+                "parity_gap": gap,
+                "sharded": is_sharded(model),
+                "sync_buckets": len(trainer._weight_plan.buckets),
+                "prepacked_experts": trainer.engine.prepacked_experts,
+            },
+            f,
+        )
+
+
+if __name__ == "__main__":
+    main()
