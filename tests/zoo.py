@@ -316,20 +316,23 @@ def tokenizer_for(config: PretrainedConfig) -> PreTrainedTokenizerFast:
 
 
 def sharpen(model: Any, seed: int = 0) -> None:
-    """Redraw `model`'s weights at `SHARP_STD` (matrices), and move its vectors (norm weights, biases) by as much, so
-    that its logits are far from flat and a different model in the engine shows in the log-probs."""
+    """Redraw `model`'s weights at `SHARP_STD` (matrices, scaled by sqrt(HIDDEN / their input width), so that a
+    wider model's activations are as sharp as a 64-wide one's and not more), and move its vectors (norm weights,
+    biases) by `SHARP_STD`, so that its logits are far from flat and a different model in the engine shows in the
+    log-probs."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in model.parameters():
             noise = torch.randn(param.shape, generator=generator) * SHARP_STD
-            param.copy_(noise if param.dim() > 1 else param + noise)
+            param.copy_(noise * math.sqrt(HIDDEN / param.shape[-1]) if param.dim() > 1 else param + noise)
 
 
-# The model's own answers that `stopping_model` calibrates its end-of-sequence token on: how many, how long; and the
-# share of their positions whose final hidden states must share one direction.
-ANSWERS, ANSWER_TOKENS, SHARED_POSITIONS = 8, 32, 0.99
+# The model's own answers that `stopping_model` calibrates its end-of-sequence token on: to which questions, how many
+# to each, how long; and the share of their positions whose final hidden states must share one direction.
+CALIBRATION_QUESTIONS = ["2+2?", "name a colour.", "say yes.", "hello!"]
+ANSWERS, ANSWER_TOKENS, SHARED_POSITIONS = 4, 32, 0.99
 
 
 class _Reached(Exception):
@@ -399,15 +402,15 @@ def stopping_model(
     eos = tokenizer.eos_token_id
     with torch.no_grad(), torch.random.fork_rng():
         torch.manual_seed(seed)
-        text = tokenizer.apply_chat_template([{"role": "user", "content": "2+2?"}], add_generation_prompt=True,
-                                             tokenize=False)  # fmt: skip
-        prompt = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
-        answer = slice(prompt.size(1) - 1, prompt.size(1) + ANSWER_TOKENS - 1)  # the positions that sample answers
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                               tokenize=False) for q in CALIBRATION_QUESTIONS]  # fmt: skip
+        prompts = [torch.tensor([tokenizer(t, add_special_tokens=False)["input_ids"]]) for t in texts]
         # The shared coordinate must outweigh what the layers add to it, or the final hidden states point every way
         # (sharp weights add a lot): it doubles until nearly every answer position shares the direction.
         for shared in (2.0**k for k in range(12)):
             embed[:, 0] = shared
-            x = head_inputs(model, answers(model, prompt, eos))[:, answer]  # [answers, tokens, hidden]
+            # The output layer's inputs at the positions that sample each prompt's answers: [answers, tokens, hidden]
+            x = torch.cat([head_inputs(model, answers(model, p, eos))[:, p.size(1) - 1 : -1] for p in prompts])
             inputs = x.float()
             direction = inputs.mean((0, 1))
             direction /= direction.norm()
@@ -424,7 +427,7 @@ def stopping_model(
 
         def expected_length(raise_by: float) -> float:
             ended = torch.sigmoid(transform(eos_logit + raise_by * first) - others)  # [answers, tokens]
-            going = torch.cat([torch.ones(ANSWERS, 1), (1 - ended).cumprod(-1)], dim=1)  # still going before each
+            going = torch.cat([torch.ones(len(ended), 1), (1 - ended).cumprod(-1)], dim=1)  # still going before each
             return (going[:, :-1].sum(-1) + going[:, -1] * (max_tokens - ANSWER_TOKENS)).mean().item()
 
         low, high = -1.0, 1.0
