@@ -390,7 +390,7 @@ class Engine:
             RuntimeError: the engine is asleep (`awake` wakes it).
         """
         self._check_resident("load_weights")
-        if self.prepacked_experts:
+        if getattr(self, "prepacked_experts", False):  # (an engine built without `__init__`, in tests, has none)
             self.llm.collective_rpc(_load_with_prepacked_experts, args=(weights, self.direct_load))
         elif self.direct_load:
             self.llm.collective_rpc(_load_into_model, args=(weights,))
