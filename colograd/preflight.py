@@ -15,8 +15,9 @@ and the model folder (colograd.model_files: JSON files, config fields, tokenizer
     sizes         the dataset holds one full rollout batch for every rank; lengths fit the model and the engine
     rewards       every reward function accepts, by name, the arguments and dataset columns it will be called with;
                   the code rewards can read every row's tests (colograd.code_rewards.check_code_rows)
-    engine        vLLM's own objects (SamplingParams, LoRAConfig) built from the config; a dense model (the sync
-                  does not translate MoE experts); dtype and head size supported by the engine's backend
+    engine        vLLM's own objects (SamplingParams, LoRAConfig) built from the config; layers whose KV cache
+                  colograd sizes (no hybrid or Mamba layers); unquantized experts of a width the CPU kernel takes;
+                  dtype and head size supported by the engine's backend
 
 `colograd/train.py` runs `preflight` after parsing; `GRPOTrainer` runs `check_settings`, `check_prompts`,
 `check_data` and `check_engine` (`colograd.preflight_engine`) on what it is given, before it builds its engine.

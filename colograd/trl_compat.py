@@ -62,8 +62,8 @@ class TRLOnlyFields:
     router_aux_loss_coef: float | None = _only(
         None,
         0.0,
-        why="colograd trains dense models: its weight sync does not translate Mixture-of-Experts expert layers "
-        "(fused in transformers 5) into the engine, so there is no load-balancing loss to weight; remove it.",
+        why="colograd does not yet add a Mixture-of-Experts router's load-balancing loss to the GRPO loss (MoE "
+        "models train without it, docs/moe.md); remove it.",
     )
     vllm_importance_sampling_cap: float | None = field(
         default=None, metadata={"help": "TRL's deprecated name of vllm_importance_sampling_clip_max; sets it."}
