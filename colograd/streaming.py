@@ -40,8 +40,8 @@ class RolloutStream(torch.utils.data.IterableDataset):
         dataset: the streamed rows.
         batch_size: prompts of one rollout over all ranks.
         repeat_count: micro-steps that train on one rollout (`steps_per_generation × num_iterations`).
-        numbered: each row carries its position in the stream (as read, after any shuffle) under `ROW_KEY`, and a
-            row that cannot be read is refused naming that position.
+        numbered: each row carries its name ("train_dataset row 300": its position in the stream, as read after
+            any shuffle) under `ROW_KEY`, and a row that cannot be read is refused naming that position.
     """
 
     def __init__(
@@ -62,8 +62,8 @@ class RolloutStream(torch.utils.data.IterableDataset):
 
 
 def _numbered(rows: Iterator[dict], name: str = "train_dataset") -> Iterator[dict]:
-    """`rows`, each with its position under `ROW_KEY`; a row that cannot be read (an image that does not decode as
-    the stream reads it) is refused in one line naming its position."""
+    """`rows`, each with its name (by its position) under `ROW_KEY`; a row that cannot be read (an image that does
+    not decode as the stream reads it) is refused in one line naming its position."""
     for index in itertools.count():
         try:
             row = next(rows)
@@ -71,12 +71,12 @@ def _numbered(rows: Iterator[dict], name: str = "train_dataset") -> Iterator[dic
             return
         except (OSError, ValueError, TypeError, datasets.exceptions.DatasetsError) as err:
             raise ConfigError(f"{name} row {index} cannot be read ({first_line(err)}); fix or remove it.") from err
-        yield {**row, ROW_KEY: index}
+        yield {**row, ROW_KEY: f"{name} row {index}"}
 
 
 class NumberedRows(torch.utils.data.Dataset):
-    """An in-memory dataset whose rows carry their index under `ROW_KEY`; a row that cannot be read (an image that
-    does not decode) is refused in one line naming it."""
+    """An in-memory dataset whose rows carry their name ("train_dataset row 300") under `ROW_KEY`; a row that cannot
+    be read (an image that does not decode) is refused in one line naming it."""
 
     def __init__(self, dataset: Any, name: str = "train_dataset") -> None:
         self.dataset, self.name = dataset, name
@@ -85,7 +85,7 @@ class NumberedRows(torch.utils.data.Dataset):
         return len(self.dataset)
 
     def __getitem__(self, index: int) -> dict:
-        return {**read_row(self.dataset, index, self.name), ROW_KEY: index}
+        return {**read_row(self.dataset, index, self.name), ROW_KEY: f"{self.name} row {index}"}
 
 
 def read_row(dataset: Any, index: int, name: str = "train_dataset") -> dict:
@@ -96,15 +96,17 @@ def read_row(dataset: Any, index: int, name: str = "train_dataset") -> dict:
         raise ConfigError(f"{name} row {index} cannot be read ({first_line(err)}); fix or remove it.") from None
 
 
-def row_names(
-    rows: list[dict], name: str, indices: Iterable[int] | None = None
-) -> tuple[list[dict], list[str] | None]:
-    """The rows without the index they carry (`ROW_KEY`), and how messages name each ("train_dataset row 300"):
-    by that index, else by `indices` where given, else None."""
+def named_rows(rows: list[dict], name: str, indices: Iterable[int]) -> list[dict]:
+    """`rows` carrying their names under `ROW_KEY`: `name` and each one's index in it (`indices`)."""
+    return [{**row, ROW_KEY: f"{name} row {i}"} for row, i in zip(rows, indices, strict=True)]
+
+
+def row_names(rows: list[dict]) -> tuple[list[dict], list[str] | None]:
+    """The rows without the name they carry (`ROW_KEY`), and each one's name ("train_dataset row 300"); None where
+    the rows carry none."""
     if rows and ROW_KEY in rows[0]:
-        names = [f"{name} row {row[ROW_KEY]}" for row in rows]
-        return [{k: v for k, v in row.items() if k != ROW_KEY} for row in rows], names
-    return rows, None if indices is None else [f"{name} row {i}" for i in indices]
+        return [{k: v for k, v in row.items() if k != ROW_KEY} for row in rows], [row[ROW_KEY] for row in rows]
+    return rows, None
 
 
 def rollout_stream(dataset: Any, args: GRPOConfig, accelerator: Accelerator, numbered: bool = False) -> RolloutStream:

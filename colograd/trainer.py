@@ -72,7 +72,7 @@ from colograd.reference import ReferencePolicy
 from colograd.rewards import RewardFunc, RewardModel, TimeLimits, across_ranks, resolve_rewards, reward_name, score
 from colograd.rollouts import RewardLogs, ScoredRollout, reward_metrics, rollout_metrics, sampled_lengths
 from colograd.saving import ModelSaving
-from colograd.streaming import RolloutBatches, check_stream_resume, row_names
+from colograd.streaming import RolloutBatches, check_stream_resume, named_rows, row_names
 from colograd.sync import WeightPlan, is_sharded
 from colograd.timing import OptimizerTimer, PhaseTimes, format_summary, run_summary, window_metrics
 from colograd.tools import ToolCallParser
@@ -412,12 +412,13 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         """
         args = self.args
         g = num_generations or (evaluation and args.num_generations_eval) or args.num_generations
-        # Rows read for training carry their index (vision-language runs, `ROW_KEY`); an evaluation's are this
-        # rank's share of the eval dataset (`colograd.evaluation.rank_share`).
-        world, rank = self.accelerator.num_processes, self.accelerator.process_index
-        shares = range(rank, rank + world * len(rows), world) if evaluation else None
-        rows, names = row_names(rows, "eval_dataset" if evaluation else "train_dataset", shares)
-        prompts, prompt_ids, columns = self.prepare_prompts(rows, names)
+        # Rows read for training carry their names (vision-language runs, `ROW_KEY`), for the messages of the checks
+        # in `prepare_prompts`; an evaluation's are this rank's share of the eval dataset (`rank_share`).
+        if evaluation and self._vision:
+            world, rank = self.accelerator.num_processes, self.accelerator.process_index
+            rows = named_rows(rows, "eval_dataset", range(rank, rank + world * len(rows), world))
+        prompts, prompt_ids, columns = self.prepare_prompts(rows)
+        rows, _ = row_names(rows)
         limit = self.prompt_limit
         truncated = sum(len(ids) > limit for ids in prompt_ids)
         prompt_ids = [ids[-limit:] for ids in prompt_ids]
@@ -463,21 +464,20 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
             self._weight_plan.sync(self.engine)
         self._synced_step = self.state.global_step
 
-    def prepare_prompts(
-        self, rows: list[dict], names: list[str] | None = None
-    ) -> tuple[list, list[list[int]], dict[str, list]]:
+    def prepare_prompts(self, rows: list[dict]) -> tuple[list, list[list[int]], dict[str, list]]:
         """Template and tokenize a batch of dataset rows. A vision-language run's rows are each checked first
         (`check_row`, as preflight checks its sample), so a bad row stops the rollout before any work on it.
 
         Args:
-            rows: this rank's dataset rows.
-            names: how messages name each row ("train_dataset row 300"); default: by its place in the rollout.
+            rows: this rank's dataset rows; rows read for a vision-language run carry their names
+                ("train_dataset row 300", `colograd.streaming.ROW_KEY`) for the checks' messages.
 
         Returns:
             prompts: the `prompt` of each row, as given (text or messages), for the reward functions.
             prompt_ids: token ids of each templated prompt, whole (`sample` keeps the last `prompt_limit`).
             columns: every other column, one value per row.
         """
+        rows, names = row_names(rows)
         prompts = [row["prompt"] for row in rows]
         columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
         names = names or [f"the rollout's prompt {k}" for k in range(len(rows))]

@@ -313,9 +313,11 @@ def test_the_mla_model_types_are_vllms():
 def test_mla_switched_off_caches_keys_and_values(monkeypatch):
     """With `VLLM_MLA_DISABLE=1` vLLM runs DeepSeek's attention as plain attention (`DeepseekV2Attention`): keys and
     values of qk_nope_head_dim + qk_rope_head_dim (192) for each KV head of the rank, as its `ModelConfig` says."""
+    from vllm import envs
     from vllm.config import ParallelConfig
 
     monkeypatch.setenv("VLLM_MLA_DISABLE", "1")
+    envs.disable_envs_cache()  # an engine started earlier in this process froze vLLM's reading of the environment
     values = MLA_MODELS["deepseek-ai/DeepSeek-V2-Lite"]
     model_config = vllm_model_config(values)
     assert not model_config.use_mla and model_config.get_head_size() == 128 + 64

@@ -17,7 +17,7 @@ from colograd import GRPOTrainer
 from colograd.config_logging import LoggingOptions
 from colograd.errors import ConfigError
 from colograd.preflight_vision import SAMPLED_ROWS, check_image_data, check_row, image_columns, sample_rows
-from colograd.streaming import ROW_KEY, NumberedRows, RolloutStream, row_names
+from colograd.streaming import ROW_KEY, NumberedRows, RolloutStream, named_rows, row_names
 from colograd.tiny import run_config
 from colograd.tiny_vlm import QUESTION, build_model, build_processor, colour_reward, save_tiny_vlm, solid_image
 from colograd.vision import image_field, rotate_prompts, row_images
@@ -205,14 +205,15 @@ def test_a_processor_of_another_model_is_refused_naming_both(processor_changes, 
 def test_rows_carry_their_index_for_the_rollout_check():
     red = solid_image("red")
     numbered = NumberedRows(Dataset.from_list([{"prompt": USER, "image": red}] * 3))
-    assert numbered[2][ROW_KEY] == 2 and len(numbered) == 3
-    rows, names = row_names([numbered[2], numbered[0]], "train_dataset")
+    assert numbered[2][ROW_KEY] == "train_dataset row 2" and len(numbered) == 3
+    rows, names = row_names([numbered[2], numbered[0]])
     assert names == ["train_dataset row 2", "train_dataset row 0"] and all(ROW_KEY not in r for r in rows)
-    assert row_names([{"prompt": USER}], "eval_dataset", [5]) == ([{"prompt": USER}], ["eval_dataset row 5"])
-    assert row_names([{"prompt": USER}], "train_dataset") == ([{"prompt": USER}], None)
+    evaluated = named_rows([{"prompt": USER}], "eval_dataset", [5])
+    assert row_names(evaluated) == ([{"prompt": USER}], ["eval_dataset row 5"])
+    assert row_names([{"prompt": USER}]) == ([{"prompt": USER}], None)
     # A stream: each row its position as read; the rollout batches are whole.
     stream = RolloutStream(IterableDataset.from_generator(_generator(5)), batch_size=2, repeat_count=2, numbered=True)
-    assert [row[ROW_KEY] for row in stream] == [0, 1, 0, 1, 2, 3, 2, 3]
+    assert [int(row[ROW_KEY].rpartition(" ")[2]) for row in stream] == [0, 1, 0, 1, 2, 3, 2, 3]
 
 
 def test_an_unreadable_row_is_named_where_it_is_read(tmp_path):
@@ -247,7 +248,10 @@ def _rollout_trainer(output_dir: str, most: int = 1) -> SimpleNamespace:
 def test_a_bad_row_stops_its_rollout_before_the_engine_with_preflights_message(tmp_path):
     model, processor = _model_and_processor()
     good = {"prompt": WITH_PART, "image": solid_image("red")}
-    rows = [{**good, ROW_KEY: 40}, {"prompt": WITH_PART, "image": None, ROW_KEY: 7000}]
+    rows = [
+        {**good, ROW_KEY: "train_dataset row 40"},
+        {"prompt": WITH_PART, "image": None, ROW_KEY: "train_dataset row 7000"},
+    ]
     trainer = _rollout_trainer(str(tmp_path))
     with pytest.raises(ConfigError) as at_rollout:
         GRPOTrainer.sample(trainer, rows)
