@@ -30,6 +30,7 @@ from colograd import engine_cpu, moe, sampler_tap
 from colograd.config import GRPOConfig
 from colograd.engine_launch import _launcher_env, _tensor_parallel_group
 from colograd.engine_lifetime import (
+    add_expert_group,
     forget_reload_records,
     frozen_heap,
     import_off_stack,
@@ -151,6 +152,8 @@ class Engine:
         llm_args |= engine_memory(args, config, dtype, self.settings["max_num_seqs"], prompt_tokens, longest_prompt)
         # Frozen during the start, the heap is skipped by the collections vLLM runs there; on a GPU one collection
         # first frees what vLLM's memory profile must not count (see `frozen_heap`).
+        if moe.expert_count(config):
+            add_expert_group(self.tp_size)  # where a dense model's engine made this process's groups without it
         with _launcher_env(), _matmul_precision_kept(), frozen_heap(collect=torch.cuda.is_available()):
             self.llm = LLM(
                 model=self._dir.name,

@@ -34,6 +34,30 @@ def keep_parallel_groups_when_dropped(llm: Any) -> None:
         finalizer.detach()
 
 
+def add_expert_group(tp_size: int) -> None:
+    """Give vLLM's process-wide parallel groups the expert-parallel group an MoE engine needs, where an earlier engine
+    of this process (a dense model's) made the groups without one.
+
+    vLLM makes that group with the others, only for an MoE model, and a later engine reuses the groups it finds
+    (`ensure_model_parallel_initialized`): an MoE engine after a dense one then fails at its first forward ("expert
+    parallel group is not initialized"). It is made here as vLLM makes it for these engines (no data, context or
+    pipeline parallelism): one group per engine, the engine's tensor-parallel ranks. Every rank calls this at the
+    same point (making a group is a collective).
+
+    Args:
+        tp_size: consecutive ranks that share one engine (vLLM's external launcher groups them so).
+    """
+    import torch.distributed as dist
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized() or parallel_state._EP is not None:
+        return
+    world = parallel_state.get_world_group()
+    ranks = [list(range(start, start + tp_size)) for start in range(0, world.world_size, tp_size)]
+    backend = dist.get_backend(world.device_group)
+    parallel_state._EP = parallel_state.init_model_parallel_group(ranks, world.local_rank, backend, group_name="ep")
+
+
 def layer_refs(worker: Any) -> list[weakref.ref]:
     """Runs in the engine's worker: a weak reference to each module of its model."""
     return [weakref.ref(module) for module in worker.model_runner.model.modules()]

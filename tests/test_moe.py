@@ -155,6 +155,32 @@ def test_sync_leaves_the_engines_experts_equal_to_the_trainers(case, tmp_path, m
         assert min(gaps) > 1e-2, gaps
 
 
+@pytest.mark.slow
+def test_a_moe_engine_after_a_dense_one_in_the_same_process(tmp_path, monkeypatch):
+    """vLLM makes its expert-parallel group with its other process-wide parallel groups, and only for an MoE model;
+    the engines of one process share those groups (a notebook's second trainer, this suite), so an MoE engine
+    started after a dense one failed at its first forward ("expert parallel group is not initialized")."""
+    from vllm.distributed import parallel_state
+
+    from colograd import tiny
+    from colograd.engine import Engine
+    from colograd.sync import WeightPlan
+
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=8,
+                      max_prompt_length=64, max_completion_length=8, vllm_kv_cache_gib=0.1, vllm_enforce_eager=True,
+                      report_to="none")  # fmt: skip
+    if parallel_state.model_parallel_is_initialized():  # an earlier MoE engine of this process made the group
+        monkeypatch.setattr(parallel_state, "_EP", None)
+    dense = Engine(tiny.build_model(), tiny.build_tokenizer(), args)  # makes the groups, without an expert group
+    assert parallel_state._EP is None
+    del dense
+    model, tokenizer = zoo.stopping_model("Qwen/Qwen3-30B-A3B")
+    engine = Engine(model, tokenizer, args)
+    WeightPlan(model).sync(engine)
+    ids = tokenizer("(1+3)*2=? name a colour.")["input_ids"]
+    assert (engine.prompt_logprobs(ids) - trainer_logprobs(model, ids)).abs().max().item() <= PARITY
+
+
 LAUNCHES = {  # layout: (model, extra flags, launcher config and environment)
     "ddp": ("Qwen/Qwen3-30B-A3B", [], {}),
     "zero3": ("mistralai/Mixtral-8x7B-Instruct-v0.1", ["--bucket-mib", "0.1"],
