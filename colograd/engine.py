@@ -393,7 +393,7 @@ class Engine:
             RuntimeError: the engine is asleep (`awake` wakes it).
         """
         self._check_resident("load_weights")
-        if getattr(self, "prepacked_experts", False):  # (an engine built without `__init__`, in tests, has none)
+        if self.prepacked_experts:
             self.llm.collective_rpc(_load_with_prepacked_experts, args=(weights, self.direct_load))
         elif self.direct_load:
             self.llm.collective_rpc(_load_into_model, args=(weights,))

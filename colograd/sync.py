@@ -79,7 +79,9 @@ class WeightPlan:
         # Names of a Mixture-of-Experts model that the engine's model does not take: sent in its checkpoints' layout on
         # disk, converted at each sync (Mixtral's and DeepSeek-V2's engines take only per-expert expert names).
         self._on_disk: set[str] = set()
-        self._to_disk_layout = moe.on_disk_names(model.get_base_model() if isinstance(model, PeftModel) else model)
+        base = model.get_base_model() if isinstance(model, PeftModel) else model
+        self._experts = moe.expert_count(base.config) is not None
+        self._to_disk_layout = moe.on_disk_names(base)
 
     def sync(self, engine: Engine) -> int:
         """Bring `engine` up to date with the model. The engine's cached prompt KV of the old weights is not reused
@@ -89,15 +91,16 @@ class WeightPlan:
             The number of bytes handed over.
         """
         sent = 0
-        if not self._names_checked:  # a tied tensor's second name, only where the engine's model has that module
-            tied = [name for bucket in self.buckets for unit in bucket for name in unit.names[1:]]
-            known = set(engine.known_names(tied)) if tied else set()
-            for unit in (unit for bucket in self.buckets for unit in bucket):
+        if not self._names_checked:  # what the engine's model takes, asked once
+            units = [unit for bucket in self.buckets for unit in bucket]
+            # A tied tensor's second name, only where the engine's model has that module (Gemma-2's has no lm_head);
+            # a MoE model's names it does not take go in the checkpoints' layout on disk.
+            names = [name for unit in units for name in (unit.names if self._experts else unit.names[1:])]
+            known = set(engine.known_names(names)) if names else set()
+            for unit in units:
                 unit.names[1:] = [name for name in unit.names[1:] if name in known]
-            base = self.model.get_base_model() if isinstance(self.model, PeftModel) else self.model
-            if moe.expert_count(base.config):
-                names = [name for bucket in self.buckets for unit in bucket for name in unit.names]
-                self._on_disk = set(names) - set(engine.known_names(names))
+            if self._experts:
+                self._on_disk = {name for unit in units for name in unit.names} - known
             self._names_checked = True
         # The frozen base goes once, and again whenever the engine dropped its weights (a level-2 sleep).
         if not (self.adapter_only and self._base_sent and not engine.stale):

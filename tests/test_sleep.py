@@ -133,7 +133,7 @@ def test_weights_are_never_written_into_an_asleep_engine():
     log: list[str] = []
     engine = engine_with(2, log)
     engine.weights_resident = False  # as `Engine.__init__` leaves an engine with sleep mode on
-    engine.direct_load, engine.weights_version, engine.vision = True, 0, False
+    engine.direct_load, engine.prepacked_experts, engine.weights_version, engine.vision = True, False, 0, False
     engine.llm.collective_rpc = lambda *args, **kwargs: log.append("written")
     with pytest.raises(RuntimeError, match=r"Engine.load_weights: the engine is asleep.*trainer.sync_weights") as err:
         engine.load_weights([])
