@@ -37,12 +37,12 @@ import torch.distributed as dist
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from colograd import tiny
 from colograd.check_runner import ROW_TIMEOUT_S, Result, format_table, read_result, run_child, write_result
-from colograd.config import GRPOConfig
-from colograd.engine import Engine
-from colograd.engine_launch import free_port
-from colograd.sync import WeightPlan
+from colograd.config.core import GRPOConfig
+from colograd.engine.core import Engine
+from colograd.engine.launch import free_port
+from colograd.engine.sync import WeightPlan
+from colograd.models import tiny
 
 # Largest engine/trainer log-prob gap accepted: fp32 differs only by kernel order; bf16 rounds every layer.
 TOLERANCE = {"float32": 1e-3, "bfloat16": 1e-1}
@@ -293,7 +293,7 @@ def check_tiny_recipe(steps: int = RECIPE_STEPS) -> Result:
     from trl import ModelConfig, TrlParser
 
     from colograd import GRPOTrainer, ScriptArguments
-    from colograd.preflight import preflight
+    from colograd.preflight.core import preflight
     from colograd.train import load_model, load_model_config
 
     with tempfile.TemporaryDirectory() as out:
@@ -337,13 +337,13 @@ def recipe_result(log_history: list[dict[str, float]], kv_cache_bytes: int) -> R
 
 
 def check_segments(setup: Setup) -> Result:
-    """Padding-free passes as segments (`colograd.attention`): which varlen kernel this GPU runs, and a pass with
+    """Padding-free passes as segments (`colograd.grpo.attention`): which varlen kernel this GPU runs, and a pass with
     shared prompts against SDPA's unshared packing, in float32 and under bf16 autocast: the largest log-prob gap
     and the largest gradient difference relative to the gradient's largest value."""
-    from colograd import attention
     from colograd.bench.sharing import grouped_batch
-    from colograd.logps import PromptSharing, completion_logps
-    from colograd.packing import segment_kernel
+    from colograd.grpo import attention
+    from colograd.grpo.logps import PromptSharing, completion_logps
+    from colograd.grpo.packing import segment_kernel
 
     name, figures, parts = "segment attention", {}, []
     model = setup.build().train()

@@ -31,19 +31,20 @@ try:
     )
     from trl import ModelConfig, TrlParser, get_peft_config
 
-    from colograd import GRPOConfig, GRPOTrainer, ScriptArguments, model_files, pretrained, tiny, tiny_vlm
-    from colograd.config import COMMON_FIELDS, TOPICS, ConfigError
-    from colograd.config_loading import model_init_kwargs, tokenizer_kwargs
-    from colograd.config_ranges import check_ranges
-    from colograd.config_recipe import check_recipe_value, read_recipe
-    from colograd.data import first_line
-    from colograd.modelcard import Recipe
-    from colograd.output_dir import check_output_dir
-    from colograd.preemption import PREEMPTED_EXIT_CODE, StepFailure, exit_interrupted
-    from colograd.preflight import preflight
-    from colograd.preflight_env import check_environment, check_variables
-    from colograd.trl_compat import DROPPED_KEYS, RENAMED_KEYS, unknown_key_message
-    from colograd.vision import text_tokenizer
+    from colograd import GRPOConfig, GRPOTrainer, ScriptArguments
+    from colograd.config.core import COMMON_FIELDS, TOPICS, ConfigError
+    from colograd.config.loading import model_init_kwargs, tokenizer_kwargs
+    from colograd.config.ranges import check_ranges
+    from colograd.config.recipe import check_recipe_value, read_recipe
+    from colograd.config.trl_compat import DROPPED_KEYS, RENAMED_KEYS, unknown_key_message
+    from colograd.data.core import first_line
+    from colograd.models import model_files, pretrained, tiny, tiny_vlm
+    from colograd.preflight.core import preflight
+    from colograd.preflight.env import check_environment, check_variables
+    from colograd.runs.modelcard import Recipe
+    from colograd.runs.output_dir import check_output_dir
+    from colograd.runs.preemption import PREEMPTED_EXIT_CODE, StepFailure, exit_interrupted
+    from colograd.vision.core import text_tokenizer
 except OSError as err:
     if err.filename is None:  # not a path (a library that cannot load): its own traceback says more
         raise
@@ -78,7 +79,7 @@ def load_model_config(
     if name.startswith((".", "/")) and not os.path.isdir(name):
         raise ConfigError(f"model_name_or_path={name!r} does not exist; give an existing folder or a hub id.")
     local = os.path.isdir(name)
-    if local:  # its files, before transformers reads them (`colograd.model_files`)
+    if local:  # its files, before transformers reads them (`colograd.models.model_files`)
         model_files.check_model_folder(name, training_args.trust_remote_code)
     try:
         config = AutoConfig.from_pretrained(name, **_hub_kwargs(args, training_args))
@@ -167,7 +168,7 @@ def check_supported(model_args: ModelConfig) -> None:
 def main(
     script_args: ScriptArguments, training_args: GRPOConfig, model_args: ModelConfig, recipe: Recipe | None = None
 ) -> None:
-    """Check every input (`colograd.preflight`), load, train, save (with the model card) and, with `push_to_hub`,
+    """Check every input (`colograd.preflight.core`), load, train, save (with the model card) and, with `push_to_hub`,
     upload. A run stopped by SIGTERM exits with `PREEMPTED_EXIT_CODE` after its checkpoint."""
     check_supported(model_args)
     model_name, revision = model_args.model_name_or_path, model_args.model_revision
@@ -249,7 +250,7 @@ class _Parser(TrlParser):
         }
 
     def _group_help(self) -> None:
-        """`--help` by topic (`colograd.config.TOPICS`): the fields people set first, TRL's refused ones last."""
+        """`--help` by topic (`colograd.config.core.TOPICS`): the fields people set first, TRL's refused ones last."""
         topic = _topics()
         common = "Most used"
         groups = {title: self.add_argument_group(title) for title in [common, *(title for title, _ in TOPICS)]}

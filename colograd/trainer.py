@@ -14,7 +14,8 @@ then each micro-step trains on one slice of it:
     compute_loss       GRPO clipped policy-gradient loss (+ beta × KL); backward and optimizer step are the Trainer's
 
 Subclass and override one of these to change that stage alone: a stage returns values and owes nothing else. The
-trainer records the metrics from what the stages return (`colograd.rollouts`); `sample` runs the first three stages
+trainer records the metrics from what the stages return (`colograd.grpo.rollouts`); `sample` runs the first three
+stages
 for training and evaluation alike.
 """
 
@@ -30,21 +31,22 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from trl.data_utils import is_conversational
 
-from colograd import attention, logit_transform
-from colograd.agents import Agents, RolloutFunc, VLLMGeneration
-from colograd.batch import pad_rollout, split_by_tokens, split_rows
-from colograd.checkpoints import checkpoint_step
-from colograd.completions import CompletionLog
-from colograd.config import GRPOConfig
-from colograd.config_loading import disable_dropout, model_init_kwargs, model_name, tokenizer_kwargs, wrap_with_peft
-from colograd.data import keep_rows, sampled_prompt_tokens, tokenize_prompts
-from colograd.early_scoring import early_rewards, group_starter
-from colograd.engine import Engine, Rollout
-from colograd.engine_lifetime import frozen_heap, own_classes
-from colograd.entropy import EntropyTerms
-from colograd.evaluation import evaluate
-from colograd.logps import completion_logps
-from colograd.loss import (
+from colograd.agents.core import Agents, RolloutFunc, VLLMGeneration
+from colograd.agents.tools import ToolCallParser
+from colograd.config.core import GRPOConfig
+from colograd.config.loading import disable_dropout, model_init_kwargs, model_name, tokenizer_kwargs, wrap_with_peft
+from colograd.config.trl_compat import TRLTrainerAttributes, check_refused_parameters, environment_dataset
+from colograd.data.core import keep_rows, sampled_prompt_tokens, tokenize_prompts
+from colograd.data.streaming import RolloutBatches, check_stream_resume, named_rows, row_names
+from colograd.engine.core import Engine, Rollout
+from colograd.engine.lifetime import frozen_heap, own_classes
+from colograd.engine.sync import WeightPlan, is_sharded
+from colograd.grpo import attention
+from colograd.grpo.batch import pad_rollout, split_by_tokens, split_rows
+from colograd.grpo.entropy import EntropyTerms
+from colograd.grpo.evaluation import evaluate
+from colograd.grpo.logps import completion_logps
+from colograd.grpo.loss import (
     Surrogate,
     group_advantages,
     importance_ratio_metrics,
@@ -55,29 +57,37 @@ from colograd.loss import (
     sampling_gap_metrics,
     weighted_rewards,
 )
-from colograd.memory import PassBudget, compute_dtype
-from colograd.modelcard import Recipe
-from colograd.packing import forward_packing
-from colograd.preemption import Preemption, stage_failures
-from colograd.preflight import (
+from colograd.grpo.memory import PassBudget, compute_dtype
+from colograd.grpo.packing import forward_packing
+from colograd.grpo.reference import ReferencePolicy
+from colograd.grpo.rollouts import RewardLogs, ScoredRollout, reward_metrics, rollout_metrics, sampled_lengths
+from colograd.models import logit_transform
+from colograd.preflight.core import (
     check_argument_order,
     check_reward_source,
     check_trainer_arguments,
     check_trainer_inputs,
     check_wrapped_trainer,
 )
-from colograd.preflight_env import check_environment
-from colograd.preflight_vision import check_image_data, check_prompt_lengths, check_row
-from colograd.reference import ReferencePolicy
-from colograd.rewards import RewardFunc, RewardModel, TimeLimits, across_ranks, resolve_rewards, reward_name, score
-from colograd.rollouts import RewardLogs, ScoredRollout, reward_metrics, rollout_metrics, sampled_lengths
-from colograd.saving import ModelSaving
-from colograd.streaming import RolloutBatches, check_stream_resume, named_rows, row_names
-from colograd.sync import WeightPlan, is_sharded
-from colograd.timing import OptimizerTimer, PhaseTimes, format_summary, run_summary, window_metrics
-from colograd.tools import ToolCallParser
-from colograd.trl_compat import TRLTrainerAttributes, check_refused_parameters, environment_dataset
-from colograd.vision import (
+from colograd.preflight.env import check_environment
+from colograd.rewards.core import (
+    RewardFunc,
+    RewardModel,
+    TimeLimits,
+    across_ranks,
+    resolve_rewards,
+    reward_name,
+    score,
+)
+from colograd.rewards.early import early_rewards, group_starter
+from colograd.runs.checkpoints import checkpoint_step
+from colograd.runs.completions import CompletionLog
+from colograd.runs.modelcard import Recipe
+from colograd.runs.preemption import Preemption, stage_failures
+from colograd.runs.saving import ModelSaving
+from colograd.runs.timing import OptimizerTimer, PhaseTimes, format_summary, run_summary, window_metrics
+from colograd.vision.checks import check_image_data, check_prompt_lengths, check_row
+from colograd.vision.core import (
     check_expansion,
     freeze_vision_tower,
     image_prompts,
@@ -94,13 +104,13 @@ from colograd.vision import (
 class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
     """Group Relative Policy Optimization with a vLLM engine inside each training process.
 
-    TRL 1.16's parameters, in its order, with its meanings (`colograd.trl_compat.TRAINER_PARAMETERS`), then
+    TRL 1.16's parameters, in its order, with its meanings (`colograd.config.trl_compat.TRAINER_PARAMETERS`), then
     colograd's own, by keyword.
 
     Args:
         model: a causal LM (a `PeftModel` too), or a hub id / local path to load one from.
         reward_funcs: reward functions (TRL's signature, sync or async), sequence-classification reward models
-            (`RewardModel`s, bare models, hub ids), or names (see `colograd.rewards.resolve_reward`); None when an
+            (`RewardModel`s, bare models, hub ids), or names (see `colograd.rewards.core.resolve_reward`); None when an
             `environment_factory`'s environment gives the reward (`get_reward`).
         args: the run's configuration; defaults to `GRPOConfig` with output_dir `<model name>-GRPO`, as TRL's.
         train_dataset: rows with a `prompt` column (text, or chat messages); other columns reach the rewards.
@@ -111,7 +121,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         optimizers: an optimizer and a learning-rate scheduler instead of the Trainer's.
         quantization_config: refused: the engine sync writes full-precision weights.
         peft_config: a PEFT config: the model is wrapped with a new adapter (`wrap_with_peft`), as TRL does.
-        tools, rollout_func, environment_factory: agentic rollouts, as in TRL (see `colograd.agents.Agents` and
+        tools, rollout_func, environment_factory: agentic rollouts, as in TRL (see `colograd.agents.core.Agents` and
             docs/agents.md).
         recipe: the recipe a command-line run was launched from, for the model card.
         tool_call_parser: how tool calls are read from the model's text (default: the Qwen / Hermes chat-template
@@ -263,7 +273,8 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
                 func.model.to(self.accelerator.device)
         self._synced_step: int | None = None  # the global_step whose weights the engine holds
         self._weight_plan: WeightPlan | None = None
-        # How passes are packed (shared prompts; segments on a GPU: `colograd.packing`); GPU passes get a token budget.
+        # How passes are packed (shared prompts; segments on a GPU: `colograd.grpo.packing`); GPU passes get a token
+        # budget.
         nets = [unwrapped, self.reference and self.reference.frozen]  # the policy, and the reference's copy if any
         attention.honour_softcaps(nets)  # the attention scores a layer soft-caps, soft-capped as in the engine
         self._segments, self._prompt_cost = forward_packing(nets, args, compute_dtype(unwrapped, args.mixed_precision))
@@ -292,9 +303,9 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
         """transformers' `train`. `resume_from_checkpoint=True` takes the newest *finished* checkpoint of
-        `output_dir` (see `colograd.checkpoints`); a named one must be finished too, and saved by a run set up as
+        `output_dir` (see `colograd.runs.checkpoints`); a named one must be finished too, and saved by a run set up as
         this one (`check_setup`). A run that resumes nothing is refused where another run's work is
-        (`colograd.output_dir`)."""
+        (`colograd.runs.output_dir`)."""
         checkpoint = self.resume_point(resume_from_checkpoint)
         check_stream_resume(self.train_dataset, checkpoint)
         # The model is about to change (restored, or trained on from here): the first rollout re-syncs.
@@ -470,7 +481,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
 
         Args:
             rows: this rank's dataset rows; rows read for a vision-language run carry their names
-                ("train_dataset row 300", `colograd.streaming.ROW_KEY`) for the checks' messages.
+                ("train_dataset row 300", `colograd.data.streaming.ROW_KEY`) for the checks' messages.
 
         Returns:
             prompts: the `prompt` of each row, as given (text or messages), for the reward functions.
@@ -504,8 +515,9 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int | None = None) -> Rollout:
         """`num_generations` (default: the config's) completions of every prompt of this rank, in one engine call;
-        with tools, environments or a `rollout_func`, through `colograd.agents`. Reward functions marked for it start
-        on each prompt's completions as soon as they are sampled (`colograd.early_scoring`)."""
+        with tools, environments or a `rollout_func`, through `colograd.agents.core`. Reward functions marked for it
+        start
+        on each prompt's completions as soon as they are sampled (`colograd.rewards.early`)."""
         g = num_generations or self.args.num_generations
         early = early_rewards(self.reward_funcs)
         rows = self._rollout_rows
@@ -663,7 +675,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
 
     def sampling_correction(self, trainer_logps_NT: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """Truncated importance-sampling weights π_trainer / π_engine for the sampled tokens (see
-        `colograd.loss.sampling_correction`), with their `sampling/importance_sampling_ratio/*` metrics."""
+        `colograd.grpo.loss.sampling_correction`), with their `sampling/importance_sampling_ratio/*` metrics."""
         args, mask_NT = self.args, inputs["completion_mask"]
         weights = sampling_correction(
             trainer_logps_NT,
@@ -730,7 +742,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         self, eval_dataset: Any = None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"
     ) -> dict[str, float]:
         """Sample `num_generations_eval` completions of every eval prompt with the engine, in one call per rank,
-        and score them with the reward functions; logs and returns TRL's eval metrics (`colograd.evaluation`)."""
+        and score them with the reward functions; logs and returns TRL's eval metrics (`colograd.grpo.evaluation`)."""
         metrics = evaluate(self, eval_dataset if eval_dataset is not None else self.eval_dataset)
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)

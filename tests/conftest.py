@@ -84,8 +84,8 @@ def refused(*argv: str, env: dict[str, str] | None = None) -> str:
     err, out = io.StringIO(), io.StringIO()
     with (
         patch("colograd.train.load_model", side_effect=AssertionError("weights were read")),
-        patch("colograd.engine.Engine.acquire", side_effect=AssertionError("an engine was started")),
-        patch("colograd.engine.Engine.__init__", side_effect=AssertionError("an engine was started")),
+        patch("colograd.engine.core.Engine.acquire", side_effect=AssertionError("an engine was started")),
+        patch("colograd.engine.core.Engine.__init__", side_effect=AssertionError("an engine was started")),
         patch.dict(os.environ, {"HF_HUB_OFFLINE": "1", **(env or {})}),
         patch("huggingface_hub.constants.HF_HUB_OFFLINE", True),
         redirect_stderr(err),
@@ -153,7 +153,7 @@ def _deselects_slow(item: pytest.Item) -> bool:
 
 
 # Project scripts that are not training work: the code sandbox's launcher runs one small program, in milliseconds.
-_NOT_TRAINING = ("colograd/sandbox_launch.py",)
+_NOT_TRAINING = ("colograd/rewards/sandbox_launch.py",)
 
 
 def _launched(args: object) -> str | None:

@@ -11,14 +11,15 @@ import time
 import pytest
 import torch
 
-from colograd import GRPOConfig, tiny
-from colograd.agents import AgentLoop, Trajectory, turn_sampling_params
-from colograd.batch import pad_rollout
-from colograd.engine import Engine, Rollout
-from colograd.logps import completion_logps
-from colograd.preemption import StepFailure
-from colograd.sync import WeightPlan
-from colograd.tools import HermesToolParser, MarkerToolParser, ToolCall, ToolRunner, plain_result_ids
+from colograd import GRPOConfig
+from colograd.agents.core import AgentLoop, Trajectory, turn_sampling_params
+from colograd.agents.tools import HermesToolParser, MarkerToolParser, ToolCall, ToolRunner, plain_result_ids
+from colograd.engine.core import Engine, Rollout
+from colograd.engine.sync import WeightPlan
+from colograd.grpo.batch import pad_rollout
+from colograd.grpo.logps import completion_logps
+from colograd.models import tiny
+from colograd.runs.preemption import StepFailure
 
 COUNTED: list[str] = []
 
@@ -171,11 +172,11 @@ def test_hung_sync_tools_neither_exhaust_threads_nor_keep_the_process_alive():
     never.set()  # let this process's hung threads end
     # A process whose tool still hangs ends when its work is done: nothing joins the tool's thread at exit. (The
     # module is loaded from its file: importing the colograd package would load torch and vLLM for nothing.)
-    import colograd.tools
+    import colograd.agents.tools
 
     script = (
         "import importlib.util, time\n"
-        f"spec = importlib.util.spec_from_file_location('tools', {colograd.tools.__file__!r})\n"
+        f"spec = importlib.util.spec_from_file_location('tools', {colograd.agents.tools.__file__!r})\n"
         "tools = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(tools)\n"
         "ToolCall, ToolRunner = tools.ToolCall, tools.ToolRunner\n"
         "def hang(x: int) -> int:\n    time.sleep(3600)\n"
@@ -195,8 +196,8 @@ def test_hermes_parser_reads_the_qwen_format():
 
 
 def test_agents_refuse_what_they_cannot_do_before_start_up(tmp_path):
-    from colograd.agents import Agents
-    from colograd.config import ConfigError
+    from colograd.agents.core import Agents
+    from colograd.config.core import ConfigError
 
     tokenizer = tiny.build_tokenizer()
     args = GRPOConfig(output_dir=str(tmp_path), report_to="none")
@@ -404,8 +405,8 @@ def multiply(a: int, b: int) -> int:
 def test_tool_results_are_inserted_as_the_chat_template_renders_them(tmp_path):
     """Prompt + the model's turn (a Hermes tool call, ended by EOS) + the inserted result tokens is, token for token,
     the chat template's rendering of the whole conversation; the schema comes from the signature and docstring."""
-    from colograd.agents import Agents
-    from colograd.tools import chat_template_result_ids
+    from colograd.agents.core import Agents
+    from colograd.agents.tools import chat_template_result_ids
 
     tokenizer = chatml_tokenizer()
     agents = Agents(tokenizer, GRPOConfig(output_dir=str(tmp_path), report_to="none"), tools=[multiply])
@@ -435,7 +436,7 @@ def test_turn_logic_bounds_the_length_and_the_tool_turns():
     """`end_turn` / `insert_results` on hand-made engine outputs (pure logic, no engine)."""
     from types import SimpleNamespace
 
-    from colograd.tools import ToolResult
+    from colograd.agents.tools import ToolResult
 
     tokenizer = tiny.build_tokenizer()
     parser = MarkerToolParser(";", "count", "text")

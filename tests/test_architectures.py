@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaModel
 
-from colograd.engine_lifetime import own_classes
+from colograd.engine.lifetime import own_classes
 
 
 def decorated_model() -> tuple[LlamaForCausalLM, type]:

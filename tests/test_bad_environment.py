@@ -1,4 +1,4 @@
-"""The environment a run starts in (colograd.preflight_env): every cache variable × every way a folder is unusable,
+"""The environment a run starts in (colograd.preflight.env): every cache variable × every way a folder is unusable,
 every hardware and launch variable × malformed values, the trackers, the offline hub; a refusal is one line before
 anything loads, a risk one warning, and a valid setup (unset variables, folders still to be created) passes."""
 
@@ -7,9 +7,9 @@ import os
 import pytest
 from conftest import refused
 
-from colograd import preflight_env
-from colograd.config import ConfigError, GRPOConfig
-from colograd.preflight_env import CACHES, HARDWARE, TRACKERS, Run, cache_issues, check_environment, hardware_issues
+from colograd.config.core import ConfigError, GRPOConfig
+from colograd.preflight import env as preflight_env
+from colograd.preflight.env import CACHES, HARDWARE, TRACKERS, Run, cache_issues, check_environment, hardware_issues
 
 TINY = "recipes/grpo_tiny.yaml"
 CACHE_VARIABLES = sorted({v for cache in CACHES for v, _ in cache.chain if v != "HOME"})
@@ -309,7 +309,8 @@ def test_command_line_refuses_in_one_line(variables, flags, message, tmp_path):
 
 
 def test_trainer_refuses_before_its_engine(monkeypatch):
-    from colograd import GRPOTrainer, tiny
+    from colograd import GRPOTrainer
+    from colograd.models import tiny
 
     monkeypatch.setattr("colograd.trainer.Engine", None)  # never reached
     with pytest.raises(ConfigError, match="wandb has no login"):

@@ -13,10 +13,11 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast, Qwen2Config
 from trl import ModelConfig
 
-from colograd import GRPOConfig, GRPOTrainer, ScriptArguments, tiny
-from colograd.config import ConfigError
-from colograd.data import check_data_file, load_prompts
-from colograd.model_files import SIZE_FIELDS, check_special_tokens
+from colograd import GRPOConfig, GRPOTrainer, ScriptArguments
+from colograd.config.core import ConfigError
+from colograd.data.core import check_data_file, load_prompts
+from colograd.models import tiny
+from colograd.models.model_files import SIZE_FIELDS, check_special_tokens
 from colograd.train import cli, load_model, load_model_config
 
 ROWS = [{"prompt": f"abcd>{c}é:", "target": c} for c in "abcd" * 4]

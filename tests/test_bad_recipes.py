@@ -13,9 +13,9 @@ from trl import ModelConfig
 
 import colograd.train
 from colograd import GRPOConfig, ScriptArguments
-from colograd.config import ConfigError
-from colograd.config_ranges import RANGES, TRL_ONLY, check_ranges, numeric_fields
-from colograd.config_recipe import read_recipe
+from colograd.config.core import ConfigError
+from colograd.config.ranges import RANGES, TRL_ONLY, check_ranges, numeric_fields
+from colograd.config.recipe import read_recipe
 from colograd.train import _Parser
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -190,7 +190,7 @@ def _all_numeric_fields() -> list[str]:
 @pytest.mark.parametrize("name", _all_numeric_fields())
 def test_every_numeric_field_declares_its_range(name):
     """A numeric field added later (by colograd, TRL or transformers) fails here until RANGES declares it."""
-    assert name in RANGES, f"{name}: declare its range in colograd/config_ranges.py RANGES"
+    assert name in RANGES, f"{name}: declare its range in colograd/config/ranges.py RANGES"
 
 
 def _out_of_range(name: str) -> list[float]:

@@ -24,10 +24,11 @@ import pytest
 import torch
 from conftest import refused
 
-from colograd import rewards, time_limit
-from colograd.config import ConfigError, GRPOConfig
-from colograd.preemption import Preemption, StoppedBySigterm, stage_failures
-from colograd.rewards import RewardError, RewardTimeout, resolve_reward, score
+from colograd.config.core import ConfigError, GRPOConfig
+from colograd.rewards import core as rewards
+from colograd.rewards.core import RewardError, RewardTimeout, resolve_reward, score
+from colograd.runs import time_limit
+from colograd.runs.preemption import Preemption, StoppedBySigterm, stage_failures
 
 PROMPTS = ["ab>a:", "ab>a:"]
 COMPLETIONS = ["aa", "ab"]
@@ -149,7 +150,7 @@ BAD_OUTPUTS = {  # case: (what the function returns, what the message says)
 
 @pytest.mark.parametrize("nan", [[1.0, math.nan], torch.tensor([1.0, float("nan")]), np.array([1.0, np.nan])])
 def test_nan_is_taken_as_an_abstention_as_trl_takes_it_and_said_once(nan, capsys, monkeypatch):
-    monkeypatch.setattr("colograd.rewards._NAN_NOTED", set())
+    monkeypatch.setattr("colograd.rewards.core._NAN_NOTED", set())
     for _ in range(2):
         rewards_NF = call(returning(nan))
         assert rewards_NF[0, 0] == 1.0 and rewards_NF[1, 0].isnan()

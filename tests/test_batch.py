@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from colograd.batch import pad_rollout, split_rows
-from colograd.engine import Rollout
+from colograd.engine.core import Rollout
+from colograd.grpo.batch import pad_rollout, split_rows
 
 
 def test_pad_rollout_by_hand():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from colograd.bench.soak import slope_per_100_steps
-from colograd.timing import PhaseTimes, format_summary, throughput
+from colograd.runs.timing import PhaseTimes, format_summary, throughput
 
 
 def test_slope_of_a_steady_leak_and_of_a_flat_line():
@@ -240,8 +240,8 @@ def test_workloads_refuse_accumulation_that_does_not_divide_the_step():
 
 
 def test_sized_prompts_have_that_many_tokens_and_keep_the_task():
-    from colograd import tiny
     from colograd.bench.shapes import letters_prompts
+    from colograd.models import tiny
 
     tokenizer, plain = tiny.build_tokenizer(), tiny.letters_dataset(8)
     sized = letters_prompts(40, num_prompts=8)
@@ -320,7 +320,7 @@ def test_trl_side_loads_the_built_model_from_a_saved_folder(tmp_path, monkeypatc
 def test_colograd_side_leaves_the_engine_memory_to_the_engine(tmp_path, monkeypatch):
     from colograd.bench import step
     from colograd.bench.shapes import workload
-    from colograd.config import GRPOConfig
+    from colograd.config.core import GRPOConfig
 
     seen = {}
     stand_in = _stand_in(seen)
@@ -339,8 +339,8 @@ def test_colograd_side_leaves_the_engine_memory_to_the_engine(tmp_path, monkeypa
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_decode_floor_reads_every_weight_once_and_the_kv_caches(tied):
-    from colograd import tiny
     from colograd.bench.decode import decode_floor_seconds
+    from colograd.models import tiny
 
     model = tiny.build_model(tie_word_embeddings=tied)
     # The tiny Qwen2: 2 layers of hidden 128, MLP 256, 2 heads of 64 (2 KV heads); vocabulary 64.
@@ -354,9 +354,10 @@ def test_decode_floor_reads_every_weight_once_and_the_kv_caches(tied):
 
 @pytest.mark.slow
 def test_decode_against_the_floor_and_generation_against_bare_vllm_through_the_trainers_engine(tmp_path, monkeypatch):
-    from colograd import GRPOTrainer, tiny
+    from colograd import GRPOTrainer
     from colograd.bench import step
     from colograd.bench.decode import decode_against_floor
+    from colograd.models import tiny
 
     args = tiny.run_config(str(tmp_path), 1, per_device_train_batch_size=16, num_generations=4)
     trainer = GRPOTrainer(model=tiny.build_model(), reward_funcs=tiny.letters_reward, args=args,

@@ -10,8 +10,8 @@ import torch
 from conftest import ROOT, _env
 
 from colograd import check, check_runner
-from colograd.engine import Engine
-from colograd.sync import WeightPlan
+from colograd.engine.core import Engine
+from colograd.engine.sync import WeightPlan
 
 CPU = torch.device("cpu")
 GiB = 2**30
@@ -217,7 +217,7 @@ def test_gpu_check_passes():
 
 def test_segment_row_compares_shared_segments_with_unshared_sdpa(monkeypatch):
     """The row's arithmetic on a CPU, the reference kernel standing in for CUDA's varlen kernels."""
-    from colograd import attention, packing
+    from colograd.grpo import attention, packing
 
     setup = check.tiny_setup(CPU)
     assert check.check_segments(setup).status == "FAIL"  # no varlen kernel on a CPU, and the row says so

@@ -13,8 +13,10 @@ import torch
 from safetensors.torch import save_file
 from transformers import TrainingArguments, modeling_utils
 
-from colograd import tiny, train
-from colograd.checkpoints import (
+from colograd import train
+from colograd.config.core import ConfigError
+from colograd.models import tiny
+from colograd.runs.checkpoints import (
     RECORD_FILE,
     SETUP_FIELDS,
     architecture,
@@ -23,9 +25,8 @@ from colograd.checkpoints import (
     last_complete_checkpoint,
     resolve_checkpoint,
 )
-from colograd.config import ConfigError
-from colograd.preemption import StepFailure
-from colograd.saving import ModelSaving
+from colograd.runs.preemption import StepFailure
+from colograd.runs.saving import ModelSaving
 
 
 def save(folder, step: int, finished: bool = True):

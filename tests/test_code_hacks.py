@@ -11,8 +11,8 @@ value of the tests to find and no comparison of its own to make.
 
 import pytest
 
-from colograd.code_rewards import CodeReward
-from colograd.sandbox import SandboxLimits
+from colograd.rewards.code import CodeReward
+from colograd.rewards.sandbox import SandboxLimits
 
 LIMITS = SandboxLimits(wall_s=5.0, cpu_s=2, memory_mib=256)
 

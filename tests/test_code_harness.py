@@ -1,4 +1,5 @@
-"""The split harness (`colograd.code_harness`): what crosses between the program's process and the judge, worked by
+"""The split harness (`colograd.rewards.code_harness`): what crosses between the program's process and the judge,
+worked by
 hand; tests keeping their meaning when split, through the real sandbox; and the tests' expected values never
 reaching the program's process."""
 
@@ -9,10 +10,10 @@ from enum import IntEnum
 
 import pytest
 
-from colograd import code_harness, code_tests
-from colograd.code_harness import NotPlainData, ProgramGone, _lenient, decode, encode
-from colograd.code_tests import row_tests, run_asserts
-from colograd.sandbox import Sandbox, SandboxLimits
+from colograd.rewards import code_harness, code_tests
+from colograd.rewards.code_harness import NotPlainData, ProgramGone, _lenient, decode, encode
+from colograd.rewards.code_tests import row_tests, run_asserts
+from colograd.rewards.sandbox import Sandbox, SandboxLimits
 
 
 def no_handles(tag, key, type_name):

@@ -7,11 +7,11 @@ import re
 import pytest
 from conftest import ROOT, refused
 
-from colograd import code_task
-from colograd.code_rewards import CodeReward, check_code_rows, extract_code, output_matches
-from colograd.config import ConfigError
-from colograd.rewards import resolve_reward
-from colograd.sandbox import SandboxLimits
+from colograd.config.core import ConfigError
+from colograd.data import code_task
+from colograd.rewards.code import CodeReward, check_code_rows, extract_code, output_matches
+from colograd.rewards.core import resolve_reward
+from colograd.rewards.sandbox import SandboxLimits
 
 LIMITS = SandboxLimits(wall_s=2.0, cpu_s=1)
 SUM = "a, b = map(int, input().split())\nprint(a + b)\n"

@@ -6,10 +6,11 @@ import json
 import pytest
 import torch
 
-from colograd import code_task, tiny
-from colograd.code_rewards import CodeReward
-from colograd.sandbox import SandboxLimits
-from colograd.tools import MarkerToolParser
+from colograd.agents.tools import MarkerToolParser
+from colograd.data import code_task
+from colograd.models import tiny
+from colograd.rewards.code import CodeReward
+from colograd.rewards.sandbox import SandboxLimits
 from colograd.trainer import GRPOTrainer
 
 pytestmark = pytest.mark.slow

@@ -14,11 +14,12 @@ from accelerate.commands.launch import launch_command_parser
 from transformers import TrainingArguments
 from trl import ModelConfig, TrlParser
 
-from colograd import GRPOConfig, ScriptArguments, tiny
-from colograd.config import COMMON_FIELDS, TOPICS, ConfigError
-from colograd.rewards import resolve_reward
+from colograd import GRPOConfig, ScriptArguments
+from colograd.config.core import COMMON_FIELDS, TOPICS, ConfigError
+from colograd.config.trl_compat import DIFFERENT_DEFAULTS, refused_fields
+from colograd.models import tiny
+from colograd.rewards.core import resolve_reward
 from colograd.train import _Parser, load_model
-from colograd.trl_compat import DIFFERENT_DEFAULTS, refused_fields
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml"))
@@ -160,11 +161,11 @@ def test_unknown_recipe_key_fails(tmp_path):
 
 def test_rewards_resolve_by_name_and_path():
     assert resolve_reward("letters").__name__ == "letters_reward"
-    assert resolve_reward("colograd.tiny.letters_reward").__name__ == "letters_reward"
+    assert resolve_reward("colograd.models.tiny.letters_reward").__name__ == "letters_reward"
     with pytest.raises(ConfigError, match="neither a built-in"):
         resolve_reward("nonsense")
     with pytest.raises(ConfigError, match="no_such_reward"):
-        resolve_reward("colograd.tiny.no_such_reward")
+        resolve_reward("colograd.models.tiny.no_such_reward")
 
 
 # --- TRL compatibility --------------------------------------------------------------------------------------
@@ -192,7 +193,7 @@ def _default(f: dataclasses.Field) -> object:
 
 @pytest.mark.parametrize("trl_field", _trl_fields(), ids=lambda f: f.name)
 def test_every_trl_field_is_supported_or_refused(trl_field):
-    """A field TRL adds later fails here until it is implemented or refused (colograd/trl_compat.py)."""
+    """A field TRL adds later fails here until it is implemented or refused (colograd/config/trl_compat.py)."""
     ours = {f.name: f for f in dataclasses.fields(GRPOConfig)}
     name = trl_field.name
     assert name in ours, f"TRL's {name} is neither implemented nor refused"

@@ -9,12 +9,13 @@ from accelerate.data_loader import prepare_data_loader, skip_first_batches
 from accelerate.utils import DataLoaderConfiguration
 from datasets import IterableDataset
 
-from colograd import GRPOConfig, ScriptArguments, tiny
-from colograd.config import ConfigError
-from colograd.data import keep_rows, load_prompts
-from colograd.preflight import check_stream_data
-from colograd.streaming import check_stream, check_stream_resume, rollout_stream
-from colograd.sums import sum_reward
+from colograd import GRPOConfig, ScriptArguments
+from colograd.config.core import ConfigError
+from colograd.data.core import keep_rows, load_prompts
+from colograd.data.streaming import check_stream, check_stream_resume, rollout_stream
+from colograd.data.sums import sum_reward
+from colograd.models import tiny
+from colograd.preflight.core import check_stream_data
 
 ROWS = [{"prompt": "ab>a:", "target": "a"}, {"prompt": [{"role": "user", "content": "cd>d"}], "target": "d"}]
 

@@ -9,9 +9,13 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from colograd import GRPOConfig, engine_weights, lora, sync, time_limit, tiny
-from colograd.engine import Engine
-from colograd.sync import WeightPlan
+from colograd import GRPOConfig
+from colograd.engine import lora, sync
+from colograd.engine import weights as engine_weights
+from colograd.engine.core import Engine
+from colograd.engine.sync import WeightPlan
+from colograd.models import tiny
+from colograd.runs import time_limit
 
 pytestmark = pytest.mark.slow  # every test starts a vLLM engine
 

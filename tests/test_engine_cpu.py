@@ -1,9 +1,9 @@
-"""The CPU backend's settings colograd makes before an engine starts (colograd/engine_cpu.py)."""
+"""The CPU backend's settings colograd makes before an engine starts (colograd/engine/cpu.py)."""
 
 import torch
 from torch._dynamo.utils import counters
 
-from colograd import engine_cpu
+from colograd.engine import cpu as engine_cpu
 
 
 def test_the_sampler_counts_ranks_eagerly_with_vllms_own_expression():

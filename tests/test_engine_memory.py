@@ -4,11 +4,12 @@ import pytest
 import torch
 from transformers import Qwen2Config
 
-from colograd import kv_cache, tiny
-from colograd.config import GRPOConfig
-from colograd.engine import Engine, engine_settings
+from colograd.config.core import GRPOConfig
+from colograd.engine import kv_cache
+from colograd.engine.core import Engine, engine_settings
+from colograd.engine.sync import WeightPlan
 from colograd.errors import ConfigError
-from colograd.sync import WeightPlan
+from colograd.models import tiny
 
 # Qwen2.5-1.5B's attention: 28 layers, 12 query heads and 2 KV heads of 128 dims.
 QWEN_1_5B = Qwen2Config(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
@@ -65,7 +66,7 @@ def test_rollout_kv_bytes_from_the_longest_prompt(tmp_path):
 def test_sampled_prompt_tokens():
     from datasets import Dataset, IterableDataset
 
-    from colograd.data import sampled_prompt_tokens
+    from colograd.data.core import sampled_prompt_tokens
 
     tokenizer = tiny.build_tokenizer()
     rows = [{"prompt": "ab" * (i % 50 + 1)} for i in range(1000)]  # lengths 2 to 100, the longest every 50 rows
@@ -136,7 +137,7 @@ def stand_in(settings: dict) -> Engine:
 
 
 def test_second_trainer_reuses_or_is_refused(tmp_path, monkeypatch):
-    import colograd.engine as engine_module
+    import colograd.engine.core as engine_module
 
     model, tokenizer = tiny.build_model(), tiny.build_tokenizer()
     args = config(tmp_path, per_device_train_batch_size=8, max_prompt_length=32, max_completion_length=16)
@@ -165,7 +166,7 @@ def test_second_trainer_reuses_or_is_refused(tmp_path, monkeypatch):
 
 
 def test_without_gpu_each_trainer_gets_its_own_engine(tmp_path, monkeypatch):
-    import colograd.engine as engine_module
+    import colograd.engine.core as engine_module
 
     monkeypatch.setattr(engine_module, "_PROCESS_ENGINE", None)
     built = []
@@ -224,7 +225,7 @@ def test_adapter_lora_on_gpu_needs_a_16_bit_engine(tmp_path, monkeypatch, settin
     start-up on a GPU (stubbed platform), where the CPU build would have accepted it."""
     from vllm.platforms import current_platform
 
-    from colograd.preflight_engine import check_engine
+    from colograd.preflight.engine import check_engine
 
     lora = settings.pop("lora", True)
     args = config(tmp_path, per_device_train_batch_size=8, max_prompt_length=32, max_completion_length=16, **settings)
@@ -254,7 +255,7 @@ def test_float32_engine_on_a_gpu_multiplies_as_the_trainer_does(
 ):
     """A float32 engine's Triton attention follows the trainer's float32 matmul precision (TF32 only where the
     trainer allows it: measured 2.0e-3 nat of engine/trainer gap on an H100 otherwise, 1.4e-6 with IEEE)."""
-    from colograd.engine import triton_fp32_precision
+    from colograd.engine.core import triton_fp32_precision
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setenv("TRITON_F32_DEFAULT", preset or "recorded, so that the test's own setting is undone")

@@ -6,8 +6,8 @@ import pytest
 import torch
 from trl.trainer.utils import nanstd
 
-from colograd.config import ConfigError
-from colograd.evaluation import eval_metrics, eval_tool_metrics, eval_totals, rank_share, tool_totals
+from colograd.config.core import ConfigError
+from colograd.grpo.evaluation import eval_metrics, eval_tool_metrics, eval_totals, rank_share, tool_totals
 
 NAN = float("nan")
 

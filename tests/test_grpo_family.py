@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import launch
 
-from colograd.loss import group_advantages
+from colograd.grpo.loss import group_advantages
 
 pytestmark = pytest.mark.slow  # multi-process launches with engines
 RUNS = ["grpo", "dr_grpo", "bnpo", "dapo", "lora"]

@@ -1,7 +1,8 @@
 """The KV cache colograd gives the engine, asked of vLLM's own start-up rule for every model of the zoo.
 
 vLLM refuses to start when its cache cannot hold one sequence of the engine's whole context (plus the block its pool
-holds back); colograd sizes the cache itself (`colograd.kv_cache`). Rather than repeat vLLM's arithmetic, each case
+holds back); colograd sizes the cache itself (`colograd.engine.kv_cache`). Rather than repeat vLLM's arithmetic, each
+case
 hands colograd's bytes to the function that raised at start-up for TRL's quickstart on 8k and 32k models
 (`vllm.v1.core.kv_cache_utils.get_kv_cache_configs`), for the published configs (full size: no model is built), the
 CPU's and a GPU's block sizes, small and large rollouts, prompts measured or not. MLA models (DeepSeek-V2-Lite,
@@ -19,10 +20,11 @@ import torch
 import zoo
 from transformers import AutoConfig, LlamaConfig, PretrainedConfig
 
-import colograd.engine  # noqa: F401  (sets the environment vLLM reads at import)
-from colograd import kv_cache, tiny
-from colograd.config import GRPOConfig
+import colograd.engine.core  # noqa: F401  (sets the environment vLLM reads at import)
+from colograd.config.core import GRPOConfig
+from colograd.engine import kv_cache
 from colograd.errors import ConfigError
+from colograd.models import tiny
 
 # (block tokens, dtype, device bytes): vLLM's CPU attention's blocks; a GPU's 16-token blocks (FlashAttention 3) and
 # 256-token ones (some FlashAttention 4 head sizes), on an 80 GB card.
@@ -335,7 +337,7 @@ def test_a_hybrid_model_is_refused_in_one_line_before_its_engine_starts(name, tm
     preflight refuses them in one line naming the model type, and the engine's own sizing refuses them too."""
     from vllm.config import ParallelConfig
 
-    from colograd.preflight_engine import check_engine
+    from colograd.preflight.engine import check_engine
 
     values = HYBRID_MODELS[name]
     model_config = vllm_model_config(values)

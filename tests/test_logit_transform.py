@@ -1,4 +1,5 @@
-"""What a model does to its logits after its output layer (`colograd.logit_transform`): learnt from the model, applied
+"""What a model does to its logits after its output layer (`colograd.models.logit_transform`): learnt from the model,
+applied
 to each chunk of log-probs, so that the trainer's log-probs are those of the model's own distribution. Checked against
 each model's plain forward, with sharp weights (a flat random model hides a missing transform), and shown to fail
 when the transform is dropped."""
@@ -10,9 +11,10 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from colograd import attention, logit_transform
 from colograd.errors import ConfigError
-from colograd.logps import completion_logps
+from colograd.grpo import attention
+from colograd.grpo.logps import completion_logps
+from colograd.models import logit_transform
 
 VOCAB, PROMPT, COMPLETION = 256, 5, 7
 # Granite's, Command-R's and Gemma-2's published values (their 2b / 35b / 2b configs).

@@ -7,10 +7,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import BloomConfig, BloomForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from trl.trainer.utils import selective_log_softmax
 
-from colograd import packing, tiny
-from colograd.config import GRPOConfig
+from colograd.config.core import GRPOConfig
 from colograd.errors import ConfigError
-from colograd.logps import (
+from colograd.grpo import packing
+from colograd.grpo.logps import (
     PromptSharing,
     completion_logps,
     pack,
@@ -19,8 +19,9 @@ from colograd.logps import (
     pack_shared,
     share_units,
 )
-from colograd.loss import policy_loss
-from colograd.packing import masked_attention_kernel, prompt_sharing, prompt_sharing_cost
+from colograd.grpo.loss import policy_loss
+from colograd.grpo.packing import masked_attention_kernel, prompt_sharing, prompt_sharing_cost
+from colograd.models import tiny
 
 N, P, T = 8, 6, 9
 

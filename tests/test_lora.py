@@ -8,10 +8,10 @@ from conftest import run_cli
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
-from colograd import tiny
 from colograd import trainer as trainer_module
-from colograd.config import ConfigError
-from colograd.lora import check_lora, engine_max_lora_rank
+from colograd.config.core import ConfigError
+from colograd.engine.lora import check_lora, engine_max_lora_rank
+from colograd.models import tiny
 from colograd.trainer import GRPOTrainer
 
 
@@ -142,7 +142,7 @@ def test_adapter_only_lora_base_weights_reach_layers_an_older_vllm_hides():
     as vLLM 0.26 and 0.32 write it in models/llava.py), and must be matched through it."""
     from vllm.model_executor.models.utils import WeightsMapper
 
-    from colograd.engine_weights import named_through_lora_wrappers
+    from colograd.engine.weights import named_through_lora_wrappers
 
     llava = WeightsMapper(orig_to_new_prefix={"model.language_model.": "language_model.model.",
                                               "model.vision_tower.": "vision_tower.",

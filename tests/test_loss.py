@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from colograd.entropy import EntropyTerms, high_entropy_mask, next_coef
-from colograd.loss import (
+from colograd.grpo.entropy import EntropyTerms, high_entropy_mask, next_coef
+from colograd.grpo.loss import (
     clipped_fractions,
     group_advantages,
     importance_ratio_metrics,

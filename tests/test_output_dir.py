@@ -19,8 +19,10 @@ import torch
 from conftest import ROOT, run_cli
 from datasets import Dataset
 
-from colograd import GRPOConfig, GRPOTrainer, tiny
-from colograd.checkpoints import (
+from colograd import GRPOConfig, GRPOTrainer
+from colograd.config.core import ConfigError
+from colograd.models import tiny
+from colograd.runs.checkpoints import (
     RECORD_FILE,
     SETUP_FIELDS,
     begin_record,
@@ -34,9 +36,8 @@ from colograd.checkpoints import (
     rotate_checkpoints,
     run_setup,
 )
-from colograd.config import ConfigError
-from colograd.output_dir import LOCK_FILE, _start_ticks, check_output_dir, claim_output_dir, take_lock
-from colograd.preemption import StepFailure
+from colograd.runs.output_dir import LOCK_FILE, _start_ticks, check_output_dir, claim_output_dir, take_lock
+from colograd.runs.preemption import StepFailure
 
 TINY = "recipes/grpo_tiny.yaml"
 
@@ -133,7 +134,7 @@ def test_a_lock_from_another_host_is_refused_with_how_to_clear_it(tmp_path):
 
 @pytest.mark.slow  # two Python processes that import colograd (torch): 12-15 s
 def test_the_lock_goes_at_exit_and_a_killed_holder_leaves_one_that_is_taken_over(tmp_path, capsys):
-    code = "import sys, time; from colograd.output_dir import take_lock; take_lock(sys.argv[1]); "
+    code = "import sys, time; from colograd.runs.output_dir import take_lock; take_lock(sys.argv[1]); "
     exits = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, timeout=120)
     assert exits.returncode == 0 and not (tmp_path / LOCK_FILE).exists()
 

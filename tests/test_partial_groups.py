@@ -10,14 +10,15 @@ import torch
 import trl
 from conftest import ROOT, refused
 
-from colograd import GRPOTrainer, tiny
-from colograd.batch import pad_rollout, split_rows
-from colograd.config import ConfigError, GRPOConfig
-from colograd.engine import Rollout
-from colograd.logps import completion_logps, pack_shared
-from colograd.loss import group_advantages
-from colograd.packing import prompt_sharing_cost
-from colograd.preflight import check_size
+from colograd import GRPOTrainer
+from colograd.config.core import ConfigError, GRPOConfig
+from colograd.engine.core import Rollout
+from colograd.grpo.batch import pad_rollout, split_rows
+from colograd.grpo.logps import completion_logps, pack_shared
+from colograd.grpo.loss import group_advantages
+from colograd.grpo.packing import prompt_sharing_cost
+from colograd.models import tiny
+from colograd.preflight.core import check_size
 
 TINY = str(ROOT / "recipes/grpo_tiny.yaml")
 

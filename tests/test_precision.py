@@ -4,10 +4,11 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from colograd import GRPOConfig, tiny
-from colograd.engine import _engine_dtype
-from colograd.engine_launch import _local_rank
-from colograd.precision import master_copy_warning
+from colograd import GRPOConfig
+from colograd.engine.core import _engine_dtype
+from colograd.engine.launch import _local_rank
+from colograd.models import tiny
+from colograd.models.precision import master_copy_warning
 
 
 def adamw_step(weight: torch.Tensor, autocast: bool = False) -> torch.Tensor:

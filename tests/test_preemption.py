@@ -22,8 +22,8 @@ from conftest import ROOT, run_cli, start_launch
 from transformers import TrainerControl, TrainerState
 
 from colograd import train
-from colograd.checkpoints import is_complete, last_complete_checkpoint
-from colograd.preemption import Interrupted, Preemption, exit_interrupted, stage_failures
+from colograd.runs.checkpoints import is_complete, last_complete_checkpoint
+from colograd.runs.preemption import Interrupted, Preemption, exit_interrupted, stage_failures
 
 MAX_STEPS = 40
 FLAGS = [

@@ -24,11 +24,12 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer, Qwen2Config
 
-from colograd import ScriptArguments, tiny, train
-from colograd.config import ConfigError
-from colograd.data import load_prompts
-from colograd.preflight import REWARD_ARGUMENTS, check_prompts
-from colograd.rewards import BUILTIN_REWARDS
+from colograd import ScriptArguments, train
+from colograd.config.core import ConfigError
+from colograd.data.core import load_prompts
+from colograd.models import tiny
+from colograd.preflight.core import REWARD_ARGUMENTS, check_prompts
+from colograd.rewards.core import BUILTIN_REWARDS
 
 TINY = str(ROOT / "recipes/grpo_tiny.yaml")
 NEED = 8  # the tiny recipe's rollout batch on one process: 64 completions / 8 per prompt
@@ -539,7 +540,7 @@ def test_trainer_checks_a_python_users_inputs_before_its_engine(tmp_path):
     rows = letters()
     rows[3]["prompt"] = " "
     tokenizer = tiny.build_tokenizer()
-    with patch("colograd.engine.Engine.acquire", side_effect=AssertionError("an engine was started")):
+    with patch("colograd.engine.core.Engine.acquire", side_effect=AssertionError("an engine was started")):
         with pytest.raises(ConfigError, match="row 3: prompt is empty"):
             GRPOTrainer(tiny.build_model(), "letters", args, Dataset.from_list(rows), processing_class=tokenizer)
         with pytest.raises(ConfigError, match="eval_dataset is a tokenizer"):

@@ -9,8 +9,8 @@ import time
 import pytest
 from conftest import launch
 
-from colograd import pretrained
-from colograd.config import ConfigError
+from colograd.config.core import ConfigError
+from colograd.models import pretrained
 
 MODEL = "colograd:smollm2-135m-instruct"
 

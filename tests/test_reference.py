@@ -11,14 +11,15 @@ from peft import LoraConfig, get_peft_model
 from trl.trainer import callbacks as trl_callbacks
 from trl.trainer.callbacks import SyncRefModelCallback
 
-from colograd import GRPOConfig, GRPOTrainer, tiny
-from colograd.batch import pad_rollout
-from colograd.config import ConfigError
-from colograd.engine import Rollout
-from colograd.engine_launch import free_port
-from colograd.loss import policy_loss
-from colograd.packing import prompt_sharing_cost
-from colograd.reference import ReferencePolicy
+from colograd import GRPOConfig, GRPOTrainer
+from colograd.config.core import ConfigError
+from colograd.engine.core import Rollout
+from colograd.engine.launch import free_port
+from colograd.grpo.batch import pad_rollout
+from colograd.grpo.loss import policy_loss
+from colograd.grpo.packing import prompt_sharing_cost
+from colograd.grpo.reference import ReferencePolicy
+from colograd.models import tiny
 
 IDS = torch.tensor([[5, 6, 7, 8, 9, 10]])
 NO_SYNC = SimpleNamespace(sync_ref_model=False)

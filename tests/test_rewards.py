@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
-from colograd import tiny
-from colograd.config import ConfigError
-from colograd.rewards import RewardError, RewardModel, resolve_reward, resolve_rewards, score
+from colograd.config.core import ConfigError
+from colograd.models import tiny
+from colograd.rewards.core import RewardError, RewardModel, resolve_reward, resolve_rewards, score
 
 PROMPTS = ["ab>a:", "ab>a:"]
 COMPLETIONS = ["aa", "ab"]
@@ -112,7 +112,7 @@ def test_builtin_names_and_dotted_paths():
 
     assert resolve_reward("accuracy") is accuracy_reward
     assert resolve_reward("format") is think_format_reward and resolve_reward("think_format") is think_format_reward
-    assert resolve_reward("colograd.tiny:letters_reward") is tiny.letters_reward
+    assert resolve_reward("colograd.models.tiny:letters_reward") is tiny.letters_reward
 
 
 def test_resolve_rewards_checks_weights_and_reward_model_tokenizers():

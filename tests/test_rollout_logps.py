@@ -7,13 +7,13 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from colograd import tiny
 from colograd.check import trainer_logprobs
-from colograd.config import GRPOConfig
-from colograd.engine import Engine
-from colograd.engine_requests import rollout_requests, sampling_params
-from colograd.sampler_tap import SamplerTap
-from colograd.sync import WeightPlan
+from colograd.config.core import GRPOConfig
+from colograd.engine.core import Engine
+from colograd.engine.requests import rollout_requests, sampling_params
+from colograd.engine.sampler_tap import SamplerTap
+from colograd.engine.sync import WeightPlan
+from colograd.models import tiny
 
 pytestmark = pytest.mark.slow
 
@@ -115,13 +115,13 @@ def test_a_rollout_asks_for_the_gap_sample_only_when_a_step_it_trains_logs(loggi
 def test_between_logging_steps_no_request_asks_and_the_metric_is_logged_where_steps_log(tmp_path, monkeypatch):
     """logging_steps=2 over 4 steps: the rollouts of steps 1 and 3 ask the engine for no log-prob, those of steps 2
     and 4 for the metric's one completion, and the logged entries carry the sampling gap."""
-    import colograd.engine
+    import colograd.engine.core
     from colograd import GRPOTrainer
 
     asked = []
-    requests = colograd.engine.rollout_requests
+    requests = colograd.engine.core.rollout_requests
     monkeypatch.setattr(
-        colograd.engine,
+        colograd.engine.core,
         "rollout_requests",
         lambda *a: asked.append(sum(p.logprobs is not None for _, p in requests(*a))) or requests(*a),
     )

@@ -10,11 +10,13 @@ import pytest
 import torch
 import vllm
 
-from colograd import GRPOConfig, sampler_tap, tiny
-from colograd.engine import Engine
-from colograd.engine_requests import sampling_params
-from colograd.sampler_tap import install, object_logps
-from colograd.sync import WeightPlan
+from colograd import GRPOConfig
+from colograd.engine import sampler_tap
+from colograd.engine.core import Engine
+from colograd.engine.requests import sampling_params
+from colograd.engine.sampler_tap import install, object_logps
+from colograd.engine.sync import WeightPlan
+from colograd.models import tiny
 
 PROMPTS = ["abcd>b:", "dcba>a: and some more text", "the quick brown fox jumps>c:", "ab>d:"]
 
@@ -146,9 +148,9 @@ def test_probe_refuses_a_tap_that_differs_from_the_objects(engine, monkeypatch, 
             self.rows[-1][:, 0] += 1e-4
 
     monkeypatch.setattr(sampler_tap._Recorder, "record", off_by_a_little)
-    with caplog.at_level(logging.WARNING, logger="colograd.sampler_tap"):
+    with caplog.at_level(logging.WARNING, logger="colograd.engine.sampler_tap"):
         assert install(engine.llm) is None
-    assert [r.getMessage() for r in caplog.records if r.name == "colograd.sampler_tap"] == [
+    assert [r.getMessage() for r in caplog.records if r.name == "colograd.engine.sampler_tap"] == [
         f"Engine log-probs come from Logprob objects: vLLM {vllm.__version__}: the tap's log-probs "
         "differ from the Logprob objects' by 1.00e-04."
     ]
@@ -166,9 +168,9 @@ class FakeLLM:
 
 
 def test_unknown_sampler_gives_none_and_one_warning(caplog):
-    with caplog.at_level(logging.WARNING, logger="colograd.sampler_tap"):
+    with caplog.at_level(logging.WARNING, logger="colograd.engine.sampler_tap"):
         assert install(FakeLLM(SimpleNamespace(sampler=object()))) is None
-    lines = [r.getMessage() for r in caplog.records if r.name == "colograd.sampler_tap"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "colograd.engine.sampler_tap"]
     assert len(lines) == 1 and "no tap for a SimpleNamespace sampling with a object" in lines[0]
 
 

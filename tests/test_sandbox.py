@@ -1,6 +1,7 @@
 """The sandbox against attacker-shaped programs: each is contained, killed, given a failure reason, and nothing
 outside the sandbox changes. Each runs twice: as a program (stdin/stdout tests run it so), and as the solution of an
-assert-style row, inside the harness that runs its tests (`colograd.code_tests`), its outcome read back from the
+assert-style row, inside the harness that runs its tests (`colograd.rewards.code_tests`), its outcome read back from
+the
 harness's report.
 
 ``COLOGRAD_TEST_SANDBOX=none`` runs these same tests with the isolation removed (the `code_sandbox: none` opt-in):
@@ -22,9 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from colograd.code_tests import AssertTests, run_asserts
 from colograd.errors import ConfigError
-from colograd.sandbox import PROTECTIONS, Execution, Sandbox, SandboxLimits, SandboxUnavailable, _Clock
+from colograd.rewards.code_tests import AssertTests, run_asserts
+from colograd.rewards.sandbox import PROTECTIONS, Execution, Sandbox, SandboxLimits, SandboxUnavailable, _Clock
 
 ISOLATED = os.environ.get("COLOGRAD_TEST_SANDBOX", "namespaces") != "none"
 LIMITS = SandboxLimits(wall_s=1.5, cpu_s=1, memory_mib=256, processes=16, output_kib=64, file_mib=4)
@@ -254,7 +255,7 @@ def test_where_the_sandbox_cannot_be_built_it_refuses_in_one_line(tmp_path, monk
         "os.write(fd, json.dumps({'setup_error': 'unshare(user, mount, pid, network, IPC and UTS namespaces) failed: "
         "Operation not permitted (errno 1)'}).encode())\n"
     )
-    monkeypatch.setattr("colograd.sandbox.LAUNCHER", str(refusing))
+    monkeypatch.setattr("colograd.rewards.sandbox.LAUNCHER", str(refusing))
     with pytest.raises(SandboxUnavailable) as err:
         Sandbox(LIMITS)
     message = str(err.value)
@@ -456,9 +457,9 @@ def test_the_seccomp_filter_refuses_what_a_scored_program_never_needs():
 
 @needs_isolation
 def test_what_is_not_enforced_is_said_once_in_one_line(caplog, monkeypatch):
-    monkeypatch.setattr("colograd.sandbox.MemoryCgroups.find", classmethod(lambda cls: None))
-    monkeypatch.setattr("colograd.sandbox._said", set())
-    with caplog.at_level("WARNING", logger="colograd.sandbox"):
+    monkeypatch.setattr("colograd.rewards.sandbox.MemoryCgroups.find", classmethod(lambda cls: None))
+    monkeypatch.setattr("colograd.rewards.sandbox._said", set())
+    with caplog.at_level("WARNING", logger="colograd.rewards.sandbox"):
         Sandbox(LIMITS)
         Sandbox(LIMITS)
     lines = [r.getMessage() for r in caplog.records if "not enforced" in r.getMessage()]
@@ -470,7 +471,7 @@ def test_a_launcher_that_fails_is_the_sandboxs_failure_not_the_programs(tmp_path
     sandbox = Sandbox(LIMITS)
     crashing = tmp_path / "launch.py"
     crashing.write_text("import sys\nsys.stdin.read()\nraise ValueError('the launcher broke')\n")
-    monkeypatch.setattr("colograd.sandbox.LAUNCHER", str(crashing))
+    monkeypatch.setattr("colograd.rewards.sandbox.LAUNCHER", str(crashing))
     run = sandbox.run("print(1)")
     assert run.reason == "sandbox failed" and "ValueError" in run.stderr
 

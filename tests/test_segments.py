@@ -1,4 +1,4 @@
-"""Segment attention (`colograd.attention`): padding-free passes, shared prompts included, without a mask.
+"""Segment attention (`colograd.grpo.attention`): padding-free passes, shared prompts included, without a mask.
 
 The varlen kernels exist on CUDA only; here the `reference` kernel (a loop of masked SDPA calls over the same
 segments) stands in for them, so what is proven on a CPU is the layout: which keys each query segment gathers,
@@ -14,10 +14,12 @@ from test_logps import _assert_same_training, _batch, _grouped_batch
 from torch.nn.attention import SDPBackend
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from colograd import GRPOTrainer, attention, packing, tiny
-from colograd.attention import Segments, segments_of
-from colograd.logps import PromptSharing, completion_logps, pack_for_forward
-from colograd.packing import prompt_sharing, use_segments
+from colograd import GRPOTrainer
+from colograd.grpo import attention, packing
+from colograd.grpo.attention import Segments, segments_of
+from colograd.grpo.logps import PromptSharing, completion_logps, pack_for_forward
+from colograd.grpo.packing import prompt_sharing, use_segments
+from colograd.models import tiny
 
 
 def test_a_completion_gathers_its_prompt_then_itself():

@@ -5,8 +5,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from colograd import GRPOConfig, tiny
-from colograd.engine import Engine
+from colograd import GRPOConfig
+from colograd.engine.core import Engine
+from colograd.models import tiny
 from colograd.trainer import GRPOTrainer
 
 
@@ -116,7 +117,7 @@ def test_vllm_generation_sync_weights_wakes_a_sleeping_engine(asleep):
     """`trainer.vllm_generation.sync_weights()` (TRL's name, reachable from a callback between rollouts) never
     writes into a sleeping engine: it wakes it for the sync and puts it back to sleep; awake (inside a rollout,
     from a rollout_func) it only syncs."""
-    from colograd.agents import VLLMGeneration
+    from colograd.agents.core import VLLMGeneration
 
     log: list[str] = []
     engine = engine_with(2, log)

@@ -6,9 +6,10 @@ import json
 import pytest
 import torch
 
-from colograd import GRPOTrainer, tiny
-from colograd.engine import Rollout
-from colograd.rollouts import ScoredRollout, reward_metrics, rollout_metrics, sampled_lengths
+from colograd import GRPOTrainer
+from colograd.engine.core import Rollout
+from colograd.grpo.rollouts import ScoredRollout, reward_metrics, rollout_metrics, sampled_lengths
+from colograd.models import tiny
 
 
 def test_rollout_metrics_by_hand():
@@ -132,7 +133,7 @@ class Ranks:
 
 
 def test_window_metrics_of_two_ranks_where_one_recorded_a_metric_the_other_did_not(monkeypatch):
-    from colograd import timing
+    from colograd.runs import timing
 
     mine = {"reward": [1.0, 3.0], "extra/max": [5.0], "time/train": [2.0, 2.0]}
     theirs = {"reward": [4.0], "extra/max": [], "only_mine_seen/min": [], "time/train": [6.0]}

@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-import colograd.sync  # noqa: F401  (installs the log filters)
+import colograd.engine.sync  # noqa: F401  (installs the log filters)
 
 
 @pytest.mark.parametrize(
@@ -23,7 +23,8 @@ def test_partial_reload_warnings_of_each_vllm_release_are_quiet_and_others_are_n
 
 
 class RecordingEngine:
-    """Stands in for `colograd.engine.Engine` in a sync: records what reaches it; a level-2 sleep drops weights."""
+    """Stands in for `colograd.engine.core.Engine` in a sync: records what reaches it; a level-2 sleep drops
+    weights."""
 
     def __init__(self) -> None:
         self.stale, self.calls = True, []
@@ -41,8 +42,8 @@ def test_adapter_only_sync_sends_the_base_again_after_the_engine_dropped_it():
     weights (a level-2 sleep marks it stale): then the base goes again, or the adapter would sit on no base."""
     from peft import LoraConfig, get_peft_model
 
-    from colograd import tiny
-    from colograd.sync import WeightPlan
+    from colograd.engine.sync import WeightPlan
+    from colograd.models import tiny
 
     model = get_peft_model(tiny.build_model(), LoraConfig(r=4, target_modules=["q_proj"]))
     plan, engine = WeightPlan(model, adapter_only=True), RecordingEngine()

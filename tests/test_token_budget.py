@@ -8,17 +8,18 @@ import torch
 from conftest import launch
 from test_logps import _grouped_batch, _one_prompt_batch
 
-from colograd import memory, tiny
-from colograd.batch import split_by_tokens
-from colograd.logps import PromptSharing, pack_shared
-from colograd.memory import (
+from colograd.grpo import memory
+from colograd.grpo.batch import split_by_tokens
+from colograd.grpo.logps import PromptSharing, pack_shared
+from colograd.grpo.memory import (
     PassBudget,
     activation_bytes_per_token,
     output_layer_bytes,
     pass_token_budget,
     pending_bytes,
 )
-from colograd.packing import prompt_sharing_cost
+from colograd.grpo.packing import prompt_sharing_cost
+from colograd.models import tiny
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
 

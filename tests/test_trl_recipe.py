@@ -16,12 +16,13 @@ from datasets import Dataset
 from test_data import rank_batches, two_ranks
 from trl import ModelConfig
 
-from colograd import GRPOConfig, GRPOTrainer, ScriptArguments, tiny, train
-from colograd.batch import pad_rollout
-from colograd.completions import first_of_each_prompt
-from colograd.data import load_prompts
-from colograd.engine import Rollout
-from colograd.streaming import rollout_stream
+from colograd import GRPOConfig, GRPOTrainer, ScriptArguments, train
+from colograd.data.core import load_prompts
+from colograd.data.streaming import rollout_stream
+from colograd.engine.core import Rollout
+from colograd.grpo.batch import pad_rollout
+from colograd.models import tiny
+from colograd.runs.completions import first_of_each_prompt
 
 RECIPE = ROOT / "tests/configs/open_r1_grpo_demo.yaml"
 # Tiny sizes, no upload (the recipe pushes to the hub), and trackio beside the recipe's wandb, both kept local.

@@ -18,17 +18,18 @@ from datasets import Dataset
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import Qwen2ForSequenceClassification, TrainerCallback, TrainingArguments
 
-from colograd import GRPOConfig, GRPOTrainer, tiny
-from colograd.config import ConfigError
-from colograd.preflight import check_prompts, prompt_room
-from colograd.rewards import RewardModel, resolve_rewards
-from colograd.trl_compat import (
+from colograd import GRPOConfig, GRPOTrainer
+from colograd.config.core import ConfigError
+from colograd.config.trl_compat import (
     DIFFERENT_DEFAULTS,
     DIFFERENT_TRAINING_DEFAULTS,
     REFUSED_PARAMETERS,
     TRAINER_PARAMETERS,
     refused_fields,
 )
+from colograd.models import tiny
+from colograd.preflight.core import check_prompts, prompt_room
+from colograd.rewards.core import RewardModel, resolve_rewards
 
 OURS_ONLY = ["recipe", "tool_call_parser"]  # colograd's own parameters, after TRL's, by keyword
 
@@ -281,7 +282,8 @@ def _default(f: dataclasses.Field) -> object:
 
 def test_every_shared_default_is_trls_or_has_a_reason():
     """Every field of TRL's GRPOConfig (TrainingArguments' included) that colograd has: the same default, or a
-    reason in colograd/trl_compat.py (shown in docs/porting-trl.md), or a field accepted only at colograd's value."""
+    reason in colograd/config/trl_compat.py (shown in docs/porting-trl.md), or a field accepted only at colograd's
+    value."""
     ours = {f.name: _default(f) for f in dataclasses.fields(GRPOConfig)}
     theirs = {f.name: _default(f) for f in dataclasses.fields(trl.GRPOConfig)}
     differing = {name for name, value in theirs.items() if name in ours and ours[name] != value}
@@ -365,7 +367,7 @@ def test_the_attributes_trl_copies_from_its_config_read_ours():
 
     import trl.trainer.grpo_trainer as trl_grpo
 
-    from colograd.trl_compat import TRLTrainerAttributes
+    from colograd.config.trl_compat import TRLTrainerAttributes
 
     copied = set(re.findall(r"\n\s+self\.([a-z]\w*) = args\.", inspect.getsource(trl_grpo.GRPOTrainer.__init__)))
     assert {"temperature", "top_p", "max_completion_length", "beta", "epsilon_low"} <= copied  # the source was read

@@ -17,7 +17,8 @@ import torch
 from datasets import Dataset
 from transformers import Qwen2ForCausalLM, TrainerCallback
 
-from colograd import GRPOConfig, GRPOTrainer, tiny
+from colograd import GRPOConfig, GRPOTrainer
+from colograd.models import tiny
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,5 @@
-"""Vision-language GRPO on the tiny LLaVA (`colograd.tiny_vlm`): bad image data refused before start-up, and, with
+"""Vision-language GRPO on the tiny LLaVA (`colograd.models.tiny_vlm`): bad image data refused before start-up, and,
+with
 the real engine, parity of the engine's and the trainer's log-probs on image rollouts, the engine's expansion of the
 placeholders checked against the processor's, and a colour-naming task that learns."""
 
@@ -12,13 +13,11 @@ from conftest import ROOT, run_cli
 from datasets import Dataset
 from PIL import Image
 
-from colograd import GRPOTrainer, completions
-from colograd.completions import CompletionLog
+from colograd import GRPOTrainer
 from colograd.errors import ConfigError
-from colograd.preflight_vision import check_image_data
-from colograd.tiny import build_model as build_text_model
-from colograd.tiny import run_config
-from colograd.tiny_vlm import (
+from colograd.models.tiny import build_model as build_text_model
+from colograd.models.tiny import run_config
+from colograd.models.tiny_vlm import (
     QUESTION,
     build_model,
     build_processor,
@@ -27,7 +26,10 @@ from colograd.tiny_vlm import (
     save_tiny_vlm,
     solid_image,
 )
-from colograd.vision import check_expansion, forward_images, freeze_vision_tower, pad_pixels
+from colograd.runs import completions
+from colograd.runs.completions import CompletionLog
+from colograd.vision.checks import check_image_data
+from colograd.vision.core import check_expansion, forward_images, freeze_vision_tower, pad_pixels
 
 USER = [{"role": "user", "content": QUESTION}]
 
@@ -231,8 +233,8 @@ def test_completions_table_has_no_image_column_without_images(tmp_path, monkeypa
 def test_log_multimodal_is_a_logging_option_with_trls_default():
     import trl
 
-    from colograd.config import GRPOConfig
-    from colograd.config_logging import LoggingOptions
+    from colograd.config.core import GRPOConfig
+    from colograd.config.logging import LoggingOptions
 
     assert "log_multimodal" in LoggingOptions.__dataclass_fields__
     assert GRPOConfig.__dataclass_fields__["log_multimodal"].default is True
@@ -267,7 +269,7 @@ def test_the_tiny_llava_is_built_whole_while_a_zero3_config_is_active():
     4.8e-7, run by hand.)"""
     from transformers.integrations import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
 
-    from colograd import tiny_vlm
+    from colograd.models import tiny_vlm
 
     config = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
     assert is_deepspeed_zero3_enabled()

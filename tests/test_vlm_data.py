@@ -14,13 +14,13 @@ import torch
 from datasets import Dataset, IterableDataset
 
 from colograd import GRPOTrainer
-from colograd.config_logging import LoggingOptions
+from colograd.config.logging import LoggingOptions
+from colograd.data.streaming import ROW_KEY, NumberedRows, RolloutStream, named_rows, row_names
 from colograd.errors import ConfigError
-from colograd.preflight_vision import SAMPLED_ROWS, check_image_data, check_row, image_columns, sample_rows
-from colograd.streaming import ROW_KEY, NumberedRows, RolloutStream, named_rows, row_names
-from colograd.tiny import run_config
-from colograd.tiny_vlm import QUESTION, build_model, build_processor, colour_reward, save_tiny_vlm, solid_image
-from colograd.vision import image_field, rotate_prompts, row_images
+from colograd.models.tiny import run_config
+from colograd.models.tiny_vlm import QUESTION, build_model, build_processor, colour_reward, save_tiny_vlm, solid_image
+from colograd.vision.checks import SAMPLED_ROWS, check_image_data, check_row, image_columns, sample_rows
+from colograd.vision.core import image_field, rotate_prompts, row_images
 
 USER = [{"role": "user", "content": QUESTION}]
 WITH_PART = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
@@ -86,7 +86,7 @@ def test_trls_column_order_is_images_first():
 
     source = inspect.getsource(TRLTrainer)
     assert source.index('if "images" in inputs[0]') < source.index('elif "image" in inputs[0]')
-    from colograd.vision import IMAGE_COLUMNS
+    from colograd.vision.core import IMAGE_COLUMNS
 
     assert IMAGE_COLUMNS == ("images", "image")
 
@@ -112,7 +112,7 @@ def test_stream_columns_are_discovered_and_checked():
     with pytest.raises(ConfigError, match="^train_dataset row 7: 0 images \\('image' is None\\)"):
         check_image_data(model, processor, IterableDataset.from_generator(_generator(300, bad=7)))
     # A text model is refused an image column it only finds by reading the stream.
-    from colograd.tiny import build_model as build_text_model
+    from colograd.models.tiny import build_model as build_text_model
 
     with pytest.raises(ConfigError, match="has an 'image' column but Qwen2ForCausalLM takes no images"):
         check_image_data(build_text_model(), processor, unknown)
@@ -310,7 +310,7 @@ def test_the_gap_metric_rotates_through_an_image_rollouts_prompts():
 def test_an_image_trainer_puts_another_prompt_first_at_each_rollout_that_asks(tmp_path):
     """`GRPOTrainer.generate` on an image run: the engine's first prompt (whose first completion the gap metric
     reads) moves on at each rollout that asks; a text run's order and an `all` run's are left as they are."""
-    from colograd.engine import Rollout
+    from colograd.engine.core import Rollout
 
     first = []
 

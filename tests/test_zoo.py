@@ -14,10 +14,11 @@ import yaml
 import zoo
 from datasets import Dataset, IterableDataset
 
-from colograd import GRPOConfig, GRPOTrainer, kv_cache, moe
-from colograd import engine as engine_module
-from colograd.config import ConfigError
-from colograd.rewards import resolve_reward
+from colograd import GRPOConfig, GRPOTrainer
+from colograd.config.core import ConfigError
+from colograd.engine import core as engine_module
+from colograd.engine import kv_cache, moe
+from colograd.rewards.core import resolve_reward
 
 pytestmark = pytest.mark.slow
 
@@ -194,7 +195,7 @@ def test_an_architecture_vllm_cannot_run_is_one_line(tmp_path):
 def test_quickstart_settings_train_every_moe_model(name, tmp_path, record_property):
     """TRL's defaults on each Mixture-of-Experts family vLLM's CPU backend runs (Qwen3-MoE, Mixtral, OLMoE, and
     DeepSeek-V2-Lite with MLA attention), for two steps: the second step's rollout comes from weights the sync wrote
-    after the first optimizer step into expert layers the engine prepacked (`colograd.moe`)."""
+    after the first optimizer step into expert layers the engine prepacked (`colograd.engine.moe`)."""
     args = GRPOConfig(output_dir=str(tmp_path), max_steps=2, report_to="none", save_strategy="no",
                       vllm_enforce_eager=True)  # fmt: skip
     model, tokenizer = zoo.stopping_model(name)

@@ -389,7 +389,7 @@ def stopping_model(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from colograd import logit_transform
+    from colograd.models import logit_transform
 
     config = shrunk(name)
     tokenizer = tokenizer_for(config)
@@ -458,7 +458,7 @@ def kv_specs(config: PretrainedConfig, block_size: int, dtype: Any, tp_size: int
     (checked against a real engine's in tests/test_zoo.py)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
-    from colograd.kv_cache import sliding_windows
+    from colograd.engine.kv_cache import sliding_windows
 
     if getattr(config, "kv_lora_rank", None):  # MLA: one latent per token, whole on every rank
         latent = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, dtype=dtype,

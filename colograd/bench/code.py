@@ -2,7 +2,7 @@
 cost per execution against a bare subprocess, and the split harness's cost per completion against the
 single-interpreter harness it replaced.
 
-The workload: P prompts × G completions of the tiny model on `colograd.code_task.expressions_dataset`, each
+The workload: P prompts × G completions of the tiny model on `colograd.data.code_task.expressions_dataset`, each
 completion run in the sandbox as a program (`print(<completion>)`) against its test case. Completions stop at any of
 a few characters (a stop string), so they end at varied lengths as a real model's do, and a group is scored while
 the longer ones decode. Both ways run the same trainer, engine and reward, alternately; medians are reported.
@@ -17,10 +17,11 @@ import subprocess
 import tempfile
 import time
 
-from colograd import code_task, tiny
-from colograd.code_rewards import CodeReward
-from colograd.code_tests import AssertTests, row_tests, run_asserts
-from colograd.sandbox import Sandbox
+from colograd.data import code_task
+from colograd.models import tiny
+from colograd.rewards.code import CodeReward
+from colograd.rewards.code_tests import AssertTests, row_tests, run_asserts
+from colograd.rewards.sandbox import Sandbox
 
 PROGRAM = "a, b = map(int, input().split())\nprint(a + b)\n"
 ADD = "def add(a, b):\n    return a + b\n"

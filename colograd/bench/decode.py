@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from colograd.bench.sync import median_time
-from colograd.engine_requests import sampling_params
-from colograd.kv_cache import kv_bytes_per_token
+from colograd.engine.kv_cache import kv_bytes_per_token
+from colograd.engine.requests import sampling_params
 
 
 def memory_bandwidth(device: torch.device, nbytes: int = 2**30, repeats: int = 5) -> float:

@@ -1,4 +1,4 @@
-"""What the per-token entropies cost the training forward + backward (`colograd.logps`).
+"""What the per-token entropies cost the training forward + backward (`colograd.grpo.logps`).
 
 On a model with SmolLM2-135M's shape (Llama, hidden 576, vocabulary 49,152, tied embeddings; random weights,
 fp32; `layers` of its 30 layers, so that the output layer's share is at least the real model's), one process:
@@ -15,9 +15,9 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from colograd.batch import pad_rollout
-from colograd.engine import Rollout
-from colograd.logps import completion_logps
+from colograd.engine.core import Rollout
+from colograd.grpo.batch import pad_rollout
+from colograd.grpo.logps import completion_logps
 
 MODES = {"none": None, "detached": "detached", "grad": "grad"}
 

@@ -6,7 +6,7 @@ kernel-launch costs dominate), "small" one where compute dominates on 2 CPU core
 "qwen2.5-1.5b" the layers of those models (hidden size, depth, heads, MLP width), for a GPU. With a 64-token
 vocabulary their parameters are the real models' non-embedding ones. "smollm2" is a real pretrained model instead
 (SmolLM2-135M-Instruct on the sums chat task). "llava-<shape>" is a vision-language model: the tiny LLaVA's image
-encoder (`colograd.tiny_vlm`) before a language model of that shape, on the colour task.
+encoder (`colograd.models.tiny_vlm`) before a language model of that shape, on the colour task.
 """
 
 from collections.abc import Callable
@@ -16,8 +16,9 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-from colograd import pretrained, sums, tiny, tiny_vlm
+from colograd.data import sums
 from colograd.errors import ConfigError
+from colograd.models import pretrained, tiny, tiny_vlm
 
 SHAPES = {
     "tiny": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,

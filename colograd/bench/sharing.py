@@ -7,7 +7,7 @@ pass of `completion_logps` forward + backward over `prompts` prompts of `prompt_
 - `unshared`: every sequence whole, packed (transformers' packed-sequence mask);
 - `shared_mask`: each prompt computed once, a 4D mask (boolean on a CPU, additive in the compute dtype on a GPU,
   as `prompt_sharing` gives it);
-- `unshared_segments`, `shared_segments`: the same two as segments in CUDA's varlen kernels (`colograd.attention`;
+- `unshared_segments`, `shared_segments`: the same two as segments in CUDA's varlen kernels (`colograd.grpo.attention`;
   on a GPU only, where `segment_kernel` finds one).
 
 Medians of `repeats` interleaved runs after a warm-up, tokens computed, and on a GPU the peak memory torch
@@ -26,12 +26,12 @@ from typing import Any
 
 import torch
 
-from colograd import attention
-from colograd.batch import pad_rollout
 from colograd.bench.shapes import build_model
-from colograd.engine import Rollout
-from colograd.logps import PromptSharing, completion_logps, pack_for_forward
-from colograd.packing import prompt_sharing, segment_kernel
+from colograd.engine.core import Rollout
+from colograd.grpo import attention
+from colograd.grpo.batch import pad_rollout
+from colograd.grpo.logps import PromptSharing, completion_logps, pack_for_forward
+from colograd.grpo.packing import prompt_sharing, segment_kernel
 
 
 def grouped_batch(

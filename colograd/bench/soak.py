@@ -12,7 +12,8 @@ import time
 
 from transformers import TrainerCallback
 
-from colograd import GRPOTrainer, tiny
+from colograd import GRPOTrainer
+from colograd.models import tiny
 
 
 def rss_mib() -> float:

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, TrainerCallback
 
-from colograd import GRPOTrainer, pretrained, tiny
+from colograd import GRPOTrainer
 from colograd.bench.decode import decode_against_floor
 from colograd.bench.peaks import PeakCallback, PhasePeaks
 from colograd.bench.shapes import (
@@ -58,10 +58,11 @@ from colograd.bench.shapes import (
     saved_model,
     workload,
 )
-from colograd.engine_launch import free_port
-from colograd.engine_requests import sampling_params
-from colograd.logps import completion_logps
-from colograd.loss import policy_loss
+from colograd.engine.launch import free_port
+from colograd.engine.requests import sampling_params
+from colograd.grpo.logps import completion_logps
+from colograd.grpo.loss import policy_loss
+from colograd.models import pretrained, tiny
 
 
 class StepClock(TrainerCallback):

@@ -24,9 +24,10 @@ from collections.abc import Callable
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from colograd import GRPOConfig, tiny
-from colograd.engine import Engine
-from colograd.sync import WeightPlan
+from colograd import GRPOConfig
+from colograd.engine.core import Engine
+from colograd.engine.sync import WeightPlan
+from colograd.models import tiny
 
 # The CPU's model: ~135M parameters. A GPU's: Qwen2.5-1.5B's layers and vocabulary (config.json of
 # Qwen/Qwen2.5-1.5B-Instruct), in bf16.

@@ -4,7 +4,7 @@ The workload: P prompts × G completions of the tiny model, each its own traject
 three characters calls a tool whose latency is drawn, seeded by the call, uniformly in 0–300 ms (a search, a code
 run); its result goes back in and the model goes on, up to `max_completion_length` tokens per trajectory.
 
-- per request (`colograd.agents.AgentLoop`): every trajectory is its own engine request; a tool runs while the
+- per request (`colograd.agents.core.AgentLoop`): every trajectory is its own engine request; a tool runs while the
   others decode, and its continuation rejoins the running batch.
 - lockstep (TRL 1.16's `_tool_call_loop`): generate every row, run the tools of all rows that called one, then
   re-generate only those rows as one batch, turn after turn: each turn waits for its slowest tool and longest row.
@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 
-from colograd import tiny
-from colograd.agents import AgentLoop, Trajectory, turn_params, turn_sampling_params
-from colograd.engine import Engine
-from colograd.sync import WeightPlan
-from colograd.tools import ToolCall, ToolRunner, plain_result_ids
+from colograd.agents.core import AgentLoop, Trajectory, turn_params, turn_sampling_params
+from colograd.agents.tools import ToolCall, ToolRunner, plain_result_ids
+from colograd.engine.core import Engine
+from colograd.engine.sync import WeightPlan
+from colograd.models import tiny
 
 MAX_LATENCY_S = 0.3
 

@@ -1,7 +1,8 @@
 """VLM step benchmark: GRPO on a vision-language model through colograd and through TRL's `GRPOTrainer`, side by
 side, in one run.
 
-The model is a LLaVA built locally: the tiny LLaVA's image encoder (`colograd.tiny_vlm`: CLIP, 2 layers, 28-pixel
+The model is a LLaVA built locally: the tiny LLaVA's image encoder (`colograd.models.tiny_vlm`: CLIP, 2 layers,
+28-pixel
 images, 4 placeholder tokens each) before a language model of one of `shapes.SHAPES` (default "small": 6 layers,
 hidden 384, 9.5M parameters), on the colour task (each prompt one image), over the tiny character vocabulary, so
 nothing is downloaded. Each side runs in a fresh process (`step.run_side`) with the same model, data, batch,

@@ -3,7 +3,7 @@ image checks take on a large image dataset.
 
 The dataset is `--rows` rows of a conversational prompt and a JPEG of `--size` pixels each, stored as
 `datasets.Image()` (encoded bytes in Arrow, decoded as a row is read), beside the tiny LLaVA and its processor
-(`colograd.tiny_vlm`).
+(`colograd.models.tiny_vlm`).
 Timed: `check_image_data`, what `GRPOTrainer` runs on its train dataset before the engine starts: it decodes and
 checks a bounded sample of rows (`SAMPLED_ROWS`) and reads the most images of a row from Arrow without decoding.
 Before it checked every row: ~4 ms per 640x480 JPEG, 6-7 minutes at 100k rows. Printed: the median seconds over
@@ -23,7 +23,7 @@ def jpeg_dataset(rows: int, size: tuple[int, int] = (640, 480)) -> Dataset:
     """`rows` rows of the colour question and a JPEG of `size` (width, height) pixels, in four colours."""
     from PIL import Image as PILImage
 
-    from colograd.tiny_vlm import COLOURS, QUESTION
+    from colograd.models.tiny_vlm import COLOURS, QUESTION
 
     encoded = []
     for colour in COLOURS.values():
@@ -41,8 +41,8 @@ def jpeg_dataset(rows: int, size: tuple[int, int] = (640, 480)) -> Dataset:
 def run(rows: int = 100_000, size: str = "640x480", repeats: int = 3) -> dict[str, float | list[float]]:
     """Time `check_image_data` on `rows` image rows of `size` ("WxH"), `repeats` times; returns the median and each
     time (s)."""
-    from colograd.preflight_vision import check_image_data
-    from colograd.tiny_vlm import build_model, build_processor
+    from colograd.models.tiny_vlm import build_model, build_processor
+    from colograd.vision.checks import check_image_data
 
     width, height = map(int, size.split("x"))
     dataset, model, processor = jpeg_dataset(rows, (width, height)), build_model(), build_processor()

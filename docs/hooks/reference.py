@@ -9,8 +9,8 @@ import re
 
 from transformers import TrainingArguments
 
-from colograd.config import TOPICS, GRPOConfig
-from colograd.trl_compat import trl_compat_table
+from colograd.config.core import TOPICS, GRPOConfig
+from colograd.config.trl_compat import trl_compat_table
 
 # Each topic module's class, by the name its marker uses (GRPOConfig: the TrainingArguments fields it re-defaults).
 CLASSES = {cls.__name__: cls for _, cls in TOPICS}

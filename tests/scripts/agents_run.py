@@ -17,8 +17,9 @@ import time
 
 import torch.distributed as dist
 
-from colograd import GRPOTrainer, tiny
-from colograd.tools import ToolCall
+from colograd import GRPOTrainer
+from colograd.agents.tools import ToolCall
+from colograd.models import tiny
 
 CALLS = {"count": 0, "flaky": 0, "slow": 0}
 

@@ -8,7 +8,8 @@ import sys
 import tempfile
 import weakref
 
-from colograd import GRPOTrainer, tiny
+from colograd import GRPOTrainer
+from colograd.models import tiny
 
 
 def train_and_drop(refs: list) -> None:

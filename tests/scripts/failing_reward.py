@@ -2,7 +2,7 @@
 
 import os
 
-from colograd.tiny import letters_reward
+from colograd.models.tiny import letters_reward
 
 
 def letters_or_fail(completions: list[str], target: list[str], trainer_state, **kwargs) -> list[float]:

@@ -16,9 +16,10 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from colograd import GRPOConfig, tiny
-from colograd.engine import Engine
-from colograd.sync import WeightPlan, is_sharded
+from colograd import GRPOConfig
+from colograd.engine.core import Engine
+from colograd.engine.sync import WeightPlan, is_sharded
+from colograd.models import tiny
 
 
 def logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:

@@ -20,9 +20,10 @@ import torch.distributed as dist
 from peft import LoraConfig, get_peft_model
 from transformers import TrainerCallback
 
-from colograd import GRPOTrainer, tiny
-from colograd.engine_launch import _local_rank
-from colograd.sync import is_sharded
+from colograd import GRPOTrainer
+from colograd.engine.launch import _local_rank
+from colograd.engine.sync import is_sharded
+from colograd.models import tiny
 
 
 class WeightsAgree(TrainerCallback):

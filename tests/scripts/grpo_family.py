@@ -29,9 +29,10 @@ from grpo_check import WeightsAgree
 from peft import LoraConfig, get_peft_model
 from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
-from colograd import GRPOTrainer, ScriptArguments, tiny
-from colograd.data import load_prompts
-from colograd.rewards import RewardModel
+from colograd import GRPOTrainer, ScriptArguments
+from colograd.data.core import load_prompts
+from colograd.models import tiny
+from colograd.rewards.core import RewardModel
 
 # Renders [user: "abcd>b"] as "u:abcd>b;a:" with characters the tiny tokenizer knows.
 CHAT_TEMPLATE = (

@@ -5,7 +5,7 @@ import os
 import time
 from pathlib import Path
 
-from colograd.tiny import letters_reward
+from colograd.models.tiny import letters_reward
 
 
 def letters_or_hang(completions: list[str], target: list[str], trainer_state, **kwargs) -> list[float]:

@@ -13,7 +13,8 @@ import sys
 
 import torch.distributed as dist
 
-from colograd import GRPOTrainer, tiny
+from colograd import GRPOTrainer
+from colograd.models import tiny
 
 
 def main() -> None:

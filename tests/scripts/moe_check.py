@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import zoo  # noqa: E402  (tests/zoo.py)
 
 from colograd import GRPOConfig, GRPOTrainer  # noqa: E402
-from colograd.sync import is_sharded  # noqa: E402
+from colograd.engine.sync import is_sharded  # noqa: E402
 
 QUESTIONS = ["what is 2+2?", "name a colour.", "say yes.", "(1+3)*2=?"]
 

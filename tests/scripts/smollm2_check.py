@@ -17,7 +17,8 @@ import torch.distributed as dist
 from transformers import GenerationConfig
 from trl import ModelConfig
 
-from colograd import pretrained, sums, tiny
+from colograd.data import sums
+from colograd.models import pretrained, tiny
 from colograd.train import load_model
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -15,7 +15,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from colograd import GRPOTrainer, tiny
+from colograd import GRPOTrainer
+from colograd.models import tiny
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
 BUDGETS = [None, 40]

@@ -1,0 +1,532 @@
+"""Agentic rollouts on the colocated engine, scheduled per request.
+
+Every trajectory (one per completion: B prompts × G samples) is its own engine request. When one stops at a tool
+call, its tools start (`colograd.agents.tools.ToolRunner`) while the engine keeps decoding the others; when its results
+are in, the trajectory goes back into the running batch as a new request whose prompt is the same token ids so far
+plus the result's tokens, so the engine reuses its cached prefix. No trajectory waits for another's tool.
+
+Token in, token out: a trajectory's completion is the tokens the engine sampled, turn after turn, with the tool
+results' tokens between them, exactly as they were given to the engine; nothing is re-tokenized from text.
+`tool_mask` is 1 on the sampled tokens and 0 on the inserted ones, and every sampled token keeps the engine's
+log-prob (0.0 stands in for inserted tokens, which are masked out).
+
+Length: `max_completion_length` bounds the whole completion, sampled and inserted tokens together. Each turn may
+sample what is left of it; a tool result that would leave no room for the model's next token is not inserted,
+and the trajectory ends there, truncated (as TRL drops an overlong tool result).
+"""
+
+import concurrent.futures
+import inspect
+import random
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+from transformers.utils import get_json_schema
+
+from colograd.agents.tools import (
+    HermesToolParser,
+    ToolCall,
+    ToolCallParser,
+    ToolResult,
+    ToolRunner,
+    chat_template_result_ids,
+    plain_result_ids,
+    tool_messages,
+)
+from colograd.config.core import ConfigError, GRPOConfig
+from colograd.engine.core import Rollout
+from colograd.engine.requests import sampling_params
+
+RolloutFunc = Callable[[list, Any], dict[str, list]]
+
+
+@dataclass
+class Trajectory:
+    """One completion being built, turn by turn.
+
+    prompt_ids: the prompt's token ids. tools: the tools this trajectory may call, by name.
+    seed: the sampling seed of its first turn (later turns derive theirs from it); None: the engine's generator.
+    ids, logps, tool_mask: the completion so far, the engine's log-prob of each token (0.0 on inserted ones), and
+    1 / 0 for sampled / inserted tokens. turns: model turns; calls, failures: tool calls made and failed.
+    truncated: it ended without finishing (length, an unanswered tool call, or no room for a result).
+    """
+
+    prompt_ids: list[int]
+    tools: dict[str, Callable]
+    seed: int | None = None
+    ids: list[int] = field(default_factory=list)
+    logps: list[float] = field(default_factory=list)
+    tool_mask: list[int] = field(default_factory=list)
+    turns: int = 0
+    calls: int = 0
+    failures: int = 0
+    truncated: bool = False
+
+    def add_sampled(self, token_ids: list[int], logps: list[float]) -> None:
+        self.ids += token_ids
+        self.logps += logps
+        self.tool_mask += [1] * len(token_ids)
+        self.turns += 1
+
+    def add_inserted(self, token_ids: list[int]) -> None:
+        self.ids += token_ids
+        self.logps += [0.0] * len(token_ids)
+        self.tool_mask += [0] * len(token_ids)
+
+
+class AgentLoop:
+    """Drives a vLLM engine request by request (add requests, step, collect finished ones) and runs tools as
+    trajectories ask for them.
+
+    Args:
+        llm: the `vllm.LLM` (its in-process `llm_engine` is stepped directly).
+        tokenizer: decodes a turn's tokens for the parser.
+        parser: finds tool calls in a turn's text; its `stop` strings end a turn besides the end-of-turn token.
+        result_ids: the tokens a turn's tool messages are inserted as
+        (`colograd.agents.tools.chat_template_result_ids`).
+        runner: runs the tools.
+        max_completion_length: bound of a whole completion, sampled and inserted tokens.
+        max_tool_calling_iterations: turns that may call tools per trajectory; None: unbounded (TRL's meaning).
+        lora_request: the adapter every request is served with, if any.
+        cache_salt: every request's cache salt (`Engine.cache_salt`: the weights' version), if any.
+    """
+
+    def __init__(
+        self,
+        llm: Any,
+        tokenizer: PreTrainedTokenizerBase,
+        parser: ToolCallParser,
+        result_ids: Callable[[list[dict]], list[int]],
+        runner: ToolRunner,
+        max_completion_length: int,
+        max_tool_calling_iterations: int | None = None,
+        lora_request: Any = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        self.llm, self.tokenizer, self.parser = llm, tokenizer, parser
+        self.cache_salt = cache_salt
+        self.result_ids, self.runner = result_ids, runner
+        self.max_completion_length = max_completion_length
+        self.max_tool_calling_iterations = max_tool_calling_iterations
+        self.lora_request = lora_request
+
+    def run(
+        self, trajectories: list[Trajectory], params: Any, on_finished: Callable[[int], None] | None = None
+    ) -> None:
+        """Complete every trajectory in place. `params`: the `SamplingParams` of a turn (n=1); each request gets a
+        copy with its own seed and the length left to its trajectory. `on_finished(i)` is called as trajectory i
+        completes, while the others go on."""
+        finished = on_finished or (lambda i: None)
+        engine = self.llm.llm_engine
+        waiting: dict[int, Any] = {}  # trajectory index -> its running tool calls
+        for i, trajectory in enumerate(trajectories):
+            self._add(engine, i, trajectory, params)
+        while engine.has_unfinished_requests() or waiting:
+            if engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        i = int(output.request_id.split(".")[0])
+                        calls = self.end_turn(trajectories[i], output.outputs[0])
+                        if calls:
+                            waiting[i] = self.runner.submit(trajectories[i].tools, calls)
+                        else:
+                            finished(i)
+            else:  # every live trajectory is waiting for a tool: sleep until one returns or times out
+                _wait_for_any(waiting.values())
+            for i in [i for i, pending in waiting.items() if pending.ready()]:
+                if self.insert_results(trajectories[i], waiting.pop(i).results()):
+                    self._add(engine, i, trajectories[i], params)
+                else:
+                    finished(i)
+
+    def _add(self, engine: Any, i: int, trajectory: Trajectory, params: Any) -> None:
+        engine.add_request(
+            f"{i}.{trajectory.turns}",
+            {"prompt_token_ids": trajectory.prompt_ids + trajectory.ids}
+            | ({"cache_salt": self.cache_salt} if self.cache_salt else {}),
+            turn_params(params, trajectory, self.max_completion_length),
+            lora_request=self.lora_request,
+        )
+
+    def end_turn(self, trajectory: Trajectory, sample: Any) -> list[ToolCall]:
+        """Add a finished request's tokens to its trajectory. Returns the tool calls to run before the next turn;
+        none when the trajectory is complete."""
+        ids = list(sample.token_ids)
+        trajectory.add_sampled(ids, [pos[tok].logprob for pos, tok in zip(sample.logprobs, ids, strict=True)])
+        if sample.finish_reason == "length":
+            trajectory.truncated = True
+            return []
+        calls = self.parser.parse(self.tokenizer.decode(ids))
+        limit = self.max_tool_calling_iterations
+        if calls and limit is not None and trajectory.turns > limit:
+            trajectory.truncated = True  # it asked for a tool it may no longer call
+            return []
+        return calls
+
+    def insert_results(self, trajectory: Trajectory, results: list[ToolResult]) -> bool:
+        """Count a turn's results and insert their tokens; False when there is no room left for them (the
+        trajectory then ends, truncated)."""
+        trajectory.calls += len(results)
+        trajectory.failures += sum(r.failed for r in results)
+        ids = self.result_ids(tool_messages(results))
+        if len(trajectory.ids) + len(ids) >= self.max_completion_length:
+            trajectory.truncated = True
+            return False
+        trajectory.add_inserted(ids)
+        return True
+
+
+def _group_reporter(
+    trajectories: list[Trajectory], g: int, on_group: Callable[[int, list[list[int]]], None] | None
+) -> Callable[[int], None] | None:
+    """`AgentLoop.run`'s `on_finished` that calls `on_group(row, ids)` once all G trajectories of a row are
+    complete."""
+    if on_group is None:
+        return None
+    left = [g] * (len(trajectories) // g)
+
+    def finished(i: int) -> None:
+        row = i // g
+        left[row] -= 1
+        if left[row] == 0:
+            on_group(row, [t.ids for t in trajectories[row * g : (row + 1) * g]])
+
+    return finished
+
+
+def turn_params(params: Any, trajectory: Trajectory, max_completion_length: int) -> Any:
+    """A copy of `params` for the trajectory's next turn: what is left of the length, and a seed of its own.
+
+    A seed per request, different for every turn: vLLM's CPU sampler otherwise draws from the process's global
+    generator, so a shared seed would make the samples of a prompt identical, and a reused one would make a
+    continuation repeat the random draws of its first turn.
+    """
+    out = params.clone()
+    out.max_tokens = max_completion_length - len(trajectory.ids)
+    out.seed = None if trajectory.seed is None else (trajectory.seed + 7919 * trajectory.turns) % 2**31
+    return out
+
+
+def turn_sampling_params(args: Any, stop: list[str]) -> Any:
+    """The `SamplingParams` of one turn: the run's sampling settings (`colograd.engine.requests.sampling_params`)
+    for one sample, stopping also at the parser's `stop` strings (kept in the output), output only when finished."""
+    from vllm.sampling_params import RequestOutputKind
+
+    return sampling_params(
+        args, n=1, stop=stop, include_stop_str_in_output=True, output_kind=RequestOutputKind.FINAL_ONLY
+    )
+
+
+def _wait_for_any(waiting: Any) -> None:
+    futures = [f for pending in waiting for f in pending.futures if f is not None and not f.done()]
+    timeout = max(0.0, min(p.deadline for p in waiting) - time.monotonic())
+    if futures:
+        concurrent.futures.wait(futures, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+
+
+class Agents:
+    """Agentic rollouts for `GRPOTrainer`, with TRL's API: `tools`, `environment_factory` and `rollout_func`.
+
+    Args:
+        tokenizer: the policy's tokenizer; its chat template shows the tools to the model and frames their results.
+        args: the run's config (lengths, sampling, `max_tool_calling_iterations`, `tool_timeout`, seed).
+        tools: functions (or coroutine functions) the model may call; their JSON schemas come from their signatures
+            and docstrings.
+        environment_factory: makes one environment per completion (instances are kept and reset for later rollouts).
+            `reset(**row)` may return text added to the prompt's last message; its public methods are tools;
+            an optional `get_reward()` scores the finished completion (a reward function named after the class).
+            Or a dict of such factories by name: each row's `environment` field picks one, and only that
+            environment's tools (besides `tools`) are shown in the row's prompt (TRL's multi-environment runs).
+        rollout_func: ``rollout_func(prompts, trainer) -> dict`` replaces generation: it gets each prompt G times and
+            returns ``prompt_ids``, ``completion_ids`` and ``logprobs`` (one list per completion), optionally
+            ``env_mask`` (0 on tokens the model did not sample); other keys reach the reward functions.
+        parser: reads tool calls from the model's text; default: the Qwen / Hermes chat-template format.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        args: GRPOConfig,
+        tools: list[Callable] | None = None,
+        environment_factory: Callable[[], Any] | dict[str, Callable[[], Any]] | None = None,
+        rollout_func: RolloutFunc | None = None,
+        parser: ToolCallParser | None = None,
+    ) -> None:
+        if args.vllm_tensor_parallel_size > 1:
+            raise ConfigError(
+                "tools, environment_factory and rollout_func do not support vllm_tensor_parallel_size > 1 (the ranks "
+                "of one engine would have to schedule tool turns identically); set it to 1."
+            )
+        self.tokenizer, self.args, self.rollout_func = tokenizer, args, rollout_func
+        self.tools = {func.__name__: func for func in tools or []}
+        # {name: factory}; one factory is the dict of one, named None, that every row uses (TRL's normalisation).
+        self._multi = isinstance(environment_factory, dict)
+        factories = environment_factory if self._multi else {None: environment_factory} if environment_factory else {}
+        self._factories: dict[str | None, Callable[[], Any]] = dict(factories)
+        self._pools = {name: [factory()] for name, factory in self._factories.items()}  # the probes seed the pools
+        self._env_tools = {name: _environment_tools(pool[0]) for name, pool in self._pools.items()}
+        try:
+            standalone = [get_json_schema(func) for func in self.tools.values()]
+            self._env_schemas = {
+                name: standalone + [get_json_schema(getattr(pool[0], tool)) for tool in self._env_tools[name]]
+                for name, pool in self._pools.items()
+            }
+        except Exception as e:
+            raise ConfigError(f"tools: {e} (a tool needs type hints and a docstring with an Args section)") from e
+        # The schemas a prompt is first rendered with: with several environments, every one's (TRL's union), until
+        # each rollout's prompt is rendered again with only its own environment's.
+        every = [schema for schemas in [standalone, *self._env_schemas.values()] for schema in schemas]
+        self.schemas = list({schema["function"]["name"]: schema for schema in every}.values())
+        if self.schemas and parser is None and not tokenizer.chat_template:
+            raise ConfigError(
+                "tools: the tokenizer has no chat template to show them to the model; use one that has, or pass a "
+                "tool_call_parser (e.g. colograd.agents.tools.MarkerToolParser)."
+            )
+        self.parser = parser or HermesToolParser()
+        self.result_ids = (
+            chat_template_result_ids(tokenizer, args.chat_template_kwargs)
+            if tokenizer.chat_template
+            else plain_result_ids(tokenizer)
+        )
+        self.runner = ToolRunner(args.tool_timeout)
+        # One reward function per environment class that owns a reward (a class under two names counts once).
+        rewarded = dict.fromkeys(
+            type(p[0]) for p in self._pools.values() if callable(getattr(p[0], "get_reward", None))
+        )
+        self.reward_funcs = [_environment_reward(env_type) for env_type in rewarded]
+        self.environments: list[Any] = []  # the last rollout's, one per completion
+        # What the last rollout gives the reward functions, one value per completion.
+        self.columns: dict[str, list] = {}
+        self.metrics: dict[str, float] = {}  # the last rollout's tools/* metrics
+        self.counts: dict[str, int] = {}  # the last rollout's completions, tool calls and failed calls
+
+    def generate(
+        self,
+        trainer: Any,
+        prompt_ids: list[list[int]],
+        rows: list[dict],
+        step: int,
+        num_generations: int,
+        on_group: Callable[[int, list[list[int]]], None] | None = None,
+    ) -> Rollout:
+        """One rollout of this rank's prompts (G completions each), through `rollout_func` or the agent loop.
+
+        Args:
+            trainer: the `GRPOTrainer` (its engine and tokenization; what `rollout_func` receives). Its `args` give
+                the sampling settings.
+            prompt_ids: the templated prompts, one per row. rows: the dataset rows. step: seeds the sampling.
+            num_generations: G, the completions of each prompt (evaluation has its own).
+            on_group: called with row i and its G completions' token ids as soon as all of them are complete (as
+                `colograd.engine.core.Engine.generate`'s); not with a `rollout_func`, which returns them all at once.
+        """
+        args, g = trainer.args, num_generations
+        prompts = [row["prompt"] for row in rows for _ in range(g)]
+        if self.rollout_func is not None:
+            return self._from_rollout_func(self.rollout_func(prompts, trainer), len(prompts))
+        trajectory_prompts = [prompt_ids[i // g] for i in range(len(prompts))]
+        tools = [self.tools] * len(prompts)
+        if self._factories:
+            self.environments, trajectory_prompts, tools = self._reset(trainer, prompts, rows, trajectory_prompts, g)
+            self.columns = {"environments": self.environments}
+        rng = random.Random(hash((args.seed, args.process_index, step)))
+        trajectories = [
+            Trajectory(p, t, seed=rng.getrandbits(31)) for p, t in zip(trajectory_prompts, tools, strict=True)
+        ]
+        engine = trainer.engine
+        loop = AgentLoop(engine.llm, self.tokenizer, self.parser, self.result_ids, self.runner,
+                         args.max_completion_length, args.max_tool_calling_iterations,
+                         engine.lora_request, engine.cache_salt)  # fmt: skip
+        params = turn_sampling_params(args, self.parser.stop)
+        loop.run(trajectories, params, _group_reporter(trajectories, g, on_group))
+        calls, failures = sum(t.calls for t in trajectories), sum(t.failures for t in trajectories)
+        self.counts = {"completions": len(trajectories), "calls": calls, "failures": failures}
+        self.metrics = {
+            "tools/call_frequency": calls / len(trajectories),
+            "tools/failure_frequency": failures / calls if calls else 0.0,
+            "tools/turns/mean": sum(t.turns for t in trajectories) / len(trajectories),
+            "tools/turns/max": max(t.turns for t in trajectories),
+        }
+        return Rollout(
+            [t.ids for t in trajectories],
+            [t.logps for t in trajectories],
+            [t.truncated for t in trajectories],
+            tool_mask=[t.tool_mask for t in trajectories],
+            prompt_ids=[t.prompt_ids for t in trajectories] if self._factories else None,
+        )
+
+    def _reset(
+        self, trainer: Any, prompts: list, rows: list[dict], prompt_ids: list[list[int]], g: int
+    ) -> tuple[list[Any], list[list[int]], list[dict[str, Callable]]]:
+        """Take one environment per completion from its pool (the one its row names, with several) and reset it
+        with the row; a completion whose environment adds to the prompt, or shows other tools than the first
+        rendering did, gets its prompt templated again (G completions per row). Returns the environments, prompts and
+        tools of each one."""
+        names = [self._environment_name(rows[i // g]) for i in range(len(prompts))]
+        environments, taken = [], dict.fromkeys(self._pools, 0)
+        for name in names:
+            pool = self._pools[name]
+            if taken[name] == len(pool):
+                pool.append(self._factories[name]())
+            environments.append(pool[taken[name]])
+            taken[name] += 1
+        observations = []
+        for i, env in enumerate(environments):
+            row = rows[i // g]
+            observations.append(
+                env.reset(**({k: v for k, v in row.items() if k != "environment"} if self._multi else row))
+            )
+        for name in self._pools:
+            changed = [
+                i for i, obs in enumerate(observations) if names[i] == name and (obs is not None or self._multi)
+            ]
+            if changed:
+                extended = [{"prompt": _add_to_prompt(prompts[i], observations[i])} for i in changed]
+                for i, ids in zip(changed, self._template(trainer, extended, self._env_schemas[name]), strict=True):
+                    prompt_ids[i] = ids
+        tools = [
+            {**self.tools, **{tool: getattr(env, tool) for tool in self._env_tools[name]}}
+            for env, name in zip(environments, names, strict=True)
+        ]
+        return environments, prompt_ids, tools
+
+    def _environment_name(self, row: dict) -> str | None:
+        name = row.get("environment") if self._multi else None
+        if name not in self._factories:
+            raise ValueError(
+                f"Example has `environment={name!r}`, which is not among the environments passed to "
+                f"`environment_factory`. Expected one of: {list(self._factories)}."
+            )
+        return name
+
+    def _template(self, trainer: Any, rows: list[dict], schemas: list[dict]) -> list[list[int]]:
+        """The trainer's tokenization of `rows`' prompts (`prepare_prompts`), rendered with these tool schemas and cut
+        to the trainer's `prompt_limit` as every rollout's prompts are."""
+        shown, self.schemas = self.schemas, schemas
+        try:
+            return [ids[-trainer.prompt_limit :] for ids in trainer.prepare_prompts(rows)[1]]
+        finally:
+            self.schemas = shown
+
+    def _from_rollout_func(self, output: dict[str, list], expected: int) -> Rollout:
+        missing = {"prompt_ids", "completion_ids", "logprobs"} - output.keys()
+        if missing:
+            raise ValueError(f"rollout_func must return the keys {sorted(missing)} in its output dict.")
+        if len(output["completion_ids"]) != expected:
+            raise ValueError(
+                f"rollout_func returned {len(output['completion_ids'])} completions for {expected} prompts; it gets "
+                "each prompt num_generations times and returns one completion per entry."
+            )
+        if output["logprobs"] is None:
+            raise ValueError("rollout_func must return the engine's log-prob of every completion token in `logprobs`.")
+        ends = {self.tokenizer.eos_token_id, self.tokenizer.pad_token_id}
+        self.columns = {
+            k: v for k, v in output.items() if k not in ("prompt_ids", "completion_ids", "logprobs", "env_mask")
+        }
+        self.metrics = {}
+        return Rollout(
+            [list(ids) for ids in output["completion_ids"]],
+            [list(lp) for lp in output["logprobs"]],
+            [not ids or ids[-1] not in ends for ids in output["completion_ids"]],  # no end-of-text: cut (TRL's rule)
+            tool_mask=output.get("env_mask"),
+            prompt_ids=[list(ids) for ids in output["prompt_ids"]],
+        )
+
+
+class VLLMGeneration:
+    """`trainer.vllm_generation`: the part of TRL's `trl.generation.VLLMGeneration` (colocate mode) that
+    `rollout_func` code reaches for, backed by the trainer's own engine, so such code runs unchanged.
+
+    `generate` samples once per prompt entry (the entries already repeat each prompt G times, as in TRL's colocate
+    mode) with the run's sampling settings and returns TRL's tuple; `llm` is the `vllm.LLM` itself; `sync_weights`
+    writes the current weights into it (the engine already holds them when a `rollout_func` runs).
+    """
+
+    mode = "colocate"
+
+    def __init__(self, trainer: Any) -> None:
+        self._trainer = trainer
+        self.structured_outputs_regex = trainer.args.vllm_structured_outputs_regex
+        self.tensor_parallel_size = trainer.args.vllm_tensor_parallel_size
+
+    @property
+    def llm(self) -> Any:
+        return self._trainer.engine.llm
+
+    def sync_weights(self) -> None:
+        """Write the current weights into the engine. Called between rollouts (a callback) with sleep mode on, the
+        engine is asleep and has no weights memory to write into: it is woken for the sync and put back to sleep,
+        as a rollout does (`Engine.awake`)."""
+        engine = self._trainer.engine
+        if engine.sleeping:
+            with engine.awake(sync=self._trainer.sync_weights):
+                pass
+        else:
+            self._trainer.sync_weights()
+
+    def generate(
+        self, prompts: list[list[int]], images: list | None, num_generations: int, profiler: Any = None
+    ) -> tuple[list[list[int]], list[list[int]], list[list[list[float]]], list[list[list[int]]]]:
+        """One completion per entry of `prompts` (token ids), as TRL's colocate mode does (`num_generations` is
+        only read by TRL's server mode).
+
+        Returns:
+            prompt_ids [N][P], completion_ids [N][T], logprobs [N][T][1] (the sampled token's log-prob) and
+            logprob_token_ids [N][T][1] (the sampled token), TRL's shapes with `logprobs=0`.
+        """
+        if images is not None and any(i is not None for i in images):
+            raise ValueError("vllm_generation.generate: images are not supported; pass images=None.")
+        if self.tensor_parallel_size > 1:  # the ranks of one engine would have to pass the same prompts
+            raise ValueError("vllm_generation.generate does not support vllm_tensor_parallel_size > 1; set it to 1.")
+        engine = self._trainer.engine
+        with profiler or nullcontext():
+            outputs = engine.llm.generate(
+                [engine.prompt(list(ids)) for ids in prompts],
+                sampling_params(self._trainer.args, n=1),
+                lora_request=engine.lora_request,
+                use_tqdm=False,
+            )
+        samples = [request.outputs[0] for request in outputs]
+        return (
+            [list(request.prompt_token_ids) for request in outputs],
+            [list(s.token_ids) for s in samples],
+            [[[pos[t].logprob] for pos, t in zip(s.logprobs, s.token_ids, strict=True)] for s in samples],
+            [[[t] for t in s.token_ids] for s in samples],
+        )
+
+
+def _environment_tools(env: Any) -> list[str]:
+    """The names of an environment's tools: its public methods besides `reset` and `get_reward`."""
+    if not callable(getattr(env, "reset", None)):
+        raise ConfigError(f"environment_factory: {type(env).__name__} has no `reset` method; environments need one.")
+    # Listed on the class: listing the instance would evaluate its properties.
+    members = inspect.getmembers(type(env), predicate=inspect.isfunction)
+    return [name for name, _ in members if not name.startswith("_") and name not in ("reset", "get_reward")]
+
+
+def _environment_reward(env_type: type) -> Callable[..., list[float | None]]:
+    """A reward function that asks each completion's environment of exactly this class for its reward (`get_reward()`,
+    sync or async); other environments' completions get None (no reward from it), as in TRL."""
+    if inspect.iscoroutinefunction(env_type.get_reward):
+
+        async def reward(environments: list, **kwargs: Any) -> list[float | None]:
+            return [await env.get_reward() if type(env) is env_type else None for env in environments]
+    else:
+
+        def reward(environments: list, **kwargs: Any) -> list[float | None]:
+            return [env.get_reward() if type(env) is env_type else None for env in environments]
+
+    reward.__name__ = env_type.__name__
+    return reward
+
+
+def _add_to_prompt(prompt: Any, observation: str | None) -> Any:
+    """The prompt with an environment's first observation (if any) added to its last message (or to its text)."""
+    if observation is None:
+        return prompt
+    if isinstance(prompt, str):
+        return prompt + observation
+    return [*prompt[:-1], {**prompt[-1], "content": prompt[-1]["content"] + observation}]

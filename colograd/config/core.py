@@ -1,0 +1,177 @@
+"""Configuration: `GRPOConfig` (training, generation, engine, loss) and `ScriptArguments` (data, rewards).
+
+Field names follow TRL's `GRPOConfig` wherever the meaning is the same, so a TRL recipe ports by copying
+keys. Each field is documented once, in its `help` metadata; that text is what `--help` prints. The fields live in
+one module per topic (`TOPICS`); `GRPOConfig` mixes them into transformers' `TrainingArguments`, and itself sets
+only the `TrainingArguments` fields whose default GRPO changes, and what the run does with its output_dir.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import TrainingArguments
+from trl import ModelConfig
+
+from colograd.config.data import ScriptArguments
+from colograd.config.engine import EngineOptions
+from colograd.config.forward import ForwardOptions
+from colograd.config.generation import GenerationOptions
+from colograd.config.loading import LoadingOptions
+from colograd.config.logging import LoggingOptions
+from colograd.config.loss import (
+    IMPORTANCE_SAMPLING_LEVELS,
+    IS_CORRECTION_MODES,
+    LOSS_TYPES,
+    SCALE_REWARDS,
+    LossOptions,
+    RegularizerOptions,
+)
+from colograd.config.ranges import check_ranges
+from colograd.config.trl_compat import TRLOnlyFields, check_refused
+from colograd.errors import ConfigError
+
+__all__ = [
+    "IMPORTANCE_SAMPLING_LEVELS",
+    "IS_CORRECTION_MODES",
+    "LOSS_TYPES",
+    "COMMON_FIELDS",
+    "SCALE_REWARDS",
+    "TOPICS",
+    "ConfigError",
+    "GRPOConfig",
+    "ScriptArguments",
+]
+
+
+@dataclass
+class GRPOConfig(
+    TrainingArguments,
+    GenerationOptions,
+    EngineOptions,
+    LossOptions,
+    RegularizerOptions,
+    ForwardOptions,
+    LoggingOptions,
+    LoadingOptions,
+    TRLOnlyFields,
+):
+    # TrainingArguments fields with GRPO's defaults (TRL's)
+    learning_rate: float = field(default=1e-6, metadata={"help": "Initial learning rate of the optimizer (AdamW)."})
+    logging_steps: float = field(default=1, metadata={"help": "Log metrics every this many optimizer steps."})
+
+    # The output directory
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Start over in an output_dir that holds another run's checkpoints or model: its checkpoints and "
+            "completions.jsonl are removed at start, its model replaced at the end. Without it, a run that does not "
+            "resume is refused there (see docs/runs.md)."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        check_ranges(self)  # first: transformers' own checks and the derived fields assume numbers in range
+        # The reward functions read the dataset's extra columns, so the Trainer must not drop them.
+        self.remove_unused_columns = False
+        if not torch.cuda.is_available():
+            # Without this, transformers treats a multi-process launch on CPU as single-process training.
+            self.use_cpu = True
+        super().__post_init__()
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon
+        self.derive_generation_batch()
+        self.validate()
+
+    def validate(self) -> None:
+        """Check the fields against each other; raise `ConfigError` naming the field and the fix. (Each numeric
+        field's range is checked first, in `__post_init__`: `colograd.config.ranges`.)"""
+        self.apply_trl_aliases()
+        check_refused(self)
+        self.check_generation()
+        self.check_loading()
+        self.check_loss()
+        self.check_regularizers()
+        self.check_forward()
+        self.check_engine()
+        self.check_logging()
+
+    @property
+    def engine_logps_are_old_logps(self) -> bool:
+        """Whether the engine's log-probs of its samples can stand in for the sampling policy's, saving a forward
+        pass: each rollout is trained on once, sampling is unfiltered (the engine's probabilities are then the
+        full softmax at the temperature, as the trainer's), and no correction needs the trainer's own."""
+        unfiltered = self.top_p == 1.0 and self.top_k <= 0 and self.repetition_penalty == 1.0
+        unfiltered = unfiltered and not (self.min_p or self.generation_kwargs or self.vllm_structured_outputs_regex)
+        return self.num_iterations == 1 and unfiltered and not self.vllm_importance_sampling_correction
+
+    @property
+    def needs_engine_logps(self) -> bool:
+        """Whether the engine is asked the log-probs of every sampled token: the loss reads them (the
+        importance-sampling correction, the off-policy mask, or old log-probs taken from the engine), or the
+        sampling-gap metric covers every completion (`sampling_gap_completions: all`). Otherwise asking vLLM for
+        them would only slow its decoding (per-token work in its output path), so a rollout asks for one
+        completion's per rank, for the sampling-gap metric."""
+        engine_as_old = self.reuses_rollouts_across_updates and self.engine_logps_are_old_logps
+        read = self.vllm_importance_sampling_correction or self.off_policy_mask_threshold is not None or engine_as_old
+        return read or self.sampling_gap_completions == "all"  # the metric over every completion
+
+    @property
+    def reuses_rollouts_across_updates(self) -> bool:
+        """Whether some micro-steps train on a rollout sampled before the last optimizer step.
+
+        Then the loss needs the sampling policy's log-probs, stored with the rollout; otherwise every micro-step
+        of a rollout falls in the optimizer step that generated it and the current log-probs serve (ratio 1).
+        """
+        return self.gradient_accumulation_steps % (self.steps_per_generation * self.num_iterations) != 0
+
+    @property
+    def place_model_on_device(self) -> bool | None:
+        """False on a CPU, else the Trainer decides (transformers' hook for this).
+
+        Under a launcher the CPU device is indexed (`cpu:0`), and torch's `Module.to("cpu:0")` copies every
+        parameter of a model already in memory: for a moment two models, and the process keeps the pages after.
+        The model computes where it is, so there is nothing to move.
+        """
+        return False if self.device.type == "cpu" else None
+
+
+# The config's fields by topic, in the order `--help` and docs/reference.md show them: each class is one module's
+# (TrainingArguments' own fields, and TRL's fields accepted at one value, come last).
+TOPICS: tuple[tuple[str, type], ...] = (
+    ("Model", ModelConfig),
+    ("Data and rewards", ScriptArguments),
+    ("Generation", GenerationOptions),
+    ("Loss", LossOptions),
+    ("Loss: entropy terms and reference updates", RegularizerOptions),
+    ("Training forward", ForwardOptions),
+    ("Engine", EngineOptions),
+    ("Logging", LoggingOptions),
+    ("Model and data loading", LoadingOptions),
+    ("Training (transformers' TrainingArguments; GRPOConfig's defaults)", GRPOConfig),
+    ("TRL fields accepted only at one value (any other is refused)", TRLOnlyFields),
+)
+# The fields most recipes set, in the order `--help` opens with.
+COMMON_FIELDS: tuple[str, ...] = (
+    "model_name_or_path",
+    "dataset_name",
+    "reward_funcs",
+    "output_dir",
+    "learning_rate",
+    "num_generations",
+    "max_completion_length",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "max_steps",
+    "num_train_epochs",
+    "max_prompt_length",
+    "temperature",
+    "beta",
+    "loss_type",
+    "use_peft",
+    "bf16",
+    "logging_steps",
+    "save_steps",
+    "report_to",
+    "resume_from_checkpoint",
+    "push_to_hub",
+)

@@ -1,0 +1,78 @@
+"""Data and rewards: what `colograd/train.py` trains on (TRL's script arguments, open-r1's prompt column and system
+prompt, with their names and meanings)."""
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ScriptArguments:
+    """The dataset, its splits and prompt column, and the reward functions."""
+
+    dataset_name: str = field(
+        default="colograd:letters",
+        metadata={
+            "help": "A hub dataset id, a local .json/.jsonl/.csv/.parquet file, a local folder of them, or a "
+            "built-in ('colograd:letters'). Rows need a 'prompt' (text or chat messages)."
+        },
+    )
+    dataset_config: str | None = field(
+        default=None, metadata={"help": "The hub dataset's configuration (subset) name."}
+    )
+    dataset_train_split: str = field(
+        default="train",
+        metadata={"help": "The split to train on (a file loads as 'train'; a folder's files name its splits)."},
+    )
+    dataset_test_split: str = field(
+        default="test",
+        metadata={"help": "The split evaluated on every eval_steps when eval_strategy is set (TRL's name)."},
+    )
+    dataset_streaming: bool = field(
+        default=False,
+        metadata={
+            "help": "Stream the training split (datasets' streaming=True): rows are read as training goes, never "
+            "all held or downloaded first. Needs max_steps; preflight checks the first rows. The eval split is "
+            "read whole."
+        },
+    )
+    dataset_prompt_column: str = field(
+        default="prompt",
+        metadata={
+            "help": "The column holding the prompts. With another column than 'prompt', or with system_prompt, "
+            "each prompt becomes a chat: the system prompt (if any), then the column's text as the user's turn."
+        },
+    )
+    system_prompt: str | None = field(
+        default=None, metadata={"help": "A system message put before every prompt (which then becomes a chat)."}
+    )
+    reward_funcs: list[str] = field(
+        default_factory=lambda: ["letters"],
+        metadata={
+            "help": "Reward functions: built-in names (see colograd.rewards.core.BUILTIN_REWARDS), dotted paths to "
+            "functions (my_pkg.rewards.length), or a sequence-classification reward model (a local folder or hub id)."
+        },
+    )
+    code_sandbox: str = field(
+        default="namespaces",
+        metadata={
+            "help": "How the code rewards (code, binary_code) run the completions' programs: 'namespaces', the "
+            "sandbox (no network, no view of the machine's files, processes or environment; refuses to start where "
+            "the namespaces are missing), or 'none': no isolation beyond rlimits and a temporary folder, for "
+            "trusted code only (docs/rewards.md)."
+        },
+    )
+    code_output_lines: str = field(
+        default="all",
+        metadata={
+            "help": "How the code rewards compare a program's output with a stdin/stdout case's expected output, line "
+            "by line, each stripped: 'all' lines (their counts must agree), or 'shorter': open-r1's comparison, over "
+            "the shorter of the two, which a program printing only the first expected line passes (for comparisons "
+            "with open-r1's numbers; gameable)."
+        },
+    )
+    drop_invalid_prompts: bool = field(
+        default=False,
+        metadata={
+            "help": "Drop dataset rows whose prompt is invalid (empty, malformed messages, nothing after "
+            "tokenizing), and print how many, instead of stopping with an error that names the first."
+        },
+    )

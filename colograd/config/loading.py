@@ -1,0 +1,110 @@
+"""Model and data loading options, with TRL's `GRPOConfig` names and meanings."""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from peft import PeftConfig, PeftModel, get_peft_model
+from torch import nn
+from transformers import PreTrainedModel, set_seed
+
+from colograd.config.trl_compat import QUANTIZED
+from colograd.errors import ConfigError, keyword_arguments
+
+
+@dataclass
+class LoadingOptions:
+    """How the policy is loaded and prepared, and how the training prompts are drawn."""
+
+    model_init_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={
+            "help": "Keyword arguments for AutoModelForCausalLM.from_pretrained when the model is given by name "
+            '(they override the model arguments, e.g. {"dtype": "bfloat16"}). Its revision also picks the '
+            "tokenizer's."
+        },
+    )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={"help": "Allow models and tokenizers that ship their own Python code to run it when loaded."},
+    )
+    disable_dropout: bool = field(
+        default=False,
+        metadata={
+            "help": "Set every dropout probability of the policy to 0 (its Dropout layers, as TRL does, and the "
+            "attention dropout that models such as Qwen2 apply as a function), so that its log-probs are "
+            "deterministic and equal to the engine's."
+        },
+    )
+    shuffle_dataset: bool | None = field(
+        default=True, metadata={"help": "Shuffle the training prompts (each epoch); False keeps the dataset order."}
+    )
+
+    def check_loading(self) -> None:
+        """Parse `model_init_kwargs` given as JSON on the command line; refuse a quantized base."""
+        self.model_init_kwargs = keyword_arguments("model_init_kwargs", self.model_init_kwargs)
+        if "quantization_config" in (self.model_init_kwargs or {}):
+            raise ConfigError(f"model_init_kwargs: quantization_config: {QUANTIZED}; remove it.")
+
+
+def model_init_kwargs(args: LoadingOptions) -> dict[str, Any]:
+    """Keyword arguments for `from_pretrained` of the policy: `model_init_kwargs` and `trust_remote_code`."""
+    return {"trust_remote_code": args.trust_remote_code, **(args.model_init_kwargs or {})}
+
+
+def tokenizer_kwargs(args: LoadingOptions) -> dict[str, Any]:
+    """Keyword arguments for the tokenizer's `from_pretrained`: the model's revision, as TRL reads it."""
+    revision = (args.model_init_kwargs or {}).get("revision")
+    return {"trust_remote_code": args.trust_remote_code, **({"revision": revision} if revision else {})}
+
+
+def model_name(model: PreTrainedModel | str) -> str:
+    """The last part of a model's hub id or folder (TRL's default output_dir is `<this>-GRPO`)."""
+    name = model if isinstance(model, str) else model.config._name_or_path
+    return name.rstrip("/").split("/")[-1] or type(model).__name__
+
+
+def wrap_with_peft(model: PreTrainedModel, peft_config: Any, args: Any) -> PeftModel:
+    """The policy with a new PEFT adapter (TRL's `peft_config`, the command line's `use_peft`), as TRL makes it.
+
+    Args:
+        model: the base model; it must not have an adapter already.
+        peft_config: a `peft.PeftConfig`, e.g. `LoraConfig(r=16, target_modules="all-linear")`.
+        args: the run's config (seed, DeepSpeed, gradient checkpointing).
+
+    Raises:
+        ConfigError: not a PEFT config; the model has an adapter already; the adapter does not fit the model
+            (e.g. target modules it does not have).
+    """
+    if not isinstance(peft_config, PeftConfig):
+        raise ConfigError(
+            f"peft_config is a {type(peft_config).__name__}; give a peft.PeftConfig such as peft.LoraConfig(r=16)."
+        )
+    if isinstance(model, PeftModel):
+        raise ConfigError(
+            "peft_config was given with a model that has an adapter already (a PeftModel); pass its base model, or "
+            "no peft_config to train the adapter it has."
+        )
+    set_seed(args.seed)  # PEFT initialises the adapter at random: the same adapter on every rank and every run
+    kwargs = {}
+    plugin = getattr(args, "deepspeed_plugin", None)
+    if plugin is not None and plugin.zero_stage == 3:
+        # ZeRO-3 gathers parameters in buckets of one dtype: adapters stay in the base model's dtype, as in TRL.
+        kwargs["autocast_adapter_dtype"] = False
+    try:
+        model = get_peft_model(model, peft_config, **kwargs)
+    except ValueError as err:  # e.g. target modules the model does not have
+        raise ConfigError(f"peft_config: {str(err).splitlines()[0]}") from err
+    if args.gradient_checkpointing:
+        model.enable_input_require_grads()  # checkpointed layers over a frozen embedding need inputs with grad
+    return model
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """`disable_dropout`: every `nn.Dropout` of `model` gets p=0, as TRL's `disable_dropout_in_model` does, and so
+    does the attention dropout many architectures (Qwen2, Llama) apply as a function with the probability their
+    attention module keeps in `attention_dropout`, which TRL's leaves on."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0

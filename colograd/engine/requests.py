@@ -1,0 +1,80 @@
+"""What the engine is asked for a rollout: the `vllm.SamplingParams` of the run's settings, the requests of one
+rollout (who asks for log-probs, which tokens are never sampled), and the log-probs read back from vLLM's objects.
+Preflight builds the same params before start-up, so a setting vLLM refuses is caught there."""
+
+import math
+from typing import Any
+
+from colograd.config.core import GRPOConfig
+
+
+def rollout_requests(
+    args: GRPOConfig,
+    seeds: list[int | None],
+    mine: int,
+    g: int,
+    gap_sample: bool = True,
+    suppressed: list[int] | None = None,
+) -> list[tuple[int, Any]]:
+    """The engine requests of a rollout of `len(seeds)` prompts (`mine` per rank), as (prompt index, params).
+
+    One request of n = G per prompt, each asking for its log-probs where the loss reads them
+    (`args.needs_engine_logps`); else, with `gap_sample`, only the sampling-gap metric's completion asks, the first
+    of each rank's first prompt, in a request of its own (n = 1) beside one of n = G - 1, seeded as the one request
+    would have been (vLLM seeds a request's n completions seed, seed + 1, ...); without it, none. `suppressed`
+    token ids are never sampled (a bias of -inf: the log-probs are those of the distribution without them).
+    """
+    every = args.needs_engine_logps
+    bias = {"logit_bias": dict.fromkeys(suppressed, -math.inf)} if suppressed else {}
+    requests = []
+    for i, seed in enumerate(seeds):
+        if every or not gap_sample or i % mine != 0:
+            requests.append((i, sampling_params(args, seed, n=g, **({} if every else {"logprobs": None}), **bias)))
+            continue
+        requests.append((i, sampling_params(args, seed, n=1, **bias)))
+        if g > 1:
+            rest = None if seed is None else seed + 1
+            requests.append((i, sampling_params(args, rest, n=g - 1, logprobs=None, **bias)))
+    return requests
+
+
+def sampled_logps(sample: Any) -> list[float]:
+    """The engine's log-prob of each token of a `vllm.CompletionOutput`, NaN for each when it was not asked."""
+    if sample.logprobs is None:
+        return [math.nan] * len(sample.token_ids)
+    return [pos[tok].logprob for pos, tok in zip(sample.logprobs, sample.token_ids, strict=True)]
+
+
+def sampling_params(args: GRPOConfig, seed: int | None = None, **overrides: Any) -> Any:
+    """The `vllm.SamplingParams` of one rollout request: G completions of a prompt, with the sampled tokens'
+    log-probs (`logprobs=None` in `overrides` leaves them out). Building it runs vLLM's own checks of the sampling
+    settings (preflight builds one for that).
+
+    Args:
+        args: the run's config (num_generations, max_completion_length, temperature, top_p, top_k,
+            repetition_penalty, min_p, vllm_structured_outputs_regex, generation_kwargs).
+        seed: the request's seed; None draws from the engine's generator.
+        overrides: further `SamplingParams` arguments, replacing the ones above (e.g. `n=1` for one turn).
+    """
+    from vllm import SamplingParams
+
+    settings = dict(
+        n=args.num_generations,
+        max_tokens=args.max_completion_length,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k if args.top_k > 0 else -1,
+        repetition_penalty=args.repetition_penalty,
+        min_p=args.min_p or 0.0,
+        structured_outputs=_structured_outputs(args.vllm_structured_outputs_regex),
+        logprobs=0,  # the sampled token's own log-prob
+        seed=seed,
+    )
+    return SamplingParams(**settings | (args.generation_kwargs or {}) | overrides)
+
+
+def _structured_outputs(regex: str | None) -> Any:
+    """vLLM's constraint that a completion match `regex`, or None."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return StructuredOutputsParams(regex=regex) if regex is not None else None

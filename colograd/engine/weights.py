@@ -1,0 +1,103 @@
+"""What runs in the engine's worker to take the trainer's weights: a copy into the model's own tensors (where the
+backend computes with them), with names that reach layers vLLM's LoRA wrappers hide. Each function is handed to
+`LLM.collective_rpc`; the worker runs in the training process (external launcher)."""
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from colograd.engine import moe
+
+
+def _holds_plain_weights(worker: Any) -> bool:
+    """Runs in the engine's worker: whether the engine computes with its weights as the model's loaders write them:
+    every parameter still holds its data (no linear weight repacked away into a oneDNN handle), and every expert layer
+    computes with its weights as loaded (vLLM's CPU backend prepacks them in place, same shape: a copy into them
+    would pass the first test and leave the engine computing with garbage)."""
+    model = worker.model_runner.model
+    return all(p.numel() > 0 for p in model.parameters()) and all(
+        moe.computes_as_loaded(layer) for layer in moe.expert_layers(model).values()
+    )
+
+
+def _load_into_model(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """Runs in the engine's worker: copy checkpoint-named weights into the model's tensors."""
+    model = worker.model_runner.model
+    model.load_weights(named_through_lora_wrappers(model, weights))
+
+
+def _load_with_prepacked_experts(worker: Any, weights: list[tuple[str, torch.Tensor]], direct: bool) -> None:
+    """Runs in the engine's worker: write checkpoint-named weights into an engine whose expert layers are prepacked
+    (vLLM's CPU backend). The expert weights are copied through the model's loader and prepacked again
+    (`colograd.engine.moe.load_experts`); the rest take the engine's usual path: a copy (`direct`), or vLLM's in-place
+    reload, which re-processes the layers it writes (and leaves the expert layers, none of whose weights it gets,
+    as they are)."""
+    model = worker.model_runner.model
+    experts, rest = moe.split_expert_weights(model, named_through_lora_wrappers(model, weights))
+    if rest and direct:
+        model.load_weights(rest)
+    elif rest:
+        worker.reload_weights(weights_iterator=rest)
+    if experts:
+        moe.load_experts(model, experts)
+
+
+def _known_names(worker: Any, names: list[str]) -> list[str]:
+    """Runs in the engine's worker: those of the checkpoint `names` whose module the engine's model has, after the
+    model's own renaming (a tied output layer is `lm_head` in most of vLLM's models, absent from Gemma-2's), and, in
+    an expert layer, that its loader takes (`colograd.engine.moe.takes_name`)."""
+    model = worker.model_runner.model
+    modules = {path for path, _ in model.named_modules()}
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    mapped = ((name, mapper._map_name(name) if mapper is not None else name) for name in names)
+    # An expert layer's module exists whatever names its loader takes: those are asked of vLLM's expert mappings.
+    return [
+        name
+        for name, engine_name in mapped
+        if engine_name and engine_name.rpartition(".")[0] in modules and moe.takes_name(model, engine_name)
+    ]
+
+
+def named_through_lora_wrappers(model: nn.Module, weights: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """`weights` named so that the engine's model finds them when its LoRA wraps their layers.
+
+    With LoRA enabled, vLLM replaces each linear layer it can adapt by a wrapper holding the layer as `base_layer`.
+    vLLM 0.32 on forwards a wrapper's attributes and weight loading to that layer; 0.26 (the newest CUDA build for
+    torch 2.11) does neither, so a base weight under its checkpoint name finds no parameter ("There is no module or
+    parameter named '...qkv_proj.weight'"). Those names get the `base_layer` step; the model's own loader still maps
+    them (`q_proj` into the fused `qkv_proj`, and so on). A checkpoint name is matched to the engine's module through
+    the model's own renaming first (`hf_to_vllm_mapper`: a vision-language model's `model.language_model.` is
+    vLLM's `language_model.model.`), and gets its step under the checkpoint name, which the model's loader renames.
+    Where no wrapper hides its layer, `weights` is returned.
+    """
+    hidden = getattr(model, "_colograd_hidden_wrappers", None)
+    if hidden is None:  # the wrappers never change after start-up: found once per engine
+        hidden = _hidden_lora_wrappers(model)
+        model._colograd_hidden_wrappers = hidden
+    if not hidden:
+        return weights
+    # A checkpoint module (`q_proj`) and the engine's fused module it is loaded into (`qkv_proj`).
+    fused = {part: whole for whole, parts in getattr(model, "packed_modules_mapping", {}).items() for part in parts}
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    named = []
+    for name, tensor in weights:
+        module, _, leaf = name.rpartition(".")
+        engine_name = mapper._map_name(name) if mapper is not None else name  # None: a weight the model drops
+        parent, _, last = (engine_name or name).rpartition(".")[0].rpartition(".")
+        engine_module = f"{parent}.{fused.get(last, last)}" if parent else fused.get(last, last)
+        named.append((f"{module}.base_layer.{leaf}" if engine_module in hidden else name, tensor))
+    return named
+
+
+def _hidden_lora_wrappers(model: nn.Module) -> set[str]:
+    """The paths of the model's LoRA wrappers that neither load weights nor forward to their `base_layer`."""
+    try:
+        from vllm.lora.layers.base import BaseLayerWithLoRA
+    except ImportError:
+        return set()
+    return {
+        path
+        for path, module in model.named_modules()
+        if isinstance(module, BaseLayerWithLoRA) and getattr(module, "load_weights", None) is None
+    }

@@ -1,0 +1,128 @@
+"""A rollout as padded tensors, and its split into the micro-batches that train on it.
+
+Shapes: N completions (groups of G contiguous), P prompt tokens (left-padded), T completion tokens
+(right-padded).
+"""
+
+import torch
+
+from colograd.engine.core import Rollout
+from colograd.grpo.logps import PromptSharing, forwarded_tokens, plan_shared
+
+
+def pad_rollout(
+    prompt_ids: list[list[int]],
+    rollout: Rollout,
+    advantages_N: torch.Tensor,
+    num_generations: int,
+    pad_token_id: int,
+    mask_truncated_completions: bool = False,
+) -> dict[str, torch.Tensor]:
+    """The tensors `GRPOTrainer.compute_loss` reads.
+
+    Args:
+        prompt_ids: token ids of each prompt; completion i belongs to prompt i // num_generations.
+        rollout: the engine's completions, their sampled log-probs, and which were truncated.
+        advantages_N: one advantage per completion.
+        mask_truncated_completions: leave completions cut at max_completion_length out of `completion_mask`.
+
+    Returns:
+        input_ids, attention_mask, position_ids [N, P + T]; completion_ids, completion_mask, tool_mask,
+        engine_logps [N, T]; advantages [N]. `tool_mask` is 1 on each token the engine sampled (0 on inserted tool
+        results and padding); `completion_mask` (the tokens the loss counts) is 0 wherever it is.
+    """
+    completions = rollout.completion_ids
+    if rollout.prompt_ids is not None:  # one prompt per completion
+        prompt_ids, num_generations = rollout.prompt_ids, 1
+    n, p, t = len(completions), max(map(len, prompt_ids)), max(1, max(map(len, completions)))
+    input_ids = torch.full((n, p + t), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, p + t), dtype=torch.long)
+    engine_logps = torch.zeros((n, t))
+    for i, (ids, logps) in enumerate(zip(completions, rollout.logps, strict=True)):
+        prompt = prompt_ids[i // num_generations]
+        input_ids[i, p - len(prompt) : p] = torch.tensor(prompt)
+        input_ids[i, p : p + len(ids)] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[i, p - len(prompt) : p + len(ids)] = 1
+        engine_logps[i, : len(logps)] = torch.tensor(logps)
+    tool_mask = attention_mask[:, p:].clone()
+    for i, mask in enumerate(rollout.tool_mask or []):
+        tool_mask[i, : len(mask)] = torch.tensor(mask, dtype=torch.long)
+    completion_mask = tool_mask.clone()
+    if mask_truncated_completions:
+        completion_mask[torch.tensor(rollout.truncated)] = 0
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0),
+        "completion_ids": input_ids[:, p:],
+        "completion_mask": completion_mask,
+        "tool_mask": tool_mask,
+        "engine_logps": engine_logps,
+        "advantages": advantages_N,
+    }
+
+
+def split_rows(batch: dict[str, torch.Tensor], parts: int) -> list[dict[str, torch.Tensor]]:
+    """Split every per-completion tensor into `parts` consecutive row blocks; scalars are shared.
+
+    Blocks are consecutive so that, when the rows divide into whole groups, each block holds whole groups.
+    """
+    chunked = {k: v.chunk(parts) if v.dim() else [v] * parts for k, v in batch.items()}
+    return [{k: chunks[i] for k, chunks in chunked.items()} for i in range(parts)]
+
+
+def split_by_tokens(
+    batch: dict[str, torch.Tensor],
+    max_tokens: int,
+    loss_type: str,
+    share_prompts: PromptSharing | float | None = None,
+    row_tokens: int | None = None,
+) -> list[dict[str, torch.Tensor]]:
+    """Split a micro-batch's rows into consecutive passes whose forward computes at most `max_tokens` real tokens
+    (prompt + completion; a longer row makes a pass of its own), each with the `loss_scale` that makes the
+    passes' scaled losses add up to the micro-batch's loss for `loss_type` (see `colograd.grpo.loss.reduce_loss`).
+
+    With `share_prompts` (the forward's, and its `row_tokens`), where sharing applies to the micro-batch
+    (`PromptSharing.applies`), a row with the prompt of the row before it in the pass costs what it adds to their
+    shared copies (`forwarded_tokens`), so a pass holds whole groups where the budget allows. (Each pass's forward
+    decides again; one that then computes its sequences whole holds at most 1 / (1 - `min_saving`) × the budget.)
+    """
+    mask = batch["attention_mask"]
+    tokens_N = mask.sum(1).tolist()
+    same_N, prompt_N = [False] * len(tokens_N), [0] * len(tokens_N)  # same_N: the row has the row before's prompt
+    if share_prompts is not None and not isinstance(share_prompts, PromptSharing):
+        share_prompts = PromptSharing(share_prompts)
+    if share_prompts is not None and share_prompts.min_saving:
+        plan = plan_shared(batch, share_prompts.attention_cost, row_tokens)
+        share_prompts = share_prompts if share_prompts.applies(plan, row_tokens) else None
+    if share_prompts is not None:
+        p = mask.size(1) - batch["completion_ids"].size(1)
+        ids, prompt_mask = batch["input_ids"][:, :p], mask[:, :p]
+        same_N[1:] = ((ids[1:] == ids[:-1]) & (prompt_mask[1:] == prompt_mask[:-1])).all(1).tolist()
+        prompt_N = prompt_mask.sum(1).tolist()
+    bounds, used, group = [0], 0, []  # group: completion lengths of the pass's last run of one prompt
+    for i, tokens in enumerate(tokens_N):
+        completion = tokens - prompt_N[i]
+        if same_N[i] and group:
+            cost = forwarded_tokens(prompt_N[i], [*group, completion], share_prompts.attention_cost, row_tokens)
+            cost -= forwarded_tokens(prompt_N[i], group, share_prompts.attention_cost, row_tokens)
+        else:
+            cost, group = tokens, []
+        if used and used + cost > max_tokens:
+            bounds.append(i)
+            used, cost, group = 0, tokens, []
+        used += cost
+        group.append(completion)
+    bounds.append(len(tokens_N))
+    completion_tokens = batch["completion_mask"].sum().clamp(min=1)
+    passes = []
+    for start, end in zip(bounds, bounds[1:], strict=False):
+        part = {k: v[start:end] if v.dim() else v for k, v in batch.items()}
+        if loss_type == "bnpo":  # a mean over the micro-batch's tokens
+            scale = part["completion_mask"].sum() / completion_tokens
+        elif loss_type in ("grpo", "dr_grpo", "sapo", "luspo"):  # a mean over its completions
+            scale = torch.tensor((end - start) / len(tokens_N))
+        else:  # dapo, cispo, vespo: their denominator, num_items, is already the micro-batch's
+            scale = torch.tensor(1.0)
+        passes.append({**part, "loss_scale": scale.float()})
+    return passes

@@ -1,0 +1,147 @@
+"""How a run packs its padding-free passes, decided once at start-up from the model, the device and the dtype.
+
+`colograd.grpo.logps` packs and runs each pass; this module says how: whether the model's attention can share a prompt
+and what that costs (`prompt_sharing_cost`), whether a GPU runs the passes as segments in a varlen kernel
+(`segment_kernel`, `use_segments`, `colograd.grpo.attention`), and when a pass shares its prompts (`prompt_sharing`:
+on a GPU that masks, only where that saves enough tokens to pay for the masked kernel). `forward_packing` is the
+trainer's one call.
+"""
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.attention import SDPBackend
+
+from colograd.grpo import attention
+from colograd.grpo.logps import PromptSharing
+
+
+def prompt_sharing_cost(model: nn.Module) -> float | None:
+    """What sharing a prompt weighs (`pack_shared`'s `attention_cost`) for `model`, or None where it cannot be
+    shared: attention other than sdpa (flash kernels ignore a 4D mask), a layer with sliding-window attention
+    (the mask would widen its window), ALiBi position biases (built from a 2D mask), or a config without the
+    sizes.
+
+    The cost is one query-key pair's attention (scores and weighted values: 4 × heads × head_dim FLOPs per
+    layer) in tokens' worth of a decoder layer's matrix products (2 FLOPs per weight per token)."""
+    config = _config(model)
+    if config is None or getattr(config, "_attn_implementation", None) not in ("sdpa", attention.ATTENTION):
+        return None
+    config = config.get_text_config()
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and any(kind != "full_attention" for kind in layer_types):
+        return None
+    if layer_types is None and getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return None
+    if getattr(config, "alibi", False) or config.model_type in ("bloom", "mpt"):
+        return None
+    h, heads, inner = (
+        getattr(config, name, None) for name in ("hidden_size", "num_attention_heads", "intermediate_size")
+    )
+    if not (isinstance(h, int) and isinstance(heads, int) and isinstance(inner, int)):
+        return None
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    weights = 2 * h * heads * head_dim + 2 * h * kv_heads * head_dim + 3 * h * inner  # q, o; k, v; the MLP
+    return 4 * heads * head_dim / (2 * weights)
+
+
+def _config(model: nn.Module) -> object | None:
+    """The model's config, seen through DDP / DeepSpeed (`.module`) wrappers."""
+    while not hasattr(model, "config") and hasattr(model, "module"):
+        model = model.module
+    return getattr(model, "config", None)
+
+
+# A masked SDPA call (cuDNN with a bias) costs ~13% more per token than the maskless causal kernel on an H100
+# (1.5B Qwen2 shape, bf16 autocast): sharing pays where it saves clearly more than that.
+GPU_MIN_SAVING = 0.2
+
+
+def segment_kernel(model: nn.Module, device: torch.device, compute_dtype: torch.dtype) -> str | None:
+    """The varlen kernel that runs `model`'s padding-free passes as segments (`colograd.grpo.attention`) on `device`,
+    or None: not on CUDA, an attention that cannot be cut into segments (`prompt_sharing_cost`), or no varlen
+    kernel for its heads in `compute_dtype` (`attention.varlen_kernel`)."""
+    if device.type != "cuda" or prompt_sharing_cost(model) is None:
+        return None
+    config = _config(model).get_text_config()
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return attention.varlen_kernel(heads, kv_heads, head_dim, compute_dtype, device)
+
+
+def use_segments(models: list[nn.Module | None], device: torch.device, compute_dtype: torch.dtype) -> str | None:
+    """Switch the attention of `models` (the policy first; None entries skipped) to segment attention where
+    `segment_kernel` finds a kernel for the first; returns that kernel, or None (models left as they are)."""
+    kernel = segment_kernel(models[0], device, compute_dtype)
+    for model in models if kernel is not None else ():
+        if model is not None:
+            attention.install(model)
+    if kernel is not None and not attention.installed(models[0]):  # transformers kept its own (remote code)
+        logging.getLogger("colograd.trainer").warning(
+            "the model's attention could not be switched to segment attention: packed passes use a mask"
+        )
+        return None
+    return kernel
+
+
+def forward_packing(
+    models: list[nn.Module | None], args: Any, compute_dtype: torch.dtype
+) -> tuple[str | None, "PromptSharing | None"]:
+    """How a run's padding-free passes are packed: the segment kernel (`use_segments`, on the policy then the
+    reference copy in `models`) and the prompt sharing (`prompt_sharing`); neither with `padding_free` false.
+    Not segments under `torch_compile`: torch's meta function of the memory-efficient kernel's backward cannot
+    be traced."""
+    if not args.padding_free:
+        return None, None
+    segments = None if args.torch_compile else use_segments(models, args.device, compute_dtype)
+    return segments, prompt_sharing(models[0], args.share_prompts, args.device, compute_dtype, segments)
+
+
+def prompt_sharing(
+    model: nn.Module,
+    setting: bool | str,
+    device: torch.device,
+    compute_dtype: torch.dtype,
+    segments: str | None = None,
+) -> PromptSharing | None:
+    """How the trainer shares prompts for `share_prompts` = `setting` (True, False or "auto"), or None.
+
+    None where the model's attention cannot take a shared mask (`prompt_sharing_cost`). With `segments` (a GPU
+    whose varlen kernel runs the passes, `segment_kernel`) a shared pass costs no mask and no other kernel, and a
+    completion attends to exactly the keys it has alone: sharing is used whenever it saves tokens, in units as
+    large as a pass. On a CPU too: CPU SDPA takes the 4D mask in its flash kernel. On a GPU without a varlen
+    kernel the mask is additive, and "auto" shares a pass only where it saves `GPU_MIN_SAVING` of its tokens;
+    where SDPA would run a masked call in its math kernel (O(L²) memory per layer: fp32 without autocast, older
+    GPUs, odd head sizes) "auto" does not share, with a warning, and True shares with the same warning.
+    """
+    if setting is False:
+        return None
+    cost = prompt_sharing_cost(model)
+    if cost is not None and segments is not None:
+        return PromptSharing(0.0)  # no masked pairs: a unit's attention is its members' own
+    if cost is None or device.type != "cuda":
+        return None if cost is None else PromptSharing(cost)
+    config = _config(model).get_text_config()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kernel = masked_attention_kernel(config.num_attention_heads, head_dim, compute_dtype, device)
+    if kernel == SDPBackend.MATH:
+        logging.getLogger("colograd.trainer").warning(
+            f"share_prompts: a masked attention call in {compute_dtype} with head size {head_dim} runs in SDPA's "
+            "math kernel here (memory quadratic in the row's length); "
+            + ("prompts are not shared." if setting == "auto" else "sharing anyway, as share_prompts: true asks.")
+        )
+        if setting == "auto":
+            return None
+    return PromptSharing(cost, GPU_MIN_SAVING if setting == "auto" else 0.0, additive_mask=True)
+
+
+def masked_attention_kernel(heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> SDPBackend:
+    """The kernel `scaled_dot_product_attention` picks on `device` for queries of `dtype` with an additive mask,
+    gradients needed (a small probe; torch's own choice, which respects `torch.backends.cuda` settings)."""
+    q = torch.zeros(1, heads, 64, head_dim, dtype=dtype, device=device, requires_grad=True)
+    mask = torch.zeros(1, 1, 64, 64, dtype=dtype, device=device)
+    return SDPBackend(torch._fused_sdp_choice(q, q, q, attn_mask=mask, dropout_p=0.0, is_causal=False))

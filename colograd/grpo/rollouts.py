@@ -1,0 +1,103 @@
+"""What one rollout call returns (`GRPOTrainer.sample`), and the metrics the trainer records from it.
+
+The stages (`prepare_prompts`, `generate`, `score`, `compute_advantages`) only return values; the trainer records
+their metrics from those values, around them, so an override owes nothing but its return value. Training and
+evaluation take their rollouts from the same call and compute their own metrics from what it returns.
+"""
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from trl.trainer.utils import nanstd
+
+from colograd.engine.core import Rollout
+from colograd.grpo.loss import weighted_rewards
+
+
+@dataclass
+class ScoredRollout:
+    """One rollout of a batch of dataset rows, scored.
+
+    prompts: each row's `prompt`, as given (text or messages).
+    prompt_ids: each templated prompt's token ids, as the engine received them (after truncation).
+    columns: every other column of the rows, one value per row.
+    rollout: the engine's G completions of each prompt, groups contiguous.
+    rewards_NF: float32 [N completions, F reward functions], NaN where a function abstained.
+    truncated_prompts: how many prompts were cut to fit (`max_prompt_length`, or the engine's context).
+    """
+
+    prompts: list
+    prompt_ids: list[list[int]]
+    columns: dict[str, list]
+    rollout: Rollout
+    rewards_NF: torch.Tensor
+    truncated_prompts: int = 0
+
+
+def sampled_lengths(rollout: Rollout) -> torch.Tensor:
+    """Each completion's length in the tokens the model sampled, [N] float32: inserted tool results do not count
+    (TRL's way)."""
+    counts = [sum(m) for m in rollout.tool_mask] if rollout.tool_mask else list(map(len, rollout.completion_ids))
+    return torch.tensor(counts, dtype=torch.float32)
+
+
+def rollout_metrics(scored: ScoredRollout, reward_names: list[str]) -> dict[str, float]:
+    """The training metrics of a scored rollout: prompts truncated, completion lengths and truncation, and each
+    reward function's mean and standard deviation (TRL's names)."""
+    lengths_N = sampled_lengths(scored.rollout)
+    truncated = scored.rollout.truncated
+    metrics = {
+        "prompts/truncated_ratio": scored.truncated_prompts / len(scored.prompt_ids),
+        "completions/mean_length": lengths_N.mean().item(),
+        "completions/min_length": lengths_N.min().item(),
+        "completions/max_length": lengths_N.max().item(),
+        "completions/clipped_ratio": sum(truncated) / len(truncated),
+    }
+    for j, name in enumerate(reward_names):
+        metrics[f"rewards/{name}/mean"] = torch.nanmean(scored.rewards_NF[:, j]).item()
+        metrics[f"rewards/{name}/std"] = nanstd(scored.rewards_NF[:, j]).item()
+    return metrics
+
+
+def reward_metrics(rewards_NF: torch.Tensor, reward_weights: torch.Tensor, num_generations: int) -> dict[str, float]:
+    """The weighted total reward's mean and spread, and the share of groups whose completions all scored the same
+    (their advantages are zero), as TRL logs them."""
+    rewards_N = weighted_rewards(rewards_NF, reward_weights)
+    group_std_G = nanstd(rewards_N.view(-1, num_generations), dim=1)
+    zero_std_G = torch.isclose(group_std_G, torch.zeros_like(group_std_G))
+    return {
+        "reward": torch.nanmean(rewards_N).item(),
+        "reward_std": nanstd(rewards_N).item(),
+        "frac_reward_zero_std": zero_std_G.float().mean().item(),
+    }
+
+
+class RewardLogs:
+    """What reward functions log through TRL's `log_extra` and `log_metric` arguments, kept for the rollout that
+    called them: extra columns of the completions log, and scalar metrics (averaged over a logging window and the
+    ranks, as every metric is)."""
+
+    def __init__(self) -> None:
+        self.extra: dict[str, list] = defaultdict(list)
+        self.metrics: dict[str, list[float]] = defaultdict(list)
+
+    def log_extra(self, column: str, values: list) -> None:
+        """Add a column to the completions log: one value per completion of the call."""
+        self.extra[column].extend(values)
+
+    def log_metric(self, name: str, value: float) -> None:
+        """Log one scalar for this rollout (several calls are averaged)."""
+        self.metrics[name].append(float(value))
+
+    def arguments(self) -> dict[str, Callable]:
+        """The keyword arguments every reward function is called with, as TRL names them."""
+        return {"log_extra": self.log_extra, "log_metric": self.log_metric}
+
+    def take(self) -> tuple[dict[str, list], dict[str, float]]:
+        """The extra columns and each metric's mean since the last call; forgets them."""
+        extra, metrics = dict(self.extra), {k: sum(v) / len(v) for k, v in self.metrics.items() if v}
+        self.extra.clear()
+        self.metrics.clear()
+        return extra, metrics

@@ -1,0 +1,184 @@
+"""A tiny vision-language model, processor and image task built locally, so VLM runs and tests need no download.
+
+The model is a LLaVA: a 2-layer CLIP vision tower (28-pixel images, 14-pixel patches, hidden 32), a projector and
+the tiny 2-layer Qwen2 of `colograd.models.tiny` (hidden 128, 2 heads of 64, sizes vLLM's CPU attention accepts). An
+image
+becomes 4 placeholder tokens (2 × 2 patches; the CLS feature is dropped). The processor's image processor is the
+PIL one, which needs no torchvision.
+
+The task is "name the colour": each prompt shows one solid-colour image and asks the same question, so only the
+image tells the completions apart. A randomly initialised model answers at random; the reward rises as the
+projector and the language model learn to read the colour.
+"""
+
+import os
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from datasets import Dataset
+from PIL import Image
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    CLIPVisionConfig,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    LlavaProcessor,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
+from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+
+from colograd.models import tiny
+from colograd.models.tiny import _CHARS, _SPECIALS
+
+TINY_VLM = "colograd:tiny-llava"  # its name as a recipe's model_name_or_path
+IMAGE_TOKEN = "<image>"
+IMAGE_SIZE = 28
+# Colours whose names start with different letters, so a partial answer (the initial) is already graded.
+COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220), "yellow": (230, 220, 30)}
+QUESTION = "colour?"
+
+
+def build_processor() -> LlavaProcessor:
+    """A LLaVA processor over the character vocabulary of `colograd.models.tiny`, with `<image>` as one more token.
+
+    Its chat template writes TRL's multimodal messages (content lists of `{"type": "image"}` and `{"type": "text"}`
+    parts) as ``u:<image>colour?;a:`` — one `<image>` per image part, unexpanded.
+    """
+    vocab = {tok: i for i, tok in enumerate(_SPECIALS + _CHARS + [IMAGE_TOKEN])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    # `<image>` is one token; everything else is split into characters.
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(f"{IMAGE_TOKEN}|."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        extra_special_tokens={"image_token": IMAGE_TOKEN},
+    )
+    template = (
+        "{% for m in messages %}{{ m['role'][0] }}:"
+        "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+        "{% for part in m['content'] %}{% if part['type'] == 'image' %}" + IMAGE_TOKEN + "{% else %}"
+        "{{ part['text'] }}{% endif %}{% endfor %}{% endif %};{% endfor %}"
+        "{% if add_generation_prompt %}a:{% endif %}"
+    )
+    tokenizer.chat_template = template
+    image_processor = LlavaImageProcessorPil(
+        size={"shortest_edge": IMAGE_SIZE},
+        crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+        do_pad=False,
+    )
+    return LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=14,
+        vision_feature_select_strategy="default",
+        # The CLS feature the vision tower adds: without it the processor counts one placeholder too few.
+        num_additional_image_tokens=1,
+        chat_template=template,
+    )
+
+
+def build_model(
+    seed: int = 0, tie_word_embeddings: bool = False, text_config: Qwen2Config | None = None
+) -> LlavaForConditionalGeneration:
+    """A randomly initialised tiny LLaVA (~0.5M parameters), identical for a given seed on every rank.
+
+    Args:
+        seed: the initialisation's seed.
+        tie_word_embeddings: tie the language model's output layer to its input embedding.
+        text_config: another language model over the same vocabulary (a wider one, for the VLM benchmark); its
+            own `tie_word_embeddings` then holds. Default: the tiny Qwen2 of `colograd.models.tiny`.
+    """
+    import torch
+
+    config = model_config(tie_word_embeddings, text_config)
+    with torch.random.fork_rng(), _built_whole():
+        torch.manual_seed(seed)
+        model = LlavaForConditionalGeneration(config)
+    model.generation_config.eos_token_id = 1
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+@contextmanager
+def _built_whole() -> Iterator[None]:
+    """Build a model whole while a ZeRO-3 config is active, as the tiny Qwen2 is built (`zero3_init_flag: false`):
+    LLaVA builds its towers through `AutoModel.from_config`, which partitions them under ZeRO-3 at construction and
+    then fails to initialise the empty shards; DeepSpeed partitions the whole model when it wraps it."""
+    from transformers.integrations import deepspeed
+
+    kept = deepspeed._hf_deepspeed_config_weak_ref
+    deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        deepspeed._hf_deepspeed_config_weak_ref = kept
+
+
+def model_config(tie_word_embeddings: bool = False, text_config: Qwen2Config | None = None) -> LlavaConfig:
+    """The tiny LLaVA's config (see `build_model`), built without a model: what a run reads before the weights."""
+    image_token_id = len(_SPECIALS) + len(_CHARS)
+    text = text_config or tiny.model_config(tie_word_embeddings)
+    tie_word_embeddings = text.tie_word_embeddings
+    vision = CLIPVisionConfig(
+        image_size=IMAGE_SIZE,
+        patch_size=14,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        projection_dim=32,
+    )
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=image_token_id,
+        image_seq_length=4,  # (28 / 14)² patches
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
+        tie_word_embeddings=tie_word_embeddings,
+    )
+    config.pad_token_id, config.eos_token_id = 0, 1
+    return config
+
+
+def save_tiny_vlm(folder: str, seed: int = 0) -> str:
+    """Write the tiny LLaVA and its processor to `folder` (a model path for `GRPOTrainer` or a recipe); returns it."""
+    os.makedirs(folder, exist_ok=True)
+    build_model(seed).save_pretrained(folder)
+    build_processor().save_pretrained(folder)
+    return folder
+
+
+def solid_image(colour: str) -> Image.Image:
+    """A solid `IMAGE_SIZE`-pixel RGB image of one of `COLOURS`."""
+    return Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), COLOURS[colour])
+
+
+def colours_dataset(num_prompts: int = 512, seed: int = 0) -> Dataset:
+    """TRL's image layout: a conversational `prompt` (the question), an `image` column and the answer in
+    `colour`."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(num_prompts):
+        colour = rng.choice(sorted(COLOURS))
+        rows.append(
+            {"prompt": [{"role": "user", "content": QUESTION}], "image": solid_image(colour), "colour": colour}
+        )
+    return Dataset.from_list(rows)
+
+
+def colour_reward(completions: list, colour: list[str], **kwargs) -> list[float]:
+    """1 for a completion that names the colour; else half the fraction of its characters that are the colour's
+    initial (a graded signal a random model can climb)."""
+    rewards = []
+    for completion, name in zip(completions, colour, strict=True):
+        text = completion[0]["content"] if isinstance(completion, list) else completion
+        if name in text:
+            rewards.append(1.0)
+        else:
+            rewards.append(0.5 * text.count(name[0]) / len(text) if text else 0.0)
+    return rewards

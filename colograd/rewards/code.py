@@ -1,0 +1,274 @@
+"""Code rewards: the completion's program run against the row's tests, in the sandbox, with open-r1's meanings.
+
+open-r1's `code_reward` takes the last ```` ```python ```` block of a completion (none: the empty program), runs it
+once per test case of the row's ``verification_info`` (``{"language": "python", "test_cases": [{"input": ..., "output":
+...}, ...]}``) with the case's input on stdin, and counts a case passed when the program exits 0 and its stripped
+stdout matches the expected output line by line, each line stripped. Here every line counts: the output must have as
+many lines as the expected one (`output_lines="all"`). open-r1 compares over the shorter of the two, so that a
+program printing only the first of the expected lines passes; ``output_lines="shorter"`` keeps that meaning, for
+comparisons with open-r1's numbers. The reward is the fraction of cases passed; `binary_code_reward` gives 1.0 when
+it is above 0.99, else 0.0.
+
+Rows may instead hold assert-style tests (MBPP's ``test_list``, AceCode's ``test_cases``, HumanEval's ``test`` and
+``entry_point``: `colograd.rewards.code_tests`): each assert statement is one test, decided by a judge process that
+never runs
+the program and holds the expected values (`colograd.rewards.code_harness`), with the same meanings: the reward is the
+fraction of tests passed, `binary_code` 1.0 when it is above 0.99.
+
+Executions run in a pool of threads (each waits on its own sandboxed process), sized to the machine's cores.
+A completion's failure reason (the first failing test's: ``timeout``, ``memory``, ``wrong answer``, ``syntax error``,
+``no code block``, ...) goes to the completions log as the ``<name>_failure`` column (TRL's ``log_extra``).
+
+Scored while decoding: `prefetch` starts a completion's executions as soon as it is known; the call that scores the
+rollout afterwards takes the started results instead of running them again, so the rewards are those of scoring after
+the rollout, in the same order (`scores_while_decoding` marks the functions that take this).
+"""
+
+import os
+import re
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from colograd.errors import ConfigError
+from colograd.rewards.code_tests import (
+    LAYOUTS,
+    TEST_COLUMNS,
+    AssertTests,
+    RowTestsError,
+    StdioTests,
+    row_tests,
+    run_asserts,
+)
+from colograd.rewards.sandbox import Execution, Sandbox, SandboxLimits
+
+BINARY_THRESHOLD = 0.99  # open-r1's
+SANDBOX_MODES = ("namespaces", "none")
+OUTPUT_LINES = ("all", "shorter")
+
+
+def extract_code(completion: str, language: str = "python") -> str:
+    """The last ```` ```<language> ```` fenced block of `completion`, or "" when it has none (open-r1's)."""
+    matches = re.findall(rf"```{language}\n(.*?)```", completion, re.DOTALL)
+    return matches[-1] if matches else ""
+
+
+def output_matches(stdout: str, expected: str, lines: str = "all") -> bool:
+    """Whether a program's output matches the expected output: both stripped, compared line by line, each line
+    stripped. `lines`: "all", every line, so the counts must agree; "shorter", open-r1's comparison, over the shorter
+    of the two (a program that prints only the first expected line passes: gameable)."""
+    got, want = stdout.strip().split("\n"), expected.split("\n")
+    if lines == "all":
+        want = expected.strip().split("\n")
+        if len(got) != len(want):
+            return False
+    return all(a.strip() == b.strip() for a, b in zip(got, want, strict=False))
+
+
+def completion_text(completion: Any) -> str:
+    """A completion's text: itself, or the content of a chat's last message; "" when that is None or not text (a
+    tool call, image parts): the empty program."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, list | tuple) and completion and isinstance(completion[-1], dict):
+        content = completion[-1].get("content")
+        return content if isinstance(content, str) else ""
+    return ""
+
+
+@dataclass(frozen=True)
+class CodeResult:
+    """One completion against its tests: `passed` of `total`, and the first failure's reason (None if none)."""
+
+    passed: int
+    total: int
+    reason: str | None
+
+    @property
+    def rate(self) -> float:
+        return self.passed / self.total if self.total else 0.0
+
+
+class CodeReward:
+    """open-r1's `code` reward (or, with `binary`, `binary_code`) on a local sandbox.
+
+    Args:
+        binary: 1.0 when the pass rate is above 0.99, else 0.0 (open-r1's `binary_code_reward`).
+        limits: what each execution (one stdin/stdout case, or all of a completion's assert-style tests) may use;
+            open-r1 gives a case 5 s.
+        sandbox: "namespaces" (the sandbox: `colograd.rewards.sandbox`), or "none": no isolation at all beyond rlimits
+        and a
+            temporary folder, the explicit opt-in for trusted code or a machine without namespaces.
+        workers: executions run at once; None: one per core this process may use.
+        program: how a completion's text becomes the program; default `extract_code` (its last python block).
+        output_lines: how stdin/stdout cases compare the output: "all" its lines, or "shorter", open-r1's comparison
+            over the shorter of the output's and the expected output's lines (gameable: see `output_matches`).
+
+    Raises:
+        ConfigError: an unknown `sandbox` or `output_lines`; `SandboxUnavailable` where the namespaces cannot be built.
+    """
+
+    scores_while_decoding = True
+
+    def __init__(
+        self,
+        binary: bool = False,
+        limits: SandboxLimits | None = None,
+        sandbox: str = "namespaces",
+        workers: int | None = None,
+        program: Callable[[str], str] = extract_code,
+        output_lines: str = "all",
+    ) -> None:
+        if sandbox not in SANDBOX_MODES:
+            raise ConfigError(f"code_sandbox: {sandbox!r} is not one of {', '.join(SANDBOX_MODES)}.")
+        if output_lines not in OUTPUT_LINES:
+            raise ConfigError(f"code_output_lines: {output_lines!r} is not one of {', '.join(OUTPUT_LINES)}.")
+        self.binary = binary
+        self.program = program
+        self.output_lines = output_lines
+        self.__name__ = "binary_code" if binary else "code"
+        self.sandbox = Sandbox(limits, isolated=sandbox == "namespaces")
+        self.workers = workers or len(os.sched_getaffinity(0))
+        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="colograd-code")
+        self._started: dict[tuple[str, StdioTests | AssertTests], Future] = {}  # by (program, tests): `prefetch`
+        self._lock = threading.Lock()
+
+    def __call__(
+        self,
+        completions: list,
+        verification_info: list | None = None,
+        log_extra: Callable[[str, list], None] | None = None,
+        **columns: Any,
+    ) -> list[float]:
+        """Each completion's reward: the share of its row's tests its program passes (binary: 0 or 1).
+
+        Args:
+            completions: texts, or chats whose last message is the model's (``[{"role": "assistant", ...}]``).
+            verification_info: one per completion, open-r1's stdin/stdout cases: a dict (or its JSON text) with
+                ``test_cases``, each an ``input`` (stdin) and an ``output`` (expected stdout); ``language`` python.
+            log_extra: TRL's; given, the failure reasons go to the completions log.
+            columns: the dataset's other columns, one value per completion; rows without ``verification_info``
+                give assert-style tests in those `colograd.rewards.code_tests` reads (``test_list``, ``test_cases``,
+                ``test`` and ``entry_point``).
+
+        Raises:
+            RowTestsError: a row has no tests, or none in a layout read here (the message says which and why).
+        """
+        rows = _rows(completions, verification_info, columns)
+        futures = [self._start(c, row) for c, row in zip(completions, rows, strict=True)]
+        results = [f.result() for f in futures]
+        with self._lock:
+            self._started.clear()  # a started result serves the rollout it was started for, no later one
+        if log_extra is not None:
+            log_extra(f"{self.__name__}_failure", [r.reason for r in results])
+        if self.binary:
+            return [1.0 if r.rate > BINARY_THRESHOLD else 0.0 for r in results]
+        return [r.rate for r in results]
+
+    def prefetch(self, completions: list, verification_info: list | None = None, **columns: Any) -> None:
+        """Start the executions of completions known before the rollout is scored; the scoring call takes them."""
+        for completion, row in zip(completions, _rows(completions, verification_info, columns), strict=True):
+            self._start(completion, row)
+
+    def _start(self, completion: Any, row: dict[str, Any]) -> Future:
+        key = (self.program(completion_text(completion)), row_tests(row))
+        with self._lock:
+            future = self._started.get(key)
+            if future is None:
+                future = self._started[key] = self._pool.submit(self.run_tests, *key)
+        return future
+
+    def run_tests(self, code: str, tests: StdioTests | AssertTests) -> CodeResult:
+        """Run `code` against `tests`, in this thread: stdin/stdout cases one execution each, one after the other
+        (a program that does not compile fails every case alike, so it runs once); assert-style tests all in one
+        execution."""
+        if isinstance(tests, AssertTests):
+            if not code.strip():  # nothing to test: the tests would only fail on the names they call
+                return CodeResult(0, len(tests.tests), "no code block")
+            failures = run_asserts(self.sandbox, tests, code).failures
+            return CodeResult(failures.count(None), len(failures), next(filter(None, failures), None))
+        cases = tests.cases
+        if not code.strip():  # open-r1 runs the empty program, which passes a case that expects no output
+            passed = sum(output_matches("", expected, self.output_lines) for _, expected in cases)
+            return CodeResult(passed, len(cases), "no code block" if passed < len(cases) else None)
+        passed, reason = 0, None
+        for stdin, expected in cases:
+            failure = _failure(self.sandbox.run(code, stdin), expected, self.output_lines)
+            passed += failure is None
+            reason = reason or failure
+            if failure == "syntax error":
+                break
+        return CodeResult(passed, len(cases), reason)
+
+
+def _rows(completions: list, verification_info: list | None, columns: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each completion's test columns (`TEST_COLUMNS`), from the reward call's columns."""
+    tested = {name: values for name, values in columns.items() if name in TEST_COLUMNS}
+    if verification_info is not None:
+        tested["verification_info"] = verification_info
+    return [{name: values[i] for name, values in tested.items()} for i in range(len(completions))]
+
+
+def _failure(execution: Execution, expected: str, lines: str) -> str | None:
+    if not execution.ok:
+        return execution.reason
+    return None if output_matches(execution.stdout, expected, lines) else "wrong answer"
+
+
+def check_code_rows(
+    reward_funcs: list,
+    column_names: list[str],
+    read: Callable[[list[str]], dict[str, list]],
+    name: str,
+    also_given: Sequence[str] = (),
+) -> None:
+    """Every row's tests, read as the code rewards will read them, before any weights are loaded or engine started.
+
+    Args:
+        reward_funcs: the run's reward functions; nothing is checked (or read) without a `CodeReward` among them.
+        column_names: the dataset's columns.
+        read: the values of the named columns, one per row.
+        name: how messages name the dataset.
+        also_given: keywords the rewards get besides the columns (an environment's): when they include a column of
+            tests, the rows' tests are not the dataset's to check.
+
+    Raises:
+        ConfigError: in one line, the first row whose tests cannot be read: the reward, the row and the problem.
+    """
+    code = [f for f in reward_funcs if isinstance(f, CodeReward)]
+    if not code or any(c in TEST_COLUMNS for c in also_given):
+        return
+    reward = code[0].__name__
+    tested = read([c for c in TEST_COLUMNS if c in column_names])
+    if not tested:
+        raise ConfigError(
+            f"reward function {reward!r}: dataset {name!r} has no column of tests: none of {LAYOUTS} (its columns: "
+            f"{', '.join(column_names)}); add one (docs/rewards.md shows each)."
+        )
+    for i in range(len(next(iter(tested.values())))):
+        try:
+            row_tests({c: values[i] for c, values in tested.items()})
+        except RowTestsError as err:
+            raise ConfigError(f"reward function {reward!r}: dataset {name!r} row {i}: {err}.") from None
+
+
+def code_reward(sandbox: str = "namespaces", output_lines: str = "all") -> CodeReward:
+    """The built-in `code` reward (its pool and sandbox are made once per process and setting)."""
+    return _shared(False, sandbox, output_lines)
+
+
+def binary_code_reward(sandbox: str = "namespaces", output_lines: str = "all") -> CodeReward:
+    """The built-in `binary_code` reward."""
+    return _shared(True, sandbox, output_lines)
+
+
+_SHARED: dict[tuple[bool, str, str], CodeReward] = {}
+
+
+def _shared(binary: bool, sandbox: str, output_lines: str) -> CodeReward:
+    key = (binary, sandbox, output_lines)
+    if key not in _SHARED:
+        _SHARED[key] = CodeReward(binary=binary, sandbox=sandbox, output_lines=output_lines)
+    return _SHARED[key]

@@ -1,0 +1,332 @@
+"""A row's tests for the code rewards (`colograd.rewards.code`): read from the layouts code datasets hold them in,
+checked, and, for assert-style tests, run through the split harness (`colograd.rewards.code_harness`).
+
+The layouts, looked for in this order (a column missing from a row, or null in it, does not count):
+
+    verification_info   open-r1's stdin/stdout cases: {"language": "python", "test_cases": [{"input": ...,
+                        "output": ...}, ...]}, a dict or its JSON text; one execution per case
+    test_list           MBPP's assert statements, one test each; its test_imports (statements, MBPP's sanitized set)
+                        run before the program and the tests, its test_setup_code after the program, before the tests
+    test_cases          AceCode's assert statements, one test each
+    test, entry_point   HumanEval's: `test` defines check(candidate); one test, check(<entry_point>)
+
+Assert-style tests run in one execution per completion, split in two processes: the program's, which runs the
+program as a module named ``solution`` (its ``if __name__ == "__main__":`` block does not run, as in HumanEval's
+harness) and answers for its objects, and the judge's, which runs the tests and never runs model code. The expected
+values never reach the program's process (`colograd.rewards.code_harness`).
+
+Rows are checked before they are scored: a test that does not parse, asserts nothing that can run (an assert inside a
+function the test never calls, or under ``if False:``), or uses nothing of the program (only builtins and the row's
+setup: it would pass or fail whatever the program does) is refused, in one line naming the problem.
+"""
+
+import ast
+import builtins
+import json
+import os
+import subprocess
+import symtable
+import threading
+from dataclasses import dataclass, replace
+from typing import Any
+
+from colograd.rewards.sandbox import Execution, Sandbox
+
+# The columns a row's tests are read from, in the order the layouts are looked for.
+TEST_COLUMNS = (
+    "verification_info", "test_list", "test_setup_code", "test_imports", "test_cases", "test", "entry_point",
+)  # fmt: skip
+LAYOUTS = (
+    "verification_info (stdin/stdout cases), test_list or test_cases (assert statements), or test with entry_point "
+    "(HumanEval's check)"
+)
+_BUILTINS = frozenset(dir(builtins))
+
+
+class RowTestsError(ValueError):
+    """A row's tests cannot be read; the message (one line) names the problem and the fix."""
+
+
+@dataclass(frozen=True)
+class StdioTests:
+    """stdin/stdout cases: (input, expected output) pairs."""
+
+    cases: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class AssertTests:
+    """Assert-style tests: `imports` run before the program and in the judge; `setup` in the judge after the program
+    ran (it may build the program's objects); then each of `tests`. `declared`: names that are the program's
+    whatever else they name (HumanEval's entry_point)."""
+
+    imports: str
+    setup: str
+    tests: tuple[str, ...]
+    declared: tuple[str, ...] = ()
+
+
+def row_tests(row: dict[str, Any]) -> StdioTests | AssertTests:
+    """The tests of one row, from its columns (`TEST_COLUMNS`; others are ignored). Assert-style tests are parsed
+    and checked here (never run), so that a test that cannot fail whatever the program does is refused rather than
+    scored.
+
+    Raises:
+        RowTestsError: the row has no tests, they are not in a layout the code rewards read, or one of them cannot
+            tell a right program from a wrong one.
+    """
+    given = {k: v for k, v in row.items() if k in TEST_COLUMNS and v is not None}
+    if "verification_info" in given:
+        return _stdio(given["verification_info"])
+    if "test_list" in given:
+        setup = given.get("test_setup_code", "")
+        if not isinstance(setup, str):
+            raise RowTestsError(f"test_setup_code is a {type(setup).__name__}; give Python text")
+        _parse("test_setup_code", setup)
+        imports = "\n".join(text for text, _ in _statements("test_imports", given.get("test_imports", []), True))
+        return _checked(AssertTests(imports, setup, _asserts("test_list", given["test_list"])), "test_list")
+    if "test_cases" in given:
+        return _checked(AssertTests("", "", _asserts("test_cases", given["test_cases"])), "test_cases")
+    if "test" in given:
+        return _humaneval(given["test"], given.get("entry_point"))
+    raise RowTestsError(f"no tests: none of {LAYOUTS} is set; add one (docs/rewards.md shows each)")
+
+
+def _stdio(info: Any) -> StdioTests:
+    if isinstance(info, str):
+        try:
+            info = json.loads(info)
+        except json.JSONDecodeError as err:
+            raise RowTestsError(f"verification_info is not valid JSON ({err}); fix the text") from None
+    if not isinstance(info, dict):
+        raise RowTestsError(f"verification_info is a {type(info).__name__}; give a dict (or its JSON text)")
+    language = info.get("language") or "python"
+    if language != "python":
+        raise RowTestsError(
+            f"verification_info language {language!r}: the code rewards run python only; keep the python rows "
+            "(dataset.filter)"
+        )
+    cases = info.get("test_cases")
+    if not isinstance(cases, list) or not cases:
+        raise RowTestsError("verification_info has no test_cases; give a list of {'input': ..., 'output': ...}")
+    for k, case in enumerate(cases):
+        if isinstance(case, str):
+            raise RowTestsError(
+                f"verification_info test case {k} is text, not {{'input': ..., 'output': ...}}; assert statements "
+                "go in a test_list column"
+            )
+        for key in ("input", "output"):
+            if not isinstance(case, dict) or not isinstance(case.get(key), str):
+                raise RowTestsError(f"verification_info test case {k} has no {key!r} text; give one")
+    return StdioTests(tuple((case["input"], case["output"]) for case in cases))
+
+
+def _statements(column: str, value: Any, empty_ok: bool = False) -> list[tuple[str, ast.Module]]:
+    """A column's Python statements, each with its parse (never run here); `empty_ok`: setup, not tests."""
+    if isinstance(value, str) or not isinstance(value, list | tuple):
+        what = "Python statements" if empty_ok else "assert statements, one per test"
+        raise RowTestsError(f"{column} is a {type(value).__name__}; give a list of {what}")
+    if not value and not empty_ok:
+        raise RowTestsError(f"{column} is empty; give at least one assert statement")
+    for k, statement in enumerate(value):
+        if not isinstance(statement, str):
+            raise RowTestsError(f"{column} item {k} is a {type(statement).__name__}; give Python text")
+    return [(statement, _parse(f"{column} item {k}", statement)) for k, statement in enumerate(value)]
+
+
+def _asserts(column: str, value: Any) -> tuple[str, ...]:
+    tests = _statements(column, value)
+    for k, (test, tree) in enumerate(tests):
+        if not live_asserts(tree):
+            raise RowTestsError(
+                f"{column} item {k} ({test[:40]!r}) has no assert that runs (none at all, only asserts of a constant, "
+                "or asserts inside a function it never calls or under a condition that is always false), so it would "
+                "pass whatever the program does; make each test an assert that runs"
+            )
+    return tuple(test for test, _ in tests)
+
+
+def live_asserts(tree: ast.Module) -> int:
+    """The assert statements of `tree` that can run and test something: not of a constant (``assert True``), not
+    inside a function it never calls, not under ``if``/``while`` of a constant false condition (or the ``else`` of
+    a constant true one)."""
+    functions = {
+        node.name: node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+    }
+    count, called, pending = 0, set(), [tree.body]
+    while pending:
+        for node in _reachable(pending.pop()):
+            if isinstance(node, ast.Assert) and not isinstance(node.test, ast.Constant):
+                count += 1
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in functions:
+                if node.func.id not in called:
+                    called.add(node.func.id)
+                    pending.append(functions[node.func.id].body)
+    return count
+
+
+def _reachable(statements: list[ast.stmt]):
+    """The nodes of `statements` that can run, not descending into function or class bodies (they run when called)
+    nor into branches a constant condition rules out."""
+    stack = list(reversed(statements))
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Lambda):
+            continue
+        if isinstance(node, ast.If | ast.While) and isinstance(node.test, ast.Constant):
+            stack.append(node.test)
+            stack.extend(reversed(node.body if node.test.value else node.orelse))
+            continue
+        stack.extend(reversed(list(ast.iter_child_nodes(node))))
+
+
+def _humaneval(test: Any, entry_point: Any) -> AssertTests:
+    if entry_point is None:
+        raise RowTestsError(
+            "test is set but entry_point is not: HumanEval's layout needs both (test defines check(candidate), "
+            "entry_point names the function it checks); pytest-style test files are not run"
+        )
+    if not isinstance(entry_point, str) or not entry_point.isidentifier():
+        raise RowTestsError(f"entry_point {entry_point!r} is not a Python name; give the function's name")
+    if not isinstance(test, str):
+        raise RowTestsError(f"test is a {type(test).__name__}; give Python text that defines check(candidate)")
+    checks = [n for n in _parse("test", test).body if isinstance(n, ast.FunctionDef) and n.name == "check"]
+    if not checks:
+        raise RowTestsError("test defines no check(candidate) function (HumanEval's layout); define one")
+    program = f"{test}\ncheck({entry_point})\n"
+    if not live_asserts(ast.parse(program)):
+        raise RowTestsError(
+            "test's check(candidate) has no assert that runs (only asserts of a constant, or asserts inside a "
+            "function it never calls or under a condition that is always false); make it assert on candidate"
+        )
+    return AssertTests("", "", (program,), (entry_point,))
+
+
+def _checked(tests: AssertTests, column: str) -> AssertTests:
+    """`tests`, each of which uses something of the program: a name that is not a builtin, not imported by the row
+    and not the test's own (directly, or through the setup's objects when the setup uses the program's). A row whose
+    tests use none, and together call one builtin's name, asks for a function of that name (MBPP's ``sum(a, b)``):
+    that name is then the program's in its tests (`AssertTests.declared`), and only that one."""
+    imported = _bound(tests.imports)
+    setup_names = _bound(tests.setup)
+    setup_uses_program = bool(free_names(tests.setup) - _BUILTINS - imported)
+    untested = []
+    for k, test in enumerate(tests.tests):
+        used = free_names(test) - _BUILTINS - imported
+        if not (used - setup_names) and not (used & setup_names and setup_uses_program):
+            untested.append(k)
+    if not untested:
+        return tests
+    called = set().union(*(_called_builtins(test) for test in tests.tests)) - imported - setup_names
+    if len(untested) == len(tests.tests) and len(called) == 1:
+        return replace(tests, declared=tuple(called))
+    k = untested[0]
+    raise RowTestsError(
+        f"{column} item {k} ({tests.tests[k][:40]!r}) uses nothing of the program (only Python's builtins and the "
+        "row's imports and setup), so it passes or fails whatever the program does; call the function under test (a "
+        "function named like a builtin is the program's only where a row's tests call that one builtin and nothing "
+        "else)"
+    )
+
+
+def _called_builtins(source: str) -> set[str]:
+    return {
+        node.func.id
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _BUILTINS
+    }
+
+
+def free_names(source: str) -> set[str]:
+    """The global names `source` uses and does not bind itself (its own assignments, imports, functions, classes)."""
+    if not source.strip():
+        return set()
+    table = symtable.symtable(source, "<test>", "exec")
+    bound = _bound_in(table)
+    used: set[str] = set()
+    tables = [table]
+    while tables:
+        current = tables.pop()
+        for symbol in current.get_symbols():
+            if symbol.is_referenced() and (symbol.is_global() or current is table):
+                used.add(symbol.get_name())
+        tables.extend(current.get_children())
+    return used - bound
+
+
+def _bound(source: str) -> set[str]:
+    return _bound_in(symtable.symtable(source, "<setup>", "exec")) if source.strip() else set()
+
+
+def _bound_in(table: symtable.SymbolTable) -> set[str]:
+    return {s.get_name() for s in table.get_symbols() if s.is_assigned() or s.is_imported() or s.is_namespace()}
+
+
+def _parse(what: str, source: str) -> ast.Module:
+    try:
+        return ast.parse(source)
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as err:
+        detail = f"{type(err).__name__}: {getattr(err, 'msg', err)}"
+        raise RowTestsError(f"{what} does not parse as Python ({detail}); fix it") from None
+
+
+# --- running assert-style tests -----------------------------------------------------------------------------------
+
+HARNESS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "code_harness.py")
+_compiled: dict[str, bytes] = {}
+_compiled_lock = threading.Lock()
+
+
+def compiled_harness(python: str) -> bytes:
+    """The split harness compiled by `python` (the sandbox's interpreter, whose bytecode this must be), marshalled:
+    both processes load it in well under a millisecond, where compiling its source took ~16 ms each."""
+    with _compiled_lock:
+        if python not in _compiled:
+            compile_it = "import marshal, sys; sys.stdout.buffer.write(marshal.dumps(compile(sys.stdin.read(), " \
+                f"{HARNESS_FILE!r}, 'exec')))"  # fmt: skip
+            with open(HARNESS_FILE, "rb") as source:
+                done = subprocess.run([python, "-I", "-S", "-c", compile_it], stdin=source, capture_output=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"{python} cannot compile the code harness: {done.stderr.decode()[-500:]}")
+            _compiled[python] = done.stdout
+        return _compiled[python]
+
+
+def assert_program(tests: AssertTests, code: str) -> str:
+    """The program's process's main.py: load the harness (the file ``harness.bin`` beside it, which the launcher
+    writes from the judge's job), then `serve` the row's imports and `code`. It holds nothing of the tests."""
+    return (
+        f"import marshal\nexec(marshal.loads(open('harness.bin', 'rb').read()))\nserve({tests.imports!r}, {code!r})\n"
+    )
+
+
+def judge_job(tests: AssertTests, python: str) -> dict:
+    """What the judge gets (`colograd.rewards.code_harness.judge`): the compiled harness (hex) and the tests."""
+    return {"harness": compiled_harness(python).hex(), "imports": tests.imports, "setup": tests.setup,
+            "tests": list(tests.tests), "declared": list(tests.declared)}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class AssertRun:
+    """One execution of a program against its assert-style tests.
+
+    execution: the execution (its stdout is what the program printed outside the tests' calls).
+    failures: each test's failure reason (None: passed): the judge's verdict, else why the execution ended before
+        the test was decided (``timeout``, ``memory``, ..., or ``exited early`` when the program's process exited
+        without answering).
+    """
+
+    execution: Execution
+    failures: list[str | None]
+
+
+def run_asserts(sandbox: Sandbox, tests: AssertTests, code: str) -> AssertRun:
+    """Run `code` against `tests` in `sandbox`: one execution, the program's process and the judge's."""
+    execution = sandbox.run(assert_program(tests, code), judge=judge_job(tests, sandbox.python))
+    ended = execution.reason or execution.judge_failure or "exited early"
+    failures = []
+    for i in range(len(tests.tests)):
+        verdict = execution.verdicts.get(i, "ended")
+        failures.append(None if verdict == "ok" else ended if verdict == "ended" else verdict)
+    return AssertRun(replace(execution), failures)

@@ -1,0 +1,431 @@
+"""Running untrusted Python (model-written code) in isolation, from what Linux gives: namespaces, rlimits, a memory
+cgroup, a seccomp filter.
+
+Each execution gets new mount, pid, network, IPC and UTS namespaces (and a user namespace when the trainer is not
+root), a root of its own that holds only read-only system folders and the interpreter, a writable tmpfs
+``/sandbox``, an empty environment, a new empty session keyring, no capabilities, a seccomp filter that refuses what
+a scored program never needs, a memory cgroup bounding everything it allocates, and limits on CPU time, memory,
+processes, open files, file size, disk and output; wall time is kept here. When the program exits or is killed,
+everything it started dies with its pid namespace. The launcher (`colograd.rewards.sandbox_launch`) does the building;
+this
+module starts it, feeds it, reads its output within the caps and tells why an execution failed. docs/rewards.md has
+the threat model: what is enforced, by which mechanism, and what is not.
+
+Where the isolation cannot be built, `Sandbox` refuses at construction in one line naming what is missing;
+``isolated=False`` is the explicit opt-in to run programs with the rlimits and a temporary folder only. Where one of
+the further protections is missing (no writable memory cgroup, no libseccomp), it says once, in one line, what is
+then not enforced.
+"""
+
+import json
+import logging
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+from colograd.errors import ConfigError
+from colograd.rewards.sandbox_cgroup import MemoryCgroups
+
+logger = logging.getLogger(__name__)
+
+LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_launch.py")
+_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/sandbox", "TMPDIR": "/sandbox", "LANG": "C.UTF-8"}
+_STDERR_KEPT = 4096  # bytes of stderr kept for the failure's reason
+# The protections beyond the namespaces, each one a layer a test removes to show what it holds (tests/test_sandbox.py).
+PROTECTIONS = ("memory_cgroup", "seccomp", "session_keyring", "ipc_limits")
+_MISSING = {
+    "memory_cgroup": "memory is bounded per process (RLIMIT_AS), not for the whole execution (no writable memory "
+    "cgroup: the trainer is not root)",
+    "seccomp": "no seccomp filter (libseccomp2 is not installed or the kernel refuses seccomp): ptrace, keyrings, "
+    "bpf, inotify, netlink, System V IPC and memory files are not refused",
+    "session_keyring": "programs keep the trainer's session keyring (keyctl is refused here)",
+    "ipc_limits": "the IPC namespace's shared memory is not limited",
+}
+_said: set[str] = set()
+_said_lock = threading.Lock()
+
+
+class SandboxUnavailable(ConfigError):
+    """The sandbox cannot be built on this machine; the message names what is missing and the opt-out."""
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """What one execution may use.
+
+    wall_s: seconds of wall time before it is killed, not counting the time its processes waited for a CPU (on a
+        busy machine a program that computes is bound by `cpu_s`; this catches programs that sleep or wait).
+    cpu_s: seconds of CPU time (RLIMIT_CPU, per process).
+    memory_mib: address space per process (RLIMIT_AS) and, with a memory cgroup, all the execution's memory
+        together (its processes, shared memory, its files in /sandbox), besides what the sandbox's own processes use.
+    processes: processes and threads (RLIMIT_NPROC, counted within the sandbox).
+    open_files: open file descriptors (RLIMIT_NOFILE).
+    file_mib: largest file it may write (RLIMIT_FSIZE).
+    disk_mib: size of its writable /sandbox (a tmpfs: it counts against memory).
+    output_kib: stdout + stderr read before it is killed.
+    """
+
+    wall_s: float = 10.0
+    cpu_s: int = 5
+    memory_mib: int = 1024
+    processes: int = 16
+    open_files: int = 64
+    file_mib: int = 16
+    disk_mib: int = 16
+    output_kib: int = 1024
+
+    def rlimits(self) -> dict[str, int]:
+        """The launcher's rlimits, by `resource.RLIMIT_<name>`."""
+        mib = 1 << 20
+        return {
+            "CPU": self.cpu_s,
+            "AS": self.memory_mib * mib,
+            "NPROC": self.processes,
+            "NOFILE": self.open_files,
+            "FSIZE": self.file_mib * mib,
+            "CORE": 0,
+        }
+
+    def cgroup_bytes(self) -> int:
+        """The execution's memory cgroup limit: the program's memory and disk, and room for the launcher, the sandbox's
+        init and the judge (each a small interpreter)."""
+        return (self.memory_mib + self.disk_mib + SANDBOX_OWN_MIB) << 20
+
+
+SANDBOX_OWN_MIB = 64
+
+
+@dataclass
+class Execution:
+    """What one execution gave.
+
+    stdout: its standard output (up to the output cap), decoded as UTF-8 (invalid bytes replaced).
+    stderr: the last few KiB of its standard error.
+    exit_code: the program's exit status, None when a signal ended it or it was killed here.
+    signal: the signal that ended it, if one did.
+    reason: None when it exited 0 (or was stopped once its judge had decided every test); else why it failed:
+        "timeout", "cpu time", "memory", "output limit", "syntax error", "error: <exception type>",
+        "killed by <signal>", "exit code <n>", or the sandbox's own: "sandbox setup failed", "sandbox failed".
+    seconds: wall time of the whole execution, sandbox included.
+    verdicts: with a judge, each test's outcome by index ("ok", a failure reason, or "ended": decided by the
+        program's end); a test missing from it was not reached.
+    judge_failure: with a judge, why it did not finish (its own error or its limits), else None.
+    protections: the protections the launcher applied (`PROTECTIONS`).
+    """
+
+    stdout: str
+    stderr: str
+    exit_code: int | None
+    signal: int | None
+    reason: str | None
+    seconds: float = field(default=0.0, compare=False)
+    verdicts: dict[int, str] = field(default_factory=dict, compare=False)
+    judge_failure: str | None = field(default=None, compare=False)
+    protections: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def ok(self) -> bool:
+        return self.reason is None
+
+
+class Sandbox:
+    """Runs Python programs in isolation, one process tree per execution.
+
+    Args:
+        limits: what each execution may use.
+        isolated: False runs programs with the rlimits and a temporary folder only: they see the machine's files,
+            network and processes. Only for trusted code, or a machine without the namespaces (docs/rewards.md).
+        python: the interpreter programs run with; default: the base interpreter of this one (not its virtual
+            environment). Its installation folder is made visible, read-only.
+        protections: which of `PROTECTIONS` to apply beyond the namespaces; None: every one this machine allows
+            (what it does not allow is said once, in one line). Tests give fewer, to show what each one holds.
+
+    Raises:
+        SandboxUnavailable: `isolated` and the machine refuses a namespace or mount the sandbox needs.
+    """
+
+    def __init__(
+        self,
+        limits: SandboxLimits | None = None,
+        isolated: bool = True,
+        python: str | None = None,
+        protections: Collection[str] | None = None,
+    ) -> None:
+        self.limits = limits or SandboxLimits()
+        self.isolated = isolated
+        self.python = os.path.realpath(python or getattr(sys, "_base_executable", sys.executable))
+        if not os.access(self.python, os.X_OK):
+            raise ConfigError(f"code rewards: there is no Python interpreter at {self.python}; give one that exists.")
+        unknown = set(protections or ()) - set(PROTECTIONS)
+        if unknown:
+            raise ConfigError(f"sandbox protections: {sorted(unknown)} are not among {', '.join(PROTECTIONS)}.")
+        prefix = os.path.dirname(os.path.dirname(self.python))
+        system = prefix == "/usr" or prefix.startswith(("/usr/", "/bin", "/lib"))
+        self._binds = [] if system else [prefix]
+        wanted = PROTECTIONS if protections is None else tuple(protections)
+        self._cgroups = MemoryCgroups.find() if isolated and "memory_cgroup" in wanted else None
+        self._wanted = tuple(p for p in wanted if p != "memory_cgroup" or self._cgroups is not None)
+        self.python_path: list[str] = []
+        self.protections: tuple[str, ...] = ()
+        self._check(say_missing=protections is None)
+
+    def _check(self, say_missing: bool) -> None:
+        """Run one trivial program; refuse in one line when the sandbox cannot be built; learn the interpreter's
+        module path (the judge's) and which protections hold."""
+        probe = self.run("import json, sys\nprint(json.dumps(sys.path))")
+        try:
+            self.python_path = json.loads(probe.stdout)
+        except ValueError:
+            what = probe.stderr.strip().splitlines()[-1:] or [probe.reason or "no output"]
+            raise SandboxUnavailable(
+                f"code rewards: the sandbox cannot start here ({what[0]}); it needs user, mount, pid and network "
+                "namespaces (as root, or with unprivileged user namespaces enabled: sysctl "
+                "kernel.unprivileged_userns_clone=1 / user.max_user_namespaces > 0, and no AppArmor restriction). Run "
+                "where they are, or opt out of the isolation with code_sandbox: none (docs/rewards.md)."
+            ) from None
+        self.protections = probe.protections
+        missing = [p for p in PROTECTIONS if p not in self.protections]
+        if self.isolated and say_missing and missing:
+            line = "code rewards: not enforced on this machine: " + "; ".join(_MISSING[p] for p in missing) + "."
+            with _said_lock:
+                if line not in _said:
+                    _said.add(line)
+                    logger.warning(line)
+
+    def run(self, code: str, stdin: str | bytes = "", judge: dict | None = None) -> Execution:
+        """Run `code` with `stdin` as its standard input; never raises for what the program does.
+
+        Args:
+            code: the program (its main.py).
+            stdin: its standard input (text is encoded as UTF-8, lone surrogates kept as their bytes), any size.
+            judge: for assert-style tests, the judge's job (`colograd.rewards.code_harness.judge`; "source" its
+            source): it
+                runs beside the program, which then gets the judge's channel and no stdin.
+        """
+        start = time.perf_counter()
+        status_r, status_w = os.pipe()
+        stdin_fd = _stdin_file(stdin)
+        workdir = None if self.isolated else tempfile.TemporaryDirectory(prefix="colograd-unsandboxed-")
+        cgroup = self._cgroups.create(self.limits.cgroup_bytes()) if self._cgroups is not None else None
+        orders = {
+            "isolated": self.isolated,
+            "status_fd": status_w,
+            "stdin_fd": stdin_fd,
+            "binds": self._binds,
+            "disk_kib": self.limits.disk_mib * 1024,
+            "limits": self.limits.rlimits(),
+            "python": self.python,
+            # Unisolated, nothing is hidden: the program gets this process's environment, as a plain subprocess.
+            "env": _ENV if self.isolated else dict(os.environ),
+            "workdir": workdir.name if workdir else None,
+            "code": code,
+            "judge": None if judge is None else {**judge, "path": self.python_path},
+            "protections": list(self._wanted) if self.isolated else [],
+            "cgroup": cgroup,
+        }
+        try:
+            proc = subprocess.Popen(
+                [self.python, "-I", "-S", LAUNCHER],  # standard library only: any Python 3.10+ runs it
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=(status_w, stdin_fd),
+                env={},
+                start_new_session=True,  # its own process group: killed as one
+            )
+        finally:
+            os.close(status_w)
+            os.close(stdin_fd)
+        try:
+            try:
+                proc.stdin.write(json.dumps(orders).encode())
+                proc.stdin.close()
+            except BrokenPipeError:  # the launcher died before reading its orders: reported below
+                pass
+            clock = _Clock(proc.pid, self.limits.wall_s)
+            stdout, stderr, status_bytes, cut = _communicate(proc, status_r, clock, self.limits.output_kib * 1024)
+            _kill_group(proc)
+            proc.wait()
+            oom = self._cgroups.oom_kills(cgroup) if cgroup else 0
+        finally:
+            if workdir is not None:
+                workdir.cleanup()
+            if cgroup is not None:
+                self._cgroups.remove(cgroup)
+        return _execution(stdout, stderr, status_bytes, cut, oom, time.perf_counter() - start)
+
+
+def _execution(stdout: bytes, stderr: bytes, status_bytes: bytes, cut: str | None, oom: int, seconds: float):
+    """The Execution that the streams and the status pipe's lines tell of."""
+    verdicts: dict[int, str] = {}
+    status: dict = {}
+    judge_failure = None
+    for line in status_bytes.decode("utf-8", "replace").splitlines():
+        try:
+            report = json.loads(line)
+        except ValueError:
+            continue
+        if "test" in report:
+            verdicts.setdefault(int(report["test"]), str(report["outcome"]))
+        elif "judge_error" in report:
+            judge_failure = f"judge: {report['judge_error']}"
+        else:
+            status = report
+    err_text = _text(stderr)
+    done = dict(protections=tuple(status.get("protections", ())), verdicts=verdicts, seconds=seconds)
+    if "setup_error" in status:
+        return Execution("", f"sandbox setup: {status['setup_error']}", None, None, "sandbox setup failed", **done)
+    program = status.get("program")
+    judge = status.get("judge")
+    if judge is not None and judge_failure is None and (judge.get("signal") or judge.get("exit_code")):
+        judge_failure = "judge: " + (_reason(judge.get("exit_code"), judge.get("signal"), "") or "failed")
+    exit_code, sig = (program or {}).get("exit_code"), (program or {}).get("signal")
+    if cut:
+        reason = cut
+    elif oom and (program is None or sig == signal.SIGKILL):
+        reason = "memory"  # the kernel killed a process for the cgroup's limit
+    elif program is None:
+        reason = "sandbox failed"  # the launcher or init ended without reporting: not the program's doing
+        logger.warning("code rewards: the sandbox failed: %s", (err_text.strip().splitlines() or ["no message"])[-1])
+    elif program.get("stopped"):
+        reason = None
+    else:
+        reason = _reason(exit_code, sig, err_text)
+    return Execution(_text(stdout), err_text, exit_code, sig, reason, judge_failure=judge_failure, **done)
+
+
+def _stdin_file(stdin: str | bytes) -> int:
+    """A file holding `stdin`, read from its start: the program reads it as a file of the right size, whatever its
+    size, and nothing here waits for it to be read."""
+    data = stdin.encode("utf-8", "surrogatepass") if isinstance(stdin, str) else bytes(stdin)
+    fd = os.memfd_create("colograd-stdin") if hasattr(os, "memfd_create") else _unlinked_file()
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _unlinked_file() -> int:
+    fd, path = tempfile.mkstemp(prefix="colograd-stdin-")
+    os.unlink(path)
+    return fd
+
+
+def _text(data: bytes) -> str:
+    """Bytes as text: UTF-8, with lone surrogates kept (a program may echo one back), else invalid bytes replaced."""
+    try:
+        return data.decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError:
+        return data.decode("utf-8", "replace")
+
+
+class _Clock:
+    """The seconds an execution is charged: wall time since it started, less the time its launcher, its init and
+    init's children (the program, the judge) spent waiting for a CPU (/proc/<pid>/schedstat), so that a busy
+    machine does not eat a program's wall time. Read only once the wall time alone reaches the limit."""
+
+    BACKSTOP = 10  # whatever the waits, no execution lasts more than this many times the wall limit
+
+    def __init__(self, pid: int, limit_s: float) -> None:
+        self.pid = pid
+        self.limit_s = limit_s
+        self.start = time.perf_counter()
+        self.waited: dict[int, int] = {}  # pid -> nanoseconds spent runnable but not running
+
+    def left(self) -> float:
+        """Seconds until the limit, as far as is known now; <= 0: the limit is reached."""
+        elapsed = time.perf_counter() - self.start
+        if elapsed >= self.limit_s * self.BACKSTOP:
+            return 0.0
+        if elapsed < self.limit_s:  # below the limit even with no wait to deduct
+            return self.limit_s - elapsed
+        self._read()
+        return self.limit_s - (elapsed - sum(self.waited.values()) / 1e9)
+
+    def _read(self) -> None:
+        level = [self.pid]
+        for _ in range(3):  # the launcher, init, init's children
+            below = []
+            for pid in level:
+                try:
+                    with open(f"/proc/{pid}/schedstat") as f:
+                        self.waited[pid] = max(self.waited.get(pid, 0), int(f.read().split()[1]))
+                    with open(f"/proc/{pid}/task/{pid}/children") as f:
+                        below += [int(child) for child in f.read().split()]
+                except (OSError, ValueError, IndexError):
+                    continue
+            level = below
+
+
+def _communicate(proc: subprocess.Popen, status_fd: int, clock: _Clock, cap: int):
+    """Read the program's stdout and stderr and the status pipe until all close, the clock runs out or stdout and
+    stderr together exceed `cap` bytes. Returns stdout, the end of stderr, the status pipe's bytes, and "timeout" /
+    "output limit" when it was cut short."""
+    out, err, status = bytearray(), bytearray(), bytearray()
+    total = 0
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ, out)
+        sel.register(proc.stderr, selectors.EVENT_READ, err)
+        sel.register(status_fd, selectors.EVENT_READ, status)
+        try:
+            while sel.get_map():
+                left = clock.left()
+                if left <= 0:
+                    return bytes(out), bytes(err[-_STDERR_KEPT:]), bytes(status), "timeout"
+                for key, _ in sel.select(left):
+                    chunk = os.read(key.fd, 65536)
+                    if not chunk:
+                        sel.unregister(key.fileobj)
+                        continue
+                    if key.data is status:
+                        status.extend(chunk)
+                        continue
+                    total += len(chunk)
+                    key.data.extend(chunk)
+                    if total > cap:
+                        return bytes(out[:cap]), bytes(err[-_STDERR_KEPT:]), bytes(status), "output limit"
+                    if key.data is err and len(err) > 2 * _STDERR_KEPT:
+                        del err[:-_STDERR_KEPT]
+        finally:
+            os.close(status_fd)
+    return bytes(out), bytes(err[-_STDERR_KEPT:]), bytes(status), None
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill the launcher's process group (the launcher, the sandbox's init and, unless it left the group, the
+    program); init's death ends the rest of its pid namespace."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _reason(exit_code: int | None, sig: int | None, stderr: str) -> str | None:
+    """Why a finished program failed, from its status and the last line of its stderr; None when it exited 0."""
+    if exit_code == 0:
+        return None
+    if sig is not None:
+        if sig == signal.SIGXCPU:
+            return "cpu time"
+        if sig == signal.SIGXFSZ:
+            return "file size"
+        return f"killed by {signal.Signals(sig).name}" if sig in signal.Signals._value2member_map_ else f"signal {sig}"
+    last = (stderr.strip().splitlines() or [""])[-1]
+    kind = last.partition(":")[0].strip()
+    if kind in ("SyntaxError", "IndentationError", "TabError"):
+        return "syntax error"
+    if kind == "MemoryError" or "[Errno 12]" in last:  # ENOMEM
+        return "memory"
+    if "[Errno 27]" in last:  # EFBIG: Python ignores SIGXFSZ, so the write fails instead
+        return "file size"
+    if kind.isidentifier() and (kind.endswith(("Error", "Exception", "Exit")) or kind == "KeyboardInterrupt"):
+        return f"error: {kind}"
+    return f"exit code {exit_code}"

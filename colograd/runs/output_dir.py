@@ -1,0 +1,277 @@
+"""The output_dir stage: a run owns its folder while it runs, and never takes another run's work for its own.
+
+    claim        output_dir can be written; the first process writes a lock file, `_colograd_run.lock` (host, pid,
+                 start time, command), before any slow start-up, and removes it at exit. A second run finds it and
+                 stops, naming the first; a lock left by a process that no longer runs on this host is taken over
+    fresh start  a run that resumes nothing refuses an output_dir holding another run's checkpoints or finished
+                 model (resume it, choose another folder, or set overwrite_output_dir to start over)
+    resume       the checkpoint is a finished save (`colograd.runs.checkpoints.resolve_checkpoint`); the trainer then
+                 checks it was saved by a run set up as this one (`colograd.runs.checkpoints.check_setup`)
+
+`check_output_dir` runs all three; `colograd/train.py` calls it first, preflight and `GRPOTrainer.train` again (a
+repeated call finds its own lock and does nothing new). Only the first process (rank 0) takes the lock and
+judges the folder's contents: a refusal there ends the whole launch (the launcher stops the other ranks), and is
+printed once.
+"""
+
+import atexit
+import json
+import os
+import shlex
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime
+
+from transformers import TrainingArguments
+from transformers.utils import (
+    ADAPTER_SAFE_WEIGHTS_NAME,
+    ADAPTER_WEIGHTS_NAME,
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+    WEIGHTS_INDEX_NAME,
+    WEIGHTS_NAME,
+)
+
+from colograd.config.core import ConfigError
+from colograd.runs.checkpoints import checkpoints, resolve_checkpoint
+
+# "_": push_to_hub's upload of output_dir leaves out names starting with it, so a host name is never published.
+LOCK_FILE = "_colograd_run.lock"
+MODEL_FILES = (
+    SAFE_WEIGHTS_NAME,
+    SAFE_WEIGHTS_INDEX_NAME,
+    WEIGHTS_NAME,
+    WEIGHTS_INDEX_NAME,
+    ADAPTER_SAFE_WEIGHTS_NAME,
+    ADAPTER_WEIGHTS_NAME,
+)
+COMPLETIONS_FILE = "completions.jsonl"  # appended to by each run (colograd.runs.completions.CompletionLog)
+_held: set[str] = set()  # the lock files this process holds (real paths)
+
+
+def check_output_dir(args: TrainingArguments, resume_from_checkpoint: str | bool | None) -> str | None:
+    """The whole stage: claim `output_dir`, then resolve the checkpoint to resume from, or check a fresh start.
+
+    Args:
+        args: the run's config (`output_dir`, `overwrite_output_dir`, `process_index`).
+        resume_from_checkpoint: as `colograd.runs.checkpoints.resolve_checkpoint` takes it.
+
+    Returns:
+        The checkpoint to resume from, or None.
+
+    Raises:
+        ConfigError: output_dir cannot be written, another run holds it, it holds another run's work, or the
+            checkpoint is not a finished save.
+    """
+    claim_output_dir(args)
+    checkpoint = resolve_checkpoint(resume_from_checkpoint, args.output_dir)
+    # A resume from a checkpoint elsewhere starts a branch here: it must not write over what this folder holds.
+    if checkpoint is None or not _inside(checkpoint, args.output_dir):
+        check_fresh_start(args)
+    return checkpoint
+
+
+def claim_output_dir(args: TrainingArguments) -> None:
+    """Create `output_dir` and check it can be written; on the first process, take its lock.
+
+    Raises:
+        ConfigError: it cannot be written, or another run holds it.
+    """
+    out = args.output_dir
+    try:
+        os.makedirs(out, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".colograd-write-test-"):
+            pass
+    except OSError as err:
+        raise ConfigError(
+            f"output_dir={out!r} cannot be written ({err.strerror or err}); choose a folder you can write to."
+        ) from err
+    if args.process_index == 0:
+        take_lock(out)
+
+
+# --- the lock ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Holder:
+    """The process a lock file names. `ticks` is its start time in clock ticks after boot (Linux), which tells a
+    process apart from a later one given the same pid."""
+
+    host: str
+    pid: int
+    started: str
+    ticks: int | None
+    command: str
+
+    @classmethod
+    def me(cls) -> "Holder":
+        command = shlex.join(sys.argv)[:200]
+        started = datetime.now().astimezone().isoformat(timespec="seconds")
+        return cls(socket.gethostname(), os.getpid(), started, _start_ticks(os.getpid()), command)
+
+    def describe(self) -> str:
+        return f"pid {self.pid} on host {self.host}, started {self.started} ({self.command})"
+
+
+def take_lock(output_dir: str) -> None:
+    """Write `output_dir`'s lock file for this process, removed when it exits.
+
+    Raises:
+        ConfigError: a running process holds it (or one on another host, which cannot be checked from here).
+    """
+    path = os.path.realpath(os.path.join(output_dir, LOCK_FILE))
+    if path in _held:
+        return
+    me = Holder.me()
+    for _ in range(3):  # a lost race with another run taking over the same stale lock: read it again
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            _refuse_or_take_over(path, output_dir)
+            continue
+        with os.fdopen(fd, "w") as f:
+            json.dump(asdict(me), f)
+        _held.add(path)
+        atexit.register(_release, path, me)
+        return
+    raise ConfigError(f"output_dir={output_dir!r}: its lock file {path} keeps changing; start one run at a time.")
+
+
+def _refuse_or_take_over(path: str, output_dir: str) -> None:
+    """Another process's lock: refuse while it runs; remove it, with a note, when it is gone."""
+    try:
+        holder = _read_lock(path)
+    except FileNotFoundError:  # released meanwhile: the next attempt takes it
+        return
+    if holder is not None:
+        running = _running(holder)
+        if running is None:
+            raise ConfigError(
+                f"output_dir={output_dir!r} is in use by another run: {holder.describe()}, not this host, so "
+                f"whether it still runs cannot be checked here; choose another output_dir, wait for it to end, or "
+                f"delete {path} if it is gone."
+            )
+        if running:
+            raise ConfigError(
+                f"output_dir={output_dir!r} is in use by another run: {holder.describe()}; choose another "
+                "output_dir, or wait for that run to end."
+            )
+        gone = f"was held by {holder.describe()}, which no longer runs"
+    else:
+        gone = "holds an unreadable lock (a run stopped while writing it)"
+    print(f"colograd: note: output_dir {output_dir} {gone}; taking it over.", file=sys.stderr, flush=True)
+    try:
+        os.remove(path)
+    except FileNotFoundError:  # another run took it over first; the next attempt finds its lock
+        pass
+
+
+def _read_lock(path: str) -> Holder | None:
+    """The lock's holder; None when the file cannot be parsed (read again shortly after, in case its writer is
+    between creating and filling it)."""
+    for attempt in range(5):
+        try:
+            with open(path) as f:
+                return Holder(**json.load(f))
+        except FileNotFoundError:
+            raise
+        except (OSError, ValueError, TypeError):
+            time.sleep(0.1 * (attempt + 1))
+    return None
+
+
+def _running(holder: Holder) -> bool | None:
+    """Whether the lock's process still runs; None when it ran on another host."""
+    if holder.host != socket.gethostname():
+        return None
+    try:
+        os.kill(holder.pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: it exists
+        pass
+    ticks = _start_ticks(holder.pid)
+    return ticks is None or holder.ticks is None or ticks == holder.ticks
+
+
+def _start_ticks(pid: int) -> int | None:
+    """A process's start time in clock ticks after boot from /proc (None where there is no /proc); -1 for a
+    zombie, which no longer runs."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return -1 if fields[0] == "Z" else int(fields[19])
+
+
+def _release(path: str, me: Holder) -> None:
+    """Remove the lock at exit, if it is still this process's (a forked child inherits the exit hook, not the
+    lock)."""
+    if os.getpid() != me.pid:
+        return
+    try:
+        if _read_lock(path) == me:
+            os.remove(path)
+    except (OSError, TypeError):
+        pass
+    _held.discard(path)
+
+
+# --- a fresh start -------------------------------------------------------------------------------------------
+
+
+def check_fresh_start(args: TrainingArguments) -> None:
+    """A run that resumes nothing must not write over another run's checkpoints or finished model; with
+    `overwrite_output_dir`, that run's checkpoints and completion log are removed instead (its model files are
+    replaced by this run's at the end). On the first process only.
+
+    Raises:
+        ConfigError: `output_dir` holds another run's work, naming it and the three ways on.
+    """
+    if args.process_index != 0:
+        return
+    out = args.output_dir
+    folders = checkpoints(out)
+    if args.overwrite_output_dir:
+        _remove_previous(out, folders)
+        return
+    model = [name for name in MODEL_FILES if os.path.isfile(os.path.join(out, name))]
+    if not folders and not model:
+        return
+    found = []
+    if folders:
+        names = ", ".join(os.path.basename(c) for c in folders[-3:])
+        found.append(f"checkpoints ({'..., ' if len(folders) > 3 else ''}{names})")
+    if model:
+        found.append(f"finished model ({model[0]})")
+    resume = "resume it with --resume_from_checkpoint true, " if folders else ""
+    raise ConfigError(
+        f"output_dir={out!r} holds another run's {' and '.join(found)}; {resume}choose another output_dir, or set "
+        "overwrite_output_dir: true to start over."
+    )
+
+
+def _remove_previous(output_dir: str, folders: list[str]) -> None:
+    """Remove the previous run's checkpoints (so `resume_from_checkpoint: true` can never pick one of them) and its
+    completion log (which this run would otherwise append to), with one note."""
+    for folder in folders:
+        shutil.rmtree(folder)
+    log = os.path.join(output_dir, COMPLETIONS_FILE)
+    removed = [os.path.basename(f) for f in folders]
+    if os.path.isfile(log):
+        os.remove(log)
+        removed.append(COMPLETIONS_FILE)
+    if removed:
+        names = ", ".join(removed)
+        note = f"overwrite_output_dir: removed the previous run's {names} from {output_dir}"
+        print(f"colograd: note: {note}.", file=sys.stderr)
+
+
+def _inside(checkpoint: str, output_dir: str) -> bool:
+    return os.path.dirname(os.path.realpath(checkpoint)) == os.path.realpath(output_dir)

@@ -1,0 +1,197 @@
+"""Interruptions that lose nothing: a failure names its step and stage; a preemption checkpoints and stops.
+
+Failure: an exception inside a stage of the step (generate, reward, logps, train, sync) becomes a `StepFailure`
+naming the optimizer step, the stage and the last finished checkpoint to resume from. Checkpoints are never
+touched by a failure, and `resume_from_checkpoint: true` only ever picks a finished one.
+
+Preemption: SLURM and Kubernetes send SIGTERM, then SIGKILL after a grace period (30 s by default for
+Kubernetes and torchrun, SLURM's `GraceTime`). `Preemption` turns SIGTERM into a flag; at the end of each
+optimizer step the ranks agree on it (one scalar all-reduce, so a signal that reached one rank stops them
+all at the same step), save a checkpoint and stop training.
+"""
+
+import os
+import signal
+import sys
+import threading
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+from typing import NoReturn
+
+import torch
+import torch.distributed as dist
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from colograd.runs.checkpoints import last_complete_checkpoint
+
+PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM  # what a shell reports for a process ended by SIGTERM
+INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT  # ... and by Ctrl-C
+
+# Set by `Preemption`'s handler while it is armed; read by waits that must not outlast a preemption's grace.
+_sigterm = threading.Event()
+
+
+def sigterm_received() -> bool:
+    """Whether SIGTERM arrived during the current `train` call."""
+    return _sigterm.is_set()
+
+
+def _resume_hint(checkpoint: str | None, fix: bool = True) -> str:
+    """Where a stopped run continues from; `fix`: it stopped on an error the user fixes first."""
+    return (
+        f"the last finished checkpoint, {checkpoint}, is intact: {'fix the cause and ' if fix else ''}rerun with "
+        "--resume_from_checkpoint true"
+        if checkpoint
+        else "no checkpoint was saved yet"
+    )
+
+
+class StepFailure(RuntimeError):
+    """An exception raised in a stage of an optimizer step; the original is its `__cause__`.
+
+    Args:
+        step: the optimizer step being computed (1-based, as logs number it).
+        stage: the stage that raised.
+        error: the exception.
+        checkpoint: the last finished checkpoint in `output_dir`, or None.
+    """
+
+    def __init__(self, step: int, stage: str, error: BaseException, checkpoint: str | None) -> None:
+        message = (str(error).strip().splitlines() or [""])[0]
+        super().__init__(
+            f"optimizer step {step}, stage {stage!r}: {type(error).__name__}: {message} ({_resume_hint(checkpoint)})."
+        )
+        self.step, self.stage = step, stage
+
+
+class StoppedBySigterm(SystemExit):
+    """SIGTERM came while a stage could not finish within the grace a scheduler gives: the process stops now with
+    `PREEMPTED_EXIT_CODE`, without a checkpoint of the unfinished step (a SystemExit: nothing on the way catches
+    it as an error).
+
+    Args:
+        what: what the stage was waiting for, e.g. "reward function 'judge' had not returned 10 s after it".
+    """
+
+    def __init__(self, what: str) -> None:
+        super().__init__(PREEMPTED_EXIT_CODE)
+        self.what = what
+        self.reported = False  # said by the innermost stage; an outer one lets it pass
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during training; the message names the optimizer step and, inside one, the stage."""
+
+    def __init__(self, step: int, stage: str | None = None) -> None:
+        super().__init__(f"optimizer step {step}" + (f", stage {stage!r}" if stage else ""))
+
+
+@contextmanager
+def stage_failures(stage: str, step: int, output_dir: str) -> Iterator[None]:
+    """Re-raise an exception from the body as a `StepFailure` naming `step` and `stage` (an inner stage's
+    `StepFailure` passes through: it names the innermost stage). Ctrl-C becomes `Interrupted`, naming them too; a
+    stage stopped by SIGTERM (`StoppedBySigterm`) says so in one line on its way out."""
+    try:
+        yield
+    except (StepFailure, Interrupted):
+        raise
+    except KeyboardInterrupt as err:
+        raise Interrupted(step, stage) from err
+    except StoppedBySigterm as err:
+        if not err.reported:
+            checkpoint = last_complete_checkpoint(output_dir)
+            print(
+                f"colograd: stopped by SIGTERM during optimizer step {step}, stage {stage!r}: {err.what}; the "
+                f"unfinished step is not saved, {_resume_hint(checkpoint, fix=False)}.",
+                file=sys.stderr,
+                flush=True,
+            )
+            err.reported = True
+        raise
+    except Exception as err:
+        raise StepFailure(step, stage, err, last_complete_checkpoint(output_dir)) from err
+
+
+def exit_interrupted(err: KeyboardInterrupt, output_dir: str, debug: bool = False) -> NoReturn:
+    """End a run stopped by Ctrl-C: one line on the main process (a launcher passes the signal to every rank)
+    naming where it stopped and the checkpoint to resume from, the traceback only with `debug`; exit code 130."""
+    if os.environ.get("RANK", "0") == "0":
+        if debug:
+            traceback.print_exception(err)
+        where = f" during {err}" if isinstance(err, Interrupted) else ""
+        print(
+            f"colograd: interrupted (Ctrl-C){where}; {_resume_hint(last_complete_checkpoint(output_dir), fix=False)}.",
+            file=sys.stderr,
+            flush=True,
+        )
+    sys.exit(INTERRUPTED_EXIT_CODE)
+
+
+class Preemption(TrainerCallback):
+    """Stop at the end of the step during which SIGTERM arrived (on any rank), with a checkpoint of it.
+
+    `armed()` installs the handler for the duration of a `train` call; `requested` tells afterwards whether
+    training stopped for it.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._signalled = False
+        self._step = 0  # the optimizer step in progress, which a Ctrl-C outside the stages is said to stop
+
+    @contextmanager
+    def armed(self) -> Iterator[None]:
+        """Catch SIGTERM while the body runs (signal handlers can only be set from the main thread); Ctrl-C outside
+        a stage (`stage_failures`) leaves it as `Interrupted`, naming the step."""
+        self.requested = self._signalled = False
+        _sigterm.clear()
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = signal.signal(signal.SIGTERM, self._on_signal)
+        try:
+            yield
+        except KeyboardInterrupt as err:
+            if isinstance(err, Interrupted) or not self._step:
+                raise
+            raise Interrupted(self._step) from err
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        # Only a flag: the step in progress finishes, and a launcher's repeated SIGTERM changes nothing.
+        self._signalled = True
+        _sigterm.set()
+
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs
+    ) -> TrainerControl:
+        self._step = state.global_step + 1
+        return control
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs
+    ) -> TrainerControl:
+        stop = torch.tensor(float(self._signalled), device=args.device)
+        if dist.is_initialized():  # one scalar per step: cheap, and every rank takes the same decision
+            dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+        if stop.item():
+            self.requested = True
+            control.should_save = True
+            control.should_training_stop = True
+        return control
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
+        """Say where the stopped run's checkpoint is and how to continue, once every rank's part is written."""
+        if not self.requested:
+            return
+        if dist.is_initialized():  # every rank stopped on the same step, so every rank gets here
+            dist.barrier()
+        if state.is_world_process_zero:
+            print(
+                f"colograd: stopped by SIGTERM after optimizer step {state.global_step}, checkpoint saved in "
+                f"{args.output_dir}; rerun with --resume_from_checkpoint true to continue.",
+                flush=True,
+            )

@@ -1,0 +1,104 @@
+"""Saving and resuming a run: every save of the model writes its model card beside it, every checkpoint carries a
+record (`colograd.runs.checkpoints`) that says whether it finished and what run saved it, and a resume takes only such
+a checkpoint of this run.
+
+`ModelSaving` holds transformers' `Trainer` save hooks as colograd overrides them; `GRPOTrainer` inherits them.
+"""
+
+import os
+from typing import Any
+
+from torch import nn
+from transformers import Trainer
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from colograd.rewards.core import reward_name
+from colograd.runs.checkpoints import (
+    begin_record,
+    check_resume,
+    check_setup,
+    finish_record,
+    rotate_checkpoints,
+    run_setup,
+)
+from colograd.runs.modelcard import model_card, write_model_card
+from colograd.runs.output_dir import check_output_dir
+from colograd.runs.preemption import stage_failures
+
+
+class ModelSaving(Trainer):
+    """The save hooks of `GRPOTrainer` and where a `train` call starts from (`recipe`, `reward_funcs` and
+    `reward_weights` are set by it)."""
+
+    # Objects with a `write_state(folder)` of their own state, written into each checkpoint before its record says
+    # the save finished, so that a finished checkpoint always holds it (the trainer's: the entropy coefficient).
+    checkpoint_parts: tuple = ()
+
+    def resume_point(self, resume_from_checkpoint: str | bool | None) -> str | None:
+        """The checkpoint a `train` call resumes from, or None: the newest finished one for True, a named one only
+        if finished; either saved by a run set up as this one (`check_setup`). A run that resumes nothing is refused
+        where another run's work is (`colograd.runs.output_dir`)."""
+        checkpoint = check_output_dir(self.args, resume_from_checkpoint)
+        policy = self.accelerator.unwrap_model(self.model)
+        self._setup = run_setup(
+            self.args, policy, (self.recipe and self.recipe.model_name_or_path) or policy.config._name_or_path,
+            self.train_dataset, [reward_name(f) for f in self.reward_funcs], self.reward_weights.tolist(),
+        )  # fmt: skip
+        if checkpoint:
+            check_resume(checkpoint, self.args, policy.config, self.args.trust_remote_code)
+            check_setup(checkpoint, self._setup)
+        return checkpoint
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Every save of the model (final, checkpoint, before a push) writes its model card beside it; a failure (a
+        full disk) names the step and the stage 'save'. The Trainer calls this on the saving process only."""
+        with stage_failures("save", self.state.global_step, self.args.output_dir):
+            super()._save(output_dir, state_dict)
+            self.create_model_card(output_dir=output_dir)
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        """transformers' checkpoint save, bracketed by its record (`colograd.runs.checkpoints`): marked unfinished
+        before anything is written, finished once every rank's part is. Older checkpoints are deleted only then
+        (`save_total_limit`), so a save cut short never costs the last finished one. A failure names the step and
+        the stage 'save'."""
+        step, run_dir = self.state.global_step, self._get_output_dir(trial=trial)
+        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        with stage_failures("save", step, self.args.output_dir):
+            if self.args.should_save:
+                begin_record(folder)
+            self.accelerator.wait_for_everyone()  # no rank writes into the folder before it is marked
+            limit, self.args.save_total_limit = self.args.save_total_limit, None  # no rotation inside the save
+            try:
+                super()._save_checkpoint(model, trial)
+            finally:
+                self.args.save_total_limit = limit
+            if self.args.should_save:
+                for part in self.checkpoint_parts:  # colograd's own state, inside the bracket too
+                    part.write_state(folder)
+            self.accelerator.wait_for_everyone()
+            if self.args.should_save:
+                finish_record(folder, self._setup)
+                rotate_checkpoints(run_dir, limit, self.state.best_model_checkpoint)
+
+    def create_model_card(
+        self,
+        model_name: str | None = None,
+        tags: str | list[str] | None = None,
+        finetuned_from: str | None = None,
+        output_dir: str | None = None,
+    ) -> None:
+        """Write `README.md` (see `colograd.runs.modelcard`) into `output_dir` (default `args.output_dir`).
+
+        `push_to_hub` calls this before uploading, with the repository's name as `model_name`.
+        """
+        output_dir = output_dir or self.args.output_dir
+        base = finetuned_from or (self.recipe and self.recipe.model_name_or_path) or self.model.config._name_or_path
+        card = model_card(
+            model_name=model_name or os.path.basename(os.path.normpath(self.args.output_dir)),
+            base_model=base,
+            recipe=self.recipe,
+            log_history=self.state.log_history,
+            world_size=self.args.world_size,
+            tags=[tags] if isinstance(tags, str) else tags,
+        )
+        write_model_card(card, output_dir)
