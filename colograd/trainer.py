@@ -177,6 +177,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
             self.reward_funcs += self.agents.reward_funcs
             self.reward_weights = torch.cat([self.reward_weights, torch.ones(len(self.agents.reward_funcs))])
         check_reward_source(self.reward_funcs)
+        self.reward_func_names = [reward_name(f) for f in self.reward_funcs]  # TRL's attribute: metrics' names
         # An environment reaches the rewards as `environments`; a rollout_func's own fields show only at rollout
         # time, so then the rewards' parameters are not checked before it.
         rewards_also_get = None if rollout_func else (["environments"] if environment_factory else [])
@@ -372,7 +373,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         g = self.args.num_generations
         scored = self.sample(rows)
         extra, logged = self.reward_logs.take()  # what the reward functions logged (TRL's log_extra / log_metric)
-        self._record(rollout_metrics(scored, [reward_name(f) for f in self.reward_funcs]) | logged)
+        self._record(rollout_metrics(scored, self.reward_func_names) | logged)
         if self.agents is not None:
             self._record(self.agents.metrics)
         self._times.count("generated", int(sampled_lengths(scored.rollout).sum()), self._metrics)
@@ -730,7 +731,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         if self._completion_log is None or step % (self.args.log_completions_steps or self.state.logging_steps):
             return
         texts = self.processing_class.batch_decode(rollout.completion_ids, skip_special_tokens=True)
-        rewards = {reward_name(f): rewards_NF[:, j].tolist() for j, f in enumerate(self.reward_funcs)}
+        rewards = {name: rewards_NF[:, j].tolist() for j, name in enumerate(self.reward_func_names)}
         total_N = (rewards_NF * self.reward_weights).nansum(dim=1)
         self._completion_log.record(
             step, prompts, texts, rewards, total_N.tolist(), advantages_N.tolist(), extra, images

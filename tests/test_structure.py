@@ -44,3 +44,145 @@ def test_the_trainer_and_its_modules_never_import_the_package_root():
         todo += sorted(imported - seen)
     assert len(seen) > 20  # the walk reached the trainer's modules
     assert cycles == []
+
+
+# --- the rooms: subpackages by part, imported in one direction ---------------------------------------------------
+
+# Each part imports only the parts before it (and the base modules). Everything under a part counts, imports inside
+# functions too: an import deferred to call time is still a dependency.
+BASE = ["errors", "moved"]  # standard library and torch-free: anything may import them
+LAYERS = ["config", "models", "runs", "data", "vision", "engine", "rewards", "agents", "grpo", "preflight"]
+# The faces at the top, which may import any part: the trainer, its command line, the GPU check, the benchmarks.
+FACES = {"__init__", "trainer", "train", "check", "check_runner", "bench"}
+# Imports that go against the layering on purpose, each with its reason.
+ALLOWED = {
+    ("colograd.runs.modelcard", "colograd"): "the package's version, read when a card is written",
+}
+
+
+def all_imports(path: Path) -> set[str]:
+    """Every colograd module `path` imports, at its top level or inside a function (`from colograd import x`
+    counts as `colograd.x`)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.split(".")[0] == "colograd"}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "colograd":
+            if node.module == "colograd":
+                found |= {
+                    f"colograd.{alias.name}" if alias.name not in ROOT_NAMES else "colograd" for alias in node.names
+                }
+            else:
+                found.add(node.module)
+    return found
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def part_of(module: str) -> str | None:
+    """The top-level entry a module belongs to: `colograd.engine.sync` → `engine`; the root → `__init__`."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def layering_violations(imports: dict[str, set[str]]) -> list[str]:
+    """The imports that go from a part to a later part or to a face, or from a base module to any part."""
+    rank = {part: i for i, part in enumerate(LAYERS)}
+    wrong = []
+    for module, targets in sorted(imports.items()):
+        source = part_of(module)
+        if source in FACES:
+            continue
+        for target in sorted(targets):
+            if (module, target) in ALLOWED or part_of(target) == source:
+                continue
+            to = part_of(target)
+            if source in BASE:
+                ok = to in BASE
+            else:
+                ok = to in BASE or (to in rank and rank[to] < rank[source])
+            if not ok:
+                wrong.append(f"{module} imports {target}")
+    return wrong
+
+
+def package_imports() -> dict[str, set[str]]:
+    return {module_name(path): all_imports(path) for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def test_the_layering_names_every_top_level_entry():
+    """A new module or folder at the top must be placed: a part, a base module or a face."""
+    entries = {p.stem if p.suffix == ".py" else p.name for p in PACKAGE.iterdir() if not p.name.startswith((".", "_"))}
+    entries |= {"__init__"}
+    assert entries == set(LAYERS) | set(BASE) | FACES
+    assert len([p for p in PACKAGE.iterdir() if p.suffix == ".py"]) <= 8  # the faces and the base, no more
+
+
+def test_no_part_imports_a_later_part():
+    assert layering_violations(package_imports()) == []
+
+
+def test_the_layering_check_finds_an_upward_import():
+    """The check has power: an import from the engine into the GRPO math, or from a part into the trainer, is
+    named, and one that follows the layering is not."""
+    imports = package_imports()
+    imports["colograd.engine.sync"] = imports["colograd.engine.sync"] | {"colograd.grpo.logps"}
+    imports["colograd.rewards.core"] = imports["colograd.rewards.core"] | {"colograd.trainer"}
+    imports["colograd.grpo.loss"] = imports["colograd.grpo.loss"] | {"colograd.engine.core"}
+    assert layering_violations(imports) == [
+        "colograd.engine.sync imports colograd.grpo.logps",
+        "colograd.rewards.core imports colograd.trainer",
+    ]
+
+
+def test_no_import_cycle_between_parts():
+    """Parts form a DAG whatever the layering's order says (a check that does not trust `LAYERS`)."""
+    edges: dict[str, set[str]] = {}
+    for module, targets in package_imports().items():
+        source = part_of(module)
+        for target in targets:
+            if (module, target) not in ALLOWED and part_of(target) != source:
+                edges.setdefault(source, set()).add(part_of(target))
+    state: dict[str, str] = {}
+
+    def visit(node: str, path: list[str]) -> list[str]:
+        state[node] = "open"
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == "open":
+                return path + [node, nxt]
+            if nxt not in state and (cycle := visit(nxt, path + [node])):
+                return cycle
+        state[node] = "done"
+        return []
+
+    cycles = [cycle for node in sorted(edges) if node not in state and (cycle := visit(node, []))]
+    assert cycles == []
+
+
+def test_old_module_names_import_the_moved_modules():
+    """Recipes, notebooks and subclasses written before the move keep working: `colograd.sums.sum_reward` and
+    `from colograd.engine import Engine` give the same objects as the new paths, with a FutureWarning naming them."""
+    import importlib
+    import sys
+    import warnings
+
+    from colograd.data import sums
+    from colograd.engine import core
+    from colograd.moved import MOVED
+
+    sys.modules.pop("colograd.sums", None)  # imported at its old name once before: no second warning
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = importlib.import_module("colograd.sums")
+        from colograd.engine import Engine
+    assert old is sums and Engine is core.Engine
+    assert {str(w.message) for w in caught} == {
+        "colograd.sums moved to colograd.data.sums; import it from there",
+        "colograd.engine.Engine moved to colograd.engine.core.Engine; import it from there",
+    }
+    for name, new in MOVED.items():  # every entry names a module that exists at its new path
+        assert (PACKAGE / (new.replace(".", "/") + ".py")).is_file(), new
+        assert not (PACKAGE / f"{name}.py").exists(), name

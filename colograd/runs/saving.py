@@ -12,7 +12,6 @@ from torch import nn
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from colograd.rewards.core import reward_name
 from colograd.runs.checkpoints import (
     begin_record,
     check_resume,
@@ -27,7 +26,7 @@ from colograd.runs.preemption import stage_failures
 
 
 class ModelSaving(Trainer):
-    """The save hooks of `GRPOTrainer` and where a `train` call starts from (`recipe`, `reward_funcs` and
+    """The save hooks of `GRPOTrainer` and where a `train` call starts from (`recipe`, `reward_func_names` and
     `reward_weights` are set by it)."""
 
     # Objects with a `write_state(folder)` of their own state, written into each checkpoint before its record says
@@ -42,7 +41,7 @@ class ModelSaving(Trainer):
         policy = self.accelerator.unwrap_model(self.model)
         self._setup = run_setup(
             self.args, policy, (self.recipe and self.recipe.model_name_or_path) or policy.config._name_or_path,
-            self.train_dataset, [reward_name(f) for f in self.reward_funcs], self.reward_weights.tolist(),
+            self.train_dataset, self.reward_func_names, self.reward_weights.tolist(),
         )  # fmt: skip
         if checkpoint:
             check_resume(checkpoint, self.args, policy.config, self.args.trust_remote_code)
