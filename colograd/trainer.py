@@ -60,7 +60,15 @@ from colograd.grpo.loss import (
 from colograd.grpo.memory import PassBudget, compute_dtype
 from colograd.grpo.packing import forward_packing
 from colograd.grpo.reference import ReferencePolicy
-from colograd.grpo.rollouts import RewardLogs, ScoredRollout, reward_metrics, rollout_metrics, sampled_lengths
+from colograd.grpo.rollouts import (
+    PreparedPrompts,
+    PromptImages,
+    RewardLogs,
+    ScoredRollout,
+    reward_metrics,
+    rollout_metrics,
+    sampled_lengths,
+)
 from colograd.models import logit_transform
 from colograd.preflight.core import (
     check_argument_order,
@@ -259,8 +267,6 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         self._vision = is_vision_language(getattr(unwrapped, "get_base_model", lambda: unwrapped)())
         self.numbered_rows = self._vision
         self._gap_rotation = 0  # image runs: which of a rank's prompts the sampling-gap metric's completion is from
-        self._rollout_images: list[list] | None = None  # this rollout's images, per prompt (`prepare_prompts`)
-        self._rollout_pixels: tuple[list[list[int]], list[dict]] | None = None  # expanded ids, processor outputs
         self.vllm_generation = VLLMGeneration(self)  # TRL's handle on the engine, for `rollout_func` code
         # What each model does to its logits (the policy, and the reference's copy if any), learnt before DeepSpeed
         # wraps or partitions them.
@@ -377,16 +383,16 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         if self.agents is not None:
             self._record(self.agents.metrics)
         self._times.count("generated", int(sampled_lengths(scored.rollout).sum()), self._metrics)
+        images = scored.images.images if scored.images is not None else [[] for _ in scored.prompts]
         if self._vision:  # a vision-language run shows at every step whether its prompts had images
-            images = self._rollout_images or [[] for _ in scored.prompts]
             self._record({"images/per_prompt": sum(map(len, images)) / max(1, len(images))})
         advantages_N = self.compute_advantages(scored.rewards_NF)
         self._record(reward_metrics(scored.rewards_NF, self.reward_weights, g))
-        images = self._rollout_images if self._images_per_prompt and self.args.log_multimodal else None
-        self.log_completions(scored.prompts, scored.rollout, scored.rewards_NF, advantages_N, extra, images)
+        logged_images = images if scored.images is not None and self.args.log_multimodal else None
+        self.log_completions(scored.prompts, scored.rollout, scored.rewards_NF, advantages_N, extra, logged_images)
         prompt_ids, pixels = scored.prompt_ids, None
-        if self._rollout_pixels is not None:  # image rows train on the prompts as the engine expanded them
-            prompt_ids, pixels = self._rollout_pixels
+        if scored.images is not None:  # image rows train on the prompts as the engine expanded them
+            prompt_ids, pixels = scored.images.expanded_ids, scored.images.pixels
             check_expansion(scored.rollout.engine_prompt_ids, prompt_ids)
         batch = pad_rollout(
             prompt_ids,
@@ -429,7 +435,9 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         if evaluation and self._vision:
             world, rank = self.accelerator.num_processes, self.accelerator.process_index
             rows = named_rows(rows, "eval_dataset", range(rank, rank + world * len(rows), world))
-        prompts, prompt_ids, columns = self.prepare_prompts(rows)
+        prepared = self.prepare_prompts(rows)
+        prompts, prompt_ids, columns = prepared
+        images = getattr(prepared, "images", None)  # an override's own tuple: text prompts
         rows, _ = row_names(rows)
         limit = self.prompt_limit
         truncated = sum(len(ids) > limit for ids in prompt_ids)
@@ -445,10 +453,13 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         prefix = "eval_" if evaluation else ""
         self.reward_logs.take()  # a reward's logs belong to the rollout that called it (an evaluation's are dropped)
         with self.engine.awake(sync=self.sync_weights), self._timed(f"{prefix}generate"):
-            rollout = self.generate(prompt_ids, g)
+            if images is None:
+                rollout = self.generate(prompt_ids, g)
+            else:
+                rollout = self.generate(prompt_ids, g, images=images.images)
         with self._timed(f"{prefix}reward"):
             rewards_NF = self.score(prompts, rollout, columns)
-        return ScoredRollout(prompts, prompt_ids, columns, rollout, rewards_NF, truncated)
+        return ScoredRollout(prompts, prompt_ids, columns, rollout, rewards_NF, truncated, images)
 
     @property
     def prompt_limit(self) -> int:
@@ -476,7 +487,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
             self._weight_plan.sync(self.engine)
         self._synced_step = self.state.global_step
 
-    def prepare_prompts(self, rows: list[dict]) -> tuple[list, list[list[int]], dict[str, list]]:
+    def prepare_prompts(self, rows: list[dict]) -> PreparedPrompts:
         """Template and tokenize a batch of dataset rows. A vision-language run's rows are each checked first
         (`check_row`, as preflight checks its sample), so a bad row stops the rollout before any work on it.
 
@@ -485,15 +496,17 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
                 ("train_dataset row 300", `colograd.data.streaming.ROW_KEY`) for the checks' messages.
 
         Returns:
+            `(prompts, prompt_ids, columns)` (a `PreparedPrompts`):
             prompts: the `prompt` of each row, as given (text or messages), for the reward functions.
             prompt_ids: token ids of each templated prompt, whole (`sample` keeps the last `prompt_limit`).
             columns: every other column, one value per row.
+            An image rollout's also carries its images, expanded ids and pixels (`.images`), which `sample` hands
+            to `generate` and returns with the rollout.
         """
         rows, names = row_names(rows)
         prompts = [row["prompt"] for row in rows]
         columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
         names = names or [f"the rollout's prompt {k}" for k in range(len(rows))]
-        self._rollout_images, self._rollout_pixels = None, None
         if self._vision:
             image_run, most = bool(self._images_per_prompt), self._images_per_prompt or None
             images = [
@@ -507,18 +520,19 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
             )
             setting = "max_prompt_length" if self.args.max_prompt_length else "the engine's context less a completion"
             check_prompt_lengths(expanded, names, self.prompt_limit, setting)
-            self._rollout_images, self._rollout_pixels = images, (expanded, pixels)
-            return prompts, prompt_ids, columns
+            return PreparedPrompts(prompts, prompt_ids, columns, PromptImages(images, expanded, pixels))
         prompt_ids = tokenize_prompts(
             prompts, self.processing_class, self._tool_schemas(), self.args.chat_template_kwargs
         )
-        return prompts, prompt_ids, columns
+        return PreparedPrompts(prompts, prompt_ids, columns)
 
-    def generate(self, prompt_ids: list[list[int]], num_generations: int | None = None) -> Rollout:
+    def generate(
+        self, prompt_ids: list[list[int]], num_generations: int | None = None, images: list[list] | None = None
+    ) -> Rollout:
         """`num_generations` (default: the config's) completions of every prompt of this rank, in one engine call;
         with tools, environments or a `rollout_func`, through `colograd.agents.core`. Reward functions marked for it
-        start
-        on each prompt's completions as soon as they are sampled (`colograd.rewards.early`)."""
+        start on each prompt's completions as soon as they are sampled (`colograd.rewards.early`). An image
+        rollout's `images` are each prompt's images, which `sample` passes from `prepare_prompts`."""
         g = num_generations or self.args.num_generations
         early = early_rewards(self.reward_funcs)
         rows = self._rollout_rows
@@ -526,7 +540,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         on_group = group_starter(early, self.processing_class, rows, chats) if early and rows else None
         if self.agents is not None:
             return self.agents.generate(self, prompt_ids, rows, self._rollout_step, g, on_group)
-        gap_sample, images = self.gap_sampled(), self._rollout_images if self._images_per_prompt else None
+        gap_sample = self.gap_sampled()
         # The engine asks the sampling-gap metric's log-probs of its first prompt's first completion: an image run
         # puts another of its prompts first at each rollout that asks, so that the metric covers every row in turn
         # (the same requests, at no cost); `sampling_gap_completions: all` asks every completion instead.

@@ -140,9 +140,9 @@ def test_image_rollouts_match_and_learn(tmp_path):
     assert wrong > 100 * max(gap, 1e-6)
 
     # TRL 1.16 sends ids with the placeholders already expanded: vLLM expands them again.
-    prompts, engine_ids, _ = trainer.prepare_prompts(rows[:1])
-    expanded = trainer._rollout_pixels[0]
-    rollout = trainer.engine.generate(expanded, args, images=trainer._rollout_images, num_generations=2)
+    prepared = trainer.prepare_prompts(rows[:1])
+    expanded = prepared.images.expanded_ids
+    rollout = trainer.engine.generate(expanded, args, images=prepared.images.images, num_generations=2)
     assert len(rollout.engine_prompt_ids[0]) > len(expanded[0])
     with pytest.raises(RuntimeError, match="expanded its image placeholders"):
         check_expansion(rollout.engine_prompt_ids, expanded)

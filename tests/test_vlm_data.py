@@ -323,19 +323,20 @@ def test_an_image_trainer_puts_another_prompt_first_at_each_rollout_that_asks(tm
         fake = SimpleNamespace(
             reward_funcs=[], _rollout_rows=[{"prompt": USER}] * 3, agents=None, processing_class=None,
             args=run_config(str(tmp_path), 1, num_generations=2, **settings), _rollout_step=0, _gap_rotation=0,
-            _images_per_prompt=images_per_prompt, _rollout_images=[[solid_image("red")]] * 3,
+            _images_per_prompt=images_per_prompt,
             engine=SimpleNamespace(generate=engine_generate), gap_sampled=lambda: True,
         )  # fmt: skip
         return fake
 
+    images = [[solid_image("red")]] * 3
     image_run = trainer(1)
-    rollouts = [GRPOTrainer.generate(image_run, [[10], [11], [12]]) for _ in range(4)]
+    rollouts = [GRPOTrainer.generate(image_run, [[10], [11], [12]], images=images) for _ in range(4)]
     assert first == [10, 11, 12, 10]
     assert all(r.completion_ids == [[10], [10], [11], [11], [12], [12]] for r in rollouts)  # back in order
     first.clear()
-    for run in (trainer(0), trainer(1, sampling_gap_completions="all")):
-        GRPOTrainer.generate(run, [[10], [11], [12]])
-        GRPOTrainer.generate(run, [[10], [11], [12]])
+    for run, run_images in ((trainer(0), None), (trainer(1, sampling_gap_completions="all"), images)):
+        GRPOTrainer.generate(run, [[10], [11], [12]], images=run_images)
+        GRPOTrainer.generate(run, [[10], [11], [12]], images=run_images)
     assert first == [10, 10, 10, 10]
 
 

@@ -17,6 +17,33 @@ from colograd.grpo.loss import weighted_rewards
 
 
 @dataclass
+class PromptImages:
+    """An image rollout's prompts beyond their ids: what the engine and the trainer each need of their images.
+
+    images: each prompt's images, in order, as the engine gets them (it expands their placeholders itself).
+    expanded_ids: each prompt's token ids with its images expanded as the processor does, which the trainer trains on.
+    pixels: the processor's outputs for each prompt (`pixel_values` and the like).
+    """
+
+    images: list[list]
+    expanded_ids: list[list[int]]
+    pixels: list[dict]
+
+
+class PreparedPrompts(tuple):
+    """What `prepare_prompts` returns: it unpacks as `(prompts, prompt_ids, columns)`, as an override expects, and an
+    image rollout's also carries `images` (`PromptImages`; None for text). An override that builds its own tuple
+    has no images: its prompts are text."""
+
+    images: PromptImages | None
+
+    def __new__(cls, prompts: list, prompt_ids: list[list[int]], columns: dict, images: PromptImages | None = None):
+        prepared = super().__new__(cls, (prompts, prompt_ids, columns))
+        prepared.images = images
+        return prepared
+
+
+@dataclass
 class ScoredRollout:
     """One rollout of a batch of dataset rows, scored.
 
@@ -26,6 +53,7 @@ class ScoredRollout:
     rollout: the engine's G completions of each prompt, groups contiguous.
     rewards_NF: float32 [N completions, F reward functions], NaN where a function abstained.
     truncated_prompts: how many prompts were cut to fit (`max_prompt_length`, or the engine's context).
+    images: an image rollout's images, expanded ids and pixels (`PromptImages`); None for text.
     """
 
     prompts: list
@@ -34,6 +62,7 @@ class ScoredRollout:
     rollout: Rollout
     rewards_NF: torch.Tensor
     truncated_prompts: int = 0
+    images: PromptImages | None = None
 
 
 def sampled_lengths(rollout: Rollout) -> torch.Tensor:
