@@ -69,6 +69,7 @@ from colograd.grpo.rollouts import (
     rollout_metrics,
     sampled_lengths,
 )
+from colograd.grpo.router import RouterRecord, router_of
 from colograd.models import logit_transform
 from colograd.preflight.core import (
     check_argument_order,
@@ -171,6 +172,10 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
             disable_dropout(model)
         if args.freeze_vision_tower:
             freeze_vision_tower(model)
+        # A Mixture-of-Experts model's routers: the load-balancing loss TRL adds, and the experts' load.
+        self._router = router_of(model, args.router_aux_loss_coef)
+        self.router_aux_loss_coef = self._router.coef if self._router else 0.0  # TRL's attributes
+        self.aux_loss_enabled = bool(self.router_aux_loss_coef)
         if text_tokenizer(processing_class).pad_token is None:
             text_tokenizer(processing_class).pad_token = text_tokenizer(processing_class).eos_token
         self.reward_funcs, self.reward_weights = resolve_rewards(
@@ -647,8 +652,9 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         after an optimizer step, else the current ones detached (ratio 1, gradient not)."""
         mask_NT = inputs["completion_mask"]
         forwarded: list[int] = []  # tokens computed: fewer than the sequences' when completions share a prompt
+        routed = RouterRecord(self._router) if self._router is not None and model.training else None
         logps_NT, entropy_NT = self.completion_logps(
-            model, inputs, entropy=self.entropy.mode, count_tokens=forwarded.append
+            model, inputs, entropy=self.entropy.mode, count_tokens=forwarded.append, router=routed
         )
         if model.training:
             trained = inputs["attention_mask"].sum().item()
@@ -684,6 +690,9 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
             entropy_mask_NT=entropy_mask_NT,
         )
         loss = self.entropy.regularize(out.loss, entropy_NT, mask_NT, entropy_mask_NT, model.training)
+        if routed is not None:  # TRL's router loss, and the experts' load
+            loss = loss + routed.loss()
+            self._record(routed.metrics())
         out = out._replace(loss=loss * inputs["loss_scale"] if "loss_scale" in inputs else loss)  # micro_batch_tokens
         self._record(loss_metrics(out, inputs["advantages"], mask_NT, self.args.epsilon, self.args.epsilon_high))
         return out.loss
@@ -709,10 +718,11 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         inputs: dict[str, torch.Tensor],
         entropy: str | None = None,
         count_tokens: Callable[[int], None] | None = None,
+        router: RouterRecord | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Log-probs of the completion tokens under `model` at the sampling temperature, [N, T], and with `entropy`
         ("detached" / "grad") each position's entropy; packed or not, prompts shared or not, head in fp32 or not, as
-        args say (`logps`)."""
+        args say (`logps`); `router` records a Mixture-of-Experts model's routers in the pass."""
         return completion_logps(
             model,
             inputs,
@@ -727,6 +737,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
             segments=self._segments,
             suppressed=self._suppressed,
             position_ids=self._position_ids,
+            router=router,
         )
 
     def log_completions(

@@ -208,3 +208,6 @@ def test_two_ranks_train_a_moe_model_and_keep_its_engine_in_step(layout, tmp_pat
         record_property("parity_gap", rank["parity_gap"])  # --junitxml lists each rank's
         steps = [h for h in rank["log_history"] if "loss" in h]
         assert len(steps) == 3 and max(h["sampling/sampling_logp_difference/max"] for h in steps) <= PARITY
+        # The router's load-balancing loss trains with the GRPO loss (both configs declare a coefficient), and the
+        # experts' load is logged.
+        assert all(h["aux_loss"] > 0 and 1 <= h["moe/expert_load/max"] for h in steps), steps

@@ -214,6 +214,14 @@ class RegularizerOptions:
     ref_model_sync_steps: int = field(
         default=512, metadata={"help": "sync_ref_model: optimizer steps between reference updates (τ)."}
     )
+    router_aux_loss_coef: float | None = field(
+        default=None,
+        metadata={
+            "help": "Mixture-of-Experts models: the weight of the router's load-balancing loss added to the GRPO "
+            "loss (logged as aux_loss). Unset: the model config's own coefficient (TRL's rule); 0 turns it off. "
+            "Refused for a model without router logits."
+        },
+    )
 
     def check_regularizers(self) -> None:
         """The values the entropy terms and the reference updates are defined for."""

@@ -168,7 +168,7 @@ RANGES: dict[str, Range] = {
     "vllm_server_timeout": TRL_ONLY,
     "vllm_group_port": TRL_ONLY,
     "pad_to_multiple_of": TRL_ONLY,
-    "router_aux_loss_coef": TRL_ONLY,
+    "router_aux_loss_coef": AT_LEAST_0,
 }
 
 

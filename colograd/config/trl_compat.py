@@ -59,12 +59,6 @@ class TRLOnlyFields:
     log_completions_hub_repo: str | None = _only(
         None, why="completions go to output_dir/completions.jsonl, uploaded with output_dir by push_to_hub."
     )
-    router_aux_loss_coef: float | None = _only(
-        None,
-        0.0,
-        why="colograd does not yet add a Mixture-of-Experts router's load-balancing loss to the GRPO loss (MoE "
-        "models train without it, docs/moe.md); remove it.",
-    )
     vllm_importance_sampling_cap: float | None = field(
         default=None, metadata={"help": "TRL's deprecated name of vllm_importance_sampling_clip_max; sets it."}
     )
@@ -286,10 +280,12 @@ class TRLTrainerAttributes:
     use_adaptive_entropy = _FromArgs()
     pad_to_multiple_of = _FromArgs()
     use_transformers_continuous_batching = _FromArgs()
-    # What colograd always does: generate with its colocated engine; train dense models (no router loss).
+    # What colograd always does: generate with its colocated engine. A dense model has no router loss; the trainer
+    # sets these two for a Mixture-of-Experts model (`colograd.grpo.router`).
     use_vllm = True
     vllm_mode = "colocate"
     aux_loss_enabled = False
+    router_aux_loss_coef = 0.0
 
     @property
     def epsilon_high(self) -> float:

@@ -22,7 +22,7 @@ soft-cap: `colograd.models.logit_transform`), so the log-probs are those of the 
 """
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from colograd.errors import ConfigError
 from colograd.grpo import attention
+from colograd.grpo.router import RouterRecord
 from colograd.models import logit_transform
 from colograd.models.logit_transform import LogitTransform
 from colograd.vision.core import forward_images
@@ -49,6 +50,8 @@ class Packed:
     attention_mask: None (position ids restarting at 0 tell the sequences apart) or, for shared prompts,
         [R, 1, L, L]: True where a token may attend, or additive (0 there, -inf elsewhere); or, packed for
         segment attention, a `colograd.grpo.attention.segment_mask` (no mask values).
+    weights: [R, L], how many sequences each position stands for: 0 for padding, a shared prompt's token one for
+        each completion that shares it, else 1 (what a per-token statistic of the sequences weighs it by).
     """
 
     input_ids: torch.Tensor
@@ -58,6 +61,7 @@ class Packed:
     scatter: tuple[torch.Tensor, torch.Tensor]
     tokens: int
     attention_mask: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
 
 
 def pack_rows(lengths: list[int], row_tokens: int | None = None) -> list[list[int]]:
@@ -114,6 +118,8 @@ def pack(
     # Padding keeps position 0: each padding token is a sequence of its own, which nothing attends to.
     positions = torch.zeros(len(rows) * width, dtype=torch.long, device=device)
     positions[dest_T] = pos_T
+    weights = torch.zeros(len(rows) * width, device=device)
+    weights[dest_T] = 1.0
     # Completion token j of a sequence is predicted by the logits at the token before it.
     column_T = pos_T - prompt_len_N[seq_T]
     wanted = column_T >= 0
@@ -132,6 +138,7 @@ def pack(
         (rows_K, cols_K),
         sum(lengths),
         mask,
+        weights.view(len(rows), width),
     )
 
 
@@ -277,6 +284,7 @@ def pack_shared(
     positions = torch.zeros(len(rows), width, dtype=torch.long)
     unit_of = torch.full((len(rows), width), -1)  # padding belongs to no unit
     branch = torch.zeros(len(rows), width, dtype=torch.long)  # 0: a prompt token; b: the unit's b-th completion
+    weights = torch.zeros(len(rows), width)  # a prompt token stands for each of its unit's sequences
     index, seq, column = [], [], []
     for r, row in enumerate(rows):
         offset = 0
@@ -288,12 +296,14 @@ def pack_shared(
                 torch.arange(end - offset),
                 u,
             )
+            weights[r, offset:end] = len(units[u])
             last_prompt = r * width + end - 1
             offset = end
             for b, i in enumerate(units[u], 1):
                 completion = completions[i]
                 end = offset + len(completion)
                 ids[r, offset:end], unit_of[r, offset:end], branch[r, offset:end] = completion, u, b
+                weights[r, offset:end] = 1.0
                 positions[r, offset:end] = torch.arange(len(prompt), len(prompt) + len(completion))
                 # Completion token j is predicted at the token before it: the prompt's last for j = 0.
                 before = r * width + torch.arange(offset - 1, end - 1)
@@ -315,6 +325,7 @@ def pack_shared(
         else attention.segment_mask(
             attention.segments_of(unit_of.flatten(), branch.flatten(), segments), len(rows), device
         ),
+        weights.to(device),
     )
 
 
@@ -350,6 +361,7 @@ def completion_logps(
     segments: str | None = None,
     suppressed: list[int] | None = None,
     position_ids: bool = True,
+    router: RouterRecord | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of `batch`'s completion tokens under `model` at `temperature`: [N, T], 0 where there is no token.
     The log-probs are of the model's own distribution: what its forward does to the logits after the output layer
@@ -381,6 +393,8 @@ def completion_logps(
         suppressed: token ids the engine never samples (image placeholders): left out of every distribution, as
             the engine's `logit_bias` of -inf leaves them out.
         position_ids: give the model the rows' position ids (False: a model that computes its own, M-RoPE).
+        router: a Mixture-of-Experts model's `RouterRecord`, filled with what its routers did in this pass (the
+            load-balancing loss and the experts' load, each position weighted by the sequences it stands for).
 
     Returns:
         logps_NT; with `entropy`, (logps_NT, entropy_NT). Only the completion tokens' values are meaningful.
@@ -401,7 +415,7 @@ def completion_logps(
             "position_ids": packed.position_ids,
             "attention_mask": packed.attention_mask,
         }
-        index_K, target_K = packed.index_K, packed.target_K
+        index_K, target_K, weights = packed.index_K, packed.target_K, packed.weights
     else:
         width = batch["input_ids"].size(1)
         # Row i's logits at columns P - 1 … P + T - 2 predict its T completion tokens.
@@ -409,13 +423,16 @@ def completion_logps(
         index_K, target_K = index_K.to(completion_ids_NT.device), completion_ids_NT.flatten()
         inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")[: 3 if position_ids else 2]}
         inputs |= images
+        weights = batch["attention_mask"]
     packed_rows = padding_free and not images
     if count_tokens is not None:
         count_tokens(packed.tokens if packed_rows else batch["input_ids"].numel())  # padded: padding included
     swap = _head_returns_logps(head, index_K, target_K, temperature, chunk_tokens, entropy, fp32_head, suppressed,
                                transform)  # fmt: skip
-    with swap as left:
+    with swap as left, router.recording(model) if router is not None else nullcontext([]) as routed:
         out_K = model(**inputs, use_cache=False).logits  # [K], or [K, 2]: log-prob and entropy
+    if router is not None:
+        router.finish(routed, weights)
     out_K = logit_transform.returned(out_K, left, transform, model)
     if packed_rows:
         out_K = out_K.new_zeros((n, t, *out_K.shape[1:])).index_put(packed.scatter, out_K)

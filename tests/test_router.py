@@ -1,0 +1,171 @@
+"""A Mixture-of-Experts router's load-balancing loss as TRL adds it (`colograd.grpo.router`): the loss colograd
+computes on packed and prompt-shared passes is the one the model computes on the same sequences padded (TRL's
+forward), TRL's rule for the coefficient, and the experts' load."""
+
+import pytest
+import torch
+import zoo
+from transformers import AutoModelForCausalLM
+
+from colograd.errors import ConfigError
+from colograd.grpo.logps import PromptSharing, completion_logps
+from colograd.grpo.packing import prompt_sharing_cost
+from colograd.grpo.router import RouterRecord, router_of
+from colograd.models import tiny
+
+QWEN3_MOE, MIXTRAL, OLMOE, DEEPSEEK = (
+    "Qwen/Qwen3-30B-A3B",
+    "mistralai/Mixtral-8x7B-Instruct-v0.1",
+    "allenai/OLMoE-1B-7B-0924-Instruct",
+    "deepseek-ai/DeepSeek-V2-Lite",
+)
+P, T = 48, 64  # prompt and completion widths of the padded rollout
+
+
+def moe_model(name: str) -> torch.nn.Module:
+    """`name`'s shrunk model with sharp weights: its routers favour some experts, as trained ones do."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(zoo.shrunk(name)).eval()
+    zoo.sharpen(model)
+    return model
+
+
+def rollout(vocab: int, groups: int = 3, size: int = 4, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A rollout as `pad_rollout` lays it out: `groups` prompts of lengths from 9 to 48, each with `size`
+    completions of lengths from 1 to 64, left- and right-padded."""
+    gen = torch.Generator().manual_seed(seed)
+    n = groups * size
+    ids = torch.randint(3, vocab, (n, P + T), generator=gen)
+    mask = torch.zeros(n, P + T, dtype=torch.long)
+    for g in range(groups):
+        prompt = int(torch.randint(9, P + 1, (1,), generator=gen))
+        for i in range(g * size, (g + 1) * size):
+            ids[i, :P] = ids[g * size, :P]
+            completion = T if i == 0 else int(torch.randint(1, T + 1, (1,), generator=gen))
+            mask[i, P - prompt : P + completion] = 1
+    ids = ids * mask
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
+        "completion_ids": ids[:, P:],
+        "completion_mask": mask[:, P:],
+    }
+
+
+def trl_aux_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The loss TRL adds: the model's own, on the padded sequences with their attention mask."""
+    with torch.no_grad():
+        out = model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            position_ids=batch["position_ids"],
+            output_router_logits=True,
+        )
+    return out.aux_loss
+
+
+def colograd_aux_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], **kwargs) -> RouterRecord:
+    record = RouterRecord(router_of(model, None))
+    with torch.no_grad():
+        completion_logps(model, batch, router=record, **kwargs)
+    return record
+
+
+PASSES = {
+    "packed": {"padding_free": True},
+    "packed-rows": {"padding_free": True, "row_tokens": 200},
+    "shared-prompts": {"padding_free": True, "share_prompts": "cost"},
+    "padded": {"padding_free": False},
+}
+
+
+@pytest.mark.parametrize(
+    "name", [QWEN3_MOE, pytest.param(MIXTRAL, marks=pytest.mark.slow), pytest.param(OLMOE, marks=pytest.mark.slow)]
+)
+def test_the_router_loss_is_trls_on_every_forward_layout(name):
+    """Packed (one row, or rows of 200 tokens), prompts shared, padded: each the loss of TRL's padded forward."""
+    model = moe_model(name)
+    batch = rollout(model.config.vocab_size)
+    expected = trl_aux_loss(model, batch)
+    # The check has power: counting the padding (the model's loss without its mask) moves the loss far more.
+    with torch.no_grad():
+        unmasked = model(input_ids=batch["input_ids"], output_router_logits=True).aux_loss
+    for layout, kwargs in PASSES.items():
+        if kwargs.get("share_prompts") == "cost":
+            kwargs = {**kwargs, "share_prompts": PromptSharing(prompt_sharing_cost(model))}
+        record = colograd_aux_loss(model, batch, **kwargs)
+        assert record.aux_loss is not None
+        error = (record.aux_loss - expected).abs()
+        assert error <= 1e-5 * expected, (layout, record.aux_loss, expected)
+        assert (unmasked - expected).abs() > 100 * error.clamp(min=1e-7), layout
+
+
+def test_a_shared_prompt_counts_once_per_completion():
+    """With prompts shared, a prompt's tokens are computed once but weigh for each completion, as in TRL's padded
+    forward; weighing them once gives another loss."""
+    model = moe_model(QWEN3_MOE)
+    batch = rollout(model.config.vocab_size, groups=2, size=8)
+    sharing = PromptSharing(prompt_sharing_cost(model))
+    record = colograd_aux_loss(model, batch, padding_free=True, share_prompts=sharing)
+    expected = trl_aux_loss(model, batch)
+    assert torch.allclose(record.aux_loss, expected, rtol=1e-5)
+    # The same tokens, each prompt once: the sequences deduplicated to one completion per group and the rest
+    # without their prompt is not expressible as a batch, so weigh the shared pass's positions by 1 instead.
+    router = router_of(model, None)
+    flat = RouterRecord(router)
+    with torch.no_grad(), flat.recording(model) as logits:
+        from colograd.grpo.logps import pack_shared
+
+        packed = pack_shared(batch, sharing.attention_cost)
+        model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=packed.attention_mask)
+    flat.finish(logits, (packed.weights > 0).float())
+    assert (flat.aux_loss - expected).abs() > 1e-4 * expected
+
+
+def test_trls_rule_for_the_coefficient():
+    moe = moe_model(QWEN3_MOE)
+    assert router_of(moe, None).coef == moe.config.router_aux_loss_coef == 0.001  # the config's own
+    assert router_of(moe, 0.05).coef == 0.05
+    assert router_of(moe, 0.0).coef == 0.0  # off: the load is still read
+    mixtral = moe_model(MIXTRAL)
+    assert (router_of(mixtral, None).num_experts, router_of(mixtral, None).top_k) == (8, 2)
+    dense = tiny.build_model()
+    assert router_of(dense, None) is None and router_of(dense, 0.0) is None
+    with pytest.raises(ConfigError, match="router_aux_loss_coef is 0.01 but .* is not a Mixture-of-Experts"):
+        router_of(dense, 0.01)
+    # DeepSeek-V2: router logits, but no load-balancing loss in transformers' code and no coefficient in its config.
+    deepseek = moe_model(DEEPSEEK)
+    assert router_of(deepseek, None).coef == 0.0 and router_of(deepseek, None).num_experts == 64
+    with pytest.raises(ConfigError, match="has no load-balancing loss to add; set router_aux_loss_coef: 0"):
+        router_of(deepseek, 0.01)
+
+
+def test_the_router_loss_has_a_gradient_into_the_routers():
+    model = moe_model(QWEN3_MOE)
+    model.train()
+    record = RouterRecord(router_of(model, None))
+    completion_logps(model, rollout(model.config.vocab_size), router=record)
+    assert record.loss() == 0.001 * record.aux_loss
+    record.loss().backward()
+    routers = [p for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")]
+    assert routers and all(p.grad is not None and p.grad.abs().sum() > 0 for p in routers)
+
+
+def test_the_expert_load_shows_a_collapsed_router():
+    """Each layer's shares sum to the experts' count (mean 1); a router that sends every token to the same experts
+    reads E / k for them and 0 for the rest."""
+    model = moe_model(QWEN3_MOE)
+    batch = rollout(model.config.vocab_size)
+    record = colograd_aux_loss(model, batch)
+    e, k = model.config.num_experts, model.config.num_experts_per_tok
+    assert torch.allclose(record.load_LE.sum(1), torch.full((record.load_LE.size(0),), float(e)))
+    healthy = record.metrics()
+    assert 1 < healthy["moe/expert_load/max"] < e / k and healthy["aux_loss"] > 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.zero_()  # equal logits for every expert: top-k takes the same k for every token
+    collapsed = colograd_aux_loss(model, batch).metrics()
+    assert collapsed["moe/expert_load/max"] == pytest.approx(e / k)
+    assert collapsed["moe/expert_load/min"] == 0.0
