@@ -2,6 +2,8 @@
 computes on packed and prompt-shared passes is the one the model computes on the same sequences padded (TRL's
 forward), TRL's rule for the coefficient, and the experts' load."""
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 import zoo
@@ -10,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from colograd.errors import ConfigError
 from colograd.grpo.logps import PromptSharing, completion_logps
 from colograd.grpo.packing import prompt_sharing_cost
-from colograd.grpo.router import RouterRecord, router_of
+from colograd.grpo.router import RouterRecord, forced_routing, router_of
 from colograd.models import tiny
 
 QWEN3_MOE, MIXTRAL, OLMOE, DEEPSEEK = (
@@ -169,3 +171,56 @@ def test_the_expert_load_shows_a_collapsed_router():
     collapsed = colograd_aux_loss(model, batch).metrics()
     assert collapsed["moe/expert_load/max"] == pytest.approx(e / k)
     assert collapsed["moe/expert_load/min"] == 0.0
+
+
+def routed_experts(model: torch.nn.Module, router, ids: torch.Tensor, forced=None) -> tuple[list, torch.Tensor]:
+    """Each layer's chosen experts ([tokens, k], the router's own answer) and the logits of a forward of `ids`."""
+    chosen = []
+
+    def hook(module, args, output):
+        chosen.append(next(t for t in output if not t.is_floating_point()).detach().clone())
+
+    handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, router.router_class)]
+    try:
+        with torch.no_grad(), forced_routing(model, router, forced) if forced is not None else nullcontext():
+            logits = model(input_ids=ids).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+    return chosen, logits
+
+
+@pytest.mark.parametrize("name", [QWEN3_MOE, MIXTRAL, DEEPSEEK])
+def test_routing_replay_makes_the_trainer_route_as_the_sampling_policy_did(name):
+    """The routing one policy took (the engine's, on GPU: vLLM's routed experts), replayed on a model whose routers
+    moved since (an optimizer step): every layer picks the replayed experts, which it would not on its own; and
+    replaying a model's own routing changes nothing."""
+    model = moe_model(name)
+    router = router_of(model, 0.0)
+    ids = torch.randint(3, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
+    sampled, logits = routed_experts(model, router, ids)
+    _, replayed_own = routed_experts(model, router, ids, forced=sampled)
+    assert torch.equal(replayed_own, logits)
+    with torch.no_grad():  # the routers move, as after an optimizer step
+        for m in model.modules():
+            if isinstance(m, router.router_class):
+                m.weight.add_(torch.randn_like(m.weight) * m.weight.std())
+    drifted, _ = routed_experts(model, router, ids)
+    assert any(not torch.equal(a.sort(-1).values, b.sort(-1).values) for a, b in zip(drifted, sampled, strict=True))
+    replayed, _ = routed_experts(model, router, ids, forced=sampled)
+    assert all(torch.equal(a.sort(-1).values, b.sort(-1).values) for a, b in zip(replayed, sampled, strict=True))
+
+
+def test_routing_replay_refuses_a_router_with_expert_groups():
+    """DeepSeek-V2 (the full model) picks groups of experts first: two top-k calls, which one replayed routing
+    cannot answer; refused rather than replayed wrong."""
+    config = zoo.shrunk(DEEPSEEK)
+    config.topk_method, config.n_group, config.topk_group = "group_limited_greedy", 8, 3
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    router = router_of(model, 0.0)
+    ids = torch.randint(3, config.vocab_size, (1, 12))
+    layers = sum(isinstance(m, router.router_class) for m in model.modules())
+    forced = [torch.arange(router.top_k).repeat(12, 1)] * layers
+    with pytest.raises(ValueError, match="routing cannot be replayed"):
+        routed_experts(model, router, ids, forced=forced)

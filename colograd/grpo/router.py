@@ -152,3 +152,52 @@ class RouterRecord:
             out["moe/expert_load/max"] = self.load_LE.max().item()
             out["moe/expert_load/min"] = self.load_LE.min().item()
         return out
+
+
+# --- routing replay: the trainer's routers made to pick given experts -------------------------------------------
+
+
+@contextmanager
+def forced_routing(model: nn.Module, router: Router, experts: list[torch.Tensor]) -> Iterator[None]:
+    """While active, the l-th router call of each forward of `model` picks `experts[l]` ([tokens, k] expert ids, in
+    the forward's token order) instead of its own top-k: the routing the engine sampled with, replayed in training
+    (routing replay). The weights among the chosen experts are still the router's own, so the router keeps its
+    gradient. A family whose router takes more than one top-k (DeepSeek-V2's groups) is refused.
+
+    The router's own `torch.topk` is answered with the given experts while it runs (a pre-hook installs the answer, a
+    hook that always runs removes it): the rest of its computation (softmax, renormalisation) is the family's.
+    """
+    calls = 0
+    real_topk = torch.topk
+
+    def forced_topk(input: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):
+        nonlocal taken
+        taken += 1
+        chosen = experts[calls - 1].to(input.device)
+        if taken > 1 or k != chosen.size(-1) or dim not in (-1, input.dim() - 1) or chosen.shape[0] != input.shape[0]:
+            raise ValueError(
+                f"routing replay: {router.router_class.__name__} does not take one top-{chosen.size(-1)} over "
+                f"{chosen.shape[0]} tokens; this family's routing cannot be replayed"
+            )
+        return torch.return_types.topk((input.gather(-1, chosen), chosen))
+
+    def before(module: nn.Module, args: tuple) -> None:
+        nonlocal calls, taken
+        if calls >= len(experts):
+            raise ValueError(f"routing replay: {len(experts)} layers' experts given, the model routes more")
+        calls, taken = calls + 1, 0
+        torch.topk = forced_topk
+
+    def after(module: nn.Module, args: tuple, output: object) -> None:
+        torch.topk = real_topk
+
+    taken = 0
+    modules = [m for m in model.modules() if isinstance(m, router.router_class)]
+    handles = [m.register_forward_pre_hook(before) for m in modules]
+    handles += [m.register_forward_hook(after, always_call=True) for m in modules]
+    try:
+        yield
+    finally:
+        torch.topk = real_topk
+        for handle in handles:
+            handle.remove()

@@ -1,11 +1,13 @@
 """GRPO on a Mixture-of-Experts model of the zoo, with TRL's quickstart settings but a learning rate that moves the
-experts; run it under a multi-process launch (plain, or with a DeepSpeed ZeRO-3 config to train sharded):
+experts; run it in one process, or under a multi-process launch (plain, or with a DeepSpeed ZeRO-3 config to train
+sharded):
 
-    accelerate launch --config_file recipes/accelerate_configs/cpu.yaml tests/scripts/moe_check.py OUT_DIR MODEL
+    accelerate launch --config_file recipes/accelerate_configs/cpu.yaml tests/scripts/moe_check.py OUT_DIR MODEL...
 
-Each rank writes OUT_DIR/rank<r>.json with: the trainer's log history, whether every rank held identical weights
-after every optimizer step, the largest gap between engine and trainer log-probs after the final sync, whether the
-model was sharded and into how many buckets the sync cut it, and whether the engine's experts are prepacked.
+The models train one after another in the same processes, each with its own trainer and engine. Each rank writes
+OUT_DIR/rank<r>.json with, per model: the trainer's log history, whether every rank held identical weights after
+every optimizer step, the largest gap between engine and trainer log-probs after the final sync, whether the model
+was sharded and into how many buckets the sync cut it, and whether the engine's experts are prepacked.
 """
 
 import argparse
@@ -36,17 +38,29 @@ def answer_length(completions: list, **kwargs) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("model", help="a Mixture-of-Experts model of tests/zoo.py")
+    parser.add_argument("models", nargs="+", help="Mixture-of-Experts models of tests/zoo.py")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--bucket-mib", type=float, default=512)
+    parser.add_argument("--bf16", action="store_true", help="TRL's bf16 (the engine follows), with the sampling "
+                        "correction on (vllm_importance_sampling_correction)")  # fmt: skip
     cli = parser.parse_args()
+    # Every model is built before the first trainer: once a trainer has set up ZeRO-3, transformers builds models
+    # already partitioned (deepspeed.zero.Init), and the zoo's edit of their weights needs them whole.
+    built = {name: zoo.stopping_model(name) for name in cli.models}
+    results = {name: check(name, *built.pop(name), cli) for name in cli.models}
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    with open(os.path.join(cli.out, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
 
-    model, tokenizer = zoo.stopping_model(cli.model)
+
+def check(name: str, model: torch.nn.Module, tokenizer, cli: argparse.Namespace) -> dict:
+    """Train `name` (`model`, `tokenizer`) for `cli.steps` steps; what the module's docstring lists."""
     # GRPOConfig's defaults (TRL's quickstart) but a learning rate that moves every expert in a few steps and
     # shorter completions (the stopping model answers in a few tokens anyway).
-    args = GRPOConfig(output_dir=os.path.join(cli.out, "run"), max_steps=cli.steps, learning_rate=1e-2,
-                      max_completion_length=64, sync_bucket_mib=cli.bucket_mib, vllm_enforce_eager=True,
-                      save_strategy="no", report_to="none", disable_tqdm=True)  # fmt: skip
+    out = os.path.join(cli.out, name.replace("/", "--"))
+    args = GRPOConfig(output_dir=out, max_steps=cli.steps, learning_rate=1e-2, max_completion_length=64,
+                      sync_bucket_mib=cli.bucket_mib, vllm_enforce_eager=True, save_strategy="no", report_to="none",
+                      disable_tqdm=True, bf16=cli.bf16, vllm_importance_sampling_correction=cli.bf16)  # fmt: skip
     callback = WeightsAgree()
     rows = [{"prompt": [{"role": "user", "content": q}]} for q in QUESTIONS]
     trainer = GRPOTrainer(model=model, reward_funcs=answer_length, args=args, train_dataset=Dataset.from_list(rows),
@@ -60,18 +74,14 @@ def main() -> None:
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     with torch.no_grad():
         gap = (trainer.engine.prompt_logprobs(ids) - hf_logprobs(model, ids)).abs().max().item()
-    with open(os.path.join(cli.out, f"rank{dist.get_rank()}.json"), "w") as f:
-        json.dump(
-            {
-                "log_history": trainer.state.log_history,
-                "weights_agree": callback.per_step,
-                "parity_gap": gap,
-                "sharded": is_sharded(model),
-                "sync_buckets": len(trainer._weight_plan.buckets),
-                "prepacked_experts": trainer.engine.prepacked_experts,
-            },
-            f,
-        )
+    return {
+        "log_history": trainer.state.log_history,
+        "weights_agree": callback.per_step,
+        "parity_gap": gap,
+        "sharded": is_sharded(model),
+        "sync_buckets": len(trainer._weight_plan.buckets),
+        "prepacked_experts": trainer.engine.prepacked_experts,
+    }
 
 
 if __name__ == "__main__":
