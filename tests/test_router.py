@@ -83,7 +83,7 @@ PASSES = {
 
 
 @pytest.mark.parametrize(
-    "name", [QWEN3_MOE, pytest.param(MIXTRAL, marks=pytest.mark.slow), pytest.param(OLMOE, marks=pytest.mark.slow)]
+    "name", [MIXTRAL, pytest.param(QWEN3_MOE, marks=pytest.mark.slow), pytest.param(OLMOE, marks=pytest.mark.slow)]
 )
 def test_the_router_loss_is_trls_on_every_forward_layout(name):
     """Packed (one row, or rows of 200 tokens), prompts shared, padded: each the loss of TRL's padded forward."""
@@ -106,7 +106,7 @@ def test_the_router_loss_is_trls_on_every_forward_layout(name):
 def test_a_shared_prompt_counts_once_per_completion():
     """With prompts shared, a prompt's tokens are computed once but weigh for each completion, as in TRL's padded
     forward; weighing them once gives another loss."""
-    model = moe_model(QWEN3_MOE)
+    model = moe_model(MIXTRAL)
     batch = rollout(model.config.vocab_size, groups=2, size=8)
     sharing = PromptSharing(prompt_sharing_cost(model))
     record = colograd_aux_loss(model, batch, padding_free=True, share_prompts=sharing)
@@ -143,31 +143,33 @@ def test_trls_rule_for_the_coefficient():
         router_of(deepseek, 0.01)
 
 
+def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if isinstance(m, router_of(model, 0.0).router_class)]
+
+
 def test_the_router_loss_has_a_gradient_into_the_routers():
-    model = moe_model(QWEN3_MOE)
+    model = moe_model(MIXTRAL)
     model.train()
     record = RouterRecord(router_of(model, None))
     completion_logps(model, rollout(model.config.vocab_size), router=record)
-    assert record.loss() == 0.001 * record.aux_loss
+    assert record.loss() == 0.02 * record.aux_loss  # the published config's coefficient
     record.loss().backward()
-    routers = [p for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")]
-    assert routers and all(p.grad is not None and p.grad.abs().sum() > 0 for p in routers)
+    assert routers(model) and all(m.weight.grad is not None and m.weight.grad.abs().sum() > 0 for m in routers(model))
 
 
 def test_the_expert_load_shows_a_collapsed_router():
     """Each layer's shares sum to the experts' count (mean 1); a router that sends every token to the same experts
     reads E / k for them and 0 for the rest."""
-    model = moe_model(QWEN3_MOE)
+    model = moe_model(MIXTRAL)
     batch = rollout(model.config.vocab_size)
     record = colograd_aux_loss(model, batch)
-    e, k = model.config.num_experts, model.config.num_experts_per_tok
+    e, k = model.config.num_local_experts, model.config.num_experts_per_tok
     assert torch.allclose(record.load_LE.sum(1), torch.full((record.load_LE.size(0),), float(e)))
     healthy = record.metrics()
     assert 1 < healthy["moe/expert_load/max"] < e / k and healthy["aux_loss"] > 0
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                p.zero_()  # equal logits for every expert: top-k takes the same k for every token
+        for m in routers(model):
+            m.weight.zero_()  # equal logits for every expert: top-k takes the same k for every token
     collapsed = colograd_aux_loss(model, batch).metrics()
     assert collapsed["moe/expert_load/max"] == pytest.approx(e / k)
     assert collapsed["moe/expert_load/min"] == 0.0
@@ -190,7 +192,9 @@ def routed_experts(model: torch.nn.Module, router, ids: torch.Tensor, forced=Non
     return chosen, logits
 
 
-@pytest.mark.parametrize("name", [QWEN3_MOE, MIXTRAL, DEEPSEEK])
+@pytest.mark.parametrize(
+    "name", [MIXTRAL, pytest.param(QWEN3_MOE, marks=pytest.mark.slow), pytest.param(DEEPSEEK, marks=pytest.mark.slow)]
+)
 def test_routing_replay_makes_the_trainer_route_as_the_sampling_policy_did(name):
     """The routing one policy took (the engine's, on GPU: vLLM's routed experts), replayed on a model whose routers
     moved since (an optimizer step): every layer picks the replayed experts, which it would not on its own; and
