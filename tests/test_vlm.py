@@ -18,11 +18,13 @@ from colograd.errors import ConfigError
 from colograd.models.tiny import build_model as build_text_model
 from colograd.models.tiny import run_config
 from colograd.models.tiny_vlm import (
+    COLOURS,
     QUESTION,
     build_model,
     build_processor,
     colour_reward,
     colours_dataset,
+    save_tiny_llava_next,
     save_tiny_vlm,
     solid_image,
 )
@@ -89,6 +91,49 @@ def test_pixels_travel_per_completion():
     assert forward_images({k: v[2:4] for k, v in batch.items()}) == {}
     with pytest.raises(RuntimeError, match="expanded its image placeholders to 7 tokens"):
         check_expansion([[5, 9, 9, 9, 9, 9, 9]], [[5, 9, 9, 9, 9]])
+
+
+def test_pixels_of_different_shapes_travel_apart():
+    """A tiling processor's images differ in more than their count (LLaVA-Next: [images, crops, C, H, W], crops by
+    aspect ratio): each dimension pads to the largest and every image comes back whole, with zeros after."""
+    square, wide = torch.full((1, 2, 3, 4, 4), 1.0), torch.full((1, 3, 3, 4, 4), 2.0)
+    batch = pad_pixels([{"pixel_values": square}, {"pixel_values": wide}], num_generations=2)
+    assert batch["mm_pixel_values"].shape == (4, 1, 3, 3, 4, 4)
+    values = forward_images(batch)["pixel_values"]
+    assert values.shape == (4, 3, 3, 4, 4)
+    assert torch.equal(values[0, :2], square[0]) and not values[0, 2].any() and torch.equal(values[3], wide[0])
+
+
+@pytest.mark.slow
+def test_a_tiling_model_trains_on_images_of_every_aspect_ratio(tmp_path):
+    """LLaVA-Next (the tiny one: `save_tiny_llava_next`) on the CPU engine: a square, a wide and a tall image in one
+    rollout expand to different numbers of tokens and carry 2 or 3 crops each; the trainer's log-probs of every
+    completion equal the engine's, and another prompt's image in their place does not."""
+    path = save_tiny_llava_next(str(tmp_path / "tiny-llava-next"))
+    sizes, colours = [(28, 28), (56, 28), (28, 56)], ["red", "blue", "green"]
+    rows = {
+        "prompt": [USER] * 3,
+        "images": [[Image.new("RGB", size, COLOURS[c])] for size, c in zip(sizes, colours, strict=True)],
+        "colour": colours,
+    }
+    data = Dataset.from_dict({key: values * 4 for key, values in rows.items()})
+    args = run_config(str(tmp_path / "out"), 40, max_prompt_length=None, per_device_train_batch_size=24,
+                      num_generations=8, max_completion_length=6,
+                      vllm_importance_sampling_correction=True)  # fmt: skip
+    trainer = GRPOTrainer(path, colour_reward, args, data)
+    batch = trainer.make_rollout([data[i] for i in range(3)])[0]  # check_expansion ran inside: a mismatch raises
+    crops = (batch["mm_pixel_values"][:, 0].flatten(2).abs().sum(-1) > 0).sum(-1)  # each row's one image
+    assert crops.tolist() == [2] * 8 + [3] * 16
+    lengths = batch["attention_mask"].sum(1) - batch["completion_mask"].sum(1)
+    assert len(set(lengths[::8].tolist())) == 3  # the three prompts expand to three lengths
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    mask = batch["completion_mask"].bool()
+    with torch.no_grad():
+        gap = (trainer.completion_logps(policy, batch) - batch["engine_logps"])[mask].abs().max().item()
+        swapped = {**batch, "mm_pixel_values": batch["mm_pixel_values"].flip(0)}
+        wrong = (trainer.completion_logps(policy, swapped) - batch["engine_logps"])[mask].abs().max().item()
+    assert gap < 1e-4, gap
+    assert wrong > 100 * max(gap, 1e-6)
 
 
 @pytest.mark.slow

@@ -23,11 +23,15 @@ from transformers import (
     CLIPVisionConfig,
     LlavaConfig,
     LlavaForConditionalGeneration,
+    LlavaNextConfig,
+    LlavaNextForConditionalGeneration,
+    LlavaNextProcessor,
     LlavaProcessor,
     PreTrainedTokenizerFast,
     Qwen2Config,
 )
 from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 
 from colograd.models import tiny
 from colograd.models.tiny import _CHARS, _SPECIALS
@@ -150,6 +154,52 @@ def save_tiny_vlm(folder: str, seed: int = 0) -> str:
     os.makedirs(folder, exist_ok=True)
     build_model(seed).save_pretrained(folder)
     build_processor().save_pretrained(folder)
+    return folder
+
+
+# LLaVA-Next's tiles: an image is resized to the best of these resolutions for its aspect ratio and cut into 28-pixel
+# crops, which follow a 28-pixel overview of the whole image: 2 crops for a square image, 3 for a wide or a tall one.
+NEXT_GRID = [[IMAGE_SIZE, IMAGE_SIZE], [IMAGE_SIZE, 2 * IMAGE_SIZE], [2 * IMAGE_SIZE, IMAGE_SIZE]]
+
+
+def save_tiny_llava_next(folder: str, seed: int = 0) -> str:
+    """Write a tiny LLaVA-Next and its processor to `folder`; returns it. The tiny LLaVA's towers and vocabulary,
+    with LLaVA-Next's tiling (`NEXT_GRID`): an image's count of placeholder tokens and of pixel crops follows its
+    aspect ratio, the variable resolution a padded batch of pixels must keep apart."""
+    import torch
+
+    base = build_processor()
+    image_processor = LlavaNextImageProcessorPil(
+        size={"shortest_edge": IMAGE_SIZE},
+        crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+        image_grid_pinpoints=NEXT_GRID,
+    )
+    processor = LlavaNextProcessor(
+        image_processor=image_processor,
+        tokenizer=base.tokenizer,
+        patch_size=14,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=base.chat_template,
+    )
+    llava = model_config()
+    config = LlavaNextConfig(
+        vision_config=llava.vision_config,
+        text_config=llava.text_config,
+        image_token_id=llava.image_token_id,
+        image_grid_pinpoints=NEXT_GRID,
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
+        image_seq_length=4,
+    )
+    config.pad_token_id, config.eos_token_id = 0, 1
+    with torch.random.fork_rng(), _built_whole():
+        torch.manual_seed(seed)
+        model = LlavaNextForConditionalGeneration(config)
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = 1, 0
+    os.makedirs(folder, exist_ok=True)
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
     return folder
 
 

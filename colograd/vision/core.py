@@ -30,6 +30,7 @@ _PIL_TWINS = {
 # The vLLM module of each vision-language architecture colograd has run (docs/vlm.md).
 _VLLM_MODULES = {
     "LlavaForConditionalGeneration": "vllm.model_executor.models.llava",
+    "LlavaNextForConditionalGeneration": "vllm.model_executor.models.llava_next",
 }
 # Vision towers that transformers 5 keeps flat and vLLM wraps in `vision_model`.
 _FLAT_TOWERS = ("CLIPVisionTransformer", "SiglipVisionTransformer", "CLIPVisionModel", "SiglipVisionModel")
@@ -214,17 +215,21 @@ def pad_pixels(pixels: list[dict[str, torch.Tensor]], num_generations: int) -> d
     Row i's value of key k (first dimension: its images or patches, a count that varies) becomes row i of
     ``mm_k`` [N, most, ...], zero-padded, with its count in ``mm_k_len`` [N]; each prompt's row repeats for its
     `num_generations` completions. Empty when no row has an image.
+
+    The other dimensions may differ too: an image's count of crops follows its aspect ratio where the processor
+    tiles images (LLaVA-Next: pixel values [images, crops, C, H, W]). They are zero-padded to the largest, as the
+    processor itself pads a batch of such images; the model reads each image's real crops from its `image_sizes`.
     """
     keys = sorted({k for row in pixels for k in row})
     out = {}
     for key in keys:
         rows = [row.get(key) for row in pixels for _ in range(num_generations)]
         like = next(r for r in rows if r is not None)
-        most = max(len(r) if r is not None else 0 for r in rows)
-        block = like.new_zeros((len(rows), most, *like.shape[1:]))
+        shape = [max(r.shape[d] if r is not None else 0 for r in rows) for d in range(like.dim())]
+        block = like.new_zeros((len(rows), *shape))
         for i, r in enumerate(rows):
             if r is not None:
-                block[i, : len(r)] = r
+                block[(i, *(slice(0, n) for n in r.shape))] = r
         out[MM_PREFIX + key] = block
         out[MM_PREFIX + key + "_len"] = torch.tensor([len(r) if r is not None else 0 for r in rows])
     return out
