@@ -229,6 +229,141 @@ def test_vlm_report_shows_medians_ratio_and_phases():
     assert "train      colograd    1.500   TRL        -" in text
 
 
+def test_moe_flags_give_a_cpu_sized_moe_workload_of_fixed_length_completions():
+    from colograd.bench.__main__ import MOE, build_parser, moe_workload
+    from colograd.bench.shapes import MOE as BUILT
+    from colograd.bench.shapes import MOE_SHAPE, build_task, expert_parameters, workload
+
+    assert MOE == BUILT
+    assert moe_workload(build_parser().parse_args(["moe"])) == {}
+    w = workload(MOE)
+    assert (w["prompts"], w["num_generations"], w["max_completion_length"], w["fixed_length"]) == (2, 8, 128, True)
+    assert w["steps"] >= 3 and w["warmup"] >= 1  # medians of several steps after a warm-up
+    args = build_parser().parse_args("moe --completion-tokens 64 --steps 3 --repeats 2 --dtype fp32".split())
+    settings = moe_workload(args)
+    assert settings == {"max_completion_length": 64, "steps": 3} and args.repeats == 2 and args.dtype == "fp32"
+    for fixed in (["--model", "small"], ["--shape", "tiny"]):  # the model is the benchmark's own
+        with pytest.raises(SystemExit):
+            moe_workload(build_parser().parse_args(["moe", *fixed]))
+    # vLLM's CPU expert kernel takes a hidden size (and, unpadded, an expert width) that is a multiple of 32.
+    assert MOE_SHAPE["hidden_size"] % 32 == 0 and MOE_SHAPE["moe_intermediate_size"] % 32 == 0
+    model = build_task(MOE, w)[0]
+    config = model.config
+    assert config.model_type == "qwen3_moe" and (config.num_experts, config.num_experts_per_tok) == (8, 2)
+    experts = sum(p.numel() for _, p in expert_parameters(model))
+    assert experts / sum(p.numel() for p in model.parameters()) > 0.8  # the experts are most of the bytes
+    assert [n.rsplit(".", 1)[1] for n, _ in expert_parameters(model)][:2] == ["gate_up_proj", "down_proj"]
+
+
+def test_moe_sides_train_the_same_model_and_generate_exactly_the_completion_length(tmp_path, monkeypatch):
+    import trl
+    from transformers import Qwen3MoeForCausalLM
+
+    from colograd.bench import step
+    from colograd.bench.shapes import MOE, build_task, workload
+
+    seen = {}
+    stand_in = _stand_in(seen)
+    monkeypatch.setattr(step, "GRPOTrainer", stand_in)
+    monkeypatch.setattr(trl, "GRPOTrainer", stand_in)
+    w = {**workload(MOE, steps=1, warmup=0), "model": MOE, "dtype": "bf16"}
+    with pytest.raises(_Stop):
+        step.run_colograd(str(tmp_path), w)
+    assert isinstance(seen["model"], Qwen3MoeForCausalLM) and seen["args"].bf16
+    assert seen["args"].generation_kwargs == {"min_tokens": 128} and seen["args"].max_completion_length == 128
+    with pytest.raises(_Stop):
+        step.run_trl(str(tmp_path), w, mode="use_vllm=False (transformers generate)")
+    loaded = Qwen3MoeForCausalLM.from_pretrained(seen["model"])  # TRL gets the same weights, saved
+    for (name, a), (_, b) in zip(loaded.state_dict().items(), build_task(MOE, w)[0].state_dict().items(),
+                                 strict=True):  # fmt: skip
+        assert torch.equal(a, b), name
+    assert seen["args"].generation_kwargs == {"min_new_tokens": 128} and not seen["args"].use_vllm
+    assert seen["args"].per_device_train_batch_size == 16 and seen["args"].bf16
+
+
+def _moe_result() -> dict:
+    """A MoE result as `run` returns it, with made-up figures, for the report's own formatting."""
+    from colograd.bench.shapes import MOE, MOE_SHAPE, workload
+
+    return {
+        "workload": {**workload(MOE), "model": MOE, "dtype": "bf16"}, "shape": MOE_SHAPE,
+        "trl_mode": "use_vllm=False (transformers generate)", "omp_wait_policy": "PASSIVE",
+        "load_average_1min": {"colograd": 2.5, "trl": 3.3, "sync": 3.0},
+        "colograd_step_s_median": 2.0, "trl_step_s_median": 4.5, "speedup_vs_trl": 2.25,
+        "colograd_completion_tokens_per_step": 2048.0, "trl_completion_tokens_per_step": 2048.0,
+        "colograd_phases_s": {"sync": 0.03, "generate": 0.7}, "trl_phases_s": {"generate": 2.6},
+        "colograd_peak_rss_mib": 1900.0, "trl_peak_rss_mib": 1300.0, "peak_rss_ratio": 1900 / 1300,
+        "sync_s": 0.030, "expert_sync_s": 0.014, "expert_copy_s": 0.005, "copy_s": 0.006, "sync_repeats": 7,
+        "sync_vs_expert_copy": 6.0, "expert_sync_vs_expert_copy": 2.8, "sync_vs_copy": 5.0,
+        "sync_bytes": 61003776, "expert_bytes": 50331648, "expert_tensors": 8, "engine_dtype": "bfloat16",
+        "engine_path": "reload", "prepacked_experts": True, "parity_gap_before_sync": 3.4,
+        "parity_gap_after_sync": 0.12,
+    }  # fmt: skip
+
+
+def test_moe_report_shows_medians_ratios_phases_and_the_sync_against_a_plain_copy():
+    from colograd.bench.moe import report
+
+    text = report(_moe_result())
+    assert "Qwen3-MoE (4 layers, hidden 512, 8 experts of 256, top-2) in bf16, 2 prompts × 8 completions of " in text
+    assert "exactly 128 tokens per step; medians of 5 steps after 2 warm-up steps" in text
+    assert "colograd   2.000 s/step  2,048 completion tokens/step" in text and "speedup_vs_trl 2.25" in text
+    assert "colograd 1,900 MiB, TRL 1,300 MiB, ratio 1.46" in text
+    assert "sync       colograd    0.030   TRL        -" in text
+    assert "whole model        30.00 ms for 58.2 MiB" in text and "experts alone      14.00 ms for 48.0 MiB" in text
+    assert "plain copy_        5.00 ms of the expert bytes, 6.00 ms of every byte" in text
+    assert "sync_vs_expert_copy 6.00 (goal: at most 2), expert_sync_vs_expert_copy 2.80" in text
+
+
+def test_moe_run_reads_both_sides_and_the_sync_and_takes_their_ratios(monkeypatch, capsys):
+    from colograd.bench import moe
+
+    r = _moe_result()
+    sides = {
+        "colograd": {
+            "step_s_median": 2.0,
+            "completion_tokens_per_step": 2048.0,
+            "phases_s": {},
+            "peak_rss_mib": 1900.0,
+        },
+        "trl": {"step_s_median": 4.5, "completion_tokens_per_step": 2048.0, "phases_s": {}, "peak_rss_mib": 1000.0},
+    }
+    sync = {k: r[k] for k in r if k.startswith(("sync", "expert", "copy", "engine", "prepacked", "parity"))}
+    workloads = []
+    monkeypatch.setattr(moe, "run_side", lambda side, w, env: workloads.append((side, w, env)) or sides[side])
+    monkeypatch.setattr(moe, "run_sync_side", lambda w, repeats: workloads.append(("sync", w, repeats)) or sync)
+    out = moe.run(dtype="fp32", as_json=True, repeats=3, steps=2)
+    assert [side for side, _, _ in workloads] == ["colograd", "trl", "sync"]
+    assert all(w["steps"] == 2 and w["dtype"] == "fp32" and w["model"] == "moe" for _, w, _ in workloads)
+    assert workloads[0][2] == {"OMP_WAIT_POLICY": "PASSIVE"} and workloads[2][2] == 3
+    assert out["speedup_vs_trl"] == 4.5 / 2.0 and out["peak_rss_ratio"] == 1.9
+    assert out["sync_vs_expert_copy"] == 6.0 and json.loads(capsys.readouterr().out) == out
+
+
+def test_interleaved_medians_time_every_function_in_turn():
+    from colograd.bench.moe import interleaved_medians
+
+    calls = []
+    medians = interleaved_medians({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeats=3)
+    assert calls == ["a", "b"] * 4  # one untimed call each, then 3 rounds, taking turns
+    assert set(medians) == {"a", "b"} and all(m >= 0 for m in medians.values())
+
+
+@pytest.mark.slow
+def test_moe_sync_moves_the_experts_into_the_engine_and_is_timed_against_a_plain_copy():
+    from colograd.bench.moe import measure_sync
+    from colograd.bench.shapes import MOE, workload
+
+    w = {**workload(MOE, max_completion_length=16), "model": MOE, "dtype": "fp32"}
+    r = measure_sync(w, repeats=1)
+    assert r["prepacked_experts"] and r["engine_dtype"] == "float32"
+    # The moved weights reached the engine, prepacked: far apart before the syncs, the same model after.
+    assert r["parity_gap_before_sync"] > 0.1 and r["parity_gap_after_sync"] < 1e-4
+    assert r["expert_bytes"] == 12582912 * 4 and r["sync_bytes"] > r["expert_bytes"]
+    assert r["sync_vs_expert_copy"] == pytest.approx(r["sync_s"] / r["expert_copy_s"])
+    assert r["expert_sync_vs_expert_copy"] == pytest.approx(r["expert_sync_s"] / r["expert_copy_s"])
+
+
 def test_workloads_refuse_accumulation_that_does_not_divide_the_step():
     from colograd.bench.shapes import workload
     from colograd.errors import ConfigError

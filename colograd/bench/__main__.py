@@ -1,4 +1,4 @@
-"""`python -m colograd.bench {sync,soak,step,vlm,tools,entropy,sharing,code} [--json]`: run one benchmark."""
+"""`python -m colograd.bench {sync,soak,step,vlm,moe,tools,entropy,sharing,code} [--json]`: run one benchmark."""
 
 import argparse
 import importlib
@@ -9,15 +9,17 @@ BENCHMARKS = {
     "soak": "colograd.bench.soak",
     "step": "colograd.bench.step",
     "vlm": "colograd.bench.vlm",
+    "moe": "colograd.bench.moe",
     "tools": "colograd.bench.tools",
     "entropy": "colograd.bench.entropy",
     "sharing": "colograd.bench.sharing",
     "code": "colograd.bench.code",
 }
-# The step benchmark's model shapes (colograd.bench.shapes.SHAPES) and the VLM benchmark's model names
-# (shapes.LLAVA), named here so that parsing imports no torch.
+# The step benchmark's model shapes (colograd.bench.shapes.SHAPES), the VLM benchmark's model names (shapes.LLAVA)
+# and the MoE benchmark's model (shapes.MOE), named here so that parsing imports no torch.
 SHAPES = ["tiny", "small", "qwen2.5-0.5b", "qwen2.5-1.5b"]
 LLAVA = "llava-"
+MOE = "moe"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,12 +29,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--repeats",
         type=int,
-        help="sync (default 7), tools, entropy, sharing and code (default 3): timed repetitions; medians are reported",
+        help="sync, moe (default 7), tools, entropy, sharing and code (default 3): timed repetitions (moe: of its "
+        "sync); medians are reported",
     )
     parser.add_argument(
         "--steps",
         type=int,
-        help="soak: training steps (default 300); step, vlm: timed steps (default: the workload's)",
+        help="soak: training steps (default 300); step, vlm, moe: timed steps (default: the workload's)",
     )
     parser.add_argument(
         "--model", choices=["tiny", "small", "smollm2"], help="step: the model (default small; smollm2: pretrained)"
@@ -48,29 +51,32 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=["bf16", "fp32", "both"],
         default="bf16",
-        help="step, vlm: the precision (both: fp32 then bf16)",
+        help="step, vlm, moe: the precision (both: fp32 then bf16)",
     )
     parser.add_argument(
         "--accumulation",
         type=int,
-        help="step, vlm: train a step's completions in this many micro-steps (gradient accumulation), on both sides "
-        "(default: the workload's, 4 for smollm2 and the qwen2.5 shapes, 1 otherwise)",
+        help="step, vlm, moe: train a step's completions in this many micro-steps (gradient accumulation), on both "
+        "sides (default: the workload's, 4 for smollm2 and the qwen2.5 shapes, 1 otherwise)",
     )
-    parser.add_argument("--prompts", type=int, help="step, vlm: prompts per step; sharing: prompts (default 2)")
+    parser.add_argument("--prompts", type=int, help="step, vlm, moe: prompts per step; sharing: prompts (default 2)")
     parser.add_argument(
-        "--generations", type=int, help="step, vlm: completions per prompt (num_generations); sharing: (default 4)"
+        "--generations",
+        type=int,
+        help="step, vlm, moe: completions per prompt (num_generations); sharing: (default 4)",
     )
     parser.add_argument(
         "--completion-tokens",
         type=int,
-        help="step: most tokens per completion; vlm: tokens per completion (default 256); sharing: (default 128)",
+        help="step: most tokens per completion; vlm: tokens per completion (default 256); moe: (default 128); "
+        "sharing: (default 128)",
     )
     parser.add_argument(
         "--prompt-tokens",
         type=int,
-        help="step: tokens per prompt (longer letters prompts; default: 7); sharing: (default 1024)",
+        help="step, moe: tokens per prompt (longer letters prompts; default: 7); sharing: (default 1024)",
     )
-    parser.add_argument("--warmup", type=int, help="step, vlm: untimed steps before the timed ones")
+    parser.add_argument("--warmup", type=int, help="step, vlm, moe: untimed steps before the timed ones")
     return parser
 
 
@@ -99,6 +105,14 @@ def vlm_workload(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     return LLAVA + shape, settings
 
 
+def moe_workload(args: argparse.Namespace) -> dict[str, Any]:
+    """The workload settings the MoE benchmark's flags give (those not given are left out); its model is fixed
+    (`shapes.MOE_SHAPE`)."""
+    if args.model or args.shape:
+        raise SystemExit("colograd.bench moe: its model is fixed (shapes.MOE_SHAPE); leave out --model and --shape.")
+    return step_workload(args)[1]
+
+
 def main() -> None:
     args = build_parser().parse_args()
     bench = importlib.import_module(BENCHMARKS[args.name])
@@ -112,6 +126,14 @@ def main() -> None:
             raise SystemExit(f"colograd.bench {args.name}: {err}") from None
         for dtype in ("fp32", "bf16") if args.dtype == "both" else (args.dtype,):
             bench.run(size=size, dtype=dtype, as_json=args.json, **settings)
+    elif args.name == "moe":
+        settings = moe_workload(args)
+        try:
+            bench.workload(MOE, **settings)
+        except ValueError as err:  # a ConfigError: one line, before any process starts
+            raise SystemExit(f"colograd.bench moe: {err}") from None
+        for dtype in ("fp32", "bf16") if args.dtype == "both" else (args.dtype,):
+            bench.run(dtype=dtype, as_json=args.json, repeats=args.repeats or 7, **settings)
     elif args.name == "sharing":
         settings = {"prompts": args.prompts, "generations": args.generations, "prompt_tokens": args.prompt_tokens,
                     "completion_tokens": args.completion_tokens}  # fmt: skip

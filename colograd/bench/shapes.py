@@ -6,7 +6,9 @@ kernel-launch costs dominate), "small" one where compute dominates on 2 CPU core
 "qwen2.5-1.5b" the layers of those models (hidden size, depth, heads, MLP width), for a GPU. With a 64-token
 vocabulary their parameters are the real models' non-embedding ones. "smollm2" is a real pretrained model instead
 (SmolLM2-135M-Instruct on the sums chat task). "llava-<shape>" is a vision-language model: the tiny LLaVA's image
-encoder (`colograd.models.tiny_vlm`) before a language model of that shape, on the colour task.
+encoder (`colograd.models.tiny_vlm`) before a language model of that shape, on the colour task. "moe" is a
+Mixture-of-Experts model sized for a CPU (`MOE_SHAPE`: Qwen3-MoE, hidden 512, 8 experts, 2 per token) on the
+letters task.
 """
 
 from collections.abc import Callable
@@ -14,7 +16,14 @@ from typing import Any
 
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from colograd.data import sums
 from colograd.errors import ConfigError
@@ -32,7 +41,16 @@ SHAPES = {
 }  # fmt: skip
 SMOLLM2 = "colograd:smollm2-135m-instruct"
 LLAVA = "llava-"  # "llava-small": the tiny LLaVA's image encoder before the small language model
-MODELS = (*SHAPES, "smollm2", *(LLAVA + shape for shape in SHAPES))
+MOE = "moe"
+# The MoE benchmark's model: Qwen3-MoE's architecture (Qwen3-30B-A3B's family: every layer sparse, top-k weights
+# renormalised) at a CPU's size, 4 layers of 8 experts with 2 per token, as Mixtral routes. Hidden 512 and expert
+# width 256 are multiples of 32, the alignment vLLM's CPU expert kernel needs (it refuses another hidden size and
+# would zero-pad another width). 15.2M parameters, 12.6M of them in the experts (83%; 95-96% in Qwen3-30B-A3B and
+# Mixtral-8x7B): the experts are most of what the sync moves.
+MOE_SHAPE = {"hidden_size": 512, "moe_intermediate_size": 256, "num_experts": 8, "num_experts_per_tok": 2,
+             "norm_topk_prob": True, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+             "head_dim": 64, "max_position_embeddings": 512}  # fmt: skip
+MODELS = (*SHAPES, "smollm2", *(LLAVA + shape for shape in SHAPES), MOE)
 
 # On a CPU: 2 prompts × 8 completions of ≤ 96 tokens per step, 2 warm-up steps, then 10 timed ones.
 WORKLOAD = {
@@ -74,13 +92,16 @@ GPU_WORKLOAD = {
 # A vision-language model (colograd.bench.vlm): 2 prompts of one image each × 8 completions of exactly 256 tokens,
 # the length of a short reasoning trace; 2 warm-up steps, then 5 timed ones.
 VLM_WORKLOAD = {**WORKLOAD, "max_completion_length": 256, "steps": 5, "fixed_length": True}
+# The MoE model (colograd.bench.moe): 2 prompts × 8 completions of exactly 128 tokens, so that both sides generate
+# and train on the same tokens; 2 warm-up steps, then 5 timed ones.
+MOE_WORKLOAD = {**WORKLOAD, "max_completion_length": 128, "steps": 5, "fixed_length": True}
 
 
 def workload(model: str, **overrides: Any) -> dict[str, Any]:
     """The workload run on `model`, with `overrides` (None values ignored) replacing its settings.
 
     Args:
-        model: a key of `SHAPES`, "smollm2", or "llava-" and a key of `SHAPES`.
+        model: a key of `SHAPES`, "smollm2", "llava-" and a key of `SHAPES`, or "moe".
         overrides: any of `WORKLOAD`'s keys, e.g. from the benchmark's flags.
 
     Returns:
@@ -91,6 +112,8 @@ def workload(model: str, **overrides: Any) -> dict[str, Any]:
     """
     if model.startswith(LLAVA):
         base = VLM_WORKLOAD
+    elif model == MOE:
+        base = MOE_WORKLOAD
     else:
         base = SMOLLM2_WORKLOAD if model == "smollm2" else GPU_WORKLOAD if model.startswith("qwen") else WORKLOAD
     w = {**base, **{k: v for k, v in overrides.items() if v is not None}}
@@ -143,6 +166,28 @@ def build_model(shape: str = "small", vocab_size: int = 64, context: int = 0) ->
     return Qwen2ForCausalLM(build_config(shape, vocab_size, context))
 
 
+def build_moe_model(vocab_size: int = 64, context: int = 0) -> Qwen3MoeForCausalLM:
+    """A freshly initialised model of `MOE_SHAPE` over the tiny tokenizer's special tokens, with room for `context`
+    tokens, the same on every call, in float32 on the CPU (tied embeddings, as `build_config`'s)."""
+    sizes = MOE_SHAPE
+    config = Qwen3MoeConfig(
+        vocab_size=vocab_size,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+        **{**sizes, "max_position_embeddings": max(sizes["max_position_embeddings"], context)},
+    )
+    torch.manual_seed(WORKLOAD["seed"])
+    return Qwen3MoeForCausalLM(config)
+
+
+def expert_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """The (name, parameter) pairs of the model's routed experts (transformers 5's fused `experts.gate_up_proj`
+    and `experts.down_proj`), in order; not the routers."""
+    return [(name, p) for name, p in model.named_parameters() if ".experts." in name]
+
+
 def non_embedding_parameters(model: torch.nn.Module) -> int:
     """Parameters outside the input embedding (tied to the output layer here): the size Qwen's reports state."""
     embedding = model.get_input_embeddings().weight
@@ -167,7 +212,7 @@ def letters_prompts(prompt_tokens: int | None, num_prompts: int = 2048, seed: in
 def build_task(model: str, w: dict[str, Any]) -> tuple[torch.nn.Module, Any, Dataset, Callable]:
     """Model, tokenizer, prompts and reward of workload `w` on `model`: the pretrained model on the sums task, a
     freshly initialised LLaVA (`llava-<shape>`) on the colour task, or a freshly initialised model of
-    `SHAPES[model]` on the letters task.
+    `SHAPES[model]` or `MOE_SHAPE` ("moe") on the letters task.
 
     Returns:
         (model, tokenizer (a processor for a LLaVA), train dataset, reward function).
@@ -177,6 +222,10 @@ def build_task(model: str, w: dict[str, Any]) -> tuple[torch.nn.Module, Any, Dat
         text = build_config(model.removeprefix(LLAVA), context=64 + w["max_completion_length"])
         built = tiny_vlm.build_model(seed=w["seed"], text_config=text)
         return built, tiny_vlm.build_processor(), tiny_vlm.colours_dataset(), tiny_vlm.colour_reward
+    if model == MOE:
+        tokenizer = tiny.build_tokenizer()
+        built = build_moe_model(len(tokenizer), (w["prompt_tokens"] or 7) + w["max_completion_length"])
+        return built, tokenizer, letters_prompts(w["prompt_tokens"]), tiny.letters_reward
     if model == "smollm2":
         folder = pretrained.materialise(SMOLLM2)
         loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
