@@ -131,6 +131,7 @@ def test_sync_leaves_the_engines_experts_equal_to_the_trainers(case, tmp_path, m
                       report_to="none", vllm_cpu_repack_weights=repack)  # fmt: skip
     engine = Engine(model, tokenizer, args)
     assert engine.prepacked_experts and not engine.direct_load
+    assert engine.direct_dense is not repack  # the layers outside the experts: copied straight in where they can be
     plan = WeightPlan(model)
     plan.sync(engine)
     ids = tokenizer("(1+3)*2=? name a colour. say yes.")["input_ids"]

@@ -42,6 +42,7 @@ from colograd.engine.lifetime import (
 from colograd.engine.lora import adapter_parent, engine_max_lora_rank
 from colograd.engine.requests import rollout_requests, sampled_logps
 from colograd.engine.weights import (
+    _holds_plain_dense_weights,
     _holds_plain_weights,
     _known_names,
     _load_into_model,
@@ -182,6 +183,8 @@ class Engine:
         # Whether the engine computes with the weight tensors it holds (GPU; CPU without repacking), so a sync
         # can copy straight into them, or re-processes them into a kernel layout that needs a reload.
         self.direct_load = all(self.llm.collective_rpc(_holds_plain_weights))
+        # The same for the weights outside expert layers: an MoE engine copies those straight in when it can.
+        self.direct_dense = all(self.llm.collective_rpc(_holds_plain_dense_weights))
         # Expert layers whose weights the CPU backend prepacked: a sync must prepack what it writes into them again.
         self.prepacked_experts = any(self.llm.collective_rpc(moe.has_prepacked_experts_in_engine))
         # Prompts must leave room for a whole completion in the engine's context.
@@ -396,7 +399,7 @@ class Engine:
         """
         self._check_resident("load_weights")
         if self.prepacked_experts:
-            self.llm.collective_rpc(_load_with_prepacked_experts, args=(weights, self.direct_load))
+            self.llm.collective_rpc(_load_with_prepacked_experts, args=(weights, self.direct_dense))
         elif self.direct_load:
             self.llm.collective_rpc(_load_into_model, args=(weights,))
         else:

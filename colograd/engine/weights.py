@@ -21,6 +21,15 @@ def _holds_plain_weights(worker: Any) -> bool:
     )
 
 
+def _holds_plain_dense_weights(worker: Any) -> bool:
+    """Runs in the engine's worker: whether every parameter outside the expert layers still holds its data, so that a
+    copy into them is a complete sync of those layers (an engine with prepacked experts takes its other weights so,
+    and only its expert layers' through the loader and the prepack)."""
+    model = worker.model_runner.model
+    experts = {id(p) for layer in moe.expert_layers(model).values() for p in layer.parameters()}
+    return all(p.numel() > 0 for p in model.parameters() if id(p) not in experts)
+
+
 def _load_into_model(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
     """Runs in the engine's worker: copy checkpoint-named weights into the model's tensors."""
     model = worker.model_runner.model
