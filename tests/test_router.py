@@ -228,3 +228,40 @@ def test_routing_replay_refuses_a_router_with_expert_groups():
     forced = [torch.arange(router.top_k).repeat(12, 1)] * layers
     with pytest.raises(ValueError, match="routing cannot be replayed"):
         routed_experts(model, router, ids, forced=forced)
+
+
+def test_the_training_loss_adds_coef_times_the_router_loss(tmp_path):
+    """`GRPOTrainer.compute_loss` on a slice: with the model's routers, the GRPO loss plus 0.02 (Mixtral's
+    coefficient) × the router's loss, which is logged with the experts' load; without them, the GRPO loss alone."""
+    from collections import defaultdict
+    from types import MethodType, SimpleNamespace
+
+    from colograd import GRPOTrainer
+    from colograd.grpo.entropy import EntropyTerms
+    from colograd.runs.timing import PhaseTimes
+
+    model = moe_model(MIXTRAL).train()
+    batch = rollout(model.config.vocab_size)
+    n, t = batch["completion_ids"].shape
+    inputs = {**batch, "advantages": torch.linspace(-1, 1, n), "engine_logps": torch.zeros(n, t),
+              "tool_mask": torch.ones(n, t), "num_items": batch["completion_mask"].sum().float()}  # fmt: skip
+    args = tiny.run_config(str(tmp_path), 1, per_device_train_batch_size=n, num_generations=4)
+
+    def trainer(router):
+        metrics = defaultdict(list)
+        fake = SimpleNamespace(
+            args=args, _router=router, _micro_step=1, _metrics=metrics, _times=PhaseTimes(), _prompt_cost=None,
+            _segments=None, _suppressed=None, _position_ids=True,
+            entropy=EntropyTerms(args, SimpleNamespace(sync_gradients=True), lambda x: x, metrics),
+        )  # fmt: skip
+        for name in ("completion_logps", "_record", "sampling_correction"):
+            setattr(fake, name, MethodType(getattr(GRPOTrainer, name), fake))
+        return fake
+
+    with_router = trainer(router_of(model, None))
+    loss = GRPOTrainer.compute_loss(with_router, model, inputs)
+    grpo_only = GRPOTrainer.compute_loss(trainer(None), model, inputs)
+    aux = colograd_aux_loss(model, batch).aux_loss
+    assert torch.allclose(loss - grpo_only, 0.02 * aux, rtol=1e-5), (loss - grpo_only, aux)
+    assert with_router._metrics["aux_loss"] == [pytest.approx(aux.item(), rel=1e-5)]
+    assert with_router._metrics["moe/expert_load/max"][0] >= 1
