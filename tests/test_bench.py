@@ -316,7 +316,7 @@ def test_moe_report_shows_medians_ratios_phases_and_the_sync_against_a_plain_cop
 
 
 def test_moe_run_reads_both_sides_and_the_sync_and_takes_their_ratios(monkeypatch, capsys):
-    from colograd.bench import moe
+    from colograd.bench import moe, vlm
 
     r = _moe_result()
     sides = {
@@ -330,7 +330,7 @@ def test_moe_run_reads_both_sides_and_the_sync_and_takes_their_ratios(monkeypatc
     }
     sync = {k: r[k] for k in r if k.startswith(("sync", "expert", "copy", "engine", "prepacked", "parity"))}
     workloads = []
-    monkeypatch.setattr(moe, "run_side", lambda side, w, env: workloads.append((side, w, env)) or sides[side])
+    monkeypatch.setattr(vlm, "run_side", lambda side, w, env: workloads.append((side, w, env)) or sides[side])
     monkeypatch.setattr(moe, "run_sync_side", lambda w, repeats: workloads.append(("sync", w, repeats)) or sync)
     out = moe.run(dtype="fp32", as_json=True, repeats=3, steps=2)
     assert [side for side, _, _ in workloads] == ["colograd", "trl", "sync"]

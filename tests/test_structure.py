@@ -8,22 +8,22 @@ PACKAGE = Path(__file__).resolve().parents[1] / "colograd"
 ROOT_NAMES = {"GRPOConfig", "GRPOTrainer", "ScriptArguments"}
 
 
-def module_imports(path: Path) -> tuple[set[str], bool]:
-    """The colograd modules `path` imports at its top level, and whether it imports the package root itself."""
-    modules, root = set(), False
-    for node in ast.parse(path.read_text()).body:
+def imports(path: Path, top_level_only: bool = False) -> set[str]:
+    """Every colograd module `path` imports (`from colograd import x` counts as `colograd.x`; a name the root exports
+    as `colograd`, the root itself), inside functions too unless `top_level_only`."""
+    found = set()
+    nodes = ast.parse(path.read_text()).body if top_level_only else ast.walk(ast.parse(path.read_text()))
+    for node in nodes:
         if isinstance(node, ast.Import):
-            for alias in node.names:
-                root |= alias.name == "colograd"
-                if alias.name.startswith("colograd."):
-                    modules.add(alias.name)
+            found |= {alias.name for alias in node.names if alias.name.split(".")[0] == "colograd"}
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "colograd":
             if node.module == "colograd":
-                root |= any(alias.name in ROOT_NAMES for alias in node.names)
-                modules |= {f"colograd.{alias.name}" for alias in node.names if alias.name not in ROOT_NAMES}
+                found |= {
+                    f"colograd.{alias.name}" if alias.name not in ROOT_NAMES else "colograd" for alias in node.names
+                }
             else:
-                modules.add(node.module)
-    return modules, root
+                found.add(node.module)
+    return found
 
 
 def test_the_trainer_and_its_modules_never_import_the_package_root():
@@ -38,10 +38,10 @@ def test_the_trainer_and_its_modules_never_import_the_package_root():
         path = PACKAGE / (name.removeprefix("colograd.").replace(".", "/") + ".py")
         if not path.exists():  # a package: its __init__
             path = path.with_suffix("") / "__init__.py"
-        imported, root = module_imports(path)
-        if root:
+        imported = imports(path, top_level_only=True)
+        if "colograd" in imported:
             cycles.append(name)
-        todo += sorted(imported - seen)
+        todo += sorted(imported - seen - {"colograd"})
     assert len(seen) > 20  # the walk reached the trainer's modules
     assert cycles == []
 
@@ -58,23 +58,6 @@ FACES = {"__init__", "trainer", "train", "check", "check_runner", "bench"}
 ALLOWED = {
     ("colograd.runs.modelcard", "colograd"): "the package's version, read when a card is written",
 }
-
-
-def all_imports(path: Path) -> set[str]:
-    """Every colograd module `path` imports, at its top level or inside a function (`from colograd import x`
-    counts as `colograd.x`)."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names if alias.name.split(".")[0] == "colograd"}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "colograd":
-            if node.module == "colograd":
-                found |= {
-                    f"colograd.{alias.name}" if alias.name not in ROOT_NAMES else "colograd" for alias in node.names
-                }
-            else:
-                found.add(node.module)
-    return found
 
 
 def module_name(path: Path) -> str:
@@ -110,7 +93,7 @@ def layering_violations(imports: dict[str, set[str]]) -> list[str]:
 
 
 def package_imports() -> dict[str, set[str]]:
-    return {module_name(path): all_imports(path) for path in sorted(PACKAGE.rglob("*.py"))}
+    return {module_name(path): imports(path) for path in sorted(PACKAGE.rglob("*.py"))}
 
 
 def test_the_layering_names_every_top_level_entry():

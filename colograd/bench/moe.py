@@ -38,8 +38,8 @@ from typing import Any
 import torch
 
 from colograd.bench.shapes import MOE, MOE_SHAPE, build_task, completions_per_micro_step, expert_parameters, workload
-from colograd.bench.step import phase_lines, run_side, trl_mode
-from colograd.bench.vlm import PASSIVE_WAIT
+from colograd.bench.step import phase_lines
+from colograd.bench.vlm import PASSIVE_WAIT, both_sides
 
 # What the weights move by before the timed syncs: enough that the engine's log-probs of the old weights differ
 # from the trainer's by far more than the precision's noise (docs/moe.md's parity checks use the same).
@@ -58,27 +58,12 @@ def run(dtype: str = "bf16", as_json: bool = False, repeats: int = 7, **override
     Returns:
         The figures, as printed with `as_json`.
     """
-    w = {**workload(MOE, **overrides), "model": MOE, "dtype": dtype}
-    # A machine shared with other work slows both sides, unevenly: its load after each is shown with the figures.
-    ours, load_ours = run_side("colograd", w, PASSIVE_WAIT), os.getloadavg()[0]
-    theirs, load_theirs = run_side("trl", w, PASSIVE_WAIT), os.getloadavg()[0]
-    sync, load_sync = run_sync_side(w, repeats), os.getloadavg()[0]
-    result = {
-        "workload": w,
+    result = both_sides({**workload(MOE, **overrides), "model": MOE, "dtype": dtype})
+    sync, load_sync = run_sync_side(result["workload"], repeats), os.getloadavg()[0]
+    result["load_average_1min"]["sync"] = load_sync
+    result |= {
         "shape": MOE_SHAPE,
-        "trl_mode": trl_mode(),
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", PASSIVE_WAIT["OMP_WAIT_POLICY"]),
-        "load_average_1min": {"colograd": load_ours, "trl": load_theirs, "sync": load_sync},
-        "colograd_step_s_median": ours["step_s_median"],
-        "trl_step_s_median": theirs["step_s_median"],
-        "speedup_vs_trl": theirs["step_s_median"] / ours["step_s_median"],
-        "colograd_completion_tokens_per_step": ours["completion_tokens_per_step"],
-        "trl_completion_tokens_per_step": theirs["completion_tokens_per_step"],
-        "colograd_phases_s": ours["phases_s"],
-        "trl_phases_s": theirs["phases_s"],
-        "colograd_peak_rss_mib": ours["peak_rss_mib"],
-        "trl_peak_rss_mib": theirs["peak_rss_mib"],
-        "peak_rss_ratio": ours["peak_rss_mib"] / theirs["peak_rss_mib"],
+        "peak_rss_ratio": result["colograd_peak_rss_mib"] / result["trl_peak_rss_mib"],
         **sync,
     }
     print(json.dumps(result) if as_json else report(result))

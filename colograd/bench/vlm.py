@@ -49,11 +49,18 @@ def run(size: str = "llava-small", dtype: str = "bf16", as_json: bool = False, *
     Returns:
         The figures, as printed with `as_json`.
     """
-    w = {**workload(size, **overrides), "model": size, "dtype": dtype}
+    result = both_sides({**workload(size, **overrides), "model": size, "dtype": dtype})
+    print(json.dumps(result) if as_json else report(result))
+    return result
+
+
+def both_sides(w: dict[str, Any]) -> dict[str, Any]:
+    """Workload `w` through colograd, then through TRL, each in a fresh process: their seconds per step (medians),
+    `speedup_vs_trl`, completion tokens per step, seconds per phase and peak memory, side by side."""
     # A machine shared with other work slows both sides, unevenly: its load after each is shown with the figures.
     ours, load_ours = run_side("colograd", w, PASSIVE_WAIT), os.getloadavg()[0]
     theirs, load_theirs = run_side("trl", w, PASSIVE_WAIT), os.getloadavg()[0]
-    result = {
+    return {
         "workload": w,
         "trl_mode": trl_mode(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", PASSIVE_WAIT["OMP_WAIT_POLICY"]),
@@ -68,8 +75,6 @@ def run(size: str = "llava-small", dtype: str = "bf16", as_json: bool = False, *
         "colograd_peak_rss_mib": ours["peak_rss_mib"],
         "trl_peak_rss_mib": theirs["peak_rss_mib"],
     }
-    print(json.dumps(result) if as_json else report(result))
-    return result
 
 
 def report(r: dict[str, Any]) -> str:

@@ -128,13 +128,14 @@ class RouterRecord:
             return
         if router.coef:
             self.aux_loss = router.loss_func(tuple(logits), router.num_experts, router.top_k, weights)
-        flat = weights.reshape(-1).float()
         with torch.no_grad():
+            # Each top-k assignment weighs as its position does; every layer routes the same positions.
+            per_choice = weights.reshape(-1).float().to(logits[0].device).repeat_interleave(router.top_k)
             load = []
             for layer in logits:
                 chosen = layer.float().topk(router.top_k, dim=-1).indices  # [tokens, k]
                 counts = torch.zeros(router.num_experts, device=layer.device).index_add_(
-                    0, chosen.flatten(), flat.to(layer.device).repeat_interleave(router.top_k)
+                    0, chosen.flatten(), per_choice.to(layer.device)
                 )
                 load.append(counts * router.num_experts / counts.sum().clamp(min=1e-12))
             self.load_LE = torch.stack(load)
