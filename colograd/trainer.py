@@ -43,6 +43,7 @@ from colograd.engine.lifetime import frozen_heap, own_classes
 from colograd.engine.sync import WeightPlan, is_sharded
 from colograd.grpo import attention
 from colograd.grpo.batch import pad_rollout, split_by_tokens, split_rows
+from colograd.grpo.dynamic import ROUND_STRIDE, DynamicSampling, check_dynamic_sampling
 from colograd.grpo.entropy import EntropyTerms
 from colograd.grpo.evaluation import evaluate
 from colograd.grpo.logps import completion_logps
@@ -190,6 +191,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
             self.reward_funcs += self.agents.reward_funcs
             self.reward_weights = torch.cat([self.reward_weights, torch.ones(len(self.agents.reward_funcs))])
         check_reward_source(self.reward_funcs)
+        check_dynamic_sampling(args, train_dataset, self.agents is not None)
         self.reward_func_names = [reward_name(f) for f in self.reward_funcs]  # TRL's attribute: metrics' names
         # An environment reaches the rewards as `environments`; a rollout_func's own fields show only at rollout
         # time, so then the rewards' parameters are not checked before it.
@@ -272,6 +274,10 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         self._vision = is_vision_language(getattr(unwrapped, "get_base_model", lambda: unwrapped)())
         self.numbered_rows = self._vision
         self._gap_rotation = 0  # image runs: which of a rank's prompts the sampling-gap metric's completion is from
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
+        self._dynamic = (
+            DynamicSampling(args, train_dataset, self._vision, rank, world) if args.dynamic_sampling else None
+        )
         self.vllm_generation = VLLMGeneration(self)  # TRL's handle on the engine, for `rollout_func` code
         # What each model does to its logits (the policy, and the reference's copy if any), learnt before DeepSpeed
         # wraps or partitions them.
@@ -382,12 +388,21 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         The engine syncs the weights as it wakes, so at most once per optimizer step and only before a rollout.
         """
         g = self.args.num_generations
-        scored = self.sample(rows)
+        dropped = 0  # completion tokens sampled in groups dynamic sampling dropped
+        if self._dynamic is None:
+            scored = self.sample(rows)
+        else:
+            most = lambda n: int(self.accelerator.gather(torch.tensor([n], device=self.args.device)).max())  # noqa: E731
+            sample = lambda rows, round: self.sample(rows, round=round)  # noqa: E731
+            scored, metrics, dropped = self._dynamic.fill(
+                rows, sample, self.reward_weights, most, self._rollout_index(), self.reward_logs
+            )
+            self._record(metrics)
         extra, logged = self.reward_logs.take()  # what the reward functions logged (TRL's log_extra / log_metric)
         self._record(rollout_metrics(scored, self.reward_func_names) | logged)
         if self.agents is not None:
             self._record(self.agents.metrics)
-        self._times.count("generated", int(sampled_lengths(scored.rollout).sum()), self._metrics)
+        self._times.count("generated", int(sampled_lengths(scored.rollout).sum()) + dropped, self._metrics)
         images = scored.images.images if scored.images is not None else [[] for _ in scored.prompts]
         if self._vision:  # a vision-language run shows at every step whether its prompts had images
             self._record({"images/per_prompt": sum(map(len, images)) / max(1, len(images))})
@@ -420,7 +435,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         return slices
 
     def sample(
-        self, rows: list[dict], num_generations: int | None = None, *, evaluation: bool = False
+        self, rows: list[dict], num_generations: int | None = None, *, evaluation: bool = False, round: int = 0
     ) -> ScoredRollout:
         """One rollout of `rows`, scored: the call training and evaluation share. Runs the stages
         `prepare_prompts`, `generate` and `score`, cuts the prompts to fit between the first two, and records no
@@ -432,6 +447,8 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
                 `num_generations_eval` (when set).
             evaluation: an evaluation rollout: seeded apart from training's, and its phases timed as `eval_generate`
                 and `eval_reward`, out of training's figures.
+            round: a refill round of dynamic sampling (`colograd.grpo.dynamic`), seeded apart from the rollout's
+                first.
         """
         args = self.args
         g = num_generations or (evaluation and args.num_generations_eval) or args.num_generations
@@ -451,9 +468,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         # prompts, and the step seeds the sampling (an evaluation's apart from every training step's).
         self._rollout_rows = rows
         self._rollout_step = (
-            -1 - self.state.global_step
-            if evaluation
-            else self.state.global_step * args.gradient_accumulation_steps + self._micro_step
+            -1 - self.state.global_step if evaluation else self._rollout_index() + round * ROUND_STRIDE
         )
         prefix = "eval_" if evaluation else ""
         self.reward_logs.take()  # a reward's logs belong to the rollout that called it (an evaluation's are dropped)
@@ -465,6 +480,10 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         with self._timed(f"{prefix}reward"):
             rewards_NF = self.score(prompts, rollout, columns)
         return ScoredRollout(prompts, prompt_ids, columns, rollout, rewards_NF, truncated, images)
+
+    def _rollout_index(self) -> int:
+        """The training rollout's place in the run (its first micro-step's), which seeds its sampling."""
+        return self.state.global_step * self.args.gradient_accumulation_steps + self._micro_step
 
     @property
     def prompt_limit(self) -> int:

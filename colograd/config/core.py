@@ -13,6 +13,7 @@ from transformers import TrainingArguments
 from trl import ModelConfig
 
 from colograd.config.data import ScriptArguments
+from colograd.config.dynamic import DynamicSamplingOptions
 from colograd.config.engine import EngineOptions
 from colograd.config.forward import ForwardOptions
 from colograd.config.generation import GenerationOptions
@@ -47,6 +48,7 @@ __all__ = [
 class GRPOConfig(
     TrainingArguments,
     GenerationOptions,
+    DynamicSamplingOptions,
     EngineOptions,
     LossOptions,
     RegularizerOptions,
@@ -88,6 +90,7 @@ class GRPOConfig(
         self.apply_trl_aliases()
         check_refused(self)
         self.check_generation()
+        self.check_dynamic_sampling()
         self.check_loading()
         self.check_loss()
         self.check_regularizers()
@@ -141,6 +144,7 @@ TOPICS: tuple[tuple[str, type], ...] = (
     ("Model", ModelConfig),
     ("Data and rewards", ScriptArguments),
     ("Generation", GenerationOptions),
+    ("Dynamic sampling (DAPO)", DynamicSamplingOptions),
     ("Loss", LossOptions),
     ("Loss: entropy terms and reference updates", RegularizerOptions),
     ("Training forward", ForwardOptions),

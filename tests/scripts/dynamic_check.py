@@ -1,0 +1,59 @@
+"""Dynamic sampling on 2 ranks (tests/test_dynamic_sampling.py): rank 0's reward also leaves the groups of prompts
+asking for 'a' or 'b' uniform, so rank 0 needs more refill rounds than rank 1. Run under a multi-process launch:
+
+    accelerate launch --config_file tests/configs/zero3_cpu.yaml tests/scripts/dynamic_check.py OUT_DIR
+
+Each rank writes OUT_DIR/rank<r>.json: per rollout, the refill rounds it ran, the groups it sampled and the uniform
+groups it kept; its step losses; whether its weights were sharded.
+"""
+
+import argparse
+import json
+import os
+
+import torch.distributed as dist
+
+from colograd import GRPOTrainer
+from colograd.engine.sync import is_sharded
+from colograd.grpo.dynamic import group_spread
+from colograd.models import tiny
+
+
+def rank_reward(completions: list[str], target: list[str], **kwargs) -> list[float]:
+    """The letters reward; on rank 0, 0.5 whatever the completion for prompts asking for 'a' or 'b'."""
+    uniform = "ab" if dist.get_rank() == 0 else ""
+    return [
+        0.5 if t in uniform else (c.count(t) / len(c) if c else 0.0) for c, t in zip(completions, target, strict=True)
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    cli = parser.parse_args()
+    args = tiny.run_config(os.path.join(cli.out, "run"), 2, dynamic_sampling=True, dynamic_sampling_max_rounds=4)
+    trainer = GRPOTrainer(tiny.build_model(), rank_reward, args, tiny.letters_dataset(256),
+                          processing_class=tiny.build_tokenizer())  # fmt: skip
+    record = {"rounds": [], "sampled": [], "uniform_kept": []}
+    fill = trainer._dynamic.fill
+
+    def recorded_fill(rows, sample, weights, most, step, logs=None):
+        counts = []
+        counted = lambda rows, round: counts.append(len(rows)) or sample(rows, round)  # noqa: E731
+        kept, metrics, dropped = fill(rows, counted, weights, most, step, logs)
+        record["rounds"].append(metrics["dynamic_sampling/rounds"])
+        record["sampled"].append(sum(counts))
+        spread = group_spread(kept.rewards_NF, weights, args.num_generations)
+        record["uniform_kept"].append(int((spread <= args.dynamic_sampling_std_eps).sum()))
+        return kept, metrics, dropped
+
+    trainer._dynamic.fill = recorded_fill
+    trainer.train()
+    record["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    record["sharded"] = is_sharded(trainer.accelerator.unwrap_model(trainer.model))
+    with open(os.path.join(cli.out, f"rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(record, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,242 @@
+"""Dynamic sampling (DAPO, `colograd.grpo.dynamic`): uniform groups dropped, the rollout refilled, every rank in step.
+
+The logic runs on rollouts built by hand (no engine); the slow tests train through `GRPOTrainer` on the CPU engine,
+in one process and on 2 ranks under ZeRO-3, with rewards that leave many groups uniform.
+"""
+
+import json
+import math
+
+import pytest
+import torch
+from datasets import Dataset, IterableDataset
+
+from colograd.config.core import GRPOConfig
+from colograd.engine.core import Rollout
+from colograd.errors import ConfigError
+from colograd.grpo.dynamic import (
+    DynamicSampling,
+    check_dynamic_sampling,
+    group_spread,
+    join,
+    take_groups,
+)
+from colograd.grpo.rollouts import PromptImages, RewardLogs, ScoredRollout
+from colograd.models import tiny
+
+G = 4
+WEIGHTS = torch.ones(1)
+
+
+def scored_of(names: list[str], uniform: set[str], images: bool = False) -> ScoredRollout:
+    """A rollout of one group per name: G completions each; a name in `uniform` scores 1.0 on all of them, any other
+    scores 0, 1, 0, 1. Completion j of group i is [i, j], so that groups can be followed."""
+    n = len(names) * G
+    rewards = [1.0 if name in uniform else float(j % 2) for name in names for j in range(G)]
+    key = lambda name: sum(map(ord, name))  # noqa: E731
+    return ScoredRollout(
+        prompts=[f"prompt {name}" for name in names],
+        prompt_ids=[[key(name)] for name in names],
+        columns={"name": list(names)},
+        rollout=Rollout(
+            completion_ids=[[key(name), j] for name in names for j in range(G)],
+            logps=[[-0.5, -0.5]] * n,
+            truncated=[False] * n,
+            engine_prompt_ids=[[key(name), 0] for name in names] if images else None,
+        ),
+        rewards_NF=torch.tensor(rewards).unsqueeze(1),
+        truncated_prompts=0,
+        images=PromptImages([[name] for name in names], [[key(name), 0] for name in names], [{}] * len(names))
+        if images
+        else None,
+    )
+
+
+def settings(**overrides) -> GRPOConfig:
+    defaults = dict(num_generations=G, per_device_train_batch_size=4 * G, dynamic_sampling=True)
+    return tiny.run_config("/tmp/unused", 1, **{**defaults, **overrides})
+
+
+def test_group_spread_scores_each_group_on_its_total_weighted_reward():
+    rewards = torch.tensor([[1.0, 0.0], [0.0, 1.0], [2.0, 0.0], [2.0, 0.0], [float("nan")] * 2, [float("nan")] * 2])
+    spread = group_spread(rewards, torch.tensor([1.0, 1.0]), 2)
+    assert spread.tolist() == [0.0, 0.0, 0.0]  # totals 1, 1 / 2, 2 / unscored
+    spread = group_spread(rewards, torch.tensor([1.0, 0.5]), 2)
+    assert spread[0] > 0 and spread[1:].tolist() == [0.0, 0.0]  # weighted: 1 against 0.5
+
+
+@pytest.mark.parametrize("images", [False, True])
+def test_groups_are_taken_and_joined_whole(images):
+    a, b = scored_of(["a", "b"], set(), images), scored_of(["c"], set(), images)
+    every = join([a, b])
+    assert every.columns["name"] == ["a", "b", "c"] and len(every.rollout.completion_ids) == 3 * G
+    kept = take_groups(every, [2, 0], G)
+    assert kept.columns["name"] == ["c", "a"] and kept.prompts == ["prompt c", "prompt a"]
+    assert kept.rollout.completion_ids == b.rollout.completion_ids + a.rollout.completion_ids[:G]
+    assert torch.equal(kept.rewards_NF, torch.cat([b.rewards_NF, a.rewards_NF[:G]]))
+    if images:  # per prompt: the images, the engine's expanded prompts, the pixels
+        assert kept.images.images == [["c"], ["a"]]
+        assert kept.rollout.engine_prompt_ids == [b.prompt_ids[0] + [0], a.prompt_ids[0] + [0]]
+    else:
+        assert kept.images is None and kept.rollout.engine_prompt_ids is None
+
+
+class Rounds:
+    """A stand-in for `GRPOTrainer.sample`: scores each row's group uniform when its name is in `uniform`."""
+
+    def __init__(self, uniform: set[str], logs: RewardLogs | None = None) -> None:
+        self.uniform, self.logs, self.calls = uniform, logs, []
+
+    def __call__(self, rows: list[dict], round: int) -> ScoredRollout:
+        self.calls.append(([row["name"] for row in rows], round))
+        names = [row["name"] for row in rows]
+        if self.logs is not None:  # what a reward function logs: a column per completion, a metric per call
+            self.logs.log_extra("seen", [f"{name}{j}" for name in names for j in range(G)])
+            self.logs.log_metric("calls", float(round))
+        return scored_of(names, self.uniform)
+
+
+NAMES = [f"p{i}" for i in range(40)]
+DATA = Dataset.from_dict({"prompt": NAMES, "name": NAMES})
+
+
+def test_uniform_groups_are_replaced_by_informative_ones_from_the_dataset():
+    args = settings()
+    uniform = set(NAMES[::2])  # half the dataset: every even prompt
+    rows = [DATA[i] for i in range(4)]  # p0 p1 p2 p3: two uniform
+    sample = Rounds(uniform)
+    kept, metrics, dropped = DynamicSampling(args, DATA, False, 0, 1).fill(rows, sample, WEIGHTS, lambda n: n, 7)
+    assert len(kept.prompts) == 4 and (group_spread(kept.rewards_NF, WEIGHTS, G) > 0).all()
+    assert kept.columns["name"][:2] == ["p1", "p3"]  # the first round's informative groups first, in order
+    assert [r for _, r in sample.calls] == list(range(len(sample.calls)))  # rounds seeded apart
+    refill = sample.calls[1][0]
+    assert len(refill) == math.ceil(2 * args.dynamic_sampling_oversample)  # 2 missing, oversampled
+    assert metrics["dynamic_sampling/rounds"] == len(sample.calls) - 1 >= 1
+    sampled = sum(len(names) for names, _ in sample.calls)
+    assert metrics["dynamic_sampling/discarded_groups"] == sampled - 4
+    assert metrics["dynamic_sampling/kept_fraction"] == 4 / sampled
+    assert metrics["dynamic_sampling/filled_groups"] == 0
+    assert dropped == (sampled - 4) * G * 2  # 2 tokens per completion
+
+
+def test_every_rank_runs_the_rounds_the_rank_missing_most_needs():
+    """This rank has its 4 informative groups at once; another rank misses 3: this one samples alongside it (the
+    collectives of sampling and scoring must meet) and keeps its own first groups."""
+    args = settings()
+    rows = [DATA[i] for i in (1, 3, 5, 7)]
+    other = iter([3, 1, 0])  # what the rank missing most misses after each round
+    sample = Rounds(set(NAMES[::2]))
+    kept, metrics, _ = DynamicSampling(args, DATA, False, 0, 2).fill(
+        rows, sample, WEIGHTS, lambda n: max(n, next(other)), 7
+    )
+    assert [len(names) for names, _ in sample.calls] == [4, 6, 2]  # ceil(2 × 3), ceil(2 × 1)
+    assert kept.columns["name"] == ["p1", "p3", "p5", "p7"]
+    assert metrics["dynamic_sampling/rounds"] == 2
+
+
+def test_refill_prompts_are_seeded_by_step_and_round_and_split_between_ranks():
+    args = settings()
+    ranks = [DynamicSampling(args, DATA, False, r, 2) for r in range(2)]
+    first = [[row["name"] for row in ds.rows(5, 1, 8)] for ds in ranks]
+    assert first == [[row["name"] for row in ds.rows(5, 1, 8)] for ds in ranks]  # reproducible (a resumed run)
+    assert not set(first[0]) & set(first[1])  # each rank its own prompts
+    assert first[0] != [row["name"] for row in ranks[0].rows(5, 2, 8)]  # another round
+    assert first[0] != [row["name"] for row in ranks[0].rows(6, 1, 8)]  # another step
+    assert len(ranks[1].rows(5, 1, 30)) == 30  # more than the dataset holds over the ranks: wraps round
+
+
+def test_rows_of_an_image_run_carry_their_names():
+    rows = DynamicSampling(settings(), DATA, True, 0, 1).rows(0, 1, 2)
+    assert all(row["__colograd_row__"].startswith("train_dataset row ") for row in rows)
+
+
+def test_when_rounds_run_out_the_least_uniform_groups_fill_or_the_run_stops():
+    rows = [DATA[i] for i in range(4)]
+    everything_uniform = Rounds(set(NAMES) - {"p1"})
+    args = settings(dynamic_sampling_max_rounds=2)
+    kept, metrics, _ = DynamicSampling(args, DATA, False, 0, 1).fill(rows, everything_uniform, WEIGHTS, lambda n: n, 0)
+    assert kept.columns["name"][0] == "p1" and len(kept.prompts) == 4
+    assert metrics["dynamic_sampling/filled_groups"] == 3 and metrics["dynamic_sampling/rounds"] == 2
+    args = settings(dynamic_sampling_max_rounds=1, dynamic_sampling_fallback="error")
+    with pytest.raises(ConfigError, match="after 1 refill rounds a rank has only 1 of its 4 groups"):
+        DynamicSampling(args, DATA, False, 0, 1).fill(rows, Rounds(set(NAMES) - {"p1"}), WEIGHTS, lambda n: n, 0)
+
+
+def test_what_rewards_log_follows_the_kept_groups():
+    logs = RewardLogs()
+    sample = Rounds(set(NAMES[::2]), logs)
+    kept, _, _ = DynamicSampling(settings(), DATA, False, 0, 1).fill(
+        [DATA[i] for i in range(4)], sample, WEIGHTS, lambda n: n, 3, logs
+    )
+    extra, metrics = logs.take()
+    assert extra["seen"] == [f"{name}{j}" for name in kept.columns["name"] for j in range(G)]
+    assert metrics["calls"] == sum(range(len(sample.calls))) / len(sample.calls)
+
+
+def test_what_cannot_be_refilled_is_refused_before_start_up():
+    args = settings()
+    stream = IterableDataset.from_generator(lambda: iter([{"prompt": "a"}]))
+    with pytest.raises(ConfigError, match="draws its refill prompts from train_dataset by index"):
+        check_dynamic_sampling(args, stream, agents=False)
+    with pytest.raises(ConfigError, match="with tools, environment_factory or rollout_func is not supported"):
+        check_dynamic_sampling(args, DATA, agents=True)
+    check_dynamic_sampling(settings(dynamic_sampling=False), stream, agents=True)  # off: nothing to refuse
+    with pytest.raises(ConfigError, match="dynamic_sampling_fallback='drop' is unknown"):
+        settings(dynamic_sampling_fallback="drop")
+    with pytest.raises(ConfigError, match="dynamic_sampling_oversample=0.5: set it to 1 or more"):
+        settings(dynamic_sampling_oversample=0.5)
+
+
+def half_uniform_reward(completions: list[str], target: list[str], **kwargs) -> list[float]:
+    """The letters reward, except that prompts asking for 'a' or 'b' score 0.5 whatever the completion: their groups
+    are uniform."""
+    return [
+        0.5 if t in "ab" else (c.count(t) / len(c) if c else 0.0) for c, t in zip(completions, target, strict=True)
+    ]
+
+
+@pytest.mark.slow
+def test_a_rollout_trains_on_informative_groups_only(tmp_path):
+    """GRPOTrainer on the CPU engine, one process: with dynamic sampling every group of the rollout it trains has
+    rewards that differ (nonzero advantages), where the same rows without it train on uniform groups too; the
+    metrics say how many rounds it took."""
+    from colograd import GRPOTrainer
+
+    data = tiny.letters_dataset(256)
+    rows = [data[i] for i in range(8)]
+    assert sum(row["target"] in "ab" for row in rows) >= 2  # uniform groups in the first round
+    results = {}
+    for on in (False, True):
+        args = tiny.run_config(str(tmp_path / str(on)), 2, dynamic_sampling=on, dynamic_sampling_max_rounds=4)
+        trainer = GRPOTrainer(
+            tiny.build_model(), half_uniform_reward, args, data, processing_class=tiny.build_tokenizer()
+        )
+        batch = torch.cat([part["advantages"] for part in trainer.make_rollout(rows)])
+        zero_groups = (batch.view(-1, args.num_generations).abs().sum(1) == 0).sum().item()
+        results[on] = zero_groups, dict(trainer._metrics)
+        if on:
+            trainer.train()  # whole steps: the refilled rollouts train
+            history = [h for h in trainer.state.log_history if "loss" in h]
+            assert len(history) == 2 and all(math.isfinite(h["loss"]) for h in history)
+        del trainer
+    assert results[False][0] >= 2 and results[True][0] == 0, results
+    metrics = results[True][1]
+    assert metrics["dynamic_sampling/rounds"][0] >= 1 and metrics["frac_reward_zero_std"][0] == 0
+    assert "dynamic_sampling/rounds" not in results[False][1]
+
+
+@pytest.mark.slow
+def test_ranks_run_the_same_rounds_under_zero3(tmp_path):
+    """2 ranks under DeepSpeed ZeRO-3, where rank 0's reward leaves many more groups uniform than rank 1's: both
+    ranks run the rounds the rank missing most needs (each deciding alone, they ran 2 and 1 rounds: tried), and each
+    trains only on informative groups."""
+    from conftest import launch
+
+    proc = launch("tests/scripts/dynamic_check.py", str(tmp_path), config="tests/configs/zero3_cpu.yaml",
+                  env={"DS_ACCELERATOR": "cpu"}, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    runs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert runs[0]["rounds"] == runs[1]["rounds"] and max(runs[0]["rounds"]) >= 1, runs
+    for run in runs:
+        assert run["sharded"] and len(run["losses"]) == 2 and all(math.isfinite(x) for x in run["losses"])
+        assert all(count == 0 for count in run["uniform_kept"]), run
