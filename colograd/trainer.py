@@ -392,10 +392,9 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         if self._dynamic is None:
             scored = self.sample(rows)
         else:
-            most = lambda n: int(self.accelerator.gather(torch.tensor([n], device=self.args.device)).max())  # noqa: E731
             sample = lambda rows, round: self.sample(rows, round=round)  # noqa: E731
             scored, metrics, dropped = self._dynamic.fill(
-                rows, sample, self.reward_weights, most, self._rollout_index(), self.reward_logs
+                rows, sample, self.reward_weights, self._largest_over_ranks, self._rollout_index(), self.reward_logs
             )
             self._record(metrics)
         extra, logged = self.reward_logs.take()  # what the reward functions logged (TRL's log_extra / log_metric)
@@ -480,6 +479,11 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         with self._timed(f"{prefix}reward"):
             rewards_NF = self.score(prompts, rollout, columns)
         return ScoredRollout(prompts, prompt_ids, columns, rollout, rewards_NF, truncated, images)
+
+    def _largest_over_ranks(self, numbers: list[int]) -> list[int]:
+        """Each of `numbers`, its largest over every rank (a collective)."""
+        every = self.accelerator.gather(torch.tensor(numbers, device=self.args.device))
+        return every.view(-1, len(numbers)).max(dim=0).values.tolist()
 
     def _rollout_index(self) -> int:
         """The training rollout's place in the run (its first micro-step's), which seeds its sampling."""

@@ -26,6 +26,7 @@ from colograd.models import tiny
 
 G = 4
 WEIGHTS = torch.ones(1)
+same = lambda numbers: numbers  # noqa: E731 — one rank: its numbers are the largest
 
 
 def scored_of(names: list[str], uniform: set[str], images: bool = False) -> ScoredRollout:
@@ -105,12 +106,12 @@ def test_uniform_groups_are_replaced_by_informative_ones_from_the_dataset():
     uniform = set(NAMES[::2])  # half the dataset: every even prompt
     rows = [DATA[i] for i in range(4)]  # p0 p1 p2 p3: two uniform
     sample = Rounds(uniform)
-    kept, metrics, dropped = DynamicSampling(args, DATA, False, 0, 1).fill(rows, sample, WEIGHTS, lambda n: n, 7)
+    kept, metrics, dropped = DynamicSampling(args, DATA, False, 0, 1).fill(rows, sample, WEIGHTS, same, 7)
     assert len(kept.prompts) == 4 and (group_spread(kept.rewards_NF, WEIGHTS, G) > 0).all()
     assert kept.columns["name"][:2] == ["p1", "p3"]  # the first round's informative groups first, in order
     assert [r for _, r in sample.calls] == list(range(len(sample.calls)))  # rounds seeded apart
-    refill = sample.calls[1][0]
-    assert len(refill) == math.ceil(2 * args.dynamic_sampling_oversample)  # 2 missing, oversampled
+    # 2 of 4 found, 2 missing: the share found says 4 prompts, oversampled
+    assert len(sample.calls[1][0]) == math.ceil(2 * 4 / 2 * args.dynamic_sampling_oversample)
     assert metrics["dynamic_sampling/rounds"] == len(sample.calls) - 1 >= 1
     sampled = sum(len(names) for names, _ in sample.calls)
     assert metrics["dynamic_sampling/discarded_groups"] == sampled - 4
@@ -124,14 +125,24 @@ def test_every_rank_runs_the_rounds_the_rank_missing_most_needs():
     collectives of sampling and scoring must meet) and keeps its own first groups."""
     args = settings()
     rows = [DATA[i] for i in (1, 3, 5, 7)]
-    other = iter([3, 1, 0])  # what the rank missing most misses after each round
+    other = iter([[3, 5], [1, 2], [0, 0]])  # what the rank missing most misses after each round, and would sample
     sample = Rounds(set(NAMES[::2]))
     kept, metrics, _ = DynamicSampling(args, DATA, False, 0, 2).fill(
-        rows, sample, WEIGHTS, lambda n: max(n, next(other)), 7
+        rows, sample, WEIGHTS, lambda numbers: [max(a, b) for a, b in zip(numbers, next(other), strict=True)], 7
     )
-    assert [len(names) for names, _ in sample.calls] == [4, 6, 2]  # ceil(2 × 3), ceil(2 × 1)
+    assert [len(names) for names, _ in sample.calls] == [4, 5, 2]
     assert kept.columns["name"] == ["p1", "p3", "p5", "p7"]
     assert metrics["dynamic_sampling/rounds"] == 2
+
+
+def test_a_refill_round_samples_what_the_share_found_so_far_says_it_takes():
+    ds = DynamicSampling(settings(dynamic_sampling_oversample=1.0), DATA, False, 0, 1)
+    assert ds.refill_size(4, 0, 4, 4) == 0  # nothing missing
+    assert ds.refill_size(4, 2, 2, 4) == 4  # half found: 2 missing take 4
+    assert ds.refill_size(4, 3, 1, 8) == 24  # 1 in 8: 3 missing take 24
+    assert ds.refill_size(4, 4, 0, 4) == 4  # none found: as many again
+    assert ds.refill_size(4, 4, 0, 400) == 32  # at most 8 × the batch
+    assert DynamicSampling(settings(dynamic_sampling_oversample=1.5), DATA, False, 0, 1).refill_size(4, 2, 2, 4) == 6
 
 
 def test_refill_prompts_are_seeded_by_step_and_round_and_split_between_ranks():
@@ -151,22 +162,23 @@ def test_rows_of_an_image_run_carry_their_names():
 
 
 def test_when_rounds_run_out_the_least_uniform_groups_fill_or_the_run_stops():
-    rows = [DATA[i] for i in range(4)]
+    rows = [DATA[i] for i in range(4)]  # p1 the only informative prompt, and not among those refills draw from
+    refills = Dataset.from_dict({"prompt": NAMES[2:], "name": NAMES[2:]})
     everything_uniform = Rounds(set(NAMES) - {"p1"})
     args = settings(dynamic_sampling_max_rounds=2)
-    kept, metrics, _ = DynamicSampling(args, DATA, False, 0, 1).fill(rows, everything_uniform, WEIGHTS, lambda n: n, 0)
+    kept, metrics, _ = DynamicSampling(args, refills, False, 0, 1).fill(rows, everything_uniform, WEIGHTS, same, 0)
     assert kept.columns["name"][0] == "p1" and len(kept.prompts) == 4
     assert metrics["dynamic_sampling/filled_groups"] == 3 and metrics["dynamic_sampling/rounds"] == 2
     args = settings(dynamic_sampling_max_rounds=1, dynamic_sampling_fallback="error")
     with pytest.raises(ConfigError, match="after 1 refill rounds a rank has only 1 of its 4 groups"):
-        DynamicSampling(args, DATA, False, 0, 1).fill(rows, Rounds(set(NAMES) - {"p1"}), WEIGHTS, lambda n: n, 0)
+        DynamicSampling(args, refills, False, 0, 1).fill(rows, Rounds(set(NAMES) - {"p1"}), WEIGHTS, same, 0)
 
 
 def test_what_rewards_log_follows_the_kept_groups():
     logs = RewardLogs()
     sample = Rounds(set(NAMES[::2]), logs)
     kept, _, _ = DynamicSampling(settings(), DATA, False, 0, 1).fill(
-        [DATA[i] for i in range(4)], sample, WEIGHTS, lambda n: n, 3, logs
+        [DATA[i] for i in range(4)], sample, WEIGHTS, same, 3, logs
     )
     extra, metrics = logs.take()
     assert extra["seen"] == [f"{name}{j}" for name in kept.columns["name"] for j in range(G)]

@@ -1,4 +1,5 @@
-"""`python -m colograd.bench {sync,soak,step,vlm,moe,tools,entropy,sharing,code} [--json]`: run one benchmark."""
+"""`python -m colograd.bench {sync,soak,step,vlm,moe,tools,entropy,sharing,code,longtail} [--json]`: run one
+benchmark."""
 
 import argparse
 import importlib
@@ -14,6 +15,7 @@ BENCHMARKS = {
     "entropy": "colograd.bench.entropy",
     "sharing": "colograd.bench.sharing",
     "code": "colograd.bench.code",
+    "longtail": "colograd.bench.longtail",
 }
 # The step benchmark's model shapes (colograd.bench.shapes.SHAPES), the VLM benchmark's model names (shapes.LLAVA)
 # and the MoE benchmark's model (shapes.MOE), named here so that parsing imports no torch.
@@ -35,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--steps",
         type=int,
-        help="soak: training steps (default 300); step, vlm, moe: timed steps (default: the workload's)",
+        help="soak: training steps (default 300); step, vlm, moe, longtail: timed steps (default: the workload's)",
     )
     parser.add_argument(
         "--model", choices=["tiny", "small", "smollm2"], help="step: the model (default small; smollm2: pretrained)"
@@ -139,6 +141,8 @@ def main() -> None:
                     "completion_tokens": args.completion_tokens}  # fmt: skip
         given = {k: v for k, v in settings.items() if v is not None}
         bench.run(shape=args.shape or "small", repeats=args.repeats or 3, as_json=args.json, **given)
+    elif args.name == "longtail":
+        bench.run(as_json=args.json, steps=args.steps, prompts=args.prompts, num_generations=args.generations)
     elif args.name in ("tools", "entropy", "code"):
         bench.run(repeats=args.repeats or 3, as_json=args.json)
     else:

@@ -41,11 +41,12 @@ class DynamicSamplingOptions:
         },
     )
     dynamic_sampling_oversample: float = field(
-        default=2.0,
+        default=1.5,
         metadata={
-            "help": "A refill round samples this many prompts per missing group on every rank (of the rank that "
-            "misses most, so that every rank samples alike): above 1 it expects some refills to be uniform too, "
-            "and saves rounds."
+            "help": "A refill round samples, on every rank, the prompts its missing groups are expected to take (by "
+            "the share of informative groups found so far in the rollout; as many again as sampled when none was) "
+            "times this, for the rank missing most, so that every rank samples alike; at most 8 × the batch's groups. "
+            "Above 1 it saves rounds, each of which is an engine call."
         },
     )
     dynamic_sampling_fallback: str = field(

@@ -138,6 +138,15 @@ class DynamicSampling:
         start = self.rank * count
         return [self._row(order[(start + i) % len(order)]) for i in range(count)]
 
+    def refill_size(self, want: int, missing: int, informative: int, sampled: int) -> int:
+        """The prompts a refill round samples for `missing` groups, `informative` having been found among `sampled`:
+        as many as the share found so far says it takes (as many as sampled so far when none was found), times
+        `dynamic_sampling_oversample`; at most 8 × the `want` groups of the batch; 0 when nothing is missing."""
+        if missing <= 0:
+            return 0
+        expected = missing * sampled / informative if informative else sampled
+        return min(math.ceil(expected * self.args.dynamic_sampling_oversample), 8 * want)
+
     def _row(self, index: int) -> dict:
         return self.dataset[index] if isinstance(self.dataset, NumberedRows) else read_row(self.dataset, index)
 
@@ -165,21 +174,23 @@ class DynamicSampling:
             The rollout; its metrics (`dynamic_sampling/*`); the completion tokens sampled in groups it dropped.
         """
         args, want, g = self.args, len(rows), self.g
-        parts, extras, logged, informative, missing = [], [], [], 0, 0
+        parts, extras, logged, informative, sampled, missing, count = [], [], [], 0, 0, 0, 0
         for round in range(args.dynamic_sampling_max_rounds + 1):
             if round:
-                # As many prompts per missing group as the setting says, for the rank that misses most: every rank
-                # samples as many, so that collectives inside sampling and scoring meet.
-                rows = self.rows(step, round, math.ceil(missing * args.dynamic_sampling_oversample))
+                rows = self.rows(step, round, count)
             parts.append(sample(rows, round))
             if logs is not None:
                 extra, metrics = logs.take()
                 extras.append((extra, len(parts[-1].rollout.completion_ids)))
                 logged.append(metrics)
-            informative += int(
-                (group_spread(parts[-1].rewards_NF, weights_F, g) > args.dynamic_sampling_std_eps).sum()
+            spread = group_spread(parts[-1].rewards_NF, weights_F, g)
+            informative += int((spread > args.dynamic_sampling_std_eps).sum())
+            sampled += len(spread)
+            # The rank missing most decides, so that every rank runs the same rounds, each of as many prompts: the
+            # collectives inside sampling and scoring meet.
+            missing, count = most(
+                [max(0, want - informative), self.refill_size(want, want - informative, informative, sampled)]
             )
-            missing = most(max(0, want - informative))
             if not missing:
                 break
         rounds = len(parts) - 1
