@@ -11,8 +11,10 @@ from datasets import Dataset
 from PIL import Image
 
 from colograd import GRPOTrainer
+from colograd.errors import ConfigError
 from colograd.models.tiny import run_config
 from colograd.models.tiny_vlm import COLOURS, QUESTION, colour_reward, save_tiny_qwen_vl
+from colograd.vision.checks import check_processor
 from colograd.vision.core import forward_images, load_pretrained, pad_pixels
 
 USER = [{"role": "user", "content": QUESTION}]
@@ -51,8 +53,44 @@ def test_a_qwen_processor_loads_without_torchvision_and_keeps_each_images_patche
         processor.video_processor(videos=[torch.zeros(2, 3, 28, 28)])
 
 
+def test_a_qwen_processor_is_checked_against_the_model(tiny_qwen):
+    """The model's own processor passes; one that merges patches otherwise, or cuts other patches, is refused in one
+    line before the engine starts (its token counts would not be the model's features)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    processor = load_pretrained(tiny_qwen, AutoTokenizer)
+    model = load_pretrained(tiny_qwen, AutoModelForCausalLM)
+    check_processor(model, processor)
+    processor.image_processor.merge_size = 1
+    with pytest.raises(ConfigError, match=r"merge size \(patches per token side\) is 1 where the model's is 2") as err:
+        check_processor(model, processor)
+    assert "\n" not in str(err.value)
+    processor.image_processor.merge_size, processor.image_processor.patch_size = 2, 7
+    with pytest.raises(ConfigError, match="its patch size is 7 where the model's is 14"):
+        check_processor(model, processor)
+
+
+def test_mm_token_type_ids_are_rebuilt_for_own_position_models(tiny_qwen):
+    """Qwen-VL's M-RoPE reads which tokens are image placeholders: rebuilt from each forward's ids (1 at
+    `<|image_pad|>`, 0 elsewhere, a video placeholder included), not carried from the processor; a LLaVA gets none."""
+    from transformers import AutoConfig
+
+    from colograd.models.tiny_vlm import model_config
+
+    config = AutoConfig.from_pretrained(tiny_qwen)
+    pad, video = config.image_token_id, config.video_token_id
+    batch = {
+        "input_ids": torch.tensor([[0, 5, pad, pad, 7, video]]),
+        **pad_pixels([{"image_grid_thw": torch.tensor([[1, 2, 4]])}], 1),
+    }
+    assert forward_images(batch, config)["mm_token_type_ids"].tolist() == [[0, 0, 1, 1, 0, 0]]
+    assert "mm_token_type_ids" not in forward_images(batch, model_config())
+    assert forward_images({"input_ids": batch["input_ids"]}, config) == {}  # no image: nothing to place
+
+
 @pytest.mark.slow
-def test_a_qwen_vl_trains_on_images_of_every_aspect_ratio(tiny_qwen, tmp_path):
+@pytest.mark.parametrize("version", ["2.5", "2"])
+def test_a_qwen_vl_trains_on_images_of_every_aspect_ratio(version, tiny_qwen, tmp_path):
     """Qwen2.5-VL on the CPU engine: a square, a wide and a tall image in one rollout expand to 4, 3 and 2 tokens;
     the trainer's log-probs of every completion (its M-RoPE positions computed by the model from the images) equal
     the engine's, and another prompt's image in their place does not."""
@@ -67,13 +105,15 @@ def test_a_qwen_vl_trains_on_images_of_every_aspect_ratio(tiny_qwen, tmp_path):
                       num_generations=8, max_completion_length=6,
                       vllm_importance_sampling_correction=True)  # fmt: skip
     start = time.perf_counter()
-    trainer = GRPOTrainer(tiny_qwen, colour_reward, args, data)
+    path = tiny_qwen if version == "2.5" else save_tiny_qwen_vl(str(tmp_path / "tiny-qwen2-vl"), version="2")
+    trainer = GRPOTrainer(path, colour_reward, args, data)
     batch = trainer.make_rollout([data[i] for i in range(3)])[0]  # check_expansion ran inside: a mismatch raises
     assert batch["mm_image_grid_thw"][::8, 0].tolist() == [[1, 4, 4], [1, 2, 6], [1, 4, 2]]
     assert batch["mm_pixel_values_len"][::8].tolist() == [16, 12, 8]
     lengths = batch["attention_mask"].sum(1) - batch["completion_mask"].sum(1)
     assert lengths[::8].tolist() == [18, 17, 16]  # the three prompts expand to three lengths
     policy = trainer.accelerator.unwrap_model(trainer.model)
+    assert trainer.engine.llm.llm_engine.model_config.architectures == [type(policy).__name__]
     mask = batch["completion_mask"].bool()
     with torch.no_grad():
         gap = (trainer.completion_logps(policy, batch) - batch["engine_logps"])[mask].abs().max().item()
