@@ -15,7 +15,7 @@ from colograd.errors import ConfigError
 from colograd.models.tiny import run_config
 from colograd.models.tiny_vlm import COLOURS, QUESTION, colour_reward, save_tiny_qwen_vl
 from colograd.vision.checks import check_processor
-from colograd.vision.core import forward_images, load_pretrained, pad_pixels
+from colograd.vision.core import forward_images, load_pretrained, pad_pixels, placeholder_ids
 
 USER = [{"role": "user", "content": QUESTION}]
 # (width, height): 4, 3 and 2 image tokens (grids of 4 x 4, 2 x 6 and 4 x 2 patches).
@@ -36,6 +36,8 @@ def test_a_qwen_processor_loads_without_torchvision_and_keeps_each_images_patche
 
     processor = load_pretrained(tiny_qwen, AutoTokenizer)
     assert isinstance(processor, Qwen2_5_VLProcessor)
+    # Neither placeholder is ever sampled: the engine's logit bias and the trainer's log-softmax leave both out.
+    assert placeholder_ids(processor) == [processor.image_token_id, processor.video_token_id]
     model = load_pretrained(tiny_qwen, AutoModelForCausalLM)
     assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
     outs = [processor(text=[processor.image_token], images=[Image.new("RGB", s)], return_tensors="pt") for s in SIZES]
@@ -72,7 +74,7 @@ def test_a_qwen_processor_is_checked_against_the_model(tiny_qwen):
 
 def test_mm_token_type_ids_are_rebuilt_for_own_position_models(tiny_qwen):
     """Qwen-VL's M-RoPE reads which tokens are image placeholders: rebuilt from each forward's ids (1 at
-    `<|image_pad|>`, 0 elsewhere, a video placeholder included), not carried from the processor; a LLaVA gets none."""
+    `<|image_pad|>`, 0 elsewhere), not carried from the processor; a LLaVA gets none."""
     from transformers import AutoConfig
 
     from colograd.models.tiny_vlm import model_config

@@ -275,10 +275,9 @@ def forward_images(batch: dict[str, torch.Tensor], model_config: Any = None) -> 
 
     For a model that computes its own M-RoPE positions (`model_config` of a Qwen2-VL / Qwen2.5-VL), also
     `mm_token_type_ids` [N, L]: 1 at the batch's image placeholders, 0 elsewhere (padding included: the
-    attention mask leaves it out; a video placeholder a completion holds is a text token there, as in the
-    engine, which never processes it), which transformers 5.19 reads to place the images in the positions;
-    without it the model gives every token a 1-D position, silently, where vLLM gives image tokens their height
-    and width."""
+    attention mask leaves it out; a video placeholder is never sampled, `placeholder_ids`), which transformers
+    5.19 reads to place the images in the positions; without it the model gives every token a 1-D position,
+    silently, where vLLM gives image tokens their height and width."""
     out = {}
     for name, block in batch.items():
         if not name.startswith(MM_PREFIX) or name.endswith("_len"):
@@ -298,11 +297,11 @@ def takes_position_ids(model_config: Any) -> bool:
 
 def placeholder_ids(processing_class: Any) -> list[int]:
     """The token ids that stand for images, which a completion must never hold (the model would look for an image
-    there): the processor's image token, none for a tokenizer."""
+    there): the processor's image token, and its video token where it has one (Qwen-VL), none for a tokenizer."""
     if not is_processor(processing_class):
         return []
-    token_id = getattr(processing_class, "image_token_id", None)
-    return [token_id] if token_id is not None else []
+    ids = [getattr(processing_class, name, None) for name in ("image_token_id", "video_token_id")]
+    return [token_id for token_id in ids if token_id is not None]
 
 
 def freeze_vision_tower(model: nn.Module) -> int:
