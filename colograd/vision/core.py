@@ -71,11 +71,12 @@ def serve_without_torchvision(architecture: str) -> None:
     (`colograd.vision.qwen`), and the architecture's vLLM class is registered in this process, so that vLLM
     inspects it here, where the twins are in place, rather than in a fresh interpreter.
 
-    A Qwen-VL is registered with vLLM's on-device image normalisation off (`_HOST_NORMALIZED`), torchvision or
-    not: vLLM 0.32 otherwise sends raw pixels and normalises them in the model with mean / std buffers that are not
-    weights, so the engine's dummy start (`load_format="dummy"`, the trainer's weights loaded after) leaves them
-    random (the image features were 0.26 off, the log-probs 0.5). Normalised on the host, by the same processor as
-    the trainer's, the engine's pixels are the trainer's.
+    A Qwen-VL is registered as `colograd.vision.qwen.engine_class` serves it, torchvision or not: with vLLM's
+    on-device image normalisation off (`_HOST_NORMALIZED`). vLLM 0.32 otherwise sends raw pixels and normalises them
+    in the model with mean / std buffers that are not weights, so the engine's dummy start (`load_format="dummy"`,
+    the trainer's weights loaded after) leaves them random (the image features were 0.26 off, the log-probs 0.5).
+    Normalised on the host, by the same processor as the trainer's, the engine's pixels are the trainer's. Without
+    torchvision it also takes no video.
     """
     if architecture not in _VLLM_MODULES:
         return
@@ -94,8 +95,9 @@ def serve_without_torchvision(architecture: str) -> None:
 
     model_class = getattr(importlib.import_module(_VLLM_MODULES[architecture]), architecture)
     if architecture in _HOST_NORMALIZED:
-        # The same name and processor (its `_processor_factory` is inherited); only the normalisation moves.
-        model_class = type(architecture, (model_class,), {"supports_mm_device_do_normalize": False})
+        from colograd.vision import qwen
+
+        model_class = qwen.engine_class(model_class, stills_only=missing)
     ModelRegistry.register_model(architecture, model_class)
 
 
