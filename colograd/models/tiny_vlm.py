@@ -6,6 +6,9 @@ image
 becomes 4 placeholder tokens (2 × 2 patches; the CLS feature is dropped). The processor's image processor is the
 PIL one, which needs no torchvision.
 
+Two variable-resolution models share its vocabulary: a tiny LLaVA-Next (`save_tiny_llava_next`: crops by aspect
+ratio) and a tiny Qwen2.5-VL or Qwen2-VL (`save_tiny_qwen_vl`: patches by aspect ratio, M-RoPE positions).
+
 The task is "name the colour": each prompt shows one solid-colour image and asks the same question, so only the
 image tells the completions apart. A randomly initialised model answers at random; the reward rises as the
 projector and the language model learn to read the colour.
