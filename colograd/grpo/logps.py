@@ -24,6 +24,7 @@ soft-cap: `colograd.models.logit_transform`), so the log-probs are those of the 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
@@ -405,7 +406,7 @@ def completion_logps(
         check_fp32_head(head)
     completion_ids_NT = batch["completion_ids"]
     n, t = completion_ids_NT.shape
-    images = forward_images(batch)
+    images = forward_images(batch, _model_config(model))
     if padding_free and not images:
         segments = segments if segments is not None and attention.installed(model) else None
         dtype = _compute_dtype(head, completion_ids_NT.device)
@@ -483,6 +484,13 @@ def check_fp32_head(head: nn.Module) -> None:
             "cast_lm_head_to_fp32 with a LoRA adapter on the output layer: the adapter would be bypassed; remove "
             "lm_head from lora_target_modules, or set cast_lm_head_to_fp32: false."
         )
+
+
+def _model_config(model: nn.Module) -> Any:
+    """The model's config, seen through DDP / DeepSpeed (`.module`) wrappers (PEFT forwards it)."""
+    while not hasattr(model, "config") and hasattr(model, "module"):
+        model = model.module
+    return getattr(model, "config", None)
 
 
 def _output_layer(model: nn.Module) -> nn.Module:

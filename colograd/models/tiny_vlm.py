@@ -6,6 +6,9 @@ image
 becomes 4 placeholder tokens (2 × 2 patches; the CLS feature is dropped). The processor's image processor is the
 PIL one, which needs no torchvision.
 
+Two variable-resolution models share its vocabulary: a tiny LLaVA-Next (`save_tiny_llava_next`: crops by aspect
+ratio) and a tiny Qwen2.5-VL or Qwen2-VL (`save_tiny_qwen_vl`: patches by aspect ratio, M-RoPE positions).
+
 The task is "name the colour": each prompt shows one solid-colour image and asks the same question, so only the
 image tells the completions apart. A randomly initialised model answers at random; the reward rises as the
 projector and the language model learn to read the colour.
@@ -232,3 +235,116 @@ def colour_reward(completions: list, colour: list[str], **kwargs) -> list[float]
         else:
             rewards.append(0.5 * text.count(name[0]) / len(text) if text else 0.0)
     return rewards
+
+
+# The tiny Qwen-VL's own tokens, after the character vocabulary: an image is written
+# `<|vision_start|><|image_pad|><|vision_end|>` and its `<|image_pad|>` expanded to one token per 2 x 2 patches.
+QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+# Images are resized to multiples of 28 pixels (14-pixel patches, merged 2 x 2) between these areas, their aspect
+# ratio kept: a 56 x 56 image is 4 tokens, an 84 x 28 one 3, a 28 x 56 one 2.
+QWEN_PIXELS = (28 * 28, 56 * 56)
+
+
+def save_tiny_qwen_vl(folder: str, seed: int = 0, version: str = "2.5") -> str:
+    """Write a tiny Qwen2.5-VL (`version` "2.5") or Qwen2-VL ("2") and its processor to `folder`; returns it.
+
+    The language model is the tiny Qwen2 (hidden 128, 2 heads of 64) with M-RoPE (sections 16 / 8 / 8 of its 32
+    rotary frequencies: time, height, width); the vision tower 2 blocks of hidden 64 (2 heads of 32), 14-pixel
+    patches merged 2 x 2 into one token of the language model's width. Images keep their aspect ratio
+    (`QWEN_PIXELS`), so each has its own count of patches and tokens: the variable resolution whose pixels a
+    rollout must keep apart, per image.
+
+    The processor is written as files, not built: transformers 5.19's Qwen-VL processors take a video processor
+    that needs torchvision; `colograd.vision.qwen.install` lets them load where torchvision is missing (colograd
+    calls it before loading a Qwen-VL processor, and before the engine starts).
+    """
+    import json
+
+    import torch
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+    )
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    if version not in ("2", "2.5"):
+        raise ValueError(f"version {version!r}: '2' (Qwen2-VL) or '2.5' (Qwen2.5-VL)")
+    vision_start, vision_end, image_pad, video_pad = QWEN_TOKENS
+    base = len(_SPECIALS) + len(_CHARS)
+    ids = {tok: base + i for i, tok in enumerate(QWEN_TOKENS)}
+    tok = Tokenizer(
+        models.WordLevel({t: i for i, t in enumerate(_SPECIALS + _CHARS + QWEN_TOKENS)}, unk_token="<pad>")
+    )
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"<\|[a-z_]+\|>|."), behavior="isolated")  # specials whole
+    tok.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        extra_special_tokens={
+            "image_token": image_pad,
+            "video_token": video_pad,
+            "vision_start_token": vision_start,
+            "vision_end_token": vision_end,
+        },
+    )
+    template = (
+        "{% for m in messages %}{{ m['role'][0] }}:"
+        "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+        "{% for part in m['content'] %}{% if part['type'] == 'image' %}" + vision_start + image_pad + vision_end
+        + "{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %};{% endfor %}"
+        "{% if add_generation_prompt %}a:{% endif %}"
+    )  # fmt: skip
+    tokenizer.chat_template = template
+    image_processor = Qwen2VLImageProcessorPil(
+        size={"shortest_edge": QWEN_PIXELS[0], "longest_edge": QWEN_PIXELS[1]},
+        patch_size=14,
+        merge_size=2,
+        temporal_patch_size=2,
+    )
+    text = tiny.model_config().to_dict()
+    for key in ("architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "rope_parameters"):
+        text.pop(key, None)
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 8, 8]}
+    patches = dict(patch_size=14, spatial_merge_size=2, temporal_patch_size=2, num_heads=2, depth=2)
+    if version == "2.5":
+        config_class, model_class = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+        vision = dict(hidden_size=64, intermediate_size=128, out_hidden_size=128, window_size=56,
+                      fullatt_block_indexes=[1], **patches)  # fmt: skip
+        processor_class = "Qwen2_5_VLProcessor"
+    else:
+        config_class, model_class = Qwen2VLConfig, Qwen2VLForConditionalGeneration
+        vision = dict(embed_dim=64, mlp_ratio=2, hidden_size=128, **patches)
+        processor_class = "Qwen2VLProcessor"
+    config = config_class(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids[image_pad],
+        video_token_id=ids[video_pad],
+        vision_start_token_id=ids[vision_start],
+        vision_end_token_id=ids[vision_end],
+        tie_word_embeddings=False,
+    )
+    config.pad_token_id, config.eos_token_id = 0, 1
+    with torch.random.fork_rng(), _built_whole():
+        torch.manual_seed(seed)
+        model = model_class(config)
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = 1, 0
+    os.makedirs(folder, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    # What `ProcessorMixin.save_pretrained` writes, the video processor's settings as transformers' own has them.
+    video = {"video_processor_type": "Qwen2VLVideoProcessor", "patch_size": 14, "merge_size": 2,
+             "temporal_patch_size": 2}  # fmt: skip
+    processor = {
+        "processor_class": processor_class,
+        "image_processor": image_processor.to_dict(),
+        "video_processor": video,
+    }
+    with open(os.path.join(folder, "processor_config.json"), "w") as f:
+        json.dump(processor, f, indent=2)
+    with open(os.path.join(folder, "chat_template.jinja"), "w") as f:
+        f.write(template)
+    return folder

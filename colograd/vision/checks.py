@@ -306,11 +306,21 @@ def _image_parts(prompt: Any) -> int:
     )
 
 
+# What a Qwen-VL's image processor and vision config must agree on besides the patch size: (the vision config's
+# name, the image processor's, the message's words).
+_MERGE_SIZES = (
+    ("spatial_merge_size", "merge_size", "merge size (patches per token side)"),
+    ("temporal_patch_size", "temporal_patch_size", "temporal patch size"),
+)
+
+
 def check_processor(model: Any, processor: Any) -> None:
-    """The processor must expand images as the model reads them: its image token id, its patch size and (for a
-    fixed-resolution LLaVA) its placeholders per image against the model's config. The engine expands with the
-    model's own processor, and the model matches its features to the placeholders: a processor of another model
-    fails deep in vLLM or transformers, naming neither.
+    """The processor must expand images as the model reads them: its image token id, its patch size, (for a
+    Qwen-VL) its merge and temporal patch sizes, and (for a fixed-resolution LLaVA) its placeholders per image
+    against the model's config. The engine expands with the model's own processor, and the model matches its
+    features to the placeholders: a processor of another model fails deep in vLLM or transformers, naming neither.
+    Where the count of placeholders varies with the image (LLaVA-Next, Qwen-VL), the count itself is left to the
+    expansion check at every rollout (`colograd.vision.core.check_expansion`).
 
     Raises:
         ConfigError: a disagreement, naming the processor and the model.
@@ -326,6 +336,12 @@ def check_processor(model: Any, processor: Any) -> None:
     patch = _first(processor, "patch_size") or _first(getattr(processor, "image_processor", None), "patch_size")
     if model_patch is not None and patch is not None and model_patch != patch:
         found.append(f"its patch size is {patch} where the model's is {model_patch}")
+    # Qwen-VL: patches merged n x n into one token, and frames in pairs (a still is repeated).
+    image_processor = getattr(processor, "image_processor", None)
+    for model_name, name, what in _MERGE_SIZES:
+        ours, theirs = getattr(vision, model_name, None), getattr(image_processor, name, None)
+        if ours is not None and theirs is not None and ours != theirs:
+            found.append(f"its {what} is {theirs} where the model's is {ours}")
     expected = _llava_image_tokens(config)
     if not found and expected is not None and token is not None:
         size = vision.image_size

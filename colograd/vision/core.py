@@ -26,12 +26,21 @@ from torch import nn
 # transformers' modules that need torchvision, and their PIL twins with the same functions.
 _PIL_TWINS = {
     "transformers.models.pixtral.image_processing_pixtral": "transformers.models.pixtral.image_processing_pil_pixtral",
+    # vLLM's qwen2_vl imports `smart_resize` from here.
+    "transformers.models.qwen2_vl.image_processing_qwen2_vl": (
+        "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl"
+    ),
 }
 # The vLLM module of each vision-language architecture colograd has run (docs/vlm.md).
 _VLLM_MODULES = {
     "LlavaForConditionalGeneration": "vllm.model_executor.models.llava",
     "LlavaNextForConditionalGeneration": "vllm.model_executor.models.llava_next",
+    "Qwen2VLForConditionalGeneration": "vllm.model_executor.models.qwen2_vl",
+    "Qwen2_5_VLForConditionalGeneration": "vllm.model_executor.models.qwen2_5_vl",
 }
+# Architectures whose vLLM model normalises images itself (`supports_mm_device_do_normalize`), from buffers a
+# dummy-weight engine leaves random: colograd's engine has the processor normalise them (`serve_without_torchvision`).
+_HOST_NORMALIZED = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 # Vision towers that transformers 5 keeps flat and vLLM wraps in `vision_model`.
 _FLAT_TOWERS = ("CLIPVisionTransformer", "SiglipVisionTransformer", "CLIPVisionModel", "SiglipVisionModel")
 
@@ -54,21 +63,42 @@ def is_processor(processing_class: Any) -> bool:
 
 
 def serve_without_torchvision(architecture: str) -> None:
-    """Let vLLM serve `architecture` where torchvision cannot be imported (nothing happens where it can).
+    """Let vLLM serve `architecture` where torchvision cannot be imported, and a Qwen-VL normalise its images as the
+    trainer does (wherever it runs).
 
-    The torchvision-only image processor modules are served by their PIL twins (the functions vLLM imports from them
-    are the same), and the architecture's vLLM class is registered in this process, so that vLLM inspects it here,
-    where the twins are in place, rather than in a fresh interpreter.
+    Without torchvision, the torchvision-only image processor modules are served by their PIL twins (the functions
+    vLLM imports from them are the same), Qwen-VL's video processor by a stills-only stand-in
+    (`colograd.vision.qwen`), and the architecture's vLLM class is registered in this process, so that vLLM
+    inspects it here, where the twins are in place, rather than in a fresh interpreter.
+
+    A Qwen-VL is registered as `colograd.vision.qwen.engine_class` serves it, torchvision or not: with vLLM's
+    on-device image normalisation off (`_HOST_NORMALIZED`). vLLM 0.32 otherwise sends raw pixels and normalises them
+    in the model with mean / std buffers that are not weights, so the engine's dummy start (`load_format="dummy"`,
+    the trainer's weights loaded after) leaves them random (the image features were 0.26 off, the log-probs 0.5).
+    Normalised on the host, by the same processor as the trainer's, the engine's pixels are the trainer's. Without
+    torchvision it also takes no video.
     """
-    if architecture not in _VLLM_MODULES or importlib.util.find_spec("torchvision") is not None:
+    if architecture not in _VLLM_MODULES:
         return
-    for name, twin in _PIL_TWINS.items():
-        if name not in sys.modules:
-            sys.modules[name] = importlib.import_module(twin)
+    missing = importlib.util.find_spec("torchvision") is None
+    if missing:
+        for name, twin in _PIL_TWINS.items():
+            if name not in sys.modules:
+                sys.modules[name] = importlib.import_module(twin)
+        if architecture in _HOST_NORMALIZED:
+            from colograd.vision import qwen
+
+            qwen.install()  # vLLM builds the Qwen-VL processor from the model's folder: its video processor
+    elif architecture not in _HOST_NORMALIZED:
+        return
     from vllm import ModelRegistry
 
-    module = importlib.import_module(_VLLM_MODULES[architecture])
-    ModelRegistry.register_model(architecture, getattr(module, architecture))
+    model_class = getattr(importlib.import_module(_VLLM_MODULES[architecture]), architecture)
+    if architecture in _HOST_NORMALIZED:
+        from colograd.vision import qwen
+
+        model_class = qwen.engine_class(model_class, stills_only=missing)
+    ModelRegistry.register_model(architecture, model_class)
 
 
 def engine_weight_name(model: nn.Module) -> Callable[[str], str]:
@@ -99,6 +129,11 @@ IMAGE_COLUMNS = ("images", "image")
 _OWN_POSITIONS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 # Prefix of the rollout tensors that hold a processor's outputs, one padded block per completion.
 MM_PREFIX = "mm_"
+
+
+# A processor's outputs that are per token of the prompt, not per image: the rollout's own ids and mask stand for
+# them (`mm_token_type_ids`, which Qwen-VL's M-RoPE reads, is rebuilt from the ids: `forward_images`).
+_PER_TOKEN = ("input_ids", "attention_mask", "mm_token_type_ids")
 
 
 def image_field(row: dict[str, Any]) -> str:
@@ -151,7 +186,7 @@ def image_prompts(
             continue
         out = processor(text=[text], images=imgs, add_special_tokens=False, return_tensors="pt")
         expanded_ids.append(out["input_ids"][0].tolist())
-        pixels.append({k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")})
+        pixels.append({k: v for k, v in out.items() if k not in _PER_TOKEN})
     return engine_ids, expanded_ids, pixels
 
 
@@ -235,10 +270,16 @@ def pad_pixels(pixels: list[dict[str, torch.Tensor]], num_generations: int) -> d
     return out
 
 
-def forward_images(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def forward_images(batch: dict[str, torch.Tensor], model_config: Any = None) -> dict[str, torch.Tensor]:
     """The processor outputs of a slice of rollout rows (`pad_pixels`' tensors), rebuilt as the model takes them:
     each key's rows' real entries concatenated in row order, the order of their placeholders in the padded
-    input ids. Empty when the slice has no image."""
+    input ids. Empty when the slice has no image.
+
+    For a model that computes its own M-RoPE positions (`model_config` of a Qwen2-VL / Qwen2.5-VL), also
+    `mm_token_type_ids` [N, L]: 1 at the batch's image placeholders, 0 elsewhere (padding included: the
+    attention mask leaves it out; a video placeholder is never sampled, `placeholder_ids`), which transformers
+    5.19 reads to place the images in the positions; without it the model gives every token a 1-D position,
+    silently, where vLLM gives image tokens their height and width."""
     out = {}
     for name, block in batch.items():
         if not name.startswith(MM_PREFIX) or name.endswith("_len"):
@@ -246,6 +287,8 @@ def forward_images(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         lengths = batch[name + "_len"].tolist()
         if sum(lengths):
             out[name.removeprefix(MM_PREFIX)] = torch.cat([block[i, :n] for i, n in enumerate(lengths)])
+    if out and model_config is not None and not takes_position_ids(model_config):
+        out["mm_token_type_ids"] = (batch["input_ids"] == model_config.image_token_id).int()
     return out
 
 
@@ -256,11 +299,11 @@ def takes_position_ids(model_config: Any) -> bool:
 
 def placeholder_ids(processing_class: Any) -> list[int]:
     """The token ids that stand for images, which a completion must never hold (the model would look for an image
-    there): the processor's image token, none for a tokenizer."""
+    there): the processor's image token, and its video token where it has one (Qwen-VL), none for a tokenizer."""
     if not is_processor(processing_class):
         return []
-    token_id = getattr(processing_class, "image_token_id", None)
-    return [token_id] if token_id is not None else []
+    ids = [getattr(processing_class, name, None) for name in ("image_token_id", "video_token_id")]
+    return [token_id for token_id in ids if token_id is not None]
 
 
 def freeze_vision_tower(model: nn.Module) -> int:
@@ -294,10 +337,14 @@ def load_pretrained(source: Any, text_class: Any, **kwargs: Any) -> Any:
     part) the image-text model, or the processor (AutoProcessor), instead of the text class."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
 
+    from colograd.vision import qwen
+
     name = source if isinstance(source, str) else source.config._name_or_path
     config = source.config if not isinstance(source, str) else AutoConfig.from_pretrained(name)
     if getattr(config, "vision_config", None) is None:
         return text_class.from_pretrained(name, **kwargs)
+    if text_class is not AutoModelForCausalLM and config.model_type in qwen.MODEL_TYPES:
+        qwen.install()  # its processor takes a video processor that needs torchvision: a stills-only one stands in
     return (AutoModelForImageTextToText if text_class is AutoModelForCausalLM else AutoProcessor).from_pretrained(
         name, **kwargs
     )

@@ -1,0 +1,138 @@
+"""Qwen2-VL / Qwen2.5-VL (the tiny ones: `colograd.models.tiny_vlm.save_tiny_qwen_vl`) without torchvision: their
+processors load with the stills-only stand-in for the video processor (`colograd.vision.qwen`), images of every
+aspect ratio keep their own patch counts, and, with the real engine, the trainer's log-probs (M-RoPE positions
+computed by the model from the images) equal the engine's."""
+
+import time
+
+import pytest
+import torch
+from datasets import Dataset
+from PIL import Image
+
+from colograd import GRPOTrainer
+from colograd.errors import ConfigError
+from colograd.models.tiny import run_config
+from colograd.models.tiny_vlm import COLOURS, QUESTION, colour_reward, save_tiny_qwen_vl
+from colograd.vision.checks import check_processor
+from colograd.vision.core import forward_images, load_pretrained, pad_pixels, placeholder_ids
+
+USER = [{"role": "user", "content": QUESTION}]
+# (width, height): 4, 3 and 2 image tokens (grids of 4 x 4, 2 x 6 and 4 x 2 patches).
+SIZES = [(56, 56), (84, 28), (28, 56)]
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen(tmp_path_factory) -> str:
+    return save_tiny_qwen_vl(str(tmp_path_factory.mktemp("qwen") / "tiny-qwen2.5-vl"))
+
+
+def test_a_qwen_processor_loads_without_torchvision_and_keeps_each_images_patches(tiny_qwen):
+    """AutoProcessor of the saved folder (as the trainer and vLLM load it) gives Qwen2.5-VL's processor; a square, a
+    wide and a tall image give their own grids and token counts; their pixels travel per image and come back whole;
+    a video is refused in one line."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.models.qwen2_5_vl import Qwen2_5_VLProcessor
+
+    processor = load_pretrained(tiny_qwen, AutoTokenizer)
+    assert isinstance(processor, Qwen2_5_VLProcessor)
+    # Neither placeholder is ever sampled: the engine's logit bias and the trainer's log-softmax leave both out.
+    assert placeholder_ids(processor) == [processor.image_token_id, processor.video_token_id]
+    model = load_pretrained(tiny_qwen, AutoModelForCausalLM)
+    assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    outs = [processor(text=[processor.image_token], images=[Image.new("RGB", s)], return_tensors="pt") for s in SIZES]
+    assert [o["image_grid_thw"].tolist() for o in outs] == [[[1, 4, 4]], [[1, 2, 6]], [[1, 4, 2]]]
+    assert [o["input_ids"][0].tolist().count(processor.image_token_id) for o in outs] == [4, 3, 2]
+    pixels = [{k: o[k] for k in ("pixel_values", "image_grid_thw")} for o in outs]
+    batch = pad_pixels(pixels, num_generations=2)
+    assert batch["mm_pixel_values"].shape == (6, 16, 1176)
+    assert batch["mm_pixel_values_len"].tolist() == [16, 16, 12, 12, 8, 8]
+    back = forward_images({k: v[1:4] for k, v in batch.items()})
+    square, wide = outs[0]["pixel_values"], outs[1]["pixel_values"]
+    assert torch.equal(back["pixel_values"], torch.cat([square, wide, wide]))  # 16 + 12 + 12 patches, no padding
+    assert back["image_grid_thw"].tolist() == [[1, 4, 4], [1, 2, 6], [1, 2, 6]]
+    with pytest.raises(NotImplementedError, match="videos need torchvision"):
+        processor.video_processor(videos=[torch.zeros(2, 3, 28, 28)])
+
+
+def test_a_qwen_processor_is_checked_against_the_model(tiny_qwen):
+    """The model's own processor passes; one that merges patches otherwise, or cuts other patches, is refused in one
+    line before the engine starts (its token counts would not be the model's features)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    processor = load_pretrained(tiny_qwen, AutoTokenizer)
+    model = load_pretrained(tiny_qwen, AutoModelForCausalLM)
+    check_processor(model, processor)
+    processor.image_processor.merge_size = 1
+    with pytest.raises(ConfigError, match=r"merge size \(patches per token side\) is 1 where the model's is 2") as err:
+        check_processor(model, processor)
+    assert "\n" not in str(err.value)
+    processor.image_processor.merge_size, processor.image_processor.patch_size = 2, 7
+    with pytest.raises(ConfigError, match="its patch size is 7 where the model's is 14"):
+        check_processor(model, processor)
+
+
+def test_mm_token_type_ids_are_rebuilt_for_own_position_models(tiny_qwen):
+    """Qwen-VL's M-RoPE reads which tokens are image placeholders: rebuilt from each forward's ids (1 at
+    `<|image_pad|>`, 0 elsewhere), not carried from the processor; a LLaVA gets none."""
+    from transformers import AutoConfig
+
+    from colograd.models.tiny_vlm import model_config
+
+    config = AutoConfig.from_pretrained(tiny_qwen)
+    pad, video = config.image_token_id, config.video_token_id
+    batch = {
+        "input_ids": torch.tensor([[0, 5, pad, pad, 7, video]]),
+        **pad_pixels([{"image_grid_thw": torch.tensor([[1, 2, 4]])}], 1),
+    }
+    assert forward_images(batch, config)["mm_token_type_ids"].tolist() == [[0, 0, 1, 1, 0, 0]]
+    assert "mm_token_type_ids" not in forward_images(batch, model_config())
+    assert forward_images({"input_ids": batch["input_ids"]}, config) == {}  # no image: nothing to place
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", ["2.5", "2"])
+def test_a_qwen_vl_trains_on_images_of_every_aspect_ratio(version, tiny_qwen, tmp_path):
+    """Qwen2.5-VL and Qwen2-VL on the CPU engine: a square, a wide and a tall image in one rollout expand to 4, 3
+    and 2 tokens; the trainer's log-probs of every completion (its M-RoPE positions computed by the model from the
+    images) equal the engine's, and another prompt's image in their place does not. Qwen2.5-VL then trains two
+    steps, and the engine's log-probs stay the trainer's after the sync (the sampling-gap metric). Qwen2-VL's engine
+    is compiled (the default), so vLLM profiles its encoder at start-up: with images, not with a dummy video the
+    stills-only video processor would refuse."""
+    colours = ["red", "blue", "green"]
+    rows = {
+        "prompt": [USER] * 3,
+        "images": [[Image.new("RGB", size, COLOURS[c])] for size, c in zip(SIZES, colours, strict=True)],
+        "colour": colours,
+    }
+    data = Dataset.from_dict({key: values * 4 for key, values in rows.items()})
+    args = run_config(str(tmp_path / "out"), 2, max_prompt_length=None, per_device_train_batch_size=24,
+                      num_generations=8, max_completion_length=6, logging_steps=1,
+                      vllm_importance_sampling_correction=True,
+                      vllm_enforce_eager=version == "2.5")  # fmt: skip
+    start = time.perf_counter()
+    path = tiny_qwen if version == "2.5" else save_tiny_qwen_vl(str(tmp_path / "tiny-qwen2-vl"), version="2")
+    trainer = GRPOTrainer(path, colour_reward, args, data)
+    batch = trainer.make_rollout([data[i] for i in range(3)])[0]  # check_expansion ran inside: a mismatch raises
+    assert batch["mm_image_grid_thw"][::8, 0].tolist() == [[1, 4, 4], [1, 2, 6], [1, 4, 2]]
+    assert batch["mm_pixel_values_len"][::8].tolist() == [16, 12, 8]
+    lengths = batch["attention_mask"].sum(1) - batch["completion_mask"].sum(1)
+    assert lengths[::8].tolist() == [18, 17, 16]  # the three prompts expand to three lengths
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    assert trainer.engine.llm.llm_engine.model_config.architectures == [type(policy).__name__]
+    mask = batch["completion_mask"].bool()
+    with torch.no_grad():
+        gap = (trainer.completion_logps(policy, batch) - batch["engine_logps"])[mask].abs().max().item()
+        swapped = {**batch, "mm_pixel_values": batch["mm_pixel_values"].flip(0)}
+        wrong = (trainer.completion_logps(policy, swapped) - batch["engine_logps"])[mask].abs().max().item()
+    print(f"gap {gap:.3g} swapped {wrong:.3g} in {time.perf_counter() - start:.1f} s")
+    assert gap < 1e-4, gap
+    assert wrong > 100 * max(gap, 1e-6)
+    if version == "2":
+        return
+    # Two steps: the second rollout is sampled after a sync of every weight, vision tower included.
+    visual = policy.model.visual.patch_embed.proj.weight.detach().clone()
+    trainer.train()
+    gaps = [h["sampling/sampling_logp_difference/max"] for h in trainer.state.log_history if "loss" in h]
+    assert len(gaps) == 2 and max(gaps) < 1e-4, gaps
+    assert not torch.equal(policy.model.visual.patch_embed.proj.weight, visual)
