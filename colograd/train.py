@@ -44,7 +44,7 @@ try:
     from colograd.runs.modelcard import Recipe
     from colograd.runs.output_dir import check_output_dir
     from colograd.runs.preemption import PREEMPTED_EXIT_CODE, StepFailure, exit_interrupted
-    from colograd.vision.core import text_tokenizer
+    from colograd.vision.core import load_pretrained, text_tokenizer
 except OSError as err:
     if err.filename is None:  # not a path (a library that cannot load): its own traceback says more
         raise
@@ -85,9 +85,9 @@ def load_model_config(
         config = AutoConfig.from_pretrained(name, **_hub_kwargs(args, training_args))
     except (OSError, ValueError, StrictDataclassError) as err:  # no folder, no reachable hub id, a bad config
         raise ConfigError(f"model_name_or_path={name!r} cannot be loaded: {first_line(err)}") from err
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            name, **_hub_kwargs(args, training_args) | tokenizer_kwargs(training_args)
+    try:  # a vision-language model's processor (its tokenizer and image processor), as GRPOTrainer loads it
+        tokenizer = load_pretrained(
+            name, AutoTokenizer, **_hub_kwargs(args, training_args) | tokenizer_kwargs(training_args)
         )
     except Exception as err:  # the tokenizers library raises a bare Exception for a tokenizer.json it cannot use
         raise ConfigError(
@@ -96,7 +96,7 @@ def load_model_config(
         ) from err
     model_files.check_special_tokens(
         name,
-        tokenizer,
+        text_tokenizer(tokenizer),
         _eos_token_id(name, config, args, training_args),
         getattr(config.get_text_config(), "vocab_size", None),
         model_files.saved_tokens(name) if local else None,
@@ -136,8 +136,11 @@ def load_model(args: ModelConfig, training_args: GRPOConfig) -> tuple[PreTrained
     dtype = args.dtype if args.dtype in (None, "auto") else getattr(torch, args.dtype)
     model_kwargs = {"dtype": dtype, "attn_implementation": args.attn_implementation}
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            name, **_hub_kwargs(args, training_args) | model_kwargs | model_init_kwargs(training_args)
+        # A vision-language model (its config has a vision part) loads as an image-text-to-text model.
+        model = load_pretrained(
+            name,
+            AutoModelForCausalLM,
+            **_hub_kwargs(args, training_args) | model_kwargs | model_init_kwargs(training_args),
         )
     except torch.OutOfMemoryError:
         raise

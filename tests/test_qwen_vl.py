@@ -55,6 +55,28 @@ def test_a_qwen_processor_loads_without_torchvision_and_keeps_each_images_patche
         processor.video_processor(videos=[torch.zeros(2, 3, 28, 28)])
 
 
+def test_the_command_line_loads_a_qwen_vl_folder_as_the_trainer_does(tiny_qwen):
+    """`colograd/train.py` (recipes/grpo_qwen2_5_vl.yaml with a model folder): the folder's checks build the model it
+    describes as an image-text model, the processing class is the processor and the model the image-text one, where
+    the causal-LM classes it used refused the config ("Unrecognized configuration class ... Qwen2_5_VLConfig")."""
+    import importlib.util
+
+    from transformers.models.qwen2_5_vl import Qwen2_5_VLProcessor
+    from trl import ModelConfig
+
+    from colograd.models import model_files
+
+    spec = importlib.util.spec_from_file_location("train_script", "colograd/train.py")
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    model_files.check_model_folder(tiny_qwen)
+    args = ModelConfig(model_name_or_path=tiny_qwen)
+    config, processor, _ = train.load_model_config(args, run_config("/tmp/unused", 1, max_prompt_length=None))
+    assert isinstance(processor, Qwen2_5_VLProcessor) and config.model_type == "qwen2_5_vl"
+    model, _ = train.load_model(args, run_config("/tmp/unused", 1, max_prompt_length=None))
+    assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+
+
 def test_a_qwen_processor_is_checked_against_the_model(tiny_qwen):
     """The model's own processor passes; one that merges patches otherwise, or cuts other patches, is refused in one
     line before the engine starts (its token counts would not be the model's features)."""

@@ -27,7 +27,13 @@ from collections.abc import Iterable
 from typing import NoReturn
 
 import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
 
 from colograd.config.core import ConfigError
@@ -355,9 +361,12 @@ def _expected_shapes(
 ) -> tuple[dict[str, tuple[int, ...]], list[list[str]]] | None:
     """The state dict's shapes of the model `config` describes (built on the meta device), and its groups of tied
     parameter names (one saved name serves the group); None when remote code cannot be built that way."""
+    # A vision-language model is built as colograd loads it (`colograd.vision.core.load_pretrained`): image-text to
+    # text, which a Qwen-VL's config needs (causal-LM classes do not take it).
+    auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+            model = auto.from_config(config, trust_remote_code=trust_remote_code)
     except Exception as err:  # the config's values make no model (torch and transformers raise several types)
         if trust_remote_code:
             return None
