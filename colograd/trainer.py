@@ -43,7 +43,7 @@ from colograd.engine.lifetime import frozen_heap, own_classes
 from colograd.engine.sync import WeightPlan, is_sharded
 from colograd.grpo import attention
 from colograd.grpo.batch import pad_rollout, split_by_tokens, split_rows
-from colograd.grpo.dynamic import ROUND_STRIDE, DynamicSampling, check_dynamic_sampling
+from colograd.grpo.dynamic import ROUND_STRIDE, DynamicSampling, refuse_unrefillable
 from colograd.grpo.entropy import EntropyTerms
 from colograd.grpo.evaluation import evaluate
 from colograd.grpo.logps import completion_logps
@@ -191,7 +191,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
             self.reward_funcs += self.agents.reward_funcs
             self.reward_weights = torch.cat([self.reward_weights, torch.ones(len(self.agents.reward_funcs))])
         check_reward_source(self.reward_funcs)
-        check_dynamic_sampling(args, train_dataset, self.agents is not None)
+        refuse_unrefillable(args, train_dataset, self.agents is not None)
         self.reward_func_names = [reward_name(f) for f in self.reward_funcs]  # TRL's attribute: metrics' names
         # An environment reaches the rewards as `environments`; a rollout_func's own fields show only at rollout
         # time, so then the rewards' parameters are not checked before it.
@@ -392,10 +392,17 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         if self._dynamic is None:
             scored = self.sample(rows)
         else:
+            # One wake for every round: with sleep mode, each round's own would sync the weights again.
             sample = lambda rows, round: self.sample(rows, round=round)  # noqa: E731
-            scored, metrics, dropped = self._dynamic.fill(
-                rows, sample, self.reward_weights, self._largest_over_ranks, self._rollout_index(), self.reward_logs
-            )
+            with self.engine.awake(sync=self.sync_weights):
+                scored, metrics, dropped = self._dynamic.fill(
+                    rows,
+                    sample,
+                    self.reward_weights,
+                    self._largest_over_ranks,
+                    self._run_micro_step(),
+                    self.reward_logs,
+                )
             self._record(metrics)
         extra, logged = self.reward_logs.take()  # what the reward functions logged (TRL's log_extra / log_metric)
         self._record(rollout_metrics(scored, self.reward_func_names) | logged)
@@ -484,6 +491,12 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         """Each of `numbers`, its largest over every rank (a collective)."""
         every = self.accelerator.gather(torch.tensor(numbers, device=self.args.device))
         return every.view(-1, len(numbers)).max(dim=0).values.tolist()
+
+    def _run_micro_step(self) -> int:
+        """The micro-step the run is at, counted from its start (the same after a resume, which starts at an optimizer
+        step)."""
+        accumulation = self.args.gradient_accumulation_steps
+        return self.state.global_step * accumulation + self._micro_step % accumulation
 
     def _rollout_index(self) -> int:
         """The training rollout's place in the run (its first micro-step's), which seeds its sampling."""

@@ -15,10 +15,11 @@ from colograd.config.core import GRPOConfig
 from colograd.engine.core import Rollout
 from colograd.errors import ConfigError
 from colograd.grpo.dynamic import (
+    ROUND_STRIDE,
     DynamicSampling,
-    check_dynamic_sampling,
     group_spread,
     join,
+    refuse_unrefillable,
     take_groups,
 )
 from colograd.grpo.rollouts import PromptImages, RewardLogs, ScoredRollout
@@ -145,19 +146,36 @@ def test_a_refill_round_samples_what_the_share_found_so_far_says_it_takes():
     assert DynamicSampling(settings(dynamic_sampling_oversample=1.5), DATA, False, 0, 1).refill_size(4, 2, 2, 4) == 6
 
 
-def test_refill_prompts_are_seeded_by_step_and_round_and_split_between_ranks():
+def test_refill_prompts_are_seeded_by_step_and_split_between_ranks_and_rounds():
     args = settings()
     ranks = [DynamicSampling(args, DATA, False, r, 2) for r in range(2)]
-    first = [[row["name"] for row in ds.rows(5, 1, 8)] for ds in ranks]
-    assert first == [[row["name"] for row in ds.rows(5, 1, 8)] for ds in ranks]  # reproducible (a resumed run)
-    assert not set(first[0]) & set(first[1])  # each rank its own prompts
-    assert first[0] != [row["name"] for row in ranks[0].rows(5, 2, 8)]  # another round
-    assert first[0] != [row["name"] for row in ranks[0].rows(6, 1, 8)]  # another step
-    assert len(ranks[1].rows(5, 1, 30)) == 30  # more than the dataset holds over the ranks: wraps round
+    names = lambda ds, step, drawn, count: [row["name"] for row in ds.rows(step, drawn, count)]  # noqa: E731
+    first = [names(ds, 5, 0, 8) for ds in ranks]
+    assert first == [names(ds, 5, 0, 8) for ds in ranks]  # the same prompts for the same step
+    second = [names(ds, 5, 8, 4) for ds in ranks]  # the next round, after 8 per rank
+    drawn = first[0] + first[1] + second[0] + second[1]
+    assert len(set(drawn)) == len(drawn) == 24  # no prompt twice in a rollout, across ranks and rounds
+    assert first[0] != names(ranks[0], 6, 0, 8)  # another step
+    assert len(names(ranks[1], 5, 0, 30)) == 30  # more than the dataset holds over the ranks: wraps round
+
+
+def test_the_refill_seed_is_the_runs_micro_step_after_a_resume_too():
+    """The step that seeds a rollout's refills counts micro-steps from the run's start: a resumed run, whose
+    micro-step count restarts at its checkpoint's optimizer step, gets the same one."""
+    from types import SimpleNamespace
+
+    from colograd import GRPOTrainer
+
+    args = SimpleNamespace(gradient_accumulation_steps=4)
+    at = lambda global_step, micro: GRPOTrainer._run_micro_step(  # noqa: E731
+        SimpleNamespace(args=args, state=SimpleNamespace(global_step=global_step), _micro_step=micro)
+    )
+    assert [at(m // 4, m) for m in range(12)] == list(range(12))  # uninterrupted: each micro-step its own
+    assert [at(2 + m // 4, m) for m in range(4)] == list(range(8, 12))  # resumed at optimizer step 2
 
 
 def test_rows_of_an_image_run_carry_their_names():
-    rows = DynamicSampling(settings(), DATA, True, 0, 1).rows(0, 1, 2)
+    rows = DynamicSampling(settings(), DATA, True, 0, 1).rows(0, 0, 2)
     assert all(row["__colograd_row__"].startswith("train_dataset row ") for row in rows)
 
 
@@ -172,6 +190,64 @@ def test_when_rounds_run_out_the_least_uniform_groups_fill_or_the_run_stops():
     args = settings(dynamic_sampling_max_rounds=1, dynamic_sampling_fallback="error")
     with pytest.raises(ConfigError, match="after 1 refill rounds a rank has only 1 of its 4 groups"):
         DynamicSampling(args, refills, False, 0, 1).fill(rows, Rounds(set(NAMES) - {"p1"}), WEIGHTS, same, 0)
+
+
+def test_the_rounds_of_a_rollout_wake_the_engine_once():
+    """Inside a rollout's wake, a round's own wake does nothing: with sleep mode each would otherwise sync the weights
+    (a whole gather under ZeRO-3) and put the engine back to sleep between rounds."""
+    from types import SimpleNamespace
+
+    from colograd.engine.core import Engine
+
+    calls = []
+    llm = SimpleNamespace(
+        wake_up=lambda tags: calls.append(f"wake {tags[0]}"), sleep=lambda level: calls.append("sleep")
+    )
+    engine = SimpleNamespace(sleep_level=2, llm=llm, stale=False)
+    sync = lambda: calls.append("sync")  # noqa: E731
+    with Engine.awake(engine, sync):
+        for _ in range(3):
+            with Engine.awake(engine, sync):
+                calls.append("round")
+    assert calls == ["wake weights", "sync", "wake kv_cache", "round", "round", "round", "sleep"]
+    with Engine.awake(engine, sync):  # the next rollout wakes it again
+        pass
+    assert calls[-4:] == ["wake weights", "sync", "wake kv_cache", "sleep"]
+
+
+def test_a_rank_with_its_groups_stops_too_when_another_rank_runs_out_of_rounds():
+    """The error fallback reads the agreed count: this rank found its 4 groups, another still misses 2 after the
+    last round, and this rank raises with it (it would otherwise wait in the next collective alone)."""
+    args = settings(dynamic_sampling_max_rounds=1, dynamic_sampling_fallback="error")
+    other = lambda numbers: [max(numbers[0], 2), max(numbers[1], 4)]  # noqa: E731
+    with pytest.raises(ConfigError, match="a rank has only 2 of its 4 groups"):
+        DynamicSampling(args, DATA, False, 0, 2).fill(
+            [DATA[i] for i in (1, 3, 5, 7)], Rounds(set()), WEIGHTS, other, 0
+        )
+
+
+def test_the_fallback_fills_with_the_least_uniform_groups_first():
+    """With a tolerance, groups whose rewards differ a little are uniform too; the fallback trains those that differ
+    most of them."""
+    scored = scored_of(["a", "b", "c"], {"a", "b", "c"})
+    scored.rewards_NF = torch.tensor([1.0, 1.0, 1.0, 1.001] + [1.0] * 4 + [1.0, 1.01, 1.0, 1.0]).unsqueeze(1)
+    args = settings(dynamic_sampling_max_rounds=0, dynamic_sampling_std_eps=0.1)
+    rows = [{"name": n} for n in "abc"]
+    kept, metrics, _ = DynamicSampling(args, DATA, False, 0, 1).fill(rows, lambda r, k: scored, WEIGHTS, same, 0)
+    assert kept.columns["name"] == ["c", "a", "b"] and metrics["dynamic_sampling/filled_groups"] == 3
+
+
+def test_normalize_then_sum_keeps_groups_whose_totals_tie_but_whose_functions_differ():
+    """normalize_then_sum normalises each function within the group before summing: a group whose totals tie
+    (1 + 0, 0 + 1) still has nonzero advantages when the weights differ, so it is informative; one where every
+    function ties is not."""
+    rewards = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [1.0, 1.0]])
+    weights = torch.tensor([1.0, 1.0])
+    assert group_spread(rewards, weights, 2).tolist() == [0.0, 0.0]  # totals 1, 1 / 2, 2
+    per_function = group_spread(rewards, weights, 2, per_function=True)
+    assert per_function[0] > 0 and per_function[1] == 0
+    args = settings(multi_objective_aggregation="normalize_then_sum")
+    assert DynamicSampling(args, DATA, False, 0, 1).per_function
 
 
 def test_what_rewards_log_follows_the_kept_groups():
@@ -189,10 +265,10 @@ def test_what_cannot_be_refilled_is_refused_before_start_up():
     args = settings()
     stream = IterableDataset.from_generator(lambda: iter([{"prompt": "a"}]))
     with pytest.raises(ConfigError, match="draws its refill prompts from train_dataset by index"):
-        check_dynamic_sampling(args, stream, agents=False)
+        refuse_unrefillable(args, stream, agents=False)
     with pytest.raises(ConfigError, match="with tools, environment_factory or rollout_func is not supported"):
-        check_dynamic_sampling(args, DATA, agents=True)
-    check_dynamic_sampling(settings(dynamic_sampling=False), stream, agents=True)  # off: nothing to refuse
+        refuse_unrefillable(args, DATA, agents=True)
+    refuse_unrefillable(settings(dynamic_sampling=False), stream, agents=True)  # off: nothing to refuse
     with pytest.raises(ConfigError, match="dynamic_sampling_fallback='drop' is unknown"):
         settings(dynamic_sampling_fallback="drop")
     with pytest.raises(ConfigError, match="dynamic_sampling_oversample=0.5: set it to 1 or more"):
@@ -220,7 +296,11 @@ def test_a_rollout_trains_on_informative_groups_only(tmp_path):
     trainer = GRPOTrainer(tiny.build_model(), half_uniform_reward, args, data, processing_class=tiny.build_tokenizer())
     plain = trainer.sample(rows)  # the first round alone: what a rollout without dynamic sampling trains
     assert (group_spread(plain.rewards_NF, trainer.reward_weights, args.num_generations) == 0).sum() >= 2
+    steps, generate = [], trainer.engine.generate
+    trainer.engine.generate = lambda *a, **k: steps.append(k["step"]) or generate(*a, **k)
     advantages = torch.cat([part["advantages"] for part in trainer.make_rollout(rows)])
+    trainer.engine.generate = generate
+    assert len(steps) >= 2 and steps == [steps[0] + k * ROUND_STRIDE for k in range(len(steps))]  # rounds apart
     assert (advantages.view(-1, args.num_generations).abs().sum(1) > 0).all()
     metrics = trainer._metrics
     assert metrics["dynamic_sampling/rounds"][0] >= 1 and metrics["frac_reward_zero_std"][0] == 0
@@ -241,6 +321,7 @@ def test_ranks_run_the_same_rounds_under_zero3(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     runs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert runs[0]["rounds"] == runs[1]["rounds"] and max(runs[0]["rounds"]) >= 1, runs
+    assert runs[0]["first_round_found"] != runs[1]["first_round_found"], runs  # the ranks needed different rounds
     for run in runs:
         assert run["sharded"] and len(run["losses"]) == 2 and all(math.isfinite(x) for x in run["losses"])
         assert all(count == 0 for count in run["uniform_kept"]), run

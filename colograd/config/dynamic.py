@@ -21,9 +21,10 @@ class DynamicSamplingOptions:
         metadata={
             "help": "DAPO's dynamic sampling: a group whose completions all got the same total (weighted) reward has "
             "zero advantage and no gradient; such groups are dropped and the rollout refilled with groups of other "
-            "prompts (drawn from train_dataset, seeded by the step) until every rank has per_device_train_batch_size "
-            "/ num_generations informative groups, or dynamic_sampling_max_rounds refills have run. Every rank runs "
-            "the same rounds. Metrics: dynamic_sampling/kept_fraction, /rounds, /discarded_groups, /filled_groups."
+            "prompts (drawn from train_dataset, seeded by the step) until every rank has a rollout's worth of "
+            "informative groups (its prompts per rollout), or dynamic_sampling_max_rounds refills have run. Every "
+            "rank runs the same rounds. Metrics: dynamic_sampling/kept_fraction, /rounds, /discarded_groups, "
+            "/filled_groups, /sampled_reward_mean (docs/longtail.md)."
         },
     )
     dynamic_sampling_max_rounds: int = field(
@@ -37,7 +38,8 @@ class DynamicSamplingOptions:
         default=1e-6,
         metadata={
             "help": "A group is uniform (dropped) when the standard deviation of its completions' total rewards is at "
-            "most this; 0 drops only exact ties."
+            "most this (with multi_objective_aggregation: normalize_then_sum, of each reward function's); 0 drops "
+            "only exact ties."
         },
     )
     dynamic_sampling_oversample: float = field(

@@ -449,21 +449,31 @@ class Engine:
         The order matters: weights memory back first, then `sync` writes the current weights into it, then
         the KV cache comes back. Weights written before waking would be lost, and the engine would sample
         from stale weights.
+
+        Inside another `awake` (a rollout's refill rounds, `colograd.grpo.dynamic`, within the rollout's own) it
+        does nothing: the engine is up to date and stays awake until the outer one ends.
         """
-        if not self.sleep_level:
-            sync()
+        if getattr(self, "_awake", False):
             yield
             return
-        self.llm.wake_up(tags=["weights"])
-        self.weights_resident = True
-        sync()
-        self.llm.wake_up(tags=["kv_cache"])
+        self._awake = True
         try:
-            yield
+            if not self.sleep_level:
+                sync()
+                yield
+                return
+            self.llm.wake_up(tags=["weights"])
+            self.weights_resident = True
+            sync()
+            self.llm.wake_up(tags=["kv_cache"])
+            try:
+                yield
+            finally:
+                self.weights_resident = False
+                self.llm.sleep(level=self.sleep_level)
+                self.stale = self.stale or self.sleep_level == 2
         finally:
-            self.weights_resident = False
-            self.llm.sleep(level=self.sleep_level)
-            self.stale = self.stale or self.sleep_level == 2
+            self._awake = False
 
     def _check_resident(self, what: str) -> None:
         """Refuse to write weights into an asleep engine: its weights memory is released (level 2) or on the host

@@ -3,9 +3,9 @@
 A group whose completions all got the same total reward has zero advantage: it adds nothing to the gradient but
 its share of the loss's denominator. `DynamicSampling.fill` samples the rank's prompts as usual, then, while some rank
 has fewer informative groups than its batch holds, runs a refill round on every rank: prompts drawn from the
-dataset by a permutation seeded with (seed, step, round), each rank its own slice, sampled and scored like the
-first. It then keeps, on each rank, its first informative groups; when the rounds run out first, the fallback
-completes the batch with the least uniform of the others, or stops.
+dataset by a permutation seeded with (seed, step), each round the next prompts of it and each rank its own slice,
+sampled and scored like the first. It then keeps, on each rank, its first informative groups; when the rounds run
+out first, the fallback completes the batch with the least uniform of the others, or stops.
 
 Every decision that a collective depends on (whether another round runs, how many prompts it samples, whether the
 fallback stops) is taken from numbers agreed across the ranks, so every rank runs the same rounds: a rank that
@@ -14,6 +14,7 @@ stay on the rank that sampled them.
 """
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import fields, replace
 from typing import Any
@@ -27,11 +28,12 @@ from colograd.errors import ConfigError
 from colograd.grpo.loss import weighted_rewards
 from colograd.grpo.rollouts import PromptImages, RewardLogs, ScoredRollout
 
-# Refill round k of a rollout is seeded as its step + k × this: apart from every other rollout's step.
+# Refill round k of a rollout samples with its step + k × this as the engine's step: apart from every other
+# rollout's.
 ROUND_STRIDE = 1 << 40
 
 
-def check_dynamic_sampling(args: Any, train_dataset: Any, agents: bool) -> None:
+def refuse_unrefillable(args: Any, train_dataset: Any, agents: bool) -> None:
     """Refuse, before start-up, what dynamic sampling cannot refill: a stream (refill prompts are drawn by index),
     and rollouts of tools, environments or a `rollout_func` (their rounds would each reset the agents' state)."""
     if not args.dynamic_sampling:
@@ -48,11 +50,26 @@ def check_dynamic_sampling(args: Any, train_dataset: Any, agents: bool) -> None:
         )
 
 
-def group_spread(rewards_NF: torch.Tensor, weights_F: torch.Tensor, num_generations: int) -> torch.Tensor:
-    """Each group's standard deviation of its completions' total (weighted) rewards, [P]; 0 for a group whose
-    completions all scored alike, or that no function scored."""
+def group_spread(
+    rewards_NF: torch.Tensor, weights_F: torch.Tensor, num_generations: int, per_function: bool = False
+) -> torch.Tensor:
+    """How far each group's completions are from scoring alike, [P]: the standard deviation of their total
+    (weighted) rewards; 0 for a group whose completions all scored alike, or that no function scored.
+
+    With `per_function` (`multi_objective_aggregation: normalize_then_sum`, where each function's rewards are
+    normalised within the group before they are summed), the largest standard deviation of one weighted function's
+    rewards: a group then has zero advantages only when every function scored its completions alike, whatever
+    their totals."""
+    if per_function:
+        weighted_NF = (rewards_NF * weights_F).masked_fill(weights_F == 0, float("nan"))
+        spread_PF = nanstd(weighted_NF.view(-1, num_generations, rewards_NF.size(1)), dim=1)
+        return spread_PF.nan_to_num(0.0).amax(dim=1)
     rewards_N = weighted_rewards(rewards_NF, weights_F)
     return nanstd(rewards_N.view(-1, num_generations), dim=1).nan_to_num(0.0)
+
+
+# The lists of a `Rollout` with one entry per prompt; the others have one per completion.
+_PER_PROMPT = ("engine_prompt_ids",)
 
 
 def take_groups(scored: ScoredRollout, groups: list[int], num_generations: int) -> ScoredRollout:
@@ -60,12 +77,18 @@ def take_groups(scored: ScoredRollout, groups: list[int], num_generations: int) 
     images. `truncated_prompts` becomes the kept groups' share of the rollout's count (the count is not per prompt)."""
     g = num_generations
     completions = [i * g + j for i in groups for j in range(g)]
-    num_prompts = len(scored.prompt_ids)
     pick = lambda values, index: [values[i] for i in index]  # noqa: E731
-    rollout = _map_rollout(scored.rollout, lambda v: pick(v, completions if len(v) != num_prompts else groups), g)
-    images = scored.images and PromptImages(
-        *(pick(getattr(scored.images, f.name), groups) for f in fields(PromptImages))
+    lists = {f.name: getattr(scored.rollout, f.name) for f in fields(Rollout)}
+    rollout = replace(
+        scored.rollout,
+        **{
+            name: pick(v, groups if name in _PER_PROMPT else completions) for name, v in lists.items() if v is not None
+        },
     )
+    images = None
+    if scored.images is not None:
+        images = PromptImages(*(pick(getattr(scored.images, f.name), groups) for f in fields(PromptImages)))
+    num_prompts = len(scored.prompt_ids)
     return ScoredRollout(
         prompts=pick(scored.prompts, groups),
         prompt_ids=pick(scored.prompt_ids, groups),
@@ -77,36 +100,27 @@ def take_groups(scored: ScoredRollout, groups: list[int], num_generations: int) 
     )
 
 
-def _map_rollout(rollout: Rollout, pick: Callable[[list], list], g: int) -> Rollout:
-    """`rollout` with `pick` applied to each of its lists (per completion, or per prompt: `engine_prompt_ids`)."""
-    return replace(
-        rollout, **{f.name: pick(v) for f in fields(Rollout) if (v := getattr(rollout, f.name)) is not None}
-    )
-
-
 def join(parts: list[ScoredRollout]) -> ScoredRollout:
-    """The scored rollouts `parts` as one: groups in order, every field concatenated."""
-    first = parts[0]
+    """The scored rollouts `parts` as one: groups in order, every field concatenated (a field is None in every part
+    or in none: each round of a run's rollout samples the same way)."""
     if len(parts) == 1:
-        return first
+        return parts[0]
 
     def cat(values: list[Any]) -> Any:
         if all(v is None for v in values):
             return None
-        if any(v is None for v in values):  # e.g. one round's prompts were all text, another's had images
+        if any(v is None for v in values):
             raise ValueError("dynamic sampling: the rounds of a rollout returned different fields; cannot join them")
         return [x for v in values for x in v]
 
     rollout = Rollout(**{f.name: cat([getattr(p.rollout, f.name) for p in parts]) for f in fields(Rollout)})
     images = None
-    if any(p.images is not None for p in parts):
-        no_images = lambda p: PromptImages([[]] * len(p.prompt_ids), p.prompt_ids, [{}] * len(p.prompt_ids))  # noqa: E731
-        kept = [p.images or no_images(p) for p in parts]
-        images = PromptImages(*(cat([getattr(i, f.name) for i in kept]) for f in fields(PromptImages)))
+    if parts[0].images is not None:
+        images = PromptImages(*(cat([getattr(p.images, f.name) for p in parts]) for f in fields(PromptImages)))
     return ScoredRollout(
         prompts=cat([p.prompts for p in parts]),
         prompt_ids=cat([p.prompt_ids for p in parts]),
-        columns={k: cat([p.columns[k] for p in parts]) for k in first.columns},
+        columns={k: cat([p.columns[k] for p in parts]) for k in parts[0].columns},
         rollout=rollout,
         rewards_NF=torch.cat([p.rewards_NF for p in parts]),
         truncated_prompts=sum(p.truncated_prompts for p in parts),
@@ -128,14 +142,17 @@ class DynamicSampling:
         self.args, self.rank, self.world = args, rank, world
         self.dataset = NumberedRows(dataset) if numbered else dataset
         self.g = args.num_generations
+        self.per_function = args.multi_objective_aggregation == "normalize_then_sum"
 
-    def rows(self, step: int, round: int, count: int) -> list[dict]:
-        """This rank's `count` prompts of refill round `round` of the rollout at `step`: its slice of a permutation
-        of the dataset seeded by (seed, step, round), the same on every rank (wrapping round when the ranks together
-        want more rows than the dataset has)."""
-        generator = torch.Generator().manual_seed(hash((self.args.seed, step, round)) % 2**63)
+    def rows(self, step: int, drawn: int, count: int) -> list[dict]:
+        """This rank's `count` refill prompts of the rollout at `step`, after `drawn` per rank in its earlier rounds.
+
+        One permutation of the dataset per rollout, seeded by (seed, step) and the same on every rank; each round
+        takes the next `world × count` of it, each rank its own slice, so that no prompt comes back within a rollout
+        before the dataset is used up (it wraps round then)."""
+        generator = torch.Generator().manual_seed(hash((self.args.seed, step)) % 2**63)
         order = torch.randperm(len(self.dataset), generator=generator).tolist()
-        start = self.rank * count
+        start = self.world * drawn + self.rank * count
         return [self._row(order[(start + i) % len(order)]) for i in range(count)]
 
     def refill_size(self, want: int, missing: int, informative: int, sampled: int) -> int:
@@ -155,7 +172,7 @@ class DynamicSampling:
         rows: list[dict],
         sample: Callable[[list[dict], int], ScoredRollout],
         weights_F: torch.Tensor,
-        most: Callable[[int], int],
+        most: Callable[[list[int]], list[int]],
         step: int,
         logs: RewardLogs | None = None,
     ) -> tuple[ScoredRollout, dict[str, float], int]:
@@ -165,52 +182,50 @@ class DynamicSampling:
             rows: the rank's prompts from the dataloader (the first round's).
             sample: samples and scores given rows in refill round k (`GRPOTrainer.sample`).
             weights_F: the reward functions' weights (a group is scored on its total reward).
-            most: the largest of a number over every rank (the identity in one process).
-            step: the rollout's step, which seeds its refill prompts.
+            most: each of a list of numbers, its largest over every rank (the identity in one process).
+            step: the rollout's place in the run, the same after a resume; it seeds the refill prompts.
             logs: the reward functions' logs (TRL's `log_extra` / `log_metric`): each round's are taken, and what
                 belongs to the kept groups is put back for the caller.
 
         Returns:
             The rollout; its metrics (`dynamic_sampling/*`); the completion tokens sampled in groups it dropped.
         """
-        args, want, g = self.args, len(rows), self.g
-        parts, extras, logged, informative, sampled, missing, count = [], [], [], 0, 0, 0, 0
-        for round in range(args.dynamic_sampling_max_rounds + 1):
-            if round:
-                rows = self.rows(step, round, count)
-            parts.append(sample(rows, round))
+        args, want, g, eps = self.args, len(rows), self.g, self.args.dynamic_sampling_std_eps
+        parts, extras, logged = [], [], []
+        found = sampled = drawn = missing = count = 0
+        for k in range(args.dynamic_sampling_max_rounds + 1):
+            if k:
+                rows, drawn = self.rows(step, drawn, count), drawn + count
+            parts.append(sample(rows, k))
             if logs is not None:
                 extra, metrics = logs.take()
-                extras.append((extra, len(parts[-1].rollout.completion_ids)))
+                extras.append(extra)
                 logged.append(metrics)
-            spread = group_spread(parts[-1].rewards_NF, weights_F, g)
-            informative += int((spread > args.dynamic_sampling_std_eps).sum())
+            spread = group_spread(parts[-1].rewards_NF, weights_F, g, self.per_function)
+            found += int((spread > eps).sum())
             sampled += len(spread)
             # The rank missing most decides, so that every rank runs the same rounds, each of as many prompts: the
             # collectives inside sampling and scoring meet.
-            missing, count = most(
-                [max(0, want - informative), self.refill_size(want, want - informative, informative, sampled)]
-            )
+            missing, count = most([max(0, want - found), self.refill_size(want, want - found, found, sampled)])
             if not missing:
                 break
         rounds = len(parts) - 1
         if missing and args.dynamic_sampling_fallback == "error":  # `missing` is agreed: every rank stops here
             raise ConfigError(
                 f"dynamic_sampling: after {rounds} refill rounds a rank has only {want - missing} of its {want} "
-                f"groups with rewards that differ (std above dynamic_sampling_std_eps="
-                f"{args.dynamic_sampling_std_eps}); raise dynamic_sampling_max_rounds or "
-                "dynamic_sampling_oversample, or set dynamic_sampling_fallback: fill."
+                f"groups with rewards that differ (std above dynamic_sampling_std_eps={eps}); raise "
+                "dynamic_sampling_max_rounds or dynamic_sampling_oversample, or set dynamic_sampling_fallback: fill."
             )
         every = join(parts)
-        spread = group_spread(every.rewards_NF, weights_F, g)
-        informative = [i for i in range(len(spread)) if spread[i] > args.dynamic_sampling_std_eps][:want]
+        spread = group_spread(every.rewards_NF, weights_F, g, self.per_function)
+        informative = [i for i in range(len(spread)) if spread[i] > eps][:want]
         chosen = set(informative)
         others = sorted((i for i in range(len(spread)) if i not in chosen), key=lambda i: -float(spread[i]))
         filled = others[: want - len(informative)]
         groups = informative + filled
         kept = take_groups(every, groups, g)
         if logs is not None:
-            _put_back(logs, extras, logged, groups, g)
+            _put_back(logs, extras, logged, [len(p.rollout.completion_ids) for p in parts], groups, g)
         dropped = set(range(len(spread))) - set(groups)
         lengths = [len(every.rollout.completion_ids[i * g + j]) for i in dropped for j in range(g)]
         metrics = {
@@ -218,20 +233,35 @@ class DynamicSampling:
             "dynamic_sampling/rounds": float(rounds),
             "dynamic_sampling/discarded_groups": float(len(dropped)),
             "dynamic_sampling/filled_groups": float(len(filled)),
+            # The reward over every group sampled: the reward metrics cover the groups trained only.
+            "dynamic_sampling/sampled_reward_mean": torch.nanmean(
+                weighted_rewards(every.rewards_NF, weights_F)
+            ).item(),
         }
         return kept, metrics, sum(lengths)
 
 
 def _put_back(
-    logs: RewardLogs, extras: list[tuple[dict, int]], logged: list[dict[str, float]], groups: list[int], g: int
+    logs: RewardLogs,
+    extras: list[dict[str, list]],
+    logged: list[dict[str, float]],
+    sizes: list[int],
+    groups: list[int],
+    g: int,
 ) -> None:
     """Give `logs` back what the rounds' reward functions logged for the kept groups: each extra column with one
-    value per completion in every round, those of the kept completions; each metric's per-round means."""
-    columns = set.intersection(*(set(extra) for extra, _ in extras))
-    for column in sorted(columns):
-        if all(len(extra[column]) == n for extra, n in extras):
-            values = [v for extra, _ in extras for v in extra[column]]
+    value per completion in every round (`sizes`), those of the kept completions; each metric's per-round means. A
+    column some round did not log in full cannot be lined up with the completions, and is left out with a warning."""
+    for column in sorted(set().union(*extras)):
+        if all(len(extra.get(column, ())) == n for extra, n in zip(extras, sizes, strict=True)):
+            values = [v for extra in extras for v in extra[column]]
             logs.log_extra(column, [values[i * g + j] for i in groups for j in range(g)])
+        else:
+            warnings.warn(
+                f"dynamic_sampling: the reward log column {column!r} was not logged once per completion in every "
+                "round, so it cannot follow the groups kept; it is left out of this rollout's completions log.",
+                stacklevel=2,
+            )
     for metrics in logged:
         for name, value in metrics.items():
             logs.log_metric(name, value)

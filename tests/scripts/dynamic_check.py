@@ -34,12 +34,20 @@ def main() -> None:
     args = tiny.run_config(os.path.join(cli.out, "run"), 2, dynamic_sampling=True, dynamic_sampling_max_rounds=4)
     trainer = GRPOTrainer(tiny.build_model(), rank_reward, args, tiny.letters_dataset(256),
                           processing_class=tiny.build_tokenizer())  # fmt: skip
-    record = {"rounds": [], "sampled": [], "uniform_kept": []}
+    record = {"rounds": [], "sampled": [], "uniform_kept": [], "first_round_found": []}
     fill = trainer._dynamic.fill
 
     def recorded_fill(rows, sample, weights, most, step, logs=None):
         counts = []
-        counted = lambda rows, round: counts.append(len(rows)) or sample(rows, round)  # noqa: E731
+
+        def counted(rows, round):
+            counts.append(len(rows))
+            scored = sample(rows, round)
+            if round == 0:  # the informative groups this rank found in its own prompts
+                spread = group_spread(scored.rewards_NF, weights, args.num_generations)
+                record["first_round_found"].append(int((spread > args.dynamic_sampling_std_eps).sum()))
+            return scored
+
         kept, metrics, dropped = fill(rows, counted, weights, most, step, logs)
         record["rounds"].append(metrics["dynamic_sampling/rounds"])
         record["sampled"].append(sum(counts))
