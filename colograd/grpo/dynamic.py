@@ -191,7 +191,7 @@ class DynamicSampling:
             The rollout; its metrics (`dynamic_sampling/*`); the completion tokens sampled in groups it dropped.
         """
         args, want, g, eps = self.args, len(rows), self.g, self.args.dynamic_sampling_std_eps
-        parts, extras, logged = [], [], []
+        parts, spreads, extras, logged = [], [], [], []
         found = sampled = drawn = missing = count = 0
         for k in range(args.dynamic_sampling_max_rounds + 1):
             if k:
@@ -201,9 +201,9 @@ class DynamicSampling:
                 extra, metrics = logs.take()
                 extras.append(extra)
                 logged.append(metrics)
-            spread = group_spread(parts[-1].rewards_NF, weights_F, g, self.per_function)
-            found += int((spread > eps).sum())
-            sampled += len(spread)
+            spreads.append(group_spread(parts[-1].rewards_NF, weights_F, g, self.per_function))
+            found += int((spreads[-1] > eps).sum())
+            sampled += len(spreads[-1])
             # The rank missing most decides, so that every rank runs the same rounds, each of as many prompts: the
             # collectives inside sampling and scoring meet.
             missing, count = most([max(0, want - found), self.refill_size(want, want - found, found, sampled)])
@@ -216,8 +216,7 @@ class DynamicSampling:
                 f"groups with rewards that differ (std above dynamic_sampling_std_eps={eps}); raise "
                 "dynamic_sampling_max_rounds or dynamic_sampling_oversample, or set dynamic_sampling_fallback: fill."
             )
-        every = join(parts)
-        spread = group_spread(every.rewards_NF, weights_F, g, self.per_function)
+        every, spread = join(parts), torch.cat(spreads)
         informative = [i for i in range(len(spread)) if spread[i] > eps][:want]
         chosen = set(informative)
         others = sorted((i for i in range(len(spread)) if i not in chosen), key=lambda i: -float(spread[i]))

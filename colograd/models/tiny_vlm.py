@@ -18,6 +18,7 @@ import os
 import random
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from datasets import Dataset
 from PIL import Image
@@ -53,25 +54,8 @@ def build_processor() -> LlavaProcessor:
     Its chat template writes TRL's multimodal messages (content lists of `{"type": "image"}` and `{"type": "text"}`
     parts) as ``u:<image>colour?;a:`` — one `<image>` per image part, unexpanded.
     """
-    vocab = {tok: i for i, tok in enumerate(_SPECIALS + _CHARS + [IMAGE_TOKEN])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    # `<image>` is one token; everything else is split into characters.
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(f"{IMAGE_TOKEN}|."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token="<pad>",
-        eos_token="<eos>",
-        extra_special_tokens={"image_token": IMAGE_TOKEN},
-    )
-    template = (
-        "{% for m in messages %}{{ m['role'][0] }}:"
-        "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
-        "{% for part in m['content'] %}{% if part['type'] == 'image' %}" + IMAGE_TOKEN + "{% else %}"
-        "{{ part['text'] }}{% endif %}{% endfor %}{% endif %};{% endfor %}"
-        "{% if add_generation_prompt %}a:{% endif %}"
-    )
-    tokenizer.chat_template = template
+    tokenizer = _char_tokenizer([IMAGE_TOKEN], IMAGE_TOKEN, {"image_token": IMAGE_TOKEN})
+    template = tokenizer.chat_template = _chat_template(IMAGE_TOKEN)
     image_processor = LlavaImageProcessorPil(
         size={"shortest_edge": IMAGE_SIZE},
         crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
@@ -88,6 +72,41 @@ def build_processor() -> LlavaProcessor:
     )
 
 
+def _char_tokenizer(extra: list[str], whole: str, special: dict[str, str]) -> PreTrainedTokenizerFast:
+    """The character vocabulary of `colograd.models.tiny` and the tokens `extra` after it: text matching the regex
+    `whole` is one token, everything else is split into characters; `special` names the extra tokens' roles."""
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(_SPECIALS + _CHARS + extra)}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(f"{whole}|."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", extra_special_tokens=special
+    )
+
+
+def _chat_template(image: str) -> str:
+    """The tiny models' chat template: TRL's multimodal messages as ``u:<image>colour?;a:``, `image` for each image
+    part, unexpanded."""
+    return (
+        "{% for m in messages %}{{ m['role'][0] }}:"
+        "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+        "{% for part in m['content'] %}{% if part['type'] == 'image' %}" + image + "{% else %}"
+        "{{ part['text'] }}{% endif %}{% endfor %}{% endif %};{% endfor %}"
+        "{% if add_generation_prompt %}a:{% endif %}"
+    )
+
+
+def _seeded(model_class: type, config: Any, seed: int) -> Any:
+    """`model_class(config)` initialised from `seed` (the same on every rank, the global generator untouched), built
+    whole under a ZeRO-3 config (`_built_whole`), ending and padding with the tiny vocabulary's ids."""
+    import torch
+
+    with torch.random.fork_rng(), _built_whole():
+        torch.manual_seed(seed)
+        model = model_class(config)
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = 1, 0
+    return model
+
+
 def build_model(
     seed: int = 0, tie_word_embeddings: bool = False, text_config: Qwen2Config | None = None
 ) -> LlavaForConditionalGeneration:
@@ -99,15 +118,7 @@ def build_model(
         text_config: another language model over the same vocabulary (a wider one, for the VLM benchmark); its
             own `tie_word_embeddings` then holds. Default: the tiny Qwen2 of `colograd.models.tiny`.
     """
-    import torch
-
-    config = model_config(tie_word_embeddings, text_config)
-    with torch.random.fork_rng(), _built_whole():
-        torch.manual_seed(seed)
-        model = LlavaForConditionalGeneration(config)
-    model.generation_config.eos_token_id = 1
-    model.generation_config.pad_token_id = 0
-    return model
+    return _seeded(LlavaForConditionalGeneration, model_config(tie_word_embeddings, text_config), seed)
 
 
 @contextmanager
@@ -169,7 +180,6 @@ def save_tiny_llava_next(folder: str, seed: int = 0) -> str:
     """Write a tiny LLaVA-Next and its processor to `folder`; returns it. The tiny LLaVA's towers and vocabulary,
     with LLaVA-Next's tiling (`NEXT_GRID`): an image's count of placeholder tokens and of pixel crops follows its
     aspect ratio, the variable resolution a padded batch of pixels must keep apart."""
-    import torch
 
     base = build_processor()
     image_processor = LlavaNextImageProcessorPil(
@@ -196,10 +206,7 @@ def save_tiny_llava_next(folder: str, seed: int = 0) -> str:
         image_seq_length=4,
     )
     config.pad_token_id, config.eos_token_id = 0, 1
-    with torch.random.fork_rng(), _built_whole():
-        torch.manual_seed(seed)
-        model = LlavaNextForConditionalGeneration(config)
-    model.generation_config.eos_token_id, model.generation_config.pad_token_id = 1, 0
+    model = _seeded(LlavaNextForConditionalGeneration, config, seed)
     os.makedirs(folder, exist_ok=True)
     model.save_pretrained(folder)
     processor.save_pretrained(folder)
@@ -260,7 +267,6 @@ def save_tiny_qwen_vl(folder: str, seed: int = 0, version: str = "2.5") -> str:
     """
     import json
 
-    import torch
     from transformers import (
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
@@ -274,30 +280,10 @@ def save_tiny_qwen_vl(folder: str, seed: int = 0, version: str = "2.5") -> str:
     vision_start, vision_end, image_pad, video_pad = QWEN_TOKENS
     base = len(_SPECIALS) + len(_CHARS)
     ids = {tok: base + i for i, tok in enumerate(QWEN_TOKENS)}
-    tok = Tokenizer(
-        models.WordLevel({t: i for i, t in enumerate(_SPECIALS + _CHARS + QWEN_TOKENS)}, unk_token="<pad>")
-    )
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"<\|[a-z_]+\|>|."), behavior="isolated")  # specials whole
-    tok.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token="<pad>",
-        eos_token="<eos>",
-        extra_special_tokens={
-            "image_token": image_pad,
-            "video_token": video_pad,
-            "vision_start_token": vision_start,
-            "vision_end_token": vision_end,
-        },
-    )
-    template = (
-        "{% for m in messages %}{{ m['role'][0] }}:"
-        "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
-        "{% for part in m['content'] %}{% if part['type'] == 'image' %}" + vision_start + image_pad + vision_end
-        + "{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %};{% endfor %}"
-        "{% if add_generation_prompt %}a:{% endif %}"
-    )  # fmt: skip
-    tokenizer.chat_template = template
+    roles = {"image_token": image_pad, "video_token": video_pad, "vision_start_token": vision_start,
+             "vision_end_token": vision_end}  # fmt: skip
+    tokenizer = _char_tokenizer(QWEN_TOKENS, r"<\|[a-z_]+\|>", roles)
+    template = tokenizer.chat_template = _chat_template(vision_start + image_pad + vision_end)
     image_processor = Qwen2VLImageProcessorPil(
         size={"shortest_edge": QWEN_PIXELS[0], "longest_edge": QWEN_PIXELS[1]},
         patch_size=14,
@@ -328,10 +314,7 @@ def save_tiny_qwen_vl(folder: str, seed: int = 0, version: str = "2.5") -> str:
         tie_word_embeddings=False,
     )
     config.pad_token_id, config.eos_token_id = 0, 1
-    with torch.random.fork_rng(), _built_whole():
-        torch.manual_seed(seed)
-        model = model_class(config)
-    model.generation_config.eos_token_id, model.generation_config.pad_token_id = 1, 0
+    model = _seeded(model_class, config, seed)
     os.makedirs(folder, exist_ok=True)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
