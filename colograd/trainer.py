@@ -60,6 +60,7 @@ from colograd.grpo.loss import (
 )
 from colograd.grpo.memory import PassBudget, compute_dtype
 from colograd.grpo.packing import forward_packing
+from colograd.grpo.partial import PartialRollouts, refuse_unresumable
 from colograd.grpo.reference import ReferencePolicy
 from colograd.grpo.rollouts import (
     PreparedPrompts,
@@ -213,6 +214,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
             self._images_per_prompt = max(self._images_per_prompt, eval_images)
             if eval_longest is not None:
                 longest_image_prompt = max(longest_image_prompt or 0, eval_longest)
+        refuse_unresumable(args, train_dataset, self.agents is not None, bool(self._images_per_prompt))
         train_dataset, self._lora_rank, longest_prompt = check_trainer_inputs(
             model,
             text_tokenizer(processing_class),
@@ -278,6 +280,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         self._dynamic = (
             DynamicSampling(args, train_dataset, self._vision, rank, world) if args.dynamic_sampling else None
         )
+        self._partial = PartialRollouts(args, train_dataset, rank, world) if args.partial_rollouts else None
         self.vllm_generation = VLLMGeneration(self)  # TRL's handle on the engine, for `rollout_func` code
         # What each model does to its logits (the policy, and the reference's copy if any), learnt before DeepSpeed
         # wraps or partitions them.
@@ -306,6 +309,8 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         self.reward_logs = RewardLogs()
         self.entropy = EntropyTerms(args, self.accelerator, across_ranks(self.accelerator), self._metrics)
         self.checkpoint_parts = (self.entropy,)  # written into each checkpoint before its record finishes
+        # Written by every rank, each its own: the groups a rank carries between partial rollouts.
+        self.rank_checkpoint_parts = (self._partial,) if self._partial is not None else ()
         self.add_callback(OptimizerTimer(self._times, self._metrics))
         self.preemption = Preemption()
         self.add_callback(self.preemption)
@@ -331,6 +336,8 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         # The first logging window starts where the run (re)starts: time/* are divided by its steps.
         self._last_logged_step = checkpoint_step(checkpoint) if checkpoint else 0
         self.entropy.resume(checkpoint)
+        if self._partial is not None:
+            self._partial.resume(checkpoint)
         if checkpoint and self._completion_log is not None:
             self._completion_log.forget_after(self._last_logged_step)
         self._times.reset()  # the summary covers this call
@@ -389,7 +396,10 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         """
         g = self.args.num_generations
         dropped = 0  # completion tokens sampled in groups dynamic sampling dropped
-        if self._dynamic is None:
+        generated = None  # partial rollouts: the completion tokens this rollout generated, in every group
+        if self._partial is not None:
+            scored, generated = self.sample_partial(rows)
+        elif self._dynamic is None:
             scored = self.sample(rows)
         else:
             # One wake for every round: with sleep mode, each round's own would sync the weights again.
@@ -408,7 +418,9 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         self._record(rollout_metrics(scored, self.reward_func_names) | logged)
         if self.agents is not None:
             self._record(self.agents.metrics)
-        self._times.count("generated", int(sampled_lengths(scored.rollout).sum()) + dropped, self._metrics)
+        if generated is None:
+            generated = int(sampled_lengths(scored.rollout).sum()) + dropped
+        self._times.count("generated", generated, self._metrics)
         images = scored.images.images if scored.images is not None else [[] for _ in scored.prompts]
         if self._vision:  # a vision-language run shows at every step whether its prompts had images
             self._record({"images/per_prompt": sum(map(len, images)) / max(1, len(images))})
@@ -427,6 +439,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
             g,
             text_tokenizer(self.processing_class).pad_token_id,
             self.args.mask_truncated_completions,
+            self.args.mask_stale_tokens,
         )
         if pixels is not None:
             batch.update(pad_pixels(pixels, g))
@@ -486,6 +499,31 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         with self._timed(f"{prefix}reward"):
             rewards_NF = self.score(prompts, rollout, columns)
         return ScoredRollout(prompts, prompt_ids, columns, rollout, rewards_NF, truncated, images)
+
+    def sample_partial(self, rows: list[dict]) -> tuple[ScoredRollout, int]:
+        """One training rollout of partial rollouts (`colograd.grpo.partial`): the groups carried from the last
+        rollout continued first, then `rows` and the extra prompts that keep the groups in flight; the first
+        `len(rows)` groups to finish, scored. Returns it, and the completion tokens generated (in every group)."""
+        partial, want = self._partial, len(rows)
+        generate_every = self.args.steps_per_generation * self.args.num_iterations
+        version = self._run_micro_step() // generate_every  # one weight version per rollout, the same after a resume
+        dropped = partial.drop_stale(version)
+        rows = rows + partial.extra_rows(want, version)
+        _, prompt_ids, _ = self.prepare_prompts(rows)
+        limit = self.prompt_limit
+        truncated = sum(len(ids) > limit for ids in prompt_ids)
+        self.reward_logs.take()  # a reward's logs belong to the rollout that called it
+        with self.engine.awake(sync=self.sync_weights), self._timed("generate"):
+            groups, metrics, generated = partial.take(
+                self.engine, rows, [ids[-limit:] for ids in prompt_ids], want, version
+            )
+        self._record(metrics | {"partial_rollouts/dropped_groups": float(dropped)})
+        prompts, _, columns = self.prepare_prompts([group.row for group in groups])
+        rollout = partial.rollout(groups, version)
+        with self._timed("reward"):
+            rewards_NF = self.score(prompts, rollout, columns)
+        prompt_ids = [group.prompt_ids for group in groups]
+        return ScoredRollout(prompts, prompt_ids, columns, rollout, rewards_NF, truncated), generated
 
     def _largest_over_ranks(self, numbers: list[int]) -> list[int]:
         """Each of `numbers`, its largest over every rank (a collective)."""

@@ -27,6 +27,7 @@ from colograd.config.loss import (
     LossOptions,
     RegularizerOptions,
 )
+from colograd.config.partial import PartialRolloutOptions
 from colograd.config.ranges import check_ranges
 from colograd.config.trl_compat import TRLOnlyFields, check_refused
 from colograd.errors import ConfigError
@@ -49,6 +50,7 @@ class GRPOConfig(
     TrainingArguments,
     GenerationOptions,
     DynamicSamplingOptions,
+    PartialRolloutOptions,
     EngineOptions,
     LossOptions,
     RegularizerOptions,
@@ -91,6 +93,7 @@ class GRPOConfig(
         check_refused(self)
         self.check_generation()
         self.check_dynamic_sampling()
+        self.check_partial_rollouts()
         self.check_loading()
         self.check_loss()
         self.check_regularizers()
@@ -145,6 +148,7 @@ TOPICS: tuple[tuple[str, type], ...] = (
     ("Data and rewards", ScriptArguments),
     ("Generation", GenerationOptions),
     ("Dynamic sampling (DAPO)", DynamicSamplingOptions),
+    ("Partial rollouts (APRIL)", PartialRolloutOptions),
     ("Loss", LossOptions),
     ("Loss: entropy terms and reference updates", RegularizerOptions),
     ("Training forward", ForwardOptions),

@@ -81,6 +81,8 @@ RANGES: dict[str, Range] = {
     "dynamic_sampling_max_rounds": AT_LEAST_0,
     "dynamic_sampling_std_eps": AT_LEAST_0,
     "dynamic_sampling_oversample": Range(1),
+    "partial_rollout_overprovision": Range(1),
+    "partial_rollout_max_staleness": AT_LEAST_0,
     "generation_batch_size": AT_LEAST_1,
     "max_prompt_length": AT_LEAST_1,
     "max_completion_length": AT_LEAST_1,

@@ -73,6 +73,8 @@ class Rollout:
         each sampled token and 0 on each inserted one; None: every token was sampled.
     prompt_ids: the prompt of each completion, when a rollout gave completions of one prompt different prompts
         (environments that add to them); None: completion i continues prompt i // G.
+    stale: partial rollouts (`colograd.grpo.partial`): how many of each completion's tokens, the first ones, were
+        sampled under older weights than this rollout's; None: none were.
     """
 
     completion_ids: list[list[int]]
@@ -81,6 +83,7 @@ class Rollout:
     tool_mask: list[list[int]] | None = None
     prompt_ids: list[list[int]] | None = None
     engine_prompt_ids: list[list[int]] | None = None  # image prompts: each prompt as the engine expanded it
+    stale: list[int] | None = None
 
 
 class Engine:

@@ -17,6 +17,7 @@ def pad_rollout(
     num_generations: int,
     pad_token_id: int,
     mask_truncated_completions: bool = False,
+    mask_stale_tokens: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The tensors `GRPOTrainer.compute_loss` reads.
 
@@ -25,11 +26,15 @@ def pad_rollout(
         rollout: the engine's completions, their sampled log-probs, and which were truncated.
         advantages_N: one advantage per completion.
         mask_truncated_completions: leave completions cut at max_completion_length out of `completion_mask`.
+        mask_stale_tokens: leave the tokens sampled under older weights (`rollout.stale`, partial rollouts) out of
+            `completion_mask`; they stay in the context of the tokens after them.
 
     Returns:
         input_ids, attention_mask, position_ids [N, P + T]; completion_ids, completion_mask, tool_mask,
-        engine_logps [N, T]; advantages [N]. `tool_mask` is 1 on each token the engine sampled (0 on inserted tool
-        results and padding); `completion_mask` (the tokens the loss counts) is 0 wherever it is.
+        engine_logps [N, T]; advantages [N]. `tool_mask` is 1 on each token the engine sampled under this
+        rollout's weights (0 on inserted tool results, padding, and stale tokens of partial rollouts: the sampling-gap
+        metric compares the trainer with the engine there); `completion_mask` (the tokens the loss counts) is 0 on
+        inserted tool results and padding, and on stale tokens with `mask_stale_tokens`.
     """
     completions = rollout.completion_ids
     if rollout.prompt_ids is not None:  # one prompt per completion
@@ -48,6 +53,10 @@ def pad_rollout(
     for i, mask in enumerate(rollout.tool_mask or []):
         tool_mask[i, : len(mask)] = torch.tensor(mask, dtype=torch.long)
     completion_mask = tool_mask.clone()
+    for i, stale in enumerate(rollout.stale or []):
+        tool_mask[i, :stale] = 0
+    if mask_stale_tokens:
+        completion_mask = completion_mask * tool_mask
     if mask_truncated_completions:
         completion_mask[torch.tensor(rollout.truncated)] = 0
     return {

@@ -128,6 +128,20 @@ def join(parts: list[ScoredRollout]) -> ScoredRollout:
     )
 
 
+def draw_rows(dataset: Any, seed: int, step: int, rank: int, world: int, drawn: int, count: int) -> list[dict]:
+    """This rank's `count` prompts drawn from `dataset` for the rollout at `step`, after `drawn` per rank earlier in
+    the same rollout (dynamic sampling's refill rounds; partial rollouts' extra prompts).
+
+    One permutation of the dataset per rollout, seeded by (seed, step) and the same on every rank; each draw takes the
+    next `world × count` of it, each rank its own slice, so that no prompt comes back within a rollout before the
+    dataset is used up (it wraps round then). A `NumberedRows` dataset gives its rows with their names."""
+    generator = torch.Generator().manual_seed(hash((seed, step)) % 2**63)
+    order = torch.randperm(len(dataset), generator=generator).tolist()
+    start = world * drawn + rank * count
+    pick = (lambda i: dataset[i]) if isinstance(dataset, NumberedRows) else (lambda i: read_row(dataset, i))
+    return [pick(order[(start + i) % len(order)]) for i in range(count)]
+
+
 class DynamicSampling:
     """The refill rounds of one run: where their prompts come from, and the settings (`dynamic_sampling_*`).
 
@@ -145,15 +159,9 @@ class DynamicSampling:
         self.per_function = args.multi_objective_aggregation == "normalize_then_sum"
 
     def rows(self, step: int, drawn: int, count: int) -> list[dict]:
-        """This rank's `count` refill prompts of the rollout at `step`, after `drawn` per rank in its earlier rounds.
-
-        One permutation of the dataset per rollout, seeded by (seed, step) and the same on every rank; each round
-        takes the next `world × count` of it, each rank its own slice, so that no prompt comes back within a rollout
-        before the dataset is used up (it wraps round then)."""
-        generator = torch.Generator().manual_seed(hash((self.args.seed, step)) % 2**63)
-        order = torch.randperm(len(self.dataset), generator=generator).tolist()
-        start = self.world * drawn + self.rank * count
-        return [self._row(order[(start + i) % len(order)]) for i in range(count)]
+        """This rank's `count` refill prompts of the rollout at `step`, after `drawn` per rank in its earlier rounds
+        (`draw_rows`)."""
+        return draw_rows(self.dataset, self.args.seed, step, self.rank, self.world, drawn, count)
 
     def refill_size(self, want: int, missing: int, informative: int, sampled: int) -> int:
         """The prompts a refill round samples for `missing` groups, `informative` having been found among `sampled`:
@@ -163,9 +171,6 @@ class DynamicSampling:
             return 0
         expected = missing * sampled / informative if informative else sampled
         return min(math.ceil(expected * self.args.dynamic_sampling_oversample), 8 * want)
-
-    def _row(self, index: int) -> dict:
-        return self.dataset[index] if isinstance(self.dataset, NumberedRows) else read_row(self.dataset, index)
 
     def fill(
         self,

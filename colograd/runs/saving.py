@@ -32,6 +32,8 @@ class ModelSaving(Trainer):
     # Objects with a `write_state(folder)` of their own state, written into each checkpoint before its record says
     # the save finished, so that a finished checkpoint always holds it (the trainer's: the entropy coefficient).
     checkpoint_parts: tuple = ()
+    # The same for state each rank holds for itself (the groups partial rollouts carry): every rank writes its own.
+    rank_checkpoint_parts: tuple = ()
 
     def resume_point(self, resume_from_checkpoint: str | bool | None) -> str | None:
         """The checkpoint a `train` call resumes from, or None: the newest finished one for True, a named one only
@@ -74,6 +76,8 @@ class ModelSaving(Trainer):
             if self.args.should_save:
                 for part in self.checkpoint_parts:  # colograd's own state, inside the bracket too
                     part.write_state(folder)
+            for part in self.rank_checkpoint_parts:  # each rank's own (`rank_checkpoint_parts`)
+                part.write_state(folder)
             self.accelerator.wait_for_everyone()
             if self.args.should_save:
                 finish_record(folder, self._setup)

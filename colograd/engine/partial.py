@@ -1,0 +1,113 @@
+"""The engine's request loop for partial rollouts (`colograd.grpo.partial`): completions sampled a piece at a time,
+across rollouts and weight versions.
+
+`sample_until` drives vLLM's `LLMEngine` directly (add / step / abort), one request of n = 1 per unfinished
+completion, streaming each step's new tokens (`RequestOutputKind.DELTA`) into the completion with their log-probs
+and the weight version that sampled them. It stops once enough groups have all their completions finished, and
+aborts the rest: what they sampled so far is kept, and a later call continues each as prompt + tokens so far, with
+what is left of its length. The engine computes a continued completion's tokens from the same context as it would
+have in one piece, so their log-probs are the same (tests/test_partial_rollouts.py).
+"""
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from colograd.config.core import GRPOConfig
+from colograd.engine.requests import sampling_params
+
+
+@dataclass
+class Piecewise:
+    """One completion, sampled over one or more rollouts.
+
+    ids: its tokens so far; logps: the engine's log-prob of each, after temperature; versions: the weight version
+    each was sampled under; finish: vLLM's finish reason once it has finished ("stop", "length"), else None.
+    """
+
+    ids: list[int] = field(default_factory=list)
+    logps: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish: str | None = None
+
+    def stale(self, version: int) -> int:
+        """How many of its tokens (the first ones: a completion only grows) were sampled before `version`."""
+        return sum(v < version for v in self.versions)
+
+
+@dataclass
+class Group:
+    """The G completions of one prompt, and the dataset row it came from (its reward columns)."""
+
+    row: dict
+    prompt_ids: list[int]
+    completions: list[Piecewise]
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish is not None for c in self.completions)
+
+    def oldest(self, version: int) -> int:
+        """The weight version of its oldest token (`version` when it has none yet)."""
+        return min((c.versions[0] for c in self.completions if c.versions), default=version)
+
+
+def sample_until(engine: Any, groups: list[Group], args: GRPOConfig, version: int, needed: int) -> int:
+    """Continue every unfinished completion of `groups` under the engine's current weights (weight version
+    `version`) until `needed` groups are finished, then abort the rest, keeping what they sampled.
+
+    Requests are added in the groups' order, which vLLM schedules first come, first served: carried groups first.
+    Returns the engine steps run.
+
+    Args:
+        engine: the `colograd.engine.core.Engine` (its `vllm.LLM`, cache salt, adapter and never-sampled tokens).
+        groups: the rollout's groups in flight; updated in place.
+        args: the run's sampling settings (`colograd.engine.requests.sampling_params`).
+        version: the weight version the engine holds.
+        needed: how many groups the rollout takes.
+    """
+    from vllm.sampling_params import RequestOutputKind
+
+    core = engine.llm.llm_engine
+    bias = {"logit_bias": dict.fromkeys(engine.suppressed, -math.inf)} if engine.suppressed else {}
+    live: dict[str, tuple[int, int]] = {}  # request id -> (group, completion)
+    for i, group in enumerate(groups):
+        for j, completion in enumerate(group.completions):
+            if completion.finish is not None:
+                continue
+            left = args.max_completion_length - len(completion.ids)
+            params = sampling_params(args, None, n=1, max_tokens=left, output_kind=RequestOutputKind.DELTA, **bias)
+            request = f"partial-{i}.{j}"
+            core.add_request(
+                request, engine.prompt(group.prompt_ids + completion.ids), params, lora_request=engine.lora_request
+            )
+            live[request] = (i, j)
+    done, steps = sum(group.finished for group in groups), 0
+    while live and done < needed:
+        steps += 1
+        for output in core.step():
+            request = _external_id(output.request_id, live)
+            if request is None:
+                continue
+            i, j = live[request]
+            sample, completion = output.outputs[0], groups[i].completions[j]
+            ids = list(sample.token_ids)
+            completion.ids += ids
+            completion.logps += [pos[token].logprob for pos, token in zip(sample.logprobs, ids, strict=True)]
+            completion.versions += [version] * len(ids)
+            if output.finished:
+                completion.finish = sample.finish_reason
+                del live[request]
+                done += groups[i].finished
+    if live:
+        core.abort_request(list(live))
+    return steps
+
+
+def _external_id(request_id: str, live: dict[str, tuple[int, int]]) -> str | None:
+    """The id a request was added under, from the id an output carries (vLLM may add a suffix to it); None: not one
+    of this call's."""
+    if request_id in live:
+        return request_id
+    head = request_id.rsplit("-", 1)[0]
+    return head if head in live else None

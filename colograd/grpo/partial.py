@@ -1,0 +1,152 @@
+"""APRIL's partial rollouts: a rollout that does not wait for its slowest completions.
+
+Generation otherwise runs until the longest completion of the batch has finished, the engine decoding ever fewer
+sequences at the end. `PartialRollouts` keeps more groups in flight than a rollout takes (`partial_rollout_
+overprovision`), stops the engine once a rollout's worth of groups have all their completions finished
+(`colograd.engine.partial.sample_until`), and carries the others, with the tokens they sampled so far, their
+log-probs and the weight version of each token, to the next rollout, where they are continued first.
+
+A weight version is a rollout: each syncs the weights once. A carried group whose oldest token is more than
+`partial_rollout_max_staleness` versions old is dropped at the start of a rollout. Tokens sampled under older weights
+than the rollout's are stale: the loss corrects them with the importance-sampling weights of their stored log-probs
+(the engine's, under the weights that sampled them), or leaves them out (`mask_stale_tokens`).
+
+Groups stay on the rank that sampled them, and every rank takes its own batch's worth each rollout, so no rank waits
+for another. The carried groups are part of the run's state: each rank writes its own into every checkpoint, and a
+resumed run continues them, or drops them by the same staleness rule.
+"""
+
+import json
+import math
+import os
+from dataclasses import asdict
+from typing import Any
+
+from colograd.engine.core import Rollout
+from colograd.engine.partial import Group, Piecewise, sample_until
+from colograd.errors import ConfigError
+from colograd.grpo.dynamic import draw_rows
+
+STATE_DIR = "partial_rollouts"  # in a checkpoint: one file per rank of its carried groups
+
+
+def refuse_unresumable(args: Any, train_dataset: Any, agents: bool, images: bool) -> None:
+    """Refuse, before start-up, what partial rollouts cannot carry over: a stream (extra prompts are drawn by index),
+    agent rollouts (their tool calls and environments are not resumable mid-turn), image prompts."""
+    if not args.partial_rollouts:
+        return
+    if train_dataset is not None and not hasattr(train_dataset, "__len__"):
+        raise ConfigError(
+            "partial_rollouts draws its extra prompts from train_dataset by index, which a stream (IterableDataset) "
+            "cannot give; load the dataset in memory (dataset_streaming: false) or turn partial_rollouts off."
+        )
+    if agents:
+        raise ConfigError(
+            "partial_rollouts with tools, environment_factory or rollout_func is not supported (a turn cut short "
+            "cannot be resumed with its tool calls); turn partial_rollouts off for agent runs."
+        )
+    if images:
+        raise ConfigError(
+            "partial_rollouts with image prompts is not supported yet (a continued request would send its images "
+            "again); turn partial_rollouts off for vision-language runs with images."
+        )
+
+
+class PartialRollouts:
+    """The groups a rank has in flight between rollouts, and how a rollout takes its batch from them.
+
+    Args:
+        args: the run's config (`partial_rollout_*`, `num_generations`, lengths, sampling).
+        dataset: the training dataset (in memory: extra prompts are drawn from it by index).
+        rank, world: this process's place among the ranks.
+    """
+
+    def __init__(self, args: Any, dataset: Any, rank: int, world: int) -> None:
+        self.args, self.dataset, self.rank, self.world = args, dataset, rank, world
+        self.carried: list[Group] = []  # unfinished (or finished, not taken) groups, oldest first
+
+    def drop_stale(self, version: int) -> int:
+        """Drop the carried groups whose oldest token is more than `partial_rollout_max_staleness` versions behind
+        `version`; returns how many were."""
+        bound = self.args.partial_rollout_max_staleness
+        kept = [group for group in self.carried if version - group.oldest(version) <= bound]
+        dropped, self.carried = len(self.carried) - len(kept), kept
+        return dropped
+
+    def extra_rows(self, want: int, version: int) -> list[dict]:
+        """The prompts drawn from the dataset to keep `partial_rollout_overprovision` × `want` groups in flight,
+        beside the carried groups and the dataloader's `want` rows (none when those are enough); seeded by the
+        rollout's version, each rank its own slice."""
+        target = math.ceil(want * self.args.partial_rollout_overprovision)
+        count = max(0, target - len(self.carried) - want)
+        # Each rank's slice of the permutation is as long as any rank's draw may be, so that the slices of ranks
+        # carrying different counts do not overlap.
+        return (
+            draw_rows(self.dataset, self.args.seed, version, self.rank, self.world, 0, target)[:count] if count else []
+        )
+
+    def take(
+        self, engine: Any, rows: list[dict], prompt_ids: list[list[int]], want: int, version: int
+    ) -> tuple[list[Group], dict[str, float], int]:
+        """Sample until `want` groups are finished, carried groups continued first, then the new `rows` (with their
+        prompts' `prompt_ids`); keep the rest for the next rollout.
+
+        Returns:
+            The `want` finished groups, oldest first; the metrics (`partial_rollouts/*`); the completion tokens
+            generated under this version, in every group (taken or carried).
+        """
+        g = self.args.num_generations
+        fresh = [Group(row, ids, [Piecewise() for _ in range(g)]) for row, ids in zip(rows, prompt_ids, strict=True)]
+        resumed, flight = len(self.carried), self.carried + fresh
+        steps = sample_until(engine, flight, self.args, version, want)
+        finished = [i for i, group in enumerate(flight) if group.finished][:want]
+        if len(finished) < want:  # `sample_until` returns only once `want` have finished, or every request has
+            raise RuntimeError(
+                f"partial rollouts: {len(finished)} of {want} groups finished; the engine stopped early"
+            )
+        chosen = set(finished)
+        taken = [flight[i] for i in finished]
+        self.carried = [group for i, group in enumerate(flight) if i not in chosen]
+        tokens = [c for group in taken for c in group.completions]
+        stale = sum(c.stale(version) for c in tokens)
+        staleness = [version - group.oldest(version) for group in taken]
+        generated = sum(v == version for group in flight for c in group.completions for v in c.versions)
+        metrics = {
+            "partial_rollouts/resumed_groups": float(sum(i < resumed for i in finished)),
+            "partial_rollouts/carried_groups": float(len(self.carried)),
+            "partial_rollouts/in_flight_groups": float(len(flight)),
+            "partial_rollouts/stale_token_fraction": stale / max(1, sum(len(c.ids) for c in tokens)),
+            "partial_rollouts/staleness_mean": sum(staleness) / max(1, len(staleness)),
+            "partial_rollouts/staleness_max": float(max(staleness, default=0)),
+            "partial_rollouts/engine_steps": float(steps),
+        }
+        return taken, metrics, generated
+
+    @staticmethod
+    def rollout(groups: list[Group], version: int) -> Rollout:
+        """The finished `groups` as a rollout of this version: completions in group order, each with its stale
+        token count."""
+        completions = [c for group in groups for c in group.completions]
+        return Rollout(
+            completion_ids=[list(c.ids) for c in completions],
+            logps=[list(c.logps) for c in completions],
+            truncated=[c.finish == "length" for c in completions],
+            stale=[c.stale(version) for c in completions],
+        )
+
+    def write_state(self, folder: str) -> None:
+        """Write this rank's carried groups into the checkpoint being saved in `folder` (every rank writes its own)."""
+        os.makedirs(os.path.join(folder, STATE_DIR), exist_ok=True)
+        with open(os.path.join(folder, STATE_DIR, f"rank-{self.rank}.json"), "w") as f:
+            json.dump([asdict(group) for group in self.carried], f)
+
+    def resume(self, checkpoint: str | None) -> None:
+        """Take this rank's carried groups from the checkpoint training resumes from; a checkpoint saved without
+        partial rollouts (or by fewer ranks) carries none for it."""
+        path = os.path.join(checkpoint, STATE_DIR, f"rank-{self.rank}.json") if checkpoint else None
+        if path and os.path.exists(path):
+            with open(path) as f:
+                groups = json.load(f)
+            self.carried = [
+                Group(g["row"], g["prompt_ids"], [Piecewise(**c) for c in g["completions"]]) for g in groups
+            ]

@@ -1,0 +1,49 @@
+"""Partial rollouts on 2 ranks (tests/test_partial_rollouts.py). Run under a multi-process launch:
+
+    accelerate launch --config_file tests/configs/zero3_cpu.yaml tests/scripts/partial_check.py OUT_DIR
+
+Each rank writes OUT_DIR/rank<r>.json: per rollout, the groups it trained and how many of them it carried from the
+last; the prompts it trained; its step losses; whether its weights were sharded.
+"""
+
+import argparse
+import json
+import os
+
+import torch.distributed as dist
+
+from colograd import GRPOTrainer
+from colograd.engine.sync import is_sharded
+from colograd.models import tiny
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    cli = parser.parse_args()
+    args = tiny.run_config(os.path.join(cli.out, "run"), 3, num_generations=4, per_device_train_batch_size=24,
+                           max_completion_length=48, partial_rollouts=True)  # fmt: skip
+    model = tiny.build_model()
+    model.generation_config.eos_token_id = [1, 40, 41, 42, 43]  # lengths from 1 token to the limit
+    trainer = GRPOTrainer(model, tiny.letters_reward, args, tiny.letters_dataset(256),
+                          processing_class=tiny.build_tokenizer())  # fmt: skip
+    record = {"groups": [], "resumed": [], "prompts": []}
+    take = trainer._partial.take
+
+    def recorded_take(engine, rows, prompt_ids, want, version):
+        taken, metrics, generated = take(engine, rows, prompt_ids, want, version)
+        record["groups"].append(len(taken))
+        record["resumed"].append(metrics["partial_rollouts/resumed_groups"])
+        record["prompts"] += [group.row["prompt"] for group in taken]
+        return taken, metrics, generated
+
+    trainer._partial.take = recorded_take
+    trainer.train()
+    record["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    record["sharded"] = is_sharded(trainer.accelerator.unwrap_model(trainer.model))
+    with open(os.path.join(cli.out, f"rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(record, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,298 @@
+"""Partial rollouts (APRIL, `colograd.grpo.partial`, `colograd.engine.partial`): a rollout stops once enough groups
+have finished, the rest carried to the next, continued first, their stale tokens corrected or masked.
+
+The logic runs on groups built by hand (no engine); the slow tests sample on the CPU engine: a continued completion's
+log-probs against the engine's for it in one piece, training that carries groups across steps and a checkpoint, and
+2 ranks under ZeRO-3. The tiny model stops at any of 5 of its 64 tokens (`tail_model`), so that completion lengths
+run from 1 token to the limit, as a long tail does.
+"""
+
+import json
+import math
+
+import pytest
+import torch
+from datasets import Dataset, IterableDataset
+
+from colograd.engine.core import Rollout
+from colograd.engine.partial import Group, Piecewise
+from colograd.errors import ConfigError
+from colograd.grpo import partial as partial_module
+from colograd.grpo.batch import pad_rollout
+from colograd.grpo.partial import PartialRollouts, refuse_unresumable
+from colograd.models import tiny
+
+G = 4
+STOPS = [1, 40, 41, 42, 43]  # <eos> and four characters: a random model stops at ~1 token in 13
+
+
+def settings(**overrides):
+    defaults = dict(num_generations=G, per_device_train_batch_size=4 * G, partial_rollouts=True)
+    return tiny.run_config("/tmp/unused", 1, **{**defaults, **overrides})
+
+
+def tail_model(seed: int = 0):
+    """The tiny Qwen2, stopping at any of `STOPS` (its generation config's end-of-sequence ids, which the engine
+    stops at too)."""
+    model = tiny.build_model(seed=seed)
+    model.generation_config.eos_token_id = list(STOPS)
+    return model
+
+
+def group(name: str, lengths: list[int], versions: list[int], finished: list[bool]) -> Group:
+    """A group whose completion j holds `lengths[j]` tokens sampled under `versions[j]`."""
+    return Group(
+        {"prompt": name, "target": "a"},
+        [ord(name[0])],
+        [
+            Piecewise(list(range(n)), [-0.5] * n, [v] * n, "stop" if done else None)
+            for n, v, done in zip(lengths, versions, finished, strict=True)
+        ],
+    )
+
+
+# Settings
+
+
+def test_both_options_are_off_by_default_and_partial_rollouts_turn_the_correction_on():
+    plain = tiny.run_config("/tmp/unused", 1)
+    assert not plain.partial_rollouts and not plain.mask_stale_tokens
+    assert not plain.vllm_importance_sampling_correction
+    corrected = settings()
+    assert corrected.vllm_importance_sampling_correction and corrected.needs_engine_logps
+    masked = settings(mask_stale_tokens=True)
+    assert not masked.vllm_importance_sampling_correction
+
+
+@pytest.mark.parametrize(
+    "overrides, names",
+    [
+        (dict(partial_rollouts=False, mask_stale_tokens=True), "mask_stale_tokens"),
+        (dict(dynamic_sampling=True), "dynamic_sampling"),
+        (dict(generation_kwargs={"presence_penalty": 0.5}), "presence_penalty"),
+        (dict(generation_kwargs={"min_tokens": 4}), "min_tokens"),
+        (dict(vllm_structured_outputs_regex="[ab]+"), "vllm_structured_outputs_regex"),
+        (dict(partial_rollout_overprovision=0.5), "partial_rollout_overprovision"),
+        (dict(partial_rollout_max_staleness=-1), "partial_rollout_max_staleness"),
+    ],
+)
+def test_what_cannot_be_resumed_is_refused_in_one_line(overrides, names):
+    with pytest.raises(ConfigError, match=names) as error:
+        settings(**overrides)
+    assert "\n" not in str(error.value)
+
+
+def test_streams_agents_and_images_are_refused_before_start_up():
+    args = settings()
+    rows = [{"prompt": "ab>a:", "target": "a"}]
+    stream = IterableDataset.from_generator(lambda: iter(rows))
+    with pytest.raises(ConfigError, match="stream"):
+        refuse_unresumable(args, stream, agents=False, images=False)
+    with pytest.raises(ConfigError, match="tools"):
+        refuse_unresumable(args, Dataset.from_list(rows), agents=True, images=False)
+    with pytest.raises(ConfigError, match="image"):
+        refuse_unresumable(args, Dataset.from_list(rows), agents=False, images=True)
+    refuse_unresumable(tiny.run_config("/tmp/unused", 1), stream, agents=True, images=True)  # off: nothing refused
+
+
+# The batch
+
+
+def rollout_of(stale: list[int] | None) -> Rollout:
+    return Rollout(
+        completion_ids=[[5, 6, 7, 8], [5, 6], [9, 9, 9], [7]],
+        logps=[[-1.0] * 4, [-1.0] * 2, [-1.0] * 3, [-1.0]],
+        truncated=[False] * 4,
+        stale=stale,
+    )
+
+
+def test_stale_tokens_leave_the_loss_only_with_mask_stale_tokens_and_the_gap_metric_always():
+    advantages = torch.ones(4)
+    plain = pad_rollout([[3, 4]], rollout_of(None), advantages, 4, 0)
+    corrected = pad_rollout([[3, 4]], rollout_of([2, 0, 3, 0]), advantages, 4, 0)
+    masked = pad_rollout([[3, 4]], rollout_of([2, 0, 3, 0]), advantages, 4, 0, mask_stale_tokens=True)
+    assert torch.equal(corrected["completion_mask"], plain["completion_mask"])  # corrected: every token counts
+    assert masked["completion_mask"].tolist() == [[0, 0, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0]]
+    for batch in (corrected, masked):
+        assert torch.equal(batch["tool_mask"], masked["completion_mask"])  # the gap metric: fresh tokens only
+    # No stale token: the batch of a partial rollout is the plain one, bit for bit, mask or not.
+    for mask in (False, True):
+        fresh = pad_rollout([[3, 4]], rollout_of([0] * 4), advantages, 4, 0, mask_stale_tokens=mask)
+        assert all(torch.equal(fresh[k], plain[k]) for k in plain), mask
+
+
+# Carrying groups
+
+
+def test_a_rollout_takes_the_first_groups_to_finish_carried_ones_first(monkeypatch):
+    """The groups in flight are the carried ones, then the new rows; the rollout takes the first `want` finished in
+    that order, and carries the others (finished or not) with everything they sampled."""
+    partial = PartialRollouts(settings(), None, 0, 1)
+    partial.carried = [group("old", [3, 5, 2, 4], [0] * 4, [True, True, True, False])]
+    finish = {"old", "b", "c"}  # what the stand-in engine finishes: the carried group and two of three new ones
+
+    def sample_until(engine, groups, args, version, needed):
+        for g in groups:
+            for c in g.completions:
+                c.ids, c.logps, c.versions = c.ids + [7], c.logps + [-0.25], c.versions + [version]
+                c.finish = "stop" if g.row["prompt"] in finish else None
+        return 1
+
+    monkeypatch.setattr(partial_module, "sample_until", sample_until)
+    rows = [{"prompt": name, "target": "a"} for name in "abc"]
+    taken, metrics, generated = partial.take(None, rows, [[1], [2], [3]], 2, 1)
+    assert [g.row["prompt"] for g in taken] == ["old", "b"]
+    assert [g.row["prompt"] for g in partial.carried] == ["a", "c"]  # "c" finished, but the rollout was full
+    assert generated == 4 * G  # one token under version 1 in each completion in flight
+    assert metrics["partial_rollouts/resumed_groups"] == 1 and metrics["partial_rollouts/carried_groups"] == 2
+    assert metrics["partial_rollouts/staleness_max"] == 1.0
+    rollout = PartialRollouts.rollout(taken, 1)
+    assert rollout.stale == [3, 5, 2, 4] + [0] * G
+    assert rollout.completion_ids[1] == [0, 1, 2, 3, 4, 7] and rollout.logps[1][-1] == -0.25
+    old_tokens = 3 + 5 + 2 + 4
+    assert metrics["partial_rollouts/stale_token_fraction"] == pytest.approx(old_tokens / (old_tokens + 2 * G))
+
+
+def test_groups_older_than_the_staleness_bound_are_dropped_and_extra_prompts_keep_the_flight_full():
+    args = settings(partial_rollout_max_staleness=2, partial_rollout_overprovision=2.0)
+    data = tiny.letters_dataset(64)
+    partial = PartialRollouts(args, data, 0, 1)
+    partial.carried = [
+        group("v1", [2] * G, [1] * G, [False] * G),
+        group("v3", [2] * G, [3] * G, [False] * G),
+        group("new", [0] * G, [0] * G, [False] * G),  # nothing sampled yet: as fresh as the rollout
+    ]
+    assert partial.drop_stale(4) == 1 and [g.row["prompt"] for g in partial.carried] == ["v3", "new"]
+    extra = partial.extra_rows(4, 4)
+    assert len(extra) == 2 * 4 - 2 - 4  # 2 × 4 in flight: 2 carried, the dataloader's 4, 2 drawn
+    assert extra == PartialRollouts(args, data, 0, 1).extra_rows(4, 4)[:2]  # seeded by the version
+    partial.carried = partial.carried * 3
+    assert partial.extra_rows(4, 4) == []  # enough carried
+
+
+def test_ranks_draw_extra_prompts_that_do_not_overlap_whatever_they_carry():
+    args = settings(partial_rollout_overprovision=2.0)
+    data = Dataset.from_list([{"prompt": f"p{i}", "target": "a"} for i in range(100)])
+    ranks = [PartialRollouts(args, data, r, 2) for r in range(2)]
+    ranks[0].carried = [group("c", [1] * G, [0] * G, [False] * G)]  # rank 0 carries one, rank 1 none
+    drawn = [[row["prompt"] for row in p.extra_rows(4, 7)] for p in ranks]
+    assert len(drawn[0]) == 3 and len(drawn[1]) == 4 and not set(drawn[0]) & set(drawn[1])
+
+
+def test_carried_groups_go_into_the_checkpoint_and_come_back(tmp_path):
+    partial = PartialRollouts(settings(), None, 1, 2)
+    partial.carried = [group("x", [3, 0, 2, 1], [4, 0, 5, 4], [True, False, False, True])]
+    partial.carried[0].completions[2].logps = [-0.1, float("-inf")]
+    partial.write_state(str(tmp_path))
+    back = PartialRollouts(settings(), None, 1, 2)
+    back.resume(str(tmp_path))
+    assert back.carried == partial.carried
+    other_rank = PartialRollouts(settings(), None, 0, 2)
+    other_rank.resume(str(tmp_path))
+    assert other_rank.carried == []  # each rank reads its own file only
+    json.loads((tmp_path / partial_module.STATE_DIR / "rank-1.json").read_text())  # a readable record
+
+
+# On the engine
+
+
+def rows_of(n: int) -> list[dict]:
+    data = tiny.letters_dataset(64)
+    return [data[i] for i in range(n)]
+
+
+@pytest.mark.slow
+def test_a_resumed_completion_has_the_log_probs_the_engine_gives_it_in_one_piece(tmp_path):
+    """Completions cut by a rollout that stopped early are continued under the same weights: each token's log-prob,
+    the stored ones and the continued ones, equals the engine's log-prob of it in the whole sequence (prompt
+    log-probs of prompt + completion, at temperature 1, where vLLM's processed and raw log-probs are the same)."""
+    from colograd import GRPOTrainer
+    from colograd.engine.partial import sample_until
+
+    args = tiny.run_config(str(tmp_path), 1, num_generations=G, per_device_train_batch_size=8 * G,
+                           max_completion_length=48, temperature=1.0, partial_rollouts=True)  # fmt: skip
+    trainer = GRPOTrainer(tail_model(), tiny.letters_reward, args, tiny.letters_dataset(64),
+                          processing_class=tiny.build_tokenizer())  # fmt: skip
+    rows = rows_of(8)
+    _, prompt_ids, _ = trainer.prepare_prompts(rows)
+    groups = [Group(row, ids, [Piecewise() for _ in range(G)]) for row, ids in zip(rows, prompt_ids, strict=True)]
+    engine = trainer.engine
+    with engine.awake(sync=trainer.sync_weights):
+        sample_until(engine, groups, args, 0, 2)
+        cut = [(g, c, len(c.ids)) for g in groups for c in g.completions if c.finish is None and c.ids]
+        assert sum(g.finished for g in groups) >= 2 and len(cut) >= 4
+        assert not engine.llm.llm_engine.has_unfinished_requests()  # the others were aborted
+        sample_until(engine, groups, args, 0, len(groups))  # continued, under the same weights
+        assert all(g.finished for g in groups)
+        gaps = []
+        for g, c, before in cut:
+            assert len(c.ids) > before or c.finish == "length"
+            whole = engine.prompt_logprobs(g.prompt_ids + c.ids)[len(g.prompt_ids) - 1 :]
+            gaps.append((whole - torch.tensor(c.logps)).abs().max().item())
+    assert max(gaps) < 1e-5, gaps
+
+
+@pytest.mark.slow
+def test_training_carries_groups_across_steps_and_a_checkpoint(tmp_path):
+    """One process on the CPU engine: groups are carried and continued, their stale tokens importance-corrected
+    (ratios away from 1 there, 1 on fresh tokens: the trainer's weights are the engine's); a checkpoint holds the
+    carried groups and a resumed run continues them; with mask_stale_tokens the stale tokens leave the loss."""
+    from colograd import GRPOTrainer
+
+    def build(**overrides):
+        args = tiny.run_config(str(tmp_path / "run"), 3, num_generations=G, per_device_train_batch_size=6 * G,
+                               max_completion_length=48, partial_rollouts=True, save_strategy="steps",
+                               save_steps=2, **overrides)  # fmt: skip
+        return GRPOTrainer(tail_model(), tiny.letters_reward, args, tiny.letters_dataset(64),
+                           processing_class=tiny.build_tokenizer())  # fmt: skip
+
+    trainer = build()
+    saved = {}
+    write = trainer._partial.write_state
+    trainer._partial.write_state = lambda folder: saved.update({folder[-1]: json.dumps(
+        [[c.ids for c in g.completions] for g in trainer._partial.carried])}) or write(folder)  # fmt: skip
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 3 and all(math.isfinite(h["loss"]) for h in logs)
+    assert sum(h["partial_rollouts/resumed_groups"] for h in logs) > 0
+    assert max(h["partial_rollouts/stale_token_fraction"] for h in logs) > 0
+    stale_step = next(h for h in logs if h["partial_rollouts/stale_token_fraction"] > 0)
+    ratios = stale_step["sampling/importance_sampling_ratio/min"], stale_step["sampling/importance_sampling_ratio/max"]
+    assert ratios[0] < 0.999 or ratios[1] > 1.001, ratios  # stale tokens: sampled by older weights
+    assert logs[0]["sampling/sampling_logp_difference/max"] < 1e-4  # the fresh tokens: the engine is the trainer
+
+    resumed = build()
+    back = []
+    resume = resumed._partial.resume
+    resumed._partial.resume = lambda folder: resume(folder) or back.append(
+        json.dumps([[c.ids for c in g.completions] for g in resumed._partial.carried]))  # fmt: skip
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    assert resumed.state.global_step == 3
+    # The groups carried at the checkpoint came back, and the resumed rollout continued them first.
+    assert json.loads(saved["2"]) and back == [saved["2"]]
+    again = [h for h in resumed.state.log_history if "loss" in h][-1]
+    assert again["partial_rollouts/resumed_groups"] > 0 and math.isfinite(again["loss"])
+
+    resumed.args.mask_stale_tokens = True
+    slices = resumed.make_rollout(rows_of(6))
+    stale = resumed._metrics["partial_rollouts/stale_token_fraction"][-1]
+    counted = sum(int(s["completion_mask"].sum()) for s in slices)
+    sampled = sum(int(s["attention_mask"][:, -s["completion_mask"].size(1) :].sum()) for s in slices)
+    assert stale > 0 and counted == round(sampled * (1 - stale)), (counted, sampled, stale)
+
+
+@pytest.mark.slow
+def test_two_ranks_under_zero3_each_carry_their_own_groups(tmp_path):
+    """2 ranks under DeepSpeed ZeRO-3: each rank continues the groups it carried and trains its own batch; no rank
+    waits for another's groups."""
+    from conftest import launch
+
+    proc = launch("tests/scripts/partial_check.py", str(tmp_path), config="tests/configs/zero3_cpu.yaml",
+                  env={"DS_ACCELERATOR": "cpu"}, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    runs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert runs[0]["prompts"] != runs[1]["prompts"]  # each rank its own prompts, carried ones included
+    for run in runs:
+        assert run["sharded"] and len(run["losses"]) == 3 and all(math.isfinite(x) for x in run["losses"]), run
+        assert sum(run["resumed"]) > 0 and run["groups"] == [6, 6, 6], run
