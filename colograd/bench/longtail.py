@@ -15,7 +15,14 @@ and mean), completion tokens generated
 per step and the share of uniform groups trained; with dynamic sampling, its refill rounds per step. The ratio of
 informative groups per second is the figure the goal is set on (≥ 1.5×).
 
-Partial rollouts, the other half of the long tail, are not built: there is no side for them.
+The partial-rollout half (`tail` sides): the same model, made to stop at any of `TAIL["stops"]` of its tokens (its
+generation config's end-of-sequence ids; the engine stops at them too), so that a completion stops with a small
+probability at each token, ~1 in 25: lengths run from 1 token to the limit (128), mean ~25, and each rollout's
+longest completion is near the limit. The plain side waits for it; with `partial_rollouts` (over-provision 1.5) the
+rollout stops once its 8 groups have finished and carries the rest. Learning rate 0 again, so that stale tokens are
+sampled by the same weights and both sides sample one distribution. Reported: completion tokens the engine generates
+per second of the generate phase (the goal: ≥ 1.3×), seconds per step, and the distribution of the staleness of the
+groups trained (in weight versions: rollouts).
 """
 
 import json
@@ -28,6 +35,8 @@ import time
 from typing import Any
 
 WORKLOAD = {"shape": "small", "steps": 10, "warmup": 2, "prompts": 8, "num_generations": 8, "max_rounds": 4}
+# Token ids the tail model stops at: <eos> and the characters 'w' and 'x' (`tiny.build_tokenizer`).
+TAIL = {"max_completion_length": 128, "stops": [1, 24, 25], "overprovision": 1.5}
 
 
 def first_letter(completions: list[str], target: list[str], **kwargs) -> list[float]:
@@ -37,8 +46,9 @@ def first_letter(completions: list[str], target: list[str], **kwargs) -> list[fl
 
 def run(as_json: bool = False, **overrides: Any) -> dict[str, Any]:
     """Both sides, each in a fresh process; prints the figures (a table, or one JSON line)."""
-    w = {**WORKLOAD, **{k: v for k, v in overrides.items() if v is not None}}
+    w = {**WORKLOAD, **TAIL, **{k: v for k, v in overrides.items() if v is not None}}
     plain, dynamic = _process("plain", w), _process("dynamic", w)
+    tail, partial = _process("tail", w), _process("partial", w)
     result = {
         "workload": w,
         "plain": plain,
@@ -47,6 +57,10 @@ def run(as_json: bool = False, **overrides: Any) -> dict[str, Any]:
         "informative_groups_per_median_step_s_ratio": (
             dynamic["informative_groups_per_median_step_s"] / plain["informative_groups_per_median_step_s"]
         ),
+        "tail": tail,
+        "partial": partial,
+        "generated_tokens_per_s_ratio": partial["generated_tokens_per_s"] / tail["generated_tokens_per_s"],
+        "step_s_median_ratio": tail["step_s_median"] / partial["step_s_median"],
         "load_average_1min": os.getloadavg()[0],
     }
     print(json.dumps(result) if as_json else report(result))
@@ -72,6 +86,24 @@ def report(r: dict[str, Any]) -> str:
     lines.append(
         f"  informative groups/s, dynamic / plain: {r['informative_groups_per_s_ratio']:.2f} (over the median step: "
         f"{r['informative_groups_per_median_step_s_ratio']:.2f})"
+    )
+    lines.append(
+        f"Partial rollouts (over-provision {w['overprovision']}), the same model stopping at any of "
+        f"{len(w['stops'])} tokens: completions of 1 to {w['max_completion_length']} tokens"
+    )
+    for side in ("tail", "partial"):
+        s = r[side]
+        lines.append(
+            f"  {side:8s} {s['generated_tokens_per_s']:,.0f} tokens generated/s of the generate phase  "
+            f"{s['step_s_median']:.3f} s/step (mean {s['step_s_mean']:.3f})  "
+            f"{s['generated_tokens_per_step']:,.0f} tokens generated/step  mean completion "
+            f"{s['completion_mean_length']:.1f} tokens"
+        )
+    staleness = ", ".join(f"{k}: {v:.2f}" for k, v in sorted(r["partial"]["staleness"].items()))
+    lines.append(
+        f"  tokens generated/s, partial / plain: {r['generated_tokens_per_s_ratio']:.2f}; s/step, plain / partial: "
+        f"{r['step_s_median_ratio']:.2f}; groups trained by staleness (rollouts) {staleness}; stale tokens "
+        f"{r['partial']['stale_token_fraction']:.2f} of those trained"
     )
     lines.append(
         f"  machine load (1-minute average) at the end: {r['load_average_1min']:.1f} on {os.cpu_count()} CPUs"
@@ -102,7 +134,11 @@ def _side(side: str, w: dict[str, Any]) -> dict[str, Any]:
     from colograd.models import tiny
 
     tokenizer = tiny.build_tokenizer()
-    model = build_model(w["shape"], len(tokenizer), 16 + 8)
+    long = side in ("tail", "partial")
+    length = w["max_completion_length"] if long else 8
+    model = build_model(w["shape"], len(tokenizer), 16 + length)
+    if long:
+        model.generation_config.eos_token_id = list(w["stops"])
     with tempfile.TemporaryDirectory() as out:
         args = tiny.run_config(
             out,
@@ -110,10 +146,23 @@ def _side(side: str, w: dict[str, Any]) -> dict[str, Any]:
             learning_rate=0.0,
             per_device_train_batch_size=w["prompts"] * w["num_generations"],
             num_generations=w["num_generations"],
+            max_completion_length=length,
             dynamic_sampling=side == "dynamic",
             dynamic_sampling_max_rounds=w["max_rounds"],
+            partial_rollouts=side == "partial",
+            partial_rollout_overprovision=w["overprovision"],
         )
         trainer = GRPOTrainer(model, first_letter, args, tiny.letters_dataset(), processing_class=tokenizer)
+        staleness: list[int] = []
+        if side == "partial":
+            take = trainer._partial.take
+
+            def recorded(engine: Any, rows: list, prompt_ids: list, want: int, version: int) -> Any:
+                taken = take(engine, rows, prompt_ids, want, version)
+                staleness.extend(version - group.oldest(version) for group in taken[0])
+                return taken
+
+            trainer._partial.take = recorded
         times: list[float] = []
 
         class Clock(TrainerCallback):
@@ -129,7 +178,12 @@ def _side(side: str, w: dict[str, Any]) -> dict[str, Any]:
     timed = times[w["warmup"] :]
     uniform = [h["frac_reward_zero_std"] for h in logs]
     informative = statistics.mean((1 - u) * w["prompts"] for u in uniform)
+    timed_staleness = staleness[w["warmup"] * w["prompts"] :]
     return {
+        "generated_tokens_per_s": sum(h["tokens/generated"] for h in logs) / sum(h["time/generate"] for h in logs),
+        "completion_mean_length": statistics.mean(h["completions/mean_length"] for h in logs),
+        "staleness": {k: timed_staleness.count(k) / len(timed_staleness) for k in sorted(set(timed_staleness))},
+        "stale_token_fraction": statistics.mean(h.get("partial_rollouts/stale_token_fraction", 0.0) for h in logs),
         "step_s_median": statistics.median(timed),
         "step_s_mean": statistics.mean(timed),
         "informative_groups_per_s": informative / statistics.mean(timed),
