@@ -280,7 +280,9 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         self._dynamic = (
             DynamicSampling(args, train_dataset, self._vision, rank, world) if args.dynamic_sampling else None
         )
-        self._partial = PartialRollouts(args, train_dataset, rank, world) if args.partial_rollouts else None
+        self._partial = (
+            PartialRollouts(args, train_dataset, self._vision, rank, world) if args.partial_rollouts else None
+        )
         self.vllm_generation = VLLMGeneration(self)  # TRL's handle on the engine, for `rollout_func` code
         # What each model does to its logits (the policy, and the reference's copy if any), learnt before DeepSpeed
         # wraps or partitions them.
@@ -503,19 +505,19 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
     def sample_partial(self, rows: list[dict]) -> tuple[ScoredRollout, int]:
         """One training rollout of partial rollouts (`colograd.grpo.partial`): the groups carried from the last
         rollout continued first, then `rows` and the extra prompts that keep the groups in flight; the first
-        `len(rows)` groups to finish, scored. Returns it, and the completion tokens generated (in every group)."""
+        `len(rows)` finished groups, in that order, scored. Returns it, and the completion tokens generated (in every
+        group)."""
         partial, want = self._partial, len(rows)
-        generate_every = self.args.steps_per_generation * self.args.num_iterations
-        version = self._run_micro_step() // generate_every  # one weight version per rollout, the same after a resume
+        version = self.state.global_step  # the weights' version: the optimizer step they are from (kept on resume)
         dropped = partial.drop_stale(version)
-        rows = rows + partial.extra_rows(want, version)
+        rows = rows + partial.extra_rows(want, self._run_micro_step())
         _, prompt_ids, _ = self.prepare_prompts(rows)
         limit = self.prompt_limit
-        truncated = sum(len(ids) > limit for ids in prompt_ids)
+        cut = [len(ids) > limit for ids in prompt_ids]
         self.reward_logs.take()  # a reward's logs belong to the rollout that called it
         with self.engine.awake(sync=self.sync_weights), self._timed("generate"):
             groups, metrics, generated = partial.take(
-                self.engine, rows, [ids[-limit:] for ids in prompt_ids], want, version
+                self.engine, rows, [ids[-limit:] for ids in prompt_ids], want, version, cut
             )
         self._record(metrics | {"partial_rollouts/dropped_groups": float(dropped)})
         prompts, _, columns = self.prepare_prompts([group.row for group in groups])
@@ -523,6 +525,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         with self._timed("reward"):
             rewards_NF = self.score(prompts, rollout, columns)
         prompt_ids = [group.prompt_ids for group in groups]
+        truncated = sum(group.prompt_truncated for group in groups)
         return ScoredRollout(prompts, prompt_ids, columns, rollout, rewards_NF, truncated), generated
 
     def _largest_over_ranks(self, numbers: list[int]) -> list[int]:

@@ -9,6 +9,8 @@ run from 1 token to the limit, as a long tail does.
 
 import json
 import math
+import os
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -71,6 +73,7 @@ def test_both_options_are_off_by_default_and_partial_rollouts_turn_the_correctio
         (dict(dynamic_sampling=True), "dynamic_sampling"),
         (dict(generation_kwargs={"presence_penalty": 0.5}), "presence_penalty"),
         (dict(generation_kwargs={"min_tokens": 4}), "min_tokens"),
+        (dict(generation_kwargs={"stop": ["."]}), "stop"),
         (dict(vllm_structured_outputs_regex="[ab]+"), "vllm_structured_outputs_regex"),
         (dict(partial_rollout_overprovision=0.5), "partial_rollout_overprovision"),
         (dict(partial_rollout_max_staleness=-1), "partial_rollout_max_staleness"),
@@ -93,6 +96,16 @@ def test_streams_agents_and_images_are_refused_before_start_up():
     with pytest.raises(ConfigError, match="image"):
         refuse_unresumable(args, Dataset.from_list(rows), agents=False, images=True)
     refuse_unresumable(tiny.run_config("/tmp/unused", 1), stream, agents=True, images=True)  # off: nothing refused
+
+
+def test_rows_that_a_checkpoint_could_not_hold_are_refused_before_start_up():
+    """Carried groups go into checkpoints as JSON: a column JSON cannot write is refused at start, not at the first
+    save (where one rank failing would leave the others waiting)."""
+    dated = Dataset.from_list([{"prompt": "ab>a:", "target": "a", "blob": b"\x00\x01"}])
+    with pytest.raises(ConfigError, match="JSON") as error:
+        refuse_unresumable(settings(), dated, agents=False, images=False)
+    assert "\n" not in str(error.value)
+    refuse_unresumable(settings(), tiny.letters_dataset(8), agents=False, images=False)
 
 
 # The batch
@@ -128,7 +141,7 @@ def test_stale_tokens_leave_the_loss_only_with_mask_stale_tokens_and_the_gap_met
 def test_a_rollout_takes_the_first_groups_to_finish_carried_ones_first(monkeypatch):
     """The groups in flight are the carried ones, then the new rows; the rollout takes the first `want` finished in
     that order, and carries the others (finished or not) with everything they sampled."""
-    partial = PartialRollouts(settings(), None, 0, 1)
+    partial = PartialRollouts(settings(), None, False, 0, 1)
     partial.carried = [group("old", [3, 5, 2, 4], [0] * 4, [True, True, True, False])]
     finish = {"old", "b", "c"}  # what the stand-in engine finishes: the carried group and two of three new ones
 
@@ -146,7 +159,7 @@ def test_a_rollout_takes_the_first_groups_to_finish_carried_ones_first(monkeypat
     assert [g.row["prompt"] for g in partial.carried] == ["a", "c"]  # "c" finished, but the rollout was full
     assert generated == 4 * G  # one token under version 1 in each completion in flight
     assert metrics["partial_rollouts/resumed_groups"] == 1 and metrics["partial_rollouts/carried_groups"] == 2
-    assert metrics["partial_rollouts/staleness_max"] == 1.0
+    assert metrics["partial_rollouts/staleness/max"] == 1.0
     rollout = PartialRollouts.rollout(taken, 1)
     assert rollout.stale == [3, 5, 2, 4] + [0] * G
     assert rollout.completion_ids[1] == [0, 1, 2, 3, 4, 7] and rollout.logps[1][-1] == -0.25
@@ -157,7 +170,7 @@ def test_a_rollout_takes_the_first_groups_to_finish_carried_ones_first(monkeypat
 def test_groups_older_than_the_staleness_bound_are_dropped_and_extra_prompts_keep_the_flight_full():
     args = settings(partial_rollout_max_staleness=2, partial_rollout_overprovision=2.0)
     data = tiny.letters_dataset(64)
-    partial = PartialRollouts(args, data, 0, 1)
+    partial = PartialRollouts(args, data, False, 0, 1)
     partial.carried = [
         group("v1", [2] * G, [1] * G, [False] * G),
         group("v3", [2] * G, [3] * G, [False] * G),
@@ -166,29 +179,36 @@ def test_groups_older_than_the_staleness_bound_are_dropped_and_extra_prompts_kee
     assert partial.drop_stale(4) == 1 and [g.row["prompt"] for g in partial.carried] == ["v3", "new"]
     extra = partial.extra_rows(4, 4)
     assert len(extra) == 2 * 4 - 2 - 4  # 2 × 4 in flight: 2 carried, the dataloader's 4, 2 drawn
-    assert extra == PartialRollouts(args, data, 0, 1).extra_rows(4, 4)[:2]  # seeded by the version
+    assert extra == PartialRollouts(args, data, False, 0, 1).extra_rows(4, 4)[:2]  # seeded by the version
     partial.carried = partial.carried * 3
     assert partial.extra_rows(4, 4) == []  # enough carried
+
+
+def test_extra_prompts_of_a_vision_language_run_carry_their_names_as_the_dataloaders_do():
+    from colograd.data.streaming import ROW_KEY
+
+    partial = PartialRollouts(settings(), tiny.letters_dataset(16), True, 0, 1)
+    assert all(ROW_KEY in row for row in partial.extra_rows(4, 0))
 
 
 def test_ranks_draw_extra_prompts_that_do_not_overlap_whatever_they_carry():
     args = settings(partial_rollout_overprovision=2.0)
     data = Dataset.from_list([{"prompt": f"p{i}", "target": "a"} for i in range(100)])
-    ranks = [PartialRollouts(args, data, r, 2) for r in range(2)]
+    ranks = [PartialRollouts(args, data, False, r, 2) for r in range(2)]
     ranks[0].carried = [group("c", [1] * G, [0] * G, [False] * G)]  # rank 0 carries one, rank 1 none
     drawn = [[row["prompt"] for row in p.extra_rows(4, 7)] for p in ranks]
     assert len(drawn[0]) == 3 and len(drawn[1]) == 4 and not set(drawn[0]) & set(drawn[1])
 
 
 def test_carried_groups_go_into_the_checkpoint_and_come_back(tmp_path):
-    partial = PartialRollouts(settings(), None, 1, 2)
+    partial = PartialRollouts(settings(), None, False, 1, 2)
     partial.carried = [group("x", [3, 0, 2, 1], [4, 0, 5, 4], [True, False, False, True])]
     partial.carried[0].completions[2].logps = [-0.1, float("-inf")]
     partial.write_state(str(tmp_path))
-    back = PartialRollouts(settings(), None, 1, 2)
+    back = PartialRollouts(settings(), None, False, 1, 2)
     back.resume(str(tmp_path))
     assert back.carried == partial.carried
-    other_rank = PartialRollouts(settings(), None, 0, 2)
+    other_rank = PartialRollouts(settings(), None, False, 0, 2)
     other_rank.resume(str(tmp_path))
     assert other_rank.carried == []  # each rank reads its own file only
     json.loads((tmp_path / partial_module.STATE_DIR / "rank-1.json").read_text())  # a readable record
@@ -223,6 +243,8 @@ def test_a_resumed_completion_has_the_log_probs_the_engine_gives_it_in_one_piece
         cut = [(g, c, len(c.ids)) for g in groups for c in g.completions if c.finish is None and c.ids]
         assert sum(g.finished for g in groups) >= 2 and len(cut) >= 4
         assert not engine.llm.llm_engine.has_unfinished_requests()  # the others were aborted
+        # An engine call after the cut one serves only its own requests (the cut ones were aborted).
+        assert len(engine.generate(prompt_ids[:2], args, num_generations=2).completion_ids) == 4
         sample_until(engine, groups, args, 0, len(groups))  # continued, under the same weights
         assert all(g.finished for g in groups)
         gaps = []
@@ -250,8 +272,8 @@ def test_training_carries_groups_across_steps_and_a_checkpoint(tmp_path):
     trainer = build()
     saved = {}
     write = trainer._partial.write_state
-    trainer._partial.write_state = lambda folder: saved.update({folder[-1]: json.dumps(
-        [[c.ids for c in g.completions] for g in trainer._partial.carried])}) or write(folder)  # fmt: skip
+    trainer._partial.write_state = lambda folder: saved.update({os.path.basename(folder): json.dumps(
+        [asdict(g) for g in trainer._partial.carried])}) or write(folder)  # fmt: skip
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 3 and all(math.isfinite(h["loss"]) for h in logs)
@@ -266,11 +288,13 @@ def test_training_carries_groups_across_steps_and_a_checkpoint(tmp_path):
     back = []
     resume = resumed._partial.resume
     resumed._partial.resume = lambda folder: resume(folder) or back.append(
-        json.dumps([[c.ids for c in g.completions] for g in resumed._partial.carried]))  # fmt: skip
+        json.dumps([asdict(g) for g in resumed._partial.carried]))  # fmt: skip
     resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
     assert resumed.state.global_step == 3
-    # The groups carried at the checkpoint came back, and the resumed rollout continued them first.
-    assert json.loads(saved["2"]) and back == [saved["2"]]
+    # The groups carried at the checkpoint came back whole (rows, tokens, log-probs, weight versions), and the
+    # resumed rollout continued them first.
+    assert json.loads(saved["checkpoint-2"]) and back == [saved["checkpoint-2"]]
+    assert {v for g in json.loads(back[0]) for c in g["completions"] for v in c["versions"]} <= {0, 1}
     again = [h for h in resumed.state.log_history if "loss" in h][-1]
     assert again["partial_rollouts/resumed_groups"] > 0 and math.isfinite(again["loss"])
 

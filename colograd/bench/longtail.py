@@ -157,8 +157,8 @@ def _side(side: str, w: dict[str, Any]) -> dict[str, Any]:
         if side == "partial":
             take = trainer._partial.take
 
-            def recorded(engine: Any, rows: list, prompt_ids: list, want: int, version: int) -> Any:
-                taken = take(engine, rows, prompt_ids, want, version)
+            def recorded(*args: Any) -> Any:
+                taken, version = take(*args), args[4]
                 staleness.extend(version - group.oldest(version) for group in taken[0])
                 return taken
 

@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 
 from colograd.errors import ConfigError
 
-# Sampling settings whose effect depends on the tokens a request itself sampled, which a resumed request would not
-# know (it sees them as its prompt): vLLM's presence and frequency penalties, a minimum length, a regex constraint.
-_NOT_RESUMABLE = ("presence_penalty", "frequency_penalty", "min_tokens")
+# Sampling settings whose effect depends on the tokens or text a request itself sampled, which a resumed request
+# would not know (it sees them as its prompt): vLLM's presence and frequency penalties, a minimum length, stop
+# strings (one cut in two would be missed) and banned multi-token sequences; and a regex constraint.
+_NOT_RESUMABLE = ("presence_penalty", "frequency_penalty", "min_tokens", "stop", "bad_words")
 
 
 @dataclass
@@ -34,14 +35,16 @@ class PartialRolloutOptions:
         metadata={
             "help": "How many groups a rollout keeps in flight, as a multiple of the groups it takes: the unfinished "
             "groups carried over from the last rollout come first, then the dataloader's prompts, then prompts drawn "
-            "from train_dataset (seeded by the step) up to this many."
+            "from train_dataset (seeded by the run's micro-step) up to this many."
         },
     )
     partial_rollout_max_staleness: int = field(
         default=2,
         metadata={
-            "help": "The most weight versions (one per rollout: each syncs the weights once) a carried group may be "
-            "behind; a group whose oldest token is older is dropped at the start of a rollout, its tokens unused."
+            "help": "The most weight versions (optimizer steps) a carried group may be behind: a group whose oldest "
+            "token was sampled more optimizer steps ago is dropped at the start of a rollout, its tokens unused. With "
+            "one rollout per optimizer step (steps_per_generation = gradient_accumulation_steps, the default), that "
+            "many rollouts."
         },
     )
     mask_stale_tokens: bool = field(

@@ -22,7 +22,8 @@ class Piecewise:
     """One completion, sampled over one or more rollouts.
 
     ids: its tokens so far; logps: the engine's log-prob of each, after temperature; versions: the weight version
-    each was sampled under; finish: vLLM's finish reason once it has finished ("stop", "length"), else None.
+    (the optimizer step) each was sampled under; finish: vLLM's finish reason once it has finished ("stop",
+    "length"), else None.
     """
 
     ids: list[int] = field(default_factory=list)
@@ -37,11 +38,13 @@ class Piecewise:
 
 @dataclass
 class Group:
-    """The G completions of one prompt, and the dataset row it came from (its reward columns)."""
+    """The G completions of one prompt, and the dataset row it came from (its reward columns); `prompt_truncated`:
+    its prompt was cut to the engine's prompt limit."""
 
     row: dict
     prompt_ids: list[int]
     completions: list[Piecewise]
+    prompt_truncated: bool = False
 
     @property
     def finished(self) -> bool:
@@ -83,31 +86,25 @@ def sample_until(engine: Any, groups: list[Group], args: GRPOConfig, version: in
             )
             live[request] = (i, j)
     done, steps = sum(group.finished for group in groups), 0
-    while live and done < needed:
-        steps += 1
-        for output in core.step():
-            request = _external_id(output.request_id, live)
-            if request is None:
-                continue
-            i, j = live[request]
-            sample, completion = output.outputs[0], groups[i].completions[j]
-            ids = list(sample.token_ids)
-            completion.ids += ids
-            completion.logps += [pos[token].logprob for pos, token in zip(sample.logprobs, ids, strict=True)]
-            completion.versions += [version] * len(ids)
-            if output.finished:
-                completion.finish = sample.finish_reason
-                del live[request]
-                done += groups[i].finished
-    if live:
-        core.abort_request(list(live))
+    try:
+        while live and done < needed:
+            steps += 1
+            for output in core.step():
+                if output.request_id not in live:  # (outputs carry the id a request was added under)
+                    continue
+                i, j = live[output.request_id]
+                sample, completion = output.outputs[0], groups[i].completions[j]
+                ids = list(sample.token_ids)
+                completion.ids += ids
+                completion.logps += [pos[token].logprob for pos, token in zip(sample.logprobs, ids, strict=True)]
+                completion.versions += [version] * len(ids)
+                if output.finished:
+                    completion.finish = sample.finish_reason
+                    del live[output.request_id]
+                    done += groups[i].finished
+    finally:
+        # Stopped early, or by an error: no request of this call may stay in the engine, where the next
+        # `LLM.generate` would collect its outputs with its own.
+        if live:
+            core.abort_request(list(live))
     return steps
-
-
-def _external_id(request_id: str, live: dict[str, tuple[int, int]]) -> str | None:
-    """The id a request was added under, from the id an output carries (vLLM may add a suffix to it); None: not one
-    of this call's."""
-    if request_id in live:
-        return request_id
-    head = request_id.rsplit("-", 1)[0]
-    return head if head in live else None

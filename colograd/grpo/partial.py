@@ -6,7 +6,8 @@ overprovision`), stops the engine once a rollout's worth of groups have all thei
 (`colograd.engine.partial.sample_until`), and carries the others, with the tokens they sampled so far, their
 log-probs and the weight version of each token, to the next rollout, where they are continued first.
 
-A weight version is a rollout: each syncs the weights once. A carried group whose oldest token is more than
+A weight version is an optimizer step: tokens sampled at `global_step` s came from the weights of s optimizer steps
+(rollouts between two optimizer steps share them). A carried group whose oldest token is more than
 `partial_rollout_max_staleness` versions old is dropped at the start of a rollout. Tokens sampled under older weights
 than the rollout's are stale: the loss corrects them with the importance-sampling weights of their stored log-probs
 (the engine's, under the weights that sampled them), or leaves them out (`mask_stale_tokens`).
@@ -22,6 +23,7 @@ import os
 from dataclasses import asdict
 from typing import Any
 
+from colograd.data.streaming import NumberedRows
 from colograd.engine.core import Rollout
 from colograd.engine.partial import Group, Piecewise, sample_until
 from colograd.errors import ConfigError
@@ -32,7 +34,9 @@ STATE_DIR = "partial_rollouts"  # in a checkpoint: one file per rank of its carr
 
 def refuse_unresumable(args: Any, train_dataset: Any, agents: bool, images: bool) -> None:
     """Refuse, before start-up, what partial rollouts cannot carry over: a stream (extra prompts are drawn by index),
-    agent rollouts (their tool calls and environments are not resumable mid-turn), image prompts."""
+    agent rollouts (their tool calls and environments are not resumable mid-turn), image prompts, and rows JSON
+    cannot write (carried groups go into checkpoints as JSON; a dataset's columns have one type each, so its first
+    row stands for all)."""
     if not args.partial_rollouts:
         return
     if train_dataset is not None and not hasattr(train_dataset, "__len__"):
@@ -40,6 +44,15 @@ def refuse_unresumable(args: Any, train_dataset: Any, agents: bool, images: bool
             "partial_rollouts draws its extra prompts from train_dataset by index, which a stream (IterableDataset) "
             "cannot give; load the dataset in memory (dataset_streaming: false) or turn partial_rollouts off."
         )
+    if train_dataset is not None and len(train_dataset):
+        try:
+            json.dumps(train_dataset[0])
+        except (TypeError, ValueError) as error:
+            raise ConfigError(
+                "partial_rollouts writes the rows of carried groups into checkpoints as JSON, and train_dataset's "
+                f"rows hold a value JSON cannot write ({error}); cast that column to text or numbers, or turn "
+                "partial_rollouts off."
+            ) from None
     if agents:
         raise ConfigError(
             "partial_rollouts with tools, environment_factory or rollout_func is not supported (a turn cut short "
@@ -58,11 +71,13 @@ class PartialRollouts:
     Args:
         args: the run's config (`partial_rollout_*`, `num_generations`, lengths, sampling).
         dataset: the training dataset (in memory: extra prompts are drawn from it by index).
+        numbered: the rows carry their names (`NumberedRows`), as the dataloader's do for a vision-language model.
         rank, world: this process's place among the ranks.
     """
 
-    def __init__(self, args: Any, dataset: Any, rank: int, world: int) -> None:
-        self.args, self.dataset, self.rank, self.world = args, dataset, rank, world
+    def __init__(self, args: Any, dataset: Any, numbered: bool, rank: int, world: int) -> None:
+        self.args, self.rank, self.world = args, rank, world
+        self.dataset = NumberedRows(dataset) if numbered and dataset is not None else dataset
         self.carried: list[Group] = []  # unfinished (or finished, not taken) groups, oldest first
 
     def drop_stale(self, version: int) -> int:
@@ -73,30 +88,40 @@ class PartialRollouts:
         dropped, self.carried = len(self.carried) - len(kept), kept
         return dropped
 
-    def extra_rows(self, want: int, version: int) -> list[dict]:
+    def extra_rows(self, want: int, step: int) -> list[dict]:
         """The prompts drawn from the dataset to keep `partial_rollout_overprovision` × `want` groups in flight,
         beside the carried groups and the dataloader's `want` rows (none when those are enough); seeded by the
-        rollout's version, each rank its own slice."""
+        rollout's `step` (the run's micro-step), each rank its own slice."""
         target = math.ceil(want * self.args.partial_rollout_overprovision)
         count = max(0, target - len(self.carried) - want)
         # Each rank's slice of the permutation is as long as any rank's draw may be, so that the slices of ranks
         # carrying different counts do not overlap.
-        return (
-            draw_rows(self.dataset, self.args.seed, version, self.rank, self.world, 0, target)[:count] if count else []
-        )
+        if not count:
+            return []
+        return draw_rows(self.dataset, self.args.seed, step, self.rank, self.world, 0, target)[:count]
 
     def take(
-        self, engine: Any, rows: list[dict], prompt_ids: list[list[int]], want: int, version: int
+        self,
+        engine: Any,
+        rows: list[dict],
+        prompt_ids: list[list[int]],
+        want: int,
+        version: int,
+        truncated: list[bool] | None = None,
     ) -> tuple[list[Group], dict[str, float], int]:
         """Sample until `want` groups are finished, carried groups continued first, then the new `rows` (with their
-        prompts' `prompt_ids`); keep the rest for the next rollout.
+        prompts' `prompt_ids`, and whether each was `truncated` to fit); keep the rest for the next rollout.
 
         Returns:
             The `want` finished groups, oldest first; the metrics (`partial_rollouts/*`); the completion tokens
             generated under this version, in every group (taken or carried).
         """
         g = self.args.num_generations
-        fresh = [Group(row, ids, [Piecewise() for _ in range(g)]) for row, ids in zip(rows, prompt_ids, strict=True)]
+        cut = truncated or [False] * len(rows)
+        fresh = [
+            Group(row, ids, [Piecewise() for _ in range(g)], was_cut)
+            for row, ids, was_cut in zip(rows, prompt_ids, cut, strict=True)
+        ]
         resumed, flight = len(self.carried), self.carried + fresh
         steps = sample_until(engine, flight, self.args, version, want)
         finished = [i for i, group in enumerate(flight) if group.finished][:want]
@@ -116,8 +141,9 @@ class PartialRollouts:
             "partial_rollouts/carried_groups": float(len(self.carried)),
             "partial_rollouts/in_flight_groups": float(len(flight)),
             "partial_rollouts/stale_token_fraction": stale / max(1, sum(len(c.ids) for c in tokens)),
-            "partial_rollouts/staleness_mean": sum(staleness) / max(1, len(staleness)),
-            "partial_rollouts/staleness_max": float(max(staleness, default=0)),
+            # (`/max` and `/mean`: a logging window reduces them so, over steps and ranks.)
+            "partial_rollouts/staleness/mean": sum(staleness) / max(1, len(staleness)),
+            "partial_rollouts/staleness/max": float(max(staleness, default=0)),
             "partial_rollouts/engine_steps": float(steps),
         }
         return taken, metrics, generated
@@ -142,11 +168,12 @@ class PartialRollouts:
 
     def resume(self, checkpoint: str | None) -> None:
         """Take this rank's carried groups from the checkpoint training resumes from; a checkpoint saved without
-        partial rollouts (or by fewer ranks) carries none for it."""
-        path = os.path.join(checkpoint, STATE_DIR, f"rank-{self.rank}.json") if checkpoint else None
-        if path and os.path.exists(path):
+        partial rollouts carries none."""
+        if not checkpoint:
+            return
+        path = os.path.join(checkpoint, STATE_DIR, f"rank-{self.rank}.json")
+        groups = []
+        if os.path.exists(path):
             with open(path) as f:
                 groups = json.load(f)
-            self.carried = [
-                Group(g["row"], g["prompt_ids"], [Piecewise(**c) for c in g["completions"]]) for g in groups
-            ]
+        self.carried = [Group(**{**g, "completions": [Piecewise(**c) for c in g["completions"]]}) for g in groups]

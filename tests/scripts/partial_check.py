@@ -30,8 +30,8 @@ def main() -> None:
     record = {"groups": [], "resumed": [], "prompts": []}
     take = trainer._partial.take
 
-    def recorded_take(engine, rows, prompt_ids, want, version):
-        taken, metrics, generated = take(engine, rows, prompt_ids, want, version)
+    def recorded_take(*args, **kwargs):
+        taken, metrics, generated = take(*args, **kwargs)
         record["groups"].append(len(taken))
         record["resumed"].append(metrics["partial_rollouts/resumed_groups"])
         record["prompts"] += [group.row["prompt"] for group in taken]
