@@ -4,7 +4,6 @@ The logic runs on rollouts built by hand (no engine); the slow tests train throu
 in one process and on 2 ranks under ZeRO-3, with rewards that leave many groups uniform.
 """
 
-import json
 import math
 
 import pytest
@@ -310,16 +309,13 @@ def test_a_rollout_trains_on_informative_groups_only(tmp_path):
 
 
 @pytest.mark.slow
-def test_ranks_run_the_same_rounds_under_zero3(tmp_path):
+def test_ranks_run_the_same_rounds_under_zero3(tmp_path_factory):
     """2 ranks under DeepSpeed ZeRO-3, where rank 0's reward leaves many more groups uniform than rank 1's: both
     ranks run the rounds the rank missing most needs (each deciding alone, they ran 2 and 1 rounds: tried), and each
-    trains only on informative groups."""
-    from conftest import launch
+    trains only on informative groups. (The launch is shared with partial rollouts' test: `longtail_launch`.)"""
+    from longtail_launch import longtail_runs
 
-    proc = launch("tests/scripts/dynamic_check.py", str(tmp_path), config="tests/configs/zero3_cpu.yaml",
-                  env={"DS_ACCELERATOR": "cpu"}, timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    runs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    runs = longtail_runs(tmp_path_factory, "dynamic")
     assert runs[0]["rounds"] == runs[1]["rounds"] and max(runs[0]["rounds"]) >= 1, runs
     assert runs[0]["first_round_found"] != runs[1]["first_round_found"], runs  # the ranks needed different rounds
     for run in runs:

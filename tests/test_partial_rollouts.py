@@ -307,15 +307,12 @@ def test_training_carries_groups_across_steps_and_a_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_ranks_under_zero3_each_carry_their_own_groups(tmp_path):
+def test_two_ranks_under_zero3_each_carry_their_own_groups(tmp_path_factory):
     """2 ranks under DeepSpeed ZeRO-3: each rank continues the groups it carried and trains its own batch; no rank
-    waits for another's groups."""
-    from conftest import launch
+    waits for another's groups. (The launch is shared with dynamic sampling's test: `longtail_launch`.)"""
+    from longtail_launch import longtail_runs
 
-    proc = launch("tests/scripts/partial_check.py", str(tmp_path), config="tests/configs/zero3_cpu.yaml",
-                  env={"DS_ACCELERATOR": "cpu"}, timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    runs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    runs = longtail_runs(tmp_path_factory, "partial")
     assert runs[0]["prompts"] != runs[1]["prompts"]  # each rank its own prompts, carried ones included
     for run in runs:
         assert run["sharded"] and len(run["losses"]) == 3 and all(math.isfinite(x) for x in run["losses"]), run

@@ -27,11 +27,8 @@ def rank_reward(completions: list[str], target: list[str], **kwargs) -> list[flo
     ]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("out")
-    cli = parser.parse_args()
-    args = tiny.run_config(os.path.join(cli.out, "run"), 2, dynamic_sampling=True, dynamic_sampling_max_rounds=4)
+def run(out: str) -> None:
+    args = tiny.run_config(os.path.join(out, "run"), 2, dynamic_sampling=True, dynamic_sampling_max_rounds=4)
     trainer = GRPOTrainer(tiny.build_model(), rank_reward, args, tiny.letters_dataset(256),
                           processing_class=tiny.build_tokenizer())  # fmt: skip
     record = {"rounds": [], "sampled": [], "uniform_kept": [], "first_round_found": []}
@@ -59,9 +56,11 @@ def main() -> None:
     trainer.train()
     record["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     record["sharded"] = is_sharded(trainer.accelerator.unwrap_model(trainer.model))
-    with open(os.path.join(cli.out, f"rank{dist.get_rank()}.json"), "w") as f:
+    with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(record, f)
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    run(parser.parse_args().out)

@@ -17,11 +17,8 @@ from colograd.engine.sync import is_sharded
 from colograd.models import tiny
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("out")
-    cli = parser.parse_args()
-    args = tiny.run_config(os.path.join(cli.out, "run"), 3, num_generations=4, per_device_train_batch_size=24,
+def run(out: str) -> None:
+    args = tiny.run_config(os.path.join(out, "run"), 3, num_generations=4, per_device_train_batch_size=24,
                            max_completion_length=48, partial_rollouts=True)  # fmt: skip
     model = tiny.build_model()
     model.generation_config.eos_token_id = [1, 40, 41, 42, 43]  # lengths from 1 token to the limit
@@ -41,9 +38,11 @@ def main() -> None:
     trainer.train()
     record["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     record["sharded"] = is_sharded(trainer.accelerator.unwrap_model(trainer.model))
-    with open(os.path.join(cli.out, f"rank{dist.get_rank()}.json"), "w") as f:
+    with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(record, f)
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    run(parser.parse_args().out)
