@@ -103,7 +103,8 @@ def report(r: dict[str, Any]) -> str:
     lines.append(
         f"  tokens generated/s, partial / plain: {r['generated_tokens_per_s_ratio']:.2f}; s/step, plain / partial: "
         f"{r['step_s_median_ratio']:.2f}; groups trained by staleness (rollouts) {staleness}; stale tokens "
-        f"{r['partial']['stale_token_fraction']:.2f} of those trained"
+        f"{r['partial']['stale_token_fraction']:.2f} of those trained; carried groups dropped as too stale "
+        f"{r['partial']['dropped_groups_per_step']:.2f}/step"
     )
     lines.append(
         f"  machine load (1-minute average) at the end: {r['load_average_1min']:.1f} on {os.cpu_count()} CPUs"
@@ -184,6 +185,7 @@ def _side(side: str, w: dict[str, Any]) -> dict[str, Any]:
         "completion_mean_length": statistics.mean(h["completions/mean_length"] for h in logs),
         "staleness": {k: timed_staleness.count(k) / len(timed_staleness) for k in sorted(set(timed_staleness))},
         "stale_token_fraction": statistics.mean(h.get("partial_rollouts/stale_token_fraction", 0.0) for h in logs),
+        "dropped_groups_per_step": statistics.mean(h.get("partial_rollouts/dropped_groups", 0.0) for h in logs),
         "step_s_median": statistics.median(timed),
         "step_s_mean": statistics.mean(timed),
         "informative_groups_per_s": informative / statistics.mean(timed),
