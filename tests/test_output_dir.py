@@ -393,6 +393,8 @@ def error_line(proc: subprocess.CompletedProcess, only: bool = True) -> str:
 
 @pytest.mark.slow
 def test_second_run_refused_while_the_first_runs_then_new_run_and_changed_resume_refused(tmp_path):
+    """The first run is also the suite's one-process run of the tiny recipe from the command line: it trains, logs
+    every step and saves the model, its tokenizer and its model card (the run tests/test_cli.py would make)."""
     out = tmp_path / "out"
     flags = ["--config", TINY, "--max_steps", "2", "--save_strategy", "steps", "--save_steps", "1",
              "--disable_tqdm", "true", "--output_dir", str(out)]  # fmt: skip
@@ -411,6 +413,9 @@ def test_second_run_refused_while_the_first_runs_then_new_run_and_changed_resume
 
     assert first.wait(timeout=600) == 0, (tmp_path / "first.log").read_text()[-3000:]
     assert not (out / LOCK_FILE).exists() and is_complete(str(out / "checkpoint-2"))
+    assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
+    assert "`recipes/grpo_tiny.yaml`" in (out / "README.md").read_text()  # the model card
+    assert "'reward':" in (tmp_path / "first.log").read_text()  # per-step logs
 
     line = error_line(run_cli(*flags))  # the first run is over, but its work is there
     assert "holds another run's checkpoints (checkpoint-1, checkpoint-2) and finished model" in line, line

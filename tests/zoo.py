@@ -14,6 +14,8 @@ head count: such a model keeps its head dimension and GQA ratio with one KV head
 """
 
 import math
+import os
+from pathlib import Path
 from typing import Any
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -372,9 +374,34 @@ def answers(model: Any, prompt: Any, eos: int) -> Any:
     return ids
 
 
+# Set by tests/conftest.py to a folder of the test session's own: `stopping_model` keeps each model it builds there.
+MODEL_CACHE = "COLOGRAD_TEST_MODEL_CACHE"
+
+
 def stopping_model(
     name: str, seed: int = 0, eos_probability: float = 0.25, sharp: bool = True, max_tokens: int = 512
 ) -> Any:
+    """`_stopping_model`'s model and tokenizer, built once per test session: the build is deterministic, and its
+    calibration's forwards take seconds to tens of seconds for a large vocabulary, where a test session asked for
+    the same model up to four times, in its own process and in the processes it launched. Under a session
+    (`MODEL_CACHE` names its folder) the first call saves what it built, whole, and every later call, in any
+    process, reads a fresh copy of it (bit-identical, tying and eval mode kept); without one, each call builds."""
+    import torch
+
+    folder = os.environ.get(MODEL_CACHE)
+    if not folder:
+        return _stopping_model(name, seed, eos_probability, sharp, max_tokens)
+    path = Path(folder) / f"{name.replace('/', '--')}-{seed}-{eos_probability}-{sharp}-{max_tokens}.pt"
+    if path.exists():
+        return torch.load(path, weights_only=False)
+    built = _stopping_model(name, seed, eos_probability, sharp, max_tokens)
+    partial = path.with_name(f"{path.name}.{os.getpid()}")  # ranks building at once: whole files only
+    torch.save(built, partial)
+    os.replace(partial, path)
+    return built
+
+
+def _stopping_model(name: str, seed: int, eos_probability: float, sharp: bool, max_tokens: int) -> Any:
     """`name`'s shrunk model (float32, random weights: `sharpen`ed unless `sharp` is false) edited to end its answers
     after a few tokens, with its tokenizer: at the positions it reaches while answering, it samples its
     end-of-sequence token with a probability of about `eos_probability`, so completions are a few tokens long (as a

@@ -4,13 +4,16 @@ sharded):
 
     accelerate launch --config_file recipes/accelerate_configs/cpu.yaml tests/scripts/moe_check.py OUT_DIR MODEL...
 
-The models train one after another in the same processes, each with its own trainer and engine. Each rank writes
-OUT_DIR/rank<r>.json with, per model: the trainer's log history, whether every rank held identical weights after
-every optimizer step, the largest gap between engine and trainer log-probs after the final sync, whether the model
-was sharded and into how many buckets the sync cut it, and whether the engine's experts are prepacked.
+The models train one after another in the same processes, each with its own trainer and engine (with --bf16, in TRL's
+bf16); those named after --bf16-models then train again, from the same initial weights, in bf16 with the sampling
+correction on, so that one process's start-up serves both precisions. Each rank writes OUT_DIR/rank<r>.json with, per
+run ("MODEL", or "MODEL (bf16)"): the trainer's log history, whether every rank held identical weights after every
+optimizer step, the largest gap between engine and trainer log-probs after the final sync, whether the model was
+sharded and into how many buckets the sync cut it, and whether the engine's experts are prepacked.
 """
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -43,24 +46,29 @@ def main() -> None:
     parser.add_argument("--bucket-mib", type=float, default=512)
     parser.add_argument("--bf16", action="store_true", help="TRL's bf16 (the engine follows), with the sampling "
                         "correction on (vllm_importance_sampling_correction)")  # fmt: skip
+    parser.add_argument("--bf16-models", nargs="*", default=[], help="models of MODEL... that train again after "
+                        "all of them, from the same initial weights, as with --bf16")  # fmt: skip
     cli = parser.parse_args()
     # Every model is built before the first trainer: once a trainer has set up ZeRO-3, transformers builds models
     # already partitioned (deepspeed.zero.Init), and the zoo's edit of their weights needs them whole.
     built = {name: zoo.stopping_model(name) for name in cli.models}
-    results = {name: check(name, *built.pop(name), cli) for name in cli.models}
+    again = {name: copy.deepcopy(built[name]) for name in cli.bf16_models}  # before any trainer moves the weights
+    results = {name: check(name, *built.pop(name), cli.bf16, cli) for name in cli.models}
+    results |= {f"{name} (bf16)": check(name, *again.pop(name), True, cli) for name in cli.bf16_models}
     rank = dist.get_rank() if dist.is_initialized() else 0
     with open(os.path.join(cli.out, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
 
 
-def check(name: str, model: torch.nn.Module, tokenizer, cli: argparse.Namespace) -> dict:
-    """Train `name` (`model`, `tokenizer`) for `cli.steps` steps; what the module's docstring lists."""
+def check(name: str, model: torch.nn.Module, tokenizer, bf16: bool, cli: argparse.Namespace) -> dict:
+    """Train `name` (`model`, `tokenizer`) for `cli.steps` steps, with TRL's bf16 if `bf16`; what the module's
+    docstring lists."""
     # GRPOConfig's defaults (TRL's quickstart) but a learning rate that moves every expert in a few steps and
     # shorter completions (the stopping model answers in a few tokens anyway).
-    out = os.path.join(cli.out, name.replace("/", "--"))
+    out = os.path.join(cli.out, name.replace("/", "--") + ("-bf16" if bf16 else ""))
     args = GRPOConfig(output_dir=out, max_steps=cli.steps, learning_rate=1e-2, max_completion_length=64,
                       sync_bucket_mib=cli.bucket_mib, vllm_enforce_eager=True, save_strategy="no", report_to="none",
-                      disable_tqdm=True, bf16=cli.bf16, vllm_importance_sampling_correction=cli.bf16)  # fmt: skip
+                      disable_tqdm=True, bf16=bf16, vllm_importance_sampling_correction=bf16)  # fmt: skip
     callback = WeightsAgree()
     rows = [{"prompt": [{"role": "user", "content": q}]} for q in QUESTIONS]
     trainer = GRPOTrainer(model=model, reward_funcs=answer_length, args=args, train_dataset=Dataset.from_list(rows),
