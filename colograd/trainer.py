@@ -520,6 +520,8 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
                 self.engine, rows, [ids[-limit:] for ids in prompt_ids], want, version, cut
             )
         self._record(metrics | {"partial_rollouts/dropped_groups": float(dropped)})
+        # The taken groups' prompts and columns for the rewards, through the stage again (an override's, if any): they
+        # may come from earlier rollouts. (It tokenizes their prompts again: a batch of prompts, once per rollout.)
         prompts, _, columns = self.prepare_prompts([group.row for group in groups])
         rollout = partial.rollout(groups, version)
         with self._timed("reward"):

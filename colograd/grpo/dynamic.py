@@ -33,16 +33,21 @@ from colograd.grpo.rollouts import PromptImages, RewardLogs, ScoredRollout
 ROUND_STRIDE = 1 << 40
 
 
+def refuse_stream(train_dataset: Any, setting: str, prompts: str) -> None:
+    """Refuse a streamed `train_dataset` for `setting`, which draws its `prompts` from it by index (`draw_rows`)."""
+    if train_dataset is not None and not hasattr(train_dataset, "__len__"):
+        raise ConfigError(
+            f"{setting} draws its {prompts} from train_dataset by index, which a stream (IterableDataset) cannot "
+            f"give; load the dataset in memory (dataset_streaming: false) or turn {setting} off."
+        )
+
+
 def refuse_unrefillable(args: Any, train_dataset: Any, agents: bool) -> None:
     """Refuse, before start-up, what dynamic sampling cannot refill: a stream (refill prompts are drawn by index),
     and rollouts of tools, environments or a `rollout_func` (their rounds would each reset the agents' state)."""
     if not args.dynamic_sampling:
         return
-    if train_dataset is not None and not hasattr(train_dataset, "__len__"):
-        raise ConfigError(
-            "dynamic_sampling draws its refill prompts from train_dataset by index, which a stream (IterableDataset) "
-            "cannot give; load the dataset in memory (dataset_streaming: false) or turn dynamic_sampling off."
-        )
+    refuse_stream(train_dataset, "dynamic_sampling", "refill prompts")
     if agents:
         raise ConfigError(
             "dynamic_sampling with tools, environment_factory or rollout_func is not supported (a refill round would "

@@ -27,7 +27,7 @@ from colograd.data.streaming import NumberedRows
 from colograd.engine.core import Rollout
 from colograd.engine.partial import Group, Piecewise, sample_until
 from colograd.errors import ConfigError
-from colograd.grpo.dynamic import draw_rows
+from colograd.grpo.dynamic import draw_rows, refuse_stream
 
 STATE_DIR = "partial_rollouts"  # in a checkpoint: one file per rank of its carried groups
 
@@ -39,11 +39,7 @@ def refuse_unresumable(args: Any, train_dataset: Any, agents: bool, images: bool
     row stands for all)."""
     if not args.partial_rollouts:
         return
-    if train_dataset is not None and not hasattr(train_dataset, "__len__"):
-        raise ConfigError(
-            "partial_rollouts draws its extra prompts from train_dataset by index, which a stream (IterableDataset) "
-            "cannot give; load the dataset in memory (dataset_streaming: false) or turn partial_rollouts off."
-        )
+    refuse_stream(train_dataset, "partial_rollouts", "extra prompts")
     if train_dataset is not None and len(train_dataset):
         try:
             json.dumps(train_dataset[0])

@@ -53,6 +53,12 @@ def run(out: str) -> None:
         return kept, metrics, dropped
 
     trainer._dynamic.fill = recorded_fill
+    train_and_record(trainer, record, out)
+
+
+def train_and_record(trainer: GRPOTrainer, record: dict, out: str) -> None:
+    """Train, and write the rank's `record` with its step losses and whether its weights were sharded to
+    OUT/rank<r>.json."""
     trainer.train()
     record["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     record["sharded"] = is_sharded(trainer.accelerator.unwrap_model(trainer.model))

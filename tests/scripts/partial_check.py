@@ -7,13 +7,11 @@ last; the prompts it trained; its step losses; whether its weights were sharded.
 """
 
 import argparse
-import json
 import os
 
-import torch.distributed as dist
+from dynamic_check import train_and_record
 
 from colograd import GRPOTrainer
-from colograd.engine.sync import is_sharded
 from colograd.models import tiny
 
 
@@ -35,11 +33,7 @@ def run(out: str) -> None:
         return taken, metrics, generated
 
     trainer._partial.take = recorded_take
-    trainer.train()
-    record["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    record["sharded"] = is_sharded(trainer.accelerator.unwrap_model(trainer.model))
-    with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as f:
-        json.dump(record, f)
+    train_and_record(trainer, record, out)
 
 
 if __name__ == "__main__":
