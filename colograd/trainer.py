@@ -60,6 +60,7 @@ from colograd.grpo.loss import (
 )
 from colograd.grpo.memory import PassBudget, compute_dtype
 from colograd.grpo.packing import forward_packing
+from colograd.grpo.parity import ParityError, ParityGuard, ParityStop, tolerance
 from colograd.grpo.partial import PartialRollouts, refuse_unresumable
 from colograd.grpo.reference import ReferencePolicy
 from colograd.grpo.rollouts import (
@@ -316,6 +317,13 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         self.add_callback(OptimizerTimer(self._times, self._metrics))
         self.preemption = Preemption()
         self.add_callback(self.preemption)
+        # The engine samples from the model trained, or the run stops (`colograd.grpo.parity`).
+        bound = tolerance(
+            getattr(torch, self.engine.settings["dtype"]), compute_dtype(unwrapped, args.mixed_precision)
+        )
+        name = unwrapped.config._name_or_path or type(unwrapped).__name__
+        self.parity = ParityGuard(bound, name, stop=args.engine_parity == "error")
+        self.add_callback(ParityStop(self.parity))
         self.phase_summary: dict[str, Any] = {}  # filled at the end of `train` (see `summarize_phases`)
         self._last_logged_step = 0
         self._last_window: dict[str, float] = {}  # the last logged window's metrics (`log`)
@@ -344,8 +352,11 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
             self._completion_log.forget_after(self._last_logged_step)
         self._times.reset()  # the summary covers this call
         first_step = self._last_logged_step
+        self.parity.restart()  # the first rollout from here is gated
         with self.preemption.armed(), frozen_heap(collect=True):
             output = super().train(resume_from_checkpoint=checkpoint, **kwargs)
+        if self.parity.stopped:
+            raise ParityError(self.parity.stopped)
         self.summarize_phases(self.state.global_step - first_step)
         return output
 
@@ -364,12 +375,19 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
     ) -> torch.Tensor:
         """One micro-step: a new rollout when the last one is used up, then the Trainer's forward/backward on the
         rollout's next slice."""
-        if self._slices is None or self._micro_step % (self.args.steps_per_generation * self.args.num_iterations) == 0:
+        first = (
+            self._slices is None or self._micro_step % (self.args.steps_per_generation * self.args.num_iterations) == 0
+        )
+        if first:
             self._slices = self.make_rollout(inputs)
+            self.parity.begin()  # the first slice is trained on the weights that sampled it: its gap is measured
         batch = self._slices[self._micro_step % self.args.steps_per_generation]
         self._micro_step += 1
         with self._timed("train"):
-            return self.train_slice(model, batch, num_items_in_batch)
+            loss = self.train_slice(model, batch, num_items_in_batch)
+        if first:  # before the optimizer step: a gate that stops the run leaves the weights untrained
+            self.parity.check(self.state.global_step + 1, self.accelerator.gather)
+        return loss
 
     def train_slice(
         self, model: nn.Module, batch: dict[str, torch.Tensor], num_items_in_batch: torch.Tensor | int | None = None
@@ -656,7 +674,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         only when an optimizer step it trains logs (every `logging_steps`, the first with `logging_first_step`, the
         last); the other steps generate at the engine's own speed. An evaluation's rollout always asks."""
         args, state = self.args, self.state
-        if self._rollout_step < 0 or args.logging_strategy != "steps":
+        if self._rollout_step < 0 or args.logging_strategy != "steps" or self.parity.gate_pending:
             return True
         span = -(-args.steps_per_generation * args.num_iterations // args.gradient_accumulation_steps)
         first = state.global_step + 1
@@ -744,6 +762,8 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         first_slice = (self._micro_step - 1) % (self.args.steps_per_generation * self.args.num_iterations) == 0
         if "old_logps" not in inputs or (first_slice and self.args.engine_logps_are_old_logps):
             self._record(sampling_gap_metrics(logps_NT.detach(), inputs["engine_logps"], inputs["tool_mask"]))
+        if model.training:
+            self.parity.observe(logps_NT, inputs["engine_logps"], inputs["tool_mask"])
         sampling_weights = None
         if self.args.vllm_importance_sampling_correction:
             # The trainer's log-probs of the sampling policy: stored with the rollout, or, on-policy, the current.

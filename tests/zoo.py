@@ -228,6 +228,25 @@ ZOO: dict[str, dict[str, Any]] = {
                                      "eos_token_id": 100001},
 }  # fmt: skip
 
+# Families the parity guard is proven on (tests/test_parity.py), one per class of engine/trainer disagreement: not part
+# of the zoo's every-model runs, which they would lengthen without covering another shape.
+PARITY: dict[str, dict[str, Any]] = {
+    # huggingface.co/zai-org/GLM-4.5-Air/blob/main/config.json: layer 0 dense, then 128 routed experts (8 per token,
+    # sigmoid-scored with a score-correction bias, a persistent buffer, renormalised) and 1 shared one; half the head
+    # dimension rotates; untied, biased q/k/v (cross-checked against Megatron-Bridge's GLM-4.5 page and slime's
+    # glm4.5-106B-A12B script).
+    "zai-org/GLM-4.5-Air": {"model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"], "vocab_size": 151552,
+                            "max_position_embeddings": 131072, "hidden_size": 4096, "intermediate_size": 10944,
+                            "moe_intermediate_size": 1408, "num_hidden_layers": 46, "num_attention_heads": 96,
+                            "num_key_value_heads": 8, "head_dim": 128, "partial_rotary_factor": 0.5,
+                            "n_routed_experts": 128, "n_shared_experts": 1, "num_experts_per_tok": 8,
+                            "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+                            "routed_scaling_factor": 1.0, "rope_theta": 1000000, "attention_bias": True,
+                            "use_qk_norm": False, "tie_word_embeddings": False, "rms_norm_eps": 1e-05,
+                            "hidden_act": "silu", "pad_token_id": 151329,
+                            "eos_token_id": [151329, 151336, 151338]},  # fmt: skip
+}  # fmt: skip
+
 # Width after shrinking (where the architecture lets the hidden size shrink on its own) and MLP / expert width.
 HIDDEN = 64
 INTERMEDIATE = 128
@@ -259,7 +278,7 @@ def layer_types(period: int, layers: int) -> list[str]:
 
 def shrunk(name: str) -> PretrainedConfig:
     """`name`'s published config, shrunk in width and depth only (see the module's docstring)."""
-    published = ZOO[name]
+    published = ZOO.get(name) or PARITY[name]
     values = {**published, "intermediate_size": INTERMEDIATE, "num_hidden_layers": layers(published)}
     dim = head_dim(published)
     if published["model_type"] in HEAD_DIM_FROM_HIDDEN:
@@ -329,6 +348,13 @@ def sharpen(model: Any, seed: int = 0) -> None:
         for param in model.parameters():
             noise = torch.randn(param.shape, generator=generator) * SHARP_STD
             param.copy_(noise * math.sqrt(HIDDEN / param.shape[-1]) if param.dim() > 1 else param + noise)
+        # Trained values a model keeps in persistent buffers (a router's score-correction bias) move too: an engine
+        # that keeps its start-up values there must show in the log-probs.
+        for module in model.modules():
+            for leaf, buffer in module._buffers.items():
+                persistent = leaf not in module._non_persistent_buffers_set
+                if buffer is not None and buffer.is_floating_point() and persistent:
+                    buffer.add_(torch.randn(buffer.shape, generator=generator).to(buffer.dtype) * SHARP_STD)
 
 
 # The model's own answers that `stopping_model` calibrates its end-of-sequence token on: to which questions, how many

@@ -86,6 +86,16 @@ class EngineOptions:
             "of about this many MiB."
         },
     )
+    engine_parity: str = field(
+        default="error",
+        metadata={
+            "help": "What the parity guard does when the engine's log-probs of its own samples are past the tolerance "
+            "of the run's precision from the trainer's (the engine is then sampling from another model): 'error' "
+            "stops the run, before its first optimizer step when the first rollout after a start or resume shows it, "
+            "with a checkpoint when later rollouts keep showing it; 'warn' warns and trains on (the gap is logged as "
+            "parity/*). See docs/real-models.md."
+        },
+    )
     lora_sync: str = field(
         default="merged",
         metadata={
@@ -97,6 +107,8 @@ class EngineOptions:
     def check_engine(self) -> None:
         """The engine's dtype, weight sync and parallelism; a differing engine dtype turns the sampling correction
         on."""
+        if self.engine_parity not in ("error", "warn"):
+            raise ConfigError(f"engine_parity={self.engine_parity!r} is unknown; use 'error' or 'warn'.")
         if self.lora_sync not in ("merged", "adapter"):
             raise ConfigError(f"lora_sync={self.lora_sync!r} is unknown; use 'merged' or 'adapter'.")
         if self.world_size % self.vllm_tensor_parallel_size:

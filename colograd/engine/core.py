@@ -42,6 +42,7 @@ from colograd.engine.lifetime import (
 from colograd.engine.lora import adapter_parent, engine_max_lora_rank
 from colograd.engine.requests import rollout_requests, sampled_logps
 from colograd.engine.weights import (
+    _held_names,
     _holds_plain_dense_weights,
     _holds_plain_weights,
     _known_names,
@@ -414,6 +415,10 @@ class Engine:
     def known_names(self, names: list[str]) -> list[str]:
         """Those of the checkpoint `names` whose module the engine's model has (see `_known_names`)."""
         return self.llm.collective_rpc(_known_names, args=(names,))[0]
+
+    def held_names(self, names: list[str]) -> list[str]:
+        """Those of the checkpoint `names` naming a parameter or buffer of the engine's model (`_held_names`)."""
+        return self.llm.collective_rpc(_held_names, args=(names,))[0]
 
     def _forget_image_features(self) -> None:
         """Drop the image features the engine cached under the old weights (the cache salt keys prompt KV only):

@@ -44,9 +44,12 @@ class _Unit:
     param: nn.Parameter
     lora: nn.Module | None = None  # the PEFT LoRA layer whose delta is added to this base weight
     gather: list[nn.Parameter] = field(default_factory=list)  # what must be gathered to build it
+    buffer: bool = False  # a persistent buffer: never sharded, sent where the engine's model holds it
 
     @property
     def nbytes(self) -> int:
+        if self.buffer:
+            return self.param.numel() * self.param.element_size()
         # A ZeRO-3-partitioned parameter reports numel() == 0 on every rank; ds_numel is its real size.
         return sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in self.gather)
 
@@ -99,6 +102,12 @@ class WeightPlan:
             known = set(engine.known_names(names)) if names else set()
             for unit in units:
                 unit.names[1:] = [name for name in unit.names[1:] if name in known]
+            # Persistent buffers go where the engine's model holds them as tensors of its own (most it computes).
+            buffers = [unit for unit in units if unit.buffer]
+            held = set(engine.held_names([unit.names[0] for unit in buffers])) if buffers else set()
+            for bucket in self.buckets:
+                bucket[:] = [unit for unit in bucket if not unit.buffer or unit.names[0] in held]
+            self.nbytes = sum(unit.nbytes for bucket in self.buckets for unit in bucket)
             if self._experts:
                 self._on_disk = {name for unit in units for name in unit.names} - known
             self._names_checked = True
@@ -168,7 +177,29 @@ def _units(model: nn.Module, merge_lora: bool) -> list[_Unit]:
         lora = lora_layers.get(module_name) if module_name else None
         extra = [p for n, p in lora.named_parameters() if "lora_" in n] if lora is not None else []
         by_tensor[id(param)] = _Unit([ckpt_name], name, param, lora, [param, *extra])
-    return list(by_tensor.values())
+    # Persistent buffers are in the checkpoint too, and some hold trained values the engine's model loads like
+    # weights (DeepSeek-V3-style routers' score-correction bias, xIELU's learned constants): an engine started from
+    # dummy weights keeps dummy values there unless they are sent.
+    for name, buffer in _persistent_buffers(model):
+        if id(buffer) not in by_tensor and buffer.is_floating_point():
+            by_tensor[id(buffer)] = _Unit([rename(_checkpoint_name(name))], name, buffer, buffer=True)
+    # Each layer's tensors together (a bucket never splits a layer, see `_bucketize`): buffers beside their layer's.
+    order: dict[str, int] = {}
+    units = list(by_tensor.values())
+    for unit in units:
+        order.setdefault(_layer_key(unit.names[0]), len(order))
+    return sorted(units, key=lambda unit: order[_layer_key(unit.names[0])])
+
+
+def _persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's buffers that its state dict (so its checkpoint) holds, by name; the reference policy's copy and
+    PEFT's originals left out as their parameters are."""
+    for path, module in model.named_modules():
+        for leaf, buffer in module._buffers.items():
+            name = f"{path}.{leaf}" if path else leaf
+            if buffer is None or leaf in module._non_persistent_buffers_set or ".original_module." in name:
+                continue
+            yield name, buffer
 
 
 def _checkpoint_name(name: str) -> str:
@@ -187,7 +218,7 @@ def _lora_layers(model: nn.Module) -> dict[str, nn.Module]:
 def _tensor(model: nn.Module, unit: _Unit, reread: bool) -> torch.Tensor:
     """The unit's tensor as the engine should receive it. `reread`: look the parameter up again by its path,
     because FSDP2 swapped in an unsharded one while gathered."""
-    weight = (model.get_parameter(unit.path) if reread else unit.param).data
+    weight = (model.get_parameter(unit.path) if reread and not unit.buffer else unit.param).data
     if unit.lora is None:
         return weight
     for adapter in unit.lora.active_adapters:

