@@ -30,9 +30,9 @@ class LoadingOptions:
     disable_dropout: bool = field(
         default=False,
         metadata={
-            "help": "Set every dropout probability of the policy to 0 (its Dropout layers, as TRL does, and the "
-            "attention dropout that models such as Qwen2 apply as a function), so that its log-probs are "
-            "deterministic and equal to the engine's."
+            "help": "Set every dropout probability of the policy to 0 (its Dropout layers, as TRL does, and every "
+            "dropout a family applies as a function under a name of its own: attention, hidden, residual, "
+            "activation), so that its log-probs are deterministic and equal to the engine's."
         },
     )
     shuffle_dataset: bool | None = field(
@@ -100,11 +100,34 @@ def wrap_with_peft(model: PreTrainedModel, peft_config: Any, args: Any) -> PeftM
 
 
 def disable_dropout(model: nn.Module) -> None:
-    """`disable_dropout`: every `nn.Dropout` of `model` gets p=0, as TRL's `disable_dropout_in_model` does, and so
-    does the attention dropout many architectures (Qwen2, Llama) apply as a function with the probability their
-    attention module keeps in `attention_dropout`, which TRL's leaves on."""
+    """`disable_dropout`: every dropout of `model` gets p=0. TRL's `disable_dropout_in_model` zeroes the `nn.Dropout`
+    layers only; many architectures apply dropout as a function with a probability a module keeps under a name of its
+    own (`attention_dropout`, `hidden_dropout`, `residual_dropout`, `resid_pdrop`, ...) or reads from its config at
+    each forward. So every float a module or the model's config (and its sub-configs) holds under a name with
+    `dropout` or `pdrop` in it is set to 0 too, whatever the family calls it. (The saved config then says 0.)"""
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):
-            module.attention_dropout = 0.0
+        _zero_dropout_fields(vars(module))
+    for config in _configs(getattr(model, "config", None)):
+        _zero_dropout_fields(vars(config))
+
+
+def _zero_dropout_fields(fields: dict) -> None:
+    for name, value in list(fields.items()):
+        if isinstance(value, float) and not isinstance(value, bool) and ("dropout" in name or "pdrop" in name):
+            fields[name] = 0.0
+
+
+def _configs(config: Any) -> list[Any]:
+    """`config` and the configs it holds (a vision-language model's text and vision configs), each once."""
+    from transformers import PretrainedConfig
+
+    found: list[Any] = []
+    stack = [config]
+    while stack:
+        current = stack.pop()
+        if isinstance(current, PretrainedConfig) and all(current is not c for c in found):
+            found.append(current)
+            stack.extend(v for v in vars(current).values() if isinstance(v, PretrainedConfig))
+    return found

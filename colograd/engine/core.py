@@ -615,10 +615,21 @@ def _torch_dtype(name: str) -> torch.dtype:
 
 
 def _architecture(model: nn.Module) -> str:
-    """The model's class name, seen through FSDP2, which re-classes a sharded module as `FSDP<Name>`."""
+    """The architecture name vLLM picks its model class by: the model's class name (seen through FSDP2, which
+    re-classes a sharded module as `FSDP<Name>`) where vLLM has a model of that name, else the checkpoint's own
+    `architectures` name, else vLLM's spelling of the class name. The two can differ (Phi-3.5-MoE: transformers'
+    `PhimoeForCausalLM`, the checkpoint's and vLLM's `PhiMoEForCausalLM`), and a name vLLM lacks sends it to its
+    Transformers backend instead of its native model."""
     from torch.distributed.fsdp import FSDPModule
+    from vllm import ModelRegistry
 
-    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule)).__name__
+    name = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule)).__name__
+    native = set(ModelRegistry.get_supported_archs())
+    if name in native:
+        return name
+    declared = [arch for arch in getattr(model.config, "architectures", None) or [] if arch in native]
+    spelled = [arch for arch in sorted(native) if arch.lower() == name.lower()]
+    return next(iter(declared + spelled), name)
 
 
 @contextmanager

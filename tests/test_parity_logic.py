@@ -1,0 +1,135 @@
+"""The parity guard's decisions (colograd/grpo/parity.py) on hand-made gaps, and the two fixes that keep a model's
+training forward and the engine's model the same without a run: every dropout off, and the architecture name vLLM
+picks its model by. The runs themselves are in tests/test_parity.py."""
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM, PhimoeConfig, PhimoeForCausalLM
+
+from colograd.config.loading import disable_dropout
+from colograd.engine.core import _architecture
+from colograd.grpo import parity
+from colograd.grpo.parity import Gap, ParityError, ParityGuard, tolerance
+
+FP32 = tolerance(torch.float32, torch.float32)
+
+
+def one_rank(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def rollout(guard: ParityGuard, gaps: list[float], engine_nan: bool = False) -> None:
+    """One rollout whose first slice shows `gaps` (one token each), then the guard's check."""
+    guard.begin()
+    engine = torch.zeros(1, len(gaps)) + (float("nan") if engine_nan else 0.0)
+    guard.observe(torch.tensor([gaps]), engine, torch.ones(1, len(gaps)))
+    guard.check(step=1, gather=one_rank)
+
+
+def test_tolerance_is_the_coarser_side():
+    assert tolerance(torch.float32, torch.float32).precision == "float32"
+    assert tolerance(torch.bfloat16, torch.float32).precision == "16-bit"
+    assert tolerance(torch.float32, torch.bfloat16).precision == "16-bit"
+    assert tolerance(torch.float32, torch.float32).max < tolerance(torch.bfloat16, torch.bfloat16).max
+
+
+def test_gap_counts_only_sampled_and_scored_tokens():
+    gap = Gap()
+    trainer = torch.tensor([[0.0, 5.0, 7.0, 1.0]])
+    engine = torch.tensor([[0.5, float("nan"), 0.0, 0.0]])
+    sampled = torch.tensor([[1, 1, 0, 1]])  # token 2 is a tool result; token 1 was not asked
+    gap.add(trainer, engine, sampled)
+    assert gap.tokens == 2 and gap.max == 1.0 and gap.mean == pytest.approx(0.75)
+
+
+def test_the_gate_stops_on_the_first_rollout_past_either_bound():
+    with pytest.raises(ParityError, match="before training") as err:
+        rollout(ParityGuard(FP32, "m"), [0.0, FP32.max * 2])  # one token far off
+    assert "\n" not in str(err.value) and "engine_parity: warn" in str(err.value)
+    with pytest.raises(ParityError):
+        rollout(ParityGuard(FP32, "m"), [FP32.mean * 2] * 8)  # every token a little off
+    rollout(ParityGuard(FP32, "m"), [FP32.mean / 2] * 8)  # within both: trains
+
+
+def test_warn_only_warns(caplog):
+    guard = ParityGuard(FP32, "m", stop=False)
+    rollout(guard, [1.0])
+    assert not guard.gate_pending and guard.stopped is None
+    assert "Training on" in caplog.text
+
+
+def test_the_running_guard_warns_once_and_stops_when_it_persists(caplog):
+    guard = ParityGuard(FP32, "m")
+    rollout(guard, [0.0])  # the gate: fine
+    for _ in range(parity.PERSISTENT - 1):
+        rollout(guard, [1.0])
+        assert guard.stopped is None
+    assert caplog.text.count("engine and trainer disagree") == 1
+    rollout(guard, [0.0])  # one good rollout resets the count
+    for _ in range(parity.PERSISTENT):
+        rollout(guard, [1.0])
+    assert guard.stopped is not None and "stopped with a checkpoint" in guard.stopped
+
+
+def test_a_gate_that_measured_nothing_says_so(caplog):
+    guard = ParityGuard(FP32, "m")
+    rollout(guard, [5.0], engine_nan=True)
+    assert "measured no token" in caplog.text and not guard.gate_pending
+
+
+def test_a_restart_gates_again():
+    guard = ParityGuard(FP32, "m")
+    rollout(guard, [0.0])
+    guard.restart()
+    with pytest.raises(ParityError):
+        rollout(guard, [1.0])
+
+
+class ResidualDropout(nn.Module):
+    """A family's dropout under a name of its own, applied as a function (as OLMo's and Phi's residual ones are)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.residual_dropout = 0.5
+        self.resid_pdrop = 0.5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = nn.functional.dropout(x, p=self.residual_dropout, training=self.training)
+        return nn.functional.dropout(x, p=self.resid_pdrop, training=self.training)
+
+
+def test_disable_dropout_turns_off_dropout_under_any_name():
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=1, attention_dropout=0.3))  # fmt: skip
+    model.model.norm = nn.Sequential(model.model.norm, ResidualDropout())
+    model.config.hidden_dropout = 0.2  # read from the config at forward time by some families
+    model.train()
+    ids = torch.arange(16).unsqueeze(0)
+    assert not torch.equal(model(ids).logits, model(ids).logits)  # dropout is on
+    disable_dropout(model)
+    assert torch.equal(model(ids).logits, model(ids).logits)
+    assert model.config.attention_dropout == 0.0 and model.config.hidden_dropout == 0.0
+    assert model.config.use_cache is True  # other fields kept
+
+
+def test_the_engine_is_told_vllms_name_of_the_architecture():
+    """transformers' class `PhimoeForCausalLM` is vLLM's (and the checkpoints') `PhiMoEForCausalLM`: told the class
+    name, vLLM falls back to its Transformers backend. A class vLLM knows keeps its name."""
+    config = PhimoeConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=1, num_key_value_heads=1, num_local_experts=2)  # fmt: skip
+    assert _architecture(PhimoeForCausalLM(config)) == "PhiMoEForCausalLM"
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=1))  # fmt: skip
+    assert _architecture(llama) == "LlamaForCausalLM"
+
+
+def test_a_class_vllm_lacks_takes_the_checkpoints_declared_name():
+    class RenamedLlama(LlamaForCausalLM):
+        pass
+
+    model = RenamedLlama(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=1, architectures=["LlamaForCausalLM"]))  # fmt: skip
+    assert _architecture(model) == "LlamaForCausalLM"
+    model.config.architectures = None
+    assert _architecture(model) == "RenamedLlama"  # nothing better known: the class (vLLM's backend, or refusal)
