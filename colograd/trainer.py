@@ -38,7 +38,7 @@ from colograd.config.loading import disable_dropout, model_init_kwargs, model_na
 from colograd.config.trl_compat import TRLTrainerAttributes, check_refused_parameters, environment_dataset
 from colograd.data.core import keep_rows, sampled_prompt_tokens, tokenize_prompts
 from colograd.data.streaming import RolloutBatches, check_stream_resume, named_rows, row_names
-from colograd.engine.core import Engine, Rollout
+from colograd.engine.core import Engine, Rollout, engine_dtype
 from colograd.engine.lifetime import frozen_heap, own_classes
 from colograd.engine.sync import WeightPlan, is_sharded
 from colograd.grpo import attention
@@ -318,9 +318,8 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         self.preemption = Preemption()
         self.add_callback(self.preemption)
         # The engine samples from the model trained, or the run stops (`colograd.grpo.parity`).
-        bound = tolerance(
-            getattr(torch, self.engine.settings["dtype"]), compute_dtype(unwrapped, args.mixed_precision)
-        )
+        sampled_in = engine_dtype(args, next(unwrapped.parameters()).dtype)
+        bound = tolerance(sampled_in, compute_dtype(unwrapped, args.mixed_precision))
         name = unwrapped.config._name_or_path or type(unwrapped).__name__
         self.parity = ParityGuard(bound, name, stop=args.engine_parity == "error")
         self.add_callback(ParityStop(self.parity))

@@ -18,6 +18,7 @@ from colograd import GRPOConfig, GRPOTrainer
 from colograd.config.core import ConfigError
 from colograd.engine import core as engine_module
 from colograd.engine import kv_cache, moe
+from colograd.grpo.parity import ParityError
 from colograd.rewards.core import resolve_reward
 
 pytestmark = pytest.mark.slow
@@ -120,8 +121,8 @@ MUTATIONS = {
 
 @pytest.mark.parametrize("mutation", MUTATIONS)
 def test_the_parity_check_fails_on_a_wrong_model_in_the_engine(mutation, tmp_path, monkeypatch, record_property):
-    """The quickstart test's gap bound has power: with one error injected into the engine's model, the same step's
-    sampling gap is over it (with transformers' flat 0.02 weights, a dropped rope scaling moved it by 1e-6)."""
+    """The parity gate has power: with one error injected into the engine's model, the same step is stopped before
+    it trains (with transformers' flat 0.02 weights, a dropped rope scaling moved the gap by 1e-6)."""
     name, mutate = MUTATIONS[mutation]
     own = engine_module._engine_config
 
@@ -131,11 +132,16 @@ def test_the_parity_check_fails_on_a_wrong_model_in_the_engine(mutation, tmp_pat
         return config
 
     monkeypatch.setattr(engine_module, "_engine_config", mutated)
+    # The parity gate (engine_parity: error, the default) stops the run before it trains: its line gives the gap.
     args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, report_to="none", save_strategy="no",
                       vllm_enforce_eager=True, max_completion_length=64)  # fmt: skip
-    trainer = one_step(name, args, Dataset.from_list(chat_rows()))
-    record_property("sampling_gap", step_log(trainer)["sampling/sampling_logp_difference/max"])
-    assert step_log(trainer)["sampling/sampling_logp_difference/max"] > GAP_BOUND
+    model, tokenizer = zoo.stopping_model(name)
+    trainer = GRPOTrainer(model=model, reward_funcs=answer_length, args=args,
+                          train_dataset=Dataset.from_list(chat_rows()), processing_class=tokenizer)  # fmt: skip
+    with pytest.raises(ParityError) as err:
+        trainer.train()
+    record_property("sampling_gap", str(err.value).split(" nats from")[0].rsplit(" ", 1)[-1])
+    assert trainer.state.global_step == 0
 
 
 # An 8k and a 128k model, started at their own context: prompts from a stream are not all
