@@ -191,6 +191,49 @@ def test_when_rounds_run_out_the_least_uniform_groups_fill_or_the_run_stops():
         DynamicSampling(args, refills, False, 0, 1).fill(rows, Rounds(set(NAMES) - {"p1"}), WEIGHTS, same, 0)
 
 
+def test_a_run_that_keeps_filling_with_uniform_groups_is_warned():
+    """A reward that is never informative: every rollout runs out of rounds and trains on uniform groups (loss 0).
+    The run is warned after WARN_AFTER such rollouts in a row, naming the way to stop (fallback: error), then at twice
+    as many; an informative rollout between them starts the count again, and a run that only sometimes fills is not
+    warned."""
+    import warnings
+
+    from colograd.grpo.dynamic import WARN_AFTER
+
+    never = Rounds(set(NAMES))
+    dynamic = DynamicSampling(settings(dynamic_sampling_max_rounds=2), DATA, False, 0, 1)
+    rows = [DATA[i] for i in range(4)]
+
+    def rollouts(count: int, sample: Rounds = never) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(count):
+                dynamic.fill(rows, sample, WEIGHTS, same, step)
+        return [str(w.message) for w in caught if "dynamic_sampling" in str(w.message)]
+
+    assert rollouts(WARN_AFTER - 1) == []
+    (first,) = rollouts(1)
+    sampled = sum(len(names) for names, _ in never.calls)  # every round of the 3 rollouts
+    assert first == (
+        f"dynamic_sampling: {WARN_AFTER} rollouts in a row ran out of refill rounds (2 each) and were filled with "
+        f"groups whose rewards do not differ: {sampled} groups sampled for {4 * WARN_AFTER} trained, 0 of them "
+        "informative (the loss is 0); check the reward functions, raise dynamic_sampling_max_rounds or "
+        "dynamic_sampling_oversample, or set dynamic_sampling_fallback: error to stop the run instead."
+    )
+    assert len(rollouts(WARN_AFTER - 1)) == 0 and len(rollouts(1)) == 1  # again at 2 × WARN_AFTER, not at each
+    assert rollouts(1, Rounds(set())) == []  # an informative rollout ends the streak
+    assert rollouts(WARN_AFTER - 1) == [] and len(rollouts(1)) == 1
+    sometimes = [rollouts(1, Rounds(set(NAMES) if k % 2 else set())) for k in range(4 * WARN_AFTER)]
+    assert sometimes == [[]] * (4 * WARN_AFTER)
+    # Rank 1 of 2 counts alike but leaves the warning to rank 0.
+    quiet = DynamicSampling(settings(dynamic_sampling_max_rounds=0), DATA, False, 1, 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(WARN_AFTER):
+            quiet.fill(rows, never, WEIGHTS, same, step)
+    assert quiet.streak.rollouts == WARN_AFTER and not caught
+
+
 def test_the_rounds_of_a_rollout_wake_the_engine_once():
     """Inside a rollout's wake, a round's own wake does nothing: with sleep mode each would otherwise sync the weights
     (a whole gather under ZeRO-3) and put the engine back to sleep between rounds."""

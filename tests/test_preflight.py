@@ -553,3 +553,15 @@ def test_trainer_checks_a_python_users_inputs_before_its_engine(tmp_path):
         with pytest.raises(ConfigError, match=r"\(its first 8 rows\)' row 3: prompt is empty"):  # " ", as above
             GRPOTrainer(tiny.build_model(), "letters", args, Dataset.from_list(rows).to_iterable_dataset(),
                         processing_class=tokenizer)  # fmt: skip
+
+
+def test_a_text_dataset_of_conversations_is_told_the_mapping_to_write():
+    """LLaVA-Instruct / ShareGPT rows (a `conversations` column, no `prompt`) for a text model: one line that says so
+    and gives the `dataset.map` building `prompt`, not datasets' own error about a missing column."""
+    from datasets import Dataset
+
+    rows = [{"conversations": [{"from": "human", "value": "what is 2+2?"}, {"from": "gpt", "value": "4"}]}]
+    with pytest.raises(ConfigError) as err:
+        check_prompts(Dataset.from_list(rows), tiny.build_tokenizer())
+    assert "\n" not in str(err.value) and "'conversations' column and no 'prompt'" in str(err.value)
+    assert "dataset.map(" in str(err.value) and "['value']" in str(err.value)

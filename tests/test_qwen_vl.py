@@ -112,6 +112,47 @@ def test_mm_token_type_ids_are_rebuilt_for_own_position_models(tiny_qwen):
     assert forward_images({"input_ids": batch["input_ids"]}, config) == {}  # no image: nothing to place
 
 
+def test_a_banner_the_qwen_processor_refuses_is_named_with_its_row_before_start_up_and_at_its_rollout(tiny_qwen):
+    """A 1000x4 banner (aspect ratio 250, over Qwen-VL's 200): transformers' bare ValueError, with no row, is now one
+    line naming the row, the image's size and the fix, from preflight's sample and from the rollout that reads a row
+    past it (a dynamic-sampling refill reads its rows through the same rollout)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from colograd.data.streaming import ROW_KEY
+    from colograd.vision.checks import check_image_data
+
+    processor = load_pretrained(tiny_qwen, AutoTokenizer)
+    model = load_pretrained(tiny_qwen, AutoModelForCausalLM)
+    banner = Image.new("RGB", (1000, 4), "red")
+    good = {"prompt": USER, "image": Image.new("RGB", (56, 56), "blue")}
+    expected = (
+        "the processor refuses its image (1000x4): absolute aspect ratio must be smaller than 200, got 250.0; pad or "
+        "crop the image to an aspect ratio the processor takes (e.g. PIL.ImageOps.pad), or drop the row."
+    )
+    with pytest.raises(ConfigError) as err:
+        check_image_data(model, processor, Dataset.from_list([good] * 3 + [{"prompt": USER, "image": banner}]))
+    assert str(err.value) == f"train_dataset row 3: {expected}"
+    fake = SimpleNamespace(
+        _vision=True,
+        _images_per_prompt=1,
+        processing_class=processor,
+        args=run_config("/tmp/unused", 1, max_prompt_length=None),
+        prompt_limit=4096,
+        accelerator=SimpleNamespace(num_processes=1, process_index=0),
+        engine=SimpleNamespace(),  # `awake` / `generate` missing: an AttributeError if the rollout reached it
+    )
+    fake.prepare_prompts = lambda rows: GRPOTrainer.prepare_prompts(fake, rows)
+    rows = [
+        {**good, ROW_KEY: "train_dataset row 40"},
+        {"prompt": USER, "image": banner, ROW_KEY: "train_dataset row 7000"},
+    ]
+    with pytest.raises(ConfigError) as err:
+        GRPOTrainer.sample(fake, rows)
+    assert str(err.value) == f"train_dataset row 7000: {expected}"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("version", ["2.5", "2"])
 def test_a_qwen_vl_trains_on_images_of_every_aspect_ratio(version, tiny_qwen, tmp_path):

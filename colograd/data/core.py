@@ -78,6 +78,9 @@ def load_prompts(
     first = _read(name, lambda: next(iter(dataset), None)) if streaming else None
     columns = dataset.column_names or list(first or ())
     column = args.dataset_prompt_column
+    if column == "prompt" and column not in columns and "conversations" in columns:
+        row = first if streaming else _read(name, lambda: dataset[0]) if len(dataset) else None
+        raise ConfigError(f"dataset {name!r}: {conversations_fix(row)}")
     if column not in columns:
         raise ConfigError(
             f"dataset {name!r} has no {column!r} column (columns: {', '.join(columns)}); "
@@ -304,3 +307,20 @@ def _as_chat(row: dict, column: str, system_prompt: str | None) -> dict:
     """open-r1's conversation: the system prompt, if any, then the prompt column's text as the user's turn."""
     system = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
     return {"prompt": [*system, {"role": "user", "content": row[column]}]}
+
+
+def conversations_fix(row: dict | None) -> str:
+    """What to tell a dataset with a `conversations` column and no `prompt` (LLaVA-Instruct, ShareGPT): colograd
+    prompts with a `prompt` column, and the `dataset.map` that builds it from the first turn of each conversation
+    (its keys read from `row`: LLaVA's `from` / `value`, or `role` / `content`), the `<image>` placeholder taken out
+    of its text (the image column places the images)."""
+    turns = (row or {}).get("conversations")
+    first = turns[0] if isinstance(turns, list) and turns and isinstance(turns[0], dict) else {}
+    text = "value" if "value" in first or "content" not in first else "content"
+    return (
+        "it has a 'conversations' column and no 'prompt' (the LLaVA-Instruct / ShareGPT layout), and prompts are "
+        "read from a 'prompt' column of chat messages: build it from each conversation's first turn, without its "
+        "'<image>' placeholder (the image column places the image), with dataset = dataset.map(lambda row: "
+        f"{{'prompt': [{{'role': 'user', 'content': row['conversations'][0][{text!r}]"
+        ".replace('<image>', '').strip()}]})."
+    )

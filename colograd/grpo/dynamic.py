@@ -31,6 +31,8 @@ from colograd.grpo.rollouts import PromptImages, RewardLogs, ScoredRollout
 # Refill round k of a rollout samples with its step + k × this as the engine's step: apart from every other
 # rollout's.
 ROUND_STRIDE = 1 << 40
+# Rollouts in a row that `fallback: fill` completed with uniform groups before a warning; it repeats at twice as many.
+WARN_AFTER = 3
 
 
 def refuse_stream(train_dataset: Any, setting: str, prompts: str) -> None:
@@ -162,6 +164,7 @@ class DynamicSampling:
         self.dataset = NumberedRows(dataset) if numbered else dataset
         self.g = args.num_generations
         self.per_function = args.multi_objective_aggregation == "normalize_then_sum"
+        self.streak = FillStreak()
 
     def rows(self, step: int, drawn: int, count: int) -> list[dict]:
         """This rank's `count` refill prompts of the rollout at `step`, after `drawn` per rank in its earlier rounds
@@ -231,6 +234,11 @@ class DynamicSampling:
         chosen = set(informative)
         others = sorted((i for i in range(len(spread)) if i not in chosen), key=lambda i: -float(spread[i]))
         filled = others[: want - len(informative)]
+        # `missing` is agreed, so every rank counts the same streak; one rank says it.
+        where = f" on rank {self.rank}" if self.world > 1 else ""
+        warning = self.streak.add(bool(missing), len(spread), want, len(informative), rounds, where)
+        if warning and self.rank == 0:
+            warnings.warn(warning, stacklevel=2)
         groups = informative + filled
         kept = take_groups(every, groups, g)
         if logs is not None:
@@ -248,6 +256,43 @@ class DynamicSampling:
             ).item(),
         }
         return kept, metrics, sum(lengths)
+
+
+class FillStreak:
+    """The rollouts in a row that ran out of refill rounds and were completed with uniform groups (`fallback:
+    fill`): a reward that is never informative otherwise trains on zero advantages (loss 0), silently, at the cost
+    of every round's sampling."""
+
+    def __init__(self) -> None:
+        self.rollouts = self.sampled = self.trained = self.informative = 0
+
+    def add(
+        self, filled: bool, sampled: int, trained: int, informative: int, rounds: int, where: str = ""
+    ) -> str | None:
+        """Count one rollout: whether it was `filled` (on any rank), the groups this rank `sampled` and `trained`,
+        and the `informative` ones among them, after `rounds` refill rounds; `where` names the rank in the warning.
+
+        Returns:
+            The warning to give when the streak reaches `WARN_AFTER` rollouts (again at 2×, 4×, ...), else None.
+        """
+        if not filled:
+            self.rollouts = self.sampled = self.trained = self.informative = 0
+            return None
+        self.rollouts += 1
+        self.sampled += sampled
+        self.trained += trained
+        self.informative += informative
+        n = self.rollouts
+        times, rest = divmod(n, WARN_AFTER)
+        if not times or rest or times & (times - 1):
+            return None
+        return (
+            f"dynamic_sampling: {n} rollouts in a row ran out of refill rounds ({rounds} each) and were filled with "
+            f"groups whose rewards do not differ: {self.sampled} groups sampled for {self.trained} trained{where}, "
+            f"{self.informative} of them informative{' (the loss is 0)' if not self.informative else ''}; check "
+            "the reward functions, raise dynamic_sampling_max_rounds or dynamic_sampling_oversample, or set "
+            "dynamic_sampling_fallback: error to stop the run instead."
+        )
 
 
 def _put_back(

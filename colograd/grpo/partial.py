@@ -40,6 +40,12 @@ def refuse_unresumable(args: Any, train_dataset: Any, agents: bool, images: bool
     if not args.partial_rollouts:
         return
     refuse_stream(train_dataset, "partial_rollouts", "extra prompts")
+    # Images first: their rows would fail the JSON check below, whose fix (cast the column) does not apply.
+    if images:
+        raise ConfigError(
+            "images are not supported with partial_rollouts yet (a continued request would send its images "
+            "again); turn partial_rollouts off for vision-language runs with images."
+        )
     if train_dataset is not None and len(train_dataset):
         try:
             json.dumps(train_dataset[0])
@@ -53,11 +59,6 @@ def refuse_unresumable(args: Any, train_dataset: Any, agents: bool, images: bool
         raise ConfigError(
             "partial_rollouts with tools, environment_factory or rollout_func is not supported (a turn cut short "
             "cannot be resumed with its tool calls); turn partial_rollouts off for agent runs."
-        )
-    if images:
-        raise ConfigError(
-            "partial_rollouts with image prompts is not supported yet (a continued request would send its images "
-            "again); turn partial_rollouts off for vision-language runs with images."
         )
 
 

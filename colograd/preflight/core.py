@@ -41,7 +41,7 @@ from trl.data_utils import is_conversational
 
 from colograd.config.core import ConfigError, GRPOConfig, ScriptArguments
 from colograd.config.trl_compat import QUANTIZED
-from colograd.data.core import first_line, load_prompts, tokenize_prompts
+from colograd.data.core import conversations_fix, first_line, load_prompts, tokenize_prompts
 from colograd.data.streaming import PEEK_ROWS, check_stream, check_stream_resume, peek
 from colograd.engine.kv_cache import engine_context
 from colograd.engine.lora import check_lora
@@ -432,6 +432,9 @@ def check_prompts(
     Raises:
         ConfigError: the first invalid row (index and problem), unless `drop_invalid`; no valid row at all.
     """
+    if "prompt" not in dataset.column_names:  # read the column only once it is known to be there
+        check_prompt_rows(dataset.column_names, [], tokenizer, name, drop_invalid, template_kwargs, room,
+                          first_row=dataset[0] if len(dataset) else None)  # fmt: skip
     kept, longest = check_prompt_rows(
         dataset.column_names, dataset["prompt"], tokenizer, name, drop_invalid, template_kwargs, room
     )
@@ -446,12 +449,16 @@ def check_prompt_rows(
     drop_invalid: bool,
     template_kwargs: dict[str, Any] | None,
     room: int | None = None,
+    first_row: dict | None = None,
 ) -> list[int]:
-    """`check_prompts` on a dataset's column names and prompts (for rows that need not share one arrow type).
+    """`check_prompts` on a dataset's column names and prompts (for rows that need not share one arrow type);
+    `first_row`, where the dataset has one, words the refusal of a dataset without prompts.
 
     Returns:
         The indices of the rows to keep, and the most tokens among their templated prompts.
     """
+    if "prompt" not in columns and "conversations" in columns:
+        raise ConfigError(f"{name}: {conversations_fix(first_row)}")
     if "prompt" not in columns:
         raise ConfigError(f"{name}: no 'prompt' column (columns: {', '.join(columns)}); add one.")
     _check_column_names(columns, name)

@@ -19,16 +19,19 @@ import datasets
 from PIL import Image
 from trl.data_utils import is_conversational, prepare_multimodal_messages
 
+from colograd.data.core import conversations_fix
 from colograd.data.streaming import PEEK_ROWS, peek, read_row
 from colograd.errors import ConfigError
 from colograd.vision.core import (
     IMAGE_COLUMNS,
+    RowImages,
     image_field,
     image_prompts,
     is_processor,
     is_vision_language,
     row_images,
 )
+from colograd.vision.images import to_rgb
 
 # Rows of an in-memory dataset preflight checks: the first half of them, and a seeded draw of the rest (4 ms per
 # decoded 640x480 JPEG: about a second, where every row of 100k took minutes).
@@ -138,16 +141,13 @@ def check_image_data(
             "AutoProcessor.from_pretrained(...) or leave processing_class unset."
         )
     rows = sample_rows(dataset, name)
-    for i, row in rows:
-        check_row(row, f"{name} row {i}", processing_class, image_run=bool(columns))
+    images = [check_row(row, f"{name} row {i}", processing_class, image_run=bool(columns)) for i, row in rows]
     if not columns:
         return 0, None
     most = max(1, most_images(dataset, columns, rows))
     if not rows:
         return most, None
-    _, expanded, _ = image_prompts(
-        processing_class, [r["prompt"] for _, r in rows], [row_images(r) for _, r in rows], template_kwargs
-    )
+    _, expanded, _ = image_prompts(processing_class, [r["prompt"] for _, r in rows], images, template_kwargs)
     if max_prompt_length is not None:
         check_prompt_lengths(expanded, [f"{name} row {i}" for i, _ in rows], max_prompt_length, "max_prompt_length")
     return most, max(map(len, expanded))
@@ -166,17 +166,23 @@ def check_row(
         most_images: the most images the engine was started for (None: not checked).
 
     Returns:
-        The row's images.
+        The row's images, each as 8-bit RGB with its picture (`colograd.vision.images.to_rgb`), named for the
+        processor's messages (`RowImages`).
 
     Raises:
-        ConfigError: an image that is not a PIL image (its field named, with the fix); image rows whose prompt is
+        ConfigError: an image that is not a PIL image (its field named, with the fix), or of a mode PIL cannot
+            convert; a LLaVA-Instruct / ShareGPT row (`conversations`, no `prompt`); image rows whose prompt is
             text; an image placeholder written in the prompt's text (LLaVA-style); images that do not fill the
             prompt's image parts (an image part whose image is None); more images than the engine takes.
     """
+    if "prompt" not in row and "conversations" in row:
+        raise ConfigError(f"{where}: {conversations_fix(row)}")
     field = image_field(row)
     images = row_images(row)
-    for k, image in enumerate(images):
-        check_image(image, where, field if field == "image" else f"{field}[{k}]")
+    names = [field if field == "image" else f"{field}[{k}]" for k in range(len(images))]
+    for image, name in zip(images, names, strict=True):
+        check_image(image, where, name)
+    images = RowImages([to_rgb(image, f"{where}: {name!r}") for image, name in zip(images, names, strict=True)], where)
     prompt = row.get("prompt")
     if image_run and not is_conversational({"prompt": prompt}):
         raise ConfigError(

@@ -153,6 +153,15 @@ def row_images(row: dict[str, Any]) -> list[Any]:
     return list(value) if field == "images" and isinstance(value, list | tuple) else [value]
 
 
+class RowImages(list):
+    """One row's images as `colograd.vision.checks.check_row` returns them (converted for the processor), a list
+    that also carries the row's name (`where`, "train_dataset row 300") for the processor's errors."""
+
+    def __init__(self, images: list[Any], where: str) -> None:
+        super().__init__(images)
+        self.where = where
+
+
 def image_prompts(
     processor: Any, prompts: list, images: list[list[Any]], template_kwargs: dict[str, Any] | None = None
 ) -> tuple[list[list[int]], list[list[int]], list[dict[str, torch.Tensor]]]:
@@ -161,13 +170,17 @@ def image_prompts(
     Args:
         processor: the model's processor (tokenizer, image processor, chat template).
         prompts: each row's messages.
-        images: each row's images ([] for a text-only row).
+        images: each row's images ([] for a text-only row); a row's `RowImages` name it in the processor's errors.
 
     Returns:
         engine_ids: each prompt's ids with one placeholder per image, for the engine (it expands them itself).
         expanded_ids: each prompt's ids as the processor expands them, for the trainer's forward.
         pixels: each row's processor outputs besides the ids (`pixel_values` [images, C, H, W] or patches,
             `image_grid_thw`, `image_sizes`, ...), first dimension per image or patch; {} for a text-only row.
+
+    Raises:
+        ConfigError: the processor refuses a row's images (e.g. Qwen-VL's, an aspect ratio over 200:1), naming the
+            row, its images' sizes and the fix.
     """
     from trl.data_utils import prepare_multimodal_messages
 
@@ -184,10 +197,28 @@ def image_prompts(
             expanded_ids.append(engine_ids[-1])
             pixels.append({})
             continue
-        out = processor(text=[text], images=imgs, add_special_tokens=False, return_tensors="pt")
+        try:
+            out = processor(text=[text], images=imgs, add_special_tokens=False, return_tensors="pt")
+        except Exception as err:  # the processor's own error names neither the row nor the image
+            where = imgs.where if isinstance(imgs, RowImages) else f"the rollout's prompt {len(pixels)}"
+            raise processor_refusal(err, imgs, where) from err
         expanded_ids.append(out["input_ids"][0].tolist())
         pixels.append({k: v for k, v in out.items() if k not in _PER_TOKEN})
     return engine_ids, expanded_ids, pixels
+
+
+def processor_refusal(err: Exception, images: list[Any], where: str) -> Exception:
+    """The processor's error on a row's images, as one line naming the row, each image's size, and the fix."""
+    from colograd.errors import ConfigError
+
+    sizes = ", ".join(f"{image.width}x{image.height}" for image in images)
+    message = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+    fix = "fix or drop the row (dataset.filter)"
+    if "aspect ratio" in message:
+        fix = "pad or crop the image to an aspect ratio the processor takes (e.g. PIL.ImageOps.pad), or drop the row"
+    return ConfigError(
+        f"{where}: the processor refuses its image{'s' * (len(images) != 1)} ({sizes}): {message}; {fix}."
+    )
 
 
 def rotate_prompts(
