@@ -238,6 +238,7 @@ def test_the_training_loss_adds_coef_times_the_router_loss(tmp_path):
 
     from colograd import GRPOTrainer
     from colograd.grpo.entropy import EntropyTerms
+    from colograd.grpo.parity import ParityGuard, tolerance
     from colograd.runs.timing import PhaseTimes
 
     model = moe_model(MIXTRAL).train()
@@ -253,6 +254,7 @@ def test_the_training_loss_adds_coef_times_the_router_loss(tmp_path):
             args=args, _router=router, _micro_step=1, _metrics=metrics, _times=PhaseTimes(), _prompt_cost=None,
             _segments=None, _suppressed=None, _position_ids=True,
             entropy=EntropyTerms(args, SimpleNamespace(sync_gradients=True), lambda x: x, metrics),
+            parity=ParityGuard(tolerance(torch.float32, torch.float32), "Mixtral"),
         )  # fmt: skip
         for name in ("completion_logps", "_record", "sampling_correction"):
             setattr(fake, name, MethodType(getattr(GRPOTrainer, name), fake))
