@@ -321,7 +321,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         sampled_in = engine_dtype(args, next(unwrapped.parameters()).dtype)
         bound = tolerance(sampled_in, compute_dtype(unwrapped, args.mixed_precision))
         name = unwrapped.config._name_or_path or type(unwrapped).__name__
-        self.parity = ParityGuard(bound, name, stop=args.engine_parity == "error")
+        self.parity = ParityGuard(bound, name, stop=args.engine_parity == "error", active=args.samples_unfiltered)
         self.add_callback(ParityStop(self.parity))
         self.phase_summary: dict[str, Any] = {}  # filled at the end of `train` (see `summarize_phases`)
         self._last_logged_step = 0

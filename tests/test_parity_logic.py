@@ -133,3 +133,17 @@ def test_a_class_vllm_lacks_takes_the_checkpoints_declared_name():
     assert _architecture(model) == "LlamaForCausalLM"
     model.config.architectures = None
     assert _architecture(model) == "RenamedLlama"  # nothing better known: the class (vLLM's backend, or refusal)
+
+
+def test_filtered_sampling_turns_the_guard_off():
+    """top-p / top-k / min-p / a repetition penalty make the engine sample from another distribution by design: the
+    guard then measures nothing and stops nothing (and makes no collective)."""
+    from colograd import GRPOConfig
+
+    assert GRPOConfig(output_dir="unused", report_to="none").samples_unfiltered
+    assert not GRPOConfig(output_dir="unused", report_to="none", min_p=0.05).samples_unfiltered
+    guard = ParityGuard(FP32, "m", active=False)
+    assert not guard.gate_pending
+    rollout(guard, [10.0])  # would stop an active guard
+    guard.restart()
+    assert not guard.gate_pending

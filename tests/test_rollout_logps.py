@@ -106,15 +106,18 @@ def test_a_rollout_asks_for_the_gap_sample_only_when_a_step_it_trains_logs(loggi
     asked = []
     for step in range(0, 6, span):  # the optimizer steps done when each rollout starts
         state = TrainerState(global_step=step, max_steps=6, logging_steps=args.logging_steps)
-        asked.append(GRPOTrainer.gap_sampled(SimpleNamespace(args=args, state=state, _rollout_step=step)))
+        gate = SimpleNamespace(gate_pending=False)  # the parity gate's first rollout asks anyway (below)
+        asked.append(GRPOTrainer.gap_sampled(SimpleNamespace(args=args, state=state, _rollout_step=step, parity=gate)))
     assert asked == expected
-    evaluation = SimpleNamespace(args=args, state=TrainerState(global_step=1, max_steps=6), _rollout_step=-2)
+    evaluation = SimpleNamespace(args=args, state=TrainerState(global_step=1, max_steps=6), _rollout_step=-2,
+                                 parity=SimpleNamespace(gate_pending=False))  # fmt: skip
     assert GRPOTrainer.gap_sampled(evaluation)  # an evaluation's rollout always asks
 
 
 def test_between_logging_steps_no_request_asks_and_the_metric_is_logged_where_steps_log(tmp_path, monkeypatch):
-    """logging_steps=2 over 4 steps: the rollouts of steps 1 and 3 ask the engine for no log-prob, those of steps 2
-    and 4 for the metric's one completion, and the logged entries carry the sampling gap."""
+    """logging_steps=2 over 4 steps: the rollout of step 3 asks the engine for no log-prob, those of steps 2 and 4 for
+    the metric's one completion, and so does step 1's, the parity gate's (`colograd.grpo.parity`); the logged entries
+    carry the sampling gap."""
     import colograd.engine.core
     from colograd import GRPOTrainer
 
@@ -133,7 +136,7 @@ def test_between_logging_steps_no_request_asks_and_the_metric_is_logged_where_st
         processing_class=tiny.build_tokenizer(),
     )
     trainer.train()
-    assert asked == [0, 1, 0, 1]
+    assert asked == [1, 1, 0, 1]
     steps = [h for h in trainer.state.log_history if "loss" in h]
     assert [h["step"] for h in steps] == [2, 4]
     assert all(h["sampling/sampling_logp_difference/max"] < 1e-3 for h in steps)

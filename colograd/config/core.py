@@ -106,9 +106,14 @@ class GRPOConfig(
         """Whether the engine's log-probs of its samples can stand in for the sampling policy's, saving a forward
         pass: each rollout is trained on once, sampling is unfiltered (the engine's probabilities are then the
         full softmax at the temperature, as the trainer's), and no correction needs the trainer's own."""
+        return self.num_iterations == 1 and self.samples_unfiltered and not self.vllm_importance_sampling_correction
+
+    @property
+    def samples_unfiltered(self) -> bool:
+        """Whether the engine samples from the full softmax at the temperature, as the trainer scores: no top-p,
+        top-k, min-p, repetition penalty, extra sampling arguments or structured output reshape its distribution."""
         unfiltered = self.top_p == 1.0 and self.top_k <= 0 and self.repetition_penalty == 1.0
-        unfiltered = unfiltered and not (self.min_p or self.generation_kwargs or self.vllm_structured_outputs_regex)
-        return self.num_iterations == 1 and unfiltered and not self.vllm_importance_sampling_correction
+        return unfiltered and not (self.min_p or self.generation_kwargs or self.vllm_structured_outputs_regex)
 
     @property
     def needs_engine_logps(self) -> bool:

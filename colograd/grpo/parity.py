@@ -13,6 +13,9 @@ reduced over ranks once per rollout, so every rank takes the same decision:
 - **the running guard**: every later rollout. A mean gap past the tolerance warns once with the step; `PERSISTENT`
   rollouts in a row past it stop the run with a checkpoint (`engine_parity: warn` only warns).
 
+Both are off where sampling is filtered (top-p, top-k, min-p, a repetition penalty, extra sampling arguments,
+structured output): the engine then samples from another distribution by design.
+
 The tolerances (`tolerance`) were set from measurement: the gap of a healthy run on sharp weights, against the gap of
 a run whose engine holds another model (docs/real-models.md, "The parity gate").
 """
@@ -95,23 +98,26 @@ class ParityGuard:
         stop: stop the run (`engine_parity: error`); False only warns.
     """
 
-    def __init__(self, bound: GapBound, model: str, stop: bool = True) -> None:
+    def __init__(self, bound: GapBound, model: str, stop: bool = True, active: bool = True) -> None:
         self.bound = bound
         self.model = model
         self.stop = stop
+        # Off where sampling is filtered (top-p, top-k, min-p, a repetition penalty, ...): the engine's log-probs are
+        # then those of another distribution by design, and their gap to the trainer's measures the filter.
+        self.active = active
         self.gap: Gap | None = None  # the current rollout's, while its first slice is trained
-        self.gate_pending = True  # the next rollout is the first after a start or resume
+        self.gate_pending = active  # the next rollout is the first after a start or resume
         self.over = 0  # rollouts in a row past the bound (the running guard)
         self.warned = False
         self.stopped: str | None = None  # the running guard's line, once it stops the run
 
     def restart(self) -> None:
         """A `train` call (re)starts: its first rollout is gated."""
-        self.gate_pending, self.over, self.warned, self.stopped = True, 0, False, None
+        self.gate_pending, self.over, self.warned, self.stopped = self.active, 0, False, None
 
     def begin(self) -> None:
         """A new rollout's first slice is about to be trained."""
-        self.gap = Gap()
+        self.gap = Gap() if self.active else None
 
     def observe(self, logps_NT: torch.Tensor, engine_logps_NT: torch.Tensor, sampled_NT: torch.Tensor) -> None:
         """Count a forward pass of the first slice (a slice may be trained in several passes)."""
@@ -125,6 +131,8 @@ class ParityGuard:
         Raises:
             ParityError: the gate's rollout is past the bound and `stop`.
         """
+        if not self.active:  # every rank alike: no collective
+            return
         gap, self.gap = self.gap or Gap(), None
         local = torch.tensor([[gap.max, gap.total, float(gap.tokens)]], dtype=torch.float64)
         every = gather(local).view(-1, 3)
