@@ -231,13 +231,22 @@ def test_the_trainers_processes_are_not_seen(sandbox):
 
 
 def test_shared_memory_of_the_machine_is_not_reached(sandbox):
+    # The sandbox's /dev/shm is a tmpfs of its own (multiprocessing's semaphores live there): what the machine's
+    # holds is not seen, and what the program writes there does not reach it.
+    machine = Path("/dev/shm") / f"colograd-test-{uuid.uuid4().hex}"
+    machine.write_text("the machine's")
     name = f"colograd-test-{uuid.uuid4().hex}"
-    run = sandbox.run(f"open('/dev/shm/{name}', 'w').write('x')")
+    try:
+        run = sandbox.run(
+            f"import os\nprint(os.path.exists({str(machine)!r}))\nopen('/dev/shm/{name}', 'w').write('x')"
+        )
+    finally:
+        machine.unlink()
     written = Path("/dev/shm") / name
     exists = written.exists()
     if exists:
         written.unlink()
-    assert not run.ok and not exists
+    assert "False" in run.stdout and "True" not in run.stdout and not exists
 
 
 def test_a_large_file_is_stopped_at_the_file_size_limit(sandbox):
@@ -431,6 +440,8 @@ SYSCALL_ATTACKS = {
     "new user namespace": "libc.unshare(0x10000000) == 0",
     "keyring": "libc.syscall(250, 0, -3, 1) >= 0",  # KEYCTL_GET_KEYRING_ID
     "bpf": "libc.syscall(321, 0, 0, 0) != -1 or ctypes.get_errno() != 1",
+    "aio": "libc.syscall(206, 8, ctypes.byref(ctypes.c_ulong(0))) == 0",  # io_setup
+    "dnotify": "libc.fcntl(__import__('os').open('/sandbox', 0), 1026, 1) == 0",  # F_NOTIFY, DN_ACCESS
 }
 
 
@@ -442,7 +453,7 @@ def test_the_seccomp_filter_refuses_what_a_scored_program_never_needs():
     unfiltered = Sandbox(LIMITS, protections=()).run(code)
     assert unfiltered.ok, unfiltered.stderr
     allowed = [line.rpartition(" ")[0].strip("'") for line in unfiltered.stdout.splitlines() if line.endswith("True")]
-    assert {"ptrace", "inotify", "netlink", "new user namespace", "keyring"} <= set(allowed)
+    assert {"ptrace", "inotify", "netlink", "new user namespace", "keyring", "aio", "dnotify"} <= set(allowed)
     filtered = Sandbox(LIMITS, protections=("seccomp",))
     if "seccomp" not in filtered.protections:
         pytest.skip("libseccomp2 is not installed here")
@@ -511,3 +522,15 @@ def test_a_busy_machine_does_not_turn_a_correct_program_into_a_timeout():
             process.wait()
     assert [(r.reason, r.stdout) for r in runs] == [(None, "7\n")] * 2
     assert [a.failures for a in asserts] == [[None]] * 2
+
+
+@needs_isolation
+def test_multiprocessing_works_with_a_private_dev_shm():
+    # multiprocessing's locks and queues are POSIX semaphores in /dev/shm: each sandbox has its own, empty.
+    code = (
+        "import multiprocessing as mp, os\ndef square(x):\n    return x * x\nif __name__ == '__main__':\n"
+        "    print(os.listdir('/dev/shm'))\n    q = mp.Queue(); q.put(3); print(q.get())\n"
+        "    with mp.Pool(2) as pool:\n        print(pool.map(square, [1, 2, 3]))\n"
+    )
+    run = Sandbox(LIMITS).run(code)
+    assert run.ok and run.stdout.split("\n")[:3] == ["[]", "3", "[1, 4, 9]"], run.stderr[-500:]

@@ -37,6 +37,7 @@ from colograd.rewards.code_tests import (
     LAYOUTS,
     TEST_COLUMNS,
     AssertTests,
+    RowCompileError,
     RowTestsError,
     StdioTests,
     row_tests,
@@ -154,7 +155,8 @@ class CodeReward:
                 ``test`` and ``entry_point``).
 
         Raises:
-            RowTestsError: a row has no tests, or none in a layout read here (the message says which and why).
+            RowTestsError: a row has no tests, or none in a layout read here (the message says which and why). A
+                row whose tests parse but do not compile scores 0 instead, its failure reason ``row: ...`` saying why.
         """
         rows = _rows(completions, verification_info, columns)
         futures = [self._start(c, row) for c, row in zip(completions, rows, strict=True)]
@@ -173,7 +175,13 @@ class CodeReward:
             self._start(completion, row)
 
     def _start(self, completion: Any, row: dict[str, Any]) -> Future:
-        key = (self.program(completion_text(completion)), row_tests(row))
+        try:
+            tests = row_tests(row)
+        except RowCompileError as err:  # the row's fault, found only now (preflight refuses it): scored 0, said why
+            future: Future = Future()
+            future.set_result(CodeResult(0, 1, f"row: {err}"))
+            return future
+        key = (self.program(completion_text(completion)), tests)
         with self._lock:
             future = self._started.get(key)
             if future is None:

@@ -4,21 +4,24 @@ code decides each test. Standard library only: this file's source runs inside th
     trainer ──orders──▶ launcher ─┬─ program   the interpreter runs `serve`: the row's imports, then the completion's
                                   │            program, then answers requests about the program's objects
                                   └─ judge     `judge`: the row's imports and setup, then each test, in a namespace
-                                               where every name that is not a builtin, an import or the test's own
-                                               stands for the program's object of that name
+                                               of the judge's own: builtins, the standard library and numpy, the
+                                               row's imports and setup, and for the names the row makes the
+                                               program's (its entry point, the functions and classes the tests call),
+                                               handles on the program's objects
 
-The judge runs the tests as written. Whenever a test uses one of the program's objects (calls ``add(1, 2)``, reads an
-attribute, iterates over it) the judge asks the program's process, which answers with plain data: None, bool, int,
-float, complex, str, bytes, and lists, tuples, dicts, sets and frozensets of them (`encode`). What is not plain data
-stays in the program's process and comes back as a handle the judge can call or ask about, but not compare: a
-comparison, arithmetic or a membership test on it fetches its plain value, and fails the test
-(``not plain data: <type>``) when there is none. The tests' expected values never leave the judge, and the program
-gets nothing of the tests but the arguments they pass it, so nothing the program does can turn a wrong answer into a
-pass: not an object equal to everything, not a replaced builtin, not a forged report, not a table read from the tests.
+Nothing live crosses. What goes either way is data (`encode`): None, bool, int, float, complex, str, bytes, lists,
+tuples, dicts, sets and frozensets, dates and times, Fraction, Decimal, numpy arrays and scalars, namedtuples,
+enums, Counters, OrderedDicts and defaultdicts, each rebuilt on arrival as a fresh value of the receiver's own types:
+the methods, comparisons and formatting a test runs on what the program returned are the judge's. A generator or
+iterator is materialised (bounded) before it crosses. What is not data stays where it is, behind a handle: a callable
+a test passes is called by the judge when the program asks (with data, for data); the program's objects answer
+requests from the judge, but the judge calls a method of one only when the row names its class, so a returned proxy
+cannot answer `.startswith(expected)` for the test. An exception comes back as its builtin type's name; one with a
+control-flow meaning (StopIteration, GeneratorExit, SystemExit, ...) fails the test instead of ending a loop. The
+tests' expected values never leave the judge, and the program gets nothing of the tests but the data they pass it.
 
-Requests go both ways over a pair of pipes, one message at a time (`Channel`): a test may hand the program an
-object of its own (a lambda, an instance of a class its setup defines), and the program may call it back. The judge
-answers only for objects it handed over, and reads none of their private attributes for the program.
+Requests go both ways over a pair of pipes, one message at a time (`Channel`), each bounded in size and parsed as
+untrusted by the judge: anything that is not what `encode` makes ends the execution for the program (`ProgramGone`).
 
 A test keeps its meaning: its setup runs after the program, where the program's classes exist (MBPP's setup builds
 trees of the program's ``Node``); HumanEval's ``check(candidate)`` gets the program's function; a list or dict an
@@ -34,9 +37,12 @@ import marshal
 import os
 import sys
 
-MAX_MESSAGE = 16 << 20  # bytes of one message; a larger value fails its test
-_DEPTH = 200  # nesting of plain data
+MAX_MESSAGE = 64 << 20  # bytes of one message; a larger value fails the program
+MAX_ITEMS = 100_000  # items of a generator or iterator materialised before it crosses
+_DEPTH = 200  # nesting of data
 _SAFE_INT = 1 << 53  # ints beyond this travel as hex: str(int) refuses past 4300 digits, hex does not
+# Exceptions whose meaning is control flow: raised by the program, they fail the test rather than end its loop.
+CONTROL_FLOW = frozenset(("StopIteration", "StopAsyncIteration", "GeneratorExit", "KeyboardInterrupt", "SystemExit"))
 
 
 class ProgramGone(BaseException):
@@ -44,23 +50,29 @@ class ProgramGone(BaseException):
     so that a test's own ``except Exception`` does not swallow it (the judge also notices it after the test)."""
 
 
+class ProgramFault(BaseException):
+    """The program raised an exception with a control-flow meaning (the message is the test's failure reason). A
+    BaseException, and remembered by the judge, so that no ``except`` in the test turns it into a pass."""
+
+
 class NotPlainData(TypeError):
-    """A value the test compares or computes with is not plain data."""
+    """A value the test compares or computes with, or a method it calls, is not data the judge can hold."""
 
 
 class ProgramError(Exception):
     """The program raised an exception whose type is not a builtin one (the type's name is the message)."""
 
 
-# --- plain data ----------------------------------------------------------------------------------------------------
+# --- data ----------------------------------------------------------------------------------------------------------
 
 _CONTAINERS = {list: "list", tuple: "tuple", set: "set", frozenset: "frozenset"}
 _MAKE = {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}
+_FACTORIES = {"int": int, "float": float, "str": str, "list": list, "dict": dict, "set": set, "tuple": tuple}
 
 
 def encode(value, export=None, depth=0):
     """`value` as JSON-able data: scalars as themselves, anything else as a list whose first item names its type.
-    `export(obj)` gives what stands for an object that is not plain data (a handle); None: raise NotPlainData."""
+    `export(obj, depth)` gives what stands for an object that is not data (a handle); None: raise NotPlainData."""
     kind = type(value)
     if value is None or kind is bool or kind is str or kind is float:
         return value
@@ -71,23 +83,90 @@ def encode(value, export=None, depth=0):
     if kind in _CONTAINERS:
         return [_CONTAINERS[kind], *(encode(item, export, depth + 1) for item in value)]
     if kind is dict:
-        out = ["dict"]
-        for key, item in value.items():
-            out += (encode(key, export, depth + 1), encode(item, export, depth + 1))
-        return out
+        return ["dict", *_pairs(value, export, depth)]
     if kind is bytes:
         return ["bytes", value.hex()]
     if kind is complex:
         return ["complex", value.real, value.imag]
+    if kind in _LOCAL:  # a handle: never inspected here (isinstance would ask the other side for its __class__)
+        if export is None:
+            raise NotPlainData(kind.__name__)
+        return export(value, depth)
+    data = _library_value(value, export, depth)
+    if data is not None:
+        return data
     if export is None:
-        raise NotPlainData(type(value).__name__)
-    return export(value)
+        raise NotPlainData(kind.__name__)
+    return export(value, depth)
+
+
+def _pairs(mapping, export, depth):
+    out = []
+    for key, item in mapping.items():
+        out += (encode(key, export, depth + 1), encode(item, export, depth + 1))
+    return out
+
+
+def _library_value(value, export, depth):
+    """The data of a value of the standard library's or numpy's types (dates, Fraction, Decimal, namedtuple, enum,
+    Counter, OrderedDict, defaultdict, numpy arrays and scalars), or None. Only modules already imported are looked
+    at: a value of a module nobody imported cannot exist."""
+    modules = sys.modules
+    kind = type(value)
+    dt = modules.get("datetime")
+    if dt is not None and isinstance(value, dt.date | dt.time | dt.timedelta):
+        if isinstance(value, dt.timedelta):
+            return ["timedelta", value.days, value.seconds, value.microseconds]
+        name = "datetime" if isinstance(value, dt.datetime) else "date" if isinstance(value, dt.date) else "time"
+        return [name, value.isoformat()]
+    fractions, decimal = modules.get("fractions"), modules.get("decimal")
+    if fractions is not None and isinstance(value, fractions.Fraction):
+        return ["fraction", encode(int(value.numerator)), encode(int(value.denominator))]
+    if decimal is not None and isinstance(value, decimal.Decimal):
+        return ["decimal", str(value)]
+    enum = modules.get("enum")
+    if enum is not None and isinstance(value, enum.Enum):
+        return _enum_data(kind, value, export, depth)
+    if isinstance(value, tuple) and type(getattr(kind, "_fields", None)) is tuple:
+        fields = [str(f) for f in kind._fields]
+        return ["nt", kind.__name__, fields, *(encode(item, export, depth + 1) for item in tuple.__iter__(value))]
+    collections = modules.get("collections")
+    if collections is not None and isinstance(value, dict):
+        if isinstance(value, collections.Counter):
+            return ["counter", *_pairs(value, export, depth)]
+        if isinstance(value, collections.OrderedDict):
+            return ["odict", *_pairs(value, export, depth)]
+        if isinstance(value, collections.defaultdict):
+            factory = getattr(value.default_factory, "__name__", None)
+            return ["ddict", factory if factory in _FACTORIES else None, *_pairs(value, export, depth)]
+    if kind.__module__ == "numpy":
+        return _numpy_data(value)
+    return None
+
+
+def _enum_data(kind, value, export, depth):
+    """An enum member by value: its class's name, base, and every member (so that members of one class compare
+    equal to each other on the other side)."""
+    bases = [b.__name__ for b in kind.__mro__ if b.__name__ in ("IntFlag", "Flag", "IntEnum", "StrEnum")]
+    members = [[str(name), encode(member._value_, export, depth + 1)] for name, member in kind.__members__.items()]
+    return ["enum", kind.__name__, bases[0] if bases else "Enum", str(value._name_), *members]
+
+
+def _numpy_data(value):
+    """A numpy array or scalar as dtype, shape and bytes; None for what has objects or fields in it."""
+    dtype = getattr(value, "dtype", None)
+    if dtype is None or dtype.hasobject or dtype.fields is not None or not hasattr(value, "tobytes"):
+        return None
+    if type(value).__name__ == "ndarray":
+        return ["ndarray", dtype.str, list(value.shape), value.tobytes().hex()]
+    if getattr(value, "ndim", None) == 0:
+        return ["npscalar", dtype.str, value.tobytes().hex()]
+    return None
 
 
 def decode(data, resolve, depth=0):
-    """The value `data` encodes. `resolve(tag, id, type_name, value)` gives the object a handle (``h``, ``name``), a
-    handle with a plain value (``v``: a namedtuple, a Counter, an IntEnum) or a reference (``ref``) stands for. Builds
-    only builtin types and what `resolve` returns.
+    """The value `data` encodes, built of the receiver's own types. `resolve(tag, items, depth)` gives what a tag that
+    is not data (a handle, a reference, an iterator) stands for; it raises ProgramGone for a tag it does not know.
 
     Raises:
         ProgramGone: `data` is not something `encode` makes.
@@ -99,30 +178,153 @@ def decode(data, resolve, depth=0):
         raise ProgramGone("malformed reply")
     tag, items = data[0], data[1:]
     try:
-        if tag in _MAKE:
-            return _MAKE[tag](decode(item, resolve, depth + 1) for item in items)
-        if tag == "dict" and len(items) % 2 == 0:
-            pairs = [decode(item, resolve, depth + 1) for item in items]
-            return dict(zip(pairs[::2], pairs[1::2], strict=True))
-        if tag == "int" and len(items) == 1 and type(items[0]) is str:
-            return int(items[0], 16)
-        if tag == "bytes" and len(items) == 1 and type(items[0]) is str:
-            return bytes.fromhex(items[0])
-        if tag == "complex" and len(items) == 2 and all(type(x) in (int, float) for x in items):
-            return complex(*items)
-        if tag in ("h", "name", "ref") and len(items) == 2 and type(items[1]) is str:
-            return resolve(tag, items[0], items[1], None)
-        if tag == "v" and len(items) == 3 and type(items[1]) is str:
-            return resolve(tag, items[0], items[1], decode(items[2], resolve, depth + 1))
-    except (TypeError, ValueError, RecursionError):  # an unhashable set item or key, bad hex
-        pass
-    raise ProgramGone("malformed reply")
+        value = _decode_tagged(tag, items, resolve, depth)
+    except NotPlainData:
+        raise
+    except (TypeError, ValueError, RecursionError, OverflowError, ArithmeticError, AttributeError, KeyError):
+        raise ProgramGone("malformed reply") from None  # an unhashable set item or key, bad hex, a bad date
+    if value is _UNKNOWN:
+        return resolve(tag, items, depth)
+    return value
+
+
+_UNKNOWN = object()
+
+
+def _decode_tagged(tag, items, resolve, depth):
+    inner = lambda item: decode(item, resolve, depth + 1)  # noqa: E731
+    if tag in _MAKE:
+        return _MAKE[tag](inner(item) for item in items)
+    if tag in ("dict", "counter", "odict") and len(items) % 2 == 0:
+        return _MAPPINGS[tag](_decode_pairs(items, inner))
+    if tag == "ddict" and len(items) % 2 == 1 and (items[0] is None or items[0] in _FACTORIES):
+        import collections
+
+        return collections.defaultdict(_FACTORIES.get(items[0]), _decode_pairs(items[1:], inner))
+    if tag == "iter":  # a materialised generator or iterator: a fresh iterator over its items
+        return iter([inner(item) for item in items])
+    if tag == "int" and len(items) == 1 and type(items[0]) is str:
+        return int(items[0], 16)
+    if tag == "bytes" and len(items) == 1 and type(items[0]) is str:
+        return bytes.fromhex(items[0])
+    if tag == "complex" and len(items) == 2 and all(type(x) in (int, float) for x in items):
+        return complex(*items)
+    if tag in ("date", "datetime", "time") and len(items) == 1 and type(items[0]) is str and len(items[0]) < 64:
+        import datetime
+
+        return getattr(datetime, tag).fromisoformat(items[0])
+    if tag == "timedelta" and len(items) == 3 and all(type(x) is int for x in items):
+        import datetime
+
+        return datetime.timedelta(*items)
+    if tag == "fraction" and len(items) == 2:
+        import fractions
+
+        numerator, denominator = inner(items[0]), inner(items[1])
+        if type(numerator) is not int or type(denominator) is not int:
+            raise ValueError("fraction")
+        return fractions.Fraction(numerator, denominator)
+    if tag == "decimal" and len(items) == 1 and type(items[0]) is str and len(items[0]) < 10_000:
+        import decimal
+
+        return decimal.Decimal(items[0])
+    if tag == "nt" and len(items) >= 2:
+        return _namedtuple(items[0], items[1])(*(inner(item) for item in items[2:]))
+    if tag == "enum" and len(items) >= 3:
+        return _enum(items, inner)
+    if tag in ("ndarray", "npscalar"):
+        return _numpy(tag, items)
+    return _UNKNOWN
+
+
+def _decode_pairs(items, inner):
+    pairs = [inner(item) for item in items]
+    return zip(pairs[::2], pairs[1::2], strict=True)
+
+
+def _counter(pairs):
+    import collections
+
+    return collections.Counter(dict(pairs))
+
+
+def _odict(pairs):
+    import collections
+
+    return collections.OrderedDict(pairs)
+
+
+_MAPPINGS = {"dict": dict, "counter": _counter, "odict": _odict}
+_made_types: dict = {}  # (kind, name, ...) -> a type built here, so that values of one type compare as one type
+
+
+def _identifier(name):
+    if type(name) is not str or not name.isidentifier() or name.startswith("_") or len(name) > 100:
+        raise ValueError("not a name")
+    return name
+
+
+def _namedtuple(name, fields):
+    if type(fields) is not list or len(fields) > 1000:
+        raise ValueError("fields")
+    key = ("nt", _identifier(name), *(_identifier(f) for f in fields))
+    if key not in _made_types:
+        import collections
+
+        _made_types[key] = collections.namedtuple(name, fields)
+    return _made_types[key]
+
+
+def _enum(items, inner):
+    import enum
+
+    name, base, member, pairs = _identifier(items[0]), items[1], items[2], items[3:]
+    if base not in ("Enum", "IntEnum", "Flag", "IntFlag", "StrEnum") or not hasattr(enum, base) or len(pairs) > 1000:
+        raise ValueError("enum")
+    members = []
+    for pair in pairs:
+        if type(pair) is not list or len(pair) != 2:
+            raise ValueError("enum member")
+        value = inner(pair[1])
+        if type(value) not in (int, str, float, bool, type(None), tuple, bytes):
+            raise ValueError("enum value")
+        members.append((_identifier(pair[0]), value))
+    key = ("enum", name, base, tuple(members))
+    if key not in _made_types:
+        _made_types[key] = getattr(enum, base)(name, members)
+    return _made_types[key][member]
+
+
+def _numpy(tag, items):
+    """A fresh numpy array or scalar from dtype, shape and bytes; a dtype that holds objects or fields is refused."""
+    try:
+        import numpy
+    except ImportError:
+        raise NotPlainData(tag) from None
+    dtype = numpy.dtype(items[0]) if type(items[0]) is str and len(items[0]) < 16 else None
+    if dtype is None or dtype.hasobject or dtype.fields is not None or dtype.itemsize == 0:
+        raise ValueError("dtype")
+    if tag == "npscalar" and len(items) == 2 and type(items[1]) is str:
+        data = bytes.fromhex(items[1])
+        if len(data) != dtype.itemsize:
+            raise ValueError("size")
+        return numpy.frombuffer(data, dtype)[0]
+    shape, hexed = items[1], items[2] if len(items) == 3 else None
+    if type(shape) is not list or len(shape) > 32 or any(type(n) is not int or n < 0 for n in shape):
+        raise ValueError("shape")
+    data = bytes.fromhex(hexed)
+    count = 1
+    for n in shape:
+        count *= n
+    if count * dtype.itemsize != len(data):
+        raise ValueError("size")
+    return numpy.frombuffer(data, dtype).reshape(shape).copy()
 
 
 def _lenient(value):
-    """The program's side: a value as plain data where it is one in all but type (a namedtuple, a Counter, an IntEnum,
-    a numpy scalar), else the value itself. What this does runs in the program's process and proves nothing: the judge
-    checks what arrives, and compares only the plain value."""
+    """The program's side: a value as data where it is one in all but type (a str or int subclass, a numpy scalar
+    of an odd dtype), else the value itself. What this does runs in the program's process and proves nothing: the
+    judge checks what arrives and builds its own value."""
     kind = type(value)
     if kind in (int, float, str, bool, bytes, complex, list, tuple, dict, set, frozenset) or value is None:
         return value
@@ -136,7 +338,7 @@ def _lenient(value):
     return value
 
 
-# --- the channel and the peers ---------------------------------------------------------------------------------------
+# --- the channel ---------------------------------------------------------------------------------------------------
 
 
 class Channel:
@@ -164,7 +366,7 @@ class Channel:
             raise ProgramGone("output limit")
         try:
             return self.loads(self._exactly(size))
-        except (ValueError, RecursionError, EOFError, TypeError):
+        except (ValueError, RecursionError, EOFError, TypeError, MemoryError):
             raise ProgramGone("malformed reply") from None
 
     def _exactly(self, size):
@@ -237,17 +439,27 @@ def judge_channel(read_fd, write_fd):
     return Channel(read_fd, write_fd, marshal.dumps, json.loads)
 
 
+# --- the judge's handles on the program's objects ------------------------------------------------------------------
+
+# What the judge lets the program answer for one of its objects: a method of it is called (and an item read) only
+# when the row names the object's class; a callable a call returned is called; anything else is read, not asked.
+NONE, CALLABLE, OBJECT = 0, 1, 2
+
+
 class Remote:
-    """The other side's object. Calls, attribute reads and writes, item access, iteration, len, bool, str and repr
-    are asked of the other side; comparisons, arithmetic, hashing by value and membership use the object's plain
-    value (`Peer.plain`), computed here."""
+    """The program's object, in the judge. Calls, attribute reads and writes, item access, iteration, len, bool, str
+    and repr are asked of the program and answered with data; comparisons, arithmetic, hashing by value and
+    membership use the object's data (`Peer.plain`), computed here. `_level` says what may be asked (`OBJECT`,
+    `CALLABLE`, `NONE`): the program answers a call or an item with the test's own values in hand, so that is asked
+    only of what the row makes the program's."""
 
-    __slots__ = ("_peer", "_ref", "_type")
+    __slots__ = ("_peer", "_ref", "_type", "_level")
 
-    def __init__(self, peer, ref, type_name):
+    def __init__(self, peer, ref, type_name, level):
         object.__setattr__(self, "_peer", peer)
         object.__setattr__(self, "_ref", ref)
         object.__setattr__(self, "_type", type_name)
+        object.__setattr__(self, "_level", level)
 
     def __getattribute__(self, name):
         if name in Remote.__slots__:
@@ -258,19 +470,19 @@ class Remote:
         self._peer.ask("setattr", self, name=name, args=(value,))
 
     def __call__(self, *args, **kwargs):
+        _require(self, CALLABLE)
         return self._peer.ask("call", self, args=args, kwargs=kwargs)
 
     def __getitem__(self, key):
+        _require(self, OBJECT)
         return self._peer.ask("getitem", self, args=(key,))
 
     def __setitem__(self, key, value):
+        _require(self, OBJECT)
         self._peer.ask("setitem", self, args=(key, value))
 
     def __iter__(self):
         return iter(self._peer.ask("list", self))
-
-    def __next__(self):
-        return self._peer.ask("next", self)
 
     def __len__(self):
         return self._peer.ask("len", self)
@@ -293,52 +505,37 @@ class Remote:
     def __hash__(self):
         return object.__hash__(self)
 
-    def __eq__(self, other):  # never the other side's __eq__: it could say yes to anything
+    def __eq__(self, other):  # never the program's __eq__: it could say yes to anything
         return self._peer.plain(self) == other
 
     def __ne__(self, other):
         return not self == other
 
-    def __instancecheck__(self, obj):
+    def __instancecheck__(self, obj):  # isinstance(x, Node), Node the program's class: the program's to answer
+        _require(self, OBJECT)
         return self._peer.ask("isinstance", self, args=(obj,))
 
 
-class _Shadowed:
-    """Mixed into a builtin type: the other side's object that is plain data in all but type (a namedtuple, a Counter,
-    an IntEnum, a str subclass), as its plain value, which every comparison, hash and operation uses; an attribute
-    the plain value lacks (a namedtuple's field, an Enum's name) is asked of the other side."""
-
-    def __getattr__(self, name):  # only called for what the plain value has not
-        if name.startswith("__") and name.endswith("__"):
-            raise AttributeError(name)
-        return self.__dict__["_peer"].ask("getattr", self, name=name)
-
-    @property
-    def _peer(self):
-        return self.__dict__["_peer"]
-
-    @property
-    def _ref(self):
-        return self.__dict__["_ref"]
+def _require(remote, level):
+    """Refuse to ask the program what only the row's own objects are asked (`Remote`)."""
+    if remote._level < level:
+        raise NotPlainData(remote._type)
 
 
-class _ShadowedDict(_Shadowed, dict):
-    def __missing__(self, key):  # a defaultdict's or a Counter's own answer for a missing key
-        return self.__dict__["_peer"].ask("getitem", self, args=(key,))
+class ProgramIterator:
+    """A generator or iterator of the program's too long to materialise: its first items came with it, each next one
+    is asked for (data, or the end). The iterator protocol runs here."""
 
+    def __init__(self, peer, ref, items):
+        self._peer, self._ref, self._items = peer, ref, items
 
-_SHADOW_TYPES = {base: type(f"_Shadowed_{base.__name__}", (_Shadowed, base), {})
-                 for base in (int, float, complex, str, bytes, tuple, list, set, frozenset)}  # fmt: skip
-_SHADOW_TYPES[dict] = _ShadowedDict
+    def __iter__(self):
+        return self
 
-
-def _shadowed(peer, ref, value):
-    kind = _SHADOW_TYPES.get(type(value))
-    if kind is None:  # None and bool cannot be subclassed: the plain value is all there is
-        return value
-    shadow = kind(value)
-    shadow.__dict__.update(_peer=peer, _ref=ref)
-    return shadow
+    def __next__(self):
+        if self._items:
+            return self._items.pop(0)
+        return self._peer.ask("next", self)
 
 
 def _plain_op(op, reflected=False):
@@ -368,8 +565,44 @@ def _add_plain_ops():
 
 _add_plain_ops()
 
+
+# --- the program's handles on the judge's objects ------------------------------------------------------------------
+
+
+class JudgeFunction:
+    """A callable a test passed (a lambda, a function, a class, a bound method), in the program's process: calling
+    it asks the judge to call it, with data, and gives back data. There is nothing else to it."""
+
+    __slots__ = ("_peer", "_ref")
+
+    def __init__(self, peer, ref):
+        object.__setattr__(self, "_peer", peer)
+        object.__setattr__(self, "_ref", ref)
+
+    def __getattribute__(self, name):  # nothing to read: not even its (local) class
+        if name in JudgeFunction.__slots__:
+            return object.__getattribute__(self, name)
+        raise AttributeError(name)
+
+    def __call__(self, *args, **kwargs):
+        return object.__getattribute__(self, "_peer").ask("call", self, args=args, kwargs=kwargs)
+
+    def __repr__(self):
+        return "<test's callable>"
+
+
+class JudgeObject:
+    """A copy, in the program's process, of an instance of a class a test's setup defines: its public attributes as
+    data, its public methods as `JudgeFunction`s. Handed back to the judge, it stands for the test's own object."""
+
+
+# Builtins that would run the program's data as code in the judge, or read what they are given beyond its data: a
+# test that hands one to the program fails instead.
+_NEVER_HANDED = (eval, exec, compile, getattr, setattr, delattr, vars, globals, locals, open, __import__, breakpoint,
+                 input)  # fmt: skip
 _OPS = ("call", "getattr", "setattr", "getitem", "setitem", "list", "next", "len", "bool", "str", "repr",
         "isinstance", "value")  # fmt: skip
+_LOCAL = (Remote, ProgramIterator, JudgeFunction)  # handles: encoded by their reference, never inspected
 
 
 class Peer:
@@ -377,22 +610,26 @@ class Peer:
 
     Args:
         channel: the pipes.
-        names: the program's namespace, whose objects the other side may name (the program's side); None: names are
-            not looked up here (the judge's side).
-        lenient: encode values that are plain data in all but type as plain data (the program's side).
-        guarded: answer only for objects handed over, and never with a private attribute (the judge's side).
+        names: the program's namespace, whose objects the judge may name (the program's side); None: the judge's
+            side, which answers only calls of the callables it handed over and parses every reply as untrusted.
+        classes: the judge's side: the names of the program's classes the row uses (their objects' methods may be
+            called).
     """
 
-    def __init__(self, channel, names=None, lenient=False, guarded=False):
+    def __init__(self, channel, names=None, classes=()):
         self.channel = channel
         self.names = names
-        self.lenient = lenient
-        self.guarded = guarded
+        self.judging = names is None
+        self.classes = frozenset(classes)
         self.exports = []  # objects handed to the other side, by handle number
         self.exported = {}  # id(object) -> handle number
-        self.remotes = {}  # the other side's handle number -> Remote (so that identity holds)
+        self.remotes = {}  # the other side's handle number -> its stand-in here (so that identity holds)
         self.capture = None  # the program's side: where its stdout goes while it answers
-        self.broken = False  # the channel broke (the other side went away or broke the protocol)
+        self.broken = None  # why the channel broke: "ended" (the other side went away), or how it broke the protocol
+        self.fault = None  # the judge's side: the control-flow exception the program raised during this test
+        self._level = NONE  # the judge's side: what the handles of the reply being read may be asked
+        self._via = None  # the judge's side: "<type>.<attribute>" when the reply being read is an attribute's
+        self._data_only = False  # the judge's side: the reply being read is an object's data: no handle in it
 
     # Asking.
 
@@ -411,25 +648,29 @@ class Peer:
                 if type(reply) is not dict:
                     raise ProgramGone("malformed reply")
                 if "q" not in reply:
-                    return self._result(reply, args, kwargs)
+                    return self._result(reply, op, target, name, args, kwargs)
                 self.channel.send(self.answer(reply))  # the other side asks about one of ours before it answers
-        except ProgramGone:
-            self.broken = True
+        except ProgramGone as err:
+            self.broken = self.broken or ("ended" if str(err) == "closed" else str(err))
             raise
 
     def plain(self, remote):
-        """The plain value of the other side's object (NotPlainData when it has none)."""
+        """The data of the program's object (NotPlainData when it is not data)."""
         return self.ask("value", remote)
 
     def name(self, name):
-        """What stands for the other side's object called `name`."""
-        return Remote(self, ["name", name], name)
+        """What stands for the program's object called `name`: its functions and classes may be called."""
+        return Remote(self, ["name", name], name, OBJECT)
 
-    def _result(self, reply, args, kwargs):
+    def _result(self, reply, op, target, name, args, kwargs):
         written, changed = reply.get("o", ""), reply.get("w", [])
         if type(written) is not str or type(changed) is not list:
             raise ProgramGone("malformed reply")
         sys.stdout.write(written)  # what the program printed while it answered (a test may capture it)
+        if self.judging:
+            self._level = _reply_level(op, target)
+            self._via = f"{target._type}.{name}" if op == "getattr" and type(target) is Remote else None
+            self._data_only = op == "value"
         for item in changed:  # arguments the call changed in place
             if type(item) is not list or len(item) != 2:
                 raise ProgramGone("malformed reply")
@@ -438,28 +679,40 @@ class Peer:
             _write_back(given, self.decode(data))
         if "ok" in reply:
             return self.decode(reply["ok"])
+        if op == "next" and reply.get("end") is True:
+            raise StopIteration
+        if self.judging and reply.get("e") in CONTROL_FLOW:
+            self.fault = _fault(reply.get("e"), reply.get("c"), target._type if type(target) is Remote else "")
+            raise ProgramFault(self.fault)
         raise _exception(reply.get("e"), reply.get("c"))
 
     # Answering.
 
     def answer(self, message):
-        """The reply to one request: {"ok": value} (with "w": arguments changed in place, "o": what was printed), or
-        {"e": exception type name}."""
+        """The reply to one request: {"ok": value} (with "w": arguments changed in place, "o": what was printed),
+        {"end": true} (a "next" past the end), or {"e": exception type name, "c": detail}."""
         captured = None
         try:
             op = message.get("q")
-            if op not in _OPS:
+            if op not in _OPS or (self.judging and op != "call"):
                 raise ProgramGone("malformed request")
             target = self._target(message.get("t"))
             name = message.get("n")
-            if op in ("getattr", "setattr") and (type(name) is not str or (self.guarded and name.startswith("_"))):
+            if op in ("getattr", "setattr") and type(name) is not str:
                 raise AttributeError(name)
             raw_args = message.get("a") or []
+            # The program's objects it passes to a test's callable: read, not asked.
+            self._level, self._via, self._data_only = NONE, None, False
             args = [self.decode(a) for a in raw_args]
             kwargs = {str(k): self.decode(v) for k, v in message.get("k") or []}
             if self.capture is not None:
                 captured = self.capture()
-            result = _perform(op, target, name, args, kwargs)
+            if op == "next":
+                result = next(target, _END)
+                if result is _END:
+                    return {"end": True}
+            else:
+                result = _perform(op, target, name, args, kwargs)
             reply = {"ok": self.encode(result, plain_only=op == "value")}
             if op == "call":
                 changed = _changed(args, raw_args, self.encode) + _changed(kwargs, dict(message.get("k") or []),
@@ -473,7 +726,7 @@ class Peer:
             if isinstance(err, SystemExit):
                 reply["c"] = err.code if isinstance(err.code, int) else (0 if err.code is None else 1)
             elif isinstance(err, NotPlainData):
-                reply["c"] = str(err)
+                reply["c"] = str(err)[:200]
         finally:
             if captured is not None:
                 text = captured()
@@ -496,12 +749,15 @@ class Peer:
         if type(ref) is not list or len(ref) != 2:
             raise ProgramGone("malformed request")
         tag, key = ref
-        if tag == "name" and self.names is not None and type(key) is str:
+        if tag == "name" and not self.judging and type(key) is str:
             if key in self.names:  # the program's own: a builtin it does not define is not its answer
                 return self.names[key]
             raise NameError(key)
         if tag == "h" and type(key) is int and 0 <= key < len(self.exports):
-            return self.exports[key]
+            target = self.exports[key]
+            if self.judging and not callable(target):
+                raise TypeError("not callable")
+            return target
         raise ProgramGone("malformed request")
 
     # Values both ways.
@@ -511,42 +767,143 @@ class Peer:
             return encode(value, self._plain_only)
         return encode(value, self._export)
 
-    def _plain_only(self, value):
-        converted = _lenient(value) if self.lenient else value
+    def _plain_only(self, value, depth):
+        converted = _lenient(value)
         if converted is value:
             raise NotPlainData(type(value).__name__)
-        return encode(converted, self._plain_only)
+        return encode(converted, self._plain_only, depth + 1)
 
-    def _export(self, value):
-        if isinstance(value, Remote | _Shadowed) and value._peer is self:
-            ref = value._ref
-            return ["ref", ref[1], ref[0]] if ref[0] == "h" else ["name", 0, ref[1]]
-        converted = _lenient(value) if self.lenient else value
-        if converted is not value and type(value).__module__ == "numpy":
-            return encode(converted, self._export)
+    def _export(self, value, depth):
+        kind = type(value)
+        if kind in _LOCAL and value._peer is self:
+            return ["ref", value._ref[1]] if value._ref[0] == "h" else ["name", value._ref[1]]
+        if not self.judging and isinstance(value, JudgeObject):
+            return ["ref", value.__dict__["_judge_ref"]]
+        if _is_iterator(value):
+            return self._iterator(value, depth)
+        if self.judging:
+            return self._judge_export(value, depth)
+        converted = _lenient(value)
+        if converted is not value:
+            return encode(converted, self._export, depth + 1)
+        return ["h", self._number(value), kind.__name__[:100]]
+
+    def _iterator(self, value, depth):
+        """A generator or iterator, materialised: all of it when it ends within `MAX_ITEMS` items; else the judge's
+        refuses it, the program's goes as its first items and a handle for the rest."""
+        items = []
+        for item in value:
+            items.append(encode(item, self._export, depth + 1))
+            if len(items) >= MAX_ITEMS:
+                if self.judging:
+                    raise NotPlainData(f"an iterator of more than {MAX_ITEMS} items")
+                return ["it", self._number(value), *items]
+        return ["iter", *items]
+
+    def _judge_export(self, value, depth):
+        """What the program gets for a test's object that is not data: a callable as a handle it can only call; an
+        instance of a class the test defines as a copy of its public attributes and methods; nothing else."""
+        converted = _lenient(value)
+        if converted is not value:  # a test's own subclass of a builtin type: its value
+            return encode(converted, self._export, depth + 1)
+        if callable(value):
+            if any(value is refused for refused in _NEVER_HANDED):
+                raise NotPlainData(f"{value.__name__} (a builtin the program may not call in the judge)")
+            return ["fn", self._number(value)]
+        kind = type(value)
+        if kind.__module__ != "__test__":
+            raise NotPlainData(kind.__name__)
+        attributes, methods = {}, []
+        for name, item in vars(value).items():
+            if not name.startswith("_"):
+                attributes[name] = item
+        for name in dir(kind):
+            if not name.startswith("_") and name not in attributes and callable(getattr(kind, name, None)):
+                methods.append([name, ["fn", self._number(getattr(value, name))]])
+        return ["obj", self._number(value), kind.__name__, encode(attributes, self._export, depth + 1), *methods]
+
+    def _number(self, value):
         number = self.exported.get(id(value))
         if number is None:
             number = self.exported[id(value)] = len(self.exports)
             self.exports.append(value)
-        if converted is not value:  # its plain value, and the object itself for what the plain value lacks
-            return ["v", number, type(value).__name__, encode(converted, self._export)]
-        return ["h", number, type(value).__name__]
+        return number
 
     def decode(self, data):
         return decode(data, self._resolve)
 
-    def _resolve(self, tag, key, type_name, value):
-        if tag in ("h", "v") and type(key) is int:
-            if key not in self.remotes:
-                self.remotes[key] = (
-                    Remote(self, ["h", key], type_name) if tag == "h" else _shadowed(self, ["h", key], value)
-                )
-            return self.remotes[key]
-        if tag == "ref" and type(key) is int and 0 <= key < len(self.exports):
+    def _resolve(self, tag, items, depth):
+        if self.judging:
+            return self._judge_resolve(tag, items, depth)
+        key = items[0] if items else None
+        if tag == "fn" and len(items) == 1 and type(key) is int:
+            return self._remote(key, lambda: JudgeFunction(self, ["h", key]))
+        if tag == "obj" and len(items) >= 3 and type(key) is int:
+            return self._remote(key, lambda: self._judge_object(key, items[1:], depth))
+        if tag == "ref" and len(items) == 1 and type(key) is int and 0 <= key < len(self.exports):
             return self.exports[key]
-        if tag == "name" and self.names is not None:
-            return self._target(["name", type_name])
+        if tag == "name" and len(items) == 1:
+            return self._target(["name", key])
+        raise ProgramGone("malformed request")
+
+    def _judge_object(self, key, items, depth):
+        kind = type(str(items[0]), (JudgeObject,), {})
+        obj = kind()
+        obj.__dict__.update(decode(items[1], self._resolve, depth + 1))
+        for name, handle in items[2:]:
+            obj.__dict__[name] = decode(handle, self._resolve, depth + 1)
+        obj.__dict__["_judge_ref"] = key
+        return obj
+
+    def _judge_resolve(self, tag, items, depth):
+        """The judge's reading of a reference in the program's reply: only to the program's own objects (a handle,
+        an iterator) or back to what the judge itself handed over."""
+        key = items[0] if items else None
+        if type(key) is not int or key < 0:
+            raise ProgramGone("malformed reply")
+        if self._data_only and tag in ("h", "it"):
+            raise NotPlainData(str(items[1])[:100] if tag == "h" and len(items) > 1 else "iterator")
+        if tag == "h" and len(items) == 2 and type(items[1]) is str and len(items[1]) <= 100:
+            level = OBJECT if items[1] in self.classes else self._level
+            shown = self._via if self._via and level != OBJECT else items[1]  # a method: named by its object's type
+            remote = self._remote(key, lambda: Remote(self, ["h", key], shown, level))
+            if type(remote) is not Remote:
+                raise ProgramGone("malformed reply")
+            if remote._level < level:
+                object.__setattr__(remote, "_level", level)
+            return remote
+        if tag == "it":
+            values = [decode(item, self._resolve, depth + 1) for item in items[1:]]
+            remote = self._remote(key, lambda: ProgramIterator(self, ["h", key], values))
+            if type(remote) is not ProgramIterator:
+                raise ProgramGone("malformed reply")
+            return remote
+        if tag == "ref" and len(items) == 1 and key < len(self.exports):
+            return self.exports[key]
         raise ProgramGone("malformed reply")
+
+    def _remote(self, key, make):
+        if key not in self.remotes:
+            self.remotes[key] = make()
+        return self.remotes[key]
+
+
+_END = object()
+
+
+def _reply_level(op, target):
+    """What the program's objects in its reply to `op` on `target` may be asked, unless the row names their class:
+    a callable a call returns may be called (``make_adder(1)(2)``), as may a method of an object of a named class;
+    nothing else, so that a proxy's ``startswith`` never sees the test's value."""
+    level = getattr(target, "_level", NONE) if type(target) is Remote else NONE
+    if op == "call" or (op == "getattr" and level == OBJECT):
+        return CALLABLE
+    return NONE
+
+
+def _is_iterator(value):
+    kind = type(value)
+    return hasattr(kind, "__next__") and hasattr(kind, "__iter__") and kind not in _LOCAL
 
 
 def _perform(op, target, name, args, kwargs):
@@ -563,8 +920,6 @@ def _perform(op, target, name, args, kwargs):
         return None
     if op == "list":
         return list(target)
-    if op == "next":
-        return next(target)
     if op == "len":
         return len(target)
     if op == "bool":
@@ -575,7 +930,7 @@ def _perform(op, target, name, args, kwargs):
         return repr(target)
     if op == "isinstance":
         return isinstance(args[0], target)
-    return target  # "value": encoded as plain data only
+    return target  # "value": encoded as data only
 
 
 def _changed(given, sent, encode):
@@ -602,16 +957,22 @@ def _write_back(given, value):
 def _exception(name, detail):
     """The exception the other side raised, as this side raises it: the builtin type of that name, else a
     ProgramError (its message the type's name)."""
-    if type(name) is not str:
+    if type(name) is not str or len(name) > 100:
         raise ProgramGone("malformed reply")
     if name == "NotPlainData":
-        return NotPlainData(detail if type(detail) is str else "?")
-    if name == "SystemExit":
-        return SystemExit(detail if type(detail) is int else 1)
+        return NotPlainData(detail[:200] if type(detail) is str else "?")
     kind = getattr(builtins, name, None)
-    if isinstance(kind, type) and issubclass(kind, BaseException):
+    if isinstance(kind, type) and issubclass(kind, Exception):
         return kind()
     return ProgramError(name)
+
+
+def _fault(name, detail, where):
+    """The failure reason of a test in which the program raised an exception with a control-flow meaning."""
+    if name == "SystemExit":
+        code = detail if type(detail) is int else 1
+        return f"exit code {code}" if code else "exited early"
+    return f"error: {name}" + (f" (raised by {where})" if where else "")
 
 
 def outcome(err):
@@ -619,6 +980,8 @@ def outcome(err):
     same: `colograd.rewards.sandbox`)."""
     if isinstance(err, AssertionError):
         return "wrong answer"
+    if isinstance(err, ProgramFault):
+        return str(err)
     if isinstance(err, NotPlainData):
         return "not plain data: " + str(err)
     if isinstance(err, SyntaxError):
@@ -632,6 +995,8 @@ def outcome(err):
         return f"exit code {code}" if code else "exited early"
     if isinstance(err, ProgramError):
         return "error: " + str(err)
+    if isinstance(err, NameError) and getattr(err, "name", None):
+        return f"error: NameError ({err.name} is neither the test's, the row's, a builtin nor the program's)"
     return "error: " + type(err).__name__
 
 
@@ -645,7 +1010,7 @@ def serve(imports, program):
     ``solution``, say whether that worked, then answer the judge until it closes the channel."""
     import io
 
-    peer = Peer(program_channel(*PROGRAM_FDS), names={"__name__": "solution"}, lenient=True)
+    peer = Peer(program_channel(*PROGRAM_FDS), names={"__name__": "solution"})
     try:
         exec(compile(imports, "<test imports>", "exec"), peer.names)
         exec(compile(program, "solution.py", "exec"), peer.names)
@@ -676,20 +1041,23 @@ def serve(imports, program):
 
 
 class _Names(dict):
-    """The judge's namespace: a name that is not the test's, an import, its setup's or a builtin stands for the
-    program's object of that name."""
+    """The judge's namespace. A name is the test's own, the row's (imports, setup), a builtin, a module of the
+    standard library or numpy the test uses without importing it (imported here, never the program's), or one the
+    row makes the program's (`program`); any other name is a NameError."""
 
-    def __init__(self, peer, declared):
+    def __init__(self, peer, program, modules):
         super().__init__(__name__="__test__", __builtins__=builtins)
-        self._peer = peer
-        for name in declared:  # named by the row itself (HumanEval's entry_point), even if a builtin has the name
+        self._modules = dict(modules)
+        for name in program:
             self[name] = peer.name(name)
 
     def __missing__(self, name):
-        if hasattr(builtins, name):
-            raise KeyError(name)
-        remote = self[name] = self._peer.name(name)
-        return remote
+        if name in self._modules:
+            import importlib
+
+            module = self[name] = importlib.import_module(self._modules[name])
+            return module
+        raise KeyError(name)  # a builtin, else the NameError the test fails with
 
 
 def judge(job, read_fd, write_fd, report):
@@ -697,16 +1065,17 @@ def judge(job, read_fd, write_fd, report):
     test, in order, with "ok" or the failure reason ("ended": the program's process went away first).
 
     Args:
-        job: {"imports": text, "setup": text, "tests": [text, ...], "declared": [names of the program's objects]}.
+        job: {"imports": text, "setup": text, "tests": [text, ...], "program": [names that are the program's],
+            "modules": {name: module the judge imports for it}, "classes": [the program's classes the row names]}.
     """
-    peer = Peer(judge_channel(read_fd, write_fd), guarded=True)
+    peer = Peer(judge_channel(read_fd, write_fd), classes=job.get("classes") or ())
     sys.stdout = open(os.devnull, "w")  # for a test that prints, or captures what the program prints
     try:
         hello = peer.channel.receive()
         failed = None if type(hello) is dict and hello.get("ready") is True else str(hello.get("failed", "ended"))
     except (ProgramGone, AttributeError):
         failed = "ended"
-    names = _Names(peer, job.get("declared") or ())
+    names = _Names(peer, job.get("program") or (), job.get("modules") or {})
     for where, text in (("<test imports>", job["imports"]), ("<test setup>", job["setup"])):
         if failed is None:
             failed = _run(text, where, names, peer)
@@ -714,17 +1083,19 @@ def judge(job, read_fd, write_fd, report):
     for i, test in enumerate(job["tests"]):
         report(i, failed or _run(test, f"<test {i}>", names, peer) or "ok")
         if peer.broken:
-            failed = "ended"
+            failed = peer.broken
 
 
 def _run(text, where, names, peer):
     """Run a test's code in the judge's namespace: None, or why it failed ("ended" when the program's process went
-    away meanwhile, whatever the code did with the error)."""
+    away meanwhile, "output limit" or "malformed reply" when it broke the protocol, the program's control-flow
+    exception when it raised one, whatever the code did with any of these)."""
+    peer.fault = None
     try:
         exec(compile(text, where, "exec"), names)
         result = None
     except ProgramGone:
-        result = "ended"
+        result = "ended"  # (peer.broken says why)
     except BaseException as err:
         result = outcome(err)
-    return "ended" if peer.broken else result
+    return peer.broken or peer.fault or result

@@ -13,19 +13,23 @@ The layouts, looked for in this order (a column missing from a row, or null in i
 Assert-style tests run in one execution per completion, split in two processes: the program's, which runs the
 program as a module named ``solution`` (its ``if __name__ == "__main__":`` block does not run, as in HumanEval's
 harness) and answers for its objects, and the judge's, which runs the tests and never runs model code. The expected
-values never reach the program's process (`colograd.rewards.code_harness`).
+values never reach the program's process (`colograd.rewards.code_harness`). Which of a test's names are the
+program's and which the judge's own is decided here, from the row alone (`judge_names`).
 
-Rows are checked before they are scored: a test that does not parse, asserts nothing that can run (an assert inside a
-function the test never calls, or under ``if False:``), or uses nothing of the program (only builtins and the row's
-setup: it would pass or fail whatever the program does) is refused, in one line naming the problem.
+Rows are checked before they are scored: a test that does not parse or compile, asserts nothing that can run (an
+assert inside a function the test never calls, or under ``if False:``), or uses nothing of the program (only builtins,
+the standard library and the row's setup: it would pass or fail whatever the program does) is refused, in one line
+naming the problem.
 """
 
 import ast
 import builtins
+import functools
 import json
 import os
 import subprocess
 import symtable
+import sys
 import threading
 from dataclasses import dataclass, replace
 from typing import Any
@@ -41,10 +45,17 @@ LAYOUTS = (
     "(HumanEval's check)"
 )
 _BUILTINS = frozenset(dir(builtins))
+# Modules a test may use without importing them: they are the judge's, imported there, never the program's objects.
+_JUDGE_MODULES = {**{name: name for name in sys.stdlib_module_names}, "numpy": "numpy", "np": "numpy"}
 
 
 class RowTestsError(ValueError):
     """A row's tests cannot be read; the message (one line) names the problem and the fix."""
+
+
+class RowCompileError(RowTestsError):
+    """A row's test parses but does not compile (``nonlocal`` at module level, ``return`` outside a function): the
+    reward scores it 0, preflight refuses it."""
 
 
 @dataclass(frozen=True)
@@ -195,7 +206,7 @@ def _humaneval(test: Any, entry_point: Any) -> AssertTests:
     if not checks:
         raise RowTestsError("test defines no check(candidate) function (HumanEval's layout); define one")
     program = f"{test}\ncheck({entry_point})\n"
-    if not live_asserts(ast.parse(program)):
+    if not live_asserts(_parse("test", program)):
         raise RowTestsError(
             "test's check(candidate) has no assert that runs (only asserts of a constant, or asserts inside a "
             "function it never calls or under a condition that is always false); make it assert on candidate"
@@ -214,6 +225,7 @@ def _checked(tests: AssertTests, column: str) -> AssertTests:
     untested = []
     for k, test in enumerate(tests.tests):
         used = free_names(test) - _BUILTINS - imported
+        used -= set(_modules_used(used, _called_names(test)))
         if not (used - setup_names) and not (used & setup_names and setup_uses_program):
             untested.append(k)
     if not untested:
@@ -230,12 +242,50 @@ def _checked(tests: AssertTests, column: str) -> AssertTests:
     )
 
 
-def _called_builtins(source: str) -> set[str]:
+def _called_names(source: str) -> set[str]:
     return {
         node.func.id
         for node in ast.walk(ast.parse(source))
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _BUILTINS
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
     }
+
+
+def _modules_used(names: set[str], called: set[str]) -> dict[str, str]:
+    """Of `names`, those a test uses as a module of the standard library or numpy (by name, not calling it), each
+    with the module the judge imports for it."""
+    return {name: _JUDGE_MODULES[name] for name in names if name in _JUDGE_MODULES and name not in called}
+
+
+@dataclass(frozen=True)
+class JudgeNames:
+    """How the judge resolves a row's names. program: the names that are the program's (its entry point, the
+    functions and classes the tests and setup use); modules: name -> module the judge imports for a test that uses
+    it without importing it; classes: the program's names that are classes by their spelling (their objects'
+    methods may be called). Any other name a test uses is a NameError in the judge."""
+
+    program: tuple[str, ...]
+    modules: dict[str, str]
+    classes: tuple[str, ...]
+
+
+@functools.lru_cache(maxsize=4096)
+def judge_names(tests: AssertTests) -> JudgeNames:
+    """The names a row's tests and setup use, split between the judge and the program (`JudgeNames`)."""
+    bound = _bound(tests.imports) | _bound(tests.setup)
+    used, called = set(), set()
+    for source in (tests.setup, *tests.tests):
+        used |= free_names(source)
+        called |= _called_names(source)
+    used -= bound
+    declared = set(tests.declared)
+    modules = _modules_used(used - declared, called)
+    program = sorted(declared | {name for name in used - set(modules) if name not in _BUILTINS})
+    classes = tuple(name for name in program if name[:1].isupper())
+    return JudgeNames(tuple(program), modules, classes)
+
+
+def _called_builtins(source: str) -> set[str]:
+    return _called_names(source) & _BUILTINS
 
 
 def free_names(source: str) -> set[str]:
@@ -265,10 +315,27 @@ def _bound_in(table: symtable.SymbolTable) -> set[str]:
 
 def _parse(what: str, source: str) -> ast.Module:
     try:
-        return ast.parse(source)
+        tree = ast.parse(source)
     except (SyntaxError, ValueError, RecursionError, MemoryError) as err:
         detail = f"{type(err).__name__}: {getattr(err, 'msg', err)}"
         raise RowTestsError(f"{what} does not parse as Python ({detail}); fix it") from None
+    check_compiles(what, source)
+    return tree
+
+
+def check_compiles(what: str, source: str) -> None:
+    """Refuse, in one line naming `what`, Python that parses but does not compile (``nonlocal`` at module level,
+    ``return`` or ``yield`` outside a function, ``break`` outside a loop): the judge compiles each test, and the
+    name analysis (symtable) compiles it too.
+
+    Raises:
+        RowCompileError: it does not compile.
+    """
+    try:
+        compile(source, f"<{what}>", "exec", dont_inherit=True)
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as err:
+        detail = f"{type(err).__name__}: {getattr(err, 'msg', err)}"
+        raise RowCompileError(f"{what} does not compile as Python ({detail}); fix it") from None
 
 
 # --- running assert-style tests -----------------------------------------------------------------------------------
@@ -302,9 +369,12 @@ def assert_program(tests: AssertTests, code: str) -> str:
 
 
 def judge_job(tests: AssertTests, python: str) -> dict:
-    """What the judge gets (`colograd.rewards.code_harness.judge`): the compiled harness (hex) and the tests."""
+    """What the judge gets (`colograd.rewards.code_harness.judge`): the compiled harness (hex), the tests, and how
+    their names resolve (`judge_names`)."""
+    names = judge_names(tests)
     return {"harness": compiled_harness(python).hex(), "imports": tests.imports, "setup": tests.setup,
-            "tests": list(tests.tests), "declared": list(tests.declared)}  # fmt: skip
+            "tests": list(tests.tests), "program": list(names.program), "modules": names.modules,
+            "classes": list(names.classes)}  # fmt: skip
 
 
 @dataclass(frozen=True)

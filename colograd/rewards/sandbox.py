@@ -38,6 +38,10 @@ logger = logging.getLogger(__name__)
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_launch.py")
 _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/sandbox", "TMPDIR": "/sandbox", "LANG": "C.UTF-8"}
 _STDERR_KEPT = 4096  # bytes of stderr kept for the failure's reason
+# Bytes of the status pipe read before the execution is killed: the launcher's report and one line per test (each at
+# most ~250 bytes). The judge writes it; it is parsed as untrusted all the same, within this cap.
+_STATUS_BYTES = 64 << 10
+_STATUS_BYTES_PER_TEST = 512
 # The protections beyond the namespaces, each one a layer a test removes to show what it holds (tests/test_sandbox.py).
 PROTECTIONS = ("memory_cgroup", "seccomp", "session_keyring", "ipc_limits")
 _MISSING = {
@@ -250,7 +254,10 @@ class Sandbox:
             except BrokenPipeError:  # the launcher died before reading its orders: reported below
                 pass
             clock = _Clock(proc.pid, self.limits.wall_s)
-            stdout, stderr, status_bytes, cut = _communicate(proc, status_r, clock, self.limits.output_kib * 1024)
+            status_cap = _STATUS_BYTES + _STATUS_BYTES_PER_TEST * len((judge or {}).get("tests", ()))
+            stdout, stderr, status_bytes, cut = _communicate(
+                proc, status_r, clock, self.limits.output_kib * 1024, status_cap
+            )
             _kill_group(proc)
             proc.wait()
             oom = self._cgroups.oom_kills(cgroup) if cgroup else 0
@@ -259,25 +266,52 @@ class Sandbox:
                 workdir.cleanup()
             if cgroup is not None:
                 self._cgroups.remove(cgroup)
-        return _execution(stdout, stderr, status_bytes, cut, oom, time.perf_counter() - start)
+        tests = len((judge or {}).get("tests", ()))
+        return _execution(stdout, stderr, status_bytes, cut, oom, time.perf_counter() - start, tests)
 
 
-def _execution(stdout: bytes, stderr: bytes, status_bytes: bytes, cut: str | None, oom: int, seconds: float):
-    """The Execution that the streams and the status pipe's lines tell of."""
+def _status(status_bytes: bytes, tests: int) -> tuple[dict, dict[int, str], str | None]:
+    """The launcher's report, the judge's verdicts and the judge's failure, read from the status pipe's lines as
+    untrusted: a line that is not one of the three shapes fails the judge (and so every test it did not decide)."""
     verdicts: dict[int, str] = {}
     status: dict = {}
     judge_failure = None
     for line in status_bytes.decode("utf-8", "replace").splitlines():
         try:
-            report = json.loads(line)
-        except ValueError:
-            continue
-        if "test" in report:
-            verdicts.setdefault(int(report["test"]), str(report["outcome"]))
-        elif "judge_error" in report:
-            judge_failure = f"judge: {report['judge_error']}"
+            report = json.loads(line) if line.strip() else None
+        except (ValueError, RecursionError):
+            report = None
+        if type(report) is not dict:
+            judge_failure = judge_failure or "judge: malformed status"
+        elif type(report.get("test")) is int and 0 <= report["test"] < tests and type(report.get("outcome")) is str:
+            verdicts.setdefault(report["test"], report["outcome"][:200])
+        elif type(report.get("judge_error")) is str:
+            judge_failure = f"judge: {report['judge_error'][:500]}"
+        elif "setup_error" in report or "program" in report:
+            status = _launcher_report(report)
         else:
-            status = report
+            judge_failure = judge_failure or "judge: malformed status"
+    return status, verdicts, judge_failure
+
+
+def _launcher_report(report: dict) -> dict:
+    """The launcher's report, keeping only fields of the types it writes."""
+    given = report.get("protections")
+    out: dict = {"protections": [p for p in given if p in PROTECTIONS] if type(given) is list else []}
+    if "setup_error" in report:
+        out["setup_error"] = str(report["setup_error"])[:500]
+    for who in ("program", "judge"):
+        given = report.get(who)
+        if type(given) is dict:
+            out[who] = {k: v for k, v in given.items() if type(v) in (int, float, bool)}
+    return out
+
+
+def _execution(
+    stdout: bytes, stderr: bytes, status_bytes: bytes, cut: str | None, oom: int, seconds: float, tests: int = 0
+):
+    """The Execution that the streams and the status pipe's lines tell of."""
+    status, verdicts, judge_failure = _status(status_bytes, tests)
     err_text = _text(stderr)
     done = dict(protections=tuple(status.get("protections", ())), verdicts=verdicts, seconds=seconds)
     if "setup_error" in status:
@@ -365,10 +399,10 @@ class _Clock:
             level = below
 
 
-def _communicate(proc: subprocess.Popen, status_fd: int, clock: _Clock, cap: int):
-    """Read the program's stdout and stderr and the status pipe until all close, the clock runs out or stdout and
-    stderr together exceed `cap` bytes. Returns stdout, the end of stderr, the status pipe's bytes, and "timeout" /
-    "output limit" when it was cut short."""
+def _communicate(proc: subprocess.Popen, status_fd: int, clock: _Clock, cap: int, status_cap: int = _STATUS_BYTES):
+    """Read the program's stdout and stderr and the status pipe until all close, the clock runs out, stdout and
+    stderr together exceed `cap` bytes or the status pipe `status_cap`. Returns stdout, the end of stderr, the status
+    pipe's bytes, and "timeout" / "output limit" / "status limit" when it was cut short."""
     out, err, status = bytearray(), bytearray(), bytearray()
     total = 0
     with selectors.DefaultSelector() as sel:
@@ -387,6 +421,8 @@ def _communicate(proc: subprocess.Popen, status_fd: int, clock: _Clock, cap: int
                         continue
                     if key.data is status:
                         status.extend(chunk)
+                        if len(status) > status_cap:
+                            return bytes(out), bytes(err[-_STDERR_KEPT:]), bytes(status[:status_cap]), "status limit"
                         continue
                     total += len(chunk)
                     key.data.extend(chunk)

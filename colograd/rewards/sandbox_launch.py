@@ -40,10 +40,12 @@ import time
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET, CLONE_NEWCGROUP = 0x10000000, 0x20000000, 0x40000000, 0x02000000
 NAMESPACE_FLAGS = CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 MNT_DETACH = 2
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_DUMPABLE = 1, 38, 4
 KEYCTL_JOIN_SESSION_KEYRING = 1
+F_NOTIFY = 1026  # fcntl's directory notifications (F_LINUX_SPECIFIC_BASE + 2)
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217}
 SYS_KEYCTL = {"x86_64": 250, "aarch64": 219, "ppc64le": 271, "s390x": 280}
 SYSTEM_DIRS = ("usr", "bin", "lib", "lib64", "lib32", "libx32", "sbin")
@@ -55,11 +57,14 @@ INNER_ID = 1000  # the program's uid and gid inside a user namespace
 ROOT_MODE_UID_BASE = 1 << 24
 JUDGE_UID_OFFSET = 1 << 22  # above any pid (pid_max is at most 2^22)
 PROGRAM_FDS = (3, 4)  # the program's ends of the judge's channel (`colograd.rewards.code_harness.PROGRAM_FDS`)
+JUDGE_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS",
+                          "VECLIB_MAXIMUM_THREADS", "BLIS_NUM_THREADS")  # fmt: skip
 
 # What a scored program never needs. Refused with EPERM (clone3 with ENOSYS, so that the C library falls back to
 # clone, whose flags a filter can read): tracing and reading other processes, keyrings, BPF, mounts and new
 # namespaces, file and device watches, netlink and raw sockets, System V IPC and memory files (outside RLIMIT_AS),
-# io_uring (which bypasses this filter), the kernel log and performance counters, modules, reboot, swap, the clock.
+# io_uring and the kernel's AIO (both submit work this filter does not see), directory notifications (fcntl F_NOTIFY:
+# inotify's older form), the kernel log and performance counters, modules, reboot, swap, the clock.
 REFUSED_SYSCALLS = (
     "ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd", "kcmp",
     "keyctl", "add_key", "request_key",
@@ -70,6 +75,7 @@ REFUSED_SYSCALLS = (
     "shmget", "shmat", "shmdt", "shmctl", "msgget", "msgsnd", "msgrcv", "msgctl", "semget", "semop", "semtimedop",
     "semctl", "ipc", "memfd_create", "memfd_secret",
     "io_uring_setup", "io_uring_enter", "io_uring_register",
+    "io_setup", "io_destroy", "io_submit", "io_cancel", "io_getevents", "io_pgetevents",
     "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "reboot", "swapon", "swapoff",
     "acct", "quotactl", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex",
 )  # fmt: skip
@@ -166,6 +172,7 @@ class SeccompFilter:
         self._refuse("clone", errnos.EPERM, (0, self.CMP_MASKED_EQ, CLONE_NEWUSER, CLONE_NEWUSER))
         for flag in (CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET, CLONE_NEWCGROUP):
             self._refuse("clone", errnos.EPERM, (0, self.CMP_MASKED_EQ, flag, flag))
+        self._refuse("fcntl", errnos.EPERM, (1, self.CMP_EQ, F_NOTIFY, 0))
         for family in range(max(SOCKET_FAMILIES)):
             if family not in SOCKET_FAMILIES:
                 self._refuse("socket", errnos.EPERM, (0, self.CMP_EQ, family, 0))
@@ -220,9 +227,13 @@ def build_root(orders: dict, owner: int | None) -> None:
     for name in DEVICES:
         _write(f"{new}/dev/{name}", "")
         _mount(f"/dev/{name}", f"{new}/dev/{name}", None, MS_BIND)
-    for name in ("sandbox", "tmp"):
+    for name in ("sandbox", "tmp", "dev/shm"):
         os.mkdir(new + "/" + name)
     _mount("tmpfs", new + "/sandbox", "tmpfs", MS_NOSUID | MS_NODEV, f"size={orders['disk_kib']}k,mode=777")
+    # A private /dev/shm for POSIX semaphores and shared memory (multiprocessing's locks and queues): a tmpfs of its
+    # own, as small as /sandbox, in no other sandbox's or the machine's view.
+    shm = f"size={orders['disk_kib']}k,mode=1777"
+    _mount("tmpfs", new + "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, shm)
     if owner is not None:
         os.chown(new + "/sandbox", owner, owner)
     write_program(orders, new + "/sandbox")
@@ -325,6 +336,8 @@ def run_judge(orders: dict, uid: int | None, seccomp: SeccompFilter | None, chan
         seccomp.apply()
     job = orders["judge"]
     sys.path[:] = job["path"]  # the program's interpreter's (its site-packages: a test may import numpy)
+    # The judge may not start a thread (NPROC 1): numpy's BLAS and OpenMP pools would fail at import.
+    os.environ.update(dict.fromkeys(JUDGE_THREAD_VARIABLES, "1"))
 
     def report(index: int, outcome: str) -> None:
         os.write(5, (json.dumps({"test": index, "outcome": outcome[:200]}) + "\n").encode())
