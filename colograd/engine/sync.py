@@ -192,8 +192,8 @@ def _units(model: nn.Module, merge_lora: bool) -> list[_Unit]:
 
 
 def _persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """The model's buffers that its state dict (so its checkpoint) holds, by name; the reference policy's copy and
-    PEFT's originals left out as their parameters are."""
+    """The model's buffers that its state dict (so its checkpoint) holds, by name; PEFT's `original_module` copies
+    left out, as their parameters are."""
     for path, module in model.named_modules():
         for leaf, buffer in module._buffers.items():
             name = f"{path}.{leaf}" if path else leaf
