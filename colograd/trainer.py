@@ -264,7 +264,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
             unwrapped,
             processing_class,
             args,
-            self._lora_rank,
+            lora_rank=self._lora_rank,
             prompt_tokens=expected,
             longest_prompt=self._longest_prompt,
             images_per_prompt=self._images_per_prompt,

@@ -220,3 +220,27 @@ def test_v2_sampler_is_tapped_through_its_input_batch(monkeypatch):
     assert tap.logps(outputs) is None
     tap.uninstall()
     assert type(llm.worker.model_runner.sampler) is Sampler
+
+
+@pytest.mark.slow
+def test_a_missed_tap_samples_again_with_every_argument(engine, monkeypatch, caplog):
+    """When the tap's rows miss a rollout, the engine samples it again reading vLLM's objects, with the call's own
+    arguments: the early rewards' `on_group` gets the completions the rollout returns, not the discarded ones."""
+    tap = engine._sampler_tap()
+    assert tap is not None
+    monkeypatch.setattr(tap, "logps", lambda outputs: None)  # this rollout's rows are missed
+    args = copy.copy(engine.args)
+    args.sampling_gap_completions = "all"  # every request asks its log-probs: the tap serves them
+    prompt_ids = [p["prompt_token_ids"] for p in engine.prompts]
+    started: dict[int, list[list[int]]] = {}
+    try:
+        with caplog.at_level(logging.WARNING, logger="colograd.engine.core"):
+            rollout = engine.generate(prompt_ids, args, on_group=lambda i, ids: started.__setitem__(i, ids))
+        assert engine._tap is None
+        assert "the sampler tap missed" in caplog.text
+        g = args.num_generations
+        groups = [rollout.completion_ids[i * g : (i + 1) * g] for i in range(len(prompt_ids))]
+        assert [started[i] for i in range(len(prompt_ids))] == groups
+        assert all(not torch.isnan(torch.tensor(logps)).any() for logps in rollout.logps)
+    finally:
+        engine._tap = tap

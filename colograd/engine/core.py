@@ -116,6 +116,7 @@ class Engine:
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
         args: GRPOConfig,
+        *,
         lora_rank: int | None = None,
         sleep_level: int | None = None,
         prompt_tokens: int | None = None,
@@ -208,6 +209,7 @@ class Engine:
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
         args: GRPOConfig,
+        *,
         lora_rank: int | None = None,
         sleep_level: int | None = None,
         prompt_tokens: int | None = None,
@@ -222,18 +224,15 @@ class Engine:
             ConfigError: on a GPU, this process already holds an engine with other settings.
         """
         global _PROCESS_ENGINE
+        sizing = dict(prompt_tokens=prompt_tokens, longest_prompt=longest_prompt, images_per_prompt=images_per_prompt)
         if not one_engine_per_process():
-            return cls(
-                model, tokenizer, args, lora_rank, sleep_level, prompt_tokens, longest_prompt, images_per_prompt
-            )
+            return cls(model, tokenizer, args, lora_rank=lora_rank, sleep_level=sleep_level, **sizing)
         if _PROCESS_ENGINE is not None:
             _PROCESS_ENGINE.reuse(
                 engine_settings(model, tokenizer, args, lora_rank, sleep_level, longest_prompt, images_per_prompt)
             )
             return _PROCESS_ENGINE
-        _PROCESS_ENGINE = cls(
-            model, tokenizer, args, lora_rank, sleep_level, prompt_tokens, longest_prompt, images_per_prompt
-        )
+        _PROCESS_ENGINE = cls(model, tokenizer, args, lora_rank=lora_rank, sleep_level=sleep_level, **sizing)
         return _PROCESS_ENGINE
 
     def reuse(self, settings: dict[str, Any]) -> None:
@@ -258,6 +257,7 @@ class Engine:
         self,
         prompt_ids: list[list[int]],
         args: GRPOConfig,
+        *,
         step: int = 0,
         num_generations: int | None = None,
         gap_sample: bool = True,
@@ -325,7 +325,9 @@ class Engine:
             logger.warning("colograd: the sampler tap missed a rollout's log-probs; reading vLLM's Logprob objects.")
             self._tap = None
             # (No tap under tensor parallelism: these are this rank's prompts.)
-            return self.generate(prompt_ids, args, step, g, gap_sample, images)
+            return self.generate(
+                prompt_ids, args, step=step, num_generations=g, gap_sample=gap_sample, on_group=on_group, images=images
+            )
         return Rollout(
             completion_ids=[list(sample.token_ids) for sample in samples],
             logps=logps,
