@@ -25,28 +25,27 @@ from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
-from datasets import Dataset
 from peft import PeftModel
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from trl.data_utils import is_conversational
 
 from colograd.agents.core import Agents, RolloutFunc, VLLMGeneration
 from colograd.agents.tools import ToolCallParser
 from colograd.config.core import GRPOConfig
-from colograd.config.loading import disable_dropout, model_init_kwargs, model_name, tokenizer_kwargs, wrap_with_peft
-from colograd.config.trl_compat import TRLTrainerAttributes, check_refused_parameters, environment_dataset
-from colograd.data.core import keep_rows, sampled_prompt_tokens, tokenize_prompts
+from colograd.config.loading import model_name
+from colograd.config.trl_compat import TRLTrainerAttributes
+from colograd.data.core import keep_rows, tokenize_prompts
 from colograd.data.streaming import RolloutBatches, check_stream_resume, named_rows, row_names
-from colograd.engine.core import Engine, Rollout, engine_dtype
+from colograd.engine.core import Engine, engine_dtype
 from colograd.engine.lifetime import frozen_heap, own_classes
+from colograd.engine.rollout import Rollout, RolloutContext
 from colograd.engine.sync import WeightPlan, is_sharded
-from colograd.grpo import attention
-from colograd.grpo.batch import pad_rollout, split_by_tokens, split_rows
-from colograd.grpo.dynamic import ROUND_STRIDE, DynamicSampling, refuse_unrefillable
+from colograd.grpo.batch import RolloutBatch, pad_rollout, split_rows
+from colograd.grpo.dynamic import ROUND_STRIDE, DynamicSampling
 from colograd.grpo.entropy import EntropyTerms
 from colograd.grpo.evaluation import evaluate
-from colograd.grpo.logps import completion_logps
+from colograd.grpo.forward import Forward
 from colograd.grpo.loss import (
     Surrogate,
     group_advantages,
@@ -58,10 +57,10 @@ from colograd.grpo.loss import (
     sampling_gap_metrics,
     weighted_rewards,
 )
-from colograd.grpo.memory import PassBudget, compute_dtype
-from colograd.grpo.packing import forward_packing
+from colograd.grpo.memory import compute_dtype
 from colograd.grpo.parity import ParityError, ParityGuard, ParityStop, tolerance
-from colograd.grpo.partial import PartialRollouts, refuse_unresumable
+from colograd.grpo.partial import PartialRollouts, refuse_overridden_stages
+from colograd.grpo.policy import prepare_policy
 from colograd.grpo.reference import ReferencePolicy
 from colograd.grpo.rollouts import (
     PreparedPrompts,
@@ -72,16 +71,9 @@ from colograd.grpo.rollouts import (
     rollout_metrics,
     sampled_lengths,
 )
-from colograd.grpo.router import RouterRecord, router_of
+from colograd.grpo.router import Router, RouterRecord, router_of
 from colograd.models import logit_transform
-from colograd.preflight.core import (
-    check_argument_order,
-    check_reward_source,
-    check_trainer_arguments,
-    check_trainer_inputs,
-    check_wrapped_trainer,
-)
-from colograd.preflight.env import check_environment
+from colograd.preflight.trainer import check_call, check_trainer, check_wrapped_trainer
 from colograd.rewards.core import (
     RewardFunc,
     RewardModel,
@@ -98,17 +90,13 @@ from colograd.runs.modelcard import Recipe
 from colograd.runs.preemption import Preemption, stage_failures
 from colograd.runs.saving import ModelSaving
 from colograd.runs.timing import OptimizerTimer, PhaseTimes, format_summary, run_summary, window_metrics
-from colograd.vision.checks import check_image_data, check_prompt_lengths, check_row
+from colograd.vision.checks import check_prompt_lengths, check_row
 from colograd.vision.core import (
     check_expansion,
-    freeze_vision_tower,
     image_prompts,
     is_vision_language,
-    load_pretrained,
     pad_pixels,
-    placeholder_ids,
     rotate_prompts,
-    takes_position_ids,
     text_tokenizer,
 )
 
@@ -161,26 +149,12 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         tool_call_parser: ToolCallParser | None = None,
     ) -> None:
         args = args or GRPOConfig(output_dir=f"{model_name(model)}-GRPO")
-        check_environment(args, model if isinstance(model, str) else None)
-        check_argument_order(eval_dataset, reward_processing_classes)
-        check_refused_parameters(quantization_config=quantization_config)
-        check_trainer_arguments(eval_dataset, processing_class)
-        if isinstance(model, str):
-            model = load_pretrained(model, AutoModelForCausalLM, **model_init_kwargs(args))
-        if processing_class is None:
-            processing_class = load_pretrained(model, AutoTokenizer, **tokenizer_kwargs(args))
-        if peft_config is not None:
-            model = wrap_with_peft(model, peft_config, args)
-        if args.disable_dropout:
-            disable_dropout(model)
-        if args.freeze_vision_tower:
-            freeze_vision_tower(model)
+        check_call(args, model, eval_dataset, processing_class, reward_processing_classes, quantization_config)
+        model, processing_class = prepare_policy(model, processing_class, args, peft_config)
         # A Mixture-of-Experts model's routers: the load-balancing loss TRL adds, and the experts' load.
-        self._router = router_of(model, args.router_aux_loss_coef)
-        self.router_aux_loss_coef = self._router.coef if self._router else 0.0  # TRL's attributes
+        router = router_of(model, args.router_aux_loss_coef)
+        self.router_aux_loss_coef = router.coef if router else 0.0  # TRL's attributes
         self.aux_loss_enabled = bool(self.router_aux_loss_coef)
-        if text_tokenizer(processing_class).pad_token is None:
-            text_tokenizer(processing_class).pad_token = text_tokenizer(processing_class).eos_token
         self.reward_funcs, self.reward_weights = resolve_rewards(
             reward_funcs, args.reward_weights, reward_processing_classes
         )
@@ -192,53 +166,19 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         if self.agents is not None and self.agents.reward_funcs:  # an environment's own reward, weight 1 (TRL's)
             self.reward_funcs += self.agents.reward_funcs
             self.reward_weights = torch.cat([self.reward_weights, torch.ones(len(self.agents.reward_funcs))])
-        check_reward_source(self.reward_funcs)
-        refuse_unrefillable(args, train_dataset, self.agents is not None)
         self.reward_func_names = [reward_name(f) for f in self.reward_funcs]  # TRL's attribute: metrics' names
-        # An environment reaches the rewards as `environments`; a rollout_func's own fields show only at rollout
-        # time, so then the rewards' parameters are not checked before it.
-        rewards_also_get = None if rollout_func else (["environments"] if environment_factory else [])
-        # Image rows: checked first, on a sample of the rows (every row is checked again at its rollout: `check_row`);
-        # their prompts' lengths count the expanded images (the text checks cannot).
-        self._images_per_prompt, longest_image_prompt = check_image_data(
-            model, processing_class, train_dataset, args.chat_template_kwargs, max_prompt_length=args.max_prompt_length
-        )
-        if isinstance(eval_dataset, Dataset):
-            eval_images, eval_longest = check_image_data(
-                model,
-                processing_class,
-                eval_dataset,
-                args.chat_template_kwargs,
-                "eval_dataset",
-                args.max_prompt_length,
-            )
-            self._images_per_prompt = max(self._images_per_prompt, eval_images)
-            if eval_longest is not None:
-                longest_image_prompt = max(longest_image_prompt or 0, eval_longest)
-        refuse_unresumable(args, train_dataset, self.agents is not None, bool(self._images_per_prompt))
-        train_dataset, self._lora_rank, longest_prompt = check_trainer_inputs(
-            model,
-            text_tokenizer(processing_class),
-            args,
-            train_dataset,
-            self.reward_funcs,
-            rewards_also_get,
-            eval_dataset,
-        )
-        if longest_image_prompt is not None:  # measured on the first rows only: the engine keeps the model's context
-            longest_prompt = None
-        # Every prompt measured bounds the engine's context, unless turns of tools or an environment lengthen them.
-        self._longest_prompt = longest_prompt if self.agents is None else None
-        # After the checks: TRL's stand-in rows for an environment that gives the prompts have empty messages.
-        train_dataset = environment_dataset(train_dataset, environment_factory, args)
+        refuse_overridden_stages(args, type(self), GRPOTrainer)
+        self.inputs = check_trainer(
+            model, processing_class, args, train_dataset, eval_dataset, self.reward_funcs, agents=self.agents,
+            rollout_func=rollout_func, environment_factory=environment_factory,
+        )  # fmt: skip
         # Copied before the Trainer wraps the model, so the copy is the initial policy, whole on every rank.
         self.reference = ReferencePolicy(model, args) if args.beta != 0.0 else None
-
         super().__init__(
             model=model,
             args=args,
             data_collator=keep_rows,
-            train_dataset=train_dataset,
+            train_dataset=self.inputs.train_dataset,
             eval_dataset=eval_dataset,
             processing_class=processing_class,
             callbacks=callbacks,
@@ -250,44 +190,35 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         # On a CPU a launch's device is `cpu:0`, and torch copies a tensor moved there from `cpu`: accelerate would
         # duplicate the model when it prepares it (the Trainer does not move it, see GRPOConfig). It stays put.
         self.accelerator.device_placement = args.device.type != "cpu"
-        # Built after super().__init__: the torch process group must exist before the engine joins it.
+        self._start_engine(router)
+        self._start_run_records(recipe)
+
+    def _start_engine(self, router: Router | None) -> None:
+        """The engine, and what the rollouts and the forward pass need of the model (after `Trainer.__init__`: the
+        torch process group must exist before the engine joins it)."""
+        args, inputs = self.args, self.inputs
         unwrapped = self.accelerator.unwrap_model(self.model)
-        if longest_image_prompt is not None:
-            expected = longest_image_prompt
-        elif self._longest_prompt is None:
-            expected = sampled_prompt_tokens(
-                train_dataset, processing_class, self._tool_schemas(), args.chat_template_kwargs
-            )
-        else:
-            expected = self._longest_prompt
         self.engine = Engine.acquire(
             unwrapped,
-            processing_class,
+            self.processing_class,
             args,
-            lora_rank=self._lora_rank,
-            prompt_tokens=expected,
-            longest_prompt=self._longest_prompt,
-            images_per_prompt=self._images_per_prompt,
+            lora_rank=inputs.lora_rank,
+            prompt_tokens=inputs.expected_prompt_tokens,
+            longest_prompt=inputs.longest_prompt,
+            images_per_prompt=inputs.images_per_prompt,
         )
-        own_classes([unwrapped, self.reference and self.reference.frozen])  # vLLM's class rewrites kept out
-        # A vision-language model: image placeholders are never sampled (`Engine.suppressed`), nor scored here.
-        self._suppressed = placeholder_ids(processing_class)
-        self._position_ids = takes_position_ids(unwrapped.config)
+        nets = [unwrapped, self.reference and self.reference.frozen]  # the policy, and the reference's copy if any
+        own_classes(nets)  # vLLM's class rewrites kept out
         # A vision-language model's rows are checked at each rollout, named by the index they carry (`ROW_KEY`).
         self._vision = is_vision_language(getattr(unwrapped, "get_base_model", lambda: unwrapped)())
         self.numbered_rows = self._vision
         self._gap_rotation = 0  # image runs: which of a rank's prompts the sampling-gap metric's completion is from
-        rank, world = self.accelerator.process_index, self.accelerator.num_processes
-        self._dynamic = (
-            DynamicSampling(args, train_dataset, self._vision, rank, world) if args.dynamic_sampling else None
-        )
-        self._partial = (
-            PartialRollouts(args, train_dataset, self._vision, rank, world) if args.partial_rollouts else None
-        )
+        rank, world, dataset = self.accelerator.process_index, self.accelerator.num_processes, self.train_dataset
+        self._dynamic = DynamicSampling(args, dataset, self._vision, rank, world) if args.dynamic_sampling else None
+        self._partial = PartialRollouts(args, dataset, self._vision, rank, world) if args.partial_rollouts else None
         self.vllm_generation = VLLMGeneration(self)  # TRL's handle on the engine, for `rollout_func` code
-        # What each model does to its logits (the policy, and the reference's copy if any), learnt before DeepSpeed
-        # wraps or partitions them.
-        for net in filter(None, [unwrapped, self.reference and self.reference.frozen]):
+        # What each model does to its logits, learnt before DeepSpeed wraps or partitions them.
+        for net in filter(None, nets):
             logit_transform.of(net)
         if self.reference is not None:
             self.reference.prepare(self.accelerator)
@@ -297,16 +228,21 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
                 func.model.to(self.accelerator.device)
         self._synced_step: int | None = None  # the global_step whose weights the engine holds
         self._weight_plan: WeightPlan | None = None
-        # How passes are packed (shared prompts; segments on a GPU: `colograd.grpo.packing`); GPU passes get a token
-        # budget.
-        nets = [unwrapped, self.reference and self.reference.frozen]  # the policy, and the reference's copy if any
-        attention.honour_softcaps(nets)  # the attention scores a layer soft-caps, soft-capped as in the engine
-        self._segments, self._prompt_cost = forward_packing(nets, args, compute_dtype(unwrapped, args.mixed_precision))
-        self._pass_budget = PassBudget(unwrapped, args, self.is_deepspeed_enabled, self.accelerator.is_main_process)
+        main = self.accelerator.is_main_process
+        self.forward = Forward.of(nets, args, self.processing_class, router, self.is_deepspeed_enabled, main)
+        # The engine samples from the model trained, or the run stops (`colograd.grpo.parity`).
+        sampled_in = engine_dtype(args, next(unwrapped.parameters()).dtype)
+        bound = tolerance(sampled_in, compute_dtype(unwrapped, args.mixed_precision))
+        name = unwrapped.config._name_or_path or type(unwrapped).__name__
+        self.parity = ParityGuard(bound, name, stop=args.engine_parity == "error", active=args.samples_unfiltered)
+        self.add_callback(ParityStop(self.parity))
+
+    def _start_run_records(self, recipe: Recipe | None) -> None:
+        """What the run keeps between steps: the current rollout, metrics, timings, checkpointed parts, the stop on a
+        signal, and the completion log."""
+        args = self.args
         self._micro_step = 0  # micro-steps trained since start (or resume): picks the rollout slice
-        self._slices: list[dict[str, torch.Tensor]] | None = None  # the current rollout, one slice per micro-step
-        self._rollout_rows: list[dict] = []  # the dataset rows of the current rollout (see `sample`)
-        self._rollout_step = 0  # the step that seeds the current rollout's sampling (see `sample`)
+        self._slices: list[RolloutBatch] | None = None  # the current rollout, one slice per micro-step
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._times = PhaseTimes()
         self.reward_logs = RewardLogs()
@@ -317,12 +253,6 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         self.add_callback(OptimizerTimer(self._times, self._metrics))
         self.preemption = Preemption()
         self.add_callback(self.preemption)
-        # The engine samples from the model trained, or the run stops (`colograd.grpo.parity`).
-        sampled_in = engine_dtype(args, next(unwrapped.parameters()).dtype)
-        bound = tolerance(sampled_in, compute_dtype(unwrapped, args.mixed_precision))
-        name = unwrapped.config._name_or_path or type(unwrapped).__name__
-        self.parity = ParityGuard(bound, name, stop=args.engine_parity == "error", active=args.samples_unfiltered)
-        self.add_callback(ParityStop(self.parity))
         self.phase_summary: dict[str, Any] = {}  # filled at the end of `train` (see `summarize_phases`)
         self._last_logged_step = 0
         self._last_window: dict[str, float] = {}  # the last logged window's metrics (`log`)
@@ -374,9 +304,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
     ) -> torch.Tensor:
         """One micro-step: a new rollout when the last one is used up, then the Trainer's forward/backward on the
         rollout's next slice."""
-        first = (
-            self._slices is None or self._micro_step % (self.args.steps_per_generation * self.args.num_iterations) == 0
-        )
+        first = self._slices is None or self._micro_step % self.args.rollout_micro_steps == 0
         if first:
             self._slices = self.make_rollout(inputs)
             self.parity.begin()  # the first slice is trained on the weights that sampled it: its gap is measured
@@ -389,25 +317,22 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         return loss
 
     def train_slice(
-        self, model: nn.Module, batch: dict[str, torch.Tensor], num_items_in_batch: torch.Tensor | int | None = None
+        self, model: nn.Module, batch: RolloutBatch, num_items_in_batch: torch.Tensor | int | None = None
     ) -> torch.Tensor:
         """The Trainer's forward + backward on one rollout slice; with `micro_batch_tokens` (or on a GPU the budget
         derived from free memory, see `PassBudget`), in several passes of at most that many tokens, gradients
         accumulated locally until the last one."""
-        args = self.args
-        max_tokens = args.micro_batch_tokens or self._pass_budget.tokens(model, self.optimizer)
-        if max_tokens is None:
+        passes = self.forward.passes(model, batch, self.optimizer)
+        if passes is None:
             return super().training_step(model, batch, num_items_in_batch)
-        row_tokens = None if self._segments else args.packed_row_tokens  # segments: a pass is one row
-        passes = split_by_tokens(batch, max_tokens, args.loss_type, self._prompt_cost, row_tokens)
-        loss = torch.zeros((), device=args.device)
+        loss = torch.zeros((), device=self.args.device)
         for i, part in enumerate(passes):
             # Gradients are reduced across ranks once, with the last pass (when the Trainer reduces at all).
             with self.accelerator.no_sync(model) if i < len(passes) - 1 else nullcontext():
                 loss = loss + super().training_step(model, part, num_items_in_batch)
         return loss
 
-    def make_rollout(self, rows: list[dict]) -> list[dict[str, torch.Tensor]]:
+    def make_rollout(self, rows: list[dict]) -> list[RolloutBatch]:
         """Sample and score one rollout from this rank's prompts (`sample`), record its metrics, and prepare it for
         training; returns one slice per micro-step.
 
@@ -435,8 +360,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
             self._record(metrics)
         extra, logged = self.reward_logs.take()  # what the reward functions logged (TRL's log_extra / log_metric)
         self._record(rollout_metrics(scored, self.reward_func_names) | logged)
-        if self.agents is not None:
-            self._record(self.agents.metrics)
+        self._record(scored.rollout.metrics)
         if generated is None:
             generated = int(sampled_lengths(scored.rollout).sum()) + dropped
         self._times.count("generated", generated, self._metrics)
@@ -502,19 +426,15 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         limit = self.prompt_limit
         truncated = sum(len(ids) > limit for ids in prompt_ids)
         prompt_ids = [ids[-limit:] for ids in prompt_ids]
-        # What `generate` needs besides the prompts: environments reset from the rows, a rollout_func reads their
-        # prompts, and the step seeds the sampling (an evaluation's apart from every training step's).
-        self._rollout_rows = rows
-        self._rollout_step = (
-            -1 - self.state.global_step if evaluation else self._rollout_index() + round * ROUND_STRIDE
-        )
+        step = -1 - self.state.global_step if evaluation else self._rollout_index() + round * ROUND_STRIDE
+        context = RolloutContext(rows, step, g, evaluation, round)
         prefix = "eval_" if evaluation else ""
         self.reward_logs.take()  # a reward's logs belong to the rollout that called it (an evaluation's are dropped)
         with self.engine.awake(sync=self.sync_weights), self._timed(f"{prefix}generate"):
             if images is None:
-                rollout = self.generate(prompt_ids, g)
+                rollout = self.generate(prompt_ids, context)
             else:
-                rollout = self.generate(prompt_ids, g, images=images.images)
+                rollout = self.generate(prompt_ids, context, images=images.images)
         with self._timed(f"{prefix}reward"):
             rewards_NF = self.score(prompts, rollout, columns)
         return ScoredRollout(prompts, prompt_ids, columns, rollout, rewards_NF, truncated, images)
@@ -574,16 +494,16 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         between rollouts, with sleep mode on), it wakes the engine for the sync and puts it back to sleep."""
         if self._synced_step == self.state.global_step and not self.engine.stale:
             return
-        if not getattr(self.engine, "weights_resident", True):
+        if not self.engine.weights_resident:
             with self.engine.awake(sync=self.sync_weights):
                 return
         if self._weight_plan is None:
             # Built at the first sync, once accelerate / DeepSpeed have wrapped (and maybe sharded) the model.
             model = self.accelerator.unwrap_model(self.model)
             # Gathered (sharded) or built (merged LoRA) weights take memory, so they go a bucket at a time.
-            builds = is_sharded(model) or (isinstance(model, PeftModel) and self._lora_rank is None)
+            builds = is_sharded(model) or (isinstance(model, PeftModel) and self.inputs.lora_rank is None)
             bucket_bytes = int(self.args.sync_bucket_mib * 2**20) if builds else None
-            self._weight_plan = WeightPlan(model, bucket_bytes, adapter_only=self._lora_rank is not None)
+            self._weight_plan = WeightPlan(model, bucket_bytes, adapter_only=self.inputs.lora_rank is not None)
         with self._timed("sync"):
             self._weight_plan.sync(self.engine)
         self._synced_step = self.state.global_step
@@ -609,12 +529,12 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
         names = names or [f"the rollout's prompt {k}" for k in range(len(rows))]
         if self._vision:
-            image_run, most = bool(self._images_per_prompt), self._images_per_prompt or None
+            image_run, most = bool(self.inputs.images_per_prompt), self.inputs.images_per_prompt or None
             images = [
                 check_row(row, name, self.processing_class, image_run, most)
                 for row, name in zip(rows, names, strict=True)
             ]
-        if self._images_per_prompt:
+        if self.inputs.images_per_prompt:
             # The engine gets one placeholder per image and expands it; the trainer the processor's expansion.
             prompt_ids, expanded, pixels = image_prompts(
                 self.processing_class, prompts, images, self.args.chat_template_kwargs
@@ -628,20 +548,24 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         return PreparedPrompts(prompts, prompt_ids, columns)
 
     def generate(
-        self, prompt_ids: list[list[int]], num_generations: int | None = None, images: list[list] | None = None
+        self, prompt_ids: list[list[int]], context: RolloutContext, images: list[list] | None = None
     ) -> Rollout:
-        """`num_generations` (default: the config's) completions of every prompt of this rank, in one engine call;
-        with tools, environments or a `rollout_func`, through `colograd.agents.core`. Reward functions marked for it
-        start on each prompt's completions as soon as they are sampled (`colograd.rewards.early`). An image
-        rollout's `images` are each prompt's images, which `sample` passes from `prepare_prompts`."""
-        g = num_generations or self.args.num_generations
+        """`context.num_generations` completions of every prompt of this rank, in one engine call; with tools,
+        environments or a `rollout_func`, through `colograd.agents.core`. Reward functions marked for it start on each
+        prompt's completions as soon as they are sampled (`colograd.rewards.early`).
+
+        Args:
+            prompt_ids: each prompt's token ids, cut to `prompt_limit`.
+            context: the rollout's rows, seed step, G and kind (`RolloutContext`), from `sample`.
+            images: an image rollout's images, each prompt's, which `sample` passes from `prepare_prompts`.
+        """
+        g, rows = context.num_generations, context.rows
         early = early_rewards(self.reward_funcs)
-        rows = self._rollout_rows
         chats = bool(rows) and is_conversational({"prompt": rows[0]["prompt"]})
         on_group = group_starter(early, self.processing_class, rows, chats) if early and rows else None
         if self.agents is not None:
-            return self.agents.generate(self, prompt_ids, rows, self._rollout_step, g, on_group)
-        gap_sample = self.gap_sampled()
+            return self.agents.generate(self, prompt_ids, context, on_group)
+        gap_sample = self.gap_sampled(context)
         # The engine asks the sampling-gap metric's log-probs of its first prompt's first completion: an image run
         # puts another of its prompts first at each rollout that asks, so that the metric covers every row in turn
         # (the same requests, at no cost); `sampling_gap_completions: all` asks every completion instead.
@@ -652,7 +576,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
             lambda ids, imgs, report: self.engine.generate(
                 ids,
                 self.args,
-                step=self._rollout_step,
+                step=context.step,
                 num_generations=g,
                 gap_sample=gap_sample,
                 on_group=report,
@@ -665,7 +589,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
             g,
         )
 
-    def gap_sampled(self) -> bool:
+    def gap_sampled(self, context: RolloutContext) -> bool:
         """Whether this rollout asks the engine for the log-prob of the sampling-gap metric's completion.
 
         Any request that asks makes vLLM do per-step work for the whole batch (generation at 0.87 of the engine's
@@ -673,9 +597,9 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         only when an optimizer step it trains logs (every `logging_steps`, the first with `logging_first_step`, the
         last); the other steps generate at the engine's own speed. An evaluation's rollout always asks."""
         args, state = self.args, self.state
-        if self._rollout_step < 0 or args.logging_strategy != "steps" or self.parity.gate_pending:
+        if context.evaluation or args.logging_strategy != "steps" or self.parity.gate_pending:
             return True
-        span = -(-args.steps_per_generation * args.num_iterations // args.gradient_accumulation_steps)
+        span = -(-args.rollout_micro_steps // args.gradient_accumulation_steps)
         first = state.global_step + 1
         steps = range(first, first + span)  # the optimizer steps this rollout trains
         every = max(1, int(state.logging_steps or 1))
@@ -699,7 +623,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
             completion_ids=rollout.completion_ids,
             columns={
                 **{k: repeat(v) for k, v in columns.items()},
-                **(self.agents.columns if self.agents is not None else {}),  # one value per completion already
+                **rollout.columns,  # one value per completion already
                 "trainer_state": self.state,
                 **self.reward_logs.arguments(),
             },
@@ -715,7 +639,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         return group_advantages(rewards_N, g, self.args.scale_rewards, across_ranks(self.accelerator))
 
     @torch.no_grad()
-    def rollout_logps(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def rollout_logps(self, batch: RolloutBatch) -> dict[str, torch.Tensor]:
         """Log-probs a rollout slice needs besides the current ones, computed once when it is generated.
 
         Returns:
@@ -740,7 +664,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
     def compute_loss(
         self,
         model: nn.Module,
-        inputs: dict[str, torch.Tensor],
+        inputs: RolloutBatch,
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor:
@@ -748,7 +672,8 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         after an optimizer step, else the current ones detached (ratio 1, gradient not)."""
         mask_NT = inputs["completion_mask"]
         forwarded: list[int] = []  # tokens computed: fewer than the sequences' when completions share a prompt
-        routed = RouterRecord(self._router) if self._router is not None and model.training else None
+        router = self.forward.router
+        routed = RouterRecord(router) if router is not None and model.training else None
         logps_NT, entropy_NT = self.completion_logps(
             model, inputs, entropy=self.entropy.mode, count_tokens=forwarded.append, router=routed
         )
@@ -758,7 +683,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
             self._times.count("forwarded", forwarded[0] if forwarded else trained, self._metrics)
         # On-policy, and on a rollout's first slice, the current weights are the ones that sampled. (When old
         # log-probs come from a forward pass, `rollout_logps` logged the gap for every slice already.)
-        first_slice = (self._micro_step - 1) % (self.args.steps_per_generation * self.args.num_iterations) == 0
+        first_slice = (self._micro_step - 1) % self.args.rollout_micro_steps == 0
         if "old_logps" not in inputs or (first_slice and self.args.engine_logps_are_old_logps):
             self._record(sampling_gap_metrics(logps_NT.detach(), inputs["engine_logps"], inputs["tool_mask"]))
         if model.training:
@@ -795,7 +720,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         self._record(loss_metrics(out, inputs["advantages"], mask_NT, self.args.epsilon, self.args.epsilon_high))
         return out.loss
 
-    def sampling_correction(self, trainer_logps_NT: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    def sampling_correction(self, trainer_logps_NT: torch.Tensor, inputs: RolloutBatch) -> torch.Tensor:
         """Truncated importance-sampling weights π_trainer / π_engine for the sampled tokens (see
         `colograd.grpo.loss.sampling_correction`), with their `sampling/importance_sampling_ratio/*` metrics."""
         args, mask_NT = self.args, inputs["completion_mask"]
@@ -813,30 +738,14 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
     def completion_logps(
         self,
         model: nn.Module,
-        inputs: dict[str, torch.Tensor],
+        inputs: RolloutBatch,
         entropy: str | None = None,
         count_tokens: Callable[[int], None] | None = None,
         router: RouterRecord | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Log-probs of the completion tokens under `model` at the sampling temperature, [N, T], and with `entropy`
-        ("detached" / "grad") each position's entropy; packed or not, prompts shared or not, head in fp32 or not, as
-        args say (`logps`); `router` records a Mixture-of-Experts model's routers in the pass."""
-        return completion_logps(
-            model,
-            inputs,
-            temperature=self.args.temperature,
-            padding_free=self.args.padding_free,
-            row_tokens=self.args.packed_row_tokens,
-            chunk_tokens=self.args.logps_chunk_tokens,
-            entropy=entropy,
-            fp32_head=self.args.cast_lm_head_to_fp32,
-            share_prompts=self._prompt_cost,
-            count_tokens=count_tokens,
-            segments=self._segments,
-            suppressed=self._suppressed,
-            position_ids=self._position_ids,
-            router=router,
-        )
+        ("detached" / "grad") each position's entropy, as the run's forward pass computes them (`Forward.logps`)."""
+        return self.forward.logps(model, inputs, entropy, count_tokens, router)
 
     def log_completions(
         self,

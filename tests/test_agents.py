@@ -14,7 +14,8 @@ import torch
 from colograd import GRPOConfig
 from colograd.agents.core import AgentLoop, Trajectory, turn_sampling_params
 from colograd.agents.tools import HermesToolParser, MarkerToolParser, ToolCall, ToolRunner, plain_result_ids
-from colograd.engine.core import Engine, Rollout
+from colograd.engine.core import Engine
+from colograd.engine.rollout import Rollout
 from colograd.engine.sync import WeightPlan
 from colograd.grpo.batch import pad_rollout
 from colograd.grpo.logps import completion_logps
@@ -549,19 +550,25 @@ def test_environments_by_name_and_evaluation_run_the_agent_loop(tmp_path, monkey
     tokenizer = tiny.build_tokenizer()
     tokenizer.chat_template = None
     shown: list[list[str]] = []
+    seen: dict[str, list] = {}
 
     class Recording(GRPOTrainer):
         def prepare_prompts(self, rows):
             shown.append(sorted(s["function"]["name"] for s in self.agents.schemas))
             return super().prepare_prompts(rows)
 
+        def generate(self, prompt_ids, context, images=None):
+            rollout = super().generate(prompt_ids, context, images)
+            seen.update(rows=context.rows, environments=rollout.columns["environments"])
+            return rollout
+
     trainer = Recording(tiny.build_model(), "letters", args, data, eval_dataset=data.select(range(8)),
                         processing_class=tokenizer, environment_factory={"oracle": Oracle, "tally": Tally},
                         tool_call_parser=TwoToolParser())  # fmt: skip
     trainer.train()
-    envs = trainer.agents.environments
+    envs = seen["environments"]
     kinds = {"oracle": Oracle, "tally": Tally}
-    assert [type(e) for e in envs] == [kinds[row["environment"]] for row in trainer._rollout_rows for _ in range(4)]
+    assert [type(e) for e in envs] == [kinds[row["environment"]] for row in seen["rows"] for _ in range(4)]
     assert shown[0] == ["peek", "tally"] and ["peek"] in shown and ["tally"] in shown  # first all, then each its own
     assert any(getattr(e, "peeked", False) or getattr(e, "tallied", 0) for e in envs)
     (step,) = [h for h in trainer.state.log_history if "loss" in h]
@@ -569,7 +576,7 @@ def test_environments_by_name_and_evaluation_run_the_agent_loop(tmp_path, monkey
     assert 0 < step["tools/failure_frequency"] < 1
     assert "rewards/Tally/mean" in step and "rewards/Oracle/mean" not in step  # Oracle owns no reward
     metrics = trainer.evaluate()
-    assert len(trainer.agents.environments) == 8 * 2  # the eval prompts, num_generations_eval each
+    assert len(seen["environments"]) == 8 * 2  # the eval prompts, num_generations_eval each
     assert metrics["eval_tools/call_frequency"] > 0 and 0 <= metrics["eval_tools/failure_frequency"] <= 1
     assert "eval_rewards/Tally/mean" in metrics and metrics["eval_completions/mean_length"] <= 16
     with pytest.raises(StepFailure, match="stage 'eval_generate': ValueError: .*environment='nowhere'"):

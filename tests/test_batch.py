@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from colograd.engine.core import Rollout
+from colograd.engine.rollout import Rollout
 from colograd.grpo.batch import pad_rollout, split_rows
 
 

@@ -11,7 +11,7 @@ import torch
 from datasets import Dataset, IterableDataset
 
 from colograd.config.core import GRPOConfig
-from colograd.engine.core import Rollout
+from colograd.engine.rollout import Rollout
 from colograd.errors import ConfigError
 from colograd.grpo.dynamic import (
     ROUND_STRIDE,
@@ -245,7 +245,7 @@ def test_the_rounds_of_a_rollout_wake_the_engine_once():
     llm = SimpleNamespace(
         wake_up=lambda tags: calls.append(f"wake {tags[0]}"), sleep=lambda level: calls.append("sleep")
     )
-    engine = SimpleNamespace(sleep_level=2, llm=llm, stale=False)
+    engine = SimpleNamespace(sleep_level=2, llm=llm, stale=False, _awake=False)
     sync = lambda: calls.append("sync")  # noqa: E731
     with Engine.awake(engine, sync):
         for _ in range(3):

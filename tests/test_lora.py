@@ -91,10 +91,10 @@ def test_merged_lora_is_synced_in_buckets(lora_sync, expected_buckets, monkeypat
     plan = SimpleNamespace(sync=lambda engine: None)
     trainer = SimpleNamespace(
         state=SimpleNamespace(global_step=0),
-        engine=SimpleNamespace(stale=True),
+        engine=SimpleNamespace(stale=True, weights_resident=True),
         _synced_step=None,
         _weight_plan=None,
-        _lora_rank=8 if lora_sync == "adapter" else None,
+        inputs=SimpleNamespace(lora_rank=8 if lora_sync == "adapter" else None),
         args=SimpleNamespace(sync_bucket_mib=1),
         accelerator=SimpleNamespace(unwrap_model=lambda m: m),
         model=model,

@@ -20,7 +20,7 @@ from trl.trainer.grpo_trainer import GRPOTrainer as TRLGRPOTrainer
 from trl.trainer.utils import add_fused_lm_head
 
 from colograd.config.core import IS_CORRECTION_MODES, LOSS_TYPES, ConfigError
-from colograd.engine.core import Rollout
+from colograd.engine.rollout import Rollout
 from colograd.grpo.batch import pad_rollout, split_by_tokens
 from colograd.grpo.entropy import EntropyTerms
 from colograd.grpo.logps import completion_logps

@@ -12,7 +12,7 @@ from conftest import ROOT, refused
 
 from colograd import GRPOTrainer
 from colograd.config.core import ConfigError, GRPOConfig
-from colograd.engine.core import Rollout
+from colograd.engine.rollout import Rollout
 from colograd.grpo.batch import pad_rollout, split_rows
 from colograd.grpo.logps import completion_logps, pack_shared
 from colograd.grpo.loss import group_advantages

@@ -16,12 +16,12 @@ import pytest
 import torch
 from datasets import Dataset, IterableDataset
 
-from colograd.engine.core import Rollout
 from colograd.engine.partial import Group, Piecewise
+from colograd.engine.rollout import Rollout
 from colograd.errors import ConfigError
 from colograd.grpo import partial as partial_module
 from colograd.grpo.batch import pad_rollout
-from colograd.grpo.partial import PartialRollouts, refuse_unresumable
+from colograd.grpo.partial import PartialRollouts, refuse_overridden_stages, refuse_unresumable
 from colograd.models import tiny
 
 G = 4
@@ -96,6 +96,34 @@ def test_streams_agents_and_images_are_refused_before_start_up():
     with pytest.raises(ConfigError, match="image"):
         refuse_unresumable(args, Dataset.from_list(rows), agents=False, images=True)
     refuse_unresumable(tiny.run_config("/tmp/unused", 1), stream, agents=True, images=True)  # off: nothing refused
+
+
+def test_a_subclass_whose_generate_or_sample_would_be_skipped_is_refused_in_one_line():
+    """Partial rollouts continue their groups in the engine itself: a subclass's own `generate` or `sample` would
+    silently never run, so it is refused; other stages (and every stage without partial rollouts) are honoured."""
+    from colograd import GRPOTrainer
+
+    class OwnGenerate(GRPOTrainer):
+        def generate(self, prompt_ids, context, images=None):
+            return super().generate(prompt_ids, context, images)
+
+    class OwnSample(GRPOTrainer):
+        def sample(self, rows, num_generations=None, *, evaluation=False, round=0):
+            return super().sample(rows, num_generations, evaluation=evaluation, round=round)
+
+    class OwnScore(GRPOTrainer):
+        def score(self, prompts, rollout, columns):
+            return super().score(prompts, rollout, columns)
+
+    on, off = settings(), tiny.run_config("/tmp/unused", 1)
+    for trainer_class in (OwnGenerate, OwnSample):
+        stage = "generate" if trainer_class is OwnGenerate else "sample"
+        refused = rf"^partial_rollouts .* {trainer_class.__name__}\.{stage} would never run"
+        with pytest.raises(ConfigError, match=refused):
+            refuse_overridden_stages(on, trainer_class, GRPOTrainer)
+        refuse_overridden_stages(off, trainer_class, GRPOTrainer)
+    refuse_overridden_stages(on, OwnScore, GRPOTrainer)
+    refuse_overridden_stages(on, GRPOTrainer, GRPOTrainer)
 
 
 def test_rows_that_a_checkpoint_could_not_hold_are_refused_before_start_up():

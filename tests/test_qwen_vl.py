@@ -136,7 +136,7 @@ def test_a_banner_the_qwen_processor_refuses_is_named_with_its_row_before_start_
     assert str(err.value) == f"train_dataset row 3: {expected}"
     fake = SimpleNamespace(
         _vision=True,
-        _images_per_prompt=1,
+        inputs=SimpleNamespace(images_per_prompt=1),
         processing_class=processor,
         args=run_config("/tmp/unused", 1, max_prompt_length=None),
         prompt_limit=4096,

@@ -13,9 +13,10 @@ from trl.trainer.callbacks import SyncRefModelCallback
 
 from colograd import GRPOConfig, GRPOTrainer
 from colograd.config.core import ConfigError
-from colograd.engine.core import Rollout
 from colograd.engine.launch import free_port
+from colograd.engine.rollout import Rollout
 from colograd.grpo.batch import pad_rollout
+from colograd.grpo.forward import Forward
 from colograd.grpo.loss import policy_loss
 from colograd.grpo.packing import prompt_sharing_cost
 from colograd.grpo.reference import ReferencePolicy
@@ -67,10 +68,8 @@ def test_trainer_reference_stage_with_lora_gives_base_logps_and_a_kl_gradient_on
         reference=ReferencePolicy(policy, NO_SYNC),
         accelerator=SimpleNamespace(unwrap_model=lambda m: m),
         compute_loss_context_manager=contextlib.nullcontext,
-        _prompt_cost=prompt_sharing_cost(policy),  # each prompt's 2 completions share it, as in the trainer
-        _segments=None,  # packed under a mask, as on a CPU
-        _suppressed=[],  # a text model: no image placeholder to keep out of the completions
-        _position_ids=True,
+        # Packed under a mask, as on a CPU; each prompt's 2 completions share it, as in the trainer.
+        forward=Forward(args, prompt_cost=prompt_sharing_cost(policy)),
     )
     stand_in.completion_logps = lambda model, inputs: GRPOTrainer.completion_logps(stand_in, model, inputs)
     rollout = Rollout(completion_ids=[[7, 8], [9], [10, 11], [12, 1]], logps=[[0.0] * 2, [0.0], [0.0] * 2, [0.0] * 2],

@@ -100,6 +100,7 @@ def test_a_rollout_asks_for_the_gap_sample_only_when_a_step_it_trains_logs(loggi
     from transformers import TrainerState
 
     from colograd import GRPOTrainer
+    from colograd.engine.rollout import RolloutContext
 
     args = GRPOConfig(output_dir=str(tmp_path), **SETTINGS | steps | logging)
     span = args.steps_per_generation // args.gradient_accumulation_steps  # optimizer steps per rollout
@@ -107,11 +108,13 @@ def test_a_rollout_asks_for_the_gap_sample_only_when_a_step_it_trains_logs(loggi
     for step in range(0, 6, span):  # the optimizer steps done when each rollout starts
         state = TrainerState(global_step=step, max_steps=6, logging_steps=args.logging_steps)
         gate = SimpleNamespace(gate_pending=False)  # the parity gate's first rollout asks anyway (below)
-        asked.append(GRPOTrainer.gap_sampled(SimpleNamespace(args=args, state=state, _rollout_step=step, parity=gate)))
+        context = RolloutContext([], step, args.num_generations)
+        asked.append(GRPOTrainer.gap_sampled(SimpleNamespace(args=args, state=state, parity=gate), context))
     assert asked == expected
-    evaluation = SimpleNamespace(args=args, state=TrainerState(global_step=1, max_steps=6), _rollout_step=-2,
+    evaluation = SimpleNamespace(args=args, state=TrainerState(global_step=1, max_steps=6),
                                  parity=SimpleNamespace(gate_pending=False))  # fmt: skip
-    assert GRPOTrainer.gap_sampled(evaluation)  # an evaluation's rollout always asks
+    # An evaluation's rollout always asks, whatever its seed step.
+    assert GRPOTrainer.gap_sampled(evaluation, RolloutContext([], 2, 2, evaluation=True))
 
 
 def test_between_logging_steps_no_request_asks_and_the_metric_is_logged_where_steps_log(tmp_path, monkeypatch):

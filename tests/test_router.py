@@ -2,8 +2,6 @@
 computes on packed and prompt-shared passes is the one the model computes on the same sequences padded (TRL's
 forward), TRL's rule for the coefficient, and the experts' load."""
 
-from contextlib import nullcontext
-
 import pytest
 import torch
 import zoo
@@ -12,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from colograd.errors import ConfigError
 from colograd.grpo.logps import PromptSharing, completion_logps
 from colograd.grpo.packing import prompt_sharing_cost
-from colograd.grpo.router import RouterRecord, forced_routing, router_of
+from colograd.grpo.router import RouterRecord, router_of
 from colograd.models import tiny
 
 QWEN3_MOE, MIXTRAL, OLMOE, DEEPSEEK = (
@@ -175,61 +173,6 @@ def test_the_expert_load_shows_a_collapsed_router():
     assert collapsed["moe/expert_load/min"] == 0.0
 
 
-def routed_experts(model: torch.nn.Module, router, ids: torch.Tensor, forced=None) -> tuple[list, torch.Tensor]:
-    """Each layer's chosen experts ([tokens, k], the router's own answer) and the logits of a forward of `ids`."""
-    chosen = []
-
-    def hook(module, args, output):
-        chosen.append(next(t for t in output if not t.is_floating_point()).detach().clone())
-
-    handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, router.router_class)]
-    try:
-        with torch.no_grad(), forced_routing(model, router, forced) if forced is not None else nullcontext():
-            logits = model(input_ids=ids).logits
-    finally:
-        for handle in handles:
-            handle.remove()
-    return chosen, logits
-
-
-@pytest.mark.parametrize(
-    "name", [MIXTRAL, pytest.param(QWEN3_MOE, marks=pytest.mark.slow), pytest.param(DEEPSEEK, marks=pytest.mark.slow)]
-)
-def test_routing_replay_makes_the_trainer_route_as_the_sampling_policy_did(name):
-    """The routing one policy took (the engine's, on GPU: vLLM's routed experts), replayed on a model whose routers
-    moved since (an optimizer step): every layer picks the replayed experts, which it would not on its own; and
-    replaying a model's own routing changes nothing."""
-    model = moe_model(name)
-    router = router_of(model, 0.0)
-    ids = torch.randint(3, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
-    sampled, logits = routed_experts(model, router, ids)
-    _, replayed_own = routed_experts(model, router, ids, forced=sampled)
-    assert torch.equal(replayed_own, logits)
-    with torch.no_grad():  # the routers move, as after an optimizer step
-        for m in model.modules():
-            if isinstance(m, router.router_class):
-                m.weight.add_(torch.randn_like(m.weight) * m.weight.std())
-    drifted, _ = routed_experts(model, router, ids)
-    assert any(not torch.equal(a.sort(-1).values, b.sort(-1).values) for a, b in zip(drifted, sampled, strict=True))
-    replayed, _ = routed_experts(model, router, ids, forced=sampled)
-    assert all(torch.equal(a.sort(-1).values, b.sort(-1).values) for a, b in zip(replayed, sampled, strict=True))
-
-
-def test_routing_replay_refuses_a_router_with_expert_groups():
-    """DeepSeek-V2 (the full model) picks groups of experts first: two top-k calls, which one replayed routing
-    cannot answer; refused rather than replayed wrong."""
-    config = zoo.shrunk(DEEPSEEK)
-    config.topk_method, config.n_group, config.topk_group = "group_limited_greedy", 8, 3
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    router = router_of(model, 0.0)
-    ids = torch.randint(3, config.vocab_size, (1, 12))
-    layers = sum(isinstance(m, router.router_class) for m in model.modules())
-    forced = [torch.arange(router.top_k).repeat(12, 1)] * layers
-    with pytest.raises(ValueError, match="routing cannot be replayed"):
-        routed_experts(model, router, ids, forced=forced)
-
-
 def test_the_training_loss_adds_coef_times_the_router_loss(tmp_path):
     """`GRPOTrainer.compute_loss` on a slice: with the model's routers, the GRPO loss plus 0.02 (Mixtral's
     coefficient) × the router's loss, which is logged with the experts' load; without them, the GRPO loss alone."""
@@ -238,6 +181,7 @@ def test_the_training_loss_adds_coef_times_the_router_loss(tmp_path):
 
     from colograd import GRPOTrainer
     from colograd.grpo.entropy import EntropyTerms
+    from colograd.grpo.forward import Forward
     from colograd.grpo.parity import ParityGuard, tolerance
     from colograd.runs.timing import PhaseTimes
 
@@ -251,8 +195,7 @@ def test_the_training_loss_adds_coef_times_the_router_loss(tmp_path):
     def trainer(router):
         metrics = defaultdict(list)
         fake = SimpleNamespace(
-            args=args, _router=router, _micro_step=1, _metrics=metrics, _times=PhaseTimes(), _prompt_cost=None,
-            _segments=None, _suppressed=None, _position_ids=True,
+            args=args, forward=Forward(args, router=router), _micro_step=1, _metrics=metrics, _times=PhaseTimes(),
             entropy=EntropyTerms(args, SimpleNamespace(sync_gradients=True), lambda x: x, metrics),
             parity=ParityGuard(tolerance(torch.float32, torch.float32), "Mixtral"),
         )  # fmt: skip

@@ -307,7 +307,7 @@ def test_a_run_with_segment_attention_matches_the_engine(tmp_path, monkeypatch):
         processing_class=tiny.build_tokenizer(),
     )
     assert attention.installed(trainer.model) and attention.installed(trainer.reference.frozen)
-    assert trainer._prompt_cost == PromptSharing(0.0)
+    assert trainer.forward.prompt_cost == PromptSharing(0.0)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 2

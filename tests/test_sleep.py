@@ -103,7 +103,7 @@ def test_trainer_syncs_only_when_the_engine_lacks_the_current_weights(synced_ste
     synced = []
     trainer = SimpleNamespace(
         state=SimpleNamespace(global_step=3),
-        engine=SimpleNamespace(stale=stale),
+        engine=SimpleNamespace(stale=stale, weights_resident=True),
         _synced_step=synced_step,
         _weight_plan=SimpleNamespace(sync=lambda engine: synced.append(engine)),
         _timed=lambda phase: nullcontext(),

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from colograd import GRPOTrainer
-from colograd.engine.core import Rollout
+from colograd.engine.rollout import Rollout
 from colograd.grpo.rollouts import ScoredRollout, reward_metrics, rollout_metrics, sampled_lengths
 from colograd.models import tiny
 
@@ -50,9 +50,9 @@ class OwnStages(GRPOTrainer):
 
     asked: list[int] = []
 
-    def generate(self, prompt_ids, num_generations=None):
-        self.asked.append(num_generations)
-        return super().generate(prompt_ids, num_generations)
+    def generate(self, prompt_ids, context, images=None):
+        self.asked.append(context.num_generations)
+        return super().generate(prompt_ids, context, images)
 
     def score(self, prompts, rollout, columns):
         return torch.tensor([[float(len(ids))] for ids in rollout.completion_ids])

@@ -50,7 +50,7 @@ def test_the_trainer_and_its_modules_never_import_the_package_root():
 
 # Each part imports only the parts before it (and the base modules). Everything under a part counts, imports inside
 # functions too: an import deferred to call time is still a dependency.
-BASE = ["errors", "moved"]  # standard library and torch-free: anything may import them
+BASE = ["errors"]  # standard library and torch-free: anything may import them
 LAYERS = ["config", "models", "runs", "data", "vision", "engine", "rewards", "agents", "grpo", "preflight"]
 # The faces at the top, which may import any part: the trainer, its command line, the GPU check, the benchmarks.
 FACES = {"__init__", "trainer", "train", "check", "check_runner", "bench"}
@@ -143,29 +143,3 @@ def test_no_import_cycle_between_parts():
 
     cycles = [cycle for node in sorted(edges) if node not in state and (cycle := visit(node, []))]
     assert cycles == []
-
-
-def test_old_module_names_import_the_moved_modules():
-    """Recipes, notebooks and subclasses written before the move keep working: `colograd.sums.sum_reward` and
-    `from colograd.engine import Engine` give the same objects as the new paths, with a FutureWarning naming them."""
-    import importlib
-    import sys
-    import warnings
-
-    from colograd.data import sums
-    from colograd.engine import core
-    from colograd.moved import MOVED
-
-    sys.modules.pop("colograd.sums", None)  # imported at its old name once before: no second warning
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        old = importlib.import_module("colograd.sums")
-        from colograd.engine import Engine
-    assert old is sums and Engine is core.Engine
-    assert {str(w.message) for w in caught} == {
-        "colograd.sums moved to colograd.data.sums; import it from there",
-        "colograd.engine.Engine moved to colograd.engine.core.Engine; import it from there",
-    }
-    for name, new in MOVED.items():  # every entry names a module that exists at its new path
-        assert (PACKAGE / (new.replace(".", "/") + ".py")).is_file(), new
-        assert not (PACKAGE / f"{name}.py").exists(), name

@@ -108,7 +108,7 @@ def test_peft_config_wraps_the_model_as_trls_does(tmp_path, lora_sync, engine_ra
     args = tiny.run_config(str(tmp_path), 1, lora_sync=lora_sync)
     trainer = offline(tmp_path, args=args, peft_config=lora)
     model = trainer.accelerator.unwrap_model(trainer.model)
-    assert isinstance(model, PeftModel) and trainer._lora_rank == engine_rank
+    assert isinstance(model, PeftModel) and trainer.inputs.lora_rank == engine_rank
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trained and all("lora_" in n for n in trained)
     # TRL seeds before PEFT draws the adapter at random: the same adapter as TRL's own trainer makes.

@@ -291,14 +291,22 @@ class IncrementEnv:
 
 def test_environment_owns_the_data_and_the_reward(model_folder):
     """grpo_trainer.md, Environments: no train_dataset and no reward_funcs; reset() gives each prompt."""
-    trainer = GRPOTrainer(
+    environments = []
+
+    class Seeing(GRPOTrainer):  # the rollout's environments, as the rewards get them
+        def generate(self, prompt_ids, context, images=None):
+            rollout = super().generate(prompt_ids, context, images)
+            environments[:] = rollout.columns["environments"]
+            return rollout
+
+    trainer = Seeing(
         model=model_folder,
         args=GRPOConfig(max_steps=2, chat_template_kwargs={"enable_thinking": False}, max_completion_length=64),
         environment_factory=IncrementEnv,
     )
     logs = trained(trainer, 2)
     assert all("rewards/IncrementEnv/mean" in step for step in logs)
-    envs = trainer.agents.environments
+    envs = environments
     assert len(envs) == 8 and all(isinstance(e, IncrementEnv) and 1 <= e.target <= 6 for e in envs)
 
 

@@ -234,7 +234,7 @@ def _rollout_trainer(output_dir: str, most: int = 1) -> SimpleNamespace:
     model, processor = _model_and_processor()
     fake = SimpleNamespace(
         _vision=True,
-        _images_per_prompt=most,
+        inputs=SimpleNamespace(images_per_prompt=most),
         processing_class=processor,
         args=run_config(output_dir, 1, max_prompt_length=None),
         prompt_limit=64,
@@ -310,33 +310,34 @@ def test_the_gap_metric_rotates_through_an_image_rollouts_prompts():
 def test_an_image_trainer_puts_another_prompt_first_at_each_rollout_that_asks(tmp_path):
     """`GRPOTrainer.generate` on an image run: the engine's first prompt (whose first completion the gap metric
     reads) moves on at each rollout that asks; a text run's order and an `all` run's are left as they are."""
-    from colograd.engine.core import Rollout
+    from colograd.engine.rollout import Rollout, RolloutContext
 
     first = []
 
-    def engine_generate(ids, args, step, num_generations, gap_sample, on_group, images):
+    def engine_generate(ids, args, *, step, num_generations, gap_sample, on_group, images):
         first.append(ids[0][0])
         g = num_generations
         return Rollout([[i[0]] for i in ids for _ in range(g)], [[0.0]] * len(ids) * g, [False] * len(ids) * g)
 
     def trainer(images_per_prompt: int, **settings) -> SimpleNamespace:
         fake = SimpleNamespace(
-            reward_funcs=[], _rollout_rows=[{"prompt": USER}] * 3, agents=None, processing_class=None,
-            args=run_config(str(tmp_path), 1, num_generations=2, **settings), _rollout_step=0, _gap_rotation=0,
-            _images_per_prompt=images_per_prompt,
-            engine=SimpleNamespace(generate=engine_generate), gap_sampled=lambda: True,
+            reward_funcs=[], agents=None, processing_class=None,
+            args=run_config(str(tmp_path), 1, num_generations=2, **settings), _gap_rotation=0,
+            inputs=SimpleNamespace(images_per_prompt=images_per_prompt),
+            engine=SimpleNamespace(generate=engine_generate), gap_sampled=lambda context: True,
         )  # fmt: skip
         return fake
 
     images = [[solid_image("red")]] * 3
     image_run = trainer(1)
-    rollouts = [GRPOTrainer.generate(image_run, [[10], [11], [12]], images=images) for _ in range(4)]
+    context = RolloutContext([{"prompt": USER}] * 3, 0, 2)
+    rollouts = [GRPOTrainer.generate(image_run, [[10], [11], [12]], context, images=images) for _ in range(4)]
     assert first == [10, 11, 12, 10]
     assert all(r.completion_ids == [[10], [10], [11], [11], [12], [12]] for r in rollouts)  # back in order
     first.clear()
     for run, run_images in ((trainer(0), None), (trainer(1, sampling_gap_completions="all"), images)):
-        GRPOTrainer.generate(run, [[10], [11], [12]], images=run_images)
-        GRPOTrainer.generate(run, [[10], [11], [12]], images=run_images)
+        GRPOTrainer.generate(run, [[10], [11], [12]], context, images=run_images)
+        GRPOTrainer.generate(run, [[10], [11], [12]], context, images=run_images)
     assert first == [10, 10, 10, 10]
 
 

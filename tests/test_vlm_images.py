@@ -79,7 +79,7 @@ def test_a_rollout_gives_the_engine_and_the_trainer_the_16_bit_picture(tmp_path)
 
     fake = SimpleNamespace(
         _vision=True,
-        _images_per_prompt=1,
+        inputs=SimpleNamespace(images_per_prompt=1),
         processing_class=_processor(),
         args=run_config(str(tmp_path), 1, max_prompt_length=None),
         prompt_limit=64,

@@ -38,8 +38,8 @@ from colograd.agents.tools import (
     tool_messages,
 )
 from colograd.config.core import ConfigError, GRPOConfig
-from colograd.engine.core import Rollout
 from colograd.engine.requests import sampling_params
+from colograd.engine.rollout import Rollout, RolloutContext
 
 RolloutFunc = Callable[[list, Any], dict[str, list]]
 
@@ -298,19 +298,12 @@ class Agents:
             type(p[0]) for p in self._pools.values() if callable(getattr(p[0], "get_reward", None))
         )
         self.reward_funcs = [_environment_reward(env_type) for env_type in rewarded]
-        self.environments: list[Any] = []  # the last rollout's, one per completion
-        # What the last rollout gives the reward functions, one value per completion.
-        self.columns: dict[str, list] = {}
-        self.metrics: dict[str, float] = {}  # the last rollout's tools/* metrics
-        self.counts: dict[str, int] = {}  # the last rollout's completions, tool calls and failed calls
 
     def generate(
         self,
         trainer: Any,
         prompt_ids: list[list[int]],
-        rows: list[dict],
-        step: int,
-        num_generations: int,
+        context: RolloutContext,
         on_group: Callable[[int, list[list[int]]], None] | None = None,
     ) -> Rollout:
         """One rollout of this rank's prompts (G completions each), through `rollout_func` or the agent loop.
@@ -318,21 +311,22 @@ class Agents:
         Args:
             trainer: the `GRPOTrainer` (its engine and tokenization; what `rollout_func` receives). Its `args` give
                 the sampling settings.
-            prompt_ids: the templated prompts, one per row. rows: the dataset rows. step: seeds the sampling.
-            num_generations: G, the completions of each prompt (evaluation has its own).
+            prompt_ids: the templated prompts, one per row.
+            context: the rollout's dataset rows, the step that seeds its sampling and G (`RolloutContext`).
             on_group: called with row i and its G completions' token ids as soon as all of them are complete (as
                 `colograd.engine.core.Engine.generate`'s); not with a `rollout_func`, which returns them all at once.
         """
-        args, g = trainer.args, num_generations
+        args, g, rows = trainer.args, context.num_generations, context.rows
         prompts = [row["prompt"] for row in rows for _ in range(g)]
         if self.rollout_func is not None:
             return self._from_rollout_func(self.rollout_func(prompts, trainer), len(prompts))
         trajectory_prompts = [prompt_ids[i // g] for i in range(len(prompts))]
         tools = [self.tools] * len(prompts)
+        columns = {}
         if self._factories:
-            self.environments, trajectory_prompts, tools = self._reset(trainer, prompts, rows, trajectory_prompts, g)
-            self.columns = {"environments": self.environments}
-        rng = random.Random(hash((args.seed, args.process_index, step)))
+            environments, trajectory_prompts, tools = self._reset(trainer, prompts, rows, trajectory_prompts, g)
+            columns = {"environments": environments}
+        rng = random.Random(hash((args.seed, args.process_index, context.step)))
         trajectories = [
             Trajectory(p, t, seed=rng.getrandbits(31)) for p, t in zip(trajectory_prompts, tools, strict=True)
         ]
@@ -343,8 +337,7 @@ class Agents:
         params = turn_sampling_params(args, self.parser.stop)
         loop.run(trajectories, params, _group_reporter(trajectories, g, on_group))
         calls, failures = sum(t.calls for t in trajectories), sum(t.failures for t in trajectories)
-        self.counts = {"completions": len(trajectories), "calls": calls, "failures": failures}
-        self.metrics = {
+        metrics = {
             "tools/call_frequency": calls / len(trajectories),
             "tools/failure_frequency": failures / calls if calls else 0.0,
             "tools/turns/mean": sum(t.turns for t in trajectories) / len(trajectories),
@@ -356,6 +349,9 @@ class Agents:
             [t.truncated for t in trajectories],
             tool_mask=[t.tool_mask for t in trajectories],
             prompt_ids=[t.prompt_ids for t in trajectories] if self._factories else None,
+            columns=columns,
+            metrics=metrics,
+            counts={"completions": len(trajectories), "calls": calls, "failures": failures},
         )
 
     def _reset(
@@ -423,16 +419,16 @@ class Agents:
         if output["logprobs"] is None:
             raise ValueError("rollout_func must return the engine's log-prob of every completion token in `logprobs`.")
         ends = {self.tokenizer.eos_token_id, self.tokenizer.pad_token_id}
-        self.columns = {
+        columns = {
             k: v for k, v in output.items() if k not in ("prompt_ids", "completion_ids", "logprobs", "env_mask")
         }
-        self.metrics = {}
         return Rollout(
             [list(ids) for ids in output["completion_ids"]],
             [list(lp) for lp in output["logprobs"]],
             [not ids or ids[-1] not in ends for ids in output["completion_ids"]],  # no end-of-text: cut (TRL's rule)
             tool_mask=output.get("env_mask"),
             prompt_ids=[list(ids) for ids in output["prompt_ids"]],
+            columns=columns,  # its extra keys reach the reward functions
         )
 
 

@@ -15,7 +15,7 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from colograd.engine.core import Rollout
+from colograd.engine.rollout import Rollout
 from colograd.grpo.batch import pad_rollout
 from colograd.grpo.logps import completion_logps
 

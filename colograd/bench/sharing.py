@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from colograd.bench.shapes import build_model
-from colograd.engine.core import Rollout
+from colograd.engine.rollout import Rollout
 from colograd.grpo import attention
 from colograd.grpo.batch import pad_rollout
 from colograd.grpo.logps import PromptSharing, completion_logps, pack_for_forward

@@ -127,13 +127,18 @@ class GRPOConfig(
         return read or self.sampling_gap_completions == "all"  # the metric over every completion
 
     @property
+    def rollout_micro_steps(self) -> int:
+        """The micro-steps one rollout trains: its `steps_per_generation` slices, each `num_iterations` times."""
+        return self.steps_per_generation * self.num_iterations
+
+    @property
     def reuses_rollouts_across_updates(self) -> bool:
         """Whether some micro-steps train on a rollout sampled before the last optimizer step.
 
         Then the loss needs the sampling policy's log-probs, stored with the rollout; otherwise every micro-step
         of a rollout falls in the optimizer step that generated it and the current log-probs serve (ratio 1).
         """
-        return self.gradient_accumulation_steps % (self.steps_per_generation * self.num_iterations) != 0
+        return self.gradient_accumulation_steps % self.rollout_micro_steps != 0
 
     @property
     def place_model_on_device(self) -> bool | None:

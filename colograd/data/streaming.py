@@ -121,7 +121,7 @@ def rollout_stream(dataset: Any, args: GRPOConfig, accelerator: Accelerator, num
         dataset = dataset.shuffle(seed=args.seed)
     accelerator.dataloader_config.dispatch_batches = False
     batch = args.prompts_per_rollout * accelerator.num_processes
-    return RolloutStream(dataset, batch, args.steps_per_generation * args.num_iterations, numbered)
+    return RolloutStream(dataset, batch, args.rollout_micro_steps, numbered)
 
 
 def check_stream(dataset: Any, args: GRPOConfig) -> None:
@@ -183,6 +183,8 @@ class RolloutBatches(Trainer):
     """`GRPOTrainer`'s data loading: each micro-step gets a rollout's worth of whole prompts, from a map-style dataset
     (`RepeatSampler`) or a stream (`RolloutStream`) in the same order."""
 
+    numbered_rows = False  # rows carry their index (`ROW_KEY`), for a vision-language run's per-row checks
+
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:
         """Each micro-step gets a rollout's worth of whole prompts: `prompts_per_rollout`.
 
@@ -193,7 +195,7 @@ class RolloutBatches(Trainer):
             raise ValueError("GRPOTrainer: training requires a train_dataset.")
         dataset = self.train_dataset  # a stream has no sampler: it is reordered into rollout batches instead
         # A vision-language run's rows carry their index, for the row checks at each rollout (`colograd.trainer`).
-        numbered = getattr(self, "numbered_rows", False)
+        numbered = self.numbered_rows
         if has_length(dataset):
             dataset = NumberedRows(dataset) if numbered else dataset
         else:
@@ -213,7 +215,7 @@ class RolloutBatches(Trainer):
             data_source=dataset if dataset is not None else self.train_dataset,
             mini_repeat_count=1,  # the engine samples the G completions of a prompt itself (n=G)
             batch_size=args.prompts_per_rollout * self.accelerator.num_processes,
-            repeat_count=args.steps_per_generation * args.num_iterations,
+            repeat_count=args.rollout_micro_steps,
             shuffle=args.shuffle_dataset,
             seed=args.seed,
         )

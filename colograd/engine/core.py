@@ -12,7 +12,6 @@ import tempfile
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 from typing import Any
 
 # Keep vLLM's engine core in this process (no extra process per rank) and its logs to what matters.
@@ -41,6 +40,7 @@ from colograd.engine.lifetime import (
 )
 from colograd.engine.lora import adapter_parent, engine_max_lora_rank
 from colograd.engine.requests import rollout_requests, sampled_logps
+from colograd.engine.rollout import Rollout
 from colograd.engine.weights import (
     _held_names,
     _holds_plain_dense_weights,
@@ -61,30 +61,6 @@ from colograd.vision.core import (
 
 logger = logging.getLogger(__name__)
 _UNTRIED = object()  # an engine's sampler tap before its first install
-
-
-@dataclass
-class Rollout:
-    """What the engine returns for N = prompts × G completions, groups contiguous.
-
-    completion_ids: token ids of each completion (ends with EOS when the model stopped by itself).
-    logps: the engine's log-prob of each sampled token, after temperature (same length as its ids).
-    truncated: whether each completion was cut at max_completion_length.
-    tool_mask: for completions with tokens the engine did not sample (tool results inserted between turns), 1 on
-        each sampled token and 0 on each inserted one; None: every token was sampled.
-    prompt_ids: the prompt of each completion, when a rollout gave completions of one prompt different prompts
-        (environments that add to them); None: completion i continues prompt i // G.
-    stale: partial rollouts (`colograd.grpo.partial`): how many of each completion's tokens, the first ones, were
-        sampled under older weights than this rollout's; None: none were.
-    """
-
-    completion_ids: list[list[int]]
-    logps: list[list[float]]
-    truncated: list[bool]
-    tool_mask: list[list[int]] | None = None
-    prompt_ids: list[list[int]] | None = None
-    engine_prompt_ids: list[list[int]] | None = None  # image prompts: each prompt as the engine expanded it
-    stale: list[int] | None = None
 
 
 class Engine:
@@ -110,6 +86,9 @@ class Engine:
             and a completion (`colograd.engine.kv_cache.engine_context`); None: the model's own context.
         images_per_prompt: a vision-language model's most images in one prompt (vLLM's `limit_mm_per_prompt`).
     """
+
+    weights_resident = True  # whether the weights memory is there to write into (sleep mode: see `awake`)
+    _awake = False  # inside `awake`
 
     def __init__(
         self,
@@ -197,7 +176,6 @@ class Engine:
         self.lora_request = None  # set by `load_adapter`; every generation then applies the adapter
         self._adapter_dir: tempfile.TemporaryDirectory | None = None
         self._tap: sampler_tap.SamplerTap | None | object = _UNTRIED  # see `_sampler_tap`
-        self.weights_resident = True  # whether the weights memory is there to write into (see `awake`)
         if self.sleep_level:
             # Asleep from the start: the memory is free while DeepSpeed / FSDP set up; the first rollout wakes it.
             self.llm.sleep(level=self.sleep_level)
@@ -463,7 +441,7 @@ class Engine:
         Inside another `awake` (a rollout's refill rounds, `colograd.grpo.dynamic`, within the rollout's own) it
         does nothing: the engine is up to date and stays awake until the outer one ends.
         """
-        if getattr(self, "_awake", False):
+        if self._awake:
             yield
             return
         self._awake = True
@@ -488,7 +466,7 @@ class Engine:
     def _check_resident(self, what: str) -> None:
         """Refuse to write weights into an asleep engine: its weights memory is released (level 2) or on the host
         (level 1), and a write there is lost or, on a GPU, lands in freed memory (an illegal address)."""
-        if not getattr(self, "weights_resident", True):
+        if not self.weights_resident:
             raise RuntimeError(
                 f"Engine.{what}: the engine is asleep (vllm_enable_sleep_mode, between rollouts), its weights memory "
                 "released; write weights inside `Engine.awake`, or call trainer.sync_weights(), which wakes it."

@@ -4,10 +4,32 @@ Shapes: N completions (groups of G contiguous), P prompt tokens (left-padded), T
 (right-padded).
 """
 
+from typing import TypedDict
+
 import torch
 
-from colograd.engine.core import Rollout
+from colograd.engine.rollout import Rollout
 from colograd.grpo.logps import PromptSharing, forwarded_tokens, plan_shared
+
+
+class RolloutBatch(TypedDict, total=False):
+    """One rollout slice as `GRPOTrainer.compute_loss` reads it: a dict (the Trainer moves and splits it as one),
+    typed. `pad_rollout` fills the first eight; `make_rollout` adds `num_items` (and an image run's `mm_*` pixels,
+    `colograd.vision.core.pad_pixels`), `rollout_logps` the old and reference log-probs, `split_by_tokens` the scale.
+    """
+
+    input_ids: torch.Tensor  # [N, P + T] long: prompt (left-padded) then completion (right-padded)
+    attention_mask: torch.Tensor  # [N, P + T] long: 1 on real tokens
+    position_ids: torch.Tensor  # [N, P + T] long
+    completion_ids: torch.Tensor  # [N, T] long: input_ids[:, P:]
+    completion_mask: torch.Tensor  # [N, T] long: the tokens the loss counts
+    tool_mask: torch.Tensor  # [N, T] long: the tokens the engine sampled under this rollout's weights
+    engine_logps: torch.Tensor  # [N, T] float: the engine's log-prob of each sampled token (NaN where not asked)
+    advantages: torch.Tensor  # [N] float
+    num_items: torch.Tensor  # [] float: the tokens a slice's loss is divided by (dapo), per rank and slice
+    old_logps: torch.Tensor  # [N, T] float: the sampling policy's, when a slice trains after an optimizer step
+    ref_logps: torch.Tensor  # [N, T] float: the reference policy's, when beta > 0
+    loss_scale: torch.Tensor  # [] float: a pass's share of its slice, when a slice is trained in several passes
 
 
 def pad_rollout(
@@ -18,7 +40,7 @@ def pad_rollout(
     pad_token_id: int,
     mask_truncated_completions: bool = False,
     mask_stale_tokens: bool = False,
-) -> dict[str, torch.Tensor]:
+) -> RolloutBatch:
     """The tensors `GRPOTrainer.compute_loss` reads.
 
     Args:
@@ -59,16 +81,16 @@ def pad_rollout(
         completion_mask = completion_mask * tool_mask
     if mask_truncated_completions:
         completion_mask[torch.tensor(rollout.truncated)] = 0
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0),
-        "completion_ids": input_ids[:, p:],
-        "completion_mask": completion_mask,
-        "tool_mask": tool_mask,
-        "engine_logps": engine_logps,
-        "advantages": advantages_N,
-    }
+    return RolloutBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=(attention_mask.cumsum(1) - 1).clamp(min=0),
+        completion_ids=input_ids[:, p:],
+        completion_mask=completion_mask,
+        tool_mask=tool_mask,
+        engine_logps=engine_logps,
+        advantages=advantages_N,
+    )
 
 
 def split_rows(batch: dict[str, torch.Tensor], parts: int) -> list[dict[str, torch.Tensor]]:

@@ -23,7 +23,7 @@ import torch
 from trl.trainer.utils import nanstd
 
 from colograd.data.streaming import NumberedRows, read_row
-from colograd.engine.core import Rollout
+from colograd.engine.rollout import Rollout
 from colograd.errors import ConfigError
 from colograd.grpo.loss import weighted_rewards
 from colograd.grpo.rollouts import PromptImages, RewardLogs, ScoredRollout
@@ -77,6 +77,9 @@ def group_spread(
 
 # The lists of a `Rollout` with one entry per prompt; the others have one per completion.
 _PER_PROMPT = ("engine_prompt_ids",)
+# A `Rollout`'s dicts: its reward columns (per completion, taken and joined per key), metrics and counts (the whole
+# rollout's: kept as they are when groups are taken, averaged and summed when rounds are joined).
+JOINED = ("columns", "metrics", "counts")
 
 
 def take_groups(scored: ScoredRollout, groups: list[int], num_generations: int) -> ScoredRollout:
@@ -85,12 +88,13 @@ def take_groups(scored: ScoredRollout, groups: list[int], num_generations: int) 
     g = num_generations
     completions = [i * g + j for i in groups for j in range(g)]
     pick = lambda values, index: [values[i] for i in index]  # noqa: E731
-    lists = {f.name: getattr(scored.rollout, f.name) for f in fields(Rollout)}
+    lists = {f.name: getattr(scored.rollout, f.name) for f in fields(Rollout) if f.name not in JOINED}
     rollout = replace(
         scored.rollout,
         **{
             name: pick(v, groups if name in _PER_PROMPT else completions) for name, v in lists.items() if v is not None
         },
+        columns={k: pick(v, completions) for k, v in scored.rollout.columns.items()},
     )
     images = None
     if scored.images is not None:
@@ -109,7 +113,8 @@ def take_groups(scored: ScoredRollout, groups: list[int], num_generations: int) 
 
 def join(parts: list[ScoredRollout]) -> ScoredRollout:
     """The scored rollouts `parts` as one: groups in order, every field concatenated (a field is None in every part
-    or in none: each round of a run's rollout samples the same way)."""
+    or in none: each round of a run's rollout samples the same way); the rollouts' columns concatenated per key,
+    their metrics averaged and their counts summed."""
     if len(parts) == 1:
         return parts[0]
 
@@ -120,7 +125,14 @@ def join(parts: list[ScoredRollout]) -> ScoredRollout:
             raise ValueError("dynamic sampling: the rounds of a rollout returned different fields; cannot join them")
         return [x for v in values for x in v]
 
-    rollout = Rollout(**{f.name: cat([getattr(p.rollout, f.name) for p in parts]) for f in fields(Rollout)})
+    names = [f.name for f in fields(Rollout) if f.name not in JOINED]
+    listed = {name: cat([getattr(p.rollout, name) for p in parts]) for name in names}
+    rollout = Rollout(
+        **listed,
+        columns={k: cat([p.rollout.columns[k] for p in parts]) for k in parts[0].rollout.columns},
+        metrics={k: sum(p.rollout.metrics[k] for p in parts) / len(parts) for k in parts[0].rollout.metrics},
+        counts={k: sum(p.rollout.counts[k] for p in parts) for k in parts[0].rollout.counts},
+    )
     images = None
     if parts[0].images is not None:
         images = PromptImages(*(cat([getattr(p.images, f.name) for p in parts]) for f in fields(PromptImages)))

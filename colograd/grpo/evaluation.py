@@ -37,7 +37,7 @@ def evaluate(trainer: Any, dataset: Any) -> dict[str, float]:
     low, high = extremes.view(-1, 2).amax(dim=0).tolist()
     metrics = eval_metrics(totals, [reward_name(f) for f in trainer.reward_funcs], -low, high)
     if trainer.agents is not None and trainer.agents.rollout_func is None:
-        tools = tool_totals(trainer.agents.counts).to(accelerator.device)
+        tools = tool_totals(scored.rollout.counts).to(accelerator.device)
         metrics |= eval_tool_metrics(accelerator.reduce(tools, reduction="sum").cpu())
     return metrics
 
@@ -93,7 +93,7 @@ def eval_metrics(totals: torch.Tensor, names: list[str], min_length: float, max_
 
 
 def tool_totals(counts: dict[str, int]) -> torch.Tensor:
-    """This rank's completions, tool calls and failed calls (`colograd.agents.core.Agents.counts`), for one
+    """This rank's completions, tool calls and failed calls (a tool rollout's `Rollout.counts`), for one
     reduction."""
     return torch.tensor([counts["completions"], counts["calls"], counts["failures"]], dtype=torch.float32)
 

@@ -24,8 +24,8 @@ from dataclasses import asdict
 from typing import Any
 
 from colograd.data.streaming import NumberedRows
-from colograd.engine.core import Rollout
 from colograd.engine.partial import Group, Piecewise, sample_until
+from colograd.engine.rollout import Rollout
 from colograd.errors import ConfigError
 from colograd.grpo.dynamic import draw_rows, refuse_stream
 
@@ -60,6 +60,19 @@ def refuse_unresumable(args: Any, train_dataset: Any, agents: bool, images: bool
             "partial_rollouts with tools, environment_factory or rollout_func is not supported (a turn cut short "
             "cannot be resumed with its tool calls); turn partial_rollouts off for agent runs."
         )
+
+
+def refuse_overridden_stages(args: Any, trainer_class: type, base: type) -> None:
+    """Refuse a subclass's own `sample` or `generate` under partial rollouts: their rollouts continue carried groups
+    in the engine itself (`PartialRollouts.take`), so those stages would never run."""
+    if not args.partial_rollouts:
+        return
+    for stage in ("sample", "generate"):
+        if getattr(trainer_class, stage) is not getattr(base, stage):
+            raise ConfigError(
+                f"partial_rollouts continues its groups in the engine itself, so {trainer_class.__name__}.{stage} "
+                "would never run; turn partial_rollouts off, or leave that stage to GRPOTrainer."
+            )
 
 
 class PartialRollouts:

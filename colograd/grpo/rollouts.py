@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from trl.trainer.utils import nanstd
 
-from colograd.engine.core import Rollout
+from colograd.engine.rollout import Rollout
 from colograd.grpo.loss import weighted_rewards
 
 

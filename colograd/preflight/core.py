@@ -26,7 +26,6 @@ Every failure is a `ConfigError` naming the input, the problem and the fix.
 
 import copy
 import inspect
-import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,21 +33,13 @@ from typing import Any
 
 import torch
 from datasets import Dataset, IterableDataset
-from peft import PeftModel
-from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin, TrainerCallback
-from transformers.trainer_utils import has_length
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from trl.data_utils import is_conversational
 
 from colograd.config.core import ConfigError, GRPOConfig, ScriptArguments
-from colograd.config.trl_compat import QUANTIZED
 from colograd.data.core import conversations_fix, first_line, load_prompts, tokenize_prompts
 from colograd.data.streaming import PEEK_ROWS, check_stream, check_stream_resume, peek
 from colograd.engine.kv_cache import engine_context
-from colograd.engine.lora import check_lora
-from colograd.grpo.logps import check_fp32_head
-from colograd.models import logit_transform
-from colograd.models.model_files import check_model_tokens
-from colograd.models.precision import master_copy_warning
 from colograd.preflight.engine import check_engine
 from colograd.rewards.code import check_code_rows
 from colograd.rewards.core import RewardFunc, resolve_reward, reward_name
@@ -126,122 +117,6 @@ def preflight(
     # Last: importing vLLM's pieces takes seconds, which a mistake found above should not wait for.
     check_engine(training_args, model_config, dtype, lora_rank)
     return Inputs(dataset, reward_funcs, eval_dataset)
-
-
-def check_argument_order(eval_dataset: Any, reward_processing_classes: Any = None) -> None:
-    """Arguments given in another order than TRL's: a tokenizer where `eval_dataset` is (before
-    `processing_class`), callbacks where `reward_processing_classes` is (before `callbacks`)."""
-    if isinstance(eval_dataset, PreTrainedTokenizerBase):
-        raise ConfigError(
-            "eval_dataset is a tokenizer: GRPOTrainer takes TRL's argument order (model, reward_funcs, args, "
-            "train_dataset, eval_dataset, processing_class); pass it as processing_class=..."
-        )
-    given = reward_processing_classes if isinstance(reward_processing_classes, list) else [reward_processing_classes]
-    if any(isinstance(c, TrainerCallback) or (isinstance(c, type) and issubclass(c, TrainerCallback)) for c in given):
-        raise ConfigError(
-            "reward_processing_classes holds callbacks: GRPOTrainer takes TRL's argument order (..., "
-            "processing_class, reward_processing_classes, callbacks); pass them as callbacks=..."
-        )
-
-
-def check_trainer_arguments(eval_dataset: Any, processing_class: Any) -> None:
-    """What TRL's `GRPOTrainer` takes and colograd does not: several eval datasets; and a processing class that is
-    neither a tokenizer nor a processor."""
-    if isinstance(eval_dataset, dict):
-        raise ConfigError(
-            "eval_dataset is a dict of datasets, which colograd does not evaluate one by one; pass one Dataset."
-        )
-    if eval_dataset is not None and not has_length(eval_dataset):
-        raise ConfigError("eval_dataset is a stream; evaluation takes an in-memory Dataset (e.g. its first rows).")
-    if processing_class is not None and not isinstance(processing_class, PreTrainedTokenizerBase | ProcessorMixin):
-        raise ConfigError(
-            f"processing_class is a {type(processing_class).__name__}: pass the model's tokenizer, or for a "
-            "vision-language model its processor (AutoProcessor)."
-        )
-
-
-def check_trainer_inputs(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    args: GRPOConfig,
-    train_dataset: Any,
-    reward_funcs: list[RewardFunc],
-    rewards_also_get: list[str] | None = (),
-    eval_dataset: Any = None,
-) -> tuple[Any, int | None, int | None]:
-    """What `GRPOTrainer` checks before the Trainer and the engine start: the model's adapter and head, the
-    settings, every row of an in-memory dataset (the first rows of a stream) and of an in-memory `eval_dataset`,
-    the engine's limits.
-
-    Args:
-        rewards_also_get: see `check_data`.
-
-    Returns:
-        The dataset (without its invalid rows, with `drop_invalid_prompts`); the adapter's rank when the engine
-        serves the adapter itself (`lora_sync: adapter`), else None; and the most tokens of any templated prompt
-        the run will give the engine, where every one was measured (in-memory datasets), else None.
-    """
-    if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
-        raise ConfigError(f"model is quantized: {QUANTIZED}.")
-    # An adapter the chosen sync cannot serve is refused now, not at the first generation.
-    lora_rank = check_lora(model.active_peft_config, args.lora_sync) if isinstance(model, PeftModel) else None
-    if args.cast_lm_head_to_fp32:
-        check_fp32_head(model.get_output_embeddings())
-    logit_transform.of(model)  # what it does to its logits after the output layer, or a one-line refusal
-    check_settings(args, model.config)
-    check_model_tokens(model, tokenizer)
-    room = prompt_room(args, model.config)
-    longest = None
-    if isinstance(train_dataset, Dataset):
-        train_dataset, longest = check_prompts(
-            train_dataset, tokenizer, template_kwargs=args.chat_template_kwargs, room=room
-        )
-        check_data(train_dataset, reward_funcs, args, rewards_also_get=rewards_also_get)
-    elif train_dataset is not None and not has_length(train_dataset):
-        train_dataset = check_stream_data(
-            train_dataset, tokenizer, reward_funcs, args, rewards_also_get=rewards_also_get, room=room
-        )
-    for evaluated in eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]:
-        if longest is not None and isinstance(evaluated, Dataset) and "prompt" in evaluated.column_names:
-            _, eval_longest = check_prompts(
-                evaluated, tokenizer, "eval_dataset", template_kwargs=args.chat_template_kwargs, room=room
-            )
-            longest = max(longest, eval_longest)
-        elif evaluated is not None:
-            longest = None  # prompts the checks have not measured: the engine keeps the model's context
-    check_engine(args, model.config, next(model.parameters()).dtype, lora_rank)
-    return train_dataset, lora_rank, longest
-
-
-def check_reward_source(reward_funcs: list[RewardFunc]) -> None:
-    """At least one reward: `reward_funcs`, or an environment's `get_reward` (TRL's rule)."""
-    if not reward_funcs:
-        raise ConfigError(
-            "No reward source provided: reward_funcs is None and no environment gives a reward; pass reward_funcs (a "
-            "rollout_func's extra keys reach them as keyword arguments), or an environment_factory whose environments "
-            "define get_reward."
-        )
-
-
-def check_wrapped_trainer(trainer: Any) -> None:
-    """What `GRPOTrainer` checks once the Trainer has set up accelerate, DeepSpeed or FSDP, before the engine
-    starts: the settings those refuse, and the master-weight warning."""
-    args = trainer.args
-    if args.micro_batch_tokens is not None and trainer.is_deepspeed_enabled:
-        raise ConfigError(
-            "micro_batch_tokens splits a micro-step into several backward passes, which DeepSpeed counts as "
-            "micro-steps; remove it, or lower per_device_train_batch_size instead."
-        )
-    if trainer.is_fsdp_enabled and trainer.accelerator.state.fsdp_plugin.fsdp_version != 2:
-        raise ConfigError("FSDP version 1 is not supported (flat parameters have no names); set fsdp_version: 2.")
-    if args.vllm_enable_sleep_mode and not torch.cuda.is_available():
-        raise ConfigError("vllm_enable_sleep_mode frees GPU memory and needs a GPU; remove it on this machine.")
-    # DeepSpeed and FSDP2 step fp32 masters under mixed precision; DDP steps the parameters themselves.
-    sharded_optimizer = trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    warning = master_copy_warning(model, sharded_optimizer and trainer.accelerator.mixed_precision != "no")
-    if warning and trainer.accelerator.is_main_process:
-        logging.getLogger("colograd.trainer").warning(warning)
 
 
 def check_settings(args: GRPOConfig, model_config: PretrainedConfig) -> None:

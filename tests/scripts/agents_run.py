@@ -90,14 +90,16 @@ class Counter:
 
 class RecordingTrainer(GRPOTrainer):
     """Keeps, per rollout, how many inserted tokens the batch holds and how many of them the loss would count, and
-    the prompts of the last rollout's completions."""
+    the prompts and environments of the last rollout's completions."""
 
     masks: list[dict[str, int]] = []
     last_prompt_ids: list[list[int]] | None = None
+    environments: list = []
 
-    def generate(self, prompt_ids, num_generations=None):
-        rollout = super().generate(prompt_ids, num_generations)
+    def generate(self, prompt_ids, context, images=None):
+        rollout = super().generate(prompt_ids, context, images)
         self.last_prompt_ids = rollout.prompt_ids
+        self.environments = rollout.columns["environments"]
         return rollout
 
     def make_rollout(self, rows):
@@ -119,7 +121,7 @@ def main() -> None:
         tool_call_parser=CharacterParser(),
     )  # fmt: skip
     trainer.train()
-    envs = trainer.agents.environments
+    envs = trainer.environments
     record = {
         "log_history": trainer.state.log_history,
         "masks": trainer.masks,

@@ -67,10 +67,10 @@ class RecordingTrainer(GRPOTrainer):
     sampled: list[list[list[int]]] = []
     die_at_step: int | None = None
 
-    def generate(self, prompt_ids, num_generations=None):
+    def generate(self, prompt_ids, context, images=None):
         if self.die_at_step == self.state.global_step and dist.get_rank() == 1:
             os._exit(17)
-        rollout = super().generate(prompt_ids, num_generations)
+        rollout = super().generate(prompt_ids, context, images)
         self.sampled.append(rollout.completion_ids)
         return rollout
 

@@ -92,9 +92,9 @@ class RecordingTrainer(GRPOTrainer):
         self.first_prompt = self.first_prompt or self.processing_class.decode(prompt_ids[0])
         return prompts, prompt_ids, columns
 
-    def generate(self, prompt_ids, num_generations=None):
+    def generate(self, prompt_ids, context, images=None):
         self.rollouts_at.append(self.state.global_step)
-        return super().generate(prompt_ids, num_generations)
+        return super().generate(prompt_ids, context, images)
 
     def compute_advantages(self, rewards_NF):
         advantages_N = super().compute_advantages(rewards_NF)

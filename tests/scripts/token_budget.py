@@ -29,8 +29,8 @@ class Recording(GRPOTrainer):
         self.sampled: list[list[list[int]]] = []
         self.passes: list[int] = []
 
-    def generate(self, prompt_ids, num_generations=None):
-        rollout = super().generate(prompt_ids, num_generations)
+    def generate(self, prompt_ids, context, images=None):
+        rollout = super().generate(prompt_ids, context, images)
         self.sampled.append(rollout.completion_ids)
         return rollout
 

@@ -1,0 +1,111 @@
+"""The trainer's forward pass: its settings decided once per run (`Forward.of`), then the log-probs of a rollout
+slice under a model (`logps`) and a slice cut into passes that fit the token budget (`passes`).
+
+The settings: how padding-free passes are packed (the segment kernel, a prompt shared by its completions:
+`colograd.grpo.packing`), the pass token budget (`colograd.grpo.memory.PassBudget`), the tokens never scored (a
+vision-language model's image placeholders), whether the model takes position ids, and a Mixture-of-Experts model's
+routers (`colograd.grpo.router`).
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from colograd.config.core import GRPOConfig
+from colograd.grpo import attention
+from colograd.grpo.batch import RolloutBatch, split_by_tokens
+from colograd.grpo.logps import PromptSharing, completion_logps
+from colograd.grpo.memory import PassBudget, compute_dtype
+from colograd.grpo.packing import forward_packing
+from colograd.grpo.router import Router, RouterRecord
+from colograd.vision.core import placeholder_ids, takes_position_ids
+
+
+@dataclass
+class Forward:
+    """How the trainer runs its model over a rollout slice.
+
+    args: the run's config (temperature, packing, chunking, the fp32 head, `micro_batch_tokens`).
+    segments: the segment-attention kernel packed passes use, or None (packed under a mask, or padded).
+    prompt_cost: how a pass shares a prompt among its completions (`PromptSharing`), or None (no sharing).
+    suppressed: token ids never scored (a vision-language model's image placeholders).
+    position_ids: whether the model takes position ids.
+    router: a Mixture-of-Experts model's routers, recorded in a training pass (TRL's load-balancing loss), or None.
+    budget: the per-pass token budget derived on a GPU when `micro_batch_tokens` is unset, or None.
+    """
+
+    args: GRPOConfig
+    segments: str | None = None
+    prompt_cost: PromptSharing | None = None
+    suppressed: list[int] = field(default_factory=list)
+    position_ids: bool = True
+    router: Router | None = None
+    budget: PassBudget | None = None
+
+    @classmethod
+    def of(
+        cls,
+        nets: list[nn.Module | None],
+        args: GRPOConfig,
+        processing_class: Any,
+        router: Router | None = None,
+        deepspeed: bool = False,
+        announce: bool = False,
+    ) -> "Forward":
+        """The settings for the policy `nets[0]` (and the reference's copy, `nets[1]`, if any), decided once: their
+        soft-capped attention scores soft-capped as the engine does, their packing probed.
+
+        Args:
+            deepspeed: DeepSpeed trains the model (no pass budget: it counts every pass as a micro-step).
+            announce: print the pass budget when it is derived (the main process).
+        """
+        policy = nets[0]
+        attention.honour_softcaps(nets)
+        segments, prompt_cost = forward_packing(nets, args, compute_dtype(policy, args.mixed_precision))
+        budget = PassBudget(policy, args, deepspeed, announce)
+        suppressed, position_ids = placeholder_ids(processing_class), takes_position_ids(policy.config)
+        return cls(args, segments, prompt_cost, suppressed, position_ids, router, budget)
+
+    def logps(
+        self,
+        model: nn.Module,
+        batch: RolloutBatch,
+        entropy: str | None = None,
+        count_tokens: Callable[[int], None] | None = None,
+        router: RouterRecord | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs of the completion tokens under `model` at the sampling temperature, [N, T], and with `entropy`
+        ("detached" / "grad") each position's entropy (`colograd.grpo.logps.completion_logps`); `count_tokens` gets
+        the tokens computed, `router` records the routers in the pass."""
+        args = self.args
+        return completion_logps(
+            model,
+            batch,
+            temperature=args.temperature,
+            padding_free=args.padding_free,
+            row_tokens=args.packed_row_tokens,
+            chunk_tokens=args.logps_chunk_tokens,
+            entropy=entropy,
+            fp32_head=args.cast_lm_head_to_fp32,
+            share_prompts=self.prompt_cost,
+            count_tokens=count_tokens,
+            segments=self.segments,
+            suppressed=self.suppressed,
+            position_ids=self.position_ids,
+            router=router,
+        )
+
+    def passes(
+        self, model: nn.Module, batch: RolloutBatch, optimizer: torch.optim.Optimizer | None
+    ) -> list[RolloutBatch] | None:
+        """`batch` cut into passes of at most `micro_batch_tokens` tokens (or the budget derived from free memory
+        on a GPU), each with its `loss_scale`; None where a slice trains in one pass."""
+        args = self.args
+        max_tokens = args.micro_batch_tokens or (self.budget.tokens(model, optimizer) if self.budget else None)
+        if max_tokens is None:
+            return None
+        row_tokens = None if self.segments else args.packed_row_tokens  # segments: a pass is one row
+        return split_by_tokens(batch, max_tokens, args.loss_type, self.prompt_cost, row_tokens)

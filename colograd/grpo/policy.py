@@ -1,0 +1,41 @@
+"""The policy a run trains, made ready before the Trainer wraps it: loaded from its name when given one, wrapped in a
+new adapter with a PEFT config, dropout off, a vision-language model's image encoder frozen, and a pad token."""
+
+from typing import Any
+
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from colograd.config.core import GRPOConfig
+from colograd.config.loading import disable_dropout, model_init_kwargs, tokenizer_kwargs, wrap_with_peft
+from colograd.vision.core import freeze_vision_tower, load_pretrained, text_tokenizer
+
+
+def prepare_policy(
+    model: PreTrainedModel | str, processing_class: Any, args: GRPOConfig, peft_config: Any = None
+) -> tuple[PreTrainedModel, Any]:
+    """The model and its processing class as training takes them.
+
+    Args:
+        model: a model, or a hub id / local path to load one from (`model_init_kwargs` apply).
+        processing_class: its tokenizer or processor; loaded from the model's path when None.
+        args: the run's config (`disable_dropout`, `freeze_vision_tower`, the loading options).
+        peft_config: a PEFT config: the model is wrapped with a new adapter (`wrap_with_peft`), as TRL does.
+
+    Returns:
+        The model (a `PeftModel` with `peft_config`) and the processing class, whose tokenizer has a pad token (its
+        end-of-sequence token where it had none).
+    """
+    if isinstance(model, str):
+        model = load_pretrained(model, AutoModelForCausalLM, **model_init_kwargs(args))
+    if processing_class is None:
+        processing_class = load_pretrained(model, AutoTokenizer, **tokenizer_kwargs(args))
+    if peft_config is not None:
+        model = wrap_with_peft(model, peft_config, args)
+    if args.disable_dropout:
+        disable_dropout(model)
+    if args.freeze_vision_tower:
+        freeze_vision_tower(model)
+    tokenizer = text_tokenizer(processing_class)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, processing_class
