@@ -20,8 +20,8 @@ for training and evaluation alike.
 """
 
 from collections import defaultdict
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -87,9 +87,10 @@ from colograd.rewards.early import early_rewards, group_starter
 from colograd.runs.checkpoints import checkpoint_step
 from colograd.runs.completions import CompletionLog
 from colograd.runs.modelcard import Recipe
-from colograd.runs.preemption import Preemption, stage_failures
+from colograd.runs.preemption import Preemption
 from colograd.runs.saving import ModelSaving
-from colograd.runs.timing import OptimizerTimer, PhaseTimes, format_summary, run_summary, window_metrics
+from colograd.runs.step_logs import StepLogs
+from colograd.runs.timing import OptimizerTimer, PhaseTimes
 from colograd.vision.checks import check_prompt_lengths, check_row
 from colograd.vision.core import (
     check_expansion,
@@ -101,7 +102,7 @@ from colograd.vision.core import (
 )
 
 
-class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
+class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
     """Group Relative Policy Optimization with a vLLM engine inside each training process.
 
     TRL 1.16's parameters, in its order, with its meanings (`colograd.config.trl_compat.TRAINER_PARAMETERS`), then
@@ -288,14 +289,6 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
             raise ParityError(self.parity.stopped)
         self.summarize_phases(self.state.global_step - first_step)
         return output
-
-    def summarize_phases(self, steps: int) -> None:
-        """Print (main process) and keep in `phase_summary` where this `train` call's time went: seconds per phase
-        (mean over processes) and tokens/s of generation and training (all processes)."""
-        self.phase_summary = run_summary(self._times, steps, self.accelerator)
-        if self.accelerator.is_main_process:
-            rates = {k: v for k, v in self.phase_summary.items() if k.startswith("throughput/")}
-            print(format_summary(steps, self.phase_summary["seconds"], rates), flush=True)
 
     # --- the step ---------------------------------------------------------------------------------------
 
@@ -747,28 +740,6 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         ("detached" / "grad") each position's entropy, as the run's forward pass computes them (`Forward.logps`)."""
         return self.forward.logps(model, inputs, entropy, count_tokens, router)
 
-    def log_completions(
-        self,
-        prompts: list,
-        rollout: Rollout,
-        rewards_NF: torch.Tensor,
-        advantages_N: torch.Tensor,
-        extra: dict[str, list] | None = None,
-        images: list[list] | None = None,
-    ) -> None:
-        """With `log_completions`, hand the first rank's rollout (and the columns its reward functions added with
-        `log_extra`, and each prompt's `images` when given) to the completion log every `log_completions_steps`
-        (every logging step when unset)."""
-        step = self.state.global_step + 1  # the optimizer step this rollout trains, as logs number it
-        if self._completion_log is None or step % (self.args.log_completions_steps or self.state.logging_steps):
-            return
-        texts = self.processing_class.batch_decode(rollout.completion_ids, skip_special_tokens=True)
-        rewards = {name: rewards_NF[:, j].tolist() for j, name in enumerate(self.reward_func_names)}
-        total_N = (rewards_NF * self.reward_weights).nansum(dim=1)
-        self._completion_log.record(
-            step, prompts, texts, rewards, total_N.tolist(), advantages_N.tolist(), extra, images
-        )
-
     # --- evaluation -------------------------------------------------------------------------------------
 
     def evaluate(
@@ -787,40 +758,3 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving):
         """The tools' schemas the chat template is given now (`or None`: some templates write tool text for an empty
         list); an environment's own tools stand in while its prompts are templated (`Agents._template`)."""
         return (self.agents.schemas or None) if self.agents is not None else None
-
-    def _record(self, metrics: dict[str, float]) -> None:
-        """Add one value of each metric to the current logging window (averaged over micro-steps and ranks when
-        logged, see `log`)."""
-        for name, value in metrics.items():
-            self._metrics[name].append(value)
-
-    @contextmanager
-    def _timed(self, phase: str) -> Iterator[None]:
-        """Time a stage; an exception in it names the optimizer step and the stage (`StepFailure`)."""
-        with stage_failures(phase, self.state.global_step + 1, self.args.output_dir):
-            with self._times.timed(phase, self._metrics):
-                yield
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Add this window's GRPO metrics, averaged over micro-steps and ranks (max / min over ranks for `*/max` /
-        `*/min`).
-
-        `time/*` are seconds per optimizer step and `tokens/*` tokens per optimizer step and process: their sums over
-        the window divided by its steps. `throughput/*_tokens_per_s` are the window's tokens/s over all processes.
-        """
-        # A step's entry, and (as TRL's `log` merges them) the end of training's, which takes what the last window
-        # left when training ended between two logging steps.
-        if self._metrics and ("loss" in logs or "train_runtime" in logs):
-            steps = max(1, self.state.global_step - self._last_logged_step)
-            self._last_window = window_metrics(self._metrics, steps, self.accelerator)
-            logs.update(self._last_window)
-            self._metrics.clear()
-            self._last_logged_step = self.state.global_step
-            super().log(logs, start_time)
-            return
-        super().log(logs, start_time)
-        if "train_runtime" in logs:
-            # Every step was logged: the end of training's entry in `log_history` gets the last window's metrics
-            # again, as TRL's carries a window's (its default logs every 10 steps) and TRL's tests read them from
-            # `log_history[-1]`. Trackers are not sent them twice; a step's entry is the one with a `loss`.
-            self.state.log_history[-1].update({k: v for k, v in self._last_window.items() if k not in logs})
