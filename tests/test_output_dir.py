@@ -43,15 +43,16 @@ TINY = "recipes/grpo_tiny.yaml"
 
 
 def args_for(out, rank: int = 0, overwrite: bool = False) -> SimpleNamespace:
-    """The three fields the output_dir stage reads, for a process of `rank`."""
-    return SimpleNamespace(output_dir=str(out), process_index=rank, overwrite_output_dir=overwrite)
+    """The fields the output_dir stage reads, for a process of `rank`; a run that names no checkpoint does not look
+    for its own here (`auto_resume`: tests/test_relaunch.py)."""
+    return SimpleNamespace(output_dir=str(out), process_index=rank, overwrite_output_dir=overwrite, auto_resume=False)
 
 
-def write_lock(out, pid: int, host: str | None = None, ticks: int | None = None) -> None:
+def write_lock(out, pid: int, host: str | None = None, ticks: int | None = None, **slurm) -> None:
     out.mkdir(exist_ok=True)
     ticks = ticks if ticks is not None else _start_ticks(pid)
     holder = {"host": host or socket.gethostname(), "pid": pid, "started": "2025-01-01T00:00:00+00:00",
-              "ticks": ticks, "command": "colograd/train.py --config x"}  # fmt: skip
+              "ticks": ticks, "command": "colograd/train.py --config x", **slurm}  # fmt: skip
     (out / LOCK_FILE).write_text(json.dumps(holder))
 
 
@@ -129,6 +130,28 @@ def test_a_lock_from_another_host_is_refused_with_how_to_clear_it(tmp_path):
     with pytest.raises(
         ConfigError, match="on host elsewhere.*not this host.*delete .*_colograd_run.lock if it is gone"
     ):
+        claim_output_dir(args_for(tmp_path))
+
+
+@pytest.mark.parametrize("then", [None, 0, 1])
+def test_a_lock_from_another_host_is_taken_over_only_from_an_earlier_run_of_this_slurm_job(
+    tmp_path, capsys, monkeypatch, then
+):
+    """Slurm requeues a job (on another node, as often as not) once all its processes ended: the lock of an earlier
+    run of the job is stale. The same run of it, or another job, may still run elsewhere: refused."""
+    write_lock(tmp_path, 1, host="elsewhere", ticks=1, slurm_job="77", slurm_restarts=then)
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    if then == 0:  # requeued once since
+        claim_output_dir(args_for(tmp_path))
+        assert json.loads((tmp_path / LOCK_FILE).read_text())["slurm_restarts"] == 1
+        assert "was held by pid 1 on host elsewhere" in capsys.readouterr().err
+        return
+    with pytest.raises(ConfigError, match="on host elsewhere.*not this host"):
+        claim_output_dir(args_for(tmp_path))
+    monkeypatch.setenv("SLURM_JOB_ID", "78")  # another job
+    write_lock(tmp_path, 1, host="elsewhere", ticks=1, slurm_job="77", slurm_restarts=0)
+    with pytest.raises(ConfigError, match="on host elsewhere.*not this host"):
         claim_output_dir(args_for(tmp_path))
 
 
@@ -417,7 +440,9 @@ def test_second_run_refused_while_the_first_runs_then_new_run_and_changed_resume
     assert "`recipes/grpo_tiny.yaml`" in (out / "README.md").read_text()  # the model card
     assert "'reward':" in (tmp_path / "first.log").read_text()  # per-step logs
 
-    line = error_line(run_cli(*flags))  # the first run is over, but its work is there
+    line = error_line(run_cli(*flags))  # the same command again: its run is over
+    assert "holds this run's checkpoint-2, saved at its last step (max_steps 2): the run is over" in line, line
+    line = error_line(run_cli(*flags, "--auto_resume", "false"))  # a run not looking for its own: another run's work
     assert "holds another run's checkpoints (checkpoint-1, checkpoint-2) and finished model" in line, line
 
     # Refused once the trainer knows the run's setup (after its engine started: libraries may log before).

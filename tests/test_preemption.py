@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, run_cli, start_launch
+from conftest import ROOT, run_cli, start_launch, worker
 from transformers import TrainerControl, TrainerState
 
 from colograd import train
@@ -38,19 +38,6 @@ def wait_for(condition, proc, log: Path, timeout: float = 400) -> None:
         assert proc.poll() is None, f"the run ended early:\n{log.read_text()[-4000:]}"
         assert time.monotonic() < deadline, f"timed out:\n{log.read_text()[-4000:]}"
         time.sleep(0.2)
-
-
-def worker(launcher: int, rank: int) -> int:
-    """The pid of the launcher's child process that runs `rank`."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except (OSError, IndexError):
-            continue
-        if ppid == launcher and f"RANK={rank}".encode() in environ:
-            return int(pid)
-    raise AssertionError(f"no rank {rank} under process {launcher}")
 
 
 def kill_job(proc) -> None:

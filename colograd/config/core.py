@@ -6,6 +6,8 @@ one module per topic (`TOPICS`); `GRPOConfig` mixes them into transformers' `Tra
 only the `TrainingArguments` fields whose default GRPO changes, and what the run does with its output_dir.
 """
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -72,9 +74,29 @@ class GRPOConfig(
             "resume is refused there (see docs/runs.md)."
         },
     )
+    auto_resume: bool = field(
+        default=True,
+        metadata={
+            "help": "A run that names no resume_from_checkpoint resumes from the newest finished checkpoint in "
+            "output_dir when that checkpoint's record names this run's setup (model, data, rewards, world size, "
+            "objective), saying so in one line: a scheduler that relaunches the same command continues the run. "
+            "Another run's checkpoints are refused as before. False: such a run never resumes (see "
+            "docs/long-runs.md)."
+        },
+    )
+    hang_timeout: float = field(
+        default=1800.0,
+        metadata={
+            "help": "Seconds a training process may go without progress (a stage of the step begun or ended); past "
+            "it every rank writes its Python stacks to stderr and the run exits with code 124, so that the launch "
+            "ends and a scheduler can relaunch it. Collectives wait at least this long plus a minute (ddp_timeout, "
+            "raised to that if lower), so the hung rank is the one reported. 0: no limit (see docs/long-runs.md)."
+        },
+    )
 
     def __post_init__(self) -> None:
-        check_ranges(self)  # first: transformers' own checks and the derived fields assume numbers in range
+        check_elastic_restarts()  # before transformers forms the process group, which a restarted worker's never does
+        check_ranges(self)  # before transformers' own checks and the derived fields, which assume numbers in range
         # The reward functions read the dataset's extra columns, so the Trainer must not drop them.
         self.remove_unused_columns = False
         if not torch.cuda.is_available():
@@ -193,3 +215,21 @@ COMMON_FIELDS: tuple[str, ...] = (
     "resume_from_checkpoint",
     "push_to_hub",
 )
+
+
+def check_elastic_restarts(env: Mapping[str, str] | None = None) -> None:
+    """Refuse a launch whose agent restarts its workers (`TORCHELASTIC_MAX_RESTARTS` > 0, which torchrun sets for
+    every worker), before the process group forms: on this torch the restarted ones never form theirs (why:
+    `colograd.runs.relaunch`).
+
+    Raises:
+        ConfigError: naming the setting and the way that works: the scheduler relaunches the same command.
+    """
+    restarts = (os.environ if env is None else env).get("TORCHELASTIC_MAX_RESTARTS", "0").strip()
+    if restarts.isdigit() and int(restarts) > 0:
+        raise ConfigError(
+            f"torchrun --max-restarts {restarts} (accelerate launch --max_restarts): the restarted workers never "
+            "form their process group on this torch (pytorch issue #167288); launch with no restarts and let the "
+            "scheduler relaunch the same command, which resumes the run from its newest checkpoint "
+            "(docs/long-runs.md)."
+        )

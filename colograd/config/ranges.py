@@ -163,6 +163,7 @@ RANGES: dict[str, Range] = {
     "dataloader_prefetch_factor": AT_LEAST_1,
     "ddp_bucket_cap_mb": AT_LEAST_1,
     "ddp_timeout": AT_LEAST_1,
+    "hang_timeout": AT_LEAST_0,
     "local_rank": Range(0, special=(-1,), why="-1: not launched"),
     # ModelConfig (LoRA from the command line)
     "lora_r": AT_LEAST_1,

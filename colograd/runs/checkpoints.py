@@ -9,7 +9,9 @@ Checkpoints saved before the record existed count as finished when their `traine
 writes after the rest, is whole.
 
 Resuming checks the checkpoint's recorded setup against the run's (`check_setup`): a checkpoint of another
-model, dataset, world size or objective is refused, not continued as if it were this run's.
+model, dataset, world size or objective is refused, not continued as if it were this run's. The record names the
+setup from the moment the save begins, so even a save cut short tells which run it belongs to
+(`colograd.runs.relaunch`).
 """
 
 import hashlib
@@ -132,13 +134,13 @@ def read_record(checkpoint: str) -> dict | str | None:
         return "unreadable"
 
 
-def begin_record(checkpoint: str) -> None:
-    """Mark `checkpoint` as being saved (main process, before any rank writes into it). An earlier save of the
-    same step (a resumed run saving it again) is removed first: its files would otherwise be listed as this
-    save's, and those written after the record (a callback's) change size."""
+def begin_record(checkpoint: str, setup: dict[str, Any] | None = None) -> None:
+    """Mark `checkpoint` as being saved (main process, before any rank writes into it), by a run of `setup`. An
+    earlier save of the same step (a resumed run saving it again) is removed first: its files would otherwise be
+    listed as this save's, and those written after the record (a callback's) change size."""
     shutil.rmtree(checkpoint, ignore_errors=True)
     os.makedirs(checkpoint)
-    _write_json(os.path.join(checkpoint, RECORD_FILE), {"finished": False})
+    _write_json(os.path.join(checkpoint, RECORD_FILE), {"finished": False, "setup": setup})
 
 
 def finish_record(checkpoint: str, setup: dict[str, Any]) -> None:
@@ -244,14 +246,14 @@ def _newest_finished(output_dir: str) -> str:
             f"{unfinished}; give a checkpoint path, or drop the flag to start afresh."
         )
     if newest != found:
-        _note(
+        note(
             f"{newest} is incomplete ({checkpoint_problem(newest)}); resuming from {found}, the newest finished "
             "checkpoint."
         )
     return found
 
 
-def _note(message: str) -> None:
+def note(message: str) -> None:
     """One line on stderr, once per process, from the first rank only."""
     if message not in _noted and int(os.environ.get("RANK", "0")) == 0:
         _noted.add(message)
@@ -314,6 +316,33 @@ def _dataset_identity(dataset: Any) -> str | None:
     return f"{len(dataset)} rows, first prompts {digest}"
 
 
+def config_setup(args: TrainingArguments) -> dict[str, Any]:
+    """The part of `run_setup` the config alone tells: `SETUP_FIELDS`, as a record holds them."""
+    return json.loads(json.dumps({name: getattr(args, name) for name in SETUP_FIELDS}, default=str))
+
+
+def recorded_setup(checkpoint: str) -> dict[str, Any] | None:
+    """The setup a checkpoint's record names; None when it names none (saved before records held one)."""
+    record = read_record(checkpoint)
+    setup = record.get("setup") if isinstance(record, dict) else None
+    return setup if isinstance(setup, dict) else None
+
+
+def setup_differences(recorded: dict[str, Any], setup: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """The fields whose value in a record differs from `setup`'s, with both values. A value unknown on either side
+    (None, or a key an older record lacks) is not compared."""
+    return {
+        name: (recorded[name], value)
+        for name, value in setup.items()
+        if recorded.get(name) is not None and value is not None and recorded[name] != value
+    }
+
+
+def describe_differences(differ: dict[str, tuple[Any, Any]]) -> str:
+    """e.g. "num_generations 8 in the checkpoint, 4 now; seed 42 in the checkpoint, 1 now"."""
+    return "; ".join(f"{name} {then!r} in the checkpoint, {now!r} now" for name, (then, now) in differ.items())
+
+
 def check_setup(checkpoint: str, setup: dict[str, Any]) -> None:
     """Refuse to resume from a checkpoint whose recorded setup differs from this run's (`run_setup`). A value
     unknown on either side (None, or a key an older record lacks) is not compared; a checkpoint saved before
@@ -322,16 +351,10 @@ def check_setup(checkpoint: str, setup: dict[str, Any]) -> None:
     Raises:
         ConfigError: naming each differing field with its value in the checkpoint and now.
     """
-    record = read_record(checkpoint)
-    recorded = record.get("setup", {}) if isinstance(record, dict) else {}
-    differ = [
-        f"{name} {recorded[name]!r} in the checkpoint, {value!r} now"
-        for name, value in setup.items()
-        if recorded.get(name) is not None and value is not None and recorded[name] != value
-    ]
+    differ = describe_differences(setup_differences(recorded_setup(checkpoint) or {}, setup))
     if differ:
         raise ConfigError(
-            f"resume_from_checkpoint: {checkpoint} was saved by a run set up differently ({'; '.join(differ)}); "
+            f"resume_from_checkpoint: {checkpoint} was saved by a run set up differently ({differ}); "
             "resume with the checkpoint's settings, or start a new run in another output_dir (or with "
             "overwrite_output_dir: true)."
         )
@@ -370,4 +393,4 @@ def check_resume(
             against=f"the model this run trains ({architecture(config)})",
             fix="resume from a checkpoint of this model, or start afresh in another output_dir",
         )
-    check_setup(checkpoint, {"architecture": architecture(config), **{n: getattr(args, n) for n in SETUP_FIELDS}})
+    check_setup(checkpoint, {"architecture": architecture(config), **config_setup(args)})

@@ -3,15 +3,17 @@
     claim        output_dir can be written; the first process writes a lock file, `_colograd_run.lock` (host, pid,
                  start time, command), before any slow start-up, and removes it at exit. A second run finds it and
                  stops, naming the first; a lock left by a process that no longer runs on this host is taken over
+    relaunch     a run that names no checkpoint resumes its own newest finished one (`auto_resume`; whose it is:
+                 `colograd.runs.relaunch`), so that a scheduler's relaunch of the same command continues the run
     fresh start  a run that resumes nothing refuses an output_dir holding another run's checkpoints or finished
                  model (resume it, choose another folder, or set overwrite_output_dir to start over)
     resume       the checkpoint is a finished save (`colograd.runs.checkpoints.resolve_checkpoint`); the trainer then
                  checks it was saved by a run set up as this one (`colograd.runs.checkpoints.check_setup`)
 
-`check_output_dir` runs all three; `colograd/train.py` calls it first, preflight and `GRPOTrainer.train` again (a
-repeated call finds its own lock and does nothing new). Only the first process (rank 0) takes the lock and
-judges the folder's contents: a refusal there ends the whole launch (the launcher stops the other ranks), and is
-printed once.
+`check_output_dir` runs them; `colograd/train.py` calls it first, preflight and `GRPOTrainer.train` again (a
+repeated call finds its own lock and does nothing new; only the trainer's knows the run's whole setup). Only the
+first process (rank 0) takes the lock and judges the folder's contents: a refusal there ends the whole launch (the
+launcher stops the other ranks), and is printed once.
 """
 
 import atexit
@@ -25,6 +27,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from datetime import datetime
+from typing import Any
 
 from transformers import TrainingArguments
 from transformers.utils import (
@@ -37,7 +40,8 @@ from transformers.utils import (
 )
 
 from colograd.config.core import ConfigError
-from colograd.runs.checkpoints import checkpoints, resolve_checkpoint
+from colograd.runs.checkpoints import checkpoint_step, checkpoints, config_setup, note, resolve_checkpoint
+from colograd.runs.relaunch import judge, resume_note
 
 # "_": push_to_hub's upload of output_dir leaves out names starting with it, so a host name is never published.
 LOCK_FILE = "_colograd_run.lock"
@@ -53,21 +57,28 @@ COMPLETIONS_FILE = "completions.jsonl"  # appended to by each run (colograd.runs
 _held: set[str] = set()  # the lock files this process holds (real paths)
 
 
-def check_output_dir(args: TrainingArguments, resume_from_checkpoint: str | bool | None) -> str | None:
+def check_output_dir(
+    args: TrainingArguments, resume_from_checkpoint: str | bool | None, setup: dict[str, Any] | None = None
+) -> str | None:
     """The whole stage: claim `output_dir`, then resolve the checkpoint to resume from, or check a fresh start.
 
     Args:
-        args: the run's config (`output_dir`, `overwrite_output_dir`, `process_index`).
-        resume_from_checkpoint: as `colograd.runs.checkpoints.resolve_checkpoint` takes it.
+        args: the run's config (`output_dir`, `overwrite_output_dir`, `auto_resume`, `process_index`).
+        resume_from_checkpoint: as `colograd.runs.checkpoints.resolve_checkpoint` takes it; None (not given) with
+            `auto_resume`: this run's own newest finished checkpoint, if output_dir holds one (`resume_own_run`).
+        setup: the run's whole setup (`colograd.runs.checkpoints.run_setup`), once the trainer knows it.
 
     Returns:
-        The checkpoint to resume from, or None.
+        The checkpoint to resume from, or None. Before `setup` is known, None also where the run may resume its own
+        checkpoint: the trainer decides.
 
     Raises:
         ConfigError: output_dir cannot be written, another run holds it, it holds another run's work, or the
             checkpoint is not a finished save.
     """
     claim_output_dir(args)
+    if resume_from_checkpoint is None and args.auto_resume and not args.overwrite_output_dir:
+        return resume_own_run(args, setup)
     checkpoint = resolve_checkpoint(resume_from_checkpoint, args.output_dir)
     # A resume from a checkpoint elsewhere starts a branch here: it must not write over what this folder holds.
     if checkpoint is None or not _inside(checkpoint, args.output_dir):
@@ -100,19 +111,23 @@ def claim_output_dir(args: TrainingArguments) -> None:
 @dataclass
 class Holder:
     """The process a lock file names. `ticks` is its start time in clock ticks after boot (Linux), which tells a
-    process apart from a later one given the same pid."""
+    process apart from a later one given the same pid. `slurm_job` and `slurm_restarts`: the Slurm job it ran in
+    and how many times that job had been requeued (`SLURM_JOB_ID`, `SLURM_RESTART_COUNT`), None outside Slurm."""
 
     host: str
     pid: int
     started: str
     ticks: int | None
     command: str
+    slurm_job: str | None = None
+    slurm_restarts: int | None = None
 
     @classmethod
     def me(cls) -> "Holder":
         command = shlex.join(sys.argv)[:200]
         started = datetime.now().astimezone().isoformat(timespec="seconds")
-        return cls(socket.gethostname(), os.getpid(), started, _start_ticks(os.getpid()), command)
+        job, restarts = _slurm_run()
+        return cls(socket.gethostname(), os.getpid(), started, _start_ticks(os.getpid()), command, job, restarts)
 
     def describe(self) -> str:
         return f"pid {self.pid} on host {self.host}, started {self.started} ({self.command})"
@@ -186,9 +201,13 @@ def _read_lock(path: str) -> Holder | None:
 
 
 def _running(holder: Holder) -> bool | None:
-    """Whether the lock's process still runs; None when it ran on another host."""
+    """Whether the lock's process still runs; None when it ran on another host, unless it ran in an earlier run of
+    this Slurm job: Slurm requeues a job (`--requeue`, on another node as often as not) once all its processes
+    have ended."""
     if holder.host != socket.gethostname():
-        return None
+        job, restarts = _slurm_run()
+        earlier = holder.slurm_restarts is not None and restarts is not None and holder.slurm_restarts < restarts
+        return False if job is not None and holder.slurm_job == job and earlier else None
     try:
         os.kill(holder.pid, 0)
     except ProcessLookupError:
@@ -197,6 +216,12 @@ def _running(holder: Holder) -> bool | None:
         pass
     ticks = _start_ticks(holder.pid)
     return ticks is None or holder.ticks is None or ticks == holder.ticks
+
+
+def _slurm_run() -> tuple[str | None, int | None]:
+    """This process's Slurm job and how many times it was requeued, or (None, None) outside Slurm."""
+    job, restarts = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_RESTART_COUNT", "0").strip()
+    return (job, int(restarts) if restarts.isdigit() else None) if job else (None, None)
 
 
 def _start_ticks(pid: int) -> int | None:
@@ -223,6 +248,44 @@ def _release(path: str, me: Holder) -> None:
     _held.discard(path)
 
 
+# --- a relaunch ----------------------------------------------------------------------------------------------
+
+
+def resume_own_run(args: TrainingArguments, setup: dict[str, Any] | None) -> str | None:
+    """`auto_resume`: this run's newest finished checkpoint in output_dir (said in one line), or a fresh start (this
+    run's unfinished saves removed first, with a note); another run's work refused. With the config's part of the
+    setup only (`setup` None), a checkpoint that may be this run's is left to the trainer's call.
+
+    Raises:
+        ConfigError: on the first process, output_dir's newest finished checkpoint was saved by a run set up
+            differently (or on another number of ranks), or it holds another run's work.
+    """
+    out, first = args.output_dir, args.process_index == 0
+    found = judge(out, config_setup(args) if setup is None else setup)
+    if found.refusal is not None:
+        if first:
+            raise ConfigError(found.refusal)
+        return None
+    if found.checkpoint is not None:
+        if 0 < args.max_steps <= checkpoint_step(found.checkpoint):  # transformers would train one step past it
+            raise ConfigError(
+                f"output_dir={out!r} holds this run's {os.path.basename(found.checkpoint)}, saved at its last step "
+                f"(max_steps {args.max_steps}): the run is over; raise max_steps to train on, or choose another "
+                "output_dir."
+            )
+        if setup is None:
+            return None
+        if first:
+            note(resume_note(found.checkpoint, out))
+        return found.checkpoint
+    if found.unfinished and not _model_files(out):
+        if setup is not None and first:
+            _remove_previous(out, found.unfinished, "starting afresh, as no save of this run finished: removed its")
+        return None
+    check_fresh_start(args)
+    return None
+
+
 # --- a fresh start -------------------------------------------------------------------------------------------
 
 
@@ -241,7 +304,7 @@ def check_fresh_start(args: TrainingArguments) -> None:
     if args.overwrite_output_dir:
         _remove_previous(out, folders)
         return
-    model = [name for name in MODEL_FILES if os.path.isfile(os.path.join(out, name))]
+    model = _model_files(out)
     if not folders and not model:
         return
     found = []
@@ -257,9 +320,14 @@ def check_fresh_start(args: TrainingArguments) -> None:
     )
 
 
-def _remove_previous(output_dir: str, folders: list[str]) -> None:
+def _model_files(output_dir: str) -> list[str]:
+    """The names of the finished model's files in `output_dir`."""
+    return [name for name in MODEL_FILES if os.path.isfile(os.path.join(output_dir, name))]
+
+
+def _remove_previous(output_dir: str, folders: list[str], why: str | None = None) -> None:
     """Remove the previous run's checkpoints (so `resume_from_checkpoint: true` can never pick one of them) and its
-    completion log (which this run would otherwise append to), with one note."""
+    completion log (which this run would otherwise append to), with one note (`why`, when given, opens it)."""
     for folder in folders:
         shutil.rmtree(folder)
     log = os.path.join(output_dir, COMPLETIONS_FILE)
@@ -268,9 +336,8 @@ def _remove_previous(output_dir: str, folders: list[str]) -> None:
         os.remove(log)
         removed.append(COMPLETIONS_FILE)
     if removed:
-        names = ", ".join(removed)
-        note = f"overwrite_output_dir: removed the previous run's {names} from {output_dir}"
-        print(f"colograd: note: {note}.", file=sys.stderr)
+        said = why or "overwrite_output_dir: removed the previous run's"
+        print(f"colograd: note: {said} {', '.join(removed)} from {output_dir}.", file=sys.stderr, flush=True)
 
 
 def _inside(checkpoint: str, output_dir: str) -> bool:

@@ -8,6 +8,9 @@ Preemption: SLURM and Kubernetes send SIGTERM, then SIGKILL after a grace period
 Kubernetes and torchrun, SLURM's `GraceTime`). `Preemption` turns SIGTERM into a flag; at the end of each
 optimizer step the ranks agree on it (one scalar all-reduce, so a signal that reached one rank stops them
 all at the same step), save a checkpoint and stop training.
+
+Hang: while `Preemption` is armed, a process that reports no progress (a step or a stage begun or ended) for
+`hang_timeout` seconds writes every rank's stacks and exits (`colograd.runs.hang`).
 """
 
 import os
@@ -24,6 +27,7 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from colograd.runs import hang
 from colograd.runs.checkpoints import last_complete_checkpoint
 
 PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM  # what a shell reports for a process ended by SIGTERM
@@ -92,9 +96,12 @@ class Interrupted(KeyboardInterrupt):
 def stage_failures(stage: str, step: int, output_dir: str) -> Iterator[None]:
     """Re-raise an exception from the body as a `StepFailure` naming `step` and `stage` (an inner stage's
     `StepFailure` passes through: it names the innermost stage). Ctrl-C becomes `Interrupted`, naming them too; a
-    stage stopped by SIGTERM (`StoppedBySigterm`) says so in one line on its way out."""
+    stage stopped by SIGTERM (`StoppedBySigterm`) says so in one line on its way out. Entering and leaving the stage
+    is progress (`colograd.runs.hang`)."""
+    hang.progress(f"optimizer step {step}, stage {stage!r}")
     try:
         yield
+        hang.progress(f"optimizer step {step}, after stage {stage!r}")
     except (StepFailure, Interrupted):
         raise
     except KeyboardInterrupt as err:
@@ -133,7 +140,7 @@ class Preemption(TrainerCallback):
     """Stop at the end of the step during which SIGTERM arrived (on any rank), with a checkpoint of it.
 
     `armed()` installs the handler for the duration of a `train` call; `requested` tells afterwards whether
-    training stopped for it.
+    training stopped for it. Meanwhile training is watched for a hang (`colograd.runs.hang`, from its start).
     """
 
     def __init__(self) -> None:
@@ -148,11 +155,13 @@ class Preemption(TrainerCallback):
         self.requested = self._signalled = False
         _sigterm.clear()
         if threading.current_thread() is not threading.main_thread():
-            yield
+            with _watched():
+                yield
             return
         previous = signal.signal(signal.SIGTERM, self._on_signal)
         try:
-            yield
+            with _watched():
+                yield
         except KeyboardInterrupt as err:
             if isinstance(err, Interrupted) or not self._step:
                 raise
@@ -165,10 +174,17 @@ class Preemption(TrainerCallback):
         self._signalled = True
         _sigterm.set()
 
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs
+    ) -> TrainerControl:
+        hang.watch(args.hang_timeout, args.ddp_timeout, args.output_dir)  # stopped as `armed` ends
+        return control
+
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs
     ) -> TrainerControl:
         self._step = state.global_step + 1
+        hang.progress(f"optimizer step {self._step}")
         return control
 
     def on_step_end(
@@ -181,6 +197,7 @@ class Preemption(TrainerCallback):
             self.requested = True
             control.should_save = True
             control.should_training_stop = True
+        hang.progress(f"optimizer step {state.global_step}, done")
         return control
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
@@ -195,3 +212,12 @@ class Preemption(TrainerCallback):
                 f"{args.output_dir}; rerun with --resume_from_checkpoint true to continue.",
                 flush=True,
             )
+
+
+@contextmanager
+def _watched() -> Iterator[None]:
+    """Whatever ends the body, the hang watch `Preemption.on_train_begin` started ends with it."""
+    try:
+        yield
+    finally:
+        hang.stop()

@@ -37,14 +37,15 @@ class ModelSaving(Trainer):
 
     def resume_point(self, resume_from_checkpoint: str | bool | None) -> str | None:
         """The checkpoint a `train` call resumes from, or None: the newest finished one for True, a named one only
-        if finished; either saved by a run set up as this one (`check_setup`). A run that resumes nothing is refused
-        where another run's work is (`colograd.runs.output_dir`)."""
-        checkpoint = check_output_dir(self.args, resume_from_checkpoint)
+        if finished; either saved by a run set up as this one (`check_setup`). None (not given) with `auto_resume`:
+        this run's own newest finished checkpoint, if any (`colograd.runs.relaunch`). A run that resumes nothing is
+        refused where another run's work is (`colograd.runs.output_dir`)."""
         policy = self.accelerator.unwrap_model(self.model)
         self._setup = run_setup(
             self.args, policy, (self.recipe and self.recipe.model_name_or_path) or policy.config._name_or_path,
             self.train_dataset, self.reward_func_names, self.reward_weights.tolist(),
         )  # fmt: skip
+        checkpoint = check_output_dir(self.args, resume_from_checkpoint, self._setup)
         if checkpoint:
             check_resume(checkpoint, self.args, policy.config, self.args.trust_remote_code)
             check_setup(checkpoint, self._setup)
@@ -66,7 +67,7 @@ class ModelSaving(Trainer):
         folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
         with stage_failures("save", step, self.args.output_dir):
             if self.args.should_save:
-                begin_record(folder)
+                begin_record(folder, self._setup)
             self.accelerator.wait_for_everyone()  # no rank writes into the folder before it is marked
             limit, self.args.save_total_limit = self.args.save_total_limit, None  # no rotation inside the save
             try:

@@ -28,6 +28,7 @@ EXIT_GRACE = 5.0  # seconds the main thread gets to leave the call once interrup
 _POLL = 0.1  # seconds between the watcher's looks at the clock and at SIGTERM
 # Folders `exit_stuck` removes: its `os._exit` skips the finalizers that would (`removed_when_stuck`).
 _FOLDERS: "weakref.WeakSet[tempfile.TemporaryDirectory]" = weakref.WeakSet()
+_limited_calls = 0  # calls running under a watcher now (`limited_call_running`)
 
 
 class GaveUp(Exception):
@@ -74,19 +75,28 @@ def call_within(
     Raises:
         GaveUp: the call was interrupted, for the reason it carries.
     """
+    global _limited_calls
     if GIVE_UP_SIGNAL is None or threading.current_thread() is not threading.main_thread():
         return call()
     watch = _Watch(limit, patience, stop_requested, running)
     previous = signal.signal(GIVE_UP_SIGNAL, watch.interrupt)
     watch.start()
+    _limited_calls += limit is not None
     try:
         return call()
     except _Interrupt:
         pass
     finally:
+        _limited_calls -= limit is not None
         watch.finish()
         signal.signal(GIVE_UP_SIGNAL, previous)
     raise GaveUp(watch.reason, watch.running_then, watch.seconds)
+
+
+def limited_call_running() -> bool:
+    """Whether a call with a time limit runs now under `call_within` (which ends it, stuck or not, past its limit):
+    `colograd.runs.hang` leaves it to that limit."""
+    return _limited_calls > 0
 
 
 class _Watch:
@@ -145,10 +155,12 @@ def removed_when_stuck(folder: tempfile.TemporaryDirectory) -> tempfile.Temporar
     return folder
 
 
-def exit_stuck(message: str, code: int) -> None:
-    """End the process from the watcher: the main thread is stuck where nothing can reach it."""
+def exit_stuck(message: str | None, code: int) -> None:
+    """End the process from a watcher thread (`message` said first): the main thread is stuck where nothing can
+    reach it."""
     try:
-        print(message, file=sys.stderr, flush=True)
+        if message is not None:
+            print(message, file=sys.stderr, flush=True)
         for folder in list(_FOLDERS):
             try:
                 folder.cleanup()

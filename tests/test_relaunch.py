@@ -1,0 +1,299 @@
+"""A relaunch resumes its own run: the same command, run again in an output_dir holding its checkpoints, resumes
+from the newest finished one; another run's checkpoints are still refused.
+
+First the decision (`colograd.runs.relaunch`, through `check_output_dir`) on checkpoints written as the trainer writes
+them; then torchrun's own restarts, refused; then real 2-process torchrun launches (with partial rollouts, with
+dynamic sampling) whose worker is SIGKILLed after a finished checkpoint and which are relaunched with the same
+command: they train only the steps after it and end with the weights of an uninterrupted run, bit for bit.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import ROOT, _env, _free_port, refused, worker
+from safetensors.torch import load_file
+
+from colograd.config.core import ConfigError
+from colograd.models import tiny
+from colograd.runs.checkpoints import SETUP_FIELDS, begin_record, finish_record, is_complete, run_setup
+from colograd.runs.output_dir import LOCK_FILE, check_output_dir
+
+# --- the decision --------------------------------------------------------------------------------------------
+
+
+def args_for(out, rank: int = 0, world_size: int = 1, **changes) -> SimpleNamespace:
+    """What the output_dir stage reads of a tiny run's config, for a process of `rank` in a launch of `world_size`."""
+    config = tiny.run_config(str(out), 10, **changes)
+    read = [*SETUP_FIELDS, "output_dir", "max_steps", "overwrite_output_dir", "auto_resume"]
+    fields = {name: getattr(config, name) for name in read} | {"world_size": world_size}
+    return SimpleNamespace(**fields, process_index=rank)
+
+
+def setup_of(args: SimpleNamespace, rows: int = 64) -> dict:
+    """The whole setup (`run_setup`) of a tiny run with `args`, on `rows` rows of the letters task."""
+    return run_setup(args, tiny.build_model(), "colograd:tiny-qwen2", tiny.letters_dataset(rows), ["letters"], [1.0])
+
+
+def save(out, step: int, setup: dict | None, finished: bool = True) -> Path:
+    """A checkpoint as the trainer saves one: record begun (naming the run's setup), files, state, record finished."""
+    path = out / f"checkpoint-{step}"
+    begin_record(str(path), setup)
+    (path / "model.safetensors").write_bytes(b"w" * 64)
+    if finished:
+        (path / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+        finish_record(str(path), setup)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _rank_0(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)  # notes are said by the first rank
+
+
+def test_the_same_run_resumes_its_newest_finished_checkpoint_saying_which_and_why(tmp_path, capsys):
+    args = args_for(tmp_path)
+    save(tmp_path, 2, setup_of(args))
+    four = save(tmp_path, 4, setup_of(args))
+    six = save(tmp_path, 6, setup_of(args), finished=False)  # killed while saving
+    # Before the trainer knows the whole setup (the command line's checks): nothing refused, the trainer decides.
+    assert check_output_dir(args, None) is None and capsys.readouterr().err == ""
+    assert check_output_dir(args, None, setup_of(args)) == str(four)
+    assert capsys.readouterr().err.splitlines() == [
+        f"colograd: note: resuming from {four}, the newest finished checkpoint in {tmp_path}: it was saved by a run "
+        f"set up as this one (auto_resume); {six} is incomplete (its trainer_state.json is missing or cut short: its "
+        "save was interrupted)."
+    ]
+    assert six.exists()  # left for the next save of step 6 to replace
+
+
+def test_more_steps_or_another_learning_rate_is_the_same_run(tmp_path):
+    two = save(tmp_path, 2, setup_of(args_for(tmp_path)))
+    args = args_for(tmp_path, learning_rate=1e-4)
+    args.max_steps = 50
+    assert check_output_dir(args, None, setup_of(args)) == str(two)
+
+
+@pytest.mark.parametrize("known", ["config", "whole setup"])
+def test_another_runs_checkpoints_are_refused_naming_what_differs(tmp_path, known):
+    save(tmp_path, 2, setup_of(args_for(tmp_path)))
+    if known == "config":  # refused before start-up: the config tells it apart
+        args = args_for(tmp_path, num_generations=4)
+        setup, differ = None, "num_generations 8 in the checkpoint, 4 now"
+    else:  # the same config on other data: only the trainer, which has the dataset, tells it apart
+        args = args_for(tmp_path)
+        setup, differ = setup_of(args, rows=32), "dataset '64 rows, first prompts "
+        assert check_output_dir(args, None) is None
+    with pytest.raises(ConfigError) as err:
+        check_output_dir(args, None, setup)
+    message = str(err.value)
+    assert message.startswith(
+        f"output_dir={str(tmp_path)!r} holds another run's checkpoints: checkpoint-2, the newest finished, was saved "
+        f"by a run set up differently ({differ}"
+    ), message
+    assert message.endswith(
+        "; resume it with that run's settings, choose another output_dir, or set overwrite_output_dir: true to start "
+        "over."
+    )
+
+
+def test_the_same_run_on_another_number_of_ranks_is_refused_naming_both(tmp_path):
+    save(tmp_path, 2, setup_of(args_for(tmp_path, world_size=2)))
+    with pytest.raises(ConfigError) as err:
+        check_output_dir(args_for(tmp_path, world_size=1), None)
+    assert str(err.value) == (
+        f"output_dir={str(tmp_path)!r} holds this run's checkpoint-2, saved on 2 ranks, and this launch has 1: a "
+        "checkpoint resumes on as many ranks as saved it; relaunch on 2 ranks, or set overwrite_output_dir: true to "
+        "start over."
+    )
+
+
+def test_other_ranks_neither_refuse_nor_remove_and_resume_as_the_first_does(tmp_path, capsys):
+    save(tmp_path, 2, setup_of(args_for(tmp_path)))
+    assert check_output_dir(args_for(tmp_path, rank=1, num_generations=4), None) is None
+    assert check_output_dir(args_for(tmp_path, rank=1), None, setup_of(args_for(tmp_path))) == str(
+        tmp_path / "checkpoint-2"
+    )
+    other = tmp_path / "other"
+    save(other, 2, setup_of(args_for(other)), finished=False)
+    assert check_output_dir(args_for(other, rank=1), None, setup_of(args_for(other))) is None
+    assert (other / "checkpoint-2").exists() and capsys.readouterr().err == ""
+
+
+def test_an_explicit_resume_from_checkpoint_keeps_its_meaning(tmp_path):
+    args = args_for(tmp_path)
+    two, four = save(tmp_path, 2, setup_of(args)), save(tmp_path, 4, setup_of(args))
+    assert check_output_dir(args, str(two), setup_of(args)) == str(two)  # a named one, not the newest
+    assert check_output_dir(args, True, setup_of(args)) == str(four)
+    with pytest.raises(ConfigError, match="holds another run's checkpoints .*resume it with --resume_from_checkpoint"):
+        check_output_dir(args, "false", setup_of(args))  # told not to resume: a fresh start, refused here
+
+
+def test_auto_resume_false_refuses_as_a_fresh_start_over_another_runs_work(tmp_path):
+    args = args_for(tmp_path, auto_resume=False)
+    save(tmp_path, 2, setup_of(args))
+    with pytest.raises(ConfigError, match=r"holds another run's checkpoints \(checkpoint-2\); resume it with"):
+        check_output_dir(args, None, setup_of(args))
+
+
+def test_overwrite_output_dir_starts_over(tmp_path):
+    args = args_for(tmp_path, overwrite_output_dir=True)
+    save(tmp_path, 2, setup_of(args))
+    assert check_output_dir(args, None, setup_of(args)) is None
+    assert [p.name for p in tmp_path.iterdir()] == [LOCK_FILE]
+
+
+def test_nothing_finished_is_a_fresh_start_removing_only_this_runs_unfinished_saves(tmp_path, capsys):
+    args = args_for(tmp_path)
+    assert check_output_dir(args, None, setup_of(args)) is None  # an empty folder
+    save(tmp_path, 2, setup_of(args), finished=False)  # killed during its first save
+    (tmp_path / "completions.jsonl").write_text("{}\n")  # its steps, about to be trained again
+    assert check_output_dir(args, None) is None and (tmp_path / "checkpoint-2").exists()  # the trainer decides
+    assert check_output_dir(args, None, setup_of(args)) is None
+    assert [p.name for p in tmp_path.iterdir()] == [LOCK_FILE]
+    assert capsys.readouterr().err.splitlines() == [
+        "colograd: note: starting afresh, as no save of this run finished: removed its checkpoint-2, "
+        f"completions.jsonl from {tmp_path}."
+    ]
+    save(tmp_path, 2, setup_of(args_for(tmp_path, seed=1)), finished=False)  # another run's unfinished save
+    with pytest.raises(ConfigError, match=r"holds another run's checkpoints \(checkpoint-2\)"):
+        check_output_dir(args, None, setup_of(args))
+
+
+def test_checkpoints_whose_record_names_no_setup_are_another_runs(tmp_path):
+    args = args_for(tmp_path)
+    legacy = tmp_path / "checkpoint-2"
+    legacy.mkdir()
+    (legacy / "trainer_state.json").write_text('{"global_step": 2}')  # saved before records existed: finished
+    assert is_complete(str(legacy))
+    with pytest.raises(ConfigError, match=r"holds another run's checkpoints \(checkpoint-2\); resume it with"):
+        check_output_dir(args, None, setup_of(args))
+
+
+def test_a_relaunch_of_a_run_that_reached_max_steps_is_refused_not_trained_on(tmp_path):
+    args = args_for(tmp_path)
+    save(tmp_path, 10, setup_of(args))
+    with pytest.raises(ConfigError) as err:
+        check_output_dir(args, None)
+    assert str(err.value) == (
+        f"output_dir={str(tmp_path)!r} holds this run's checkpoint-10, saved at its last step (max_steps 10): the "
+        "run is over; raise max_steps to train on, or choose another output_dir."
+    )
+
+
+# --- torchrun's own restarts --------------------------------------------------------------------------------
+
+RESTARTS = (
+    "torchrun --max-restarts 2 (accelerate launch --max_restarts): the restarted workers never form their process "
+)
+
+
+def test_torchruns_restarts_are_refused_in_one_line_saying_to_let_the_scheduler_relaunch(tmp_path):
+    line = refused("--config", "recipes/grpo_tiny.yaml", "--output_dir", str(tmp_path),
+                   env={"TORCHELASTIC_MAX_RESTARTS": "2"})  # fmt: skip
+    assert line.startswith(f"colograd: error: {RESTARTS}"), line
+    assert "(pytorch issue #167288); launch with no restarts and let the scheduler relaunch the same command" in line
+    assert not (tmp_path / LOCK_FILE).exists()  # refused before anything else
+
+
+def test_no_restarts_is_no_refusal(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")  # what torchrun sets by default
+    assert tiny.run_config(str(tmp_path), 2).max_steps == 2
+
+
+@pytest.mark.slow  # a torchrun launch (no engine: refused before)
+def test_a_torchrun_launch_with_restarts_ends_at_once_each_attempt_refusing(tmp_path):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts", "1"]
+    cmd = [*launcher, "--master_port", str(_free_port()), "colograd/train.py", "--config", "recipes/grpo_tiny.yaml",
+           "--output_dir", str(tmp_path / "out")]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=_env(), timeout=600)
+    said = [line for line in proc.stderr.splitlines() if line.startswith("colograd: error: ")]
+    assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr, proc.stderr[-4000:]
+    # Said by each attempt (the first and its one restart), before a process group formed.
+    assert len(said) >= 2 and set(said) == {said[0]}, said
+    assert said[0].startswith(f"colograd: error: {RESTARTS.replace('restarts 2', 'restarts 1')}"), said
+
+
+# --- a worker killed, the same command relaunched ------------------------------------------------------------
+
+# (Under accelerate launch, and with logs, model card and completions checked too: tests/test_resume.py.)
+# Every run is the same command, the output folder aside: the reward hangs from step 3 only where HANG_AT_STEP is
+# set, so that the killed run is stopped mid-step once checkpoint-2 is finished.
+FLAGS = [
+    "colograd/train.py", "--config", "recipes/grpo_tiny.yaml", "--max_steps", "4", "--save_strategy", "steps",
+    "--save_steps", "2", "--disable_tqdm", "true", "--reward_funcs", "tests.scripts.hanging_reward.letters_or_hang",
+    "--reward_sigterm_wait", "1",
+]  # fmt: skip
+# Partial rollouts carry groups from step to step (through checkpoint-2 here: completions of 24 tokens are long
+# enough to be cut); dynamic sampling draws refill rounds (the two do not go together).
+LONG_TAIL = {
+    "partial rollouts": ["--partial_rollouts", "true", "--max_completion_length", "24"],
+    "dynamic sampling": ["--dynamic_sampling", "true"],
+}
+
+
+def torchrun(out: Path, flags: list[str]) -> list[str]:
+    """The command that trains into `out` on 2 processes under torchrun, with `flags` added."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    return [*launcher, "--master_port", str(_free_port()), *FLAGS, *flags, "--output_dir", str(out)]
+
+
+def start(cmd: list[str], log: Path, hang_at_step: str = "") -> subprocess.Popen:
+    """Start `cmd` in a session of its own, its output appended to `log`; its reward hangs from `hang_at_step` on."""
+    env = {**_env(), "HANG_AT_STEP": hang_at_step, "HANG_MARKER": str(log.with_suffix(".hung"))}
+    with open(log, "a") as out:
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def finished(proc: subprocess.Popen, log: Path, timeout: float = 400) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"still running after {timeout} s:\n{log.read_text()[-4000:]}") from None
+
+
+@pytest.mark.slow  # three 2-process launches
+@pytest.mark.parametrize("long_tail", LONG_TAIL)
+def test_torchrun_relaunched_after_a_worker_is_killed_ends_bit_identical(tmp_path, long_tail):
+    reference, out, log = tmp_path / "uninterrupted", tmp_path / "out", tmp_path / "uninterrupted.log"
+    uninterrupted = start(torchrun(reference, LONG_TAIL[long_tail]), log)
+    assert finished(uninterrupted, log) == 0, log.read_text()[-4000:]
+
+    log = tmp_path / "relaunched.log"
+    cmd = torchrun(out, LONG_TAIL[long_tail])
+    proc = start(cmd, log, hang_at_step="3")
+    deadline = time.monotonic() + 400
+    while not log.with_suffix(".hung").exists():  # step 3's reward: checkpoint-2 is finished, the run is mid-step
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+        time.sleep(0.2)
+    assert is_complete(str(out / "checkpoint-2"))
+    if long_tail == "partial rollouts":
+        assert json.loads((out / "checkpoint-2/partial_rollouts/rank-1.json").read_text())  # groups carried through
+    os.kill(worker(proc.pid, rank=1), signal.SIGKILL)
+    assert finished(proc, log) != 0
+    assert finished(start(cmd, log), log) == 0, log.read_text()[-4000:]  # the same command, as a scheduler reruns it
+
+    text = log.read_text()
+    note = f"colograd: note: resuming from {out}/checkpoint-2, the newest finished checkpoint"
+    assert note in text, text[-4000:]
+    # Steps 3 and 4 trained, not all four again (a fresh start would end with the same weights too).
+    assert text.split(note)[1].count("{'loss': ") == 2, text[-4000:]
+    history = json.loads((out / "checkpoint-4/trainer_state.json").read_text())["log_history"]
+    steps = {entry["step"]: entry for entry in history if "loss" in entry}
+    assert sorted(steps) == [1, 2, 3, 4]
+    if long_tail == "partial rollouts":
+        assert steps[3]["partial_rollouts/resumed_groups"] > 0  # step 3 continued groups the checkpoint carried
+    else:
+        assert steps[3]["dynamic_sampling/rounds"] >= 1  # step 3 drew refills
+    expected, got = load_file(reference / "model.safetensors"), load_file(out / "model.safetensors")
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
