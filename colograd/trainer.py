@@ -41,6 +41,7 @@ from colograd.engine.core import Engine, engine_dtype
 from colograd.engine.lifetime import frozen_heap, own_classes
 from colograd.engine.rollout import Rollout, RolloutContext
 from colograd.engine.sync import WeightPlan, is_sharded
+from colograd.grpo import parity_diagnosis
 from colograd.grpo.batch import RolloutBatch, pad_rollout, split_rows
 from colograd.grpo.dynamic import ROUND_STRIDE, DynamicSampling
 from colograd.grpo.entropy import EntropyTerms
@@ -235,7 +236,12 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         sampled_in = engine_dtype(args, next(unwrapped.parameters()).dtype)
         bound = tolerance(sampled_in, compute_dtype(unwrapped, args.mixed_precision))
         name = unwrapped.config._name_or_path or type(unwrapped).__name__
-        self.parity = ParityGuard(bound, name, stop=args.engine_parity == "error", active=args.samples_unfiltered)
+        cause = lambda: parity_diagnosis.diagnose(  # noqa: E731 - said once, when the guard stops the run
+            self.engine, self.accelerator.unwrap_model(self.model), self.sync_weights
+        )
+        self.parity = ParityGuard(
+            bound, name, stop=args.engine_parity == "error", active=args.samples_unfiltered, diagnose=cause
+        )
         self.add_callback(ParityStop(self.parity))
 
     def _start_run_records(self, recipe: Recipe | None) -> None:

@@ -13,11 +13,14 @@ import pytest
 import torch
 import zoo
 from datasets import Dataset
-from test_zoo import answer_length, chat_rows, step_log
+from test_zoo import answer_length, chat_rows, rope_base_of_10k, step_log
 
 from colograd import GRPOConfig, GRPOTrainer
-from colograd.engine import sync
-from colograd.grpo import parity
+from colograd.engine import core as engine_module
+from colograd.engine import fresh, sync
+from colograd.engine import weights as engine_weights
+from colograd.engine.core import Engine
+from colograd.grpo import parity, parity_diagnosis
 from colograd.grpo.parity import ParityError
 
 pytestmark = pytest.mark.slow
@@ -44,15 +47,38 @@ def stops_before_training(trainer: GRPOTrainer) -> str:
     return line
 
 
+# Faults the fixes remove, injected.
+
+
+def without_buffers(monkeypatch) -> None:
+    """The sync as it was: parameters only."""
+    monkeypatch.setattr(sync, "_persistent_buffers", lambda model: iter(()))
+
+
+def reload_only(monkeypatch) -> None:
+    """Every tensor through vLLM's in-place reload where the sync takes that path (as before `_reload_into_model`)."""
+    monkeypatch.setattr(engine_weights, "split_unprocessed", lambda model, weights: ([], list(weights)))
+
+
+def without_one_projection(monkeypatch) -> None:
+    """The sync sends every weight but one repacked linear layer's (its kernel handle keeps the dummy weights)."""
+    own = Engine.load_weights
+    monkeypatch.setattr(Engine, "load_weights", lambda engine, weights: own(engine, [
+        (name, tensor) for name, tensor in weights if name != "model.layers.0.self_attn.o_proj.weight"]))  # fmt: skip
+
+
 def test_a_routers_buffer_reaches_the_engine(tmp_path, monkeypatch):
     """GLM-4.5-Air's routers keep their score-correction bias in a persistent buffer. Sent with the parameters only,
     the engine routes by its dummy start-up values and samples from another model: the gate stops the run. With the
     buffers synced, the step is exact."""
     name = "zai-org/GLM-4.5-Air"
     with monkeypatch.context() as patched:
-        patched.setattr(sync, "_persistent_buffers", lambda model: iter(()))  # the sync as it was: parameters only
+        without_buffers(patched)
         line = stops_before_training(trainer_for(name, tmp_path / "unsynced"))
     assert "Glm4MoeForCausalLM" in line
+    # The diagnosis: a fresh engine loaded with the trainer's weights holds other router biases than this one.
+    assert "A freshly loaded engine differs" in line and "colograd's sync leaves them stale" in line
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in line and parity.EITHER_CAUSE not in line
     trainer = trainer_for(name, tmp_path / "synced")
     trainer.train()
     assert step_log(trainer)["sampling/sampling_logp_difference/max"] <= 1e-3
@@ -60,7 +86,7 @@ def test_a_routers_buffer_reaches_the_engine(tmp_path, monkeypatch):
 
 def test_warn_trains_on_with_the_gap_logged(tmp_path, monkeypatch, caplog):
     """`engine_parity: warn` turns the gate's stop into a warning: the run trains, and logs the gap."""
-    monkeypatch.setattr(sync, "_persistent_buffers", lambda model: iter(()))
+    without_buffers(monkeypatch)
     trainer = trainer_for("zai-org/GLM-4.5-Air", tmp_path, engine_parity="warn")
     with caplog.at_level(logging.WARNING, logger=parity.__name__):
         trainer.train()
@@ -95,9 +121,131 @@ def test_the_running_guard_stops_a_divergence_mid_run_with_a_checkpoint(tmp_path
     trainer = trainer_for(name, tmp_path, max_steps=10, **args)
     with caplog.at_level(logging.WARNING, logger=parity.__name__), pytest.raises(ParityError) as err:
         trainer.train()
-    assert "\n" not in str(err.value) and "stopped with a checkpoint" in str(err.value)
+    line = str(err.value)
+    assert "\n" not in line and "stopped with a checkpoint" in line
+    # The diagnosis: the engine's (tied) output layer is not the trainer's.
+    assert "A freshly loaded engine differs" in line and "(model.embed_tokens.weight, lm_head.weight)" in line
     stopped = 2 + parity.PERSISTENT  # two good steps, then PERSISTENT diverged rollouts
     assert trainer.state.global_step == stopped
     assert (tmp_path / f"checkpoint-{stopped}").is_dir()
     warnings = [r.getMessage() for r in caplog.records if "engine and trainer disagree" in r.getMessage()]
     assert len(warnings) == 1 and "at step 3" in warnings[0]
+
+
+SINKS = ["model.layers.0.attn.sinks", "model.layers.1.attn.sinks"]  # gpt-oss's, in the engine's naming
+
+
+def sharp_sinks(model: torch.nn.Module) -> None:
+    """Move gpt-oss's attention sinks by 2 (the zoo's sharpening moves vectors by 0.2): a sink that keeps its
+    start-up values in the engine then moves each head's attention, and the gap, by far more than the tolerance."""
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".sinks"):
+                param.add_(torch.randn(param.shape, generator=generator) * 2.0)
+
+
+def test_attention_sinks_survive_the_engines_reload(tmp_path, monkeypatch):
+    """gpt-oss's loader copies its attention sinks in itself; vLLM's in-place reload (the sync's path where the CPU
+    backend repacks linear weights, its default) drops such writes, and the engine kept its start-up sinks. Without
+    `_reload_into_model`'s direct copy of tensors nothing processes, the gate stops the run and names the sinks; with
+    it, the step is exact."""
+    name = "openai/gpt-oss-20b"
+    with monkeypatch.context() as patched:
+        reload_only(patched)
+        trainer = trainer_for(name, tmp_path / "reloaded")
+        sharp_sinks(trainer.model)
+        line = stops_before_training(trainer)
+    assert not trainer.engine.direct_dense  # the reload path
+    assert "A freshly loaded engine differs" in line and "colograd's sync leaves them stale" in line
+    assert ", ".join(SINKS) in line
+    trainer = trainer_for(name, tmp_path / "copied")
+    sharp_sinks(trainer.model)
+    trainer.train()
+    assert step_log(trainer)["sampling/sampling_logp_difference/max"] <= 1e-3
+
+
+def test_an_engine_whose_own_model_differs_is_said_so(tmp_path, monkeypatch):
+    """vLLM's model computing otherwise than transformers' on the same weights, simulated by starting the engine with
+    another rope base than the model's: every tensor the engine holds is what a fresh engine (of the same vLLM model)
+    loads, so the line says the sync is complete and the engine's model differs, and what to try."""
+    own = engine_module._engine_config
+
+    def mutated(model):
+        config = own(model)
+        rope_base_of_10k(config)
+        return config
+
+    monkeypatch.setattr(engine_module, "_engine_config", mutated)
+    line = stops_before_training(trainer_for("Qwen/Qwen3-0.6B", tmp_path))
+    assert "A freshly loaded engine agrees" in line and "so the sync is complete" in line
+    assert "vLLM's Qwen3ForCausalLM itself computes another distribution" in line
+    assert "differs:" not in line and parity.EITHER_CAUSE not in line
+
+
+# Models with each kind of tensor a sync must reach: a router's persistent buffer and experts (GLM-4.5-Air), attention
+# sinks its loader copies in itself and biased experts (gpt-oss), and a dense model.
+FRESH_MODELS = ["zai-org/GLM-4.5-Air", "openai/gpt-oss-20b", "Qwen/Qwen3-0.6B"]
+
+
+def engine_for(name: str, tmp_path, repack: bool) -> tuple[torch.nn.Module, Engine]:
+    """`name`'s stopping model (sinks moved: `sharp_sinks`) and an engine for it, its weights still dummy values."""
+    model, tokenizer = zoo.stopping_model(name)
+    sharp_sinks(model)
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=8,
+                      max_prompt_length=32, max_completion_length=8, vllm_kv_cache_gib=0.1, vllm_enforce_eager=True,
+                      report_to="none", vllm_cpu_repack_weights=repack)  # fmt: skip
+    return model, Engine(model, tokenizer, args)
+
+
+def differences(engine: Engine, model: torch.nn.Module) -> tuple[list[str], int]:
+    """The engine's tensors and layers that differ from a fresh load of `model`'s saved weights, and how many were
+    compared."""
+    weights = parity_diagnosis.saved_weights(model)
+    return engine.llm.collective_rpc(fresh.differences_in_engine, args=(weights,))[0]
+
+
+@pytest.mark.parametrize("repack", [True, False], ids=["repacked", "direct"])
+@pytest.mark.parametrize("name", FRESH_MODELS)
+def test_after_a_sync_the_engine_holds_what_a_fresh_engine_loads(name, repack, tmp_path):
+    """After a sync, every tensor of the engine's model (and every linear layer whose weight the CPU backend moved
+    into a kernel handle, by what it computes) equals that of a fresh engine loaded from the trainer's saved weights;
+    again after every parameter and persistent buffer moved, as after an optimizer step. Before any sync (dummy
+    weights) nearly all differ, so the comparison sees a stale tensor."""
+    model, engine = engine_for(name, tmp_path, repack)
+    assert engine.direct_dense is not repack
+    differ, compared = differences(engine, model)
+    assert len(differ) >= compared // 2 > 10, (differ, compared)
+    plan = sync.WeightPlan(model)
+    plan.sync(engine)
+    assert differences(engine, model) == ([], compared)
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *(b for _, b in sync._persistent_buffers(model))]:
+            if tensor.is_floating_point():
+                tensor.add_(torch.randn(tensor.shape, generator=generator).to(tensor.dtype) * 0.05)
+    assert differences(engine, model)[0]  # moved, not yet synced
+    plan.sync(engine)
+    assert differences(engine, model) == ([], compared)
+
+
+STALE = {  # the fault injected, the model, its linear weights repacked, the tensors a fresh load then finds stale
+    "router buffer unsent": (without_buffers, "zai-org/GLM-4.5-Air", False,
+                             ["model.layers.1.mlp.gate.e_score_correction_bias"]),
+    "sinks lost by the reload": (reload_only, "openai/gpt-oss-20b", True, SINKS),
+    # Its weight tensor is empty (moved into a oneDNN handle): found by what the layer computes.
+    "repacked layer unsent": (without_one_projection, "Qwen/Qwen3-0.6B", True,
+                              ["model.layers.0.self_attn.o_proj.weight"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", STALE)
+def test_a_fresh_engine_names_what_the_sync_left_stale(case, tmp_path, monkeypatch):
+    """The comparison has power: with the buffers left out of the sync (GLM-4.5-Air), vLLM's reload writing every
+    tensor (gpt-oss's sinks, CPU repacking) or one repacked layer's weight not sent, exactly those tensors are found
+    stale."""
+    inject, name, repack, stale = STALE[case]
+    inject(monkeypatch)
+    model, engine = engine_for(name, tmp_path, repack)
+    sync.WeightPlan(model).sync(engine)
+    assert differences(engine, model)[0] == stale

@@ -1,6 +1,10 @@
 """The parity guard's decisions (colograd/grpo/parity.py) on hand-made gaps, and the two fixes that keep a model's
 training forward and the engine's model the same without a run: every dropout off, and the architecture name vLLM
-picks its model by. The runs themselves are in tests/test_parity.py."""
+picks its model by; the diagnosis's sentence for each outcome of its comparison, and which tensors the sync copies
+in again after vLLM's reload. The runs themselves are in tests/test_parity.py."""
+
+from contextlib import contextmanager
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -9,7 +13,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PhimoeConfig, PhimoeForC
 
 from colograd.config.loading import disable_dropout
 from colograd.engine.core import _architecture
-from colograd.grpo import parity
+from colograd.engine.weights import split_unprocessed
+from colograd.grpo import parity, parity_diagnosis
 from colograd.grpo.parity import Gap, ParityError, ParityGuard, tolerance
 
 FP32 = tolerance(torch.float32, torch.float32)
@@ -147,3 +152,135 @@ def test_filtered_sampling_turns_the_guard_off():
     rollout(guard, [10.0])  # would stop an active guard
     guard.restart()
     assert not guard.gate_pending
+
+
+class Diagnosis:
+    """A `diagnose` callable that counts its calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self) -> str:
+        self.calls += 1
+        return "A freshly loaded engine differs: model.layers.0.attn.sinks."
+
+
+def test_the_gates_stop_carries_the_diagnosis_once():
+    """The gate's line names the cause its diagnosis found instead of both possible ones; a gate that only warns
+    does not pay for a diagnosis."""
+    diagnosis = Diagnosis()
+    with pytest.raises(ParityError) as err:
+        rollout(ParityGuard(FP32, "m", diagnose=diagnosis), [1.0])
+    line = str(err.value)
+    assert "\n" not in line and diagnosis.calls == 1
+    assert "trained. A freshly loaded engine differs: model.layers.0.attn.sinks. Set engine_parity: warn" in line
+    assert parity.EITHER_CAUSE not in line
+    rollout(ParityGuard(FP32, "m", stop=False, diagnose=diagnosis), [1.0])
+    assert diagnosis.calls == 1
+    with pytest.raises(ParityError) as err:
+        rollout(ParityGuard(FP32, "m"), [1.0])
+    assert parity.EITHER_CAUSE in str(err.value)  # no diagnosis: both causes named
+
+
+def test_the_running_guards_stop_carries_the_diagnosis_once(caplog):
+    diagnosis = Diagnosis()
+    guard = ParityGuard(FP32, "m", diagnose=diagnosis)
+    rollout(guard, [0.0])  # the gate: fine
+    for _ in range(parity.PERSISTENT - 1):
+        rollout(guard, [1.0])
+    assert diagnosis.calls == 0 and parity.EITHER_CAUSE in caplog.text  # its warning names both causes
+    rollout(guard, [1.0])
+    assert diagnosis.calls == 1 and "A freshly loaded engine differs" in guard.stopped
+    assert "\n" not in guard.stopped and guard.stopped.endswith("set engine_parity: warn to train on.")
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    return LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                        num_attention_heads=1))  # fmt: skip
+
+
+class StandInEngine:
+    """What `diagnose` reads of an engine, with the comparison's answer (or error) given."""
+
+    def __init__(self, answer, direct_load: bool = False, sleeping: bool = False) -> None:
+        self.answer, self.direct_load, self.sleeping = answer, direct_load, sleeping
+        self.lora_request = None
+        self.settings = {"architecture": {"architectures": ["LlamaForCausalLM"]}}
+        self.llm = SimpleNamespace(collective_rpc=self.rpc)
+        self.woken = 0
+
+    def rpc(self, function, args=()):
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return [self.answer]
+
+    @contextmanager
+    def awake(self, sync):
+        self.woken += 1
+        sync()
+        yield
+
+
+def test_the_diagnosis_names_the_stale_tensors_or_the_engines_model():
+    model = tiny_llama()
+    stale = [f"model.layers.0.t{i}" for i in range(7)]
+    line = parity_diagnosis.diagnose(StandInEngine((stale, 40)), model)
+    assert line.startswith("A freshly loaded engine differs: 7 of the engine's 40 tensors and layers are not")
+    assert "model.layers.0.t0, model.layers.0.t1" in line and "t4 and 2 more" in line and "t5" not in line
+    assert "colograd's sync leaves them stale" in line and "vllm_cpu_repack_weights: false" in line
+    line = parity_diagnosis.diagnose(StandInEngine((stale[:1], 40), direct_load=True), model)
+    assert "1 of the engine's 40 tensors and layers is not" in line and "vllm_cpu_repack_weights" not in line
+    line = parity_diagnosis.diagnose(StandInEngine(([], 40)), model)
+    assert line.startswith("A freshly loaded engine agrees: all 40") and "vLLM's LlamaForCausalLM itself" in line
+    failed = parity_diagnosis.diagnose(StandInEngine(RuntimeError("out of\nmemory")), model)
+    assert failed == "The engine was not compared with a fresh load (RuntimeError: out of memory)."
+    line = parity_diagnosis.diagnose(StandInEngine(([], 40), sleeping=True), model)  # asleep, no way to resync
+    assert "\n" not in line and line.startswith("The engine was not compared") and "asleep" in line
+    asleep, synced = StandInEngine(([], 40), sleeping=True), []
+    assert "agrees" in parity_diagnosis.diagnose(asleep, model, resync=lambda: synced.append(1))
+    assert asleep.woken == 1 and synced == [1]  # woken, and the weights written back, for the comparison
+
+
+def test_the_saved_weights_are_the_checkpoints():
+    """Every parameter and persistent buffer, by its checkpoint name (tied weights under both names)."""
+    model = tiny_llama()
+    model.model.register_buffer("kept", torch.ones(2))
+    model.model.register_buffer("dropped", torch.ones(2), persistent=False)
+    names = dict(parity_diagnosis.saved_weights(model))
+    assert set(names) == set(model.state_dict()) and "model.kept" in names and "model.dropped" not in names
+
+
+class Mapper:
+    """vLLM's `WeightsMapper`, as `split_unprocessed` reads it: a checkpoint name to the engine's (None: dropped)."""
+
+    def _map_name(self, name: str) -> str | None:
+        return None if name.startswith("ignored.") else name.replace("self_attn.", "attn.")
+
+
+class Processed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(2))
+
+    def process_weights_after_loading(self, dtype) -> None:
+        pass
+
+
+def test_the_tensors_copied_in_after_vllms_reload_are_those_nothing_processes():
+    """A norm's weight and an attention sink (held by a module with no quant method and no post-load step) are copied
+    in again after vLLM's reload; a quantized or post-processed layer's, a repacked-away (empty) tensor, a fused
+    module's checkpoint name and a name the model drops are left to the reload."""
+    model = nn.Module()
+    model.hf_to_vllm_mapper = Mapper()
+    attn = nn.Module()
+    attn.sinks = nn.Parameter(torch.ones(2))
+    attn.register_buffer("bias", torch.ones(2))
+    attn.register_parameter("empty", nn.Parameter(torch.empty(0)))
+    quantized = nn.Linear(2, 2)
+    quantized.quant_method = object()
+    model.attn, model.norm, model.quantized, model.processed = attn, nn.LayerNorm(2), quantized, Processed()
+    names = ["self_attn.sinks", "attn.bias", "norm.weight", "attn.empty", "quantized.weight", "processed.weight",
+             "attn.q_proj.weight", "ignored.x", "norm.nothing"]  # fmt: skip
+    unprocessed, rest = split_unprocessed(model, [(name, i) for i, name in enumerate(names)])
+    assert [name for name, _ in unprocessed] == ["self_attn.sinks", "attn.bias", "norm.weight"]
+    assert [value for _, value in rest] == [3, 4, 5, 6, 7, 8]  # the rest in the order given

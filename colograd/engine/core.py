@@ -48,6 +48,7 @@ from colograd.engine.weights import (
     _known_names,
     _load_into_model,
     _load_with_prepacked_experts,
+    _reload_into_model,
 )
 from colograd.errors import ConfigError
 from colograd.runs.time_limit import removed_when_stuck
@@ -377,7 +378,8 @@ class Engine:
 
         The model's own loaders translate checkpoint names and layouts (fused qkv / gate_up, transposed
         Conv1D, vocabulary padding, tied heads, dtype) and copy into the engine's tensors. Where the backend
-        repacked its weights into a kernel layout, vLLM's in-place reload re-runs that processing instead; expert
+        repacked its weights into a kernel layout, vLLM's in-place reload re-runs that processing instead
+        (`colograd.engine.weights._reload_into_model`); expert
         weights the CPU backend prepacked are copied and prepacked again (`colograd.engine.moe.load_experts`).
 
         Raises:
@@ -389,7 +391,7 @@ class Engine:
         elif self.direct_load:
             self.llm.collective_rpc(_load_into_model, args=(weights,))
         else:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            self.llm.collective_rpc(_reload_into_model, args=(weights,))
         self._forget_image_features()
         self.stale = False
         self.weights_version += 1

