@@ -23,7 +23,7 @@ import pytest
 from conftest import ROOT, refused
 
 from colograd.errors import ConfigError
-from colograd.rewards import code_harness, code_tests
+from colograd.rewards import code_tests, code_wire
 from colograd.rewards.code import CodeReward, check_code_rows
 from colograd.rewards.code_tests import RowCompileError, judge_names, row_tests
 from colograd.rewards.sandbox import Sandbox, SandboxLimits, _execution
@@ -242,6 +242,16 @@ VALUES = {
         {"test_list": ["assert len(big(20 << 20)) == 20 << 20", "assert big(3) == 'aaa'"]},
         "def big(n):\n    return 'a' * n\n",
     ),
+    "exceptions with their messages": (
+        {"test_list": [
+            "try:\n    f(-1)\nexcept ValueError as err:\n    assert str(err) == 'negative'\nelse:\n    assert False",
+            "try:\n    g({}, 'k')\nexcept KeyError as err:\n    assert err.args == ('k',) and str(err) == \"'k'\"",
+            "try:\n    h(b'\\xff')\nexcept UnicodeDecodeError as err:\n    assert err.start == 0\n"
+            "else:\n    assert False",
+        ]},
+        "def f(x):\n    if x < 0:\n        raise ValueError('negative')\n    return x\ndef g(d, k):\n    return d[k]\n"
+        "def h(b):\n    return b.decode('utf-8')\n",
+    ),
     "a function returned, methods of a named class": (
         {"test_list": ["assert adder(2)(3) == 5", "assert Stack().push(1).push(2).items == [1, 2]",
                        "assert Stack().push('ab').top().startswith('a')",
@@ -269,13 +279,13 @@ def test_library_values_are_rebuilt_as_the_receivers_own():
     import numpy as np
 
     def refuse(tag, items, depth):
-        raise code_harness.ProgramGone("malformed reply")
+        raise code_wire.ProgramGone("malformed reply")
 
     P = namedtuple("P", "x y")
     for value in (datetime.date(2024, 2, 29), datetime.datetime(2024, 1, 1, 3, 4, 5), datetime.timedelta(days=2),
                   Fraction(3, 7), Decimal("1.10"), P(1, 2), Counter("aab"), np.arange(6).reshape(2, 3),
                   np.float32(1.5)):  # fmt: skip
-        back = code_harness.decode(code_harness.encode(value), refuse)
+        back = code_wire.decode(code_wire.encode(value), refuse)
         assert type(back).__name__ == type(value).__name__ and (
             np.array_equal(back, value) if isinstance(value, np.ndarray) else back == value
         )
@@ -283,8 +293,8 @@ def test_library_values_are_rebuilt_as_the_receivers_own():
             assert type(back) is not type(value)  # a fresh type of the receiver's, not the sender's class
     for data in (["ndarray", "|O", [1], "00" * 8], ["ndarray", "<i8", [2], "00" * 8], ["enum", "E", "Nope", "A"],
                  ["nt", "P", ["__class__"], 1], ["date", "2024-13-01"], ["fraction", 1, 0]):  # fmt: skip
-        with pytest.raises(code_harness.ProgramGone):
-            code_harness.decode(data, refuse)
+        with pytest.raises(code_wire.ProgramGone):
+            code_wire.decode(data, refuse)
 
 
 def test_a_tests_names_resolve_in_the_judge_unless_the_row_makes_them_the_programs():
@@ -335,7 +345,7 @@ def test_a_status_channel_without_end_costs_no_more_than_the_programs_limits():
     harness = compile(flood, "flood", "exec")
     import marshal
 
-    job = {"harness": marshal.dumps(harness).hex(), "imports": "", "setup": "", "tests": ["assert f()"],
+    job = {"harness": marshal.dumps([("flood", harness)]).hex(), "imports": "", "setup": "", "tests": ["assert f()"],
            "program": ["f"], "modules": {}, "classes": []}  # fmt: skip
     start = time.perf_counter()
     execution = sandbox.run("import time\ntime.sleep(30)\n", judge=job)
@@ -345,7 +355,7 @@ def test_a_status_channel_without_end_costs_no_more_than_the_programs_limits():
 def test_a_message_over_the_cap_fails_the_program(code):
     row = {"test_list": ["assert len(big()) == 1"]}
     log: dict = {}
-    assert score(code, f"def big():\n    return 'a' * {code_harness.MAX_MESSAGE + 1}\n", row, log) == 0.0
+    assert score(code, f"def big():\n    return 'a' * {code_wire.MAX_MESSAGE + 1}\n", row, log) == 0.0
     assert log["code_failure"] == ["output limit"]
     forged = "import os\ndef big():\n    os.write(4, (5).to_bytes(4, 'big') + b'{\"x\"}')\n    return 1\n"
     assert score(code, forged, row, log) == 0.0 and log["code_failure"] == ["malformed reply"]

@@ -103,9 +103,10 @@ def add(a, b):
     return 0
 """,
     "the harness's own functions replaced": """
-import __main__, os
-for name in ("_outcome", "outcome", "_run", "judge"):
-    setattr(__main__, name, lambda *a, **k: "ok")
+import __main__, os, sys
+for module in [__main__, *(m for n, m in list(sys.modules.items()) if n.startswith("colograd."))]:
+    for name in ("_outcome", "outcome", "_run", "judge"):
+        setattr(module, name, lambda *a, **k: "ok")
 os.write = lambda fd, data: len(data)
 def add(a, b):
     return 0

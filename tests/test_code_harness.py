@@ -10,9 +10,9 @@ from enum import IntEnum
 
 import pytest
 
-from colograd.rewards import code_harness, code_tests
-from colograd.rewards.code_harness import NotPlainData, ProgramGone, _lenient, decode, encode
+from colograd.rewards import code_tests, code_wire
 from colograd.rewards.code_tests import row_tests, run_asserts
+from colograd.rewards.code_wire import NotPlainData, ProgramGone, decode, encode, lenient
 from colograd.rewards.sandbox import Sandbox, SandboxLimits
 
 
@@ -76,12 +76,12 @@ def test_the_program_side_sends_values_that_are_plain_in_all_but_type_as_plain()
         def __str__(self):
             return "overridden"
 
-    assert _lenient(Point(1, 2)) == (1, 2) and type(_lenient(Point(1, 2))) is tuple
-    assert type(_lenient(Counter("aab"))) is dict and _lenient(OrderedDict(a=1)) == {"a": 1}
-    assert _lenient(Colour.RED) == 1 and type(_lenient(Colour.RED)) is int
-    assert _lenient(Name("x")) == "x" and type(_lenient(Name("x"))) is str
+    assert lenient(Point(1, 2)) == (1, 2) and type(lenient(Point(1, 2))) is tuple
+    assert type(lenient(Counter("aab"))) is dict and lenient(OrderedDict(a=1)) == {"a": 1}
+    assert lenient(Colour.RED) == 1 and type(lenient(Colour.RED)) is int
+    assert lenient(Name("x")) == "x" and type(lenient(Name("x"))) is str
     thing = object()
-    assert _lenient(thing) is thing  # not plain data: it stays the program's, as a handle
+    assert lenient(thing) is thing  # not plain data: it stays the program's, as a handle
     with pytest.raises(NotPlainData, match="object"):
         encode(thing)
 
@@ -90,9 +90,9 @@ def test_the_json_the_program_writes_is_what_the_judge_reads():
     import json
 
     message = {"ok": ["list", 1, -2.5, 'é\ud800\n"', None, True, ["int", "0x10"], math.inf, -math.inf], "w": []}
-    read = json.loads(code_harness._json_dumps(message))
+    read = json.loads(code_wire._json_dumps(message))
     assert read["ok"][:7] == message["ok"][:7] and read["ok"][7:] == [math.inf, -math.inf]
-    assert math.isnan(json.loads(code_harness._json_dumps({"ok": math.nan}))["ok"])
+    assert math.isnan(json.loads(code_wire._json_dumps({"ok": math.nan}))["ok"])
 
 
 # --- tests keep their meaning, split ------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ import threading
 from dataclasses import dataclass, replace
 from typing import Any
 
+from colograd.rewards import code_harness
 from colograd.rewards.sandbox import Execution, Sandbox
 
 # The columns a row's tests are read from, in the order the layouts are looked for.
@@ -340,20 +341,27 @@ def check_compiles(what: str, source: str) -> None:
 
 # --- running assert-style tests -----------------------------------------------------------------------------------
 
-HARNESS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "code_harness.py")
+# The harness's modules, by name and file, in the order they are loaded inside the sandbox.
+HARNESS_MODULES = tuple(
+    (f"colograd.rewards.{name}", os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py"))
+    for name in code_harness.MODULES
+)
 _compiled: dict[str, bytes] = {}
 _compiled_lock = threading.Lock()
 
 
 def compiled_harness(python: str) -> bytes:
-    """The split harness compiled by `python` (the sandbox's interpreter, whose bytecode this must be), marshalled:
-    both processes load it in well under a millisecond, where compiling its source took ~16 ms each."""
+    """The split harness's modules compiled by `python` (the sandbox's interpreter, whose bytecode this must be),
+    marshalled as (module name, code) pairs in loading order: both processes load them in well under a millisecond,
+    where compiling their source took ~16 ms each."""
     with _compiled_lock:
         if python not in _compiled:
-            compile_it = "import marshal, sys; sys.stdout.buffer.write(marshal.dumps(compile(sys.stdin.read(), " \
-                f"{HARNESS_FILE!r}, 'exec')))"  # fmt: skip
-            with open(HARNESS_FILE, "rb") as source:
-                done = subprocess.run([python, "-I", "-S", "-c", compile_it], stdin=source, capture_output=True)
+            compile_it = (
+                f"import marshal, sys\nmodules = {HARNESS_MODULES!r}\n"
+                "parts = [(name, compile(open(path, 'rb').read(), path, 'exec')) for name, path in modules]\n"
+                "sys.stdout.buffer.write(marshal.dumps(parts))"
+            )
+            done = subprocess.run([python, "-I", "-S", "-c", compile_it], capture_output=True)
             if done.returncode != 0:
                 raise RuntimeError(f"{python} cannot compile the code harness: {done.stderr.decode()[-500:]}")
             _compiled[python] = done.stdout
@@ -363,8 +371,15 @@ def compiled_harness(python: str) -> bytes:
 def assert_program(tests: AssertTests, code: str) -> str:
     """The program's process's main.py: load the harness (the file ``harness.bin`` beside it, which the launcher
     writes from the judge's job), then `serve` the row's imports and `code`. It holds nothing of the tests."""
+    # Each module of the harness goes under its own name in sys.modules, so that a module's imports of those before
+    # it find it (the sandbox has no colograd to import); `harness` is then the last one, the harness itself. The
+    # judge loads it the same way (`sandbox_launch.run_judge`). `type(sys)` makes a module without importing `types`.
     return (
-        f"import marshal\nexec(marshal.loads(open('harness.bin', 'rb').read()))\nserve({tests.imports!r}, {code!r})\n"
+        "import marshal, sys\n"
+        "for name, code in marshal.loads(open('harness.bin', 'rb').read()):\n"
+        "    sys.modules[name] = harness = type(sys)(name)\n"
+        "    exec(code, harness.__dict__)\n"
+        f"harness.serve({tests.imports!r}, {code!r})\n"
     )
 
 

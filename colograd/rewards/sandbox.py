@@ -5,16 +5,16 @@ Each execution gets new mount, pid, network, IPC and UTS namespaces (and a user 
 root), a root of its own that holds only read-only system folders and the interpreter, a writable tmpfs
 ``/sandbox``, an empty environment, a new empty session keyring, no capabilities, a seccomp filter that refuses what
 a scored program never needs, a memory cgroup bounding everything it allocates, and limits on CPU time, memory,
-processes, open files, file size, disk and output; wall time is kept here. When the program exits or is killed,
-everything it started dies with its pid namespace. The launcher (`colograd.rewards.sandbox_launch`) does the building;
-this
-module starts it, feeds it, reads its output within the caps and tells why an execution failed. docs/rewards.md has
-the threat model: what is enforced, by which mechanism, and what is not.
+processes, open files, file size, disk and output; the CPU time of its whole process tree and its wall time are kept
+here (`colograd.rewards.sandbox_clock`). When the program exits or is killed, everything it started dies with its pid
+namespace. The launcher (`colograd.rewards.sandbox_launch`) does the building; this module starts it, feeds it, reads
+its output within the caps and tells why an execution failed. docs/rewards.md has the threat model: what is
+enforced, by which mechanism, and what is not.
 
 Where the isolation cannot be built, `Sandbox` refuses at construction in one line naming what is missing;
 ``isolated=False`` is the explicit opt-in to run programs with the rlimits and a temporary folder only. Where one of
-the further protections is missing (no writable memory cgroup, no libseccomp), it says once, in one line, what is
-then not enforced.
+the further protections is missing (no writable cgroup, no libseccomp), it says once, in one line, what is then not
+enforced.
 """
 
 import json
@@ -31,7 +31,8 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from colograd.errors import ConfigError
-from colograd.rewards.sandbox_cgroup import MemoryCgroups
+from colograd.rewards.sandbox_cgroup import Cgroups, CpuCgroups, MemoryCgroups
+from colograd.rewards.sandbox_clock import CgroupCpu, Clock, ProcTreeCpu
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +44,12 @@ _STDERR_KEPT = 4096  # bytes of stderr kept for the failure's reason
 _STATUS_BYTES = 64 << 10
 _STATUS_BYTES_PER_TEST = 512
 # The protections beyond the namespaces, each one a layer a test removes to show what it holds (tests/test_sandbox.py).
-PROTECTIONS = ("memory_cgroup", "seccomp", "session_keyring", "ipc_limits")
+PROTECTIONS = ("memory_cgroup", "cpu_cgroup", "seccomp", "session_keyring", "ipc_limits")
 _MISSING = {
     "memory_cgroup": "memory is bounded per process (RLIMIT_AS), not for the whole execution (no writable memory "
     "cgroup: the trainer is not root)",
+    "cpu_cgroup": "CPU time over the process tree is read from /proc, so a child of a parent that ignores SIGCHLD "
+    "escapes it once it ends (no writable cpuacct cgroup: the trainer is not root)",
     "seccomp": "no seccomp filter (libseccomp2 is not installed or the kernel refuses seccomp): ptrace, keyrings, "
     "bpf, inotify, netlink, System V IPC and memory files are not refused",
     "session_keyring": "programs keep the trainer's session keyring (keyctl is refused here)",
@@ -64,9 +67,11 @@ class SandboxUnavailable(ConfigError):
 class SandboxLimits:
     """What one execution may use.
 
-    wall_s: seconds of wall time before it is killed, not counting the time its processes waited for a CPU (on a
-        busy machine a program that computes is bound by `cpu_s`; this catches programs that sleep or wait).
-    cpu_s: seconds of CPU time (RLIMIT_CPU, per process).
+    wall_s: seconds of wall time before it is killed, not counting the time the sandbox's own processes waited for a
+        CPU (on a busy machine a program that computes is bound by `cpu_s`; this catches programs that sleep or
+        wait); whatever the waits, it ends at 3 times this (`colograd.rewards.sandbox_clock.BACKSTOP`).
+    cpu_s: seconds of CPU time, for each process (RLIMIT_CPU) and for all of the execution's processes together (its
+        cgroup's CPU accounting, else read from /proc), besides what the sandbox's own processes use.
     memory_mib: address space per process (RLIMIT_AS) and, with a memory cgroup, all the execution's memory
         together (its processes, shared memory, its files in /sandbox), besides what the sandbox's own processes use.
     processes: processes and threads (RLIMIT_NPROC, counted within the sandbox).
@@ -97,6 +102,11 @@ class SandboxLimits:
             "CORE": 0,
         }
 
+    def tree_cpu_s(self) -> float:
+        """CPU seconds all of the execution's processes may use together: the program's, and room for the launcher,
+        the sandbox's init and the judge (each a small interpreter; the judge imports what the row's tests do)."""
+        return self.cpu_s + SANDBOX_OWN_CPU_S
+
     def cgroup_bytes(self) -> int:
         """The execution's memory cgroup limit: the program's memory and disk, and room for the launcher, the sandbox's
         init and the judge (each a small interpreter)."""
@@ -104,6 +114,7 @@ class SandboxLimits:
 
 
 SANDBOX_OWN_MIB = 64
+SANDBOX_OWN_CPU_S = 0.5
 
 
 @dataclass
@@ -175,7 +186,9 @@ class Sandbox:
         self._binds = [] if system else [prefix]
         wanted = PROTECTIONS if protections is None else tuple(protections)
         self._cgroups = MemoryCgroups.find() if isolated and "memory_cgroup" in wanted else None
-        self._wanted = tuple(p for p in wanted if p != "memory_cgroup" or self._cgroups is not None)
+        self._cpu_cgroups = _cpu_cgroups(self._cgroups) if isolated and "cpu_cgroup" in wanted else None
+        found = {"memory_cgroup": self._cgroups, "cpu_cgroup": self._cpu_cgroups}
+        self._wanted = tuple(p for p in wanted if found.get(p, True) is not None)
         self.python_path: list[str] = []
         self.protections: tuple[str, ...] = ()
         self._check(say_missing=protections is None)
@@ -195,6 +208,8 @@ class Sandbox:
                 "where they are, or opt out of the isolation with code_sandbox: none (docs/rewards.md)."
             ) from None
         self.protections = probe.protections
+        if "cpu_cgroup" not in self.protections:  # made but not joined: the CPU time is read from /proc instead
+            self._cpu_cgroups = None
         missing = [p for p in PROTECTIONS if p not in self.protections]
         if self.isolated and say_missing and missing:
             line = "code rewards: not enforced on this machine: " + "; ".join(_MISSING[p] for p in missing) + "."
@@ -209,15 +224,15 @@ class Sandbox:
         Args:
             code: the program (its main.py).
             stdin: its standard input (text is encoded as UTF-8, lone surrogates kept as their bytes), any size.
-            judge: for assert-style tests, the judge's job (`colograd.rewards.code_harness.judge`; "source" its
-            source): it
-                runs beside the program, which then gets the judge's channel and no stdin.
+            judge: for assert-style tests, the judge's job (`colograd.rewards.code_harness.judge`; "harness": the
+                harness's modules, compiled: `colograd.rewards.code_tests.compiled_harness`): it runs beside the
+                program, which then gets the judge's channel and no stdin.
         """
         start = time.perf_counter()
         status_r, status_w = os.pipe()
         stdin_fd = _stdin_file(stdin)
         workdir = None if self.isolated else tempfile.TemporaryDirectory(prefix="colograd-unsandboxed-")
-        cgroup = self._cgroups.create(self.limits.cgroup_bytes()) if self._cgroups is not None else None
+        cgroups = self._create_cgroups()
         orders = {
             "isolated": self.isolated,
             "status_fd": status_w,
@@ -232,7 +247,7 @@ class Sandbox:
             "code": code,
             "judge": None if judge is None else {**judge, "path": self.python_path},
             "protections": list(self._wanted) if self.isolated else [],
-            "cgroup": cgroup,
+            "cgroups": cgroups,
         }
         try:
             proc = subprocess.Popen(
@@ -253,21 +268,49 @@ class Sandbox:
                 proc.stdin.close()
             except BrokenPipeError:  # the launcher died before reading its orders: reported below
                 pass
-            clock = _Clock(proc.pid, self.limits.wall_s)
+            cpu = self._cpu_cgroups
+            limits = self.limits
+            clock = Clock(proc.pid, self.isolated, limits.wall_s, limits.tree_cpu_s(),
+                          CgroupCpu(cpu, cgroups["cpu_cgroup"]) if "cpu_cgroup" in cgroups else ProcTreeCpu(proc.pid),
+                          os.cpu_count() or 1)  # fmt: skip
             status_cap = _STATUS_BYTES + _STATUS_BYTES_PER_TEST * len((judge or {}).get("tests", ()))
             stdout, stderr, status_bytes, cut = _communicate(
                 proc, status_r, clock, self.limits.output_kib * 1024, status_cap
             )
             _kill_group(proc)
             proc.wait()
-            oom = self._cgroups.oom_kills(cgroup) if cgroup else 0
+            oom = self._cgroups.oom_kills(cgroups["memory_cgroup"]) if "memory_cgroup" in cgroups else 0
         finally:
             if workdir is not None:
                 workdir.cleanup()
-            if cgroup is not None:
-                self._cgroups.remove(cgroup)
+            self._remove_cgroups(cgroups)
         tests = len((judge or {}).get("tests", ()))
         return _execution(stdout, stderr, status_bytes, cut, oom, time.perf_counter() - start, tests)
+
+    def _create_cgroups(self) -> dict[str, str]:
+        """The execution's cgroups, by protection (a v2 memory cgroup counts the CPU time too)."""
+        made = {}
+        if self._cgroups is not None:
+            made["memory_cgroup"] = self._cgroups.create(self.limits.cgroup_bytes())
+        if self._cpu_cgroups is not None:
+            shared = self._cpu_cgroups is self._cgroups
+            made["cpu_cgroup"] = made["memory_cgroup"] if shared else self._cpu_cgroups.create(0)
+        return made
+
+    def _remove_cgroups(self, made: dict[str, str]) -> None:
+        for name, folder in made.items():
+            if name == "memory_cgroup":
+                self._cgroups.remove(folder)
+            elif folder != made.get("memory_cgroup"):
+                self._cpu_cgroups.remove(folder)
+
+
+def _cpu_cgroups(memory: MemoryCgroups | None) -> Cgroups | None:
+    """Where the executions' CPU time is counted: in their memory cgroups when those are v2 (a process is in one v2
+    cgroup only, and each counts its CPU time), else in cgroups of cgroup v1's cpuacct hierarchy or of v2."""
+    if memory is not None and memory.version == 2:
+        return memory
+    return CpuCgroups.find()
 
 
 def _status(status_bytes: bytes, tests: int) -> tuple[dict, dict[int, str], str | None]:
@@ -361,48 +404,10 @@ def _text(data: bytes) -> str:
         return data.decode("utf-8", "replace")
 
 
-class _Clock:
-    """The seconds an execution is charged: wall time since it started, less the time its launcher, its init and
-    init's children (the program, the judge) spent waiting for a CPU (/proc/<pid>/schedstat), so that a busy
-    machine does not eat a program's wall time. Read only once the wall time alone reaches the limit."""
-
-    BACKSTOP = 10  # whatever the waits, no execution lasts more than this many times the wall limit
-
-    def __init__(self, pid: int, limit_s: float) -> None:
-        self.pid = pid
-        self.limit_s = limit_s
-        self.start = time.perf_counter()
-        self.waited: dict[int, int] = {}  # pid -> nanoseconds spent runnable but not running
-
-    def left(self) -> float:
-        """Seconds until the limit, as far as is known now; <= 0: the limit is reached."""
-        elapsed = time.perf_counter() - self.start
-        if elapsed >= self.limit_s * self.BACKSTOP:
-            return 0.0
-        if elapsed < self.limit_s:  # below the limit even with no wait to deduct
-            return self.limit_s - elapsed
-        self._read()
-        return self.limit_s - (elapsed - sum(self.waited.values()) / 1e9)
-
-    def _read(self) -> None:
-        level = [self.pid]
-        for _ in range(3):  # the launcher, init, init's children
-            below = []
-            for pid in level:
-                try:
-                    with open(f"/proc/{pid}/schedstat") as f:
-                        self.waited[pid] = max(self.waited.get(pid, 0), int(f.read().split()[1]))
-                    with open(f"/proc/{pid}/task/{pid}/children") as f:
-                        below += [int(child) for child in f.read().split()]
-                except (OSError, ValueError, IndexError):
-                    continue
-            level = below
-
-
-def _communicate(proc: subprocess.Popen, status_fd: int, clock: _Clock, cap: int, status_cap: int = _STATUS_BYTES):
+def _communicate(proc: subprocess.Popen, status_fd: int, clock: Clock, cap: int, status_cap: int = _STATUS_BYTES):
     """Read the program's stdout and stderr and the status pipe until all close, the clock runs out, stdout and
     stderr together exceed `cap` bytes or the status pipe `status_cap`. Returns stdout, the end of stderr, the status
-    pipe's bytes, and "timeout" / "output limit" / "status limit" when it was cut short."""
+    pipe's bytes, and "timeout" / "cpu time" / "output limit" / "status limit" when it was cut short."""
     out, err, status = bytearray(), bytearray(), bytearray()
     total = 0
     with selectors.DefaultSelector() as sel:
@@ -411,10 +416,10 @@ def _communicate(proc: subprocess.Popen, status_fd: int, clock: _Clock, cap: int
         sel.register(status_fd, selectors.EVENT_READ, status)
         try:
             while sel.get_map():
-                left = clock.left()
-                if left <= 0:
-                    return bytes(out), bytes(err[-_STDERR_KEPT:]), bytes(status), "timeout"
-                for key, _ in sel.select(left):
+                over, wait = clock.check()
+                if over:
+                    return bytes(out), bytes(err[-_STDERR_KEPT:]), bytes(status), over
+                for key, _ in sel.select(wait):
                     chunk = os.read(key.fd, 65536)
                     if not chunk:
                         sel.unregister(key.fileobj)

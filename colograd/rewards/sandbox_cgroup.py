@@ -1,13 +1,16 @@
-"""A memory cgroup per sandboxed execution: the bound on everything its processes allocate together.
+"""The cgroups of a sandboxed execution: a memory cgroup, the bound on everything its processes allocate together,
+and a CPU-accounting cgroup, the count of the CPU time they use together.
 
 RLIMIT_AS bounds one process's address space, and nothing else: not the tree of processes a program starts, nor
 System V shared memory, memory files, pipes or the files it writes into its tmpfs. A memory cgroup bounds them all.
-`colograd.rewards.sandbox` makes one for each execution under the trainer's own cgroup (cgroup v1's memory hierarchy,
-or v2
-where the memory controller is enabled for the trainer's children), the launcher joins it before it builds anything,
-and the trainer removes it once the execution's processes are gone. Where no such cgroup can be made (a trainer
-that is not root and has no delegated cgroup), `MemoryCgroups.find` returns None and the sandbox says, once, that
-memory is bounded per process only.
+RLIMIT_CPU likewise counts one process: a program that hands its work on to children it keeps forking is never
+stopped by it. A cgroup's CPU accounting counts every process that was ever in it, whether it was waited for or not.
+
+`colograd.rewards.sandbox` makes them for each execution under the trainer's own cgroups (cgroup v1's memory and
+cpuacct hierarchies, or v2: the memory controller where it is enabled for the trainer's children; a v2 cgroup's
+``cpu.stat`` needs no controller), the launcher joins them before it builds anything, and the trainer removes them
+once the execution's processes are gone. Where no such cgroup can be made (a trainer that is not root and has no
+delegated cgroup), `find` returns None and the sandbox says, once, what is then bounded otherwise.
 """
 
 import atexit
@@ -20,8 +23,11 @@ _names = itertools.count()
 _lock = threading.Lock()
 
 
-class MemoryCgroups:
-    """Makes and removes the executions' memory cgroups under `root` (a folder of cgroup `version` 1 or 2)."""
+class Cgroups:
+    """Makes and removes the executions' cgroups under `root` (a folder of cgroup `version` 1 or 2), and reads the
+    CPU time their processes used."""
+
+    CONTROLLER = ""  # the v1 hierarchy looked for
 
     def __init__(self, root: str, version: int) -> None:
         self.root = root
@@ -30,12 +36,14 @@ class MemoryCgroups:
         atexit.register(self._retry_leftovers, wait_s=0.5)  # the last executions' folders, as the trainer ends
 
     @classmethod
-    def find(cls) -> "MemoryCgroups | None":
-        """The trainer's own memory cgroup, if it may make children with a memory limit in it; else None."""
-        for root, version in _candidates():
+    def find(cls, versions: tuple[int, ...] = (1, 2)) -> "Cgroups | None":
+        """The trainer's own cgroup of this kind, of one of `versions`, if it may make children in it; else None."""
+        for root, version in _candidates(cls.CONTROLLER):
+            if version not in versions:
+                continue
             try:
                 cgroups = cls(root, version)
-                cgroups.remove(cgroups.create(64 << 20))  # a probe: made, limited and removed
+                cgroups.remove(cgroups.create(64 << 20))  # a probe: made, set up and removed
             except OSError:
                 continue
             cgroups._remove_stale()
@@ -59,37 +67,36 @@ class MemoryCgroups:
                     pass
 
     def create(self, limit_bytes: int) -> str:
-        """A new cgroup limited to `limit_bytes` (memory and, where there is swap accounting, memory + swap)."""
+        """A new cgroup, set up for an execution that may use `limit_bytes` of memory."""
         self._retry_leftovers()
         with _lock:
             folder = os.path.join(self.root, f"colograd-sandbox-{os.getpid()}-{next(_names)}")
         os.mkdir(folder)
         try:
-            if self.version == 1:
-                _write(folder, "memory.limit_in_bytes", limit_bytes)
-                if os.path.exists(os.path.join(folder, "memory.memsw.limit_in_bytes")):
-                    _write(folder, "memory.memsw.limit_in_bytes", limit_bytes)
-            else:
-                _write(folder, "memory.max", limit_bytes)
-                if os.path.exists(os.path.join(folder, "memory.swap.max")):
-                    _write(folder, "memory.swap.max", 0)
+            self._set_up(folder, limit_bytes)
         except OSError:
             os.rmdir(folder)
             raise
         return folder
 
-    def oom_kills(self, folder: str) -> int:
-        """How many processes the kernel killed in `folder` for its limit."""
-        name = "memory.oom_control" if self.version == 1 else "memory.events"
+    def _set_up(self, folder: str, limit_bytes: int) -> None:
+        pass
+
+    def cpu_seconds(self, folder: str) -> float:
+        """CPU time used by every process that was in `folder` (cgroup v1's cpuacct, or v2's ``cpu.stat``); 0.0 when
+        it cannot be read (the folder is gone)."""
         try:
-            with open(os.path.join(folder, name)) as f:
+            if self.version == 1:
+                with open(os.path.join(folder, "cpuacct.usage")) as f:
+                    return int(f.read()) / 1e9
+            with open(os.path.join(folder, "cpu.stat")) as f:
                 for line in f:
                     key, _, value = line.partition(" ")
-                    if key == "oom_kill":
-                        return int(value)
+                    if key == "usage_usec":
+                        return int(value) / 1e6
         except (OSError, ValueError):
             pass
-        return 0
+        return 0.0
 
     def remove(self, folder: str) -> None:
         """Remove `folder`, or, while its last killed processes are still exiting, leave it to the next `create` (the
@@ -120,13 +127,54 @@ class MemoryCgroups:
             time.sleep(0.01)
 
 
+class MemoryCgroups(Cgroups):
+    """Memory cgroups: each limited to the execution's memory (and, where there is swap accounting, memory + swap)."""
+
+    CONTROLLER = "memory"
+
+    def _set_up(self, folder: str, limit_bytes: int) -> None:
+        if self.version == 1:
+            _write(folder, "memory.limit_in_bytes", limit_bytes)
+            if os.path.exists(os.path.join(folder, "memory.memsw.limit_in_bytes")):
+                _write(folder, "memory.memsw.limit_in_bytes", limit_bytes)
+        else:
+            _write(folder, "memory.max", limit_bytes)
+            if os.path.exists(os.path.join(folder, "memory.swap.max")):
+                _write(folder, "memory.swap.max", 0)
+
+    def oom_kills(self, folder: str) -> int:
+        """How many processes the kernel killed in `folder` for its limit."""
+        name = "memory.oom_control" if self.version == 1 else "memory.events"
+        try:
+            with open(os.path.join(folder, name)) as f:
+                for line in f:
+                    key, _, value = line.partition(" ")
+                    if key == "oom_kill":
+                        return int(value)
+        except (OSError, ValueError):
+            pass
+        return 0
+
+
+class CpuCgroups(Cgroups):
+    """CPU-accounting cgroups: nothing limited, only counted (the trainer reads the count while the execution runs
+    and kills it at the limit: `colograd.rewards.sandbox_clock`)."""
+
+    CONTROLLER = "cpuacct"
+
+    def _set_up(self, folder: str, limit_bytes: int) -> None:
+        if not os.path.exists(os.path.join(folder, "cpuacct.usage" if self.version == 1 else "cpu.stat")):
+            raise OSError(f"{folder} counts no CPU time")
+
+
 def _write(folder: str, name: str, value: int) -> None:
     with open(os.path.join(folder, name), "w") as f:
         f.write(str(value))
 
 
-def _candidates() -> list[tuple[str, int]]:
-    """Folders of the trainer's own cgroup that have the memory controller: v1's memory hierarchy, then v2."""
+def _candidates(controller: str) -> list[tuple[str, int]]:
+    """Folders of the trainer's own cgroups that have `controller`: v1's hierarchy of it first, then v2's (for
+    memory, only where its controller is enabled for the trainer's children)."""
     try:
         with open("/proc/self/cgroup") as f:
             own = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
@@ -136,14 +184,16 @@ def _candidates() -> list[tuple[str, int]]:
         return []
     found = []
     for _, controllers, path in own:
-        version = 2 if controllers == "" else 1 if "memory" in controllers.split(",") else 0
+        version = 2 if controllers == "" else 1 if controller in controllers.split(",") else 0
         for fields in mounts:
             fstype, options = fields[fields.index("-") + 1], fields[-1].split(",")
-            if (version == 1 and fstype == "cgroup" and "memory" in options) or (version == 2 and fstype == "cgroup2"):
+            if (version == 1 and fstype == "cgroup" and controller in options) or (
+                version == 2 and fstype == "cgroup2"
+            ):
                 mount_root, mount_point = fields[3], fields[4]
                 relative = path[len(mount_root) :] if path.startswith(mount_root) else path
                 folder = os.path.normpath(mount_point + "/" + relative.lstrip("/"))
-                if version == 2 and not _v2_memory(folder):
+                if version == 2 and controller == "memory" and not _v2_memory(folder):
                     continue
                 found.append((folder, version))
     return sorted(found, key=lambda candidate: candidate[1])

@@ -10,10 +10,11 @@ that holds a vLLM engine copies its state.
 
 Isolated, the processes are (see docs/rewards.md):
 
-    launcher   joins the execution's memory cgroup (when there is one) and a new, empty session keyring; new mount,
-               pid, network, IPC and UTS namespaces (and a user namespace when not root), the IPC namespace's shared
-               memory limited; builds a new root: a small tmpfs holding read-only binds of the system's and the
-               interpreter's folders, /dev/{null,zero,random,urandom}, and a writable tmpfs /sandbox; pivots into it
+    launcher   joins the execution's memory and CPU cgroups (where there are) and a new, empty session keyring;
+               new mount, pid, network, IPC and UTS namespaces (and a user namespace when not root), the IPC
+               namespace's shared memory limited; builds a new root: a small tmpfs holding read-only binds of the
+               system's and the interpreter's folders, /dev/{null,zero,random,urandom}, and a writable tmpfs
+               /sandbox; pivots into it
     └─ init    pid 1 of the new pid namespace: dies with the launcher; when it exits, the kernel kills every
        │       process left in the namespace
        ├─ program  no capabilities, no new privileges, rlimits, the seccomp filter; runs the interpreter on
@@ -118,7 +119,7 @@ def _bind_readonly(source: str, target: str) -> None:
 
 
 def join_cgroup(folder: str) -> bool:
-    """Move this process (and so everything it starts) into the execution's memory cgroup, made by the trainer."""
+    """Move this process (and so everything it starts) into one of the execution's cgroups, made by the trainer."""
     try:
         _write(os.path.join(folder, "cgroup.procs"), str(os.getpid()))
         return True
@@ -342,10 +343,13 @@ def run_judge(orders: dict, uid: int | None, seccomp: SeccompFilter | None, chan
     def report(index: int, outcome: str) -> None:
         os.write(5, (json.dumps({"test": index, "outcome": outcome[:200]}) + "\n").encode())
 
-    harness: dict = {"__name__": "colograd_harness"}
     try:
-        exec(marshal.loads(bytes.fromhex(job["harness"])), harness)
-        harness["judge"](job, 3, 4, report)
+        # The harness's modules, in order, each under its own name (a module imports those before it from
+        # sys.modules: `colograd.rewards.code_tests.compiled_harness`); the last is the harness itself.
+        for name, code in marshal.loads(bytes.fromhex(job["harness"])):
+            sys.modules[name] = harness = type(sys)(name)
+            exec(code, harness.__dict__)
+        harness.judge(job, 3, 4, report)
     except BaseException as err:  # the judge's own failure: the sandbox's, not the program's
         os.write(5, (json.dumps({"judge_error": f"{type(err).__name__}: {err}"[:500]}) + "\n").encode())
 
@@ -420,8 +424,9 @@ def main() -> None:
         return
     wanted = orders["protections"]
     try:
-        if "memory_cgroup" in wanted and orders["cgroup"] and join_cgroup(orders["cgroup"]):
-            applied.append("memory_cgroup")
+        for name, folder in orders["cgroups"].items():  # the memory cgroup, the CPU-accounting one
+            if name in wanted and join_cgroup(folder):
+                applied.append(name)
         if "session_keyring" in wanted and new_session_keyring():
             applied.append("session_keyring")
         seccomp = None
