@@ -19,13 +19,11 @@ stages
 for training and evaluation alike.
 """
 
-from collections import defaultdict
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
 import torch
-from peft import PeftModel
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from trl.data_utils import is_conversational
@@ -40,19 +38,19 @@ from colograd.data.streaming import RolloutBatches, check_stream_resume, named_r
 from colograd.engine.core import Engine, engine_dtype
 from colograd.engine.lifetime import frozen_heap, own_classes
 from colograd.engine.rollout import Rollout, RolloutContext
-from colograd.engine.sync import WeightPlan, is_sharded
+from colograd.engine.sync import WeightPlan
 from colograd.grpo import parity_diagnosis
-from colograd.grpo.batch import RolloutBatch, pad_rollout, split_rows
+from colograd.grpo.batch import RolloutBatch, rollout_batch, split_rows
 from colograd.grpo.dynamic import ROUND_STRIDE, DynamicSampling
 from colograd.grpo.entropy import EntropyTerms
 from colograd.grpo.evaluation import evaluate
 from colograd.grpo.forward import Forward
 from colograd.grpo.loss import (
-    Surrogate,
     group_advantages,
     importance_ratio_metrics,
     loss_metrics,
     normalize_then_sum,
+    objective,
     policy_loss,
     sampling_correction,
     sampling_gap_metrics,
@@ -61,16 +59,15 @@ from colograd.grpo.loss import (
 from colograd.grpo.memory import compute_dtype
 from colograd.grpo.parity import ParityError, ParityGuard, ParityStop, tolerance
 from colograd.grpo.partial import PartialRollouts, refuse_overridden_stages
-from colograd.grpo.policy import prepare_policy
+from colograd.grpo.policy import prepare_policy, weight_plan
 from colograd.grpo.reference import ReferencePolicy
 from colograd.grpo.rollouts import (
     PreparedPrompts,
-    PromptImages,
     RewardLogs,
     ScoredRollout,
-    reward_metrics,
-    rollout_metrics,
     sampled_lengths,
+    scored_metrics,
+    vision_prompts,
 )
 from colograd.grpo.router import Router, RouterRecord, router_of
 from colograd.models import logit_transform
@@ -86,18 +83,12 @@ from colograd.rewards.core import (
 )
 from colograd.rewards.early import early_rewards, group_starter
 from colograd.runs.checkpoints import checkpoint_step
-from colograd.runs.completions import CompletionLog
 from colograd.runs.modelcard import Recipe
 from colograd.runs.preemption import Preemption
 from colograd.runs.saving import ModelSaving
 from colograd.runs.step_logs import StepLogs
-from colograd.runs.timing import OptimizerTimer, PhaseTimes
-from colograd.vision.checks import check_prompt_lengths, check_row
 from colograd.vision.core import (
-    check_expansion,
-    image_prompts,
     is_vision_language,
-    pad_pixels,
     rotate_prompts,
     text_tokenizer,
 )
@@ -247,28 +238,17 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
     def _start_run_records(self, recipe: Recipe | None) -> None:
         """What the run keeps between steps: the current rollout, metrics, timings, checkpointed parts, the stop on a
         signal, and the completion log."""
-        args = self.args
+        self._start_logs()
         self._micro_step = 0  # micro-steps trained since start (or resume): picks the rollout slice
         self._slices: list[RolloutBatch] | None = None  # the current rollout, one slice per micro-step
-        self._metrics: dict[str, list[float]] = defaultdict(list)
-        self._times = PhaseTimes()
         self.reward_logs = RewardLogs()
-        self.entropy = EntropyTerms(args, self.accelerator, across_ranks(self.accelerator), self._metrics)
+        self.entropy = EntropyTerms(self.args, self.accelerator, across_ranks(self.accelerator), self._metrics)
         self.checkpoint_parts = (self.entropy,)  # written into each checkpoint before its record finishes
         # Written by every rank, each its own: the groups a rank carries between partial rollouts.
         self.rank_checkpoint_parts = (self._partial,) if self._partial is not None else ()
-        self.add_callback(OptimizerTimer(self._times, self._metrics))
         self.preemption = Preemption()
         self.add_callback(self.preemption)
-        self.phase_summary: dict[str, Any] = {}  # filled at the end of `train` (see `summarize_phases`)
-        self._last_logged_step = 0
-        self._last_window: dict[str, float] = {}  # the last logged window's metrics (`log`)
         self.recipe = recipe
-        self._completion_log = (
-            CompletionLog(args.output_dir, args.num_completions_to_print, args.log_unique_prompts, args.report_to)
-            if args.log_completions and self.accelerator.is_main_process
-            else None
-        )
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
         """transformers' `train`. `resume_from_checkpoint=True` takes the newest *finished* checkpoint of
@@ -332,68 +312,53 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         return loss
 
     def make_rollout(self, rows: list[dict]) -> list[RolloutBatch]:
-        """Sample and score one rollout from this rank's prompts (`sample`), record its metrics, and prepare it for
-        training; returns one slice per micro-step.
+        """Sample and score one rollout from this rank's prompts, record its metrics, and prepare it for training;
+        returns one slice per micro-step.
 
-        The engine syncs the weights as it wakes, so at most once per optimizer step and only before a rollout.
+        The rollout's source: `sample`, or with dynamic sampling its refill rounds (`sample_dynamic`), or with
+        partial rollouts `sample_partial`. Each wakes the engine for its generation, which first writes the weights
+        of the last optimizer step into it (`sync_weights`).
         """
-        g = self.args.num_generations
-        dropped = 0  # completion tokens sampled in groups dynamic sampling dropped
-        generated = None  # partial rollouts: the completion tokens this rollout generated, in every group
+        args = self.args
         if self._partial is not None:
             scored, generated = self.sample_partial(rows)
-        elif self._dynamic is None:
-            scored = self.sample(rows)
         else:
-            # One wake for every round: with sleep mode, each round's own would sync the weights again.
-            sample = lambda rows, round: self.sample(rows, round=round)  # noqa: E731
-            with self.engine.awake(sync=self.sync_weights):
-                scored, metrics, dropped = self._dynamic.fill(
-                    rows,
-                    sample,
-                    self.reward_weights,
-                    self._largest_over_ranks,
-                    self._run_micro_step(),
-                    self.reward_logs,
-                )
-            self._record(metrics)
+            scored, dropped = (self.sample(rows), 0) if self._dynamic is None else self.sample_dynamic(rows)
+            generated = int(sampled_lengths(scored.rollout).sum()) + dropped  # dropped groups' tokens too
         extra, logged = self.reward_logs.take()  # what the reward functions logged (TRL's log_extra / log_metric)
-        self._record(rollout_metrics(scored, self.reward_func_names) | logged)
-        self._record(scored.rollout.metrics)
-        if generated is None:
-            generated = int(sampled_lengths(scored.rollout).sum()) + dropped
         self._times.count("generated", generated, self._metrics)
-        images = scored.images.images if scored.images is not None else [[] for _ in scored.prompts]
-        if self._vision:  # a vision-language run shows at every step whether its prompts had images
-            self._record({"images/per_prompt": sum(map(len, images)) / max(1, len(images))})
         advantages_N = self.compute_advantages(scored.rewards_NF)
-        self._record(reward_metrics(scored.rewards_NF, self.reward_weights, g))
-        logged_images = images if scored.images is not None and self.args.log_multimodal else None
-        self.log_completions(scored.prompts, scored.rollout, scored.rewards_NF, advantages_N, extra, logged_images)
-        prompt_ids, pixels = scored.prompt_ids, None
-        if scored.images is not None:  # image rows train on the prompts as the engine expanded them
-            prompt_ids, pixels = scored.images.expanded_ids, scored.images.pixels
-            check_expansion(scored.rollout.engine_prompt_ids, prompt_ids)
-        batch = pad_rollout(
-            prompt_ids,
-            scored.rollout,
-            advantages_N,
-            g,
-            text_tokenizer(self.processing_class).pad_token_id,
-            self.args.mask_truncated_completions,
-            self.args.mask_stale_tokens,
+        self._record(
+            scored_metrics(scored, self.reward_func_names, self.reward_weights, args.num_generations, self._vision)
+            | logged
         )
-        if pixels is not None:
-            batch.update(pad_pixels(pixels, g))
+        images = scored.images.images if scored.images is not None and args.log_multimodal else None
+        self.log_completions(scored.prompts, scored.rollout, scored.rewards_NF, advantages_N, extra, images)
+        pad_id = text_tokenizer(self.processing_class).pad_token_id
+        batch = rollout_batch(
+            scored, advantages_N, args.num_generations, pad_id, args.mask_truncated_completions, args.mask_stale_tokens
+        )
         # dapo divides each slice by the completion tokens of all ranks' rollouts, per rank and slice.
-        tokens = self.accelerator.gather(batch["completion_mask"].sum().to(self.args.device)).sum().float()
-        batch["num_items"] = tokens / (self.accelerator.num_processes * self.args.steps_per_generation)
+        tokens = self.accelerator.gather(batch["completion_mask"].sum().to(args.device)).sum().float()
+        batch["num_items"] = tokens / (self.accelerator.num_processes * args.steps_per_generation)
         # A slice may end inside a group: its advantages are the whole rollout's; sharing matches any prompt's rows.
-        slices = split_rows(batch, self.args.steps_per_generation)
+        slices = split_rows(batch, args.steps_per_generation)
         with self._timed("logps"):
             for part in slices:
                 part.update(self.rollout_logps(part))
         return slices
+
+    def sample_dynamic(self, rows: list[dict]) -> tuple[ScoredRollout, int]:
+        """One training rollout of dynamic sampling (`colograd.grpo.dynamic`): `sample` in rounds until every group
+        kept is informative. Returns it, and the completion tokens of the groups dropped."""
+        sample = lambda rows, round: self.sample(rows, round=round)  # noqa: E731
+        # One wake for every round: with sleep mode, each round's own would sync the weights again.
+        with self.engine.awake(sync=self.sync_weights):
+            scored, metrics, dropped = self._dynamic.fill(
+                rows, sample, self.reward_weights, self._largest_over_ranks, self._run_micro_step(), self.reward_logs
+            )
+        self._record(metrics)
+        return scored, dropped
 
     def sample(
         self, rows: list[dict], num_generations: int | None = None, *, evaluation: bool = False, round: int = 0
@@ -496,13 +461,9 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         if not self.engine.weights_resident:
             with self.engine.awake(sync=self.sync_weights):
                 return
-        if self._weight_plan is None:
-            # Built at the first sync, once accelerate / DeepSpeed have wrapped (and maybe sharded) the model.
+        if self._weight_plan is None:  # built once accelerate / DeepSpeed have wrapped (maybe sharded) the model
             model = self.accelerator.unwrap_model(self.model)
-            # Gathered (sharded) or built (merged LoRA) weights take memory, so they go a bucket at a time.
-            builds = is_sharded(model) or (isinstance(model, PeftModel) and self.inputs.lora_rank is None)
-            bucket_bytes = int(self.args.sync_bucket_mib * 2**20) if builds else None
-            self._weight_plan = WeightPlan(model, bucket_bytes, adapter_only=self.inputs.lora_rank is not None)
+            self._weight_plan = weight_plan(model, self.args.sync_bucket_mib, self.inputs.lora_rank)
         with self._timed("sync"):
             self._weight_plan.sync(self.engine)
         self._synced_step = self.state.global_step
@@ -528,19 +489,10 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
         names = names or [f"the rollout's prompt {k}" for k in range(len(rows))]
         if self._vision:
-            image_run, most = bool(self.inputs.images_per_prompt), self.inputs.images_per_prompt or None
-            images = [
-                check_row(row, name, self.processing_class, image_run, most)
-                for row, name in zip(rows, names, strict=True)
-            ]
-        if self.inputs.images_per_prompt:
-            # The engine gets one placeholder per image and expands it; the trainer the processor's expansion.
-            prompt_ids, expanded, pixels = image_prompts(
-                self.processing_class, prompts, images, self.args.chat_template_kwargs
-            )
-            setting = "max_prompt_length" if self.args.max_prompt_length else "the engine's context less a completion"
-            check_prompt_lengths(expanded, names, self.prompt_limit, setting)
-            return PreparedPrompts(prompts, prompt_ids, columns, PromptImages(images, expanded, pixels))
+            limit, most = self.prompt_limit, self.inputs.images_per_prompt
+            prepared = vision_prompts(self.processing_class, rows, names, columns, most, limit, self.args)
+            if prepared is not None:
+                return prepared
         prompt_ids = tokenize_prompts(
             prompts, self.processing_class, self._tool_schemas(), self.args.chat_template_kwargs
         )
@@ -586,26 +538,6 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
             on_group,
             shift,
             g,
-        )
-
-    def gap_sampled(self, context: RolloutContext) -> bool:
-        """Whether this rollout asks the engine for the log-prob of the sampling-gap metric's completion.
-
-        Any request that asks makes vLLM do per-step work for the whole batch (generation at 0.87 of the engine's
-        speed with one completion asking, 0.997 with none: the CPU, `--shape small`), so a training rollout asks
-        only when an optimizer step it trains logs (every `logging_steps`, the first with `logging_first_step`, the
-        last); the other steps generate at the engine's own speed. An evaluation's rollout always asks."""
-        args, state = self.args, self.state
-        if context.evaluation or args.logging_strategy != "steps" or self.parity.gate_pending:
-            return True
-        span = -(-args.rollout_micro_steps // args.gradient_accumulation_steps)
-        first = state.global_step + 1
-        steps = range(first, first + span)  # the optimizer steps this rollout trains
-        every = max(1, int(state.logging_steps or 1))
-        return (
-            any(step % every == 0 for step in steps)
-            or (args.logging_first_step and first == 1)
-            or 0 < state.max_steps <= steps[-1]
         )
 
     def score(self, prompts: list, rollout: Rollout, columns: dict[str, list]) -> torch.Tensor:
@@ -697,19 +629,12 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
             inputs.get("old_logps", logps_NT.detach()),
             inputs["advantages"],
             mask_NT,
-            loss_type=self.args.loss_type,
-            epsilon_low=self.args.epsilon,
-            epsilon_high=self.args.epsilon_high,
-            importance_sampling_level=self.args.importance_sampling_level,
             ref_logps_NT=inputs.get("ref_logps"),
-            beta=self.args.beta,
-            use_bias_correction_kl=self.args.use_bias_correction_kl,
-            max_completion_length=self.args.max_completion_length,
             num_items=inputs["num_items"],
             sampling_weights=sampling_weights,
-            surrogate=Surrogate(*(getattr(self.args, name) for name in Surrogate._fields)),
             sampling_logps_NT=inputs.get("engine_logps"),
             entropy_mask_NT=entropy_mask_NT,
+            **objective(self.args),
         )
         loss = self.entropy.regularize(out.loss, entropy_NT, mask_NT, entropy_mask_NT, model.training)
         if routed is not None:  # TRL's router loss, and the experts' load

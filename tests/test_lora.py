@@ -1,8 +1,5 @@
 """What a PEFT LoRA adapter needs from the engine, checked before the engine starts (no engine here)."""
 
-from contextlib import nullcontext
-from types import SimpleNamespace
-
 import pytest
 from conftest import run_cli
 from peft import LoraConfig, get_peft_model
@@ -11,6 +8,7 @@ from torch import nn
 from colograd import trainer as trainer_module
 from colograd.config.core import ConfigError
 from colograd.engine.lora import check_lora, engine_max_lora_rank
+from colograd.grpo import policy
 from colograd.models import tiny
 from colograd.trainer import GRPOTrainer
 
@@ -87,20 +85,8 @@ def test_merged_lora_is_synced_in_buckets(lora_sync, expected_buckets, monkeypat
     """Unsharded weights are sent by reference in one call, but merged LoRA weights are built: in buckets."""
     model = tiny.build_model() if lora_sync is None else get_peft_model(tiny.build_model(), LoraConfig(r=8))
     plans = []
-    monkeypatch.setattr(trainer_module, "WeightPlan", lambda *args, **kwargs: plans.append(args) or plan)
-    plan = SimpleNamespace(sync=lambda engine: None)
-    trainer = SimpleNamespace(
-        state=SimpleNamespace(global_step=0),
-        engine=SimpleNamespace(stale=True, weights_resident=True),
-        _synced_step=None,
-        _weight_plan=None,
-        inputs=SimpleNamespace(lora_rank=8 if lora_sync == "adapter" else None),
-        args=SimpleNamespace(sync_bucket_mib=1),
-        accelerator=SimpleNamespace(unwrap_model=lambda m: m),
-        model=model,
-        _timed=lambda phase: nullcontext(),
-    )
-    GRPOTrainer.sync_weights(trainer)
+    monkeypatch.setattr(policy, "WeightPlan", lambda *args, **kwargs: plans.append(args))
+    policy.weight_plan(model, 1, 8 if lora_sync == "adapter" else None)
     assert plans == [(model, expected_buckets)]
 
 

@@ -10,6 +10,8 @@ import torch
 
 from colograd.engine.rollout import Rollout
 from colograd.grpo.logps import PromptSharing, forwarded_tokens, plan_shared
+from colograd.grpo.rollouts import ScoredRollout
+from colograd.vision.core import check_expansion, pad_pixels
 
 
 class RolloutBatch(TypedDict, total=False):
@@ -91,6 +93,27 @@ def pad_rollout(
         engine_logps=engine_logps,
         advantages=advantages_N,
     )
+
+
+def rollout_batch(
+    scored: ScoredRollout,
+    advantages_N: torch.Tensor,
+    num_generations: int,
+    pad_token_id: int,
+    mask_truncated_completions: bool = False,
+    mask_stale_tokens: bool = False,
+) -> RolloutBatch:
+    """A scored rollout as the tensors `compute_loss` reads (`pad_rollout`): an image rollout's with its prompts as
+    the processor expanded them, once the engine's own expansion is checked to be the same (`check_expansion`), and
+    its pixels (`pad_pixels`)."""
+    prompt_ids = scored.prompt_ids if scored.images is None else scored.images.expanded_ids
+    if scored.images is not None:
+        check_expansion(scored.rollout.engine_prompt_ids, prompt_ids)
+    masks = (mask_truncated_completions, mask_stale_tokens)
+    batch = pad_rollout(prompt_ids, scored.rollout, advantages_N, num_generations, pad_token_id, *masks)
+    if scored.images is not None:
+        batch.update(pad_pixels(scored.images.pixels, num_generations))
+    return batch
 
 
 def split_rows(batch: dict[str, torch.Tensor], parts: int) -> list[dict[str, torch.Tensor]]:

@@ -6,7 +6,7 @@ Definitions follow TRL's `GRPOTrainer` so the same inputs give the same numbers.
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from trl.trainer.utils import nanstd
@@ -168,6 +168,20 @@ class Surrogate(NamedTuple):
     vespo_k_neg: float = 3.0
     vespo_lambda_neg: float = 2.0
     off_policy_mask_threshold: float | None = None
+
+
+def objective(args: Any) -> dict[str, Any]:
+    """The keyword arguments of `policy_loss` a run's config sets (a `GRPOConfig`: TRL's names)."""
+    return {
+        "loss_type": args.loss_type,
+        "epsilon_low": args.epsilon,
+        "epsilon_high": args.epsilon_high,
+        "importance_sampling_level": args.importance_sampling_level,
+        "beta": args.beta,
+        "use_bias_correction_kl": args.use_bias_correction_kl,
+        "max_completion_length": args.max_completion_length,
+        "surrogate": Surrogate(*(getattr(args, name) for name in Surrogate._fields)),
+    }
 
 
 def clipped_surrogate(

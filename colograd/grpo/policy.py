@@ -3,10 +3,13 @@ new adapter with a PEFT config, dropout off, a vision-language model's image enc
 
 from typing import Any
 
+from peft import PeftModel
+from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from colograd.config.core import GRPOConfig
 from colograd.config.loading import disable_dropout, model_init_kwargs, tokenizer_kwargs, wrap_with_peft
+from colograd.engine.sync import WeightPlan, is_sharded
 from colograd.vision.core import freeze_vision_tower, load_pretrained, text_tokenizer
 
 
@@ -39,3 +42,11 @@ def prepare_policy(
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, processing_class
+
+
+def weight_plan(model: nn.Module, bucket_mib: float, lora_rank: int | None) -> WeightPlan:
+    """How `model`'s weights go into the engine at each sync (`WeightPlan`): the adapter alone where the engine applies
+    it (`lora_rank`), else every weight; gathered (sharded) or built (merged LoRA) weights take memory, so those go
+    `bucket_mib` at a time."""
+    builds = is_sharded(model) or (isinstance(model, PeftModel) and lora_rank is None)
+    return WeightPlan(model, int(bucket_mib * 2**20) if builds else None, adapter_only=lora_rank is not None)

@@ -8,12 +8,15 @@ evaluation take their rollouts from the same call and compute their own metrics 
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from trl.trainer.utils import nanstd
 
 from colograd.engine.rollout import Rollout
 from colograd.grpo.loss import weighted_rewards
+from colograd.vision.checks import check_prompt_lengths, check_row
+from colograd.vision.core import image_prompts
 
 
 @dataclass
@@ -41,6 +44,33 @@ class PreparedPrompts(tuple):
         prepared = super().__new__(cls, (prompts, prompt_ids, columns))
         prepared.images = images
         return prepared
+
+
+def vision_prompts(
+    processing_class: Any,
+    rows: list[dict],
+    names: list[str],
+    columns: dict[str, list],
+    images_per_prompt: int,
+    limit: int,
+    args: Any,
+) -> PreparedPrompts | None:
+    """A vision-language run's rows as `prepare_prompts` returns them. Each row is checked first (`check_row`, as
+    preflight checks its sample), so that a bad row stops the rollout before any work on it; in an image run
+    (`images_per_prompt` > 0), the prompts' ids hold one placeholder per image, which the engine expands, and their
+    `PromptImages` the processor's expansion, which the trainer trains on and which must fit `limit` tokens. None in a
+    text run: its prompts are tokenized as text."""
+    image_run, prompts = bool(images_per_prompt), [row["prompt"] for row in rows]
+    images = [
+        check_row(row, name, processing_class, image_run, images_per_prompt or None)
+        for row, name in zip(rows, names, strict=True)
+    ]
+    if not image_run:
+        return None
+    prompt_ids, expanded, pixels = image_prompts(processing_class, prompts, images, args.chat_template_kwargs)
+    setting = "max_prompt_length" if args.max_prompt_length else "the engine's context less a completion"
+    check_prompt_lengths(expanded, names, limit, setting)
+    return PreparedPrompts(prompts, prompt_ids, columns, PromptImages(images, expanded, pixels))
 
 
 @dataclass
@@ -88,6 +118,19 @@ def rollout_metrics(scored: ScoredRollout, reward_names: list[str]) -> dict[str,
         metrics[f"rewards/{name}/mean"] = torch.nanmean(scored.rewards_NF[:, j]).item()
         metrics[f"rewards/{name}/std"] = nanstd(scored.rewards_NF[:, j]).item()
     return metrics
+
+
+def scored_metrics(
+    scored: ScoredRollout, reward_names: list[str], reward_weights: torch.Tensor, num_generations: int, vision: bool
+) -> dict[str, float]:
+    """Every metric a training rollout logs of itself: `rollout_metrics`, what its source measured
+    (`Rollout.metrics`: the agents', partial rollouts'), `reward_metrics`, and in a vision-language run the images
+    per prompt (shown at every step, so that a run whose rows lost their images says so)."""
+    metrics = rollout_metrics(scored, reward_names) | scored.rollout.metrics
+    if vision:
+        images = scored.images.images if scored.images is not None else [[] for _ in scored.prompts]
+        metrics["images/per_prompt"] = sum(map(len, images)) / max(1, len(images))
+    return metrics | reward_metrics(scored.rewards_NF, reward_weights, num_generations)
 
 
 def reward_metrics(rewards_NF: torch.Tensor, reward_weights: torch.Tensor, num_generations: int) -> dict[str, float]:
