@@ -165,6 +165,17 @@ def test_attention_sinks_survive_the_engines_reload(tmp_path, monkeypatch):
     assert step_log(trainer)["sampling/sampling_logp_difference/max"] <= 1e-3
 
 
+def test_latent_attention_trains_exact_in_float32(tmp_path):
+    """DeepSeek-V3's shape (MLA with a compressed query, grouped sigmoid routing with a score-correction bias) trains
+    in float32 with the engine sampling the trainer's distribution. On a CPU with AMX tiles vLLM would serve latent
+    attention with kernels that refuse float32 weights, and the engine would not start
+    (`colograd.engine.cpu.mla_backend`)."""
+    trainer = trainer_for("deepseek-ai/DeepSeek-V3", tmp_path)
+    trainer.train()  # the parity gate (engine_parity: error) lets the first step train
+    assert trainer.state.global_step == 1
+    assert step_log(trainer)["sampling/sampling_logp_difference/max"] <= 1e-4
+
+
 def test_an_engine_whose_own_model_differs_is_said_so(tmp_path, monkeypatch):
     """vLLM's model computing otherwise than transformers' on the same weights, simulated by starting the engine with
     another rope base than the model's: every tensor the engine holds is what a fresh engine (of the same vLLM model)

