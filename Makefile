@@ -16,7 +16,7 @@ else
   LAUNCH := --config_file recipes/accelerate_configs/ddp.yaml --num_processes $(GPUS)
 endif
 
-.PHONY: install run run-smollm2 test test-fast quality docs gpu-check clean
+.PHONY: install run run-smollm2 test test-fast quality docs gpu-check gpu-proof clean
 
 install: $(VENV)/.installed-$(ENGINE)
 
@@ -69,6 +69,11 @@ quality: install
 # Proves a GPU machine's engine: parity after a sync, sleep/wake cycles, LoRA, tensor parallel (docs/gpu.md).
 gpu-check: install
 	$(BIN)/python -m colograd.check
+
+# The check, feature rows on a compiled engine and the step benchmark against TRL, written into docs/gpu.md.
+# PART=engine|training|step-0.5b|step-1.5b runs one part (each fits a 10-minute command on an H100).
+gpu-proof: install
+	$(BIN)/python -m colograd.proof --part $(or $(PART),all) --record docs/gpu.md
 
 # The site goes to site/; --strict turns a broken link or a missing page into a failed build.
 docs: install

@@ -57,18 +57,19 @@ def test_a_child_past_its_time_is_killed_and_a_fail_row():
 
 def test_run_checks_runs_every_row_and_compares_the_lora_sleep_levels(capsys):
     """The parent with a stand-in for the child processes: every engine row once, in order, then tensor parallel
-    (skipped: no second GPU); the two LoRA sleep rows' times give the comparison."""
+    (skipped: no second GPU); the LoRA sleep rows' times give the comparison."""
     asked = []
+    cycles = {"LoRA sleep kv_cache": 20.0, "LoRA sleep level 1": 30.0, "LoRA sleep level 2": 45.0}
 
     def run(name: str) -> check.Result:
         asked.append(name)
-        figures = {"cycle_ms": {"LoRA sleep level 1": 30.0, "LoRA sleep level 2": 45.0}.get(name, 0.0)}
+        figures = {"cycle_ms": cycles.get(name, 0.0)}
         return check.Result(name, "pass", "figures", figures, free_gib=70.0)
 
     results = check.run_checks(run=run)
     assert asked == list(check.ROWS) and "tiny recipe" in asked
     assert [r.name for r in results] == [*check.ROWS, "tensor parallel 2"] and results[-1].status == "skip"
-    assert results[asked.index("LoRA sleep level 2")].detail == "figures: level 1 is 1.50× faster"
+    assert results[asked.index("LoRA sleep level 2")].detail == "figures: kv_cache is 1.50× faster than the next"
     assert capsys.readouterr().out.splitlines()[0] == "pass  sync parity float32"
 
 
@@ -199,6 +200,32 @@ def test_sync_check_fails_when_a_sync_does_not_reach_the_engine(monkeypatch):
     assert result.status == "FAIL", result.detail
 
 
+def _move_one_tensor(worker) -> None:
+    """In the engine's worker: put one weight into new memory, as a loader that rebinds `.data` would."""
+    weight = next(worker.model_runner.model.parameters())
+    weight.data = weight.data.clone()
+
+
+@pytest.mark.slow
+def test_sync_row_fails_when_a_sync_moves_an_engine_tensor(monkeypatch):
+    """A compiled GPU engine's CUDA graphs read the addresses they were captured with: the sync row compares every
+    engine tensor's address before and after the syncs. On an engine that computes with its plain weights (CPU
+    repacking off, as on a GPU), a sync that keeps them passes, and one that moves a single tensor fails."""
+    plain = check.engine_args
+    monkeypatch.setattr(check, "engine_args", lambda *a, **kw: plain(*a, vllm_cpu_repack_weights=False, **kw))
+    kept = check.check_sync(check.tiny_setup(CPU), "float32")
+    assert kept.status == "pass" and "every engine tensor kept its address" in kept.detail, kept.detail
+    real_sync = WeightPlan.sync
+
+    def moving(plan, engine):
+        real_sync(plan, engine)
+        engine.llm.collective_rpc(_move_one_tensor)
+
+    monkeypatch.setattr(WeightPlan, "sync", moving)
+    moved = check.check_sync(check.tiny_setup(CPU), "float32")
+    assert moved.status == "FAIL" and "1 engine tensors moved" in moved.detail, moved.detail
+
+
 @pytest.mark.slow
 def test_lora_check_passes_on_a_bf16_cpu_engine():
     setup = check.tiny_setup(CPU)
@@ -235,3 +262,37 @@ def test_segment_row_compares_shared_segments_with_unshared_sdpa(monkeypatch):
 
     monkeypatch.setitem(attention.KERNELS, "reference", misaligned)
     assert check.check_segments(setup).status == "FAIL"
+
+
+# --- the proof: the check and the step benchmark, recorded (`python -m colograd.proof`) ----------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the proof runs instead")
+@pytest.mark.slow
+def test_without_a_gpu_the_proof_says_so_in_one_line_before_writing_anything(tmp_path):
+    page = tmp_path / "gpu.md"
+    page.write_text("<!-- gpu-proof:begin -->\nkept\n<!-- gpu-proof:end -->\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "colograd.proof", "--record", str(page)],
+        cwd=tmp_path, env={**_env(), "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+    )  # fmt: skip
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and "needs an NVIDIA GPU" in lines[0], lines
+    assert "kept" in page.read_text() and not (tmp_path / ".gpu-proof").exists()
+
+
+def test_the_proof_writes_its_parts_between_the_page_markers_and_nothing_else(tmp_path):
+    from colograd import proof
+
+    page = tmp_path / "gpu.md"
+    page.write_text(f"intro\n{proof.BEGIN}\nan older table\n{proof.END}\noutro\n")
+    machine = {"device": "NVIDIA H100 80GB HBM3 × 1", "cuda": "13.0", "torch": "2.14.0", "vllm": "0.33.0"}
+    rows = [vars(check.Result("sync parity float32", "pass", "gap 1.0e-07")), vars(check.Result("x", "FAIL", "y"))]
+    proof.record(page, [{"part": "engine", "seconds": 312.0, "finished": 0, "machine": machine, "rows": rows}])
+    text = page.read_text()
+    assert text.startswith(f"intro\n{proof.BEGIN}\n") and text.endswith(f"{proof.END}\noutro\n")
+    assert "an older table" not in text and "NVIDIA H100 80GB HBM3 × 1; cuda 13.0, torch 2.14.0, vllm 0.33.0" in text
+    assert "1 passed, 1 failed, 0 skipped" in text
+    page.write_text("no markers\n")
+    with pytest.raises(SystemExit, match="no '<!-- gpu-proof:begin -->'"):
+        proof.record(page, [])

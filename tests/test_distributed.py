@@ -86,16 +86,21 @@ def test_reward_rises(run):
     assert last > first + 0.1, f"reward went from {first:.3f} to {last:.3f}"
 
 
-def test_tensor_parallel_engine_spans_both_ranks(tmp_path):
+@pytest.mark.parametrize("logps", ["gap", "all"])
+def test_tensor_parallel_engine_spans_both_ranks(logps, tmp_path):
     # vllm_tensor_parallel_size 2: one engine over both ranks, each computing one of the tiny model's 2 heads.
     # The ranks pool their prompts, sample together, and each must keep its own completions: the engine's
     # log-probs of a rank's completions match its trainer's only if they were sampled from that rank's prompts.
-    proc = launch("tests/scripts/grpo_check.py", str(tmp_path), "--steps", "4", "--tp", "2")
+    # With every completion's log-probs asked ("all"), both ranks read them through their sampler taps, and each
+    # must keep its own rows of the pooled call.
+    extra = ["--all-logps"] if logps == "all" else []
+    proc = launch("tests/scripts/grpo_check.py", str(tmp_path), "--steps", "4", "--tp", "2", *extra)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["sampled"] != ranks[1]["sampled"]
     for rank in ranks:
         assert rank["engine_heads"] == 1
+        assert rank["sampler_tap"] == ("SamplerTap" if logps == "all" else None)
         assert rank["weights_agree"] == [True] * 4
         assert rank["parity_gap"] <= 1e-4
         steps = [h for h in rank["log_history"] if "loss" in h]

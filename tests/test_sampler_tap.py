@@ -226,7 +226,7 @@ def test_v2_sampler_is_tapped_through_its_input_batch(monkeypatch):
 def test_a_missed_tap_samples_again_with_every_argument(engine, monkeypatch, caplog):
     """When the tap's rows miss a rollout, the engine samples it again reading vLLM's objects, with the call's own
     arguments: the early rewards' `on_group` gets the completions the rollout returns, not the discarded ones."""
-    tap = engine._sampler_tap()
+    tap = engine.sampler_tap()
     assert tap is not None
     monkeypatch.setattr(tap, "logps", lambda outputs: None)  # this rollout's rows are missed
     args = copy.copy(engine.args)

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from colograd import GRPOConfig
-from colograd.engine.core import Engine
+from colograd.engine.core import KV_CACHE_ONLY, Engine, engine_settings
 from colograd.models import tiny
 from colograd.trainer import GRPOTrainer
 
@@ -25,6 +25,9 @@ class RecordingLLM:
         self.log.append(f"sleep:{level}")
         self.asleep = True
 
+    def release_kv_cache_memory(self) -> None:
+        self.log.append("release_kv_cache_memory")
+
 
 def engine_with(sleep_level: int, log: list[str]) -> Engine:
     engine = Engine.__new__(Engine)  # no vLLM: only the ordering logic is under test
@@ -41,6 +44,25 @@ def test_weights_are_written_after_waking_and_before_the_kv_cache(level):
     assert log == ["wake_up:weights", "sync", "wake_up:kv_cache", "generate", f"sleep:{level}"]
     # Level 2 discards the weights: the next rollout must sync even if the optimizer did not step.
     assert engine.stale is (level == 2)
+
+
+def test_an_adapter_only_engine_keeps_its_base_in_place_and_releases_only_its_kv_cache(tmp_path):
+    """An adapter-only LoRA engine's frozen base never changes: by default it sleeps at `KV_CACHE_ONLY` (vLLM's
+    level-0 pause, then its KV cache's memory), so the base is neither copied to the host and back (level 1) nor
+    dropped (level 2), and the adapter can be written while the engine sleeps."""
+    args = GRPOConfig(output_dir=str(tmp_path), vllm_enable_sleep_mode=True, report_to="none")
+    model, tokenizer = tiny.build_model(), tiny.build_tokenizer()
+    assert engine_settings(model, tokenizer, args, lora_rank=8)["sleep_level"] == KV_CACHE_ONLY
+    assert engine_settings(model, tokenizer, args)["sleep_level"] == 2
+    log: list[str] = []
+    engine = engine_with(KV_CACHE_ONLY, log)
+    engine._sleep()  # as a new engine does
+    assert engine.weights_resident and engine.sleeping
+    with engine.awake(sync=lambda: log.append("sync")):
+        log.append("generate")
+    assert log == ["sleep:0", "release_kv_cache_memory", "sync", "wake_up:kv_cache", "generate", "sleep:0",
+                   "release_kv_cache_memory"]  # fmt: skip
+    assert engine.weights_resident and not engine.stale
 
 
 class StartingLLM(RecordingLLM):

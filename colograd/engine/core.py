@@ -27,7 +27,8 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from colograd.config.core import GRPOConfig
 from colograd.engine import cpu as engine_cpu
-from colograd.engine import moe, sampler_tap
+from colograd.engine import moe
+from colograd.engine import sampler_tap as tapping
 from colograd.engine.kv_cache import engine_max_model_len, engine_memory, kv_bytes_per_token
 from colograd.engine.launch import _launcher_env, _tensor_parallel_group
 from colograd.engine.lifetime import (
@@ -53,6 +54,7 @@ from colograd.engine.weights import (
 from colograd.errors import ConfigError
 from colograd.runs.time_limit import removed_when_stuck
 from colograd.vision.core import (
+    engine_arguments,
     is_vision_language,
     multimodal_prompt,
     placeholder_ids,
@@ -78,9 +80,11 @@ class Engine:
         args: the run's config; the `vllm_*` fields, lengths and seed are read here.
         lora_rank: serve a LoRA adapter of this rank on top of the base weights (adapter-only sync); the
             engine's LoRA slots take the next size vLLM accepts.
-        sleep_level: with `vllm_enable_sleep_mode`, the level the engine sleeps at between rollouts; None: level 2
-            (weights dropped: the next sync rewrites them), or 1 for an adapter-only engine (its frozen base goes
-            to host memory and back).
+        sleep_level: with `vllm_enable_sleep_mode`, the level the engine sleeps at between rollouts: 1 (weights to
+            host memory and back), 2 (weights dropped: the next sync rewrites them) or `KV_CACHE_ONLY` (weights kept
+            in place, the KV cache released). None: level 2, or `KV_CACHE_ONLY` for an adapter-only engine, whose
+            frozen base never changes (level 1 would copy it to the host and back at every rollout: ~15 GB each
+            way at 7B, and as much pinned host memory per rank).
         prompt_tokens: the longest prompt expected, which sizes the KV cache where `max_prompt_length` does not
             bound prompts (see `colograd.engine.kv_cache`).
         longest_prompt: the longest prompt of every row the run will give, measured: the engine's context is that
@@ -98,7 +102,7 @@ class Engine:
         args: GRPOConfig,
         *,
         lora_rank: int | None = None,
-        sleep_level: int | None = None,
+        sleep_level: int | str | None = None,
         prompt_tokens: int | None = None,
         longest_prompt: int | None = None,
         images_per_prompt: int = 1,
@@ -178,11 +182,10 @@ class Engine:
         self.max_prompt_tokens = self.llm.llm_engine.model_config.max_model_len - args.max_completion_length
         self.lora_request = None  # set by `load_adapter`; every generation then applies the adapter
         self._adapter_dir: tempfile.TemporaryDirectory | None = None
-        self._tap: sampler_tap.SamplerTap | None | object = _UNTRIED  # see `_sampler_tap`
+        self._tap: tapping.SamplerTap | None | object = _UNTRIED  # see `sampler_tap`
         if self.sleep_level:
             # Asleep from the start: the memory is free while DeepSpeed / FSDP set up; the first rollout wakes it.
-            self.llm.sleep(level=self.sleep_level)
-            self.weights_resident = False
+            self._sleep()
 
     @classmethod
     def acquire(
@@ -192,7 +195,7 @@ class Engine:
         args: GRPOConfig,
         *,
         lora_rank: int | None = None,
-        sleep_level: int | None = None,
+        sleep_level: int | str | None = None,
         prompt_tokens: int | None = None,
         longest_prompt: int | None = None,
         images_per_prompt: int = 1,
@@ -268,7 +271,7 @@ class Engine:
         engine expands the placeholders, and the rollout's `engine_prompt_ids` are the prompts it computed.
         """
         g = num_generations or args.num_generations
-        mine = len(prompt_ids)
+        own, mine = prompt_ids, len(prompt_ids)
         seeds: list[int | None] = [None] * mine
         if self.tp_group is not None:
             pooled: list[list[list[int]]] = [[] for _ in range(self.tp_size)]
@@ -283,7 +286,7 @@ class Engine:
             raise ConfigError("image prompts under vllm_tensor_parallel_size > 1 are not supported; set it to 1.")
         requests = rollout_requests(args, seeds, mine, g, gap_sample, self.suppressed)
         prompts = [self.prompt(prompt_ids[i], images[i] if images else None) for i, _ in requests]
-        tap = self._sampler_tap() if args.needs_engine_logps else None
+        tap = self.sampler_tap() if args.needs_engine_logps else None
         reporting = self._reporting_groups(requests, on_group) if on_group and self.tp_group is None else nullcontext()
         with tap.capturing() if tap is not None else nullcontext(), reporting:
             outputs = self.llm.generate(
@@ -295,20 +298,20 @@ class Engine:
             groups[i] += request.outputs
             computed[i] = list(request.prompt_token_ids)
         if self.tp_group is not None:
-            first = dist.get_rank(self.tp_group) * mine
+            first = self._tp_rank() * mine
             groups = groups[first : first + mine]
         samples = [sample for group in groups for sample in group]
-        # (The tap asks every request, one per prompt, and never runs under tensor parallelism: `outputs` is ours.)
-        logps = tap.logps(outputs) if tap is not None else [sampled_logps(sample) for sample in samples]
-        if logps is None:
-            # The tap's rows did not hold these completions (and vLLM built no objects for them): sample this
-            # rollout again with the objects, and leave the tap off from now on.
+        logps = self._tapped_logps(tap, outputs, mine * g) if tap is not None else None
+        if tap is not None and logps is None:
+            # The tap's rows did not hold these completions, on this rank or another of its engine (and vLLM built
+            # no objects for them): sample this rollout again with the objects, and leave the tap off from now on.
             logger.warning("colograd: the sampler tap missed a rollout's log-probs; reading vLLM's Logprob objects.")
             self._tap = None
-            # (No tap under tensor parallelism: these are this rank's prompts.)
             return self.generate(
-                prompt_ids, args, step=step, num_generations=g, gap_sample=gap_sample, on_group=on_group, images=images
+                own, args, step=step, num_generations=g, gap_sample=gap_sample, on_group=on_group, images=images
             )
+        if logps is None:
+            logps = [sampled_logps(sample) for sample in samples]
         return Rollout(
             completion_ids=[list(sample.token_ids) for sample in samples],
             logps=logps,
@@ -354,13 +357,38 @@ class Engine:
         finally:
             del engine.step  # the class's method again
 
-    def _sampler_tap(self) -> sampler_tap.SamplerTap | None:
+    def sampler_tap(self) -> tapping.SamplerTap | None:
         """The tap on this engine's sampler, installed (and probed) at the first rollout that reads every log-prob;
-        None where it does not install, and under tensor parallelism, where the ranks of an engine must take the
-        same path."""
+        None where it does not install. Under tensor parallelism every rank installs and probes its own (each
+        samples the whole batch), and the engine takes the tap only where all of its ranks' passed: its ranks must
+        read log-probs the same way, since a rollout sampled again is a collective call."""
         if self._tap is _UNTRIED:
-            self._tap = sampler_tap.install(self.llm) if self.tp_group is None else None
+            tap = tapping.install(self.llm)
+            if not self._on_every_rank(tap is not None) and tap is not None:
+                tap.uninstall()
+                tap = None
+            self._tap = tap
         return self._tap
+
+    def _tapped_logps(self, tap: tapping.SamplerTap, outputs: list[Any], mine: int) -> list[list[float]] | None:
+        """This rank's completions' log-probs from the tap's rows (the tap asks every request, one per prompt, in the
+        prompts' order), or None where the rows missed any completion of the call, on any rank of the engine."""
+        logps = tap.logps(outputs)
+        if not self._on_every_rank(logps is not None):
+            return None
+        first = self._tp_rank() * mine
+        return logps[first : first + mine]
+
+    def _tp_rank(self) -> int:
+        return dist.get_rank(self.tp_group) if self.tp_group is not None else 0
+
+    def _on_every_rank(self, holds: bool) -> bool:
+        """Whether `holds` is true on every rank of this engine (a collective of its tensor-parallel group)."""
+        if self.tp_group is None:
+            return holds
+        every: list[bool | None] = [None] * self.tp_size
+        dist.all_gather_object(every, holds, group=self.tp_group)
+        return all(every)
 
     def prompt(self, token_ids: list[int], images: list[Any] | None = None) -> dict[str, Any]:
         """One request's prompt for `vllm.LLM`: its token ids (with `images`, one placeholder per image, and the
@@ -454,18 +482,28 @@ class Engine:
                 sync()
                 yield
                 return
-            self.llm.wake_up(tags=["weights"])
-            self.weights_resident = True
+            if self.sleep_level != KV_CACHE_ONLY:
+                self.llm.wake_up(tags=["weights"])
+                self.weights_resident = True
             sync()
-            self.llm.wake_up(tags=["kv_cache"])
+            self.llm.wake_up(tags=["kv_cache"])  # (the last memory back: vLLM resumes scheduling)
             try:
                 yield
             finally:
-                self.weights_resident = False
-                self.llm.sleep(level=self.sleep_level)
-                self.stale = self.stale or self.sleep_level == 2
+                self._sleep()
         finally:
             self._awake = False
+
+    def _sleep(self) -> None:
+        """Release the engine's memory at its sleep level. `KV_CACHE_ONLY`: vLLM's level-0 pause (no memory), then
+        its KV cache's memory; the weights stay where they are, and can be written while the engine sleeps."""
+        if self.sleep_level == KV_CACHE_ONLY:
+            self.llm.sleep(level=0)
+            self.llm.release_kv_cache_memory()
+            return
+        self.weights_resident = False
+        self.llm.sleep(level=self.sleep_level)
+        self.stale = self.stale or self.sleep_level == 2
 
     def _check_resident(self, what: str) -> None:
         """Refuse to write weights into an asleep engine: its weights memory is released (level 2) or on the host
@@ -499,6 +537,8 @@ class Engine:
         return torch.tensor([steps[i][ids[i]].logprob for i in range(1, len(ids))])
 
 
+# The sleep level of an engine whose weights stay in place between rollouts, only its KV cache released.
+KV_CACHE_ONLY = "kv_cache"
 # The process's engine (see `Engine.acquire`).
 _PROCESS_ENGINE: Engine | None = None
 # Settings that fix an engine's behaviour without being `vllm.LLM` arguments.
@@ -522,7 +562,7 @@ def engine_settings(
     tokenizer: PreTrainedTokenizerBase,
     args: GRPOConfig,
     lora_rank: int | None = None,
-    sleep_level: int | None = None,
+    sleep_level: int | str | None = None,
     longest_prompt: int | None = None,
     images_per_prompt: int = 1,
 ) -> dict[str, Any]:
@@ -533,12 +573,11 @@ def engine_settings(
     if sleep_level is not None and not args.vllm_enable_sleep_mode:
         raise ValueError("sleep_level needs vllm_enable_sleep_mode")
     if sleep_level is None:
-        sleep_level = (1 if lora_rank else 2) if args.vllm_enable_sleep_mode else 0
+        sleep_level = (KV_CACHE_ONLY if lora_rank else 2) if args.vllm_enable_sleep_mode else 0
     architecture = {k: v for k, v in _engine_config(base).to_dict().items() if k not in _NOT_ARCHITECTURE}
     stop_ids = base.generation_config.eos_token_id if base.generation_config is not None else None
     lora = {"enable_lora": True, "max_lora_rank": engine_max_lora_rank(lora_rank), "max_loras": 1} if lora_rank else {}
-    # vLLM sizes its encoder cache and start-up profile by the most images a prompt may hold.
-    vision = {"limit_mm_per_prompt": {"image": max(1, images_per_prompt)}} if is_vision_language(base) else {}
+    vision = engine_arguments(images_per_prompt) if is_vision_language(base) else {}
     tokenizer = text_tokenizer(tokenizer)
     return {
         "dtype": _engine_dtype(model, args),

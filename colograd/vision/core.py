@@ -38,9 +38,8 @@ _VLLM_MODULES = {
     "Qwen2VLForConditionalGeneration": "vllm.model_executor.models.qwen2_vl",
     "Qwen2_5_VLForConditionalGeneration": "vllm.model_executor.models.qwen2_5_vl",
 }
-# Architectures whose vLLM model normalises images itself (`supports_mm_device_do_normalize`), from buffers a
-# dummy-weight engine leaves random: colograd's engine has the processor normalise them (`serve_without_torchvision`).
-_HOST_NORMALIZED = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+# Architectures whose processor takes a torchvision-only video processor (`colograd.vision.qwen`).
+_STILLS_ONLY = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 # Vision towers that transformers 5 keeps flat and vLLM wraps in `vision_model`.
 _FLAT_TOWERS = ("CLIPVisionTransformer", "SiglipVisionTransformer", "CLIPVisionModel", "SiglipVisionModel")
 
@@ -48,6 +47,21 @@ _FLAT_TOWERS = ("CLIPVisionTransformer", "SiglipVisionTransformer", "CLIPVisionM
 def is_vision_language(model: nn.Module) -> bool:
     """Whether `model` (bare, or the base model under PEFT) takes images: its config has a vision part."""
     return getattr(model.config, "vision_config", None) is not None
+
+
+def engine_arguments(images_per_prompt: int) -> dict[str, Any]:
+    """A vision-language engine's `vllm.LLM` arguments, the same for every architecture.
+
+    - The most images a prompt may hold, and no video (colograd's data holds none): vLLM sizes its encoder cache and
+      profiles its encoder at start-up for the most items of each modality a prompt may hold, 999 of one it is not
+      told.
+    - Images normalised on the host, by the processor, as the trainer's are (`mm_device_do_normalize=False`). Where
+      vLLM normalises them in the model instead (Qwen-VL, Qwen3-VL, Mistral-3, GLM-4.1V, ...), its mean / std are
+      buffers that no checkpoint weight writes: vLLM 0.32 registers them persistent and its dummy start
+      (`load_format="dummy"`, the trainer's weights loaded after) randomises them, so the engine would see other
+      image features than the trainer's, silently.
+    """
+    return {"limit_mm_per_prompt": {"image": max(1, images_per_prompt), "video": 0}, "mm_device_do_normalize": False}
 
 
 def text_tokenizer(processing_class: Any) -> Any:
@@ -63,41 +77,27 @@ def is_processor(processing_class: Any) -> bool:
 
 
 def serve_without_torchvision(architecture: str) -> None:
-    """Let vLLM serve `architecture` where torchvision cannot be imported, and a Qwen-VL normalise its images as the
-    trainer does (wherever it runs).
+    """Let vLLM serve `architecture` where torchvision cannot be imported.
 
-    Without torchvision, the torchvision-only image processor modules are served by their PIL twins (the functions
-    vLLM imports from them are the same), Qwen-VL's video processor by a stills-only stand-in
-    (`colograd.vision.qwen`), and the architecture's vLLM class is registered in this process, so that vLLM
-    inspects it here, where the twins are in place, rather than in a fresh interpreter.
-
-    A Qwen-VL is registered as `colograd.vision.qwen.engine_class` serves it, torchvision or not: with vLLM's
-    on-device image normalisation off (`_HOST_NORMALIZED`). vLLM 0.32 otherwise sends raw pixels and normalises them
-    in the model with mean / std buffers that are not weights, so the engine's dummy start (`load_format="dummy"`,
-    the trainer's weights loaded after) leaves them random (the image features were 0.26 off, the log-probs 0.5).
-    Normalised on the host, by the same processor as the trainer's, the engine's pixels are the trainer's. Without
-    torchvision it also takes no video.
+    The torchvision-only image processor modules are served by their PIL twins (the functions vLLM imports from them
+    are the same), Qwen-VL's video processor by a stills-only stand-in (`colograd.vision.qwen`), and the
+    architecture's vLLM class is registered in this process, so that vLLM inspects it here, where the twins are in
+    place, rather than in a fresh interpreter. Where torchvision imports, nothing is needed. (What every
+    vision-language engine is built with, wherever it runs, is `engine_arguments`: images
+    normalised on the host, no video.)
     """
-    if architecture not in _VLLM_MODULES:
+    if architecture not in _VLLM_MODULES or importlib.util.find_spec("torchvision") is not None:
         return
-    missing = importlib.util.find_spec("torchvision") is None
-    if missing:
-        for name, twin in _PIL_TWINS.items():
-            if name not in sys.modules:
-                sys.modules[name] = importlib.import_module(twin)
-        if architecture in _HOST_NORMALIZED:
-            from colograd.vision import qwen
+    for name, twin in _PIL_TWINS.items():
+        if name not in sys.modules:
+            sys.modules[name] = importlib.import_module(twin)
+    if architecture in _STILLS_ONLY:
+        from colograd.vision import qwen
 
-            qwen.install()  # vLLM builds the Qwen-VL processor from the model's folder: its video processor
-    elif architecture not in _HOST_NORMALIZED:
-        return
+        qwen.install()  # vLLM builds the Qwen-VL processor from the model's folder: its video processor
     from vllm import ModelRegistry
 
     model_class = getattr(importlib.import_module(_VLLM_MODULES[architecture]), architecture)
-    if architecture in _HOST_NORMALIZED:
-        from colograd.vision import qwen
-
-        model_class = qwen.engine_class(model_class, stills_only=missing)
     ModelRegistry.register_model(architecture, model_class)
 
 

@@ -16,9 +16,8 @@ Images are untouched: they go through transformers' PIL image processor (`Qwen2V
 `AutoImageProcessor` picks where torchvision is missing), in the trainer and in the engine alike. Where torchvision
 imports, `install` does nothing and transformers' own classes serve.
 
-The engine serves vLLM's Qwen-VL class as `engine_class` makes it: images normalised on the host, and, without
-torchvision, no videos (vLLM would otherwise profile its encoder with a dummy video at start-up, which the stand-in
-refuses).
+The engine takes no video (`colograd.vision.core.engine_arguments`), so vLLM never profiles its encoder with a dummy
+video at start-up, which the stand-in would refuse.
 """
 
 import importlib.util
@@ -67,32 +66,3 @@ def install() -> bool:
     for config_class in (Qwen2VLConfig, Qwen2_5_VLConfig):
         VIDEO_PROCESSOR_MAPPING.register(config_class, {"torchvision": Qwen2VLVideoProcessor}, exist_ok=True)
     return True
-
-
-def engine_class(model_class: type, stills_only: bool) -> type:
-    """vLLM's Qwen-VL `model_class` as colograd's engine serves it (a subclass of the same name and processor).
-
-    - Images are normalised on the host, by the processor, as the trainer's are: vLLM 0.32 otherwise normalises them
-      in the model (`supports_mm_device_do_normalize`) with mean / std buffers that are not weights, which the
-      engine's dummy start (`load_format="dummy"`, the trainer's weights loaded after) leaves random: the image
-      features were 0.26 off the trainer's.
-    - `stills_only` (no torchvision: the video processor is `Qwen2VLVideoProcessor` above): no video per prompt, so
-      vLLM does not profile its encoder with a dummy video where it profiles (a compiled engine), and a video is
-      refused by vLLM itself ("At most 0 video(s) may be provided in one prompt").
-    """
-    served = type(model_class.__name__, (model_class,), {"supports_mm_device_do_normalize": False})
-    if not stills_only:
-        return served
-    from vllm.multimodal import MULTIMODAL_REGISTRY
-
-    factories = model_class._processor_factory
-    info = type(factories.info.__name__, (factories.info,), {"get_supported_mm_limits": _stills})
-    register = MULTIMODAL_REGISTRY.register_processor(
-        factories.processor, info=info, dummy_inputs=factories.dummy_inputs
-    )
-    return register(served)
-
-
-def _stills(info: Any) -> dict[str, int | None]:
-    """The items a stills-only Qwen-VL takes per prompt: any number of images, no video."""
-    return {"image": None, "video": 0}

@@ -105,6 +105,7 @@ def main() -> None:
     parser.add_argument("--sync-ref-steps", type=int, help="sync_ref_model every this many optimizer steps")
     parser.add_argument("--lora", choices=["merged", "adapter"], help="train LoRA adapters, synced this way")
     parser.add_argument("--tp", type=int, default=1, help="vllm_tensor_parallel_size")
+    parser.add_argument("--all-logps", action="store_true", help="the engine's log-prob of every completion token")
     parser.add_argument("--die-at-step", type=int, help="rank 1 exits abruptly when this step starts")
     cli = parser.parse_args()
 
@@ -118,6 +119,7 @@ def main() -> None:
         ref_model_sync_steps=cli.sync_ref_steps or 512,
         lora_sync=cli.lora or "merged",
         vllm_tensor_parallel_size=cli.tp,
+        sampling_gap_completions="all" if cli.all_logps else "one",
     )
     tokenizer = tiny.build_tokenizer()
     callback = WeightsAgree()
@@ -163,6 +165,7 @@ def main() -> None:
                 "reference_moved": reference_moved(trainer, tiny.build_model(tie_word_embeddings=cli.tied)),
                 "lora_request": trainer.engine.lora_request is not None,
                 "engine_heads": trainer.engine.llm.collective_rpc(_attention_heads)[0],
+                "sampler_tap": type(trainer.engine.sampler_tap()).__name__ if cli.all_logps else None,
                 "local_rank": int(os.environ["LOCAL_RANK"]),
                 "derived_local_rank": derived_local_rank,
                 "trained_in_place": trained_at == built_at,

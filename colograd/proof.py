@@ -1,0 +1,163 @@
+"""`python -m colograd.proof` (or `make gpu-proof`): prove a GPU machine end to end and record it in docs/gpu.md.
+
+It runs, in parts that each fit one 10-minute command on an H100:
+
+    engine      the acceptance check's engine rows (`colograd.check`): sync parity eager and compiled, with every
+                engine tensor at the address it had (captured CUDA graphs read those), sleep levels 1 and 2 (2
+                compiled), a tiny MoE, LoRA adapter and merged, LoRA's three sleep levels
+    training    the tiny recipe, then partial rollouts, dynamic sampling and a vision-language model on a compiled
+                engine, segment attention, and tensor parallelism 2 where there are two GPUs
+    step-0.5b   the step benchmark against TRL at Qwen2.5-0.5B's shape (`python -m colograd.bench step`)
+    step-1.5b   the same at Qwen2.5-1.5B's shape
+
+`--part all` (the default) runs them one after the other. Each part's results go to `.gpu-proof/PART.json`, with
+the device and the versions it ran on; `--record docs/gpu.md` then writes every part found there into that page,
+between its `gpu-proof` markers. Without a GPU it says so in one line and exits 1, before anything starts.
+"""
+
+import argparse
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from colograd import check
+from colograd.check_runner import Result, format_table, last_line
+
+# The check's rows of each part (all of `check.ROWS` between them, in its order).
+_ENGINE_ROWS = [name for name in check.ROWS if name.startswith(("sync", "sleep", "MoE", "LoRA"))]
+_TRAINING_ROWS = [name for name in check.ROWS if name not in _ENGINE_ROWS]
+# The step benchmark's GPU workloads (docs/benchmarks.md): 16 prompts × 8 completions of up to 256 tokens, in bf16.
+_STEP = [
+    "--prompts",
+    "16",
+    "--generations",
+    "8",
+    "--completion-tokens",
+    "256",
+    "--accumulation",
+    "4",
+    "--dtype",
+    "bf16",
+]
+PARTS = ("engine", "training", "step-0.5b", "step-1.5b")
+RESULTS = Path(".gpu-proof")
+BEGIN, END = "<!-- gpu-proof:begin -->", "<!-- gpu-proof:end -->"
+STEP_TIMEOUT_S = 560
+
+
+def run_part(part: str) -> dict:
+    """Run one part; returns what `.gpu-proof/PART.json` holds: the part, when, where, and its rows."""
+    start = time.time()
+    if part in ("engine", "training"):
+        rows = [check.run_row(name) for name in (_ENGINE_ROWS if part == "engine" else _TRAINING_ROWS)]
+        if part == "training":
+            rows.append(check.check_tensor_parallel())
+        else:
+            check.compare_lora_sleep(rows)
+    else:
+        rows = [step_row(part.removeprefix("step-"))]
+    return {"part": part, "seconds": time.time() - start, "machine": machine(), "rows": [vars(r) for r in rows]}
+
+
+def step_row(size: str) -> Result:
+    """The step benchmark at Qwen2.5-`size`'s shape, in a child process, as a row: colograd's speed against TRL's."""
+    name = f"step vs TRL, Qwen2.5-{size} shape"
+    cmd = [sys.executable, "-m", "colograd.bench", "step", "--shape", f"qwen2.5-{size}", *_STEP, "--json"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=STEP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return Result(name, "FAIL", f"timed out after {STEP_TIMEOUT_S} s")
+    figures = _last_json(proc.stdout)
+    if proc.returncode != 0 or figures is None:
+        return Result(name, "FAIL", f"exit {proc.returncode}: {last_line(proc.stderr or proc.stdout)}")
+    keys = ("speedup_vs_trl", "colograd_steps_per_s", "trl_steps_per_s", "generation_vs_bare_vllm")
+    detail = ", ".join(f"{key} {figures[key]:.3g}" for key in keys if isinstance(figures.get(key), int | float))
+    note = figures.get("trl_side_note")
+    return Result(name, "pass", detail + (f" ({note})" if note else ""), {k: figures[k] for k in keys if k in figures})
+
+
+def _last_json(text: str) -> dict | None:
+    for line in reversed(text.strip().splitlines()):
+        try:
+            value = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            return value
+    return None
+
+
+def machine() -> dict:
+    """The device and the versions a part ran on."""
+    versions = {}
+    for package in ("torch", "vllm", "transformers", "trl"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = "not installed"
+    gpus = torch.cuda.device_count()
+    device = f"{torch.cuda.get_device_name()} × {gpus}" if gpus else "no GPU"
+    return {"device": device, "cuda": torch.version.cuda, **versions}
+
+
+def record(page: Path, parts: list[dict]) -> None:
+    """Write `parts` into `page` between its markers (replacing what was there), or say where they are missing."""
+    text = page.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"colograd.proof: {page} has no '{BEGIN}' ... '{END}' section to write into; add one")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    page.write_text(head + BEGIN + "\n" + render(parts) + "\n" + END + tail)
+
+
+def render(parts: list[dict]) -> str:
+    """The parts as markdown: per part, where and when it ran, then its table."""
+    blocks = []
+    for part in parts:
+        m = part["machine"]
+        versions = ", ".join(f"{k} {v}" for k, v in m.items() if k != "device")
+        when = time.strftime("%Y-%m-%d", time.gmtime(part.get("finished", 0)))
+        table = format_table([Result(**row) for row in part["rows"]])
+        blocks.append(
+            f"**{part['part']}** ({m['device']}; {versions}; {when}, {part['seconds']:.0f} s)\n\n```\n{table}\n```"
+        )
+    return "\n\n".join(blocks) if blocks else "(no part has run yet)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m colograd.proof", description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=[*PARTS, "all"], default="all")
+    parser.add_argument("--record", metavar="PAGE", help="write every part's results into PAGE (docs/gpu.md)")
+    cli = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(
+            "colograd.proof: needs an NVIDIA GPU (torch.cuda.is_available() is False); see docs/gpu.md",
+            file=sys.stderr,
+        )
+        return 1
+    RESULTS.mkdir(exist_ok=True)
+    failed = False
+    for part in PARTS if cli.part == "all" else (cli.part,):
+        print(f"colograd.proof: {part} ...", flush=True)
+        result = run_part(part) | {"finished": time.time()}
+        (RESULTS / f"{part}.json").write_text(json.dumps(result))
+        print(format_table([Result(**row) for row in result["rows"]]), flush=True)
+        failed |= any(row["status"] == "FAIL" for row in result["rows"])
+    if cli.record:
+        found = [
+            json.loads((RESULTS / f"{part}.json").read_text()) for part in PARTS if (RESULTS / f"{part}.json").exists()
+        ]
+        record(Path(cli.record), found)
+        print(f"colograd.proof: wrote {len(found)} part(s) into {cli.record}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
