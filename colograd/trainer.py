@@ -35,9 +35,10 @@ from colograd.config.loading import model_name
 from colograd.config.trl_compat import TRLTrainerAttributes
 from colograd.data.core import keep_rows, tokenize_prompts
 from colograd.data.streaming import RolloutBatches, check_stream_resume, named_rows, row_names
-from colograd.engine.core import Engine, engine_dtype
+from colograd.engine.core import Engine
 from colograd.engine.lifetime import frozen_heap, own_classes
 from colograd.engine.rollout import Rollout, RolloutContext
+from colograd.engine.settings import engine_dtype
 from colograd.engine.sync import WeightPlan
 from colograd.grpo import parity_diagnosis
 from colograd.grpo.batch import RolloutBatch, rollout_batch, split_rows

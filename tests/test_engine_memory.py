@@ -6,7 +6,8 @@ from transformers import Qwen2Config
 
 from colograd.config.core import GRPOConfig
 from colograd.engine import kv_cache
-from colograd.engine.core import Engine, engine_settings
+from colograd.engine.core import Engine
+from colograd.engine.settings import engine_settings
 from colograd.engine.sync import WeightPlan
 from colograd.errors import ConfigError
 from colograd.models import tiny
@@ -255,7 +256,7 @@ def test_float32_engine_on_a_gpu_multiplies_as_the_trainer_does(
 ):
     """A float32 engine's Triton attention follows the trainer's float32 matmul precision (TF32 only where the
     trainer allows it: measured 2.0e-3 nat of engine/trainer gap on an H100 otherwise, 1.4e-6 with IEEE)."""
-    from colograd.engine.core import triton_fp32_precision
+    from colograd.engine.settings import triton_fp32_precision
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setenv("TRITON_F32_DEFAULT", preset or "recorded, so that the test's own setting is undone")

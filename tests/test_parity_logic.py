@@ -12,7 +12,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, PhimoeConfig, PhimoeForCausalLM
 
 from colograd.config.loading import disable_dropout
-from colograd.engine.core import _architecture
+from colograd.engine.settings import architecture_name
 from colograd.engine.weights import split_unprocessed
 from colograd.grpo import parity, parity_diagnosis
 from colograd.grpo.parity import Gap, ParityError, ParityGuard, tolerance
@@ -123,10 +123,10 @@ def test_the_engine_is_told_vllms_name_of_the_architecture():
     name, vLLM falls back to its Transformers backend. A class vLLM knows keeps its name."""
     config = PhimoeConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
                           num_attention_heads=1, num_key_value_heads=1, num_local_experts=2)  # fmt: skip
-    assert _architecture(PhimoeForCausalLM(config)) == "PhiMoEForCausalLM"
+    assert architecture_name(PhimoeForCausalLM(config)) == "PhiMoEForCausalLM"
     llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=1))  # fmt: skip
-    assert _architecture(llama) == "LlamaForCausalLM"
+    assert architecture_name(llama) == "LlamaForCausalLM"
 
 
 def test_a_class_vllm_lacks_takes_the_checkpoints_declared_name():
@@ -135,9 +135,9 @@ def test_a_class_vllm_lacks_takes_the_checkpoints_declared_name():
 
     model = RenamedLlama(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
                                      num_attention_heads=1, architectures=["LlamaForCausalLM"]))  # fmt: skip
-    assert _architecture(model) == "LlamaForCausalLM"
+    assert architecture_name(model) == "LlamaForCausalLM"
     model.config.architectures = None
-    assert _architecture(model) == "RenamedLlama"  # nothing better known: the class (vLLM's backend, or refusal)
+    assert architecture_name(model) == "RenamedLlama"  # nothing better known: the class (vLLM's backend, or refusal)
 
 
 def test_filtered_sampling_turns_the_guard_off():

@@ -5,8 +5,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from colograd import GRPOConfig
-from colograd.engine.core import _engine_dtype
 from colograd.engine.launch import _local_rank
+from colograd.engine.settings import engine_dtype_name
 from colograd.models import tiny
 from colograd.models.precision import master_copy_warning
 
@@ -62,7 +62,7 @@ def test_engine_dtype_follows_the_launch_configs_mixed_precision(
     # `accelerate launch` passes the config's mixed_precision as ACCELERATE_MIXED_PRECISION.
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", launch_precision)
     args = GRPOConfig(output_dir=str(tmp_path), bf16=bf16, report_to="none")
-    assert _engine_dtype(tiny.build_model(), args) == expected
+    assert engine_dtype_name(tiny.build_model(), args) == expected
 
 
 def test_local_rank_counts_within_a_machine(monkeypatch):

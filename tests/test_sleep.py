@@ -6,7 +6,9 @@ from types import SimpleNamespace
 import pytest
 
 from colograd import GRPOConfig
-from colograd.engine.core import KV_CACHE_ONLY, Engine, engine_settings
+from colograd.engine.core import Engine
+from colograd.engine.lifetime import layer_refs
+from colograd.engine.settings import KV_CACHE_ONLY, engine_settings
 from colograd.models import tiny
 from colograd.trainer import GRPOTrainer
 
@@ -78,7 +80,7 @@ class StartingLLM(RecordingLLM):
         )
 
     def collective_rpc(self, method, args=()) -> list:
-        return [True]
+        return [[]] if method is layer_refs else [True]  # no layers; a worker that holds plain weights
 
 
 @pytest.mark.parametrize("sleep_mode", [True, False], ids=["sleep-mode", "no-sleep-mode"])

@@ -124,14 +124,14 @@ def test_the_parity_check_fails_on_a_wrong_model_in_the_engine(mutation, tmp_pat
     """The parity gate has power: with one error injected into the engine's model, the same step is stopped before
     it trains (with transformers' flat 0.02 weights, a dropped rope scaling moved the gap by 1e-6)."""
     name, mutate = MUTATIONS[mutation]
-    own = engine_module._engine_config
+    own = engine_module.engine_config
 
     def mutated(model):
         config = own(model)
         mutate(config)
         return config
 
-    monkeypatch.setattr(engine_module, "_engine_config", mutated)
+    monkeypatch.setattr(engine_module, "engine_config", mutated)
     # The parity gate (engine_parity: error, the default) stops the run before it trains: its line gives the gap.
     args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, report_to="none", save_strategy="no",
                       vllm_enforce_eager=True, max_completion_length=64)  # fmt: skip

@@ -14,12 +14,12 @@ from transformers import PretrainedConfig
 
 from colograd.config.core import ConfigError, GRPOConfig
 from colograd.data.core import first_line
-from colograd.engine.core import engine_dtype as engine_dtype_of
 from colograd.engine.kv_cache import check_sized_layers, uses_mla
 from colograd.engine.lifetime import import_off_stack
 from colograd.engine.lora import engine_max_lora_rank
 from colograd.engine.moe import expert_count
 from colograd.engine.requests import sampling_params
+from colograd.engine.settings import engine_dtype as engine_dtype_of
 
 
 def check_engine(
