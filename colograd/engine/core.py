@@ -37,7 +37,7 @@ from colograd.engine.lifetime import (
     keep_parallel_groups_when_dropped,
     layer_refs,
 )
-from colograd.engine.lora import adapter_parent
+from colograd.engine.lora import adapter_parent, serve_adapter_in_worker
 from colograd.engine.requests import rollout_requests, sampled_logps
 from colograd.engine.rollout import Rollout
 from colograd.engine.settings import (
@@ -447,23 +447,28 @@ class Engine:
     def load_adapter(self, tensors: dict[str, torch.Tensor], adapter_config: Any) -> None:
         """Serve this LoRA adapter (PEFT names and config) from the next generation on.
 
-        The tensors go to a folder (in memory where it has room) that the engine reads once, here: `load_inplace`
-        replaces the previous version under the same id. Generations then name the adapter without that flag,
-        because vLLM re-activates the adapters of a batch at every engine step and the flag would reload the
-        adapter from its folder each time.
+        The first version goes to a folder (in memory where it has room) that vLLM's loader reads and checks.
+        Later versions go straight into the engine's LoRA slot, from the tensors as they are, on the trainer's
+        device (`colograd.engine.lora.serve_adapter_in_worker`): no file, no round trip through the host. The
+        tensors become the engine's (vLLM scales them in place): pass copies. Generations name the adapter without
+        vLLM's `load_inplace` flag, because vLLM re-activates the adapters of a batch at every engine step and the
+        flag would reload the adapter from its folder each time.
         """
         from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
         self._check_resident("load_adapter")
-        if self._adapter_dir is None:
-            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-            folder = tempfile.TemporaryDirectory(prefix="colograd-adapter-", dir=adapter_parent(nbytes))
-            self._adapter_dir = removed_when_stuck(folder)
+        if self.lora_request is not None:
+            self.llm.collective_rpc(serve_adapter_in_worker, args=(tensors, self.lora_request))
+        else:
+            if self._adapter_dir is None:
+                nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+                folder = tempfile.TemporaryDirectory(prefix="colograd-adapter-", dir=adapter_parent(nbytes))
+                self._adapter_dir = removed_when_stuck(folder)
             adapter_config.save_pretrained(self._adapter_dir.name)
-        save_file(tensors, os.path.join(self._adapter_dir.name, "adapter_model.safetensors"))
-        self.llm.llm_engine.add_lora(LoRARequest("colograd", 1, self._adapter_dir.name, load_inplace=True))
-        self.lora_request = LoRARequest("colograd", 1, self._adapter_dir.name)
+            save_file(tensors, os.path.join(self._adapter_dir.name, "adapter_model.safetensors"))
+            self.llm.llm_engine.add_lora(LoRARequest("colograd", 1, self._adapter_dir.name, load_inplace=True))
+            self.lora_request = LoRARequest("colograd", 1, self._adapter_dir.name)
         self._forget_image_features()
         self.weights_version += 1
 

@@ -104,3 +104,42 @@ def adapter_parent(nbytes: int) -> str | None:
     if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free >= 2 * nbytes:
         return "/dev/shm"
     return None
+
+
+def serve_adapter_in_worker(worker: typing.Any, tensors: dict, request: typing.Any) -> None:
+    """Runs in the engine's worker: serve `tensors` (PEFT names, on the trainer's device; they become the
+    engine's: vLLM packs and scales them in place) as the adapter of `request`, replacing the version it serves.
+
+    vLLM's own `load_inplace` reads the adapter back from its folder to the host and copies it into the device's
+    LoRA slot at every sync. Here the same steps run on the tensors as they are, with vLLM's own functions:
+    `LoRAModel.from_lora_tensors` (names mapped as for the checkpoint, rank and scaling from the folder's config),
+    the same checks, then remove, add and activate, which packs q/k/v and gate/up, scales B and writes the slot.
+    The adapter's first version was read from the folder by vLLM's loader (which also checks its names against the
+    model's modules); later versions have the same names and shapes.
+    """
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+    from vllm.utils.gpu_sync_debug import gpu_sync_allowed
+
+    manager = worker.model_runner.lora_manager
+    adapters = manager._adapter_manager
+    model = adapters.model
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    lora = LoRAModel.from_lora_tensors(
+        lora_model_id=request.lora_int_id,
+        tensors=tensors,
+        peft_helper=PEFTHelper.from_local_dir(request.lora_path, manager.max_position_embeddings),
+        device=str(next(iter(tensors.values())).device),
+        dtype=manager.lora_config.lora_dtype,
+        model_vocab_size=manager.vocab_size,
+        weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+        skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+    )
+    lora.is_3d_lora_weight = request.is_3d_lora_weight
+    adapters._validate_moe_lora_format(lora)
+    adapters._validate_modules_to_save(lora)
+    adapters._validate_token_classification_lora(lora)
+    with gpu_sync_allowed():
+        adapters.remove_adapter(lora.id)
+        adapters.add_adapter(lora)
+        adapters.activate_adapter(lora.id)
