@@ -72,6 +72,15 @@ def test_a_plain_program_runs(sandbox):
     assert run.ok and run.stdout == "7\n" and run.exit_code == 0
 
 
+def test_a_tight_wall_limit_is_not_taken_for_a_sandbox_that_cannot_start():
+    """The start-up probe (one trivial program) runs under limits of its own: with the run's limit of a millisecond
+    it was cut short, and the sandbox refused to start as if the machine lacked namespaces (seen under load with a
+    second's limit). The runs themselves keep theirs."""
+    sandbox = Sandbox(SandboxLimits(wall_s=0.001, cpu_s=1), isolated=ISOLATED)
+    assert sandbox.limits.wall_s == 0.001
+    assert sandbox.run("import time\ntime.sleep(1)").reason == "timeout"
+
+
 def test_the_environment_and_its_credentials_are_not_seen(sandbox, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_colograd_test_secret")
     run = sandbox.run("import os; print(dict(os.environ))")

@@ -28,7 +28,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from colograd.errors import ConfigError
 from colograd.rewards.sandbox_cgroup import Cgroups, CpuCgroups, MemoryCgroups
@@ -57,6 +57,10 @@ _MISSING = {
 }
 _said: set[str] = set()
 _said_lock = threading.Lock()
+
+
+# The wall time the start-up probe (one trivial program) may take, whatever the run's own limit.
+_PROBE_WALL_S = 60.0
 
 
 class SandboxUnavailable(ConfigError):
@@ -196,7 +200,13 @@ class Sandbox:
     def _check(self, say_missing: bool) -> None:
         """Run one trivial program; refuse in one line when the sandbox cannot be built; learn the interpreter's
         module path (the judge's) and which protections hold."""
-        probe = self.run("import json, sys\nprint(json.dumps(sys.path))")
+        # The probe's own limits, not the run's: a run may allow a second, and an interpreter's start on a loaded
+        # machine can take longer; a slow start is not a missing namespace.
+        limits, self.limits = self.limits, replace(self.limits, wall_s=max(self.limits.wall_s, _PROBE_WALL_S))
+        try:
+            probe = self.run("import json, sys\nprint(json.dumps(sys.path))")
+        finally:
+            self.limits = limits
         try:
             self.python_path = json.loads(probe.stdout)
         except ValueError:
