@@ -245,14 +245,15 @@ def test_the_rounds_of_a_rollout_wake_the_engine_once():
     llm = SimpleNamespace(
         wake_up=lambda tags: calls.append(f"wake {tags[0]}"), sleep=lambda level: calls.append("sleep")
     )
-    engine = SimpleNamespace(sleep_level=2, llm=llm, stale=False, _awake=False)
+    engine = Engine.__new__(Engine)  # no vLLM: only the wake logic is under test
+    engine.sleep_level, engine.llm, engine.stale = 2, llm, False
     sync = lambda: calls.append("sync")  # noqa: E731
-    with Engine.awake(engine, sync):
+    with engine.awake(sync):
         for _ in range(3):
-            with Engine.awake(engine, sync):
+            with engine.awake(sync):
                 calls.append("round")
     assert calls == ["wake weights", "sync", "wake kv_cache", "round", "round", "round", "sleep"]
-    with Engine.awake(engine, sync):  # the next rollout wakes it again
+    with engine.awake(sync):  # the next rollout wakes it again
         pass
     assert calls[-4:] == ["wake weights", "sync", "wake kv_cache", "sleep"]
 
