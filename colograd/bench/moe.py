@@ -15,7 +15,8 @@ what a sync cannot simply copy (the backend prepacks them after loading; cologra
 and prepacks again, docs/moe.md). So a third fresh process starts an engine on the same model and times
 `WeightPlan(model).sync(engine)`, the sync colograd runs after every optimizer step, against a plain `copy_` of
 each expert tensor into a preallocated tensor of its shape (the floor for moving those bytes), interleaved, medians
-of `repeats`; also the engine call of the expert tensors alone and a plain copy of every byte the sync sends. The
+of `repeats`; also the same sync through the model's loaders (the engine's copy plans off), the engine call of the
+expert tensors alone and a plain copy of every byte the sync sends. The
 model's weights are moved before the timed syncs, and the engine's log-probs compared with the trainer's before and
 after: proof that the timed sync really wrote (and prepacked) the new weights.
 
@@ -120,10 +121,12 @@ def measure_sync(w: dict[str, Any], repeats: int) -> dict[str, Any]:
     CPU weight repacking and cache; compiled graphs left out, which a sync does not touch) against plain copies.
 
     Returns:
-        `sync_s` (the whole model, as after every optimizer step), `expert_sync_s` (the engine call of the expert
-        tensors alone: loader, padding, prepack), `expert_copy_s` and `copy_s` (`copy_` of the expert tensors, and of
-        every tensor the sync sends, into preallocated ones), their ratios, the bytes and the log-prob gaps.
+        `sync_s` (the whole model, as after every optimizer step), `loader_sync_s` (the same through the model's
+        loaders, the engine's copy plans off: `colograd.engine.copy_plan`), `expert_sync_s` (the engine call of the
+        expert tensors alone: copies, padding, prepack), `expert_copy_s` and `copy_s` (`copy_` of the expert tensors,
+        and of every tensor the sync sends, into preallocated ones), their ratios, the bytes and the log-prob gaps.
     """
+    from colograd.engine import copy_plan
     from colograd.engine.core import Engine
     from colograd.engine.sync import WeightPlan
     from colograd.models import tiny
@@ -157,9 +160,15 @@ def measure_sync(w: dict[str, Any], repeats: int) -> dict[str, Any]:
         for target, source in zip(targets, sources, strict=True):
             target.copy_(source)
 
+    def loader_sync() -> None:  # the same sync with the engine's copy plans off: the model's loaders for every tensor
+        engine.llm.collective_rpc(copy_plan.set_enabled_in_engine, args=(False,))
+        plan.sync(engine)
+        engine.llm.collective_rpc(copy_plan.set_enabled_in_engine, args=(True,))
+
     medians = interleaved_medians(
         {
             "sync_s": lambda: plan.sync(engine),
+            "loader_sync_s": loader_sync,
             "expert_sync_s": lambda: engine.load_weights(experts),
             "expert_copy_s": lambda: copy(expert_buffers, [t for _, t in experts]),
             "copy_s": lambda: copy(buffers, sent),
@@ -173,6 +182,7 @@ def measure_sync(w: dict[str, Any], repeats: int) -> dict[str, Any]:
         "sync_vs_expert_copy": medians["sync_s"] / medians["expert_copy_s"],
         "expert_sync_vs_expert_copy": medians["expert_sync_s"] / medians["expert_copy_s"],
         "sync_vs_copy": medians["sync_s"] / medians["copy_s"],
+        "speedup_vs_loader": medians["loader_sync_s"] / medians["sync_s"],
         "sync_bytes": plan.nbytes,
         "expert_bytes": expert_bytes,
         "expert_tensors": len(experts),
@@ -190,6 +200,9 @@ def report(r: dict[str, Any]) -> str:
     length = "exactly" if w["fixed_length"] else "at most"
     ms = lambda seconds: f"{seconds * 1e3:.2f} ms"  # noqa: E731
     mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
+    loader = []
+    if "loader_sync_s" in r:  # copy plans off: the model's loaders for every tensor
+        loader = [f"    through loaders    {ms(r['loader_sync_s'])}, speedup_vs_loader {r['speedup_vs_loader']:.2f}"]
     lines = [
         f"MoE GRPO step, Qwen3-MoE ({s['num_hidden_layers']} layers, hidden {s['hidden_size']}, "
         f"{s['num_experts']} experts of {s['moe_intermediate_size']}, top-{s['num_experts_per_tok']}) in "
@@ -211,6 +224,7 @@ def report(r: dict[str, Any]) -> str:
         f"  sync into a {r['engine_dtype']} engine ({r['engine_path']} path, experts prepacked: "
         f"{r['prepacked_experts']}), medians of {r['sync_repeats']}, interleaved:",
         f"    whole model        {ms(r['sync_s'])} for {mib(r['sync_bytes'])}",
+        *loader,
         f"    experts alone      {ms(r['expert_sync_s'])} for {mib(r['expert_bytes'])} in "
         f"{r['expert_tensors']} tensors",
         f"    plain copy_        {ms(r['expert_copy_s'])} of the expert bytes, {ms(r['copy_s'])} of every byte",

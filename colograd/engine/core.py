@@ -410,7 +410,8 @@ class Engine:
         """Write checkpoint-named weights into the engine in one call; layers not named keep their weights.
 
         The model's own loaders translate checkpoint names and layouts (fused qkv / gate_up, transposed
-        Conv1D, vocabulary padding, tied heads, dtype) and copy into the engine's tensors. Where the backend
+        Conv1D, vocabulary padding, tied heads, dtype) and copy into the engine's tensors; on the direct path, calls
+        after the first replay the loaders' copies (`colograd.engine.copy_plan`). Where the backend
         repacked its weights into a kernel layout, vLLM's in-place reload re-runs that processing instead
         (`colograd.engine.weights._reload_into_model`); expert
         weights the CPU backend prepacked are copied and prepacked again (`colograd.engine.moe.load_experts`).

@@ -23,6 +23,8 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
+from colograd.engine import copy_plan
+
 # Config keys that count a Mixture-of-Experts model's experts (Qwen-MoE, OLMoE, Mixtral, DeepSeek, ...).
 EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
 # vLLM's unquantized fused-MoE backends that compute with the expert weights as the loader wrote them (no shuffle,
@@ -134,8 +136,9 @@ def split_expert_weights(
 
 @torch.no_grad()
 def load_experts(model: nn.Module, weights: list[tuple[str, Any]]) -> int:
-    """Copy expert weights into the engine's prepacked expert layers through the model's own loader, then redo the
-    backend's post-load step on each parameter written: zero the intermediate padding, prepack in place.
+    """Copy expert weights into the engine's prepacked expert layers through the model's own loader (replayed as one
+    copy per expert tensor after the first call, `colograd.engine.copy_plan`), then redo the backend's post-load step
+    on each parameter written: zero the intermediate padding, prepack in place.
 
     Each expert parameter must arrive whole (every expert; gate and up together for `w13`): a part would be
     prepacked twice. A sync sends each layer's expert tensors whole, in one call.
@@ -147,7 +150,7 @@ def load_experts(model: nn.Module, weights: list[tuple[str, Any]]) -> int:
     Returns:
         The number of expert parameters prepacked again.
     """
-    loaded = set(model.load_weights(weights))
+    loaded = set(copy_plan.load(model, weights))
     redone = 0
     for path, layer in expert_layers(model).items():
         isa = prepack_isa(layer)

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from colograd.engine import moe
+from colograd.engine import copy_plan, moe
 
 
 def _holds_plain_weights(worker: Any) -> bool:
@@ -31,9 +31,10 @@ def _holds_plain_dense_weights(worker: Any) -> bool:
 
 
 def _load_into_model(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
-    """Runs in the engine's worker: copy checkpoint-named weights into the model's tensors."""
+    """Runs in the engine's worker: copy checkpoint-named weights into the model's tensors, through the model's loader
+    at the first call with these tensors and as a replay of its copies after (`colograd.engine.copy_plan`)."""
     model = worker.model_runner.model
-    model.load_weights(named_through_lora_wrappers(model, weights))
+    copy_plan.load(model, named_through_lora_wrappers(model, weights))
 
 
 def _load_with_prepacked_experts(worker: Any, weights: list[tuple[str, torch.Tensor]], direct: bool) -> None:
@@ -44,7 +45,7 @@ def _load_with_prepacked_experts(worker: Any, weights: list[tuple[str, torch.Ten
     model = worker.model_runner.model
     experts, rest = moe.split_expert_weights(model, named_through_lora_wrappers(model, weights))
     if rest and direct:
-        model.load_weights(rest)
+        copy_plan.load(model, rest)
     elif rest:
         _reload_into_model(worker, rest)
     if experts:
