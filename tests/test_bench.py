@@ -56,6 +56,8 @@ def _report_fields(model: str, **overrides) -> dict:
         "workload": {**workload(model), "model": model, "dtype": "fp32"},
         "colograd_steps_per_s": 0.03, "trl_steps_per_s": 0.015, "colograd_tokens_per_s": 20.0,
         "trl_tokens_per_s": 10.0, "speedup_vs_trl": 2.0, "trl_mode": "use_vllm=False (transformers generate)",
+        "trl_version": "1.16.0", "vllm_version": "0.32.0", "trl_supported_vllm": ["0.22.0", "0.31.0"],
+        "trl_side_note": None,
         "colograd_phases_s": phases, "trl_phases_s": phases,
         "colograd_peak_rss_mib": 5120.0, "trl_peak_rss_mib": 4096.0,
         "colograd_peak_gpu_mib": None, "colograd_peak_gpu_reserved_mib": None, "colograd_peak_gpu_mib_by_phase": None,
@@ -78,6 +80,7 @@ def test_step_report_of_the_pretrained_model_shows_memory_and_leaves_out_the_eng
     assert "peak resident memory per process: colograd 5,120 MiB, TRL 4,096 MiB" in text
     assert "speedup_vs_trl 2.00" in text and "bare vllm" not in text
     assert "GPU" not in text  # no GPU: the fields are None, and no line shows them
+    assert "TRL 1.16.0, vLLM 0.32.0 (TRL supports vLLM 0.22.0 to 0.31.0)" in text and "comparable" not in text
 
 
 def test_step_report_on_a_gpu_shows_memory_per_phase_and_generation_against_bare_vllm():
@@ -104,6 +107,50 @@ def test_step_report_on_a_gpu_shows_memory_per_phase_and_generation_against_bare
     assert "bare vllm.LLM.generate 10000 tokens/s with logprobs=None (4500 with logprobs=0)" in text
     assert "generation_vs_bare_vllm 0.90 on a step that logs" in text
     assert "on a step between logs 9900 tokens/s, generation_between_logs_vs_bare_vllm 0.99" in text
+
+
+def test_trl_figure_is_not_comparable_where_trl_does_not_support_the_installed_vllm():
+    from colograd.bench.step import report, trl_side_note
+
+    colocate, generate = "use_vllm=True, vllm_mode=colocate", "use_vllm=False (transformers generate)"
+    supported = ("0.22.0", "0.31.0")
+    assert trl_side_note(colocate, "1.16.0", "0.31.0", supported) is None  # the bounds are supported
+    assert trl_side_note(colocate, "1.16.0", "0.22.0", supported) is None
+    assert trl_side_note(colocate, "1.16.0", "0.31.0+cu129", supported) is None  # a local build of a supported one
+    note = trl_side_note(colocate, "1.16.0", "0.32.0", supported)
+    assert note.startswith("not comparable: TRL 1.16.0 supports vLLM 0.22.0 to 0.31.0") and "vLLM 0.32.0" in note
+    assert trl_side_note(colocate, "1.16.0", "0.21.9", supported).startswith("not comparable")
+    assert trl_side_note(generate, "1.16.0", "0.32.0", supported) is None  # TRL's side runs no vLLM
+    assert "could not be read" in trl_side_note(colocate, "1.16.0", "0.32.0", None)
+    text = report(_report_fields(
+        "smollm2", trl_mode=colocate, trl_side_note=note, machine_matmul_gflops=150.0, colograd_train_gflops=100.0,
+        trl_train_gflops=50.0, colograd_train_gflops_executed=60.0, trained_tokens_per_step=2000.0,
+        forwarded_tokens_per_step=750.0,
+    ))  # fmt: skip
+    assert f"TRL's figure is {note}" in text
+
+
+def test_trl_supported_vllm_is_the_range_trls_own_check_accepts(monkeypatch):
+    import warnings
+
+    from packaging.version import Version
+    from trl import import_utils
+
+    from colograd.bench.step import trl_supported_vllm
+
+    low, high = trl_supported_vllm()
+
+    def warns(version: str) -> bool:  # TRL's check, given a fake installed vLLM
+        monkeypatch.setattr(import_utils, "_is_package_available", lambda *a, **k: (True, version))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import_utils.is_vllm_available()
+        return any("supports vLLM" in str(w.message) for w in caught)
+
+    assert not warns(low) and not warns(high) and not warns(f"{high}+cu129")  # a local build counts as its release
+    above, below = Version(high), Version(low)
+    assert warns(f"{above.major}.{above.minor + 1}.0")
+    assert below.minor == 0 or warns(f"{below.major}.{below.minor - 1}.0")
 
 
 def test_qwen_shapes_have_the_real_models_layers_and_parameters():

@@ -1,5 +1,7 @@
 """The engine's memory: a KV cache sized to the rollout, syncs that never walk the cache, one engine per process."""
 
+import os
+
 import pytest
 import torch
 from transformers import Qwen2Config
@@ -291,3 +293,56 @@ def test_a_dropped_trainer_is_freed_with_its_engine_and_optimizer():
     assert done.returncode == 0, done.stderr[-2000:]
     alive = json.loads(done.stdout.strip().splitlines()[-1])["alive"]
     assert alive == [False] * 8, f"still alive (trainer, optimizer, engine, engine's embedding) × 2: {alive}"
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_released_kv_cache_gives_its_pages_back_and_reads_as_allocated():
+    from types import SimpleNamespace
+
+    from colograd.engine import cpu as engine_cpu
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    buffer = torch.zeros(64 * 2**20, dtype=torch.int8)  # as vLLM allocates a CPU cache: one buffer, a view per layer
+    views = [buffer[: 32 * 2**20].view(-1, 1024), buffer[32 * 2**20 :].view(-1, 1024)]
+    buffer.fill_(7)  # a rollout wrote into every page
+    worker = SimpleNamespace(model_runner=SimpleNamespace(kv_caches=views))
+    before = _resident_bytes()
+    dropped = engine_cpu.release_kv_cache(worker)
+    # The whole pages inside the buffer, once for both views (its first and last may be shared with other memory).
+    assert buffer.numel() - 2 * page <= dropped <= buffer.numel()
+    assert before - _resident_bytes() >= 0.9 * dropped
+    assert torch.count_nonzero(buffer) <= 2 * page  # zeroed, as torch.zeros left it, but for the edge pages
+    assert engine_cpu.release_kv_cache(SimpleNamespace()) == 0  # a worker without such a cache: nothing to do
+
+
+@pytest.mark.slow
+def test_an_engine_samples_the_same_after_its_kv_cache_is_released(tmp_path):
+    """The KV cache released between rollouts (its pages dropped, the cached prefixes forgotten) serves the next one
+    as a fresh cache: the same seeded requests sample the same tokens with the same log-probs."""
+    from vllm import SamplingParams
+
+    from colograd.engine import cpu as engine_cpu
+
+    model, tokenizer = tiny.build_model().eval(), tiny.build_tokenizer()
+    args = config(tmp_path, per_device_train_batch_size=8, max_prompt_length=200, max_completion_length=16,
+                  vllm_enforce_eager=True)  # fmt: skip
+    engine = Engine(model, tokenizer, args)
+    WeightPlan(model).sync(engine)
+    prompt = engine.prompt(tokenizer("abcd" * 40 + ">a:")["input_ids"])  # over one block: a prefix to cache
+    params = SamplingParams(max_tokens=16, n=4, seed=3, logprobs=0, ignore_eos=True)
+
+    def sample() -> list[tuple[list[int], list[float]]]:
+        out = engine.llm.generate([prompt], params, use_tqdm=False)[0].outputs
+        return [
+            (list(c.token_ids), [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)]) for c in out
+        ]
+
+    first = sample()
+    dropped = sum(engine.llm.collective_rpc(engine_cpu.release_kv_cache))
+    assert dropped >= 0.9 * engine.kv_cache_bytes
+    engine.llm.reset_prefix_cache()
+    assert sample() == first

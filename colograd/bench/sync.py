@@ -18,6 +18,10 @@ synchronized before the clock stops); the syncs of one engine and their floor ta
 - moe_* (without a GPU): a Qwen3-MoE of 128 experts a layer, whose loader copies each expert's tensors one call at
   a time, into an engine whose expert layers prepack what a sync writes (vLLM's CPU backend);
 - lora_bytes_ratio: bytes of a full sync ÷ bytes of an adapter-only sync (LoRA r=16 on every linear layer);
+- adapter_*: that adapter-only sync into an engine serving the adapter: adapter_sync_s, the tensors handed to the
+  engine's worker as they are (`colograd.engine.lora.serve_adapter_in_worker`, what every sync after the first
+  does), against adapter_folder_sync_s, through a folder vLLM's loader reads (the first sync's way, and every
+  sync's before), and adapter_memcpy_s, a copy of the adapter's tensors: its floor;
 - without a GPU, the default engine repacks linear weights for oneDNN (`vllm_cpu_repack_weights`) and a sync
   re-runs that processing, while the `cpu_plain_*` engine keeps plain weights that a sync copies into; the
   generation speed of both engines on the same prompts, since the choice between them trades one for the other.
@@ -184,6 +188,35 @@ def measure_row(model: torch.nn.Module, args: GRPOConfig, repeats: int) -> dict:
     return out
 
 
+def measure_adapter(repeats: int) -> dict:
+    """The adapter-only sync of LoRA r=16 on every linear layer of the bench's model, served from memory and
+    through a folder, interleaved, against a copy of the adapter's tensors."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(build_model(), LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+    args = engine_args(repack=False, bf16=torch.cuda.is_available())  # vLLM's GPU LoRA kernels take 16-bit only
+    engine = Engine(model, tiny.build_tokenizer(), args, lora_rank=16)
+    plan = WeightPlan(model, adapter_only=True)
+    plan.sync(engine)  # the base, and the adapter's first version through its folder
+    tensors = [p for name, p in model.named_parameters() if "lora_" in name]
+    buffers = [torch.empty_like(t) for t in tensors]
+
+    def through_folder() -> None:
+        engine.lora_request = None  # the engine then loads the adapter as a first version: from its folder
+        plan._sync_adapter(engine)
+
+    timed = {
+        "adapter_sync_s": lambda: plan._sync_adapter(engine),
+        "adapter_folder_sync_s": through_folder,
+        "adapter_memcpy_s": lambda: torch._foreach_copy_(buffers, tensors),
+    }
+    out = medians(timed, repeats)
+    out["adapter_bytes"] = sum(t.numel() * t.element_size() for t in tensors)
+    out["adapter_speedup_vs_folder"] = out["adapter_folder_sync_s"] / out["adapter_sync_s"]
+    out["adapter_ratio_vs_memcpy"] = out["adapter_sync_s"] / out["adapter_memcpy_s"]
+    return out
+
+
 def build_moe_model() -> torch.nn.Module:
     """Qwen3-MoE with Qwen3-30B-A3B's experts (128, 8 per token) and attention heads (32 query, 4 KV, of 128), at a
     CPU's width (hidden 128, experts 64 wide: multiples of 32, as vLLM's CPU expert kernel needs), 4 layers, over
@@ -242,6 +275,7 @@ def run(repeats: int = 7, as_json: bool = False) -> dict[str, float]:
         result.update({f"moe_{key}": value for key, value in experts.items()})
         result.update(ratios(result, "moe_"))
     result["lora_bytes_ratio"] = plan.nbytes / lora_bytes(model)
+    result.update(measure_adapter(repeats))
     result["load_average_1min"] = os.getloadavg()[0]
     # Read by the OpenMP runtime once, at start: spinning worker threads of the engine's kernels slow every copy here
     # several times over on a machine of few cores (run with OMP_WAIT_POLICY=PASSIVE there).
@@ -275,6 +309,11 @@ def print_table(r: dict, repeats: int) -> None:
               f"the copies; the other layers' sync {r['moe_dense_path']})")  # fmt: skip
         row_lines(r, "moe_")
     print(f"LoRA r=16 adapter-only sync moves 1/{r['lora_bytes_ratio']:.0f} of the bytes (lora_bytes_ratio)")
+    print(f"  adapter copy floor {ms(r['adapter_memcpy_s'])}   ({r['adapter_bytes'] / 2**20:.1f} MiB)")
+    print(
+        f"  adapter sync      {ms(r['adapter_sync_s'])}  ratio_vs_memcpy {r['adapter_ratio_vs_memcpy']:6.2f}   "
+        f"through a folder {ms(r['adapter_folder_sync_s'])}  speedup {r['adapter_speedup_vs_folder']:6.2f}"
+    )
 
 
 def row_lines(r: dict, prefix: str, floor: str = "memcpy floor") -> None:

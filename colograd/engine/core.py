@@ -491,7 +491,10 @@ class Engine:
         try:
             if not self.sleep_level:
                 sync()
-                yield
+                try:
+                    yield
+                finally:
+                    self._rest_on_the_host()
                 return
             if self.sleep_level != KV_CACHE_ONLY:
                 self.llm.wake_up(tags=["weights"])
@@ -515,6 +518,16 @@ class Engine:
         self.weights_resident = False
         self.llm.sleep(level=self.sleep_level)
         self.stale = self.stale or self.sleep_level == 2
+
+    def _rest_on_the_host(self) -> None:
+        """Without a GPU, after a rollout: what sleep mode (CUDA-only in vLLM) would release, as far as the CPU worker
+        allows: the KV cache's pages, with the cached prefixes they held, and the allocator's free heap
+        (`colograd.engine.cpu`). The weights stay."""
+        if torch.cuda.is_available():
+            return
+        self.llm.collective_rpc(engine_cpu.release_kv_cache)
+        self.llm.reset_prefix_cache()
+        engine_cpu.return_free_heap()
 
     def _check_resident(self, what: str) -> None:
         """Refuse to write weights into an asleep engine: its weights memory is released (level 2) or on the host

