@@ -130,6 +130,18 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 @pytest.fixture
+def objects_built(monkeypatch) -> list[int]:
+    """How many steps' sampled log-probs vLLM turned into Logprob objects (one entry per request per step)."""
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+
+    built: list[int] = []
+    update = LogprobsProcessor._update_sample_logprobs
+    monkeypatch.setattr(LogprobsProcessor, "_update_sample_logprobs", lambda self, lists: built.append(1) or update(
+        self, lists))  # fmt: skip
+    return built
+
+
+@pytest.fixture
 def root() -> Path:
     return ROOT
 

@@ -48,11 +48,11 @@ def engine_and_model(tmp_path_factory):
     return engine, model, tokenizer, args
 
 
-def run_loop(engine, tokenizer, args, max_iterations=None, seed=0):
+def run_loop(engine, tokenizer, args, max_iterations=None, seed=0, tap=None):
     parser = MarkerToolParser(";", "count", "text")
     runner = ToolRunner(timeout=5.0)
     loop = AgentLoop(engine.llm, tokenizer, parser, plain_result_ids(tokenizer), runner, args.max_completion_length,
-                     max_iterations)  # fmt: skip
+                     max_iterations, tap=tap)  # fmt: skip
     prompts = [tokenizer(p)["input_ids"] for p in ("abcd>b:", "dcba>a:", "aaaa>c:", "bbbb>d:")]
     samples = [p for p in prompts for _ in range(4)]  # G=4, each sample its own trajectory and seed
     trajectories = [Trajectory(p, {"count": count}, seed=seed + 100 * i) for i, p in enumerate(samples)]
@@ -115,6 +115,47 @@ def test_max_tool_calling_iterations_bounds_the_turns(engine_and_model):
     ]
     assert second or stopped
     assert all(t.turns <= 2 for t in trajectories)
+
+
+@pytest.mark.slow
+def test_turns_read_their_log_probs_from_the_sampler_tap(engine_and_model, objects_built):
+    """The same seeded trajectories, their turns' log-probs read from vLLM's Logprob objects and from the sampler
+    tap, by turn (request `i.turn`, its prompt the trajectory so far): the same values, and no object built."""
+    engine, _, tokenizer, args = engine_and_model
+    tap = engine.sampler_tap()
+    assert tap is not None
+    objects = run_loop(engine, tokenizer, args, seed=2)
+    assert objects_built
+    objects_built.clear()
+    tapped = run_loop(engine, tokenizer, args, seed=2, tap=tap)
+    assert not objects_built and tap.installed
+    assert sum(t.turns > 1 for t in tapped) >= 3  # later turns: their prompts hold earlier turns and tool results
+    for a, b in zip(objects, tapped, strict=True):
+        assert a.ids == b.ids and a.tool_mask == b.tool_mask  # seeded: the same trajectories
+        assert len(b.logps) == len(b.ids)
+        assert max((abs(x - y) for x, y in zip(a.logps, b.logps, strict=True)), default=0.0) <= 1e-6  # NaN fails
+
+
+@pytest.mark.slow
+def test_a_missed_tap_leaves_the_turns_unscored_and_is_uninstalled(engine_and_model, monkeypatch, caplog):
+    """Turns cannot be sampled again (their tools have run): where the tap misses them, their tokens are NaN, the
+    engine's mark for a token it could not score, inserted tokens keep 0.0, and the tap is uninstalled with one
+    warning. (The last test on the module's engine to use its tap.)"""
+    import logging
+    import math
+
+    engine, _, tokenizer, args = engine_and_model
+    tap = engine.sampler_tap()
+    assert tap is not None and tap.installed
+    monkeypatch.setattr(tap, "request_logps", lambda requests: None)
+    with caplog.at_level(logging.WARNING, logger="colograd.agents.core"):
+        trajectories = run_loop(engine, tokenizer, args, seed=3, tap=tap)
+    assert not tap.installed and caplog.text.count("the sampler tap missed") == 1
+    for t in trajectories:
+        assert all(math.isnan(x) == (m == 1) for x, m in zip(t.logps, t.tool_mask, strict=True))
+        assert all(x == 0.0 for x, m in zip(t.logps, t.tool_mask, strict=True) if m == 0)
+    again = run_loop(engine, tokenizer, args, seed=3, tap=tap)  # uninstalled: the objects
+    assert not any(math.isnan(x) for t in again for x in t.logps)
 
 
 def test_tool_runner_turns_raises_timeouts_and_unknown_tools_into_error_results():

@@ -283,6 +283,123 @@ def test_a_resumed_completion_has_the_log_probs_the_engine_gives_it_in_one_piece
     assert max(gaps) < 1e-5, gaps
 
 
+@pytest.fixture(scope="module")
+def tail_trainer(tmp_path_factory):
+    """A trainer of the stopping tiny model whose engine serves the tap tests below (IS correction on: every
+    token's log-prob is asked)."""
+    from colograd import GRPOTrainer
+
+    folder = str(tmp_path_factory.mktemp("tap"))
+    args = tiny.run_config(folder, 1, num_generations=G, per_device_train_batch_size=8 * G, max_completion_length=48,
+                           temperature=1.0, partial_rollouts=True)  # fmt: skip
+    return GRPOTrainer(tail_model(), tiny.letters_reward, args, tiny.letters_dataset(64),
+                       processing_class=tiny.build_tokenizer())  # fmt: skip
+
+
+def fresh_groups(trainer, n: int = 8) -> list[Group]:
+    rows = rows_of(n)
+    _, prompt_ids, _ = trainer.prepare_prompts(rows)
+    return [Group(row, ids, [Piecewise() for _ in range(G)]) for row, ids in zip(rows, prompt_ids, strict=True)]
+
+
+def cut_and_continued(engine, groups, args) -> list[tuple[Piecewise, int]]:
+    """Stop once 2 groups have finished, then continue every completion to its end (under the same weights, from
+    one seeded random state, on an empty prefix cache); the completions the first call cut, with their length there."""
+    from colograd.engine.partial import sample_until
+
+    engine.reset_prefix_cache()
+    torch.manual_seed(0)  # vLLM's CPU sampler draws unseeded requests from torch's generator
+    sample_until(engine, groups, args, 0, 2)
+    cut = [(c, len(c.ids)) for g in groups for c in g.completions if c.finish is None and c.ids]
+    sample_until(engine, groups, args, 0, len(groups))
+    assert all(g.finished for g in groups)
+    return cut
+
+
+@pytest.mark.slow
+def test_the_sampler_tap_gives_the_log_probs_of_the_objects_across_calls(tail_trainer, monkeypatch, objects_built):
+    """The same completions sampled twice from one random state, cut by one call and continued by the next: read
+    from vLLM's Logprob objects (no tap), and from the sampler tap, where vLLM builds none; the same log-probs."""
+    trainer, args = tail_trainer, tail_trainer.args
+    engine = trainer.engine
+    with engine.awake(sync=trainer.sync_weights):
+        tap = engine.sampler_tap()
+        assert tap is not None
+        monkeypatch.setattr(engine, "sampler_tap", lambda: None)
+        objects = fresh_groups(trainer)
+        cut_and_continued(engine, objects, args)
+        assert objects_built  # the objects path builds them
+        objects_built.clear()
+        monkeypatch.setattr(engine, "sampler_tap", lambda: tap)
+        tapped = fresh_groups(trainer)
+        cut = cut_and_continued(engine, tapped, args)
+    assert not objects_built and tap.installed  # no Logprob object built, and the tap held every token
+    assert len(cut) >= 4 and any(len(c.ids) > before for c, before in cut)
+    pairs = [
+        (a, b)
+        for ga, gb in zip(objects, tapped, strict=True)
+        for a, b in zip(ga.completions, gb.completions, strict=True)
+    ]
+    assert all(a.ids == b.ids and a.finish == b.finish for a, b in pairs)  # one random state: the same tokens
+    gaps = [abs(x - y) for a, b in pairs for x, y in zip(a.logps, b.logps, strict=True)]
+    assert len(gaps) == sum(len(b.ids) for _, b in pairs) and max(gaps) <= 1e-6  # (NaN would fail the bound)
+
+
+@pytest.mark.slow
+def test_without_a_loss_that_reads_them_no_log_probs_are_asked(tail_trainer, monkeypatch, objects_built):
+    """`mask_stale_tokens` without the importance-sampling correction: the loss reads no engine log-prob, so the
+    requests ask none (the sampler computes none) and the completions hold NaN."""
+    from colograd.engine.partial import sample_until
+
+    trainer = tail_trainer
+    args = tiny.run_config(trainer.args.output_dir, 1, num_generations=G, per_device_train_batch_size=8 * G,
+                           max_completion_length=48, partial_rollouts=True, mask_stale_tokens=True)  # fmt: skip
+    assert not args.needs_engine_logps
+    engine = trainer.engine
+    core = engine.llm.llm_engine
+    asked = []
+    add = core.add_request
+    monkeypatch.setattr(core, "add_request", lambda rid, prompt, params, **kw: asked.append(params.logprobs) or add(
+        rid, prompt, params, **kw))  # fmt: skip
+    groups = fresh_groups(trainer, 4)
+    with engine.awake(sync=trainer.sync_weights):
+        sample_until(engine, groups, args, 0, 1)
+    assert asked and set(asked) == {None} and not objects_built
+    logps = [x for g in groups for c in g.completions for x in c.logps]
+    assert logps and all(math.isnan(x) for x in logps)
+
+
+@pytest.mark.slow
+def test_a_missed_tap_samples_the_call_again_with_the_objects(tail_trainer, monkeypatch, caplog):
+    """When the tap's rows miss a call's tokens, the call's sampling is undone and done again reading vLLM's
+    objects, with one warning; the tap is uninstalled, so that later calls read the objects at once. (Last of the
+    tests on `tail_trainer`: it leaves the engine without its tap.)"""
+    import logging
+
+    from colograd.engine.partial import sample_until
+
+    trainer, args = tail_trainer, tail_trainer.args
+    engine = trainer.engine
+    groups = fresh_groups(trainer)
+    with engine.awake(sync=trainer.sync_weights):
+        tap = engine.sampler_tap()
+        assert tap is not None and tap.installed
+        sample_until(engine, groups, args, 0, 2)  # read through the tap
+        carried = [(g, c, list(c.ids), list(c.logps)) for g in groups for c in g.completions if c.finish is None]
+        monkeypatch.setattr(tap, "request_logps", lambda requests: None)
+        with caplog.at_level(logging.WARNING, logger="colograd.engine.partial"):
+            sample_until(engine, groups, args, 0, len(groups))
+        assert not tap.installed and caplog.text.count("the sampler tap missed") == 1
+        assert all(g.finished for g in groups)
+        gaps = []
+        for g, c, before, logps in carried:
+            assert c.ids[: len(before)] == before and c.logps[: len(logps)] == logps  # the first call's stand
+            assert len(c.ids) == len(c.logps) == len(c.versions)
+            whole = engine.prompt_logprobs(g.prompt_ids + c.ids)[len(g.prompt_ids) - 1 :]
+            gaps.append((whole - torch.tensor(c.logps)).abs().max().item())
+    assert max(gaps) < 1e-5, gaps
+
+
 @pytest.mark.slow
 def test_training_carries_groups_across_steps_and_a_checkpoint(tmp_path):
     """One process on the CPU engine: groups are carried and continued, their stale tokens importance-corrected
@@ -307,7 +424,9 @@ def test_training_carries_groups_across_steps_and_a_checkpoint(tmp_path):
     assert len(logs) == 3 and all(math.isfinite(h["loss"]) for h in logs)
     assert sum(h["partial_rollouts/resumed_groups"] for h in logs) > 0
     assert max(h["partial_rollouts/stale_token_fraction"] for h in logs) > 0
-    stale_step = next(h for h in logs if h["partial_rollouts/stale_token_fraction"] > 0)
+    # Stale tokens after an optimizer step that moved the weights (one whose groups were all uniform does not).
+    stale_step = next(h for before, h in zip(logs[:-1], logs[1:], strict=True)
+                      if h["partial_rollouts/stale_token_fraction"] > 0 and before["grad_norm"] > 0)  # fmt: skip
     ratios = stale_step["sampling/importance_sampling_ratio/min"], stale_step["sampling/importance_sampling_ratio/max"]
     assert ratios[0] < 0.999 or ratios[1] > 1.001, ratios  # stale tokens: sampled by older weights
     assert logs[0]["sampling/sampling_logp_difference/max"] < 1e-4  # the fresh tokens: the engine is the trainer

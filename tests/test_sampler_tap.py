@@ -212,14 +212,19 @@ def test_v2_sampler_is_tapped_through_its_input_batch(monkeypatch):
         ]),
     ]  # fmt: skip
     assert tap.logps(outputs) == [[-0.5, -0.25], [-1.5], []]
+    # By request id, as a loop that adds its own requests reads them: request "3" continued from its first token
+    # (a prompt of 2 + 1 tokens) holds only the second; a token that is not the one sampled is not matched.
+    assert tap.request_logps([("3", [12], 3), ("0_5", [13], 3)]) == [[-0.25], [-1.5]]
+    assert tap.request_logps([("3", [12], 2)]) is None and tap.request_logps([("3", [11, 13], 2)]) is None
 
     # A batch unlike the one read (another V2 version) fails the capture, not the step; the objects stay.
     with tap.capturing():
         batch = SimpleNamespace(req_ids=["3-0123abcd", "0_5-89abcdef"], num_reqs=2)
         assert llm.worker.model_runner.sampler(torch.zeros(2, 64), batch).logprobs_tensors is not None
     assert tap.logps(outputs) is None
+    assert tap.installed
     tap.uninstall()
-    assert type(llm.worker.model_runner.sampler) is Sampler
+    assert type(llm.worker.model_runner.sampler) is Sampler and not tap.installed
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ and the trajectory ends there, truncated (as TRL drops an overlong tool result).
 
 import concurrent.futures
 import inspect
+import logging
 import random
 import time
 from collections.abc import Callable
@@ -38,8 +39,11 @@ from colograd.agents.tools import (
     tool_messages,
 )
 from colograd.config.core import ConfigError, GRPOConfig
-from colograd.engine.requests import sampling_params
+from colograd.engine.requests import sampled_logps, sampling_params
 from colograd.engine.rollout import Rollout, RolloutContext
+from colograd.engine.sampler_tap import SamplerTap
+
+logger = logging.getLogger(__name__)
 
 RolloutFunc = Callable[[list, Any], dict[str, list]]
 
@@ -50,8 +54,9 @@ class Trajectory:
 
     prompt_ids: the prompt's token ids. tools: the tools this trajectory may call, by name.
     seed: the sampling seed of its first turn (later turns derive theirs from it); None: the engine's generator.
-    ids, logps, tool_mask: the completion so far, the engine's log-prob of each token (0.0 on inserted ones), and
-    1 / 0 for sampled / inserted tokens. turns: model turns; calls, failures: tool calls made and failed.
+    ids, logps, tool_mask: the completion so far, the engine's log-prob of each token (0.0 on inserted ones; NaN
+    on sampled ones it could not score), and 1 / 0 for sampled / inserted tokens. turns: model turns; calls,
+    failures: tool calls made and failed.
     truncated: it ended without finishing (length, an unanswered tool call, or no room for a result).
     """
 
@@ -78,6 +83,26 @@ class Trajectory:
         self.tool_mask += [0] * len(token_ids)
 
 
+@dataclass
+class Turn:
+    """One finished model turn: its engine request, its trajectory, where its tokens start in the trajectory's
+    completion and how many it sampled."""
+
+    request_id: str
+    trajectory: Trajectory
+    start: int
+    length: int
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.trajectory.ids[self.start : self.start + self.length]
+
+    @property
+    def prompt_len(self) -> int:
+        """The length of the turn's prompt: the trajectory's prompt and its completion before the turn."""
+        return len(self.trajectory.prompt_ids) + self.start
+
+
 class AgentLoop:
     """Drives a vLLM engine request by request (add requests, step, collect finished ones) and runs tools as
     trajectories ask for them.
@@ -93,6 +118,8 @@ class AgentLoop:
         max_tool_calling_iterations: turns that may call tools per trajectory; None: unbounded (TRL's meaning).
         lora_request: the adapter every request is served with, if any.
         cache_salt: every request's cache salt (`Engine.cache_salt`: the weights' version), if any.
+        tap: the engine's sampler tap (`Engine.sampler_tap`), if any: the turns' log-probs are then read from the
+            sampler as tensors, and vLLM builds no per-token objects for them.
     """
 
     def __init__(
@@ -106,9 +133,10 @@ class AgentLoop:
         max_tool_calling_iterations: int | None = None,
         lora_request: Any = None,
         cache_salt: str | None = None,
+        tap: SamplerTap | None = None,
     ) -> None:
         self.llm, self.tokenizer, self.parser = llm, tokenizer, parser
-        self.cache_salt = cache_salt
+        self.cache_salt, self.tap = cache_salt, tap
         self.result_ids, self.runner = result_ids, runner
         self.max_completion_length = max_completion_length
         self.max_tool_calling_iterations = max_tool_calling_iterations
@@ -119,8 +147,23 @@ class AgentLoop:
     ) -> None:
         """Complete every trajectory in place. `params`: the `SamplingParams` of a turn (n=1); each request gets a
         copy with its own seed and the length left to its trajectory. `on_finished(i)` is called as trajectory i
-        completes, while the others go on."""
-        finished = on_finished or (lambda i: None)
+        completes, while the others go on (with the tap, the log-probs are filled in once all have)."""
+        tap = self.tap if self.tap is not None and self.tap.installed else None
+        turns: list[Turn] = []
+        with tap.capturing() if tap is not None else nullcontext():
+            self._step(trajectories, params, on_finished or (lambda i: None), turns)
+        if tap is not None:
+            self._read_tap(tap, turns)
+
+    def _step(
+        self,
+        trajectories: list[Trajectory],
+        params: Any,
+        finished: Callable[[int], None],
+        turns: list[Turn],
+    ) -> None:
+        """`run`'s loop: step the engine, end turns, run their tools and add the next turns, until every trajectory
+        is complete; records each finished turn in `turns`."""
         engine = self.llm.llm_engine
         waiting: dict[int, Any] = {}  # trajectory index -> its running tool calls
         for i, trajectory in enumerate(trajectories):
@@ -130,6 +173,8 @@ class AgentLoop:
                 for output in engine.step():
                     if output.finished:
                         i = int(output.request_id.split(".")[0])
+                        sampled = len(output.outputs[0].token_ids)
+                        turns.append(Turn(output.request_id, trajectories[i], len(trajectories[i].ids), sampled))
                         calls = self.end_turn(trajectories[i], output.outputs[0])
                         if calls:
                             waiting[i] = self.runner.submit(trajectories[i].tools, calls)
@@ -142,6 +187,18 @@ class AgentLoop:
                     self._add(engine, i, trajectories[i], params)
                 else:
                     finished(i)
+
+    def _read_tap(self, tap: SamplerTap, turns: list[Turn]) -> None:
+        """Put the tap's log-probs of each turn's tokens in place of their NaN. Where the tap missed them (vLLM built
+        no objects either), they stay NaN, read as tokens the engine could not score: the turns cannot be sampled
+        again, their tools have run. The tap is then uninstalled: later rollouts read the objects."""
+        logps = tap.request_logps([(turn.request_id, turn.token_ids, turn.prompt_len) for turn in turns])
+        if logps is None:
+            logger.warning("colograd: the sampler tap missed an agent rollout's log-probs; they are NaN (unscored).")
+            tap.uninstall()
+            return
+        for turn, found in zip(turns, logps, strict=True):
+            turn.trajectory.logps[turn.start : turn.start + turn.length] = found
 
     def _add(self, engine: Any, i: int, trajectory: Trajectory, params: Any) -> None:
         engine.add_request(
@@ -156,7 +213,7 @@ class AgentLoop:
         """Add a finished request's tokens to its trajectory. Returns the tool calls to run before the next turn;
         none when the trajectory is complete."""
         ids = list(sample.token_ids)
-        trajectory.add_sampled(ids, [pos[tok].logprob for pos, tok in zip(sample.logprobs, ids, strict=True)])
+        trajectory.add_sampled(ids, sampled_logps(sample))  # NaN where the sampler tap reads them
         if sample.finish_reason == "length":
             trajectory.truncated = True
             return []
@@ -333,7 +390,7 @@ class Agents:
         engine = trainer.engine
         loop = AgentLoop(engine.llm, self.tokenizer, self.parser, self.result_ids, self.runner,
                          args.max_completion_length, args.max_tool_calling_iterations,
-                         engine.lora_request, engine.cache_salt)  # fmt: skip
+                         engine.lora_request, engine.cache_salt, engine.sampler_tap())  # fmt: skip
         params = turn_sampling_params(args, self.parser.stop)
         loop.run(trajectories, params, _group_reporter(trajectories, g, on_group))
         calls, failures = sum(t.calls for t in trajectories), sum(t.failures for t in trajectories)

@@ -90,7 +90,8 @@ def run(prompts: int = 16, group: int = 8, length: int = 64, repeats: int = 3, a
     WeightPlan(model).sync(engine)
     tools = SlowTools(seed=0)
     runner = ToolRunner(timeout=10.0)
-    loop = AgentLoop(engine.llm, tokenizer, tools, plain_result_ids(tokenizer), runner, length)
+    tap = engine.sampler_tap()  # the turns' log-probs as a training rollout reads them
+    loop = AgentLoop(engine.llm, tokenizer, tools, plain_result_ids(tokenizer), runner, length, tap=tap)
     params = turn_sampling_params(args, tools.stop)
     dataset = tiny.letters_dataset(prompts, seed=1)
     prompt_ids = [tokenizer(row["prompt"])["input_ids"] for row in dataset]

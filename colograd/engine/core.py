@@ -373,6 +373,8 @@ class Engine:
                 tap.uninstall()
                 tap = None
             self._tap = tap
+        if self._tap is not None and not self._tap.installed:  # uninstalled after a capture missed
+            self._tap = None
         return self._tap
 
     def _tapped_logps(self, tap: tapping.SamplerTap, outputs: list[Any], mine: int) -> list[list[float]] | None:

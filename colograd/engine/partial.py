@@ -2,19 +2,24 @@
 across rollouts and weight versions.
 
 `sample_until` drives vLLM's `LLMEngine` directly (add / step / abort), one request of n = 1 per unfinished
-completion, streaming each step's new tokens (`RequestOutputKind.DELTA`) into the completion with their log-probs
-and the weight version that sampled them. It stops once enough groups have all their completions finished, and
-aborts the rest: what they sampled so far is kept, and a later call continues each as prompt + tokens so far, with
-what is left of its length. The engine computes a continued completion's tokens from the same context as it would
-have in one piece, so their log-probs are the same (tests/test_partial_rollouts.py).
+completion, streaming each step's new tokens (`RequestOutputKind.DELTA`) into the completion with the weight
+version that sampled them; their log-probs are read as tensors from the sampler at the end of the call (the
+sampler tap), or from vLLM's per-token objects where the tap is not installed. It stops once enough groups have
+all their completions finished, and aborts the rest: what they sampled so far is kept, and a later call continues
+each as prompt + tokens so far, with what is left of its length. The engine computes a continued completion's
+tokens from the same context as it would have in one piece, so their log-probs are the same
+(tests/test_partial_rollouts.py).
 """
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from colograd.config.core import GRPOConfig
-from colograd.engine.requests import sampling_params
+from colograd.engine.requests import sampled_logps, sampling_params
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -60,27 +65,65 @@ def sample_until(engine: Any, groups: list[Group], args: GRPOConfig, version: in
     `version`) until `needed` groups are finished, then abort the rest, keeping what they sampled.
 
     Requests are added in the groups' order, which vLLM schedules first come, first served: carried groups first.
-    Returns the engine steps run.
+    The tokens' log-probs are asked only where the loss reads them (`args.needs_engine_logps`; else NaN), and read
+    as tensors from the sampler (`colograd.engine.sampler_tap`) where its tap is installed: vLLM then builds no
+    per-token objects. Returns the engine steps run.
 
     Args:
-        engine: the `colograd.engine.core.Engine` (its `vllm.LLM`, cache salt, adapter and never-sampled tokens).
+        engine: the `colograd.engine.core.Engine` (its `vllm.LLM`, cache salt, adapter, never-sampled tokens and
+            sampler tap).
         groups: the rollout's groups in flight; updated in place.
         args: the run's sampling settings (`colograd.engine.requests.sampling_params`).
         version: the weight version the engine holds.
         needed: how many groups the rollout takes.
     """
+    tap = engine.sampler_tap() if args.needs_engine_logps else None
+    if tap is None or not tap.installed:
+        return _step_until(engine, groups, args, version, needed, asks=args.needs_engine_logps)
+    # Where each unfinished completion stands before this call: its tokens so far are its request's prompt.
+    sampled = [
+        (_request_id(i, j), len(group.prompt_ids), len(c.ids), c)
+        for i, group in enumerate(groups)
+        for j, c in enumerate(group.completions)
+        if c.finish is None
+    ]
+    with tap.capturing():
+        steps = _step_until(engine, groups, args, version, needed, asks=True)
+    logps = tap.request_logps([(request, c.ids[start:], prompt + start) for request, prompt, start, c in sampled])
+    if logps is not None:
+        for (_, _, start, completion), found in zip(sampled, logps, strict=True):
+            completion.logps[start:] = found
+        return steps
+    # The tap's rows did not hold these tokens (and vLLM built no objects for them): sample them again with the
+    # objects, and leave the tap off from now on.
+    logger.warning("colograd: the sampler tap missed a partial rollout's log-probs; reading vLLM's Logprob objects.")
+    tap.uninstall()
+    for _, _, start, completion in sampled:
+        del completion.ids[start:], completion.logps[start:], completion.versions[start:]
+        completion.finish = None
+    return _step_until(engine, groups, args, version, needed, asks=True)
+
+
+def _step_until(engine: Any, groups: list[Group], args: GRPOConfig, version: int, needed: int, asks: bool) -> int:
+    """`sample_until`'s request loop: add a request per unfinished completion, step until `needed` groups are
+    finished, abort the rest. Each token's log-prob comes from vLLM's objects where built, else NaN (`asks` False,
+    or the sampler tap capturing them)."""
     from vllm.sampling_params import RequestOutputKind
 
     core = engine.llm.llm_engine
     bias = {"logit_bias": dict.fromkeys(engine.suppressed, -math.inf)} if engine.suppressed else {}
+    asked = {} if asks else {"logprobs": None}
     live: dict[str, tuple[int, int]] = {}  # request id -> (group, completion)
     for i, group in enumerate(groups):
         for j, completion in enumerate(group.completions):
             if completion.finish is not None:
                 continue
             left = args.max_completion_length - len(completion.ids)
-            params = sampling_params(args, None, n=1, max_tokens=left, output_kind=RequestOutputKind.DELTA, **bias)
-            request = f"partial-{i}.{j}"
+            # DELTA: each step's new tokens only (the objects, where built, likewise).
+            params = sampling_params(
+                args, None, n=1, max_tokens=left, output_kind=RequestOutputKind.DELTA, **asked, **bias
+            )
+            request = _request_id(i, j)
             core.add_request(
                 request, engine.prompt(group.prompt_ids + completion.ids), params, lora_request=engine.lora_request
             )
@@ -96,7 +139,7 @@ def sample_until(engine: Any, groups: list[Group], args: GRPOConfig, version: in
                 sample, completion = output.outputs[0], groups[i].completions[j]
                 ids = list(sample.token_ids)
                 completion.ids += ids
-                completion.logps += [pos[token].logprob for pos, token in zip(sample.logprobs, ids, strict=True)]
+                completion.logps += sampled_logps(sample)
                 completion.versions += [version] * len(ids)
                 if output.finished:
                     completion.finish = sample.finish_reason
@@ -108,3 +151,9 @@ def sample_until(engine: Any, groups: list[Group], args: GRPOConfig, version: in
         if live:
             core.abort_request(list(live))
     return steps
+
+
+def _request_id(group: int, completion: int) -> str:
+    """The engine request of a group's completion in one `sample_until` call (vLLM runs it under this id plus a
+    random suffix, which the sampler tap strips)."""
+    return f"partial-{group}.{completion}"

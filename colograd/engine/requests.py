@@ -39,8 +39,9 @@ def rollout_requests(
 
 
 def sampled_logps(sample: Any) -> list[float]:
-    """The engine's log-prob of each token of a `vllm.CompletionOutput`, NaN for each when it was not asked."""
-    if sample.logprobs is None:
+    """The engine's log-prob of each token of a `vllm.CompletionOutput`, NaN for each when it was not asked or
+    its objects were not built (the sampler tap reads them instead: `colograd.engine.sampler_tap`)."""
+    if not sample.logprobs:
         return [math.nan] * len(sample.token_ids)
     return [pos[tok].logprob for pos, tok in zip(sample.logprobs, sample.token_ids, strict=True)]
 

@@ -99,9 +99,9 @@ class SamplerTap:
 
     @contextmanager
     def capturing(self) -> Iterator[None]:
-        """Record the sampler's steps while the block runs (one `llm.generate`, whose requests all ask
-        `logprobs=0`: the sampler computes nothing for the others); their Logprob objects are not built. Forgets
-        the previous capture."""
+        """Record the sampler's steps while the block runs (one `llm.generate`, or a loop stepping the engine
+        itself, whose requests all ask `logprobs=0`: the sampler computes nothing for the others); their Logprob
+        objects are not built. Forgets the previous capture."""
         self._recorder.clear()
         self._recorder.armed = True
         try:
@@ -121,6 +121,30 @@ class SamplerTap:
             completion's `token_ids`. None when any completion's tokens do not match the captured rows exactly:
             this generation then has no engine log-probs (its objects were not built either).
         """
+        return self.request_logps(
+            [
+                (
+                    request.request_id if len(request.outputs) == 1 else f"{sample.index}_{request.request_id}",
+                    sample.token_ids,
+                    len(request.prompt_token_ids),
+                )
+                for request in outputs
+                for sample in request.outputs
+            ]
+        )
+
+    def request_logps(self, requests: Sequence[tuple[str, Sequence[int], int]]) -> list[list[float]] | None:
+        """The log-prob of each token that captured requests sampled, by request id: for a loop that adds its
+        own requests to the engine and steps it (`colograd.engine.partial`, `colograd.agents.core`).
+
+        Args:
+            requests: per request, (its id as added, without the suffix vLLM appends; the tokens it sampled while
+                captured; its prompt's length, i.e. the index in the sequence its first of those tokens takes).
+
+        Returns:
+            One list per request, as long as its tokens; None when any request's tokens do not match the captured
+            rows exactly (as `logps`).
+        """
         if self._recorder.broken:
             return None
         rows = self._recorder.rows
@@ -133,18 +157,22 @@ class SamplerTap:
                 row += 1
         by_name = {_RANDOM_SUFFIX.sub("", req_id): found for req_id, found in by_request.items()}
         logps = []
-        for request in outputs:
-            for sample in request.outputs:
-                name = request.request_id if len(request.outputs) == 1 else f"{sample.index}_{request.request_id}"
-                found = _match(table[by_name.get(name, [])], sample.token_ids, len(request.prompt_token_ids))
-                if found is None:
-                    return None
-                logps.append(found)
+        for name, token_ids, prompt_len in requests:
+            found = _match(table[by_name.get(name, [])], token_ids, prompt_len)
+            if found is None:
+                return None
+            logps.append(found)
         return logps
 
     def uninstall(self) -> None:
-        """Give the engine its own sampler back."""
+        """Give the engine its own sampler back (nothing is captured from then on)."""
         self._llm.collective_rpc(_uninstall_in_worker, args=(self._key,))
+
+    @property
+    def installed(self) -> bool:
+        """Whether the tap is still on the sampler: a loop whose capture missed uninstalls it, so that later
+        rollouts read the objects at once rather than sample twice."""
+        return self._key in _RECORDERS
 
 
 def install(llm: Any) -> SamplerTap | None:
