@@ -192,7 +192,11 @@ def install(llm: Any) -> SamplerTap | None:
         logger.warning("Engine log-probs come from Logprob objects: vLLM %s: %s.", vllm.__version__, key)
         return None
     tap = SamplerTap(llm, key)
-    reason = _probe(llm, tap)
+    # The probe samples: with the random state forked, so that when the tap is installed (at a run's first rollout,
+    # or a resumed run's) does not change what the run samples after it (a relaunch resumes bit for bit).
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        reason = _probe(llm, tap)
     if reason is not None:
         tap.uninstall()
         logger.warning("Engine log-probs come from Logprob objects: vLLM %s: %s.", vllm.__version__, reason)
