@@ -55,6 +55,18 @@ def engine_model(engine) -> torch.nn.Module:
     return engine.llm.collective_rpc(lambda worker: worker.model_runner.model)[0]
 
 
+def synced_qwen3(tmp_path) -> tuple[torch.nn.Module, object, torch.nn.Module, object, list]:
+    """A shrunk Qwen3 synced once into a plain-weights engine (its plan recorded): the model, the engine, the
+    engine's model, the sync's plan and its (name, tensor) pairs."""
+    from colograd.engine.sync import WeightPlan
+
+    model, tokenizer = build(zoo.shrunk("Qwen/Qwen3-0.6B"))
+    engine = start(model, tokenizer, tmp_path)
+    plan = WeightPlan(model)
+    plan.sync(engine)
+    return model, engine, engine_model(engine), plan, [pair for bucket in plan for pair in bucket]
+
+
 def engine_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {**dict(model.named_parameters()), **dict(model.named_buffers())}
 
@@ -174,14 +186,7 @@ def test_a_broken_plan_is_seen_by_the_comparison_and_refused_by_the_check(tmp_pa
     """The comparison above and the check a plan passes before it is kept both see a plan that writes k's rows from
     v (two copies' sources swapped) or leaves v's rows out: the replay differs from the loaders, and the check
     refuses the plan, naming the engine tensor, and leaves the loaders' result in place."""
-    from colograd.engine.sync import WeightPlan
-
-    model, tokenizer = build(zoo.shrunk("Qwen/Qwen3-0.6B"))
-    engine = start(model, tokenizer, tmp_path)
-    served = engine_model(engine)
-    plan = WeightPlan(model)
-    plan.sync(engine)
-    named = [pair for bucket in plan for pair in bucket]
+    model, engine, served, plan, named = synced_qwen3(tmp_path)
     tensors = [tensor for _, tensor in named]
     recorded = next(iter(served._colograd_copy_plans.values()))
     qkv = "model.layers.0.self_attn.qkv_proj.weight"
@@ -209,14 +214,7 @@ def test_a_broken_plan_is_seen_by_the_comparison_and_refused_by_the_check(tmp_pa
 def test_the_loaders_run_where_the_plan_no_longer_fits(tmp_path, monkeypatch):
     """Another set of names (a bucket of its own), an engine tensor given new storage, and other shapes each run the
     loaders (recording a plan for what they were given); the names first planned still replay theirs."""
-    from colograd.engine.sync import WeightPlan
-
-    model, tokenizer = build(zoo.shrunk("Qwen/Qwen3-0.6B"))
-    engine = start(model, tokenizer, tmp_path)
-    served = engine_model(engine)
-    plan = WeightPlan(model)
-    plan.sync(engine)
-    named = [pair for bucket in plan for pair in bucket]
+    model, engine, served, plan, named = synced_qwen3(tmp_path)
     calls = Calls(monkeypatch)
 
     engine.load_weights([pair for pair in named if pair[0] != "model.norm.weight"])  # a changed name set
