@@ -2,7 +2,7 @@
 
 A rollout on each rank (every `steps_per_generation × num_iterations` micro-steps):
 
-    sync_weights       if the optimizer stepped since the last rollout, write the weights into the engine
+    sync_weights       if the optimizer stepped since the last rollout, write its weights into the engine
     prepare_prompts    template and tokenize this rank's B prompts (`sample` then keeps the last `prompt_limit` tokens)
     generate           one engine call: B prompts × G completions (n=G shares each prompt's prefill)
     score              reward functions, in this rank
@@ -38,17 +38,17 @@ from colograd.data.streaming import RolloutBatches, check_stream_resume, named_r
 from colograd.engine.core import Engine
 from colograd.engine.lifetime import frozen_heap, own_classes
 from colograd.engine.rollout import Rollout, RolloutContext
-from colograd.engine.settings import engine_dtype
 from colograd.engine.sync import WeightPlan
 from colograd.grpo import parity_diagnosis
 from colograd.grpo.batch import RolloutBatch, rollout_batch, split_rows
-from colograd.grpo.dynamic import ROUND_STRIDE, DynamicSampling
+from colograd.grpo.dynamic import ROUND_STRIDE, DynamicSampling, largest_over_ranks
 from colograd.grpo.entropy import EntropyTerms
 from colograd.grpo.evaluation import evaluate
 from colograd.grpo.forward import Forward
 from colograd.grpo.loss import (
     group_advantages,
     importance_ratio_metrics,
+    importance_sampling,
     loss_metrics,
     normalize_then_sum,
     objective,
@@ -57,8 +57,7 @@ from colograd.grpo.loss import (
     sampling_gap_metrics,
     weighted_rewards,
 )
-from colograd.grpo.memory import compute_dtype
-from colograd.grpo.parity import ParityError, ParityGuard, ParityStop, tolerance
+from colograd.grpo.parity import ParityError, ParityGuard, ParityStop
 from colograd.grpo.partial import PartialRollouts, refuse_overridden_stages
 from colograd.grpo.policy import prepare_policy, weight_plan
 from colograd.grpo.reference import ReferencePolicy
@@ -67,32 +66,21 @@ from colograd.grpo.rollouts import (
     RewardLogs,
     ScoredRollout,
     sampled_lengths,
+    score_rollout,
     scored_metrics,
     vision_prompts,
 )
 from colograd.grpo.router import Router, RouterRecord, router_of
 from colograd.models import logit_transform
 from colograd.preflight.trainer import check_call, check_trainer, check_wrapped_trainer
-from colograd.rewards.core import (
-    RewardFunc,
-    RewardModel,
-    TimeLimits,
-    across_ranks,
-    resolve_rewards,
-    reward_name,
-    score,
-)
+from colograd.rewards.core import RewardFunc, RewardModel, TimeLimits, across_ranks, resolve_rewards, reward_name
 from colograd.rewards.early import early_rewards, group_starter
 from colograd.runs.checkpoints import checkpoint_step
 from colograd.runs.modelcard import Recipe
 from colograd.runs.preemption import Preemption
 from colograd.runs.saving import ModelSaving
 from colograd.runs.step_logs import StepLogs
-from colograd.vision.core import (
-    is_vision_language,
-    rotate_prompts,
-    text_tokenizer,
-)
+from colograd.vision.core import is_vision_language, rotate_prompts, text_tokenizer
 
 
 class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
@@ -225,15 +213,10 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         main = self.accelerator.is_main_process
         self.forward = Forward.of(nets, args, self.processing_class, router, self.is_deepspeed_enabled, main)
         # The engine samples from the model trained, or the run stops (`colograd.grpo.parity`).
-        sampled_in = engine_dtype(args, next(unwrapped.parameters()).dtype)
-        bound = tolerance(sampled_in, compute_dtype(unwrapped, args.mixed_precision))
-        name = unwrapped.config._name_or_path or type(unwrapped).__name__
         cause = lambda: parity_diagnosis.diagnose(  # noqa: E731 - said once, when the guard stops the run
             self.engine, self.accelerator.unwrap_model(self.model), self.sync_weights
         )
-        self.parity = ParityGuard(
-            bound, name, stop=args.engine_parity == "error", active=args.samples_unfiltered, diagnose=cause
-        )
+        self.parity = ParityGuard.of_run(unwrapped, args, diagnose=cause)
         self.add_callback(ParityStop(self.parity))
 
     def _start_run_records(self, recipe: Recipe | None) -> None:
@@ -316,11 +299,13 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         """Sample and score one rollout from this rank's prompts, record its metrics, and prepare it for training;
         returns one slice per micro-step.
 
-        The rollout's source: `sample`, or with dynamic sampling its refill rounds (`sample_dynamic`), or with
-        partial rollouts `sample_partial`. Each wakes the engine for its generation, which first writes the weights
-        of the last optimizer step into it (`sync_weights`).
+        First the weight sync: the last optimizer step's weights written into the engine (`sync_weights`). Then the
+        rollout's source: `sample`, or with dynamic sampling its refill rounds (`sample_dynamic`), or with partial
+        rollouts `sample_partial`; each wakes the engine for its generation, and puts it back to sleep after.
         """
         args = self.args
+        self.engine.wake_weights()  # sleep mode: its weights memory back, for the sync and the generation after it
+        self.sync_weights()
         if self._partial is not None:
             scored, generated = self.sample_partial(rows)
         else:
@@ -356,7 +341,12 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         # One wake for every round: with sleep mode, each round's own would sync the weights again.
         with self.engine.awake(sync=self.sync_weights):
             scored, metrics, dropped = self._dynamic.fill(
-                rows, sample, self.reward_weights, self._largest_over_ranks, self._run_micro_step(), self.reward_logs
+                rows,
+                sample,
+                self.reward_weights,
+                largest_over_ranks(self.accelerator),
+                self._run_micro_step(),
+                self.reward_logs,
             )
         self._record(metrics)
         return scored, dropped
@@ -432,11 +422,6 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         truncated = sum(group.prompt_truncated for group in groups)
         return ScoredRollout(prompts, prompt_ids, columns, rollout, rewards_NF, truncated), generated
 
-    def _largest_over_ranks(self, numbers: list[int]) -> list[int]:
-        """Each of `numbers`, its largest over every rank (a collective)."""
-        every = self.accelerator.gather(torch.tensor(numbers, device=self.args.device))
-        return every.view(-1, len(numbers)).max(dim=0).values.tolist()
-
     def _run_micro_step(self) -> int:
         """The micro-step the run is at, counted from its start (the same after a resume, which starts at an optimizer
         step)."""
@@ -454,9 +439,9 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         return min(self.args.max_prompt_length or self.engine.max_prompt_tokens, self.engine.max_prompt_tokens)
 
     def sync_weights(self) -> None:
-        """Write the model's weights into the engine, once per optimizer step (not per accumulation step),
-        and again whenever the engine dropped them (sleep mode). Called while the engine is asleep (from a callback
-        between rollouts, with sleep mode on), it wakes the engine for the sync and puts it back to sleep."""
+        """Write the model's weights into the engine, once per optimizer step (not per accumulation step), and again
+        whenever the engine dropped them (sleep mode). Called while the engine is asleep (from a callback between
+        rollouts, with sleep mode on), it wakes the engine for the sync and puts it back to sleep."""
         if self._synced_step == self.state.global_step and not self.engine.stale:
             return
         if not self.engine.weights_resident:
@@ -543,24 +528,9 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
 
     def score(self, prompts: list, rollout: Rollout, columns: dict[str, list]) -> torch.Tensor:
         """Rewards of every completion from every reward function: [N, F], NaN where a function abstained."""
-        g = len(rollout.completion_ids) // len(prompts)
-        texts = self.processing_class.batch_decode(rollout.completion_ids, skip_special_tokens=True)
-        conversational = is_conversational({"prompt": prompts[0]})
-        completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
-        repeat = lambda values: [v for v in values for _ in range(g)]  # noqa: E731 — one value per completion
-        return score(
-            self.reward_funcs,
-            prompts=repeat(prompts),
-            completions=completions,
-            completion_ids=rollout.completion_ids,
-            columns={
-                **{k: repeat(v) for k, v in columns.items()},
-                **rollout.columns,  # one value per completion already
-                "trainer_state": self.state,
-                **self.reward_logs.arguments(),
-            },
-            limits=TimeLimits.of(self.args),
-        )
+        given = {"trainer_state": self.state, **self.reward_logs.arguments()}
+        limits = TimeLimits.of(self.args)
+        return score_rollout(self.reward_funcs, self.processing_class, prompts, rollout, columns, given, limits)
 
     def compute_advantages(self, rewards_NF: torch.Tensor) -> torch.Tensor:
         """Weighted total reward per completion, normalised within its group: [N]."""
@@ -602,7 +572,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
     ) -> torch.Tensor:
         """The GRPO loss of one rollout slice. The old log-probs are the stored ones when the slice is trained
         after an optimizer step, else the current ones detached (ratio 1, gradient not)."""
-        mask_NT = inputs["completion_mask"]
+        args, mask_NT = self.args, inputs["completion_mask"]
         forwarded: list[int] = []  # tokens computed: fewer than the sequences' when completions share a prompt
         router = self.forward.router
         routed = RouterRecord(router) if router is not None and model.training else None
@@ -615,15 +585,17 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
             self._times.count("forwarded", forwarded[0] if forwarded else trained, self._metrics)
         # On-policy, and on a rollout's first slice, the current weights are the ones that sampled. (When old
         # log-probs come from a forward pass, `rollout_logps` logged the gap for every slice already.)
-        first_slice = (self._micro_step - 1) % self.args.rollout_micro_steps == 0
-        if "old_logps" not in inputs or (first_slice and self.args.engine_logps_are_old_logps):
+        first_slice = (self._micro_step - 1) % args.rollout_micro_steps == 0
+        if "old_logps" not in inputs or (first_slice and args.engine_logps_are_old_logps):
             self._record(sampling_gap_metrics(logps_NT.detach(), inputs["engine_logps"], inputs["tool_mask"]))
         if model.training:
             self.parity.observe(logps_NT, inputs["engine_logps"], inputs["tool_mask"])
         sampling_weights = None
-        if self.args.vllm_importance_sampling_correction:
+        if args.vllm_importance_sampling_correction:  # truncated π_trainer / π_engine of the sampled tokens
             # The trainer's log-probs of the sampling policy: stored with the rollout, or, on-policy, the current.
-            sampling_weights = self.sampling_correction(inputs.get("old_logps", logps_NT.detach()), inputs)
+            trainer_NT, modes = inputs.get("old_logps", logps_NT.detach()), importance_sampling(args)
+            sampling_weights = sampling_correction(trainer_NT, inputs["engine_logps"], mask_NT, *modes)
+            self._record(importance_ratio_metrics(sampling_weights, mask_NT))
         entropy_mask_NT = self.entropy.mask(entropy_NT, mask_NT)
         out = policy_loss(
             logps_NT,
@@ -642,23 +614,8 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
             loss = loss + routed.loss()
             self._record(routed.metrics())
         out = out._replace(loss=loss * inputs["loss_scale"] if "loss_scale" in inputs else loss)  # micro_batch_tokens
-        self._record(loss_metrics(out, inputs["advantages"], mask_NT, self.args.epsilon, self.args.epsilon_high))
+        self._record(loss_metrics(out, inputs["advantages"], mask_NT, args.epsilon, args.epsilon_high))
         return out.loss
-
-    def sampling_correction(self, trainer_logps_NT: torch.Tensor, inputs: RolloutBatch) -> torch.Tensor:
-        """Truncated importance-sampling weights π_trainer / π_engine for the sampled tokens (see
-        `colograd.grpo.loss.sampling_correction`), with their `sampling/importance_sampling_ratio/*` metrics."""
-        args, mask_NT = self.args, inputs["completion_mask"]
-        weights = sampling_correction(
-            trainer_logps_NT,
-            inputs["engine_logps"],
-            mask_NT,
-            args.vllm_importance_sampling_mode,
-            args.vllm_importance_sampling_clip_min,
-            args.vllm_importance_sampling_clip_max,
-        )
-        self._record(importance_ratio_metrics(weights, mask_NT))
-        return weights
 
     def completion_logps(
         self,

@@ -3,9 +3,11 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
+from typing import Any
 from unittest.mock import patch
 
 import pytest
@@ -226,6 +228,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         real_execute_child(popen, args, *rest)
 
     _fast_tier_test = item.nodeid
+    started = time.perf_counter()
     # vLLM's own class, not the name `vllm.LLM`: a test may stand a fake in for the name (test_sleep does).
     # Popen's child start, not `subprocess.run`: modules that did `from subprocess import Popen` go through it too.
     with pytest.MonkeyPatch.context() as patch:
@@ -235,6 +238,22 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
             return (yield)
         finally:
             _fast_tier_test = None
+            if (took := time.perf_counter() - started) > FAST_TIER_TEST_S:
+                _slow_in_fast_tier.append((item.nodeid, took))
+
+
+# An unmarked test that takes over FAST_TIER_TEST_S seconds is named at the end of a fast-tier run. It is reported,
+# not failed: a verdict that depended on the machine's load would make the suite non-deterministic.
+FAST_TIER_TEST_S = 10.0
+_slow_in_fast_tier: list[tuple[str, float]] = []
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if not _slow_in_fast_tier:
+        return
+    terminalreporter.section(f"unmarked tests over {FAST_TIER_TEST_S:.0f} s (mark them slow, or make them faster)")
+    for nodeid, took in sorted(_slow_in_fast_tier, key=lambda entry: -entry[1]):
+        terminalreporter.write_line(f"{took:6.1f} s  {nodeid}")
 
 
 def worker(launcher: int, rank: int) -> int:

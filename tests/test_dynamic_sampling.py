@@ -247,6 +247,7 @@ def test_the_rounds_of_a_rollout_wake_the_engine_once():
     )
     engine = Engine.__new__(Engine)  # no vLLM: only the wake logic is under test
     engine.sleep_level, engine.llm, engine.stale = 2, llm, False
+    engine.weights_resident = False  # asleep, as `Engine.__init__` leaves an engine with sleep mode on
     sync = lambda: calls.append("sync")  # noqa: E731
     with engine.awake(sync):
         for _ in range(3):

@@ -199,7 +199,7 @@ def test_the_training_loss_adds_coef_times_the_router_loss(tmp_path):
             entropy=EntropyTerms(args, SimpleNamespace(sync_gradients=True), lambda x: x, metrics),
             parity=ParityGuard(tolerance(torch.float32, torch.float32), "Mixtral"),
         )  # fmt: skip
-        for name in ("completion_logps", "_record", "sampling_correction"):
+        for name in ("completion_logps", "_record"):
             setattr(fake, name, MethodType(getattr(GRPOTrainer, name), fake))
         return fake
 

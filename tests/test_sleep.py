@@ -43,6 +43,7 @@ class RecordingLLM:
 def engine_with(sleep_level: int, log: list[str]) -> Engine:
     engine = Engine.__new__(Engine)  # no vLLM: only the ordering logic is under test
     engine.llm, engine.sleep_level, engine.stale = RecordingLLM(log), sleep_level, False
+    engine.weights_resident = sleep_level in (0, KV_CACHE_ONLY)  # as `Engine.__init__` leaves it, asleep
     return engine
 
 
@@ -55,6 +56,24 @@ def test_weights_are_written_after_waking_and_before_the_kv_cache(level):
     assert log == ["wake_up:weights", "sync", "wake_up:kv_cache", "generate", f"sleep:{level}"]
     # Level 2 discards the weights: the next rollout must sync even if the optimizer did not step.
     assert engine.stale is (level == 2)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_rollouts_sync_phase_wakes_only_the_weights_and_its_generation_only_the_kv_cache(level):
+    """The step's first phase (`make_rollout`): the weights memory back (`wake_weights`), the sync, then the prompts
+    are prepared; the generation's `awake` brings back only the KV cache, and its sync has nothing left to write.
+    vLLM sees the calls of a wake in one piece: weights, the write, the KV cache."""
+    log: list[str] = []
+    engine = engine_with(level, log)
+    written = []
+    sync = lambda: written or written.append(log.append("sync"))  # noqa: E731 - writes once, as the trainer's
+    engine.wake_weights()
+    sync()
+    log.append("prepare_prompts")
+    with engine.awake(sync=sync):
+        log.append("generate")
+    assert log == ["wake_up:weights", "sync", "prepare_prompts", "wake_up:kv_cache", "generate", f"sleep:{level}"]
+    assert not engine.weights_resident
 
 
 def test_an_adapter_only_engine_keeps_its_base_in_place_and_releases_only_its_kv_cache(tmp_path):

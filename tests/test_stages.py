@@ -49,9 +49,19 @@ class OwnStages(GRPOTrainer):
     """Replaces two stages outright (no `super()`), and records the group size each rollout asked for."""
 
     asked: list[int] = []
+    phases: list[str] = []
+
+    def sync_weights(self):
+        self.phases.append("sync_weights")
+        super().sync_weights()
+
+    def prepare_prompts(self, rows):
+        self.phases.append("prepare_prompts")
+        return super().prepare_prompts(rows)
 
     def generate(self, prompt_ids, context, images=None):
         self.asked.append(context.num_generations)
+        self.phases.append("generate")
         return super().generate(prompt_ids, context, images)
 
     def score(self, prompts, rollout, columns):
@@ -77,6 +87,10 @@ def test_overrides_without_super_keep_every_metric_and_evaluation_shares_the_rol
         processing_class=tiny.build_tokenizer(),
     )
     trainer.train()
+    # The weight sync is the step's first phase, before the prompts are read (the engine's wake calls it again,
+    # and it has nothing left to write).
+    rollout = ["sync_weights", "prepare_prompts", "sync_weights", "generate"]
+    assert trainer.phases == rollout * 2, trainer.phases
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 2
     for name in ("reward", "reward_std", "frac_reward_zero_std", "rewards/letters_reward/mean",

@@ -479,9 +479,9 @@ class Engine:
     def awake(self, sync: Callable[[], None]) -> Iterator[None]:
         """Bring the engine up to date for one rollout, sleeping again afterwards when sleep mode is on.
 
-        The order matters: weights memory back first, then `sync` writes the current weights into it, then
-        the KV cache comes back. Weights written before waking would be lost, and the engine would sample
-        from stale weights.
+        The order matters: weights memory back first (unless `wake_weights` brought it already), then `sync` writes
+        the current weights into it, then the KV cache comes back. Weights written before waking would be lost, and
+        the engine would sample from stale weights.
 
         Inside another `awake` (a rollout's refill rounds, `colograd.grpo.dynamic`, within the rollout's own) it
         does nothing: the engine is up to date and stays awake until the outer one ends.
@@ -498,9 +498,7 @@ class Engine:
                 finally:
                     self._rest_on_the_host()
                 return
-            if self.sleep_level != KV_CACHE_ONLY:
-                self.llm.wake_up(tags=["weights"])
-                self.weights_resident = True
+            self.wake_weights()
             sync()
             self.llm.wake_up(tags=["kv_cache"])  # (the last memory back: vLLM resumes scheduling)
             try:
@@ -509,6 +507,13 @@ class Engine:
                 self._sleep()
         finally:
             self._awake = False
+
+    def wake_weights(self) -> None:
+        """Sleep mode: bring the weights memory back (and no more), so that a sync can write into it. The rollout's
+        `awake` then brings back only the KV cache; between rollouts, `awake` does both and sleeps again after."""
+        if not self.weights_resident:
+            self.llm.wake_up(tags=["weights"])
+            self.weights_resident = True
 
     def _sleep(self) -> None:
         """Release the engine's memory at its sleep level. `KV_CACHE_ONLY`: vLLM's level-0 pause (no memory), then

@@ -57,6 +57,16 @@ def refuse_unrefillable(args: Any, train_dataset: Any, agents: bool) -> None:
         )
 
 
+def largest_over_ranks(accelerator: Any) -> Callable[[list[int]], list[int]]:
+    """`DynamicSampling.fill`'s `most`: each of a list of numbers, its largest over every rank (a collective)."""
+
+    def most(numbers: list[int]) -> list[int]:
+        every = accelerator.gather(torch.tensor(numbers, device=accelerator.device))
+        return every.view(-1, len(numbers)).max(dim=0).values.tolist()
+
+    return most
+
+
 def group_spread(
     rewards_NF: torch.Tensor, weights_F: torch.Tensor, num_generations: int, per_function: bool = False
 ) -> torch.Tensor:

@@ -123,6 +123,15 @@ def clipped_fractions(
     return {"low": low, "high": high, "region": low | high}
 
 
+def importance_sampling(args: Any) -> tuple[str, float | None, float | None]:
+    """`sampling_correction`'s mode and clips, as the config sets them (`vllm_importance_sampling_*`)."""
+    return (
+        args.vllm_importance_sampling_mode,
+        args.vllm_importance_sampling_clip_min,
+        args.vllm_importance_sampling_clip_max,
+    )
+
+
 def sampling_correction(
     trainer_logps_NT: torch.Tensor,
     engine_logps_NT: torch.Tensor,

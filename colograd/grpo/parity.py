@@ -23,6 +23,7 @@ a run whose engine holds another model (docs/real-models.md, "The parity gate").
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -106,6 +107,18 @@ class ParityGuard:
             cause, added to the line (`colograd.grpo.parity_diagnosis.diagnose`: the sync, or the engine's model);
             None: the line names both causes.
     """
+
+    @classmethod
+    def of_run(cls, model: torch.nn.Module, args: Any, diagnose: Callable[[], str] | None = None) -> "ParityGuard":
+        """The guard of a run training `model` (unwrapped) with `args`: its bound from the dtype the engine samples in
+        and the one the trainer computes in, acting as `engine_parity` says, off where sampling is filtered."""
+        from colograd.engine.settings import engine_dtype
+        from colograd.grpo.memory import compute_dtype
+
+        sampled_in = engine_dtype(args, next(model.parameters()).dtype)
+        bound = tolerance(sampled_in, compute_dtype(model, args.mixed_precision))
+        name = model.config._name_or_path or type(model).__name__
+        return cls(bound, name, stop=args.engine_parity == "error", active=args.samples_unfiltered, diagnose=diagnose)
 
     def __init__(
         self,

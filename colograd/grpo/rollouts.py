@@ -11,10 +11,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from trl.data_utils import is_conversational
 from trl.trainer.utils import nanstd
 
 from colograd.engine.rollout import Rollout
 from colograd.grpo.loss import weighted_rewards
+from colograd.rewards.core import RewardFunc, TimeLimits, score
 from colograd.vision.checks import check_prompt_lengths, check_row
 from colograd.vision.core import image_prompts
 
@@ -173,3 +175,26 @@ class RewardLogs:
         self.extra.clear()
         self.metrics.clear()
         return extra, metrics
+
+
+def score_rollout(
+    reward_funcs: list[RewardFunc],
+    tokenizer: Any,
+    prompts: list,
+    rollout: Rollout,
+    columns: dict[str, list],
+    given: dict[str, Any],
+    limits: TimeLimits,
+) -> torch.Tensor:
+    """The `score` stage's work: every reward function on every completion of `rollout`, as TRL calls them (the
+    completions decoded, as chat messages when the prompts are; each prompt's columns repeated for its completions,
+    the rollout's own columns beside them, and `given`: the trainer state and the logging hooks). Returns [N, F],
+    NaN where a function abstained."""
+    g = len(rollout.completion_ids) // len(prompts)
+    texts = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+    conversational = is_conversational({"prompt": prompts[0]})
+    completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+    repeat = lambda values: [v for v in values for _ in range(g)]  # noqa: E731 — one value per completion
+    # The rollout's own columns (an agent's) hold one value per completion already.
+    per_completion = {**{k: repeat(v) for k, v in columns.items()}, **rollout.columns, **given}
+    return score(reward_funcs, repeat(prompts), completions, rollout.completion_ids, per_completion, limits)
