@@ -45,6 +45,7 @@ from colograd.grpo.dynamic import ROUND_STRIDE, DynamicSampling, largest_over_ra
 from colograd.grpo.entropy import EntropyTerms
 from colograd.grpo.evaluation import evaluate
 from colograd.grpo.forward import Forward
+from colograd.grpo.logps import engine_old_logps
 from colograd.grpo.loss import (
     group_advantages,
     importance_ratio_metrics,
@@ -550,13 +551,14 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
             sampling), else the trainer's, by a forward pass;
             `ref_logps` [N, T] (the reference policy) when `beta` > 0.
         """
-        out = {}
+        out, args = {}, self.args
         policy = self.accelerator.unwrap_model(self.model)
+        trainer_logps = lambda: self.completion_logps(policy, batch)  # noqa: E731
         with self.compute_loss_context_manager():
-            if self.args.reuses_rollouts_across_updates and self.args.engine_logps_are_old_logps:
-                out["old_logps"] = batch["engine_logps"]
-            elif self.args.reuses_rollouts_across_updates:
-                out["old_logps"] = self.completion_logps(policy, batch)
+            if args.reuses_rollouts_across_updates and args.engine_logps_are_old_logps:
+                out["old_logps"] = engine_old_logps(batch["engine_logps"], trainer_logps)
+            elif args.reuses_rollouts_across_updates:
+                out["old_logps"] = trainer_logps()
                 self._record(sampling_gap_metrics(out["old_logps"], batch["engine_logps"], batch["tool_mask"]))
             if self.reference is not None:
                 with self.reference.model(policy) as reference:
@@ -640,8 +642,6 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
-
-    # --- plumbing ---------------------------------------------------------------------------------------
 
     def _tool_schemas(self) -> list[dict] | None:
         """The tools' schemas the chat template is given now (`or None`: some templates write tool text for an empty

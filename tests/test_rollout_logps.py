@@ -143,3 +143,27 @@ def test_between_logging_steps_no_request_asks_and_the_metric_is_logged_where_st
     steps = [h for h in trainer.state.log_history if "loss" in h]
     assert [h["step"] for h in steps] == [2, 4]
     assert all(h["sampling/sampling_logp_difference/max"] < 1e-3 for h in steps)
+
+
+def test_tokens_the_engine_could_not_score_take_the_trainers_old_log_probs():
+    """With the engine's log-probs standing in for the sampling policy's, a token it could not score (NaN: the tap
+    missed an agent's turns) takes the trainer's log-prob at the same weights; a NaN old log-prob would make the loss
+    and every gradient NaN. The trainer's pass runs only when some token is unscored."""
+    from colograd.grpo.logps import engine_old_logps
+    from colograd.grpo.loss import policy_loss
+
+    torch.manual_seed(0)
+    trainer_NT = torch.randn(4, 6).log_softmax(-1)
+    engine_NT = trainer_NT + 1e-3 * torch.randn(4, 6)
+    mask_NT, advantages_N = torch.ones(4, 6), torch.tensor([1.0, -1.0, 0.5, -0.5])
+    calls = []
+    assert engine_old_logps(engine_NT, lambda: calls.append(1) or trainer_NT) is engine_NT and not calls
+    engine_NT[1, 2:4] = float("nan")  # an agent's turn the tap missed
+    logps_NT = trainer_NT.clone().requires_grad_()
+    naive = policy_loss(logps_NT, engine_NT, advantages_N, mask_NT, num_items=mask_NT.sum()).loss
+    assert naive.isnan()  # what the guard prevents
+    old_NT = engine_old_logps(engine_NT, lambda: trainer_NT)
+    assert torch.equal(old_NT[1, 2:4], trainer_NT[1, 2:4]) and torch.equal(old_NT[0], engine_NT[0])
+    loss = policy_loss(logps_NT, old_NT, advantages_N, mask_NT, num_items=mask_NT.sum()).loss
+    loss.backward()
+    assert loss.isfinite() and logps_NT.grad.isfinite().all()
