@@ -50,6 +50,7 @@ class OwnStages(GRPOTrainer):
 
     asked: list[int] = []
     phases: list[str] = []
+    seen: dict[str, object] = {}  # what a stage was handed, as arguments
 
     def sync_weights(self):
         self.phases.append("sync_weights")
@@ -65,7 +66,16 @@ class OwnStages(GRPOTrainer):
         return super().generate(prompt_ids, context, images)
 
     def score(self, prompts, rollout, columns):
+        self.seen["score"] = (len(prompts), type(rollout).__name__, sorted(columns))
         return torch.tensor([[float(len(ids))] for ids in rollout.completion_ids])
+
+    def rollout_logps(self, batch):
+        self.seen["rollout_logps"] = sorted(batch)
+        return super().rollout_logps(batch)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        self.seen["compute_loss"] = sorted(inputs)
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     def compute_advantages(self, rewards_NF):
         rewards_GK = rewards_NF[:, 0].view(-1, self.args.num_generations)
@@ -91,6 +101,10 @@ def test_overrides_without_super_keep_every_metric_and_evaluation_shares_the_rol
     # and it has nothing left to write).
     rollout = ["sync_weights", "prepare_prompts", "sync_weights", "generate"]
     assert trainer.phases == rollout * 2, trainer.phases
+    # Each stage gets what it works on as its arguments: the rows' column, the rollout, the batch's tensors.
+    assert trainer.seen["score"] == (4, "Rollout", ["target"]), trainer.seen  # 16 completions: 4 prompts × 4
+    assert {"completion_ids", "completion_mask", "advantages", "engine_logps"} <= set(trainer.seen["rollout_logps"])
+    assert set(trainer.seen["rollout_logps"]) <= set(trainer.seen["compute_loss"])
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 2
     for name in ("reward", "reward_std", "frac_reward_zero_std", "rewards/letters_reward/mean",
