@@ -387,7 +387,10 @@ def test_trl_echo_rollout_func_runs_unchanged_on_vllm_generation(tmp_path, monke
     # TRL's return shapes: per completion, the prompt's ids, the sampled ids, and [[logprob]] / [[token id]] per token.
     prompt = tokenizer.apply_chat_template(data[0]["prompt"], add_generation_prompt=True, return_dict=False)
     with trainer.engine.awake(sync=trainer.sync_weights):
+        tap, read = trainer.engine.sampler_tap(), []  # log-probs read from the sampler: no per-token objects
+        monkeypatch.setattr(tap, "logps", lambda outputs, real=tap.logps: read.append(len(outputs)) or real(outputs))
         prompt_ids, completion_ids, logprobs, token_ids = trainer.vllm_generation.generate([prompt] * 3, None, 3)
+    assert read == [3]  # and the training step's gap below checks what it read
     assert prompt_ids == [prompt] * 3 and len({tuple(c) for c in completion_ids}) == 3  # each entry its own sample
     assert [[t] for t in completion_ids[0]] == token_ids[0] and all(len(lp) == 1 for lp in logprobs[0])
     assert 0 < len(completion_ids[0]) <= args.max_completion_length

@@ -535,7 +535,8 @@ class VLLMGeneration:
         if self.tensor_parallel_size > 1:  # the ranks of one engine would have to pass the same prompts
             raise ValueError("vllm_generation.generate does not support vllm_tensor_parallel_size > 1; set it to 1.")
         engine = self._trainer.engine
-        with profiler or nullcontext():
+        tap = engine.sampler_tap()  # the log-probs as tensors from the sampler: vLLM builds no per-token objects
+        with profiler or nullcontext(), tap.capturing() if tap is not None else nullcontext():
             outputs = engine.llm.generate(
                 [engine.prompt(list(ids)) for ids in prompts],
                 sampling_params(self._trainer.args, n=1),
@@ -543,10 +544,18 @@ class VLLMGeneration:
                 use_tqdm=False,
             )
         samples = [request.outputs[0] for request in outputs]
+        if tap is None:
+            logps = [[pos[t].logprob for pos, t in zip(s.logprobs, s.token_ids, strict=True)] for s in samples]
+        elif (logps := tap.logps(outputs)) is None:
+            # The tap's rows missed a completion (and vLLM built no objects): sample again with the objects, and
+            # leave the tap off from now on, as `Engine.generate` does.
+            logger.warning("colograd: the sampler tap missed vllm_generation's log-probs; reading vLLM's objects.")
+            tap.uninstall()
+            return self.generate(prompts, images, num_generations, profiler)
         return (
             [list(request.prompt_token_ids) for request in outputs],
             [list(s.token_ids) for s in samples],
-            [[[pos[t].logprob] for pos, t in zip(s.logprobs, s.token_ids, strict=True)] for s in samples],
+            [[[logp] for logp in row] for row in logps],
             [[[t] for t in s.token_ids] for s in samples],
         )
 
