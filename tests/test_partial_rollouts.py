@@ -228,6 +228,25 @@ def test_ranks_draw_extra_prompts_that_do_not_overlap_whatever_they_carry():
     assert len(drawn[0]) == 3 and len(drawn[1]) == 4 and not set(drawn[0]) & set(drawn[1])
 
 
+def test_carried_groups_of_a_run_on_another_number_of_ranks_are_shared_out_whole(tmp_path):
+    """Saved by 2 ranks, resumed on 1 or 3: every carried group comes back exactly once, each rank every world-th of
+    them all in the saving ranks' order."""
+    saved = []
+    for rank, prompts in enumerate((["a", "b", "c"], ["d", "e"])):
+        partial = PartialRollouts(settings(), None, False, rank, 2)
+        partial.carried = [group(p, [1] * G, [0] * G, [False] * G) for p in prompts]
+        partial.write_state(str(tmp_path))
+        saved += partial.carried
+    for world in (1, 3):
+        back = [PartialRollouts(settings(), None, False, rank, world) for rank in range(world)]
+        for partial in back:
+            partial.resume(str(tmp_path))
+        assert [g for rank in range(world) for g in saved[rank::world]] == [g for p in back for g in p.carried]
+    same = PartialRollouts(settings(), None, False, 1, 2)
+    same.resume(str(tmp_path))
+    assert same.carried == saved[3:]  # the same number of ranks: each its own
+
+
 def test_carried_groups_go_into_the_checkpoint_and_come_back(tmp_path):
     partial = PartialRollouts(settings(), None, False, 1, 2)
     partial.carried = [group("x", [3, 0, 2, 1], [4, 0, 5, 4], [True, False, False, True])]

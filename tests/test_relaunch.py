@@ -104,15 +104,39 @@ def test_another_runs_checkpoints_are_refused_naming_what_differs(tmp_path, know
     )
 
 
-def test_the_same_run_on_another_number_of_ranks_is_refused_naming_both(tmp_path):
-    save(tmp_path, 2, setup_of(args_for(tmp_path, world_size=2)))
+def test_the_same_run_on_another_number_of_ranks_is_refused_naming_the_batch_that_would_keep_it(tmp_path):
+    save(tmp_path, 2, setup_of(args_for(tmp_path, world_size=2, per_device_train_batch_size=16)))
     with pytest.raises(ConfigError) as err:
-        check_output_dir(args_for(tmp_path, world_size=1), None)
+        check_output_dir(args_for(tmp_path, world_size=1, per_device_train_batch_size=16), None)
     assert str(err.value) == (
-        f"output_dir={str(tmp_path)!r} holds this run's checkpoint-2, saved on 2 ranks, and this launch has 1: a "
-        "checkpoint resumes on as many ranks as saved it; relaunch on 2 ranks, or set overwrite_output_dir: true to "
-        "start over."
+        f"output_dir={str(tmp_path)!r} holds this run's checkpoint-2, but it was saved on 2 ranks of "
+        "per_device_train_batch_size 16 (32 in all), and this launch has 1 of 16: set per_device_train_batch_size "
+        "32, so that the ranks' batches together stay 32; or set overwrite_output_dir: true to start over."
     )
+    with pytest.raises(ConfigError, match=r"\(32 in all\), and this launch has 3 of 16; 32 does not divide among 3"):
+        check_output_dir(args_for(tmp_path, world_size=3, per_device_train_batch_size=16), None)
+
+
+def test_a_ddp_run_moves_to_another_number_of_ranks_keeping_its_batch_and_says_so(tmp_path, capsys):
+    """2 ranks of 16 → 1 of 32: the same batches, the checkpoint whole (DDP): resumed, and said in one line."""
+    from colograd.runs.relaunch import reshard_note
+
+    two = save(tmp_path, 2, setup_of(args_for(tmp_path, world_size=2, per_device_train_batch_size=16)))
+    one = args_for(tmp_path, world_size=1, per_device_train_batch_size=32)
+    assert check_output_dir(one, None) is None  # the config's part agrees: the trainer decides
+    assert check_output_dir(one, None, setup_of(one)) == str(two)
+    assert reshard_note(str(two), setup_of(one)).startswith(
+        f"{two} was saved on 2 ranks and continues on 1: the model, optimizer, schedule and data position carry over"
+    )
+    assert reshard_note(str(two), setup_of(args_for(tmp_path, world_size=2, per_device_train_batch_size=16))) is None
+
+
+def test_a_checkpoint_saved_in_shards_stays_on_its_number_of_ranks(tmp_path, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    save(tmp_path, 2, setup_of(args_for(tmp_path, world_size=2, per_device_train_batch_size=16)))
+    one = args_for(tmp_path, world_size=1, per_device_train_batch_size=32)
+    with pytest.raises(ConfigError, match=r"only a DDP checkpoint \(here: deepspeed\) moves to another number of"):
+        check_output_dir(one, None, setup_of(one))
 
 
 def test_other_ranks_neither_refuse_nor_remove_and_resume_as_the_first_does(tmp_path, capsys):

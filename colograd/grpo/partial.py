@@ -178,12 +178,23 @@ class PartialRollouts:
 
     def resume(self, checkpoint: str | None) -> None:
         """Take this rank's carried groups from the checkpoint training resumes from; a checkpoint saved without
-        partial rollouts carries none."""
+        partial rollouts carries none. Saved by another number of ranks (`colograd.runs.checkpoints.resharded`),
+        every rank's groups are shared out: rank r takes every world-th of them all, in the saving ranks' order."""
         if not checkpoint:
             return
-        path = os.path.join(checkpoint, STATE_DIR, f"rank-{self.rank}.json")
+        folder = os.path.join(checkpoint, STATE_DIR)
+        saved = sorted(
+            (int(name[len("rank-") : -len(".json")]) for name in os.listdir(folder) if name.startswith("rank-"))
+            if os.path.isdir(folder)
+            else []
+        )
+        moved = bool(saved) and saved[-1] + 1 != self.world  # saved by another number of ranks
         groups = []
-        if os.path.exists(path):
-            with open(path) as f:
-                groups = json.load(f)
+        for rank in saved if moved else [self.rank]:
+            path = os.path.join(folder, f"rank-{rank}.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    groups += json.load(f)
+        if moved:
+            groups = groups[self.rank :: self.world]
         self.carried = [Group(**{**g, "completions": [Piecewise(**c) for c in g["completions"]]}) for g in groups]

@@ -293,7 +293,7 @@ def run_setup(
         "dataset": _dataset_identity(dataset),
         "reward_funcs": list(reward_names),
         "reward_weights": [float(w) for w in reward_weights],
-        **{name: getattr(args, name) for name in SETUP_FIELDS},
+        **config_setup(args),
     }
     return json.loads(json.dumps(setup, default=str))  # enums and the like as the strings a record holds
 
@@ -317,8 +317,10 @@ def _dataset_identity(dataset: Any) -> str | None:
 
 
 def config_setup(args: TrainingArguments) -> dict[str, Any]:
-    """The part of `run_setup` the config alone tells: `SETUP_FIELDS`, as a record holds them."""
-    return json.loads(json.dumps({name: getattr(args, name) for name in SETUP_FIELDS}, default=str))
+    """The part of `run_setup` the config and the launch alone tell: `SETUP_FIELDS` and the `sharding`, as a record
+    holds them."""
+    fields = {name: getattr(args, name) for name in SETUP_FIELDS} | {"sharding": sharding()}
+    return json.loads(json.dumps(fields, default=str))
 
 
 def recorded_setup(checkpoint: str) -> dict[str, Any] | None:
@@ -330,12 +332,65 @@ def recorded_setup(checkpoint: str) -> dict[str, Any] | None:
 
 def setup_differences(recorded: dict[str, Any], setup: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
     """The fields whose value in a record differs from `setup`'s, with both values. A value unknown on either side
-    (None, or a key an older record lacks) is not compared."""
-    return {
+    (None, or a key an older record lacks) is not compared. A move to another number of ranks that keeps the run's
+    batches (`resharded`) is no difference."""
+    differ = {
         name: (recorded[name], value)
         for name, value in setup.items()
         if recorded.get(name) is not None and value is not None and recorded[name] != value
     }
+    if resharded(recorded, setup) is not None:
+        for name in RESHARD_FIELDS:
+            differ.pop(name, None)
+    return differ
+
+
+# What may change when a run moves to another number of ranks: the prompts each rank takes, so that all ranks'
+# together (`per_device_train_batch_size × world_size`) stay the run's batch and the sampler's order stays its order.
+RESHARD_FIELDS = ("world_size", "per_device_train_batch_size")
+
+
+def sharding() -> str:
+    """How this launch holds the model's training state: "deepspeed", "fsdp" (each rank a shard of it, saved as
+    shards), or "none" (DDP or one process: every rank the whole of it, saved once). From accelerate's launcher."""
+    for name, kind in (("ACCELERATE_USE_DEEPSPEED", "deepspeed"), ("ACCELERATE_USE_FSDP", "fsdp")):
+        if os.environ.get(name, "").lower() in ("1", "true", "yes"):
+            return kind
+    return "none"
+
+
+def resharded(recorded: dict[str, Any], setup: dict[str, Any]) -> tuple[int, int] | None:
+    """(ranks that saved, ranks now) when `setup` continues `recorded`'s run on another number of ranks: the whole
+    training state saved once on both sides (`sharding` "none": DDP), and the same batch over all ranks. The data
+    then continues at the first sample not yet trained (the sampler's order and the steps' batches are the run's);
+    None otherwise, and where the world size is the same."""
+    try:
+        saved, now = int(recorded["world_size"]), int(setup["world_size"])
+        batch = lambda side, ranks: int(side["per_device_train_batch_size"]) * ranks  # noqa: E731
+        same_batch = batch(recorded, saved) == batch(setup, now)
+    except (KeyError, TypeError, ValueError):
+        return None
+    unsharded = recorded.get("sharding") == setup.get("sharding") == "none"
+    return (saved, now) if saved != now and same_batch and unsharded else None
+
+
+def reshard_refusal(recorded: dict[str, Any], setup: dict[str, Any]) -> str:
+    """Why a checkpoint of `recorded` cannot continue on `setup`'s number of ranks, and what would let it: e.g.
+    "it was saved on 2 ranks of per_device_train_batch_size 8 (16 in all), and this launch has 1 of 8: set
+    per_device_train_batch_size 16, so that the ranks' batches together stay 16"."""
+    saved, now = int(recorded["world_size"]), int(setup["world_size"])
+    total = saved * int(recorded["per_device_train_batch_size"])
+    said = (
+        f"it was saved on {saved} rank{'s' * (saved != 1)} of per_device_train_batch_size "
+        f"{recorded['per_device_train_batch_size']} ({total} in all), and this launch has {now} of "
+        f"{setup['per_device_train_batch_size']}"
+    )
+    if not recorded.get("sharding") == setup.get("sharding") == "none":
+        how = recorded.get("sharding") or "not recorded"
+        return f"{said}; only a DDP checkpoint (here: {how}) moves to another number of ranks: relaunch on {saved}"
+    if total % now:
+        return f"{said}; {total} does not divide among {now} ranks: relaunch on {saved}"
+    return f"{said}: set per_device_train_batch_size {total // now}, so that the ranks' batches together stay {total}"
 
 
 def describe_differences(differ: dict[str, tuple[Any, Any]]) -> str:

@@ -6,8 +6,9 @@ that saves it from the moment its save begins (`colograd.runs.checkpoints.run_se
 checkpoint (with `auto_resume`, the default) compares its own setup with them (`judge`):
 
     this run's          the newest finished checkpoint names this run's setup: resume from it, said in one line
-    this run, resized   ... save for world_size: refused, naming both sizes (a checkpoint resumes on as many ranks
-                        as saved it)
+    this run, resized   ... on another number of ranks: resumed where the ranks' batches together stay the run's
+                        and the checkpoint is DDP's (whole), said in one line (`reshard_note`); else refused,
+                        naming both sizes and the per_device_train_batch_size that would keep the run's batch
     another run's       it names another setup: refused, naming what differs; it names none (saved before records
                         held one): refused as any fresh start over another run's work (`colograd.runs.output_dir`)
     never saved         no finished checkpoint, and every unfinished one names this run's setup (the run was killed
@@ -30,11 +31,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from colograd.runs.checkpoints import (
+    RESHARD_FIELDS,
     checkpoint_problem,
     checkpoints,
     describe_differences,
     last_complete_checkpoint,
     recorded_setup,
+    reshard_refusal,
+    resharded,
     setup_differences,
 )
 
@@ -72,12 +76,10 @@ def judge(output_dir: str, setup: dict[str, Any]) -> Relaunch:
     differ = setup_differences(recorded, setup)
     if not differ:
         return Relaunch(checkpoint=found)
-    if differ.keys() == {"world_size"}:
-        saved, now = differ["world_size"]
+    if "world_size" in differ and differ.keys() <= set(RESHARD_FIELDS):
         return Relaunch(
-            refusal=f"output_dir={output_dir!r} holds this run's {os.path.basename(found)}, saved on {saved} ranks, "
-            f"and this launch has {now}: a checkpoint resumes on as many ranks as saved it; relaunch on {saved} "
-            "ranks, or set overwrite_output_dir: true to start over."
+            refusal=f"output_dir={output_dir!r} holds this run's {os.path.basename(found)}, but "
+            f"{reshard_refusal(recorded, setup)}; or set overwrite_output_dir: true to start over."
         )
     return Relaunch(
         refusal=f"output_dir={output_dir!r} holds another run's checkpoints: {os.path.basename(found)}, the newest "
@@ -93,6 +95,18 @@ def resume_note(checkpoint: str, output_dir: str) -> str:
     return (
         f"resuming from {checkpoint}, the newest finished checkpoint in {output_dir}: it was saved by a run set up as "
         f"this one (auto_resume){newer}."
+    )
+
+
+def reshard_note(checkpoint: str, setup: dict[str, Any]) -> str | None:
+    """The line that says a resumed run moves to another number of ranks (`resharded`), or None where it does not."""
+    sizes = resharded(recorded_setup(checkpoint) or {}, setup)
+    if sizes is None:
+        return None
+    return (
+        f"{checkpoint} was saved on {sizes[0]} rank{'s' * (sizes[0] != 1)} and continues on {sizes[1]}: the model, "
+        "optimizer, schedule and data position carry over; each rank's random state starts from the run's seed, and "
+        "partial rollouts' carried groups are shared out among the ranks."
     )
 
 

@@ -17,12 +17,14 @@ from colograd.runs.checkpoints import (
     check_resume,
     check_setup,
     finish_record,
+    note,
     rotate_checkpoints,
     run_setup,
 )
 from colograd.runs.modelcard import model_card, write_model_card
 from colograd.runs.output_dir import check_output_dir
 from colograd.runs.preemption import stage_failures
+from colograd.runs.relaunch import reshard_note
 
 
 class ModelSaving(Trainer):
@@ -48,7 +50,9 @@ class ModelSaving(Trainer):
         checkpoint = check_output_dir(self.args, resume_from_checkpoint, self._setup)
         if checkpoint:
             check_resume(checkpoint, self.args, policy.config, self.args.trust_remote_code)
-            check_setup(checkpoint, self._setup)
+            check_setup(checkpoint, self._setup)  # another number of ranks passes where the run's batch is kept
+            if line := reshard_note(checkpoint, self._setup):
+                note(line)
         return checkpoint
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
