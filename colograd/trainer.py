@@ -244,8 +244,9 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         check_stream_resume(self.train_dataset, checkpoint)
         # The model is about to change (restored, or trained on from here): the first rollout re-syncs.
         self._synced_step = None
+        self.resume_step = checkpoint_step(checkpoint) if checkpoint else 0  # where the data continues
         # The first logging window starts where the run (re)starts: time/* are divided by its steps.
-        self._last_logged_step = checkpoint_step(checkpoint) if checkpoint else 0
+        self._last_logged_step = self.resume_step
         self.entropy.resume(checkpoint)
         if self._partial is not None:
             self._partial.resume(checkpoint)

@@ -184,3 +184,23 @@ def test_stream_of_a_builtin_or_a_folder_keeps_the_prompt_column(tmp_path, name)
     empty.write_text("\n")
     with pytest.raises(ConfigError):
         load_prompts(ScriptArguments(dataset_name=str(empty)), streaming=True)
+
+
+def test_a_resumed_runs_sampler_gives_each_epoch_the_order_an_uninterrupted_run_gives_it():
+    """TRL's sampler draws epoch e's order as the (e + 1)-th draw of one generator; a resumed run's sampler skips the
+    draws of the epochs it trained, so its epoch is in the uninterrupted run's order, not the first epoch's."""
+    from colograd.data.streaming import EpochOrder
+
+    def sampler():
+        return EpochOrder(list(range(12)), mini_repeat_count=1, batch_size=4, repeat_count=2, seed=5)
+
+    uninterrupted = sampler()
+    epochs = [list(uninterrupted) for _ in range(3)]
+    assert epochs[0] != epochs[1] != epochs[2]
+    for e in range(3):
+        resumed = sampler()
+        resumed.skip_epochs(e)
+        assert list(resumed) == epochs[e]
+    unshuffled = EpochOrder(list(range(12)), mini_repeat_count=1, batch_size=4, shuffle=False)
+    unshuffled.skip_epochs(2)
+    assert list(unshuffled) == list(range(12))

@@ -1,6 +1,7 @@
 """A run moves to another number of ranks: 2 → 1 → 2 under torchrun, the ranks' batches together kept (DDP). Each
 relaunch resumes the newest checkpoint by itself, says that it moved, and trains on exactly the data the
-uninterrupted 2-rank run trains at the same steps: sample by sample, no repeats, no skips.
+uninterrupted 2-rank run trains at the same steps: sample by sample, no repeats, no skips. The dataset holds 4 steps'
+prompts, so the last relaunch resumes in the second epoch, whose order is not the first's (`EpochOrder`).
 
 (The decision and its refusals, on checkpoints written as the trainer writes them: tests/test_relaunch.py; partial
 rollouts' carried groups shared out among the ranks: tests/test_partial_rollouts.py.)
@@ -16,6 +17,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, _env, _free_port
 
+from colograd.models import tiny
+
 FLAGS = [
     "colograd/train.py", "--config", "recipes/grpo_tiny.yaml", "--save_strategy", "steps", "--save_steps", "2",
     "--disable_tqdm", "true", "--reward_funcs", "tests.scripts.recording_reward.letters_recorded",
@@ -25,10 +28,13 @@ PER_RANK = 16  # completions per rank and micro-step on 2 ranks: 2 prompts of 8 
 
 def run(out: Path, ranks: int, max_steps: int, record: Path) -> str:
     """Train into `out` on `ranks` processes under torchrun up to `max_steps`, keeping all ranks' batch at
-    2 × PER_RANK; returns the launch's output."""
+    2 × PER_RANK, on the 16 prompts of `out`'s parent's dataset; returns the launch's output."""
     record.mkdir(exist_ok=True)
+    data = out.parent / "letters.jsonl"
+    if not data.exists():
+        tiny.letters_dataset(16).to_json(str(data))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-           "--master_port", str(_free_port()), *FLAGS, "--max_steps", str(max_steps),
+           "--master_port", str(_free_port()), *FLAGS, "--max_steps", str(max_steps), "--dataset_name", str(data),
            "--per_device_train_batch_size", str(2 * PER_RANK // ranks), "--output_dir", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**_env(), "RECORD_DIR": str(record)},
                           timeout=600)  # fmt: skip
@@ -62,5 +68,6 @@ def test_a_run_moves_from_2_ranks_to_1_and_back_on_the_data_of_an_uninterrupted_
 
     trained_on = trained(tmp_path / "record")
     assert sorted(trained_on) == [3, 4, 5, 6]  # only the steps after each checkpoint, none twice
-    for step in (3, 4, 5, 6):
+    for step in (3, 4, 5, 6):  # 5 and 6: the second epoch
         assert trained_on[step] == reference[step], step
+    assert reference[5] != reference[1]  # the second epoch's order is its own

@@ -184,6 +184,7 @@ class RolloutBatches(Trainer):
     (`RepeatSampler`) or a stream (`RolloutStream`) in the same order."""
 
     numbered_rows = False  # rows carry their index (`ROW_KEY`), for a vision-language run's per-row checks
+    resume_step = 0  # the optimizer step training (re)starts from: the data continues there
 
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:
         """Each micro-step gets a rollout's worth of whole prompts: `prompts_per_rollout`.
@@ -209,13 +210,34 @@ class RolloutBatches(Trainer):
         )
 
     def _get_train_sampler(self, dataset: Any = None) -> torch.utils.data.Sampler:
-        """Shuffled prompts, each rollout's batch (for all ranks) repeated once per micro-step that trains on it."""
+        """Shuffled prompts, each rollout's batch (for all ranks) repeated once per micro-step that trains on it; a
+        resumed run's in the order of the epoch it resumes in (`EpochOrder`)."""
         args = self.args
-        return RepeatSampler(
+        batch = args.prompts_per_rollout * self.accelerator.num_processes
+        sampler = EpochOrder(
             data_source=dataset if dataset is not None else self.train_dataset,
             mini_repeat_count=1,  # the engine samples the G completions of a prompt itself (n=G)
-            batch_size=args.prompts_per_rollout * self.accelerator.num_processes,
+            batch_size=batch,
             repeat_count=args.rollout_micro_steps,
             shuffle=args.shuffle_dataset,
             seed=args.seed,
         )
+        # The optimizer steps of an epoch, as the Trainer counts them (its batches per rank // accumulation).
+        steps_per_epoch = len(sampler) // (batch * args.gradient_accumulation_steps)
+        sampler.skip_epochs(self.resume_step // steps_per_epoch if steps_per_epoch else 0)
+        return sampler
+
+
+class EpochOrder(RepeatSampler):
+    """TRL's `RepeatSampler`, whose epoch e is in the same order whether a run got there uninterrupted or resumed.
+
+    `RepeatSampler` draws each epoch's order from one generator seeded once: epoch e's is its (e + 1)-th draw. A
+    resumed run builds a new sampler, and the Trainer skips only the batches already trained in the epoch it
+    resumes in, so without `skip_epochs` a run resumed in its second epoch would train on the first epoch's order.
+    """
+
+    def skip_epochs(self, epochs: int) -> None:
+        """Draw, and drop, the orders of the `epochs` epochs a resumed run already trained."""
+        if self.shuffle:
+            for _ in range(epochs):
+                torch.randperm(self.num_samples, generator=self.generator)
