@@ -7,7 +7,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from colograd.bench.soak import slope_per_100_steps
+from colograd.bench.memory import slope_per_100_steps
 from colograd.runs.timing import PhaseTimes, format_summary, throughput
 
 
@@ -607,3 +607,193 @@ def test_sharing_bench_reports_a_packing_that_runs_out_of_memory_and_runs_the_ot
     r = sharing.run("tiny", prompts=1, prompt_tokens=20, generations=2, completion_tokens=4, repeats=1)
     assert r["unshared_s"] == float("inf") and r["shared_mask_s"] > 0
     assert "unshared           out of memory" in capsys.readouterr().out
+
+
+# --- the failure soak (`python -m colograd.bench soak`): its pure logic; its figures come from running it ---------
+
+
+def test_soak_kill_schedule_is_reproducible_and_spreads_one_failure_over_each_span():
+    from colograd.bench.soak import kill_schedule
+
+    schedule = kill_schedule(seed=7, steps=400, failures=3, nproc=2)
+    assert schedule == kill_schedule(seed=7, steps=400, failures=3, nproc=2)  # the printed seed replays it
+    assert schedule != kill_schedule(seed=8, steps=400, failures=3, nproc=2)
+    # Steps 1 .. 398 in 3 spans: [1, 133], [134, 266], [267, 398]; the last leaves a step before the end.
+    spans = [(1, 133), (134, 266), (267, 398)]
+    assert all(lo <= kill.after_step <= hi for kill, (lo, hi) in zip(schedule, spans, strict=True))
+    assert all(0 <= kill.delay < 1 and kill.rank in (0, 1) for kill in schedule)
+    # As many failures as steps allow: one after each of steps 1 .. steps-2, in order.
+    assert [k.after_step for k in kill_schedule(seed=1, steps=6, failures=4, nproc=1)] == [1, 2, 3, 4]
+    assert kill_schedule(seed=1, steps=6, failures=0, nproc=2) == []
+    ranks = {k.rank for k in kill_schedule(seed=3, steps=1000, failures=200, nproc=4)}
+    assert ranks == {0, 1, 2, 3}  # any worker, never the launcher
+
+
+def test_soak_settings_fill_the_defaults_and_refuse_bad_values_in_one_line():
+    from colograd.bench.soak import DEFAULTS, settings
+
+    s = settings(seed=5)
+    assert s == {**DEFAULTS, "seed": 5}
+    assert 0 <= settings()["seed"] < 2**31  # a fresh seed when none is given (printed by the run)
+    assert settings(steps=10, save_steps=9, failures=8, nproc=1, launcher="accelerate", seed=0)["failures"] == 8
+    refused = {
+        "--steps 1: give at least 2 steps.": {"steps": 1},
+        "--save-steps 0: give from 1 to 399 (below --steps 400)": {"save_steps": 0},
+        "--save-steps 50: give from 1 to 49 (below --steps 50)": {"steps": 50, "save_steps": 50},
+        "--failures 9: give from 0 to 8 (each failure comes after its own step among steps 1 to 8 of --steps 10)": {
+            "steps": 10, "save_steps": 2, "failures": 9},
+        "--failures -1: give from 0 to 398": {"failures": -1},
+        "--nproc 0: give at least 1 process.": {"nproc": 0},
+        "--seed -3: give a seed of 0 or more.": {"seed": -3},
+        "--launcher 'mpirun': give one of torchrun, accelerate.": {"launcher": "mpirun"},
+    }  # fmt: skip
+    for message, values in refused.items():
+        with pytest.raises(ValueError) as err:
+            settings(**values)
+        assert str(err.value).startswith(message) and "\n" not in str(err.value), str(err.value)
+
+
+def test_soak_command_line_runs_the_failure_soak_and_memory_the_memory_soak(monkeypatch, capsys):
+    import sys
+
+    from colograd.bench import __main__ as bench_main
+    from colograd.bench import memory, soak
+
+    assert bench_main.BENCHMARKS["soak"] == soak.__name__ and bench_main.BENCHMARKS["memory"] == memory.__name__
+    ran = {}
+    monkeypatch.setattr(soak, "run", lambda **kwargs: ran.update(kwargs))
+    argv = ["python -m colograd.bench", "soak", "--steps", "60", "--failures", "1", "--seed", "9", "--json"]
+    monkeypatch.setattr(sys, "argv", argv + ["--launcher", "accelerate"])
+    bench_main.main()
+    assert ran == {**soak.DEFAULTS, "steps": 60, "failures": 1, "seed": 9, "launcher": "accelerate",
+                   "as_json": True}  # fmt: skip
+    ran.clear()
+    monkeypatch.setattr(sys, "argv", [*argv, "--save-steps", "60"])
+    with pytest.raises(SystemExit) as err:  # refused before any launch
+        bench_main.main()
+    assert str(err.value).startswith("colograd.bench soak: --save-steps 60: give from 1 to 59") and not ran
+
+
+def test_soak_reads_the_resume_note_and_the_step_lines_of_a_launchs_output():
+    from colograd.bench.soak import logged_steps, resumed_step, steps_lost
+
+    note = (
+        "colograd: note: resuming from outputs/run/checkpoint-40, the newest finished checkpoint in outputs/run: it "
+        "was saved by a run set up as this one (auto_resume); outputs/run/checkpoint-60 is incomplete (its "
+        "trainer_state.json is missing or cut short: its save was interrupted)."
+    )  # as docs/long-runs.md shows it
+    assert resumed_step(note) == 40
+    assert resumed_step("colograd: note: starting afresh, as no save of this run finished: removed its ...") is None
+    assert resumed_step("{'loss': '-0.006', 'epoch': '0.0078'}") is None
+    assert logged_steps("{'loss': '-0.00621', 'grad_norm': '0.5644', 'epoch': '0.007812'}\n") == 1
+    assert logged_steps("Writing model shards: 100%|█| 1/1{'loss': '0.1', 'epoch': '1'}") == 1  # after a save's bar
+    assert logged_steps("{'train_runtime': '2.468', 'train_loss': '-0.008275', 'epoch': '0.1562'}") == 0
+    # Killed after step 57 was logged, checkpoint-50 the newest finished: steps 51 to 57 are trained again.
+    assert steps_lost(57, 50) == 7 and steps_lost(50, 50) == 0
+
+
+def test_soak_finds_the_first_step_whose_logged_metrics_differ_timings_aside():
+    from colograd.bench.soak import first_divergent_step
+
+    def history(losses, seconds):
+        entries = [{"loss": loss, "reward": 0.5, "time/train": t, "throughput/train_tokens_per_s": 1 / t, "step": i}
+                   for i, (loss, t) in enumerate(zip(losses, seconds, strict=True), 1)]  # fmt: skip
+        return [*entries, {"train_runtime": sum(seconds), "step": len(losses)}]
+
+    expected = history([0.1, 0.2, 0.3], [1.0, 1.0, 1.0])
+    assert first_divergent_step(expected, history([0.1, 0.2, 0.3], [2.0, 0.5, 9.0])) is None  # timings differ only
+    assert first_divergent_step(expected, history([0.1, 0.25, 0.3], [1.0, 1.0, 1.0])) == 2
+    assert first_divergent_step(expected, history([0.1, 0.2], [1.0, 1.0])) == 3  # a step one run did not log
+
+
+def test_soak_compares_the_final_weights_and_finds_the_first_checkpoint_that_differs(tmp_path):
+    from safetensors.torch import save_file
+
+    from colograd.bench.soak import compare
+
+    def save(folder, weight, losses=None):
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file({"w": weight, "b": torch.zeros(2)}, str(folder / "model.safetensors"))
+        if losses is not None:  # a finished checkpoint, as transformers writes it (its state last)
+            history = [{"loss": loss, "time/train": 0.1 * step, "step": step} for step, loss in enumerate(losses, 1)]
+            state = {"global_step": len(losses), "log_history": history}
+            (folder / "trainer_state.json").write_text(json.dumps(state))
+
+    losses = [0.5, 0.4, 0.3, 0.2, 0.1, 0.0]
+    weights = {step: torch.full((2, 2), float(step)) for step in (2, 4, 6)}
+    for run in ("uninterrupted", "soak"):
+        for step, weight in weights.items():
+            save(tmp_path / run / f"checkpoint-{step}", weight, losses[:step])
+        save(tmp_path / run, weights[6])
+    same = compare(tmp_path / "uninterrupted", tmp_path / "soak")
+    assert same == {"bit_identical": True, "max_abs_diff": 0.0, "first_divergent_checkpoint": None,
+                    "metrics_identical": True, "first_divergent_step": None, "compared_through_step": 6}  # fmt: skip
+
+    off = weights[6].clone()
+    off[0, 1] += 2**-20  # one element, by two units in the last place of a float32 6.0
+    save(tmp_path / "soak", off)
+    save(tmp_path / "soak/checkpoint-6", off, [*losses[:3], 0.25, 0.1, 0.0])
+    save(tmp_path / "soak/checkpoint-4", weights[4] + 1e-3, losses[:4])
+    differ = compare(tmp_path / "uninterrupted", tmp_path / "soak")
+    assert not differ["bit_identical"] and differ["max_abs_diff"] == 2**-20
+    assert differ["first_divergent_checkpoint"] == 4 and differ["compared_through_step"] == 6
+    # From the newest checkpoint both saved: its log holds every step's metrics.
+    assert not differ["metrics_identical"] and differ["first_divergent_step"] == 4
+
+
+def test_soak_finds_a_launchers_worker_by_its_rank(tmp_path):
+    import subprocess
+
+    from colograd.bench.soak import worker_pid
+
+    child = subprocess.Popen(["sleep", "30"], env={**os.environ, "RANK": "1"})
+    try:
+        assert worker_pid(os.getpid(), 1) == child.pid
+        assert worker_pid(os.getpid(), 0) is None and worker_pid(child.pid, 1) is None
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_soak_report_says_what_each_failure_cost_and_whether_the_end_is_bit_identical():
+    from colograd.bench.soak import report
+
+    failure = {"killed_in_step": 58, "rank": 1, "launch_exit_code": 1, "checkpoint": 40, "resumed_from": 40,
+               "steps_lost": 17, "exit_s": 0.4, "resume_s": 12.25}  # fmt: skip
+    r = {
+        "steps": 400, "save_steps": 20, "failures": 1, "nproc": 2, "launcher": "torchrun", "seed": 11,
+        "failures_survived": 1, "failure_details": [failure], "steps_lost_total": 17, "steps_lost_max": 17,
+        "steps_trained": 417, "resume_s": [12.25], "resume_s_median": 12.25, "fresh_first_step_s": 11.0,
+        "with_failures_s": 90.0, "uninterrupted_s": 60.0, "bit_identical": True, "max_abs_diff": 0.0,
+        "first_divergent_checkpoint": None, "metrics_identical": True, "first_divergent_step": None,
+        "compared_through_step": 400,
+        "load_average_1min_before": 0.5, "load_average_1min": 2.5, "output_dir": "outputs/bench-soak",
+    }  # fmt: skip
+    text = report(r)
+    assert "400 steps of recipes/grpo_tiny.yaml on 2 processes under torchrun, a checkpoint every 20 steps" in text
+    assert "1 failures (schedule seed 11)" in text
+    assert "        1              58     1               40            40          17       0.4        12.2" in text
+    assert "failures survived: 1 of 1; steps lost 17 in all, at most 17 for one (save interval 20)" in text
+    assert "bit-identical to the uninterrupted run: yes (largest absolute weight difference 0.0)" in text
+    assert "through step 400: identical at every step" in text
+    text = report({**r, "bit_identical": False, "max_abs_diff": 3e-8, "first_divergent_checkpoint": 60,
+                   "first_divergent_step": 41})  # fmt: skip
+    assert "bit-identical to the uninterrupted run: no: largest absolute weight difference 3e-08; first " in text
+    assert "checkpoint whose weights differ: 60" in text and "first differ at step 41" in text
+    text = report({**r, "metrics_identical": False, "first_divergent_step": 131})  # other batches, no gradient
+    assert "first differ at step 131 (the weights agree all the same: where every group's rewards are equal" in text
+
+
+@pytest.mark.slow  # three 2-process torchrun launches: the soak's killed one, its relaunch, the uninterrupted run
+def test_soak_with_one_failure_resumes_and_ends_bit_identical(tmp_path, monkeypatch, capsys):
+    from colograd.bench import soak
+
+    monkeypatch.chdir(tmp_path)  # outputs/bench-soak under it
+    r = soak.run(steps=6, save_steps=2, failures=1, seed=4, as_json=True)
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == r
+    (f,) = r["failure_details"]
+    assert r["failures_survived"] == 1 and f["launch_exit_code"] != 0
+    assert f["checkpoint"] == f["resumed_from"] and 0 <= f["steps_lost"] <= 2 and f["resume_s"] > 0
+    assert r["steps_trained"] == 6 + f["steps_lost"]
+    assert r["bit_identical"] and r["max_abs_diff"] == 0.0 and r["metrics_identical"]
+    assert (tmp_path / "outputs/bench-soak/result.json").exists()

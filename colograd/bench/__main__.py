@@ -1,4 +1,4 @@
-"""`python -m colograd.bench {sync,soak,step,vlm,moe,tools,entropy,sharing,code,longtail} [--json]`: run one
+"""`python -m colograd.bench {sync,soak,memory,step,vlm,moe,tools,entropy,sharing,code,longtail} [--json]`: run one
 benchmark."""
 
 import argparse
@@ -15,6 +15,7 @@ PASSIVE_WAITS = ("sync",)
 BENCHMARKS = {
     "sync": "colograd.bench.sync",
     "soak": "colograd.bench.soak",
+    "memory": "colograd.bench.memory",
     "step": "colograd.bench.step",
     "vlm": "colograd.bench.vlm",
     "moe": "colograd.bench.moe",
@@ -44,8 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--steps",
         type=int,
-        help="soak: training steps (default 300); step, vlm, moe, longtail: timed steps (default: the workload's)",
+        help="soak: the run's steps (default 400); memory: training steps (default 300); step, vlm, moe, longtail: "
+        "timed steps (default: the workload's)",
     )
+    parser.add_argument("--save-steps", type=int, help="soak: steps between checkpoints (default 20)")
+    parser.add_argument("--failures", type=int, help="soak: workers killed, one per launch (default 3)")
+    parser.add_argument("--seed", type=int, help="soak: the kill schedule's seed (default: a new one, printed)")
+    parser.add_argument("--nproc", type=int, help="soak: processes per launch (default 2)")
+    parser.add_argument("--launcher", choices=["torchrun", "accelerate"], help="soak: the launcher (default torchrun)")
     parser.add_argument(
         "--model", choices=["tiny", "small", "smollm2"], help="step: the model (default small; smollm2: pretrained)"
     )
@@ -128,8 +135,16 @@ def main() -> None:
         command = [sys.executable, "-m", "colograd.bench", *sys.argv[1:]]
         os.execve(sys.executable, command, {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
     bench = importlib.import_module(BENCHMARKS[args.name])
-    if args.name == "soak":
+    if args.name == "memory":
         bench.run(steps=args.steps or 300, as_json=args.json)
+    elif args.name == "soak":
+        given = {"steps": args.steps, "save_steps": args.save_steps, "failures": args.failures, "seed": args.seed,
+                 "nproc": args.nproc, "launcher": args.launcher}  # fmt: skip
+        try:
+            settings = bench.settings(**given)
+        except ValueError as err:  # one line, before any launch
+            raise SystemExit(f"colograd.bench soak: {err}") from None
+        bench.run(**settings, as_json=args.json)
     elif args.name in ("step", "vlm"):
         size, settings = step_workload(args) if args.name == "step" else vlm_workload(args)
         try:

@@ -1,6 +1,8 @@
-"""Memory soak: does a long run's resident memory grow? Trains the tiny default in one process for many
-steps, records the process's resident set size (RSS) after every optimizer step, and reports the slope
-of a least-squares line through the steps after warm-up (the first 20%, where caches fill up).
+"""Memory soak (`python -m colograd.bench memory`): does a long run's resident memory grow? Trains the tiny default
+in one process for many steps, records the process's resident set size (RSS) after every optimizer step, and
+reports the slope of a least-squares line through the steps after warm-up (the first 20%, where caches fill up).
+
+(The failure soak, `python -m colograd.bench soak`, is `colograd.bench.soak`.)
 
 A leak (a list that keeps every rollout, tensors kept alive by logged metrics) shows as a steady slope; a
 flat line means memory is bounded by the step, whatever the run length.
@@ -41,7 +43,7 @@ def slope_per_100_steps(values: list[float]) -> float:
 
 
 def run(steps: int = 300, as_json: bool = False) -> dict[str, float]:
-    args = tiny.run_config("outputs/bench-soak", steps, logging_steps=10)
+    args = tiny.run_config("outputs/bench-memory", steps, logging_steps=10)
     recorder = RecordRSS()
     trainer = GRPOTrainer(
         model=tiny.build_model(),
