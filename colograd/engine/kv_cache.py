@@ -31,7 +31,7 @@ CPU_CAP_BYTES = 2**30
 # The model types whose vLLM model files cache attention as MLA's one compressed latent per token when the config has
 # a `kv_lora_rank`: the list of vLLM's `ModelArchConfigConvertorBase.is_deepseek_mla`
 # (vllm/transformers_utils/model_arch_config_convertor.py), which `ModelConfig.use_mla` reads. Other configs with a
-# `kv_lora_rank` (MiniCPM3) attend with plain keys and values. tests/test_kv_floor.py holds this set to vLLM's.
+# `kv_lora_rank` (MiniCPM3) attend with plain keys and values. tests/engine/test_kv_floor.py holds this set to vLLM's.
 MLA_MODEL_TYPES = frozenset({
     "axk1", "deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v4", "deepseek_v41", "dots3_note", "deepseek_mtp",
     "k3_dspark", "glm5_next", "glm5_next_text", "glm_moe_dsa", "glm4_moe_lite", "glm4_moe_lite_mtp", "kimi_k2",
@@ -178,7 +178,7 @@ def kv_layer_slots(text_config: Any) -> int:
     (Gemma 3's 22 sliding-window and 4 global layers) the padding vLLM's hybrid cache adds. It groups the layers of
     each kind into groups of one size (the fewest layers of any kind, or the most where no kind has 1.5 times the
     fewest) and pads every kind to whole groups: Gemma-3-1B takes 4 + 24 = 28 slots for its 26 layers.
-    tests/test_kv_floor.py holds this to vLLM's own grouping on every model of its zoo."""
+    tests/engine/test_kv_floor.py holds this to vLLM's own grouping on every model of its zoo."""
     kinds: dict[int | None, int] = {}
     for window in sliding_windows(text_config):
         kinds[window] = kinds.get(window, 0) + 1

@@ -2,7 +2,7 @@
 undone: vLLM's imports keep their importers' frames, its start-up freezes the heap against garbage collection, a
 collected engine tears down the process-wide parallel groups, and its reload records keep every layer alive.
 Together they kept every trainer a process dropped (measured: 2.9 GB for one of a 120M-parameter model);
-tests/test_engine_memory.py checks that a dropped trainer, its optimizer and its engine's layers are freed. And
+tests/engine/test_engine_memory.py checks that a dropped trainer, its optimizer and its engine's layers are freed. And
 for architectures vLLM runs through its Transformers backend, that backend rewrites the transformers classes
 themselves, for the whole process (`own_classes` keeps the trainer's models out of it)."""
 

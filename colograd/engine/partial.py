@@ -8,7 +8,7 @@ sampler tap), or from vLLM's per-token objects where the tap is not installed. I
 all their completions finished, and aborts the rest: what they sampled so far is kept, and a later call continues
 each as prompt + tokens so far, with what is left of its length. The engine computes a continued completion's
 tokens from the same context as it would have in one piece, so their log-probs are the same
-(tests/test_partial_rollouts.py).
+(tests/grpo/test_partial_rollouts.py).
 """
 
 import logging

@@ -1,4 +1,4 @@
-"""Dynamic sampling on 2 ranks (tests/test_dynamic_sampling.py): rank 0's reward also leaves the groups of prompts
+"""Dynamic sampling on 2 ranks (tests/grpo/test_dynamic_sampling.py): rank 0's reward also leaves the groups of prompts
 asking for 'a' or 'b' uniform, so rank 0 needs more refill rounds than rank 1. Run under a multi-process launch:
 
     accelerate launch --config_file tests/configs/zero3_cpu.yaml tests/scripts/dynamic_check.py OUT_DIR

@@ -1,7 +1,7 @@
 """The parity guard's decisions (colograd/grpo/parity.py) on hand-made gaps, and the two fixes that keep a model's
 training forward and the engine's model the same without a run: every dropout off, and the architecture name vLLM
 picks its model by; the diagnosis's sentence for each outcome of its comparison, and which tensors the sync copies
-in again after vLLM's reload. The runs themselves are in tests/test_parity.py."""
+in again after vLLM's reload. The runs themselves are in tests/zoo/test_parity.py."""
 
 from contextlib import contextmanager
 from types import SimpleNamespace

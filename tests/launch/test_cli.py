@@ -1,7 +1,7 @@
 """`colograd/train.py` as users run it: one process from a recipe, and one-line errors for bad input.
 
 The runs that train, and one refusal, run the script in a process of their own, as a user does (the one-process run
-that trains and saves 2 steps is tests/test_output_dir.py's first run, which the second-run refusals need anyway);
+that trains and saves 2 steps is tests/runs/test_output_dir.py's first run, which the second-run refusals need anyway);
 the other refusals run it in this process (`conftest.refused`), which checks the same line, exit code and absence
 of a traceback, and also that no weights were read and no engine started.
 """

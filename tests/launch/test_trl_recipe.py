@@ -211,7 +211,7 @@ def test_each_rank_trains_on_its_slice_of_the_streamed_split(run, tmp_path):
     parser = train._Parser((ScriptArguments, GRPOConfig, ModelConfig))
     argv = ["--config", str(RECIPE), *FLAGS, *OPTIONS, "--output_dir", str(tmp_path)]
     script_args, args, _ = parser.parse_args_and_config(argv)
-    # What the 2 ranks read, by the pure simulation of the Trainer's dataloader (see tests/test_data.py).
+    # What the 2 ranks read, by the pure simulation of the Trainer's dataloader (see tests/data/test_data.py).
     stream = rollout_stream(load_prompts(script_args, streaming=True), args, two_ranks())
     ranks = [rank_batches(stream, rank, 2, args.prompts_per_rollout) for rank in range(2)]
     assert all(set(map(str, a)).isdisjoint(map(str, b)) for a, b in zip(*ranks, strict=True))

@@ -354,7 +354,7 @@ def test_unsupported_attention_head_size(work, heads, head_dim):
 
 @pytest.mark.parametrize("kind", ["qwen2_moe", "mixtral"])
 def test_mixture_of_experts_models_the_cpu_engine_cannot_run_are_refused(work, kind):
-    # vLLM's CPU expert kernel needs a hidden size that is a multiple of 32 (tests/test_moe.py: those it runs).
+    # vLLM's CPU expert kernel needs a hidden size that is a multiple of 32 (tests/models/test_moe.py: those it runs).
     from transformers import MixtralConfig, Qwen2MoeConfig
 
     sizes = dict(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,

@@ -18,7 +18,7 @@ from colograd.config.ranges import RANGES, TRL_ONLY, check_ranges, numeric_field
 from colograd.config.recipe import read_recipe
 from colograd.train import _Parser
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = (ROOT / "recipes/grpo_tiny.yaml").read_text()
 PARSER = _Parser((ScriptArguments, GRPOConfig, ModelConfig))
 

@@ -3,7 +3,7 @@
 vLLM's Transformers backend (the architectures vLLM has no model of its own for: OLMo-2, Phi-2, GPT-NeoX ...)
 decorates the transformers decoder class for compilation, in place, for the whole process; `own_classes` keeps the
 trainer's models out of it. Checked here with vLLM's own decorator on a class of the test's own, so that no other
-test's class is touched; the zoo (tests/test_zoo.py) trains OLMo-2 and Phi-2 through the real backend."""
+test's class is touched; the zoo (tests/zoo/test_zoo.py) trains OLMo-2 and Phi-2 through the real backend."""
 
 import pytest
 import torch

@@ -1,5 +1,5 @@
 """A launch the other multi-process tests do not cover: a launch config that turns on bf16 mixed precision (two
-machines on loopback: tests/test_distributed.py, whose untied run that launch repeats)."""
+machines on loopback: tests/launch/test_distributed.py, whose untied run that launch repeats)."""
 
 import json
 

@@ -247,7 +247,7 @@ def test_a_torchrun_launch_with_restarts_ends_at_once_each_attempt_refusing(tmp_
 
 # --- a worker killed, the same command relaunched ------------------------------------------------------------
 
-# (Under accelerate launch, and with logs, model card and completions checked too: tests/test_resume.py.)
+# (Under accelerate launch, and with logs, model card and completions checked too: tests/launch/test_resume.py.)
 # Every run is the same command, the output folder aside: the reward hangs from step 3 only where HANG_AT_STEP is
 # set, so that the killed run is stopped mid-step once checkpoint-2 is finished.
 FLAGS = [

@@ -40,7 +40,7 @@ def test_adapter_rank_counts_rank_pattern():
 )
 def test_options_the_sync_cannot_serve_are_refused(options, adapter_message, merged_message):
     """Adapter sync: vLLM's own loader check, run on the config. Merged sync serves modules_to_save (the trained
-    copy is sent; tests/test_engine.py checks its parity) and does not refuse PiSSA (its rewritten base is what
+    copy is sent; tests/engine/test_engine.py checks its parity) and does not refuse PiSSA (its rewritten base is what
     it sends), but refuses options whose merged weight is more than base + B·A."""
     config = LoraConfig(r=8, **options)
     with pytest.raises(ConfigError, match="lora_sync=adapter") as err:

@@ -58,7 +58,7 @@ def test_lora_reference_is_the_base_model_without_a_copy():
 
 def test_trainer_reference_stage_with_lora_gives_base_logps_and_a_kl_gradient_on_adapters_only(tmp_path):
     # The trainer's own `rollout_logps` and `completion_logps` stages on a stand-in `self` (no engine needed),
-    # then the loss with the KL term. tests/test_grpo_family.py runs the same path end to end.
+    # then the loss with the KL term. tests/launch/test_grpo_family.py runs the same path end to end.
     policy = get_peft_model(tiny.build_model(), LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False))
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, beta=0.1,
                       report_to="none")  # fmt: skip

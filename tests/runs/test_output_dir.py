@@ -44,7 +44,7 @@ TINY = "recipes/grpo_tiny.yaml"
 
 def args_for(out, rank: int = 0, overwrite: bool = False) -> SimpleNamespace:
     """The fields the output_dir stage reads, for a process of `rank`; a run that names no checkpoint does not look
-    for its own here (`auto_resume`: tests/test_relaunch.py)."""
+    for its own here (`auto_resume`: tests/launch/test_relaunch.py)."""
     return SimpleNamespace(output_dir=str(out), process_index=rank, overwrite_output_dir=overwrite, auto_resume=False)
 
 
@@ -417,7 +417,7 @@ def error_line(proc: subprocess.CompletedProcess, only: bool = True) -> str:
 @pytest.mark.slow
 def test_second_run_refused_while_the_first_runs_then_new_run_and_changed_resume_refused(tmp_path):
     """The first run is also the suite's one-process run of the tiny recipe from the command line: it trains, logs
-    every step and saves the model, its tokenizer and its model card (the run tests/test_cli.py would make)."""
+    every step and saves the model, its tokenizer and its model card (the run tests/launch/test_cli.py would make)."""
     out = tmp_path / "out"
     flags = ["--config", TINY, "--max_steps", "2", "--save_strategy", "steps", "--save_steps", "1",
              "--disable_tqdm", "true", "--output_dir", str(out)]  # fmt: skip

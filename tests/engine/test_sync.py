@@ -1,4 +1,4 @@
-"""The weight sync's own behaviour that needs no engine (its parity with the engine: tests/test_engine.py)."""
+"""The weight sync's own behaviour that needs no engine (its parity with the engine: tests/engine/test_engine.py)."""
 
 import logging
 

@@ -21,7 +21,7 @@ from colograd.models import tiny
 from colograd.rewards.core import resolve_reward
 from colograd.train import _Parser, load_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml"))
 ACCELERATE_CONFIGS = sorted((ROOT / "recipes/accelerate_configs").glob("*.yaml"))
 
