@@ -14,7 +14,8 @@ processes).
 
 Nothing live crosses. What goes either way is data (`code_wire.encode`): None, bool, int, float, complex, str, bytes,
 lists, tuples, dicts, sets and frozensets, dates and times, Fraction, Decimal, numpy arrays and scalars, namedtuples,
-enums, Counters, OrderedDicts and defaultdicts, each rebuilt on arrival as a fresh value of the receiver's own types:
+enums, Counters, OrderedDicts and defaultdicts, each rebuilt on arrival as a fresh value of the receiver's own types
+(and the builtin types of such data, by name: ``isinstance(x, int)`` works on an ``int`` a test passes):
 the methods, comparisons and formatting a test runs on what the program returned are the judge's. A generator or
 iterator is materialised (bounded) before it crosses. What is not data stays where it is, behind a handle: a callable
 a test passes is called by the judge when the program asks (with data, for data); the program's objects answer

@@ -3,7 +3,9 @@ channel it goes over. Standard library only: this file's source runs inside the 
 
 The schema (`encode`, `decode`): None, bool, int, float, complex, str, bytes, lists, tuples, dicts, sets and
 frozensets, dates and times, Fraction, Decimal, numpy arrays and scalars, namedtuples, enums, Counters, OrderedDicts
-and defaultdicts, each rebuilt on arrival as a fresh value of the receiver's own types. Scalars travel as
+and defaultdicts, each rebuilt on arrival as a fresh value of the receiver's own types; and the builtin types of that
+data themselves (`int`, `str`, ... as a test passes them: ``remove_type(xs, int)``), by name, each arriving as the
+receiver's own builtin type. Scalars travel as
 themselves, anything else as a list whose first item names its type. What is not data is given to an `export`
 function, which hands back what stands for it (a handle: `colograd.rewards.code_handles`); the receiver gives a tag
 that is not data to its `resolve` function. A generator or iterator is materialised, bounded (`MAX_ITEMS`), before it
@@ -44,6 +46,11 @@ class Handle:
 # --- data ----------------------------------------------------------------------------------------------------------
 
 _CONTAINERS = {list: "list", tuple: "tuple", set: "set", frozenset: "frozenset"}
+# The builtin types that cross by name, as data: a test hands them to the program (``isinstance(x, data_type)`` with
+# ``int`` given), a program returns them. Taken when this module loads, before any program runs: a program's own class
+# named ``int``, or a rebound ``builtins.int``, is not one of them.
+_TYPES = {kind.__name__: kind for kind in (bool, int, float, complex, str, bytes, list, tuple, dict, set, frozenset)}
+_TYPE_NAMES = {kind: name for name, kind in _TYPES.items()}
 _MAKE = {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}
 _FACTORIES = {"int": int, "float": float, "str": str, "list": list, "dict": dict, "set": set, "tuple": tuple}
 
@@ -66,6 +73,8 @@ def encode(value, export=None, depth=0):
         return ["bytes", value.hex()]
     if kind is complex:
         return ["complex", value.real, value.imag]
+    if kind is type and value in _TYPE_NAMES:  # a class's hash and equality are its identity: no class can fake one
+        return ["type", _TYPE_NAMES[value]]
     if issubclass(kind, Handle):  # never inspected here (isinstance would ask the other side for its __class__)
         if export is None:
             raise NotPlainData(kind.__name__)
@@ -193,6 +202,8 @@ def _decode_tagged(tag, items, resolve, depth):
         return int(items[0], 16)
     if tag == "bytes" and len(items) == 1 and type(items[0]) is str:
         return bytes.fromhex(items[0])
+    if tag == "type" and len(items) == 1 and type(items[0]) is str and items[0] in _TYPES:
+        return _TYPES[items[0]]
     if tag == "complex" and len(items) == 2 and all(type(x) in (int, float) for x in items):
         return complex(*items)
     if tag in ("date", "datetime", "time") and len(items) == 1 and type(items[0]) is str and len(items[0]) < 64:

@@ -136,7 +136,8 @@ class Execution:
     verdicts: with a judge, each test's outcome by index ("ok", a failure reason, or "ended": decided by the
         program's end); a test missing from it was not reached.
     judge_failure: with a judge, why it did not finish (its own error or its limits), else None.
-    protections: the protections the launcher applied (`PROTECTIONS`).
+    protections: the protections the launcher applied (`PROTECTIONS`), reported before the program starts: an
+        execution killed from outside (a timeout, the CPU time or output limit) reports them too.
     """
 
     stdout: str
@@ -325,7 +326,9 @@ def _cpu_cgroups(memory: MemoryCgroups | None) -> Cgroups | None:
 
 def _status(status_bytes: bytes, tests: int) -> tuple[dict, dict[int, str], str | None]:
     """The launcher's report, the judge's verdicts and the judge's failure, read from the status pipe's lines as
-    untrusted: a line that is not one of the three shapes fails the judge (and so every test it did not decide)."""
+    untrusted: a line that is not one of the three shapes fails the judge (and so every test it did not decide). The
+    launcher reports in two lines: the protections in force, before the program starts, then how its processes
+    ended (which a killed execution never writes)."""
     verdicts: dict[int, str] = {}
     status: dict = {}
     judge_failure = None
@@ -340,8 +343,8 @@ def _status(status_bytes: bytes, tests: int) -> tuple[dict, dict[int, str], str 
             verdicts.setdefault(report["test"], report["outcome"][:200])
         elif type(report.get("judge_error")) is str:
             judge_failure = f"judge: {report['judge_error'][:500]}"
-        elif "setup_error" in report or "program" in report:
-            status = _launcher_report(report)
+        elif "setup_error" in report or "program" in report or "protections" in report:
+            status.update(_launcher_report(report))
         else:
             judge_failure = judge_failure or "judge: malformed status"
     return status, verdicts, judge_failure
@@ -350,7 +353,9 @@ def _status(status_bytes: bytes, tests: int) -> tuple[dict, dict[int, str], str 
 def _launcher_report(report: dict) -> dict:
     """The launcher's report, keeping only fields of the types it writes."""
     given = report.get("protections")
-    out: dict = {"protections": [p for p in given if p in PROTECTIONS] if type(given) is list else []}
+    out: dict = {}
+    if type(given) is list:
+        out["protections"] = [p for p in given if p in PROTECTIONS]
     if "setup_error" in report:
         out["setup_error"] = str(report["setup_error"])[:500]
     for who in ("program", "judge"):

@@ -377,11 +377,14 @@ def _stop(program: int, grace_s: float = 0.5) -> dict:
 
 
 def init(orders: dict, uid: int | None, status_fd: int, seccomp: SeccompFilter | None, applied: list[str]) -> None:
-    """Start the program (and the judge); reap every child until they are done; report their status. Isolated, this
-    is pid 1 of the sandbox, and its exit kills whatever the program left behind."""
+    """Say which protections are in force, start the program (and the judge), reap every child until they are done,
+    report their status. Isolated, this is pid 1 of the sandbox, and its exit kills whatever the program left behind.
+    The protections are reported before the program starts, so that an execution killed from outside (a timeout, the
+    CPU or output limit), whose final report never comes, still says what it ran under."""
     if orders["isolated"]:
         _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    os.write(status_fd, (json.dumps({"protections": applied}) + "\n").encode())
     channel = judge_end = None
     if orders["judge"] is not None:
         to_program, to_judge = os.pipe(), os.pipe()
