@@ -228,8 +228,8 @@ ZOO: dict[str, dict[str, Any]] = {
                                      "eos_token_id": 100001},
 }  # fmt: skip
 
-# Families the parity guard is proven on (tests/zoo/test_parity.py), one per class of engine/trainer disagreement: not part
-# of the zoo's every-model runs, which they would lengthen without covering another shape.
+# Families the parity guard is proven on (tests/zoo/test_parity.py), one per class of engine/trainer disagreement: not
+# part of the zoo's every-model runs, which they would lengthen without covering another shape.
 PARITY: dict[str, dict[str, Any]] = {
     # huggingface.co/zai-org/GLM-4.5-Air/blob/main/config.json: layer 0 dense, then 128 routed experts (8 per token,
     # sigmoid-scored with a score-correction bias, a persistent buffer, renormalised) and 1 shared one; half the head

@@ -43,7 +43,8 @@ _STDERR_KEPT = 4096  # bytes of stderr kept for the failure's reason
 # most ~250 bytes). The judge writes it; it is parsed as untrusted all the same, within this cap.
 _STATUS_BYTES = 64 << 10
 _STATUS_BYTES_PER_TEST = 512
-# The protections beyond the namespaces, each one a layer a test removes to show what it holds (tests/test_sandbox.py).
+# The protections beyond the namespaces, each one a layer a test removes to show what it holds
+# (tests/rewards/test_sandbox.py).
 PROTECTIONS = ("memory_cgroup", "cpu_cgroup", "seccomp", "session_keyring", "ipc_limits")
 _MISSING = {
     "memory_cgroup": "memory is bounded per process (RLIMIT_AS), not for the whole execution (no writable memory "

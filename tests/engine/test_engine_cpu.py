@@ -34,8 +34,9 @@ def test_the_sampler_counts_ranks_eagerly_with_vllms_own_expression():
 
 
 def test_an_fp32_latent_attention_engine_gets_the_reference_cpu_backend():
-    """vLLM's AMX kernels for latent attention refuse fp32 weights at start-up (tests/models/test_moe.py's deepseek_v2 on a
-    CPU with AMX tiles): an fp32 MLA engine asks for the reference backend; bf16 and other attention keep vLLM's."""
+    """vLLM's AMX kernels for latent attention refuse fp32 weights at start-up (tests/models/test_moe.py's deepseek_v2
+    on a CPU with AMX tiles): an fp32 MLA engine asks for the reference backend; bf16 and other attention keep
+    vLLM's."""
     from transformers import DeepseekV2Config, LlamaConfig
 
     from colograd.engine.cpu import mla_backend

@@ -3,8 +3,8 @@ relaunch resumes the newest checkpoint by itself, says that it moved, and trains
 uninterrupted 2-rank run trains at the same steps: sample by sample, no repeats, no skips. The dataset holds 4 steps'
 prompts, so the last relaunch resumes in the second epoch, whose order is not the first's (`EpochOrder`).
 
-(The decision and its refusals, on checkpoints written as the trainer writes them: tests/launch/test_relaunch.py; partial
-rollouts' carried groups shared out among the ranks: tests/grpo/test_partial_rollouts.py.)
+(The decision and its refusals, on checkpoints written as the trainer writes them: tests/launch/test_relaunch.py;
+partial rollouts' carried groups shared out among the ranks: tests/grpo/test_partial_rollouts.py.)
 """
 
 import json

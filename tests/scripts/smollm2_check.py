@@ -1,5 +1,5 @@
-"""A short GRPO run on the built-in pretrained model, recording what tests/models/test_pretrained.py asserts; run it under
-a multi-process launch (the second rank converts the GGUF file into $COLOGRAD_CACHE while the first waits):
+"""A short GRPO run on the built-in pretrained model, recording what tests/models/test_pretrained.py asserts; run it
+under a multi-process launch (the second rank converts the GGUF file into $COLOGRAD_CACHE while the first waits):
 
     accelerate launch --config_file recipes/accelerate_configs/cpu.yaml tests/scripts/smollm2_check.py OUT_DIR
 

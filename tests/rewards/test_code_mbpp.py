@@ -1,5 +1,5 @@
 """Differential: MBPP's 974 reference solutions (Austin et al. 2021, the full `mbpp.jsonl`, vendored in
-`tests/data/mbpp/`), through the split harness, at the default limits, on a busy machine, with reward calls in
+`tests/rewards/mbpp/`), through the split harness, at the default limits, on a busy machine, with reward calls in
 parallel. Each solution, and a wrong program per task (the solution with its result changed, or another task's
 solution under this task's name), must score what one interpreter gives it: the program, the row's setup and its
 asserts run together in a plain process, as MBPP's own harness runs them, each assert counted as the reward counts
@@ -29,8 +29,9 @@ from colograd.rewards.code import CodeReward
 from colograd.rewards.code_tests import AssertTests, run_asserts
 from colograd.rewards.sandbox import Sandbox, SandboxLimits
 
-DATA = Path(__file__).parent / "data" / "mbpp" / "mbpp.jsonl.gz"
-# google-research/google-research's mbpp/mbpp.jsonl, byte for byte (tests/data/mbpp/README.md says how it was checked).
+DATA = Path(__file__).parent / "mbpp" / "mbpp.jsonl.gz"
+# google-research/google-research's mbpp/mbpp.jsonl, byte for byte (tests/rewards/mbpp/README.md says how it was
+# checked).
 SHA256 = "ccf64ceae9c5403bf50a044cb6d505bfd2a2963ee58338ba268fd65beab92a9f"
 
 
@@ -127,7 +128,7 @@ def called_name(row: dict) -> str:
 
 
 # A wrong program for each task: its solution, wrapped so that what it returns is changed (a sequence reversed, a
-# number plus one, a bool negated), as tests/test_code_humaneval.py changes HumanEval's.
+# number plus one, a bool negated), as tests/rewards/test_code_humaneval.py changes HumanEval's.
 MUTATE = """
 _right = {name}
 def {name}(*args, **kwargs):
