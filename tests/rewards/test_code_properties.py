@@ -6,8 +6,9 @@ directions: ``same(f(V), V)`` (the test's value to the program and back) and ``s
 makes), where V is source text for a value built of None, bools, ints of any size, floats (inf, nan, -0.0), complex
 numbers, str, bytes, lists, tuples, dicts, sets, frozensets, dates, times, datetimes, timedeltas, Fractions,
 Decimals, numpy arrays (any shape, dtype and byte order, their bytes as they come) and scalars, namedtuples, enums of
-each kind, Counters, OrderedDicts and defaultdicts. ``same`` is the row's own: equal, of the same type by name (a
-value is rebuilt as a type of the receiver's), to the last bit (its repr: -0.0, nan, Decimal("1.10")).
+each kind, Counters, OrderedDicts and defaultdicts, and the builtin data types themselves (``int``, ``str``, ...).
+``same`` is the row's own: equal, of the same type by name (a value is rebuilt as a type of the receiver's), to the
+last bit (its repr: -0.0, nan, Decimal("1.10")).
 
 Hypothesis draws the examples derandomized, so every run sees the same ones; each starts two sandboxed executions.
 """
@@ -157,6 +158,10 @@ HASHABLE_KINDS = (
         )  # fmt: skip
     ),
     st.sampled_from(["Shade.DARK", "Shade.LIGHT"]).map(lambda text: (text, True)),
+    # The builtin data types themselves (a test's ``remove_type(xs, int)``): they cross by name.
+    st.sampled_from(
+        ["bool", "int", "float", "complex", "str", "bytes", "list", "tuple", "dict", "set", "frozenset"]
+    ).map(_plain),
 )
 KINDS = (*HASHABLE_KINDS, st.just(_plain("float('nan')")), _numpy_values(scalar=True), _numpy_values(scalar=False))
 HASHABLE_LEAVES = st.one_of(*HASHABLE_KINDS)
