@@ -257,13 +257,10 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 
 
 def worker(launcher: int, rank: int) -> int:
-    """The pid of the launcher's child process that runs `rank`."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except (OSError, IndexError):
-            continue
-        if ppid == launcher and f"RANK={rank}".encode() in environ:
-            return int(pid)
-    raise AssertionError(f"no rank {rank} under process {launcher}")
+    """The pid of the launcher's child process that runs `rank` (`colograd.bench.soak.worker_pid`, which the failure
+    soak kills by)."""
+    from colograd.bench.soak import worker_pid
+
+    if (pid := worker_pid(launcher, rank)) is None:
+        raise AssertionError(f"no rank {rank} under process {launcher}")
+    return pid

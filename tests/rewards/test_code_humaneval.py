@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+from mutations import MUTATE
 
 from colograd.rewards.code import CodeReward
 from colograd.rewards.sandbox import SandboxLimits
@@ -39,29 +40,12 @@ def test_every_canonical_humaneval_solution_scores_one():
     assert failed == {}
 
 
-# A wrong program for each task: its canonical solution, wrapped so that what it returns is changed (a sequence
-# reversed, a number plus one, a bool negated); what the changed value does to the task's own check is for the check
-# to say, run as OpenAI's harness runs it.
-MUTATE = """
-_right = {entry}
-def {entry}(*args, **kwargs):
-    value = _right(*args, **kwargs)
-    if isinstance(value, bool):
-        return not value
-    if isinstance(value, (int, float)):
-        return value + 1
-    if isinstance(value, (list, str, tuple)):
-        return value[::-1]
-    return value
-"""
-
-
 def wrong_program(rows: list[dict], i: int) -> str:
     """Task i's wrong program: its canonical solution mutated (even i), or the next task's solution under task i's
     entry point (odd i)."""
     row = rows[i]
     if i % 2 == 0:
-        return row["prompt"] + row["canonical_solution"] + MUTATE.format(entry=row["entry_point"])
+        return row["prompt"] + row["canonical_solution"] + MUTATE.format(name=row["entry_point"])
     other = rows[(i + 1) % len(rows)]
     return f"{other['prompt']}{other['canonical_solution']}\n{row['entry_point']} = {other['entry_point']}\n"
 

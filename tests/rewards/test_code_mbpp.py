@@ -23,6 +23,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from mutations import MUTATE
 
 from colograd.rewards import code_wire
 from colograd.rewards.code import CodeReward
@@ -125,22 +126,6 @@ def called_name(row: dict) -> str:
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in defined:
                 return node.func.id
     raise AssertionError(f"task {row['task_id']}: its asserts call nothing its solution defines")
-
-
-# A wrong program for each task: its solution, wrapped so that what it returns is changed (a sequence reversed, a
-# number plus one, a bool negated), as tests/rewards/test_code_humaneval.py changes HumanEval's.
-MUTATE = """
-_right = {name}
-def {name}(*args, **kwargs):
-    value = _right(*args, **kwargs)
-    if isinstance(value, bool):
-        return not value
-    if isinstance(value, (int, float)):
-        return value + 1
-    if isinstance(value, (list, str, tuple)):
-        return value[::-1]
-    return value
-"""
 
 
 def wrong_programs(rows: list[dict]) -> list[str]:
