@@ -45,8 +45,8 @@ from colograd.grpo.dynamic import ROUND_STRIDE, DynamicSampling, largest_over_ra
 from colograd.grpo.entropy import EntropyTerms
 from colograd.grpo.evaluation import evaluate
 from colograd.grpo.forward import Forward
-from colograd.grpo.logps import engine_old_logps
 from colograd.grpo.loss import (
+    engine_old_logps,
     group_advantages,
     importance_ratio_metrics,
     importance_sampling,

@@ -123,6 +123,17 @@ def clipped_fractions(
     return {"low": low, "high": high, "region": low | high}
 
 
+def engine_old_logps(engine_logps_NT: torch.Tensor, trainer_logps: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """The engine's log-probs of its samples standing in for the sampling policy's (`engine_logps_are_old_logps`).
+    Where the engine could not score a token (NaN: the sampler tap missed an agent's turns, which cannot be sampled
+    again), the trainer's own at the same weights (`trainer_logps`, called only then): a NaN old log-prob would make
+    the loss NaN."""
+    unscored_NT = engine_logps_NT.isnan()
+    if not unscored_NT.any():
+        return engine_logps_NT
+    return torch.where(unscored_NT, trainer_logps().to(engine_logps_NT.dtype), engine_logps_NT)
+
+
 def importance_sampling(args: Any) -> tuple[str, float | None, float | None]:
     """`sampling_correction`'s mode and clips, as the config sets them (`vllm_importance_sampling_*`)."""
     return (

@@ -149,8 +149,7 @@ def test_tokens_the_engine_could_not_score_take_the_trainers_old_log_probs():
     """With the engine's log-probs standing in for the sampling policy's, a token it could not score (NaN: the tap
     missed an agent's turns) takes the trainer's log-prob at the same weights; a NaN old log-prob would make the loss
     and every gradient NaN. The trainer's pass runs only when some token is unscored."""
-    from colograd.grpo.logps import engine_old_logps
-    from colograd.grpo.loss import policy_loss
+    from colograd.grpo.loss import engine_old_logps, policy_loss
 
     torch.manual_seed(0)
     trainer_NT = torch.randn(4, 6).log_softmax(-1)
