@@ -48,6 +48,11 @@ LAYOUTS = (
 _BUILTINS = frozenset(dir(builtins))
 # Modules a test may use without importing them: they are the judge's, imported there, never the program's objects.
 _JUDGE_MODULES = {**{name: name for name in sys.stdlib_module_names}, "numpy": "numpy", "np": "numpy"}
+# CPython 3.11 keeps ast.parse's recursion count in one place per interpreter: when a parse lets another thread run
+# (a finalizer the garbage collector calls mid-parse) and that thread parses too (the reward call reading rows while
+# its pool's threads name each row's tests), one fails with "SystemError: AST constructor recursion depth mismatch".
+# Every parse here holds this lock.
+_PARSING = threading.Lock()
 
 
 class RowTestsError(ValueError):
@@ -246,7 +251,7 @@ def _checked(tests: AssertTests, column: str) -> AssertTests:
 def _called_names(source: str) -> set[str]:
     return {
         node.func.id
-        for node in ast.walk(ast.parse(source))
+        for node in ast.walk(parse_python(source))
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
     }
 
@@ -314,9 +319,15 @@ def _bound_in(table: symtable.SymbolTable) -> set[str]:
     return {s.get_name() for s in table.get_symbols() if s.is_assigned() or s.is_imported() or s.is_namespace()}
 
 
+def parse_python(source: str) -> ast.Module:
+    """`ast.parse`, safe to call from any thread (`_PARSING`)."""
+    with _PARSING:
+        return ast.parse(source)
+
+
 def _parse(what: str, source: str) -> ast.Module:
     try:
-        tree = ast.parse(source)
+        tree = parse_python(source)
     except (SyntaxError, ValueError, RecursionError, MemoryError) as err:
         detail = f"{type(err).__name__}: {getattr(err, 'msg', err)}"
         raise RowTestsError(f"{what} does not parse as Python ({detail}); fix it") from None

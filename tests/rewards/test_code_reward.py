@@ -3,6 +3,7 @@ early giving the same rewards; rows whose tests cannot be read refused before th
 
 import json
 import re
+import threading
 
 import pytest
 from conftest import ROOT, refused
@@ -10,6 +11,7 @@ from conftest import ROOT, refused
 from colograd.config.core import ConfigError
 from colograd.data import code_task
 from colograd.rewards.code import CodeReward, check_code_rows, extract_code, output_matches
+from colograd.rewards.code_tests import parse_python
 from colograd.rewards.core import resolve_reward
 from colograd.rewards.sandbox import SandboxLimits
 
@@ -279,3 +281,48 @@ def test_a_chat_completion_without_text_is_the_empty_program(code):
     logged = {}
     assert code(chats, [INFO] * 2, log_extra=lambda c, v: logged.update({c: v})) == [0.0, 0.0]
     assert logged["code_failure"] == ["no code block"] * 2
+
+
+class _Finalized:
+    """Garbage whose finalizer runs Python: the collector may call it in the middle of a parse, and another thread
+    then runs."""
+
+    def __init__(self):
+        self.cycle = self
+
+    def __del__(self):
+        sum(range(2000))
+
+
+def test_the_row_reader_parses_safely_from_many_threads():
+    # The reward call reads rows in its thread while its pool's threads name each row's tests; on CPython 3.11 two
+    # unguarded parses at once fail one with "SystemError: AST constructor recursion depth mismatch" (bare
+    # `ast.parse` in place of `parse_python` fails this in most runs on 3.11).
+    source = "\n".join(f"def f{i}(x):\n    return [y * {i} for y in x if y > {i}] + list(map(lambda z: -z, x))"
+                       for i in range(300))  # fmt: skip
+    errors = []
+
+    def parse_often():
+        for _ in range(40):
+            [_Finalized() for _ in range(200)]
+            try:
+                parse_python(source)
+            except SystemError as err:
+                errors.append(err)
+
+    threads = [threading.Thread(target=parse_often) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+
+
+def test_the_package_parses_python_only_through_the_guarded_parse():
+    parses = [
+        str(path.relative_to(ROOT))
+        for path in sorted((ROOT / "colograd").rglob("*.py"))
+        for line in path.read_text().splitlines()
+        if "ast.parse(" in line and not line.lstrip().startswith(("#", '"""', "`"))
+    ]
+    assert parses == ["colograd/rewards/code_tests.py"]  # the one in `parse_python`, under its lock
