@@ -23,7 +23,8 @@ import json
 import os
 import re
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import NoReturn
 
 import torch
@@ -356,6 +357,22 @@ def check_weight_files(
             _compare(f"{label}: the weights in", f"do not match {against}", files, tensors, *expected, fix)
 
 
+@contextmanager
+def built_whole() -> Iterator[None]:
+    """Build models whole while a ZeRO-3 config is active: transformers otherwise partitions a model as it builds it
+    (`deepspeed.zero.Init`), which fails on the meta device (a model's shapes, checked when a ZeRO-3 run resumes) and
+    for LLaVA's towers (built through `AutoModel.from_config`, then their empty shards initialised). DeepSpeed
+    partitions the whole model when it wraps it."""
+    from transformers.integrations import deepspeed
+
+    kept = deepspeed._hf_deepspeed_config_weak_ref
+    deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        deepspeed._hf_deepspeed_config_weak_ref = kept
+
+
 def _expected_shapes(
     folder: str, config: PretrainedConfig, trust_remote_code: bool
 ) -> tuple[dict[str, tuple[int, ...]], list[list[str]]] | None:
@@ -365,7 +382,7 @@ def _expected_shapes(
     # text, which a Qwen-VL's config needs (causal-LM classes do not take it).
     auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), built_whole():
             model = auto.from_config(config, trust_remote_code=trust_remote_code)
     except Exception as err:  # the config's values make no model (torch and transformers raise several types)
         if trust_remote_code:

@@ -16,8 +16,6 @@ projector and the language model learn to read the colour.
 
 import os
 import random
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from datasets import Dataset
@@ -38,6 +36,7 @@ from transformers.models.llava.image_processing_pil_llava import LlavaImageProce
 from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 
 from colograd.models import tiny
+from colograd.models.model_files import built_whole
 from colograd.models.tiny import _CHARS, _SPECIALS
 
 TINY_VLM = "colograd:tiny-llava"  # its name as a recipe's model_name_or_path
@@ -97,10 +96,10 @@ def _chat_template(image: str) -> str:
 
 def _seeded(model_class: type, config: Any, seed: int) -> Any:
     """`model_class(config)` initialised from `seed` (the same on every rank, the global generator untouched), built
-    whole under a ZeRO-3 config (`_built_whole`), ending and padding with the tiny vocabulary's ids."""
+    whole under a ZeRO-3 config (`built_whole`), ending and padding with the tiny vocabulary's ids."""
     import torch
 
-    with torch.random.fork_rng(), _built_whole():
+    with torch.random.fork_rng(), built_whole():
         torch.manual_seed(seed)
         model = model_class(config)
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = 1, 0
@@ -119,21 +118,6 @@ def build_model(
             own `tie_word_embeddings` then holds. Default: the tiny Qwen2 of `colograd.models.tiny`.
     """
     return _seeded(LlavaForConditionalGeneration, model_config(tie_word_embeddings, text_config), seed)
-
-
-@contextmanager
-def _built_whole() -> Iterator[None]:
-    """Build a model whole while a ZeRO-3 config is active, as the tiny Qwen2 is built (`zero3_init_flag: false`):
-    LLaVA builds its towers through `AutoModel.from_config`, which partitions them under ZeRO-3 at construction and
-    then fails to initialise the empty shards; DeepSpeed partitions the whole model when it wraps it."""
-    from transformers.integrations import deepspeed
-
-    kept = deepspeed._hf_deepspeed_config_weak_ref
-    deepspeed.unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        deepspeed._hf_deepspeed_config_weak_ref = kept
 
 
 def model_config(tie_word_embeddings: bool = False, text_config: Qwen2Config | None = None) -> LlavaConfig:

@@ -313,6 +313,19 @@ def test_the_checkpoint_of_this_run_passes(run):
     check_resume(str(run / "checkpoint-2"), run_args(run), tiny.build_model().config)
 
 
+def test_the_checkpoint_of_this_run_passes_while_a_zero3_config_is_active(run):
+    """The trainer checks the checkpoint it resumes once accelerate's DeepSpeed config is live; under ZeRO-3
+    transformers would partition the model built on the meta device for its shapes and fail (in a launch: "Cannot
+    copy out of meta tensor"; here, DeepSpeed wants a process group), refusing every ZeRO-3 resume."""
+    from transformers.integrations import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
+
+    config = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
+    assert is_deepspeed_zero3_enabled()
+    check_resume(str(run / "checkpoint-2"), run_args(run), tiny.build_model().config)
+    assert is_deepspeed_zero3_enabled()  # the config active before stays active after
+    del config
+
+
 def test_through_the_command_line_a_mismatched_checkpoint_stops_before_start_up(run, capsys, monkeypatch):
     """A run of the untied tiny model asked to resume a checkpoint of the tied one: one line, exit 2, no model
     loaded and no engine started."""
