@@ -359,19 +359,24 @@ def sharding() -> str:
     return "none"
 
 
+# The ways of holding the training state whose checkpoints load on another number of ranks: DDP's (saved once,
+# whole) as they are, DeepSpeed's once converted to its universal checkpoint (`colograd.runs.universal`).
+RESHARDABLE = ("none", "deepspeed")
+
+
 def resharded(recorded: dict[str, Any], setup: dict[str, Any]) -> tuple[int, int] | None:
-    """(ranks that saved, ranks now) when `setup` continues `recorded`'s run on another number of ranks: the whole
-    training state saved once on both sides (`sharding` "none": DDP), and the same batch over all ranks. The data
-    then continues at the first sample not yet trained (the sampler's order and the steps' batches are the run's);
-    None otherwise, and where the world size is the same."""
+    """(ranks that saved, ranks now) when `setup` continues `recorded`'s run on another number of ranks: the same
+    way of holding the training state on both sides, one of `RESHARDABLE` (DDP's, DeepSpeed's), and the same batch
+    over all ranks. The data then continues at the first sample not yet trained (the sampler's order and the steps'
+    batches are the run's); None otherwise, and where the world size is the same."""
     try:
         saved, now = int(recorded["world_size"]), int(setup["world_size"])
         batch = lambda side, ranks: int(side["per_device_train_batch_size"]) * ranks  # noqa: E731
         same_batch = batch(recorded, saved) == batch(setup, now)
     except (KeyError, TypeError, ValueError):
         return None
-    unsharded = recorded.get("sharding") == setup.get("sharding") == "none"
-    return (saved, now) if saved != now and same_batch and unsharded else None
+    movable = recorded.get("sharding") == setup.get("sharding") in RESHARDABLE
+    return (saved, now) if saved != now and same_batch and movable else None
 
 
 def reshard_refusal(recorded: dict[str, Any], setup: dict[str, Any]) -> str:
@@ -385,9 +390,11 @@ def reshard_refusal(recorded: dict[str, Any], setup: dict[str, Any]) -> str:
         f"{recorded['per_device_train_batch_size']} ({total} in all), and this launch has {now} of "
         f"{setup['per_device_train_batch_size']}"
     )
-    if not recorded.get("sharding") == setup.get("sharding") == "none":
-        how = recorded.get("sharding") or "not recorded"
-        return f"{said}; only a DDP checkpoint (here: {how}) moves to another number of ranks: relaunch on {saved}"
+    if (held := recorded.get("sharding") or "not recorded") not in RESHARDABLE:
+        return (
+            f"{said}; only a DDP or DeepSpeed checkpoint (here: {held}) moves to another number of ranks: relaunch "
+            f"on {saved}"
+        )
     if total % now:
         return f"{said}; {total} does not divide among {now} ranks: relaunch on {saved}"
     return f"{said}: set per_device_train_batch_size {total // now}, so that the ranks' batches together stay {total}"

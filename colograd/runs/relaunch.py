@@ -7,8 +7,9 @@ checkpoint (with `auto_resume`, the default) compares its own setup with them (`
 
     this run's          the newest finished checkpoint names this run's setup: resume from it, said in one line
     this run, resized   ... on another number of ranks: resumed where the ranks' batches together stay the run's
-                        and the checkpoint is DDP's (whole), said in one line (`reshard_note`); else refused,
-                        naming both sizes and the per_device_train_batch_size that would keep the run's batch
+                        and the checkpoint is DDP's or DeepSpeed's (`colograd.runs.universal`), said in one line
+                        (`reshard_note`); else refused, naming both sizes and the per_device_train_batch_size
+                        that would keep the run's batch
     another run's       it names another setup: refused, naming what differs; it names none (saved before records
                         held one): refused as any fresh start over another run's work (`colograd.runs.output_dir`)
     never saved         no finished checkpoint, and every unfinished one names this run's setup (the run was killed
@@ -103,10 +104,11 @@ def reshard_note(checkpoint: str, setup: dict[str, Any]) -> str | None:
     sizes = resharded(recorded_setup(checkpoint) or {}, setup)
     if sizes is None:
         return None
+    universal = " (as DeepSpeed's universal checkpoint, converted once beside it)" * (setup["sharding"] == "deepspeed")
     return (
-        f"{checkpoint} was saved on {sizes[0]} rank{'s' * (sizes[0] != 1)} and continues on {sizes[1]}: the model, "
-        "optimizer, schedule and data position carry over; each rank's random state starts from the run's seed, and "
-        "partial rollouts' carried groups are shared out among the ranks."
+        f"{checkpoint} was saved on {sizes[0]} rank{'s' * (sizes[0] != 1)} and continues on {sizes[1]}{universal}: "
+        "the model, optimizer, schedule and data position carry over; each rank's random state starts from the run's "
+        "seed, and partial rollouts' carried groups are shared out among the ranks."
     )
 
 

@@ -12,12 +12,14 @@ from torch import nn
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from colograd.runs import universal
 from colograd.runs.checkpoints import (
     begin_record,
     check_resume,
     check_setup,
     finish_record,
     note,
+    recorded_setup,
     rotate_checkpoints,
     run_setup,
 )
@@ -53,7 +55,19 @@ class ModelSaving(Trainer):
             check_setup(checkpoint, self._setup)  # another number of ranks passes where the run's batch is kept
             if line := reshard_note(checkpoint, self._setup):
                 note(line)
+                if self._setup["sharding"] == "deepspeed":
+                    self._load_universal(checkpoint)
         return checkpoint
+
+    def _load_universal(self, checkpoint: str) -> None:
+        """A DeepSpeed checkpoint resumed on another number of ranks loads as DeepSpeed's universal checkpoint
+        (`colograd.runs.universal`), converted once by the main process while the others wait."""
+        if self.accelerator.is_main_process:
+            universal.convert(checkpoint, saved=recorded_setup(checkpoint)["world_size"])
+        self.accelerator.wait_for_everyone()
+        universal.load_universal(self.accelerator.state.deepspeed_plugin.deepspeed_config)
+        if not any(isinstance(c, universal.SeparateSteps) for c in self.callback_handler.callbacks):
+            self.add_callback(universal.SeparateSteps())
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """Every save of the model (final, checkpoint, before a push) writes its model card beside it; a failure (a

@@ -131,11 +131,28 @@ def test_a_ddp_run_moves_to_another_number_of_ranks_keeping_its_batch_and_says_s
     assert reshard_note(str(two), setup_of(args_for(tmp_path, world_size=2, per_device_train_batch_size=16))) is None
 
 
-def test_a_checkpoint_saved_in_shards_stays_on_its_number_of_ranks(tmp_path, monkeypatch):
-    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+def test_an_fsdp_checkpoint_stays_on_its_number_of_ranks(tmp_path, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     save(tmp_path, 2, setup_of(args_for(tmp_path, world_size=2, per_device_train_batch_size=16)))
     one = args_for(tmp_path, world_size=1, per_device_train_batch_size=32)
-    with pytest.raises(ConfigError, match=r"only a DDP checkpoint \(here: deepspeed\) moves to another number of"):
+    with pytest.raises(ConfigError, match=r"only a DDP or DeepSpeed checkpoint \(here: fsdp\) moves to another"):
+        check_output_dir(one, None, setup_of(one))
+
+
+def test_a_deepspeed_run_moves_to_another_number_of_ranks_as_its_universal_checkpoint(tmp_path, monkeypatch):
+    """Resumed, and said so; the conversion itself runs in the trainer (tests/launch/test_reshard.py)."""
+    from colograd.runs.relaunch import reshard_note
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    two = save(tmp_path, 2, setup_of(args_for(tmp_path, world_size=2, per_device_train_batch_size=16)))
+    one = args_for(tmp_path, world_size=1, per_device_train_batch_size=32)
+    assert check_output_dir(one, None, setup_of(one)) == str(two)
+    assert reshard_note(str(two), setup_of(one)).startswith(
+        f"{two} was saved on 2 ranks and continues on 1 (as DeepSpeed's universal checkpoint, converted once beside "
+        "it): the model, optimizer"
+    )
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")  # DDP now: another way of holding the state, another run's
+    with pytest.raises(ConfigError, match=r"sharding 'deepspeed' in the checkpoint, 'none' now"):
         check_output_dir(one, None, setup_of(one))
 
 
