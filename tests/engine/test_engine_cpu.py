@@ -33,15 +33,15 @@ def test_the_sampler_counts_ranks_eagerly_with_vllms_own_expression():
         sampler.batched_count_greater_than = before
 
 
-def test_an_fp32_latent_attention_engine_gets_the_reference_cpu_backend():
+def test_a_latent_attention_engine_gets_the_reference_cpu_backend():
     """vLLM's AMX kernels for latent attention refuse fp32 weights at start-up (tests/models/test_moe.py's deepseek_v2
-    on a CPU with AMX tiles): an fp32 MLA engine asks for the reference backend; bf16 and other attention keep
-    vLLM's."""
+    on a CPU with AMX tiles) and, in bf16, empty a weight the sync's reload writes back (tests/zoo/test_parity.py):
+    an MLA engine asks for the reference backend in any precision; other attention keeps vLLM's."""
     from transformers import DeepseekV2Config, LlamaConfig
 
     from colograd.engine.cpu import mla_backend
 
     deepseek = DeepseekV2Config()  # kv_lora_rank 512, as DeepSeek-V2's
     assert mla_backend(deepseek, torch.float32) == {"attention_backend": "CPU_MLA"}
-    assert mla_backend(deepseek, torch.bfloat16) == {}
+    assert mla_backend(deepseek, torch.bfloat16) == {"attention_backend": "CPU_MLA"}
     assert mla_backend(LlamaConfig(), torch.float32) == {}
