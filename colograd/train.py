@@ -73,7 +73,7 @@ def load_model_config(
         if name not in tiny.TINY_MODELS:
             built_in = ", ".join([*tiny.TINY_MODELS, tiny_vlm.TINY_VLM, *pretrained.MODELS])
             raise ConfigError(f"model_name_or_path={name!r}: the built-in models are {built_in}.")
-        with torch.device("meta"):  # the architecture only: no memory, no initialisation
+        with model_files.on_meta_device():  # the architecture only: no memory, no initialisation
             model = tiny.build_model(tie_word_embeddings=tiny.TINY_MODELS[name])
         return model.config, tiny.build_tokenizer(), model.dtype
     if name.startswith((".", "/")) and not os.path.isdir(name):

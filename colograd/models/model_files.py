@@ -373,6 +373,16 @@ def built_whole() -> Iterator[None]:
         deepspeed._hf_deepspeed_config_weak_ref = kept
 
 
+@contextmanager
+def on_meta_device() -> Iterator[None]:
+    """Build models on the meta device (their shapes and modules only: no memory, no weights read), whole while a
+    ZeRO-3 config is active (`built_whole`): transformers' DeepSpeed config is live from the moment the run's
+    arguments are parsed under a DeepSpeed launch, and a model it partitions on the meta device fails ("Cannot copy
+    out of meta tensor"). Every meta-device build in colograd goes through here."""
+    with torch.device("meta"), built_whole():
+        yield
+
+
 def _expected_shapes(
     folder: str, config: PretrainedConfig, trust_remote_code: bool
 ) -> tuple[dict[str, tuple[int, ...]], list[list[str]]] | None:
@@ -382,7 +392,7 @@ def _expected_shapes(
     # text, which a Qwen-VL's config needs (causal-LM classes do not take it).
     auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
     try:
-        with torch.device("meta"), built_whole():
+        with on_meta_device():
             model = auto.from_config(config, trust_remote_code=trust_remote_code)
     except Exception as err:  # the config's values make no model (torch and transformers raise several types)
         if trust_remote_code:

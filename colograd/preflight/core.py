@@ -40,6 +40,7 @@ from colograd.config.core import ConfigError, GRPOConfig, ScriptArguments
 from colograd.data.core import conversations_fix, first_line, load_prompts, tokenize_prompts
 from colograd.data.streaming import PEEK_ROWS, check_stream, check_stream_resume, peek
 from colograd.engine.kv_cache import engine_context
+from colograd.models.model_files import on_meta_device
 from colograd.preflight.engine import check_engine
 from colograd.rewards.code import check_code_rows
 from colograd.rewards.core import RewardFunc, resolve_reward, reward_name
@@ -242,7 +243,7 @@ def check_lora_targets(model_config: PretrainedConfig, peft_config: Any) -> None
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
+    with on_meta_device():
         model = AutoModelForCausalLM.from_config(model_config)
     try:
         get_peft_model(model, copy.deepcopy(peft_config))  # PEFT fills in the config it is given

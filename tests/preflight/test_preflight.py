@@ -565,3 +565,27 @@ def test_a_text_dataset_of_conversations_is_told_the_mapping_to_write():
         check_prompts(Dataset.from_list(rows), tiny.build_tokenizer())
     assert "\n" not in str(err.value) and "'conversations' column and no 'prompt'" in str(err.value)
     assert "dataset.map(" in str(err.value) and "['value']" in str(err.value)
+
+
+def test_models_built_on_the_meta_device_are_built_whole_under_zero3():
+    """transformers' ZeRO-3 config is live once a DeepSpeed launch's arguments are parsed, and a model it partitions
+    on the meta device fails ("Cannot copy out of meta tensor"): the LoRA target check refused every LoRA run under
+    ZeRO-3 at start, the resume check every ZeRO-3 resume. Every meta-device build goes through `on_meta_device`."""
+    from peft import LoraConfig
+    from transformers.integrations import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
+
+    from colograd.models import tiny
+    from colograd.preflight.core import check_lora_targets
+
+    config = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
+    assert is_deepspeed_zero3_enabled()
+    check_lora_targets(tiny.model_config(), LoraConfig(r=8, target_modules="all-linear"))
+    assert is_deepspeed_zero3_enabled()  # the config active before stays active after
+    del config
+    builds = [
+        str(path.relative_to(ROOT))
+        for path in sorted((ROOT / "colograd").rglob("*.py"))
+        for line in path.read_text().splitlines()
+        if 'torch.device("meta")' in line and not line.lstrip().startswith("#")
+    ]
+    assert builds == ["colograd/models/model_files.py"]  # the one in `on_meta_device`
