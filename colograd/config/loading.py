@@ -113,10 +113,31 @@ def disable_dropout(model: nn.Module) -> None:
         _zero_dropout_fields(vars(config))
 
 
+def dropouts_in_use(model: nn.Module) -> list[str]:
+    """Where `model`, in training, applies dropout: each `nn.Dropout` with p > 0 (PEFT's `lora_dropout` among them) and
+    each dropout probability above 0 a module holds under a name of its own (those `disable_dropout` zeroes), as
+    "module (p)". A config's own fields are not read: families copy onto their modules what they apply, and configs
+    carry probabilities of heads a causal LM never runs."""
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Dropout) and module.p > 0:
+            found.append(f"{name} ({module.p:g})")
+        prefix = f"{name}." if name else ""
+        found += [f"{prefix}{field} ({value:g})" for field, value in _dropout_fields(vars(module)) if value > 0]
+    return found
+
+
+def _dropout_fields(fields: dict) -> list[tuple[str, float]]:
+    return [
+        (name, value)
+        for name, value in fields.items()
+        if isinstance(value, float) and not isinstance(value, bool) and ("dropout" in name or "pdrop" in name)
+    ]
+
+
 def _zero_dropout_fields(fields: dict) -> None:
-    for name, value in list(fields.items()):
-        if isinstance(value, float) and not isinstance(value, bool) and ("dropout" in name or "pdrop" in name):
-            fields[name] = 0.0
+    for name, _ in _dropout_fields(fields):
+        fields[name] = 0.0
 
 
 def _configs(config: Any) -> list[Any]:

@@ -14,7 +14,9 @@ reduced over ranks once per rollout, so every rank takes the same decision:
   rollouts in a row past it stop the run with a checkpoint (`engine_parity: warn` only warns).
 
 Both are off where sampling is filtered (top-p, top-k, min-p, a repetition penalty, extra sampling arguments,
-structured output): the engine then samples from another distribution by design.
+structured output): the engine then samples from another distribution by design; and where the policy applies dropout
+in training (`disable_dropout: false` with a dropout above 0, such as PEFT's `lora_dropout`, TRL's 0.05): the trainer's
+log-probs then carry its noise, said in one warning at start.
 
 The tolerances (`tolerance`) were set from measurement: the gap of a healthy run on sharp weights, against the gap of
 a run whose engine holds another model (docs/real-models.md, "The parity gate").
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from colograd.config.loading import dropouts_in_use
 from colograd.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -118,7 +121,19 @@ class ParityGuard:
         sampled_in = engine_dtype(args, next(model.parameters()).dtype)
         bound = tolerance(sampled_in, compute_dtype(model, args.mixed_precision))
         name = model.config._name_or_path or type(model).__name__
-        return cls(bound, name, stop=args.engine_parity == "error", active=args.samples_unfiltered, diagnose=diagnose)
+        active = args.samples_unfiltered
+        if active and (noisy := dropouts_in_use(model)):
+            # The trainer's log-probs carry the dropout's noise, which no engine samples: the gap measures it too.
+            more = f" and {len(noisy) - 1} more" if len(noisy) > 1 else ""
+            logger.warning(
+                "colograd: the policy applies dropout while training (%s%s): its log-probs differ from the engine's "
+                "by the dropout's noise, so the parity gate and the running guard are off (the gap is still logged); "
+                "set disable_dropout: true to keep them.",
+                noisy[0],
+                more,
+            )
+            active = False
+        return cls(bound, name, stop=args.engine_parity == "error", active=active, diagnose=diagnose)
 
     def __init__(
         self,

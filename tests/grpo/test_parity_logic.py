@@ -154,6 +154,55 @@ def test_filtered_sampling_turns_the_guard_off():
     assert not guard.gate_pending
 
 
+def test_dropout_in_training_turns_the_guard_off_saying_so(caplog):
+    """A policy that applies dropout while training (TRL's `lora_dropout` 0.05, without `disable_dropout`) scores the
+    engine's samples with the dropout's noise: from the first update of the adapter on, a healthy run's gap is past the
+    float32 bound and the running guard stopped it, blaming vLLM. The guard is off then, said once; with
+    `disable_dropout` it is on."""
+    from peft import LoraConfig, get_peft_model
+
+    from colograd import GRPOConfig
+    from colograd.config.loading import dropouts_in_use
+    from colograd.models import tiny
+
+    args = GRPOConfig(output_dir="unused", report_to="none")
+    lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, target_modules="all-linear")
+    model = get_peft_model(tiny.build_model(), lora)
+    noisy = dropouts_in_use(model)
+    assert len(noisy) == 14 and noisy[0].endswith("q_proj.lora_dropout.default (0.05)")  # 7 projections, 2 layers
+    with caplog.at_level("WARNING"):
+        guard = ParityGuard.of_run(model, args)
+    assert not guard.active and not guard.gate_pending
+    assert "the policy applies dropout while training (base_model.model.model.layers.0.self_attn.q_proj" in caplog.text
+    assert "and 13 more): its log-probs differ from the engine's by the dropout's noise" in caplog.text
+    disable_dropout(model)
+    assert dropouts_in_use(model) == [] and ParityGuard.of_run(model, args).active
+    assert ParityGuard.of_run(tiny.build_model(), args).active  # no dropout: measured as always
+    residual = ResidualDropout()
+    assert dropouts_in_use(residual) == ["residual_dropout (0.5)", "resid_pdrop (0.5)"]  # a family's own names
+
+
+@pytest.mark.slow  # four GRPO steps in process
+def test_a_lora_run_with_trls_adapter_dropout_trains_on(tmp_path):
+    """TRL's LoRA default (`lora_dropout` 0.05) and GRPO's (`disable_dropout` false), as in recipes without
+    `disable_dropout`: the run trains to its last step (the running guard stopped it at step 4, blaming vLLM)."""
+    from peft import LoraConfig
+
+    from colograd import GRPOConfig, GRPOTrainer
+    from colograd.models import tiny
+
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=4, report_to="none", save_strategy="no",
+                      vllm_enforce_eager=True, max_completion_length=8, per_device_train_batch_size=16,
+                      learning_rate=2e-3)  # fmt: skip
+    lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, target_modules="all-linear")
+    trainer = GRPOTrainer(model=tiny.build_model(), reward_funcs=tiny.letters_reward, args=args, peft_config=lora,
+                          train_dataset=tiny.letters_dataset(64), processing_class=tiny.build_tokenizer())  # fmt: skip
+    trainer.train()
+    assert trainer.state.global_step == 4
+    gaps = [e["sampling/sampling_logp_difference/mean"] for e in trainer.state.log_history if "loss" in e]
+    assert max(gaps) > parity.tolerance(torch.float32, torch.float32).mean  # the noise the guard would have stopped
+
+
 class Diagnosis:
     """A `diagnose` callable that counts its calls."""
 
