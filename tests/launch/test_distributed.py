@@ -25,13 +25,49 @@ LOGGED_EVERY_STEP = [
 ]
 
 
-@pytest.fixture(scope="module", params=["untied", "tied"])
-def run(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp(request.param)
-    flags = ["--tied"] if request.param == "tied" else []
-    proc = launch("tests/scripts/grpo_check.py", str(out), "--steps", str(STEPS), *flags)
+# The module's runs under accelerate's launcher with one engine per rank, one after another in the same 2 processes
+# (tests/scripts/grpo_check.py's --then): a launch's start-up (~10 s of imports on 2 cores) once, not per run. The
+# untied run comes first, so that it starts in a fresh process, as the loopback run it is compared with does.
+RUNS = {
+    "untied": ["--steps", str(STEPS)],
+    "tied": ["--steps", str(STEPS), "--tied"],
+    "lora-merged": ["--steps", "3", "--lora", "merged"],
+    "lora-adapter": ["--steps", "3", "--lora", "adapter"],
+}
+# Tensor parallel runs (one engine over both ranks) in a launch of their own: vLLM's parallel groups, which the
+# engines of a process share, are made for one tensor-parallel size.
+TENSOR_PARALLEL = {"gap": ["--steps", "4", "--tp", "2"], "all": ["--steps", "4", "--tp", "2", "--all-logps"]}
+
+
+def launched(tmp_path_factory, name: str, runs: dict[str, list[str]]):
+    """Launch grpo_check.py once for `runs`, in their order; the folder holding each run's own."""
+    out = tmp_path_factory.mktemp(name)
+    args: list[str] = []
+    for run, flags in runs.items():
+        args += [*(["--then"] if args else []), str(out / run), *flags]
+    proc = launch("tests/scripts/grpo_check.py", *args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return out
+
+
+def records(out) -> list[dict]:
+    """Each rank's record of the run whose folder is `out`."""
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return launched(tmp_path_factory, "runs", RUNS)
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel(tmp_path_factory):
+    return launched(tmp_path_factory, "tensor_parallel", TENSOR_PARALLEL)
+
+
+@pytest.fixture(scope="module", params=["untied", "tied"])
+def run(request, runs):
+    return records(runs / request.param)
 
 
 def test_two_ranks_finish_every_step(run):
@@ -86,17 +122,14 @@ def test_reward_rises(run):
     assert last > first + 0.1, f"reward went from {first:.3f} to {last:.3f}"
 
 
-@pytest.mark.parametrize("logps", ["gap", "all"])
-def test_tensor_parallel_engine_spans_both_ranks(logps, tmp_path):
+@pytest.mark.parametrize("logps", TENSOR_PARALLEL)
+def test_tensor_parallel_engine_spans_both_ranks(logps, tensor_parallel):
     # vllm_tensor_parallel_size 2: one engine over both ranks, each computing one of the tiny model's 2 heads.
     # The ranks pool their prompts, sample together, and each must keep its own completions: the engine's
     # log-probs of a rank's completions match its trainer's only if they were sampled from that rank's prompts.
     # With every completion's log-probs asked ("all"), both ranks read them through their sampler taps, and each
     # must keep its own rows of the pooled call.
-    extra = ["--all-logps"] if logps == "all" else []
-    proc = launch("tests/scripts/grpo_check.py", str(tmp_path), "--steps", "4", "--tp", "2", *extra)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = records(tensor_parallel / logps)
     assert ranks[0]["sampled"] != ranks[1]["sampled"]
     for rank in ranks:
         assert rank["engine_heads"] == 1
@@ -143,12 +176,10 @@ def test_fsdp2_sharded_model_syncs_by_shard_group(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["merged", "adapter"])
-def test_lora_training_keeps_engine_in_step(mode, tmp_path):
+def test_lora_training_keeps_engine_in_step(mode, runs):
     """LoRA training on 2 ranks: merged sync writes base + B·A into the engine; adapter-only sync has the
     engine apply the adapter (vLLM LoRA). Either way the engine samples from the model being trained."""
-    proc = launch("tests/scripts/grpo_check.py", str(tmp_path), "--steps", "3", "--lora", mode)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    for rank in (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)):
+    for rank in records(runs / f"lora-{mode}"):
         assert rank["lora_request"] is (mode == "adapter")
         assert rank["weights_agree"] == [True] * 3
         assert rank["parity_gap"] <= 1e-4

@@ -8,12 +8,18 @@ largest gap between engine and trainer log-probs after the final sync, and how t
 (sharded or not) and synced (number of buckets), whether it trained the model's own tensors (not a copy),
 and its local rank (given by the launcher, and derived without it). Launched with a DeepSpeed ZeRO-3 config it
 trains sharded.
+
+Several runs, one after another in the same processes (each with its own trainer and engine, as a notebook's second
+trainer has), share one launch's start-up: separate them with --then, each with its own OUT_DIR and flags:
+
+    ... tests/scripts/grpo_check.py OUT_A --steps 30 --then OUT_B --steps 30 --tied --then OUT_C --lora merged
 """
 
 import argparse
 import contextlib
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -96,6 +102,18 @@ def local_rank_without_launcher() -> int:
 
 
 def main() -> None:
+    words, runs = sys.argv[1:], [[]]
+    for word in words:
+        if word == "--then":
+            runs.append([])
+        else:
+            runs[-1].append(word)
+    for argv in runs:
+        run(argv)
+
+
+def run(argv: list[str]) -> None:
+    """One run: train with the flags of `argv` (OUT_DIR and its flags) and write OUT_DIR/rank<r>.json."""
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--tied", action="store_true")
@@ -107,7 +125,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1, help="vllm_tensor_parallel_size")
     parser.add_argument("--all-logps", action="store_true", help="the engine's log-prob of every completion token")
     parser.add_argument("--die-at-step", type=int, help="rank 1 exits abruptly when this step starts")
-    cli = parser.parse_args()
+    cli = parser.parse_args(argv)
 
     args = tiny.run_config(
         os.path.join(cli.out, "run"),
@@ -135,6 +153,7 @@ def main() -> None:
         processing_class=tokenizer,
         callbacks=[callback],
     )
+    trainer.sampled = []  # this run's own (the class's list would gather every run's of the process)
     trainer.die_at_step = cli.die_at_step
     trainer.train()
     trained_at = next(trainer.accelerator.unwrap_model(trainer.model).parameters()).data_ptr()
