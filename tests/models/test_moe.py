@@ -19,11 +19,13 @@ from transformers import AutoModelForCausalLM, Qwen2MoeConfig
 from colograd import GRPOConfig
 from colograd.config.core import ConfigError
 from colograd.engine import moe
+from colograd.grpo.parity import tolerance
 from colograd.preflight.engine import _check_experts, _check_head_size
 
 MOE = [name for name, published in zoo.ZOO.items() if any(key in published for key in moe.EXPERT_COUNTS)]
 # The engine's log-probs against the trainer's, fp32, sharp weights (observed: a few 1e-6).
 PARITY = 1e-4
+FP32 = tolerance(torch.float32, torch.float32)  # the run's own guard: its bound for a step's worst token
 
 
 def test_the_zoo_holds_each_moe_family():
@@ -234,15 +236,21 @@ def test_each_moe_family_trains_with_its_engine_in_step(layout, tmp_path, record
             assert run["weights_agree"] == [True] * 2, name
             steps = [h for h in run["log_history"] if "loss" in h]
             gaps = [h["sampling/sampling_logp_difference/max"] for h in steps]
-            record_property(f"sampling gaps {name} rank {r}", gaps)
+            means = [h["sampling/sampling_logp_difference/mean"] for h in steps]
+            record_property(f"sampling gaps {name} rank {r}", [gaps, means])
             assert len(steps) == 2
             if bf16:  # the engine and the trainer differ; the correction weighs each token by their ratio
                 ratios = [(h["sampling/importance_sampling_ratio/min"], h["sampling/importance_sampling_ratio/max"])
                           for h in steps]  # fmt: skip
                 assert all(low < 1 < high for low, high in ratios) and all(math.isfinite(h["loss"]) for h in steps)
             else:
+                # A sampled token whose router sits at a near-tie can take another expert in the engine than in the
+                # trainer (fp32 rounding in another kernel order): that one token is then 1e-4 to 1e-3 apart (CI saw
+                # 3.7e-4 at one step of Qwen3-MoE; runs here read a few 1e-6). Tokens stay at rounding on average,
+                # and none passes the run's own float32 bound; a sync missed after the first step reads 11 nats at
+                # the worst token and 4 on average.
                 assert run["parity_gap"] <= PARITY, (name, run["parity_gap"])
-                assert max(gaps) <= PARITY, (name, gaps)
+                assert max(means) <= PARITY and max(gaps) <= FP32.max, (name, gaps, means)
             # The router's load-balancing loss trains with the GRPO loss where the config declares a coefficient
             # (DeepSeek-V2's declares none), and every family logs its experts' load.
             assert all(("aux_loss" in h) is (name != FAMILIES[3]) for h in steps), name
