@@ -577,8 +577,8 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         after an optimizer step, else the current ones detached (ratio 1, gradient not)."""
         args, mask_NT = self.args, inputs["completion_mask"]
         forwarded: list[int] = []  # tokens computed: fewer than the sequences' when completions share a prompt
-        router = self.forward.router
-        routed = RouterRecord(router) if router is not None and model.training else None
+        routed = RouterRecord(self.forward.router) if self.forward.router is not None and model.training else None
+        settled_NT = self.parity.settled_logps(model, lambda: self.completion_logps(model, inputs))  # at the gate
         logps_NT, entropy_NT = self.completion_logps(
             model, inputs, entropy=self.entropy.mode, count_tokens=forwarded.append, router=routed
         )
@@ -592,7 +592,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         if "old_logps" not in inputs or (first_slice and args.engine_logps_are_old_logps):
             self._record(sampling_gap_metrics(logps_NT.detach(), inputs["engine_logps"], inputs["tool_mask"]))
         if model.training:
-            self.parity.observe(logps_NT, inputs["engine_logps"], inputs["tool_mask"])
+            self.parity.observe(logps_NT, inputs["engine_logps"], inputs["tool_mask"], settled_NT)
         sampling_weights = None
         if args.vllm_importance_sampling_correction:  # truncated π_trainer / π_engine of the sampled tokens
             # The trainer's log-probs of the sampling policy: stored with the rollout, or, on-policy, the current.

@@ -279,6 +279,24 @@ PARITY: dict[str, dict[str, Any]] = {
                                                  "type": "yarn"},
                                 "rms_norm_eps": 1e-06, "hidden_act": "silu", "tie_word_embeddings": False,
                                 "bos_token_id": 0, "eos_token_id": 1},
+    # huggingface.co/microsoft/Phi-3.5-MoE-instruct/blob/main/config.json: 16 experts, 2 per token chosen by
+    # SparseMixer, which samples the experts (Gumbel) in training and takes the top ones in evaluation; an input
+    # jitter in training too; LayerNorms; biased attention and output layer; LongRoPE over 4k (its 64 factors per
+    # list left at 1.0 here: the model's own values are not what these tests are about).
+    "microsoft/Phi-3.5-MoE-instruct": {"model_type": "phimoe", "architectures": ["PhiMoEForCausalLM"],
+                                       "vocab_size": 32064, "max_position_embeddings": 131072,
+                                       "original_max_position_embeddings": 4096, "hidden_size": 4096,
+                                       "intermediate_size": 6400, "num_hidden_layers": 32, "num_attention_heads": 32,
+                                       "num_key_value_heads": 8, "num_local_experts": 16, "num_experts_per_tok": 2,
+                                       "router_jitter_noise": 0.01, "input_jitter_noise": 0.01,
+                                       "attention_bias": True, "lm_head_bias": True, "rms_norm_eps": 1e-05,
+                                       "rope_theta": 10000.0,
+                                       "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 64,
+                                                        "long_factor": [1.0] * 64, "short_mscale": 1.243163121016122,
+                                                        "long_mscale": 1.243163121016122,
+                                                        "original_max_position_embeddings": 4096},
+                                       "sliding_window": 131072, "tie_word_embeddings": False, "hidden_act": "silu",
+                                       "router_aux_loss_coef": 0.0, "bos_token_id": 1, "eos_token_id": 32000},
 }  # fmt: skip
 
 # Width after shrinking (where the architecture lets the hidden size shrink on its own) and MLP / expert width.
@@ -287,9 +305,9 @@ INTERMEDIATE = 128
 MOE_INTERMEDIATE = 32
 LAYERS = 2
 # Architectures where the head dimension follows the hidden size: vLLM's qwen2.py and olmoe.py compute it so,
-# transformers checks Phi-3's longrope factors (one per rotated pair) against hidden_size / heads, and the other
-# configs have no head_dim of their own.
-HEAD_DIM_FROM_HIDDEN = {"qwen2", "phi3", "granite", "cohere", "olmo2", "phi", "olmoe"}
+# transformers checks Phi-3's and PhiMoE's longrope factors (one per rotated pair) against hidden_size / heads, and the
+# other configs have no head_dim of their own.
+HEAD_DIM_FROM_HIDDEN = {"qwen2", "phi3", "granite", "cohere", "olmo2", "phi", "olmoe", "phimoe"}
 # Weights drawn at this std, norms and biases moved by as much: at transformers' 0.02, attention is near uniform and
 # the next-token distributions near flat, so a wrong rope scaling moved the log-probs by 1e-6 (by 0.06 here).
 SHARP_STD = 0.2

@@ -8,15 +8,19 @@ measured on the first slice of every rollout (no optimizer step between the roll
 tokens sampled under the current weights (not tool results, not partial rollouts' stale tokens), by every rank, and
 reduced over ranks once per rollout, so every rank takes the same decision:
 
-- **the gate**: the first rollout after a start or a resume. Past the tolerance, the run stops before its first
-  optimizer step with one line (`ParityError`), or with `engine_parity: warn`, warns and trains;
-- **the running guard**: every later rollout. A mean gap past the tolerance warns once with the step; `PERSISTENT`
-  rollouts in a row past it stop the run with a checkpoint (`engine_parity: warn` only warns).
+- **the gate**: the first rollout after a start or a resume, against the policy in evaluation mode (one more forward
+  pass of that slice). Past the tolerance, the run stops before its first optimizer step with one line
+  (`ParityError`), or with `engine_parity: warn`, warns and trains;
+- **the running guard**: every later rollout, against the training pass the loss computes anyway. A mean gap past the
+  tolerance warns once with the step; `PERSISTENT` rollouts in a row past it stop the run with a checkpoint
+  (`engine_parity: warn` only warns).
 
 Both are off where sampling is filtered (top-p, top-k, min-p, a repetition penalty, extra sampling arguments,
-structured output): the engine then samples from another distribution by design; and where the policy applies dropout
-in training (`disable_dropout: false` with a dropout above 0, such as PEFT's `lora_dropout`, TRL's 0.05): the trainer's
-log-probs then carry its noise, said in one warning at start.
+structured output): the engine then samples from another distribution by design. The running guard alone is off where
+the policy's training pass draws random numbers, which no engine samples: dropout the policy applies in training
+(`disable_dropout: false` with a dropout above 0, such as PEFT's `lora_dropout`, TRL's 0.05), said at start; and any
+other layer whose training pass differs from its evaluation pass (a router's jitter, Phi-3.5-MoE's sampled routing,
+dropout under a name of its own), found by the gate, which compares the two passes on the same tokens.
 
 The tolerances (`tolerance`) were set from measurement: the gap of a healthy run on sharp weights, against the gap of
 a run whose engine holds another model (docs/real-models.md, "The parity gate").
@@ -37,6 +41,11 @@ logger = logging.getLogger(__name__)
 
 # Rollouts in a row whose mean gap is past the tolerance before the running guard stops the run.
 PERSISTENT = 3
+# The share of the tolerance's mean that the policy's training pass may differ from its evaluation pass by, at any
+# token, for the running guard to read the training pass: a deterministic policy's two passes are equal (0 on every
+# zoo family), a training pass that draws random numbers differs at once (Phi-3.5-MoE's sampled routing: 0.03 nats
+# in float32, over three times the tolerance's mean).
+TRAINING_NOISE = 0.1
 # What the line says of the cause where no diagnosis tells which.
 EITHER_CAUSE = (
     "a weight or buffer the sync does not write, or vLLM's model of this architecture differing from transformers'; "
@@ -81,16 +90,28 @@ class Gap:
     max: float = 0.0
     total: float = 0.0
     tokens: int = 0
+    noise: float = 0.0  # the gate's: the largest difference between the trainer's training and evaluation passes
 
     @property
     def mean(self) -> float:
         return self.total / self.tokens if self.tokens else 0.0
 
-    def add(self, logps_NT: torch.Tensor, engine_logps_NT: torch.Tensor, sampled_NT: torch.Tensor) -> None:
-        """Add the tokens the engine sampled under the current weights (`sampled_NT` 1) and scored (not NaN)."""
+    def add(
+        self,
+        logps_NT: torch.Tensor,
+        engine_logps_NT: torch.Tensor,
+        sampled_NT: torch.Tensor,
+        settled_NT: torch.Tensor | None = None,
+    ) -> None:
+        """Add the tokens the engine sampled under the current weights (`sampled_NT` 1) and scored (not NaN): the
+        engine's log-probs against the trainer's `settled_NT` (its evaluation pass) where given, else `logps_NT` (its
+        training pass); the two passes' difference is `noise`."""
         scored_NT = sampled_NT.bool() & ~engine_logps_NT.isnan()
         if not scored_NT.any():
             return
+        if settled_NT is not None:
+            self.noise = max(self.noise, (logps_NT.detach() - settled_NT).abs()[scored_NT].max().item())
+            logps_NT = settled_NT
         diff = (logps_NT.detach().float() - engine_logps_NT.float()).abs()[scored_NT]
         self.max = max(self.max, diff.max().item())
         self.total += diff.sum().item()
@@ -98,14 +119,15 @@ class Gap:
 
 
 class ParityGuard:
-    """Measures each rollout's gap (`observe`, from the loss of its first slice) and acts on it (`check`, once per
-    rollout on every rank).
+    """Measures each rollout's gap (`observe`, from the loss of its first slice; at the gate with the slice's
+    evaluation pass, `settled_logps`) and acts on it (`check`, once per rollout on every rank).
 
     Args:
         bound: the gap a healthy run stays within (`tolerance`).
         model: the model's name, for the messages.
         stop: stop the run (`engine_parity: error`); False only warns.
         active: measure at all (see below).
+        running: after the gate, read the training pass at every rollout; False where it carries noise (dropout).
         diagnose: called once when the gate or the running guard stops the run, on every rank: a sentence on the
             cause, added to the line (`colograd.grpo.parity_diagnosis.diagnose`: the sync, or the engine's model);
             None: the line names both causes.
@@ -121,19 +143,20 @@ class ParityGuard:
         sampled_in = engine_dtype(args, next(model.parameters()).dtype)
         bound = tolerance(sampled_in, compute_dtype(model, args.mixed_precision))
         name = model.config._name_or_path or type(model).__name__
-        active = args.samples_unfiltered
+        active, running = args.samples_unfiltered, True
         if active and (noisy := dropouts_in_use(model)):
-            # The trainer's log-probs carry the dropout's noise, which no engine samples: the gap measures it too.
+            # The training pass carries the dropout's noise, which no engine samples (and a LoRA adapter's only once
+            # it has moved from zero, after the gate): the running guard would measure it too.
             more = f" and {len(noisy) - 1} more" if len(noisy) > 1 else ""
             logger.warning(
                 "colograd: the policy applies dropout while training (%s%s): its log-probs differ from the engine's "
-                "by the dropout's noise, so the parity gate and the running guard are off (the gap is still logged); "
-                "set disable_dropout: true to keep them.",
+                "by the dropout's noise, so the running guard is off (the parity gate still compares the engine with "
+                "the policy in evaluation mode; the gap is still logged); set disable_dropout: true to keep it.",
                 noisy[0],
                 more,
             )
-            active = False
-        return cls(bound, name, stop=args.engine_parity == "error", active=active, diagnose=diagnose)
+            running = False
+        return cls(bound, name, stop=args.engine_parity == "error", active=active, running=running, diagnose=diagnose)
 
     def __init__(
         self,
@@ -141,6 +164,7 @@ class ParityGuard:
         model: str,
         stop: bool = True,
         active: bool = True,
+        running: bool = True,
         diagnose: Callable[[], str] | None = None,
     ) -> None:
         self.bound = bound
@@ -150,6 +174,7 @@ class ParityGuard:
         # Off where sampling is filtered (top-p, top-k, min-p, a repetition penalty, ...): the engine's log-probs are
         # then those of another distribution by design, and their gap to the trainer's measures the filter.
         self.active = active
+        self.running = active and running  # the running guard: off once the training pass shows noise
         self.gap: Gap | None = None  # the current rollout's, while its first slice is trained
         self.gate_pending = active  # the next rollout is the first after a start or resume
         self.over = 0  # rollouts in a row past the bound (the running guard)
@@ -160,14 +185,40 @@ class ParityGuard:
         """A `train` call (re)starts: its first rollout is gated."""
         self.gate_pending, self.over, self.warned, self.stopped = self.active, 0, False, None
 
+    @property
+    def measuring(self) -> bool:
+        """Whether this rollout's gap is measured and acted on: the gate's, or the running guard's (alike on every
+        rank)."""
+        return self.active and (self.gate_pending or self.running)
+
     def begin(self) -> None:
         """A new rollout's first slice is about to be trained."""
-        self.gap = Gap() if self.active else None
+        self.gap = Gap() if self.measuring else None
 
-    def observe(self, logps_NT: torch.Tensor, engine_logps_NT: torch.Tensor, sampled_NT: torch.Tensor) -> None:
-        """Count a forward pass of the first slice (a slice may be trained in several passes)."""
+    def settled_logps(self, model: torch.nn.Module, logps: Callable[[], torch.Tensor]) -> torch.Tensor | None:
+        """At the gate, `logps()` (the trainer's log-probs of the slice) once more with `model` in evaluation mode,
+        before the training pass: the gate compares the engine with that pass, which draws no random numbers, and the
+        two passes' difference tells whether the training pass does (`TRAINING_NOISE`). None elsewhere."""
+        if not (self.gate_pending and self.gap is not None and model.training):
+            return None
+        model.eval()
+        try:
+            with torch.no_grad():
+                return logps().float()
+        finally:
+            model.train()
+
+    def observe(
+        self,
+        logps_NT: torch.Tensor,
+        engine_logps_NT: torch.Tensor,
+        sampled_NT: torch.Tensor,
+        settled_NT: torch.Tensor | None = None,
+    ) -> None:
+        """Count a forward pass of the first slice (a slice may be trained in several passes); `settled_NT`: that
+        pass's `settled_logps`, at the gate."""
         if self.gap is not None:
-            self.gap.add(logps_NT, engine_logps_NT, sampled_NT)
+            self.gap.add(logps_NT, engine_logps_NT, sampled_NT, settled_NT)
 
     def check(self, step: int, gather: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Reduce the rollout's gap over ranks (`gather`: a tensor per rank to all of them, stacked: a collective,
@@ -176,11 +227,11 @@ class ParityGuard:
         Raises:
             ParityError: the gate's rollout is past the bound and `stop`.
         """
-        if not self.active:  # every rank alike: no collective
+        if not self.measuring:  # every rank alike: no collective
             return
         gap, self.gap = self.gap or Gap(), None
-        local = torch.tensor([[gap.max, gap.total, float(gap.tokens)]], dtype=torch.float64)
-        every = gather(local).view(-1, 3)
+        local = torch.tensor([[gap.max, gap.total, float(gap.tokens), gap.noise]], dtype=torch.float64)
+        every = gather(local).view(-1, 4)
         tokens = int(every[:, 2].sum().item())
         gated, self.gate_pending = self.gate_pending, False
         if not tokens:
@@ -191,6 +242,17 @@ class ParityGuard:
                 )
             return
         overall = Gap(max=every[:, 0].max().item(), total=every[:, 1].sum().item(), tokens=tokens)
+        noise = every[:, 3].max().item()
+        if gated and self.running and noise > TRAINING_NOISE * self.bound.mean:
+            # The training pass draws random numbers the engine never draws: the running guard would measure them.
+            self.running = False
+            logger.warning(
+                "colograd: the policy's training pass differs from its evaluation pass by up to %.3g nats on the "
+                "first rollout's tokens (a layer drawing random numbers in training: dropout under a name of its own, "
+                "a router's jitter or sampled routing), so the running guard, which reads the training pass, is off "
+                "(the gate compares the engine with the evaluation pass; the gap is still logged).",
+                noise,
+            )
         if gated:
             if overall.max > self.bound.max or overall.mean > self.bound.mean:
                 if self.stop:

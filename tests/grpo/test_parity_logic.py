@@ -77,6 +77,69 @@ def test_the_running_guard_warns_once_and_stops_when_it_persists(caplog):
     assert guard.stopped is not None and "stopped with a checkpoint" in guard.stopped
 
 
+def gated(guard: ParityGuard, trained: list[float], settled: list[float]) -> None:
+    """The gate's rollout: the engine's log-probs 0, the trainer's `trained` in its training pass and `settled` in its
+    evaluation pass (one token each)."""
+    guard.begin()
+    engine = torch.zeros(1, len(trained))
+    guard.observe(torch.tensor([trained]), engine, torch.ones(1, len(trained)), torch.tensor([settled]))
+    guard.check(step=1, gather=one_rank)
+
+
+def test_the_gate_judges_the_engine_by_the_evaluation_pass():
+    """The gate compares the engine with the policy's evaluation pass, which draws no random numbers: a training pass
+    far off with an evaluation pass on the engine's trains; an evaluation pass far off stops, whatever the training
+    pass reads."""
+    gated(guard := ParityGuard(FP32, "m", stop=True), [0.0, 0.0], [0.0, 0.0])
+    assert guard.running  # the two passes agree: the running guard reads the training pass from here
+    with pytest.raises(ParityError, match="0.5 nats from the trainer's at worst"):
+        gated(ParityGuard(FP32, "m"), [0.0, 0.0], [0.0, 0.5])
+
+
+def test_a_training_pass_unlike_the_evaluation_pass_turns_the_running_guard_off(caplog):
+    """A layer that draws random numbers in training (a router's jitter, Phi-3.5-MoE's sampled routing, dropout under
+    a name of its own) makes the training pass differ from the evaluation pass on the gate's tokens: the running guard,
+    which reads the training pass, is off from there (said once, no collective), and the gate still judged the
+    engine. A difference within a tenth of the tolerance's mean keeps it on."""
+    noise = FP32.mean * parity.TRAINING_NOISE
+    gated(guard := ParityGuard(FP32, "m"), [noise * 0.9, 0.0], [0.0, 0.0])
+    assert guard.running and "training pass differs" not in caplog.text
+    with caplog.at_level("WARNING"):
+        gated(guard := ParityGuard(FP32, "m"), [0.05, 0.0], [0.0, 0.0])
+    assert not guard.running and not guard.gate_pending
+    assert "training pass differs from its evaluation pass by up to 0.05 nats" in caplog.text
+    assert "the running guard, which reads the training pass, is off" in caplog.text
+
+    def no_collective(tensor):
+        raise AssertionError("the guard is off on every rank alike: no collective")
+
+    for _ in range(parity.PERSISTENT + 1):  # far off, rollout after rollout: nothing measured, nothing stopped
+        guard.begin()
+        guard.observe(torch.tensor([[9.0]]), torch.zeros(1, 1), torch.ones(1, 1))
+        guard.check(step=2, gather=no_collective)
+    assert guard.stopped is None
+    guard.restart()  # a resume gates again, on the evaluation pass; the running guard stays off
+    with pytest.raises(ParityError):
+        gated(guard, [0.0], [1.0])
+    assert not guard.running
+
+
+def test_the_evaluation_pass_runs_only_at_the_gate_and_leaves_the_model_training():
+    model = nn.Linear(2, 2).train()
+    modes = []
+    read = lambda: modes.append(model.training) or torch.zeros(1, 1)  # noqa: E731
+    guard = ParityGuard(FP32, "m")
+    assert guard.settled_logps(model, read) is None  # no rollout begun
+    guard.begin()
+    assert guard.settled_logps(model, read) is not None and modes == [False] and model.training
+    assert guard.settled_logps(model.eval(), read) is None  # an evaluation forward of the trainer's own: not gated
+    model.train()
+    gated(guard, [0.0], [0.0])
+    guard.begin()
+    assert guard.settled_logps(model, read) is None and modes == [False]  # past the gate: the training pass only
+    assert ParityGuard(FP32, "m", active=False).settled_logps(model, read) is None
+
+
 def test_a_gate_that_measured_nothing_says_so(caplog):
     guard = ParityGuard(FP32, "m")
     rollout(guard, [5.0], engine_nan=True)
@@ -172,12 +235,13 @@ def test_dropout_in_training_turns_the_guard_off_saying_so(caplog):
     assert len(noisy) == 14 and noisy[0].endswith("q_proj.lora_dropout.default (0.05)")  # 7 projections, 2 layers
     with caplog.at_level("WARNING"):
         guard = ParityGuard.of_run(model, args)
-    assert not guard.active and not guard.gate_pending
+    assert guard.gate_pending and not guard.running  # the gate reads the evaluation pass, which has no dropout
     assert "the policy applies dropout while training (base_model.model.model.layers.0.self_attn.q_proj" in caplog.text
     assert "and 13 more): its log-probs differ from the engine's by the dropout's noise" in caplog.text
+    assert "so the running guard is off (the parity gate still compares" in caplog.text
     disable_dropout(model)
-    assert dropouts_in_use(model) == [] and ParityGuard.of_run(model, args).active
-    assert ParityGuard.of_run(tiny.build_model(), args).active  # no dropout: measured as always
+    assert dropouts_in_use(model) == [] and ParityGuard.of_run(model, args).running
+    assert ParityGuard.of_run(tiny.build_model(), args).running  # no dropout: measured as always
     residual = ResidualDropout()
     assert dropouts_in_use(residual) == ["residual_dropout (0.5)", "resid_pdrop (0.5)"]  # a family's own names
 

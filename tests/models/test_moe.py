@@ -234,6 +234,7 @@ def test_each_moe_family_trains_with_its_engine_in_step(layout, tmp_path, record
             assert run["prepacked_experts"] and run["sharded"] is (layout == "zero3"), name
             assert run["sync_buckets"] > 1 if layout == "zero3" else run["sync_buckets"] == 1
             assert run["weights_agree"] == [True] * 2, name
+            assert run["running_guard"], name  # routers without noise: the training pass is the evaluation pass
             steps = [h for h in run["log_history"] if "loss" in h]
             gaps = [h["sampling/sampling_logp_difference/max"] for h in steps]
             means = [h["sampling/sampling_logp_difference/mean"] for h in steps]

@@ -9,7 +9,8 @@ bf16); those named after --bf16-models then train again, from the same initial w
 correction on, so that one process's start-up serves both precisions. Each rank writes OUT_DIR/rank<r>.json with, per
 run ("MODEL", or "MODEL (bf16)"): the trainer's log history, whether every rank held identical weights after every
 optimizer step, the largest gap between engine and trainer log-probs after the final sync, whether the model was
-sharded and into how many buckets the sync cut it, and whether the engine's experts are prepacked.
+sharded and into how many buckets the sync cut it, whether the engine's experts are prepacked, and whether the running
+parity guard stayed on (the gate found the training pass equal to the evaluation pass).
 """
 
 import argparse
@@ -89,6 +90,7 @@ def check(name: str, model: torch.nn.Module, tokenizer, bf16: bool, cli: argpars
         "sharded": is_sharded(model),
         "sync_buckets": len(trainer._weight_plan.buckets),
         "prepacked_experts": trainer.engine.prepacked_experts,
+        "running_guard": trainer.parity.running,  # the training pass read at every rollout, as the evaluation one
     }
 
 

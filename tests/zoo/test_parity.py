@@ -200,6 +200,49 @@ def test_an_engine_whose_own_model_differs_is_said_so(tmp_path, monkeypatch):
     assert "differs:" not in line and parity.EITHER_CAUSE not in line
 
 
+PHI_MOE = "microsoft/Phi-3.5-MoE-instruct"
+
+
+def without_output_bias(trainer: GRPOTrainer) -> None:
+    """Phi-3.5-MoE's output layer with its bias zero and frozen: vLLM 0.32's PhiMoEForCausalLM loads that bias but
+    never adds it to its logits (`test_vllms_phi_moe_leaves_out_its_output_bias_and_the_gate_says_so`), so only then
+    does its engine compute the trainer's distribution."""
+    bias = trainer.model.lm_head.bias
+    with torch.no_grad():
+        bias.zero_()
+    bias.requires_grad_(False)
+
+
+def test_a_training_pass_that_samples_its_experts_trains_gated_on_its_evaluation_pass(tmp_path, monkeypatch, caplog):
+    """Phi-3.5-MoE samples its experts in training (SparseMixer's Gumbel draw, after an input jitter) and takes the top
+    ones in evaluation, as vLLM does: no engine samples the training pass's noise. Gated on the training pass, a
+    healthy run stopped at its first rollout and blamed vLLM; gated on the evaluation pass it trains, with the running
+    guard, which reads the training pass, off and said so once."""
+    with monkeypatch.context() as patched:
+        patched.setattr(parity.ParityGuard, "settled_logps", lambda guard, model, logps: None)  # the training pass
+        trainer = trainer_for(PHI_MOE, tmp_path / "training-pass")
+        without_output_bias(trainer)
+        line = stops_before_training(trainer)
+    assert "A freshly loaded engine agrees" in line  # every tensor right: the gate blamed vLLM's model
+    trainer = trainer_for(PHI_MOE, tmp_path / "evaluation-pass", max_steps=3)
+    without_output_bias(trainer)
+    with caplog.at_level(logging.WARNING, logger=parity.__name__):
+        trainer.train()
+    assert trainer.state.global_step == 3 and not trainer.parity.running
+    assert caplog.text.count("training pass differs from its evaluation pass") == 1
+    assert "engine and trainer disagree" not in caplog.text
+
+
+def test_vllms_phi_moe_leaves_out_its_output_bias_and_the_gate_says_so(tmp_path):
+    """vLLM's own model differing from transformers', measured: vLLM 0.32's PhiMoEForCausalLM creates and loads the
+    output layer's bias (`lm_head_bias: true` in Phi-3.5-MoE's config) but its `compute_logits` never adds it, where
+    transformers' does (0.41 nats at worst over 58 prompt tokens of this model; 1e-5 with the bias zero). The engine
+    holds every tensor a fresh engine loads, so the gate's line says the sync is complete and vLLM's model differs."""
+    line = stops_before_training(trainer_for(PHI_MOE, tmp_path))
+    assert "A freshly loaded engine agrees" in line and "so the sync is complete" in line
+    assert "vLLM's PhiMoEForCausalLM itself computes another distribution" in line
+
+
 # Models with each kind of tensor a sync must reach: a router's persistent buffer and experts (GLM-4.5-Air), attention
 # sinks its loader copies in itself and biased experts (gpt-oss), and a dense model.
 FRESH_MODELS = ["zai-org/GLM-4.5-Air", "openai/gpt-oss-20b", "Qwen/Qwen3-0.6B"]

@@ -88,6 +88,7 @@ def test_quickstart_settings_train_every_model(name, tmp_path, record_property):
     log = step_log(trainer)
     record_property("sampling_gap", log["sampling/sampling_logp_difference/max"])  # --junitxml lists each model's
     assert log["sampling/sampling_logp_difference/max"] <= GAP_BOUND  # fp32, sharp weights: the same model
+    assert trainer.parity.running  # the gate found the training pass equal to the evaluation pass: no noise
     assert 1 <= log["completions/mean_length"] < 64  # the stopping model answers in a few tokens
     tokenizer = trainer.processing_class
     rows = chat_rows()
