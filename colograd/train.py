@@ -5,11 +5,9 @@ python colograd/train.py --config recipes/grpo_tiny.yaml          # one process
 """
 
 import dataclasses
-import hashlib
 import os
 import re
 import sys
-import tempfile
 import time
 import traceback
 import typing
@@ -366,81 +364,27 @@ def _renamed(key: str) -> str:
 def _fail(err: Exception | str, code: int = 2, debug: bool = False) -> NoReturn:
     """One line on stderr (after the traceback, with `debug`), then exit with `code`.
 
-    The line is written in one call, so that the lines of ranks failing together do not run into each other, and
-    only once per machine where every local rank of a launch meets the same mistake at once (`_said_by_rank_0`).
+    The line is written in one call, so that the lines of ranks failing together do not run into each other. Every
+    local rank of a launch meets a mistake in its inputs at once, and the launcher stops the other ranks once one has
+    exited with an error: local rank 0, or a process outside a launch, says its line at once; another local rank
+    says its line only if it is still running `SAID_WAIT_S` later. So the line is said once a machine, and still
+    when a rank fails alone.
     """
     if debug and isinstance(err, Exception):
         traceback.print_exception(err)
     hint = "" if debug or code == 2 else " (rerun with --debug for the traceback)"
     line = f"colograd: error: {str(err).strip().splitlines()[0]}{hint}\n"
-    if debug or not _said_by_rank_0(line):
-        sys.stderr.write(line)
-        sys.stderr.flush()
+    local = os.environ.get("LOCAL_RANK", "").strip()
+    if not debug and local.isdigit() and int(local) > 0:
+        time.sleep(SAID_WAIT_S)  # stopped here by the launcher when local rank 0 has failed too
+    sys.stderr.write(line)
+    sys.stderr.flush()
     sys.exit(code)
 
 
-SAID_WAIT_S = 2.0  # how long another local rank waits for local rank 0 to say the same line
-_SAID_FRESH_S = 60.0  # a mark older than this is not of this attempt
-
-
-def _said_by_rank_0(line: str) -> bool:
-    """Whether local rank 0 of this launch says `line`, so that this rank need not.
-
-    Local rank 0 always says its line (a launcher may show only its output), and marks it: a file in the temporary
-    folder named after the line and the launch (the launcher's agent, the local ranks' parent: its pid and start
-    time; torchelastic's run id and restart count). Another local rank waits up to `SAID_WAIT_S` for that mark and
-    says its line itself if none comes (rank 0 failed otherwise, or later). The last rank to find the mark removes
-    it. Outside a launch of several local ranks every process says its line.
-    """
-    try:  # a value that is not a number is itself the mistake being said (`check_variables`)
-        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    except ValueError:
-        return False
-    local = os.environ.get("LOCAL_RANK")
-    if ranks <= 1 or local is None or "WORLD_SIZE" not in os.environ or os.getppid() == 1:
-        return False
-    path = _said_path(line)
-    try:
-        if local.strip() == "0":
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            os.write(fd, b".")
-            os.close(fd)
-            return False
-        deadline = time.monotonic() + SAID_WAIT_S
-        while not _fresh(path):
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.05)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
-        try:
-            os.write(fd, b".")
-            if os.fstat(fd).st_size >= ranks:
-                os.unlink(path)
-        finally:
-            os.close(fd)
-        return True
-    except OSError:  # no temporary folder to write in, or the mark removed meanwhile: say it
-        return False
-
-
-def _said_path(line: str) -> str:
-    parent = os.getppid()
-    try:
-        with open(f"/proc/{parent}/stat") as f:  # its start time: a later process may reuse the pid
-            started = f.read().rpartition(")")[2].split()[19]
-    except (OSError, IndexError):
-        started = ""
-    launch = [os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")]
-    key = hashlib.sha256(" ".join([str(parent), started, *launch, line]).encode()).hexdigest()[:24]
-    return os.path.join(tempfile.gettempdir(), f"colograd-said-{key}")
-
-
-def _fresh(path: str) -> bool:
-    """Whether local rank 0 has marked `path` within `_SAID_FRESH_S`."""
-    try:
-        return time.time() - os.stat(path).st_mtime < _SAID_FRESH_S
-    except OSError:
-        return False
+# How long a local rank other than 0 waits before saying its line: local rank 0's exit (the libraries' teardown, 3-6 s
+# on a busy 2-core machine) and the launcher's check (every 0.1 s) fit in it.
+SAID_WAIT_S = 10.0
 
 
 if __name__ == "__main__":

@@ -197,8 +197,8 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         self.numbered_rows = self._vision
         self._gap_rotation = 0  # image runs: which of a rank's prompts the sampling-gap metric's completion is from
         rank, world, dataset = self.accelerator.process_index, self.accelerator.num_processes, self.train_dataset
-        self._dynamic = DynamicSampling(args, dataset, self._vision, rank, world) if args.dynamic_sampling else None
-        self._partial = PartialRollouts(args, dataset, self._vision, rank, world) if args.partial_rollouts else None
+        self.dynamic = DynamicSampling(args, dataset, self._vision, rank, world) if args.dynamic_sampling else None
+        self.partial = PartialRollouts(args, dataset, self._vision, rank, world) if args.partial_rollouts else None
         self.vllm_generation = VLLMGeneration(self)  # TRL's handle on the engine, for `rollout_func` code
         # What each model does to its logits, learnt before DeepSpeed wraps or partitions them.
         for net in filter(None, nets):
@@ -209,8 +209,8 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         for func in self.reward_funcs:
             if isinstance(func, RewardModel):
                 func.model.to(self.accelerator.device)
-        self._synced_step: int | None = None  # the global_step whose weights the engine holds
-        self._weight_plan: WeightPlan | None = None
+        self.synced_step: int | None = None  # the global_step whose weights the engine holds
+        self.weight_plan: WeightPlan | None = None
         main = self.accelerator.is_main_process
         self.forward = Forward.of(nets, args, self.processing_class, router, self.is_deepspeed_enabled, main)
         # The engine samples from the model trained, or the run stops (`colograd.grpo.parity`).
@@ -227,10 +227,10 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         self._micro_step = 0  # micro-steps trained since start (or resume): picks the rollout slice
         self._slices: list[RolloutBatch] | None = None  # the current rollout, one slice per micro-step
         self.reward_logs = RewardLogs()
-        self.entropy = EntropyTerms(self.args, self.accelerator, across_ranks(self.accelerator), self._metrics)
+        self.entropy = EntropyTerms(self.args, self.accelerator, across_ranks(self.accelerator), self.metrics)
         self.checkpoint_parts = (self.entropy,)  # written into each checkpoint before its record finishes
         # Written by every rank, each its own: the groups a rank carries between partial rollouts.
-        self.rank_checkpoint_parts = (self._partial,) if self._partial is not None else ()
+        self.rank_checkpoint_parts = (self.partial,) if self.partial is not None else ()
         self.preemption = Preemption()
         self.add_callback(self.preemption)
         self.recipe = recipe
@@ -243,13 +243,13 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         checkpoint = self.resume_point(resume_from_checkpoint)
         check_stream_resume(self.train_dataset, checkpoint)
         # The model is about to change (restored, or trained on from here): the first rollout re-syncs.
-        self._synced_step = None
+        self.synced_step = None
         self.resume_step = checkpoint_step(checkpoint) if checkpoint else 0  # where the data continues
         # The first logging window starts where the run (re)starts: time/* are divided by its steps.
         self._last_logged_step = self.resume_step
         self.entropy.resume(checkpoint)
-        if self._partial is not None:
-            self._partial.resume(checkpoint)
+        if self.partial is not None:
+            self.partial.resume(checkpoint)
         if checkpoint and self._completion_log is not None:
             self._completion_log.forget_after(self._last_logged_step)
         self._times.reset()  # the summary covers this call
@@ -308,13 +308,13 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         args = self.args
         self.engine.wake_weights()  # sleep mode: its weights memory back, for the sync and the generation after it
         self.sync_weights()
-        if self._partial is not None:
+        if self.partial is not None:
             scored, generated = self.sample_partial(rows)
         else:
-            scored, dropped = (self.sample(rows), 0) if self._dynamic is None else self.sample_dynamic(rows)
+            scored, dropped = (self.sample(rows), 0) if self.dynamic is None else self.sample_dynamic(rows)
             generated = int(sampled_lengths(scored.rollout).sum()) + dropped  # dropped groups' tokens too
         extra, logged = self.reward_logs.take()  # what the reward functions logged (TRL's log_extra / log_metric)
-        self._times.count("generated", generated, self._metrics)
+        self._times.count("generated", generated, self.metrics)
         advantages_N = self.compute_advantages(scored.rewards_NF)
         self._record(
             scored_metrics(scored, self.reward_func_names, self.reward_weights, args.num_generations, self._vision)
@@ -342,7 +342,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         sample = lambda rows, round: self.sample(rows, round=round)  # noqa: E731
         # One wake for every round: with sleep mode, each round's own would sync the weights again.
         with self.engine.awake(sync=self.sync_weights):
-            scored, metrics, dropped = self._dynamic.fill(
+            scored, metrics, dropped = self.dynamic.fill(
                 rows,
                 sample,
                 self.reward_weights,
@@ -401,7 +401,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         rollout continued first, then `rows` and the extra prompts that keep the groups in flight; the first
         `len(rows)` finished groups, in that order, scored. Returns it, and the completion tokens generated (in every
         group)."""
-        partial, want = self._partial, len(rows)
+        partial, want = self.partial, len(rows)
         version = self.state.global_step  # the weights' version: the optimizer step they are from (kept on resume)
         dropped = partial.drop_stale(version)
         rows = rows + partial.extra_rows(want, self._run_micro_step())
@@ -444,17 +444,17 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         """Write the model's weights into the engine, once per optimizer step (not per accumulation step), and again
         whenever the engine dropped them (sleep mode). Called while the engine is asleep (from a callback between
         rollouts, with sleep mode on), it wakes the engine for the sync and puts it back to sleep."""
-        if self._synced_step == self.state.global_step and not self.engine.stale:
+        if self.synced_step == self.state.global_step and not self.engine.stale:
             return
         if not self.engine.weights_resident:
             with self.engine.awake(sync=self.sync_weights):
                 return
-        if self._weight_plan is None:  # built once accelerate / DeepSpeed have wrapped (maybe sharded) the model
+        if self.weight_plan is None:  # built once accelerate / DeepSpeed have wrapped (maybe sharded) the model
             model = self.accelerator.unwrap_model(self.model)
-            self._weight_plan = weight_plan(model, self.args.sync_bucket_mib, self.inputs.lora_rank)
+            self.weight_plan = weight_plan(model, self.args.sync_bucket_mib, self.inputs.lora_rank)
         with self._timed("sync"):
-            self._weight_plan.sync(self.engine)
-        self._synced_step = self.state.global_step
+            self.weight_plan.sync(self.engine)
+        self.synced_step = self.state.global_step
 
     def prepare_prompts(self, rows: list[dict]) -> PreparedPrompts:
         """Template and tokenize a batch of dataset rows. A vision-language run's rows are each checked first
@@ -584,8 +584,8 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         )
         if model.training:
             trained = inputs["attention_mask"].sum().item()
-            self._times.count("trained", trained, self._metrics)
-            self._times.count("forwarded", forwarded[0] if forwarded else trained, self._metrics)
+            self._times.count("trained", trained, self.metrics)
+            self._times.count("forwarded", forwarded[0] if forwarded else trained, self.metrics)
         # On-policy, and on a rollout's first slice, the current weights are the ones that sampled. (When old
         # log-probs come from a forward pass, `rollout_logps` logged the gap for every slice already.)
         first_slice = (self._micro_step - 1) % args.rollout_micro_steps == 0

@@ -156,14 +156,14 @@ def _side(side: str, w: dict[str, Any]) -> dict[str, Any]:
         trainer = GRPOTrainer(model, first_letter, args, tiny.letters_dataset(), processing_class=tokenizer)
         staleness: list[int] = []
         if side == "partial":
-            take = trainer._partial.take
+            take = trainer.partial.take
 
             def recorded(*args: Any) -> Any:
                 taken, version = take(*args), args[4]
                 staleness.extend(version - group.oldest(version) for group in taken[0])
                 return taken
 
-            trainer._partial.take = recorded
+            trainer.partial.take = recorded
         times: list[float] = []
 
         class Clock(TrainerCallback):

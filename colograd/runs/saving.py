@@ -45,17 +45,17 @@ class ModelSaving(Trainer):
         this run's own newest finished checkpoint, if any (`colograd.runs.relaunch`). A run that resumes nothing is
         refused where another run's work is (`colograd.runs.output_dir`)."""
         policy = self.accelerator.unwrap_model(self.model)
-        self._setup = run_setup(
+        self.run_setup = run_setup(
             self.args, policy, (self.recipe and self.recipe.model_name_or_path) or policy.config._name_or_path,
             self.train_dataset, self.reward_func_names, self.reward_weights.tolist(),
         )  # fmt: skip
-        checkpoint = check_output_dir(self.args, resume_from_checkpoint, self._setup)
+        checkpoint = check_output_dir(self.args, resume_from_checkpoint, self.run_setup)
         if checkpoint:
             check_resume(checkpoint, self.args, policy.config, self.args.trust_remote_code)
-            check_setup(checkpoint, self._setup)  # another number of ranks passes where the run's batch is kept
-            if line := reshard_note(checkpoint, self._setup):
+            check_setup(checkpoint, self.run_setup)  # another number of ranks passes where the run's batch is kept
+            if line := reshard_note(checkpoint, self.run_setup):
                 note(line)
-                if self._setup["sharding"] == "deepspeed":
+                if self.run_setup["sharding"] == "deepspeed":
                     self._load_universal(checkpoint)
         return checkpoint
 
@@ -85,7 +85,7 @@ class ModelSaving(Trainer):
         folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
         with stage_failures("save", step, self.args.output_dir):
             if self.args.should_save:
-                begin_record(folder, self._setup)
+                begin_record(folder, self.run_setup)
             self.accelerator.wait_for_everyone()  # no rank writes into the folder before it is marked
             limit, self.args.save_total_limit = self.args.save_total_limit, None  # no rotation inside the save
             try:
@@ -99,7 +99,7 @@ class ModelSaving(Trainer):
                 part.write_state(folder)
             self.accelerator.wait_for_everyone()
             if self.args.should_save:
-                finish_record(folder, self._setup)
+                finish_record(folder, self.run_setup)
                 rotate_checkpoints(run_dir, limit, self.state.best_model_checkpoint)
 
     def create_model_card(

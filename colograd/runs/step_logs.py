@@ -24,9 +24,9 @@ class StepLogs(Trainer):
     def _start_logs(self) -> None:
         """The logs' state: the current window's metrics, the phases' times, the completion log (main process)."""
         args = self.args
-        self._metrics: dict[str, list[float]] = defaultdict(list)  # the current logging window's, per metric
+        self.metrics: dict[str, list[float]] = defaultdict(list)  # the current logging window's, per metric
         self._times = PhaseTimes()
-        self.add_callback(OptimizerTimer(self._times, self._metrics))
+        self.add_callback(OptimizerTimer(self._times, self.metrics))
         self.phase_summary: dict[str, Any] = {}  # filled at the end of `train` (see `summarize_phases`)
         self._last_logged_step = 0
         self._last_window: dict[str, float] = {}  # the last logged window's metrics (`log`)
@@ -70,13 +70,13 @@ class StepLogs(Trainer):
         """Add one value of each metric to the current logging window (averaged over micro-steps and ranks when
         logged, see `log`)."""
         for name, value in metrics.items():
-            self._metrics[name].append(value)
+            self.metrics[name].append(value)
 
     @contextmanager
     def _timed(self, phase: str) -> Iterator[None]:
         """Time a stage; an exception in it names the optimizer step and the stage (`StepFailure`)."""
         with stage_failures(phase, self.state.global_step + 1, self.args.output_dir):
-            with self._times.timed(phase, self._metrics):
+            with self._times.timed(phase, self.metrics):
                 yield
 
     def log_completions(
@@ -110,11 +110,11 @@ class StepLogs(Trainer):
         """
         # A step's entry, and (as TRL's `log` merges them) the end of training's, which takes what the last window
         # left when training ended between two logging steps.
-        if self._metrics and ("loss" in logs or "train_runtime" in logs):
+        if self.metrics and ("loss" in logs or "train_runtime" in logs):
             steps = max(1, self.state.global_step - self._last_logged_step)
-            self._last_window = window_metrics(self._metrics, steps, self.accelerator)
+            self._last_window = window_metrics(self.metrics, steps, self.accelerator)
             logs.update(self._last_window)
-            self._metrics.clear()
+            self.metrics.clear()
             self._last_logged_step = self.state.global_step
             super().log(logs, start_time)
             return

@@ -165,12 +165,12 @@ def test_trainer_syncs_only_when_the_engine_lacks_the_current_weights(synced_ste
     trainer = SimpleNamespace(
         state=SimpleNamespace(global_step=3),
         engine=SimpleNamespace(stale=stale, weights_resident=True),
-        _synced_step=synced_step,
-        _weight_plan=SimpleNamespace(sync=lambda engine: synced.append(engine)),
+        synced_step=synced_step,
+        weight_plan=SimpleNamespace(sync=lambda engine: synced.append(engine)),
         _timed=lambda phase: nullcontext(),
     )
     GRPOTrainer.sync_weights(trainer)
-    assert bool(synced) is expect_sync and trainer._synced_step == 3
+    assert bool(synced) is expect_sync and trainer.synced_step == 3
 
 
 @pytest.mark.parametrize("asleep", [True, False], ids=["asleep", "awake"])
@@ -217,10 +217,10 @@ def test_a_sync_called_between_rollouts_wakes_the_engine_for_it():
     trainer = SimpleNamespace(
         state=SimpleNamespace(global_step=3),
         engine=engine,
-        _synced_step=2,
-        _weight_plan=SimpleNamespace(sync=lambda engine: log.append(f"sync:{engine.weights_resident}")),
+        synced_step=2,
+        weight_plan=SimpleNamespace(sync=lambda engine: log.append(f"sync:{engine.weights_resident}")),
         _timed=lambda phase: nullcontext(),
     )
     trainer.sync_weights = lambda: GRPOTrainer.sync_weights(trainer)
     trainer.sync_weights()
-    assert log == ["wake_up:weights", "sync:True", "wake_up:kv_cache", "sleep:2"] and trainer._synced_step == 3
+    assert log == ["wake_up:weights", "sync:True", "wake_up:kv_cache", "sleep:2"] and trainer.synced_step == 3

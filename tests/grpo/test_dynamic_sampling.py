@@ -346,7 +346,7 @@ def test_a_rollout_trains_on_informative_groups_only(tmp_path):
     trainer.engine.generate = generate
     assert len(steps) >= 2 and steps == [steps[0] + k * ROUND_STRIDE for k in range(len(steps))]  # rounds apart
     assert (advantages.view(-1, args.num_generations).abs().sum(1) > 0).all()
-    metrics = trainer._metrics
+    metrics = trainer.metrics
     assert metrics["dynamic_sampling/rounds"][0] >= 1 and metrics["frac_reward_zero_std"][0] == 0
     trainer.train()
     history = [h for h in trainer.state.log_history if "loss" in h]

@@ -435,9 +435,9 @@ def test_training_carries_groups_across_steps_and_a_checkpoint(tmp_path):
 
     trainer = build()
     saved = {}
-    write = trainer._partial.write_state
-    trainer._partial.write_state = lambda folder: saved.update({os.path.basename(folder): json.dumps(
-        [asdict(g) for g in trainer._partial.carried])}) or write(folder)  # fmt: skip
+    write = trainer.partial.write_state
+    trainer.partial.write_state = lambda folder: saved.update({os.path.basename(folder): json.dumps(
+        [asdict(g) for g in trainer.partial.carried])}) or write(folder)  # fmt: skip
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 3 and all(math.isfinite(h["loss"]) for h in logs)
@@ -452,9 +452,9 @@ def test_training_carries_groups_across_steps_and_a_checkpoint(tmp_path):
 
     resumed = build()
     back = []
-    resume = resumed._partial.resume
-    resumed._partial.resume = lambda folder: resume(folder) or back.append(
-        json.dumps([asdict(g) for g in resumed._partial.carried]))  # fmt: skip
+    resume = resumed.partial.resume
+    resumed.partial.resume = lambda folder: resume(folder) or back.append(
+        json.dumps([asdict(g) for g in resumed.partial.carried]))  # fmt: skip
     resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
     assert resumed.state.global_step == 3
     # The groups carried at the checkpoint came back whole (rows, tokens, log-probs, weight versions), and the
@@ -466,7 +466,7 @@ def test_training_carries_groups_across_steps_and_a_checkpoint(tmp_path):
 
     resumed.args.mask_stale_tokens = True
     slices = resumed.make_rollout(rows_of(6))
-    stale = resumed._metrics["partial_rollouts/stale_token_fraction"][-1]
+    stale = resumed.metrics["partial_rollouts/stale_token_fraction"][-1]
     counted = sum(int(s["completion_mask"].sum()) for s in slices)
     sampled = sum(int(s["attention_mask"][:, -s["completion_mask"].size(1) :].sum()) for s in slices)
     assert stale > 0 and counted == round(sampled * (1 - stale)), (counted, sampled, stale)

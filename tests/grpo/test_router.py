@@ -195,7 +195,7 @@ def test_the_training_loss_adds_coef_times_the_router_loss(tmp_path):
     def trainer(router):
         metrics = defaultdict(list)
         fake = SimpleNamespace(
-            args=args, forward=Forward(args, router=router), _micro_step=1, _metrics=metrics, _times=PhaseTimes(),
+            args=args, forward=Forward(args, router=router), _micro_step=1, metrics=metrics, _times=PhaseTimes(),
             entropy=EntropyTerms(args, SimpleNamespace(sync_gradients=True), lambda x: x, metrics),
             parity=ParityGuard(tolerance(torch.float32, torch.float32), "Mixtral"),
         )  # fmt: skip
@@ -208,5 +208,5 @@ def test_the_training_loss_adds_coef_times_the_router_loss(tmp_path):
     grpo_only = GRPOTrainer.compute_loss(trainer(None), model, inputs)
     aux = colograd_aux_loss(model, batch).aux_loss
     assert torch.allclose(loss - grpo_only, 0.02 * aux, rtol=1e-5), (loss - grpo_only, aux)
-    assert with_router._metrics["aux_loss"] == [pytest.approx(aux.item(), rel=1e-5)]
-    assert with_router._metrics["moe/expert_load/max"][0] >= 1
+    assert with_router.metrics["aux_loss"] == [pytest.approx(aux.item(), rel=1e-5)]
+    assert with_router.metrics["moe/expert_load/max"][0] >= 1

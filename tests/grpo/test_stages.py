@@ -117,7 +117,7 @@ def test_overrides_without_super_keep_every_metric_and_evaluation_shares_the_rol
     assert trainer.asked == [4, 4, 2]  # two training rollouts, then one evaluation with num_generations_eval
     assert metrics["eval_reward"] == pytest.approx(metrics["eval_completions/mean_length"])
     # Evaluation recorded none of training's metrics, and its phases only under their own names.
-    window = set(trainer._metrics)
+    window = set(trainer.metrics)
     assert not window & {"reward", "completions/mean_length", "time/generate", "time/reward"}
     assert {"time/eval_generate", "time/eval_reward"} <= window
 

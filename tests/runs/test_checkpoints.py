@@ -83,7 +83,7 @@ class Saver(ModelSaving):
     """The trainer's save hooks on a plain transformers Trainer: what a GRPO checkpoint writes, with no engine."""
 
     recipe = None
-    _setup = {"num_generations": 8}
+    run_setup = {"num_generations": 8}
 
 
 @pytest.fixture
@@ -193,7 +193,7 @@ def saved_run(tmp_path_factory):
     setup fields as a tiny run's config has them."""
     out = tmp_path_factory.mktemp("run")
     trainer = Saver(model=tiny.build_model(), args=TrainingArguments(str(out), report_to="none", use_cpu=True))
-    trainer._setup = {"architecture": architecture(trainer.model.config)} | setup_fields(run_args(out))
+    trainer.run_setup = {"architecture": architecture(trainer.model.config)} | setup_fields(run_args(out))
     trainer.create_optimizer_and_scheduler(num_training_steps=5)
     save_at(trainer, 1)
     save_at(trainer, 2)

@@ -394,7 +394,7 @@ def test_a_full_disk_during_a_save_names_step_and_stage_and_keeps_the_last_finis
     assert not (tmp_path / "checkpoint-1").exists()
     assert last_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-2")
     record = json.loads((tmp_path / "checkpoint-2" / RECORD_FILE).read_text())
-    assert record["setup"] == trainer._setup and "rng_state.pth" in record["files"]
+    assert record["setup"] == trainer.run_setup and "rng_state.pth" in record["files"]
 
 
 # --- real runs -----------------------------------------------------------------------------------------------

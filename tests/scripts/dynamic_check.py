@@ -32,7 +32,7 @@ def run(out: str) -> None:
     trainer = GRPOTrainer(tiny.build_model(), rank_reward, args, tiny.letters_dataset(256),
                           processing_class=tiny.build_tokenizer())  # fmt: skip
     record = {"rounds": [], "sampled": [], "uniform_kept": [], "first_round_found": []}
-    fill = trainer._dynamic.fill
+    fill = trainer.dynamic.fill
 
     def recorded_fill(rows, sample, weights, most, step, logs=None):
         counts = []
@@ -52,7 +52,7 @@ def run(out: str) -> None:
         record["uniform_kept"].append(int((spread <= args.dynamic_sampling_std_eps).sum()))
         return kept, metrics, dropped
 
-    trainer._dynamic.fill = recorded_fill
+    trainer.dynamic.fill = recorded_fill
     train_and_record(trainer, record, out)
 
 

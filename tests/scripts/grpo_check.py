@@ -178,7 +178,7 @@ def run(argv: list[str]) -> None:
                 "parity_gap": gap,
                 "tied": model.config.tie_word_embeddings,
                 "sharded": is_sharded(model),
-                "sync_buckets": len(trainer._weight_plan.buckets),
+                "sync_buckets": len(trainer.weight_plan.buckets),
                 "local_numel": callback.local_numel,
                 "reference_sharded": trainer.reference is not None and is_sharded(trainer.reference.frozen),
                 "reference_moved": reference_moved(trainer, tiny.build_model(tie_word_embeddings=cli.tied)),

@@ -83,7 +83,7 @@ class RecordingTrainer(GRPOTrainer):
         self.advantages: list[tuple[list, list]] = []
 
     def sync_weights(self) -> None:
-        if self._synced_step != self.state.global_step:
+        if self.synced_step != self.state.global_step:
             self.synced_at.append(self.state.global_step)
         super().sync_weights()
 

@@ -88,7 +88,7 @@ def check(name: str, model: torch.nn.Module, tokenizer, bf16: bool, cli: argpars
         "weights_agree": callback.per_step,
         "parity_gap": gap,
         "sharded": is_sharded(model),
-        "sync_buckets": len(trainer._weight_plan.buckets),
+        "sync_buckets": len(trainer.weight_plan.buckets),
         "prepacked_experts": trainer.engine.prepacked_experts,
         "running_guard": trainer.parity.running,  # the training pass read at every rollout, as the evaluation one
     }

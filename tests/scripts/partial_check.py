@@ -23,7 +23,7 @@ def run(out: str) -> None:
     trainer = GRPOTrainer(model, tiny.letters_reward, args, tiny.letters_dataset(256),
                           processing_class=tiny.build_tokenizer())  # fmt: skip
     record = {"groups": [], "resumed": [], "prompts": []}
-    take = trainer._partial.take
+    take = trainer.partial.take
 
     def recorded_take(*args, **kwargs):
         taken, metrics, generated = take(*args, **kwargs)
@@ -32,7 +32,7 @@ def run(out: str) -> None:
         record["prompts"] += [group.row["prompt"] for group in taken]
         return taken, metrics, generated
 
-    trainer._partial.take = recorded_take
+    trainer.partial.take = recorded_take
     train_and_record(trainer, record, out)
 
 

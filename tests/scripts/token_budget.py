@@ -35,9 +35,9 @@ class Recording(GRPOTrainer):
         return rollout
 
     def training_step(self, *args, **kwargs):
-        before = len(self._metrics["tokens/trained"])
+        before = len(self.metrics["tokens/trained"])
         loss = super().training_step(*args, **kwargs)
-        self.passes.append(len(self._metrics["tokens/trained"]) - before)
+        self.passes.append(len(self.metrics["tokens/trained"]) - before)
         return loss
 
 
