@@ -27,6 +27,7 @@ from colograd.config.core import GRPOConfig
 from colograd.engine import cpu as engine_cpu
 from colograd.engine import moe
 from colograd.engine import sampler_tap as tapping
+from colograd.engine.folder import engine_folder
 from colograd.engine.kv_cache import engine_memory, kv_bytes_per_token
 from colograd.engine.launch import _launcher_env, _tensor_parallel_group
 from colograd.engine.lifetime import (
@@ -127,16 +128,25 @@ class Engine:
         # Image placeholders the engine never samples: the trainer's model would look for an image there.
         self.suppressed = placeholder_ids(tokenizer)
         self.vision = is_vision_language(model.get_base_model() if isinstance(model, PeftModel) else model)
-        # vLLM reads the architecture from a folder: write the config and tokenizer, never the weights.
-        self._dir = removed_when_stuck(tempfile.TemporaryDirectory(prefix=f"colograd-engine-{rank}-"))
         base = model.get_base_model() if isinstance(model, PeftModel) else model
         config = engine_config(base)
-        config.save_pretrained(self._dir.name)
-        tokenizer.save_pretrained(self._dir.name)
-        # vLLM also stops at the end-of-sequence ids of the generation config (chat models list their end-of-turn
-        # token only there). Only those ids go over: the rest is sampling defaults, which every request sets.
-        if base.generation_config is not None and base.generation_config.eos_token_id is not None:
-            GenerationConfig(eos_token_id=base.generation_config.eos_token_id).save_pretrained(self._dir.name)
+
+        def write_model_folder(folder: str) -> None:
+            """vLLM reads the architecture from a folder: the config and tokenizer, never the weights."""
+            config.save_pretrained(folder)
+            tokenizer.save_pretrained(folder)
+            # vLLM also stops at the end-of-sequence ids of the generation config (chat models list their
+            # end-of-turn token only there). Only those ids go over: the rest is sampling defaults, which every
+            # request sets.
+            if base.generation_config is not None and base.generation_config.eos_token_id is not None:
+                GenerationConfig(eos_token_id=base.generation_config.eos_token_id).save_pretrained(folder)
+
+        # A folder named by its content, so that vLLM's compile cache, keyed on its path, hits at the next start.
+        # CPU repacking changes the traced linear layers without changing vLLM's key.
+        repacking = "" if torch.cuda.is_available() else f"cpu_repack_weights={args.vllm_cpu_repack_weights}"
+        model_dir, self._temporary_dir = engine_folder(
+            write_model_folder, repacking, temporary_prefix=f"colograd-engine-{rank}-"
+        )
 
         serve_without_torchvision(config.architectures[0])
         if not torch.cuda.is_available():
@@ -154,7 +164,7 @@ class Engine:
             add_expert_group(self.tp_size)  # where a dense model's engine made this process's groups without it
         with _launcher_env(), _matmul_precision_kept(), frozen_heap(collect=torch.cuda.is_available()):
             self.llm = LLM(
-                model=self._dir.name,
+                model=model_dir,
                 load_format="dummy",
                 seed=args.seed + self._tp_index,  # each engine samples different completions
                 # The engine joins this process's torch process group (or, alone, makes a world of one).

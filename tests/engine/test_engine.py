@@ -170,8 +170,8 @@ def test_lora_sync_gives_engine_the_adapted_model(adapter_only, repack, tmp_path
     if adapter_only:
         assert loads() == 1  # its folder once; later versions go from the tensors straight into the engine's slot
         assert engine._adapter_dir.name.startswith("/dev/shm/") is repack
-        # Both folders are removed even by a stuck process's exit (`time_limit.exit_stuck`), /dev/shm's included.
-        assert {engine._dir, engine._adapter_dir} <= set(time_limit._FOLDERS)
+        # The adapter's folder is removed even by a stuck process's exit (`time_limit.exit_stuck`), in /dev/shm too.
+        assert engine._adapter_dir in set(time_limit._FOLDERS)
     adapter_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n)
     if adapter_only:  # after the first sync, only the adapter moves
         assert second == adapter_bytes and first == plan.nbytes + adapter_bytes
