@@ -317,9 +317,10 @@ def _dataset_identity(dataset: Any) -> str | None:
 
 
 def config_setup(args: TrainingArguments) -> dict[str, Any]:
-    """The part of `run_setup` the config and the launch alone tell: `SETUP_FIELDS` and the `sharding`, as a record
-    holds them."""
-    fields = {name: getattr(args, name) for name in SETUP_FIELDS} | {"sharding": sharding()}
+    """The part of `run_setup` the config and the launch alone tell: `SETUP_FIELDS`, the `sharding` and DeepSpeed's
+    ZeRO stage (None without DeepSpeed, so not compared), as a record holds them."""
+    fields = {name: getattr(args, name) for name in SETUP_FIELDS}
+    fields |= {"sharding": sharding(args), "zero_stage": zero_stage(args)}
     return json.loads(json.dumps(fields, default=str))
 
 
@@ -350,13 +351,23 @@ def setup_differences(recorded: dict[str, Any], setup: dict[str, Any]) -> dict[s
 RESHARD_FIELDS = ("world_size", "per_device_train_batch_size")
 
 
-def sharding() -> str:
+def sharding(args: TrainingArguments) -> str:
     """How this launch holds the model's training state: "deepspeed", "fsdp" (each rank a shard of it, saved as
-    shards), or "none" (DDP or one process: every rank the whole of it, saved once). From accelerate's launcher."""
-    for name, kind in (("ACCELERATE_USE_DEEPSPEED", "deepspeed"), ("ACCELERATE_USE_FSDP", "fsdp")):
-        if os.environ.get(name, "").lower() in ("1", "true", "yes"):
-            return kind
-    return "none"
+    shards), or "none" (DDP or one process: every rank the whole of it, saved once). DeepSpeed from the config
+    (accelerate's launcher, or the `deepspeed` argument), FSDP from accelerate's launcher."""
+    if getattr(args, "deepspeed_plugin", None) is not None:
+        return "deepspeed"
+    return "fsdp" if os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true", "yes") else "none"
+
+
+def zero_stage(args: TrainingArguments) -> int | None:
+    """DeepSpeed's ZeRO stage (0-3) as its config says it, None without DeepSpeed. A checkpoint's optimizer files are
+    laid out per stage: resuming under another stage is refused like any other setting that changed."""
+    plugin = getattr(args, "deepspeed_plugin", None)
+    if plugin is None:
+        return None
+    stage = plugin.deepspeed_config.get("zero_optimization", {}).get("stage")
+    return int(stage) if isinstance(stage, int | str) and str(stage).isdigit() else None
 
 
 # The ways of holding the training state whose checkpoints load on another number of ranks: DDP's (saved once,

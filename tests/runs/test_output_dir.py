@@ -352,6 +352,35 @@ def test_a_resume_of_a_run_set_up_differently_is_refused_naming_each_field(tmp_p
                             "with overwrite_output_dir: true).")  # fmt: skip
 
 
+def test_deepspeeds_zero_stage_is_recorded_and_another_one_refused(tmp_path, monkeypatch):
+    """A ZeRO stage from accelerate's launcher or from the `deepspeed` argument is recorded with the sharding; a resume
+    under another stage (its optimizer files are laid out per stage) is refused like any changed setting, also when
+    the run moves to another number of ranks; a record without a stage (no DeepSpeed, or saved before) is not
+    compared."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    assert (setup_of()["sharding"], setup_of()["zero_stage"]) == ("none", None)
+    config = tmp_path / "zero1.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 1}, "train_micro_batch_size_per_gpu": "auto"}))
+    assert (setup_of(deepspeed=str(config))["sharding"], setup_of(deepspeed=str(config))["zero_stage"]) == (
+        "deepspeed",
+        1,
+    )
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
+    stage_2 = setup_of()
+    assert (stage_2["sharding"], stage_2["zero_stage"]) == ("deepspeed", 2)
+    checkpoint = save(tmp_path, 2, setup=stage_2)
+    check_setup(str(checkpoint), setup_of())
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    with pytest.raises(ConfigError, match=r"\(zero_stage 2 in the checkpoint, 3 now\)"):
+        check_setup(str(checkpoint), setup_of())
+    moved = setup_of() | {"world_size": 2, "per_device_train_batch_size": stage_2["per_device_train_batch_size"] // 2}
+    with pytest.raises(ConfigError, match=r"\(zero_stage 2 in the checkpoint, 3 now\)"):
+        check_setup(str(checkpoint), moved)
+    older = save(tmp_path, 4, setup={k: v for k, v in stage_2.items() if k != "zero_stage"})
+    check_setup(str(older), setup_of())
+
+
 def test_unknown_values_and_checkpoints_without_a_record_are_not_compared(tmp_path):
     checkpoint = save(tmp_path, 2, setup=setup_of() | {"model": None, "retired_field": 1})
     check_setup(str(checkpoint), setup_of() | {"model": "elsewhere", "new_field": 2})
