@@ -82,10 +82,13 @@ PROGRAM_FDS = (3, 4)  # the program's process reads requests on 3 and answers on
 
 def serve(imports, program):
     """The program's process (its main.py calls this): run the row's imports and the program as a module named
-    ``solution``, say whether that worked, then answer the judge until it closes the channel."""
+    ``solution``, say whether that worked, then answer the judge until it closes the channel. The module is in
+    sys.modules, as an imported one would be, so that pickle finds its functions by reference (what
+    `multiprocessing.Pool.map(square, xs)` sends its workers)."""
     import io
 
-    peer = Peer(program_channel(*PROGRAM_FDS), names={"__name__": "solution"})
+    sys.modules["solution"] = solution = type(sys)("solution")
+    peer = Peer(program_channel(*PROGRAM_FDS), names=solution.__dict__)
     try:
         exec(compile(imports, "<test imports>", "exec"), peer.names)
         exec(compile(program, "solution.py", "exec"), peer.names)

@@ -72,9 +72,10 @@ class SandboxUnavailable(ConfigError):
 class SandboxLimits:
     """What one execution may use.
 
-    wall_s: seconds of wall time before it is killed, not counting the time the sandbox's own processes waited for a
-        CPU (on a busy machine a program that computes is bound by `cpu_s`; this catches programs that sleep or
-        wait); whatever the waits, it ends at 3 times this (`colograd.rewards.sandbox_clock.BACKSTOP`).
+    wall_s: seconds of wall time before it is killed, from when the program has started (building the sandbox is
+        not its time), not counting the time the sandbox's own processes waited for a CPU (on a busy machine a
+        program that computes is bound by `cpu_s`; this catches programs that sleep or wait); whatever the waits, it
+        ends at 3 times this after the launcher started (`colograd.rewards.sandbox_clock.BACKSTOP`).
     cpu_s: seconds of CPU time, for each process (RLIMIT_CPU) and for all of the execution's processes together (its
         cgroup's CPU accounting, else read from /proc), besides what the sandbox's own processes use.
     memory_mib: address space per process (RLIMIT_AS) and, with a memory cgroup, all the execution's memory
@@ -284,7 +285,7 @@ class Sandbox:
             limits = self.limits
             clock = Clock(proc.pid, self.isolated, limits.wall_s, limits.tree_cpu_s(),
                           CgroupCpu(cpu, cgroups["cpu_cgroup"]) if "cpu_cgroup" in cgroups else ProcTreeCpu(proc.pid),
-                          os.cpu_count() or 1)  # fmt: skip
+                          os.cpu_count() or 1, judge is not None)  # fmt: skip
             status_cap = _STATUS_BYTES + _STATUS_BYTES_PER_TEST * len((judge or {}).get("tests", ()))
             stdout, stderr, status_bytes, cut = _communicate(
                 proc, status_r, clock, self.limits.output_kib * 1024, status_cap

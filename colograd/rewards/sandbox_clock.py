@@ -6,24 +6,31 @@ CPU time is counted over the tree, so that a program cannot hand its work on to 
 under the per-process RLIMIT_CPU: from the execution's cgroup where there is one (`CgroupCpu`: the kernel counts every
 process that was ever in it), else from /proc, polled (`ProcTreeCpu`).
 
-Wall time does not count the waits for a CPU of the launcher, the sandbox's pid 1, the program's first process and
-the judge (`/proc/<pid>/schedstat`), so that a busy machine does not turn a correct program into a timeout. Only
-those four: what the program starts is not asked, since a program that forks runnable children would otherwise make
-waits of its own to deduct. Each of the four waits at most as long as the execution lasts, and what the program's own
-processes make them wait is bounded by its CPU time; whatever the waits, no execution lasts more than `BACKSTOP`
-times its wall limit.
+Wall time starts once the sandbox's own processes are all there: the launcher, the sandbox's pid 1, the program's
+first process and the judge. Before, the sandbox is being built, and on a busy machine that can sleep in the kernel
+for a second (joining a cgroup and detaching the old root wait for RCU grace periods; a fork waits while another
+sandbox joins its cgroup), none of it the program's doing. From then on it does not count the waits for a CPU of those
+four (`/proc/<pid>/schedstat`), so that a busy machine does not turn a correct program into a timeout. The kernel adds
+a wait there only once it ends, so a wait under way is watched too: a process runnable at two readings that used no CPU
+in between waited all that while (a program or judge just forked on a busy machine was seen to wait over a second
+before it first ran, its schedstat saying 0). Only those four: what the program starts is not asked, since a program
+that forks runnable children would otherwise make waits of its own to deduct, and the program cannot lower its own
+scheduling (the seccomp filter refuses it). What the program's own processes make the four wait is bounded by its CPU
+time; whatever the waits, no execution lasts more than `BACKSTOP` times its wall limit.
 """
 
 import os
 import time
+from dataclasses import dataclass
 from typing import Protocol
 
 from colograd.rewards.sandbox_cgroup import Cgroups
 
 BACKSTOP = 3  # whatever the waits, no execution lasts more than this many times the wall limit
-POLL_S = 0.05  # seconds between readings of the tree's CPU time, once it could have reached its limit
-# The namespace pids of the program's first process and the judge: the sandbox's pid 1 forks them first, in that
-# order, in a pid namespace of its own (a pid is not given again before the namespace's pids wrap around).
+POLL_S = 0.05  # seconds between readings of the waits, and of the tree's CPU time once it could have reached its limit
+# The namespace pids of the judge and the program's first process (without a judge, the program is 2): the sandbox's
+# pid 1 forks them in that order before anything else runs in its pid namespace (`sandbox_launch.init`), so nothing
+# the program forks can take either number.
 OWN_NAMESPACE_PIDS = (2, 3)
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -73,6 +80,17 @@ class ProcTreeCpu:
         return ticks / _TICK
 
 
+@dataclass
+class _Reading:
+    """One process's scheduling, read at `when` (`time.perf_counter`)."""
+
+    cpu_ns: int  # its CPU time, from its CPU clock: exact, where /proc moves at scheduler ticks
+    delay_ns: int  # its waits for a CPU that have ended (schedstat)
+    runnable: bool
+    when: float
+    waiting_s: float = 0.0  # how long, as far as readings show, it has been runnable without running
+
+
 class Clock:
     """The limits of one execution, read while it runs.
 
@@ -80,60 +98,93 @@ class Clock:
         pid: the launcher's.
         isolated: whether the launcher builds a pid namespace (its one child is then the sandbox's pid 1); else the
             launcher is pid 1 itself.
-        wall_s: the wall limit, waits for a CPU of the sandbox's own processes not counted.
+        wall_s: the wall limit, counted from when the sandbox's own processes are all there, their waits for a CPU
+            not counted.
         cpu_s: the limit on the whole tree's CPU time.
         cpu: where the tree's CPU time is read.
         cores: how many CPUs the tree can use at once: its CPU time is first read once it could have reached the limit.
+        judge: whether a judge runs beside the program (assert-style tests).
     """
 
-    def __init__(self, pid: int, isolated: bool, wall_s: float, cpu_s: float, cpu: TreeCpu, cores: int) -> None:
-        self.pid, self.isolated = pid, isolated
+    def __init__(
+        self, pid: int, isolated: bool, wall_s: float, cpu_s: float, cpu: TreeCpu, cores: int, judge: bool = False
+    ) -> None:
+        self.pid, self.isolated, self.judge = pid, isolated, judge
         self.wall_s, self.cpu_s, self.cpu = wall_s, cpu_s, cpu
         self.cpu_from = cpu_s / max(1, cores)
-        self.start = time.perf_counter()
-        self.waited: dict[int, int] = {}  # pid -> nanoseconds spent runnable but not running
+        self.created = time.perf_counter()
+        self.start: float | None = None  # when the wall clock started
+        self.own_count = (2 if judge else 1) + (2 if isolated else 1)  # launcher, pid 1, judge, program
+        self.waited_before = 0.0  # seconds the own processes had waited by then
+        self.readings: dict[int, _Reading] = {}  # pid -> its latest reading
         self._own: list[int] = []
 
     def check(self) -> tuple[str | None, float]:
         """Why the execution must end now ("timeout", "cpu time"), or None and the seconds until the next check."""
-        elapsed = time.perf_counter() - self.start
+        now = time.perf_counter()
+        elapsed = now - self.created
         if elapsed >= self.wall_s * BACKSTOP:
             return "timeout", 0.0
         if elapsed >= self.cpu_from:
             if self.cpu.seconds() >= self.cpu_s:
                 return "cpu time", 0.0
-            next_cpu = POLL_S
+            next_check = POLL_S
         else:
-            next_cpu = self.cpu_from - elapsed
-        if elapsed < self.wall_s:  # below the limit even with no wait deducted
-            wall_left = self.wall_s - elapsed
+            next_check = min(POLL_S, self.cpu_from - elapsed)
+        waited = self._waited_s(now)
+        if self.start is None:
+            if len(self._own) == self.own_count:
+                self.start, self.waited_before = now, waited
+            wall_left = self.wall_s
         else:
-            wall_left = self.wall_s - (elapsed - self._waited_s())
+            wall_left = self.wall_s - (now - self.start - (waited - self.waited_before))
             if wall_left <= 0:
                 return "timeout", 0.0
-        return None, max(0.001, min(next_cpu, wall_left, self.wall_s * BACKSTOP - elapsed))
+        return None, max(0.001, min(next_check, wall_left, self.wall_s * BACKSTOP - elapsed))
 
-    def _waited_s(self) -> float:
+    def _waited_s(self, now: float) -> float:
+        """Seconds the own processes have waited for a CPU: the waits that ended, and those under way as far as
+        readings show (a process gone keeps its last reading)."""
         for pid in self._own_pids():
-            try:
-                with open(f"/proc/{pid}/schedstat") as f:
-                    self.waited[pid] = max(self.waited.get(pid, 0), int(f.read().split()[1]))
-            except (OSError, ValueError, IndexError):
+            reading = _read(pid, now)
+            if reading is None:
                 continue
-        return sum(self.waited.values()) / 1e9
+            last = self.readings.get(pid)
+            # Runnable at both readings with no CPU time used between: it never ran, so it never slept either.
+            if last and last.runnable and reading.runnable and (last.cpu_ns, last.delay_ns) == (
+                reading.cpu_ns, reading.delay_ns
+            ):  # fmt: skip
+                reading.waiting_s = last.waiting_s + (now - last.when)
+            self.readings[pid] = reading
+        return sum(r.delay_ns / 1e9 + r.waiting_s for r in self.readings.values())
 
     def _own_pids(self) -> list[int]:
-        """The launcher, pid 1, the program's first process and the judge, as far as they are known (once all are, no
+        """The launcher, pid 1, the judge and the program's first process, as far as they are known (once all are, no
         longer looked for)."""
-        if len(self._own) == 4:
+        if len(self._own) == self.own_count:
             return self._own
         own = [self.pid]
-        if not self.isolated:  # the launcher is pid 1; its children are the program and the judge
-            return own + _children(self.pid)[:2]
-        for init in _children(self.pid)[:1]:
-            own += [init, *(child for child in _children(init) if _namespace_pid(child) in OWN_NAMESPACE_PIDS)]
+        if not self.isolated:  # the launcher is pid 1; its children are the judge and the program
+            own += _children(self.pid)[: self.own_count - 1]
+        else:
+            wanted = OWN_NAMESPACE_PIDS[: 2 if self.judge else 1]
+            for init in _children(self.pid)[:1]:
+                own += [init, *(child for child in _children(init) if _namespace_pid(child) in wanted)]
         self._own = own
         return own
+
+
+def _read(pid: int, now: float) -> _Reading | None:
+    """`pid`'s scheduling now, or None when it is gone (or the kernel keeps no schedstat)."""
+    try:
+        cpu_ns = time.clock_gettime_ns(~pid << 3 | 2)  # the process's CPU clock (clock_getcpuclockid's number)
+        with open(f"/proc/{pid}/stat") as f:
+            runnable = f.read().rpartition(")")[2].split()[0] == "R"
+        with open(f"/proc/{pid}/schedstat") as f:
+            delay_ns = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return _Reading(cpu_ns, delay_ns, runnable, now)
 
 
 def _children(pid: int) -> list[int]:

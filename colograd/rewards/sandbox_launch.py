@@ -47,6 +47,7 @@ MNT_DETACH = 2
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_DUMPABLE = 1, 38, 4
 KEYCTL_JOIN_SESSION_KEYRING = 1
 F_NOTIFY = 1026  # fcntl's directory notifications (F_LINUX_SPECIFIC_BASE + 2)
+LOW_32_BITS = 0xFFFFFFFF  # the part of a 64-bit argument register the kernel reads as an int
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217}
 SYS_KEYCTL = {"x86_64": 250, "aarch64": 219, "ppc64le": 271, "s390x": 280}
 SYSTEM_DIRS = ("usr", "bin", "lib", "lib64", "lib32", "libx32", "sbin")
@@ -65,7 +66,10 @@ JUDGE_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_TH
 # clone, whose flags a filter can read): tracing and reading other processes, keyrings, BPF, mounts and new
 # namespaces, file and device watches, netlink and raw sockets, System V IPC and memory files (outside RLIMIT_AS),
 # io_uring and the kernel's AIO (both submit work this filter does not see), directory notifications (fcntl F_NOTIFY:
-# inotify's older form), the kernel log and performance counters, modules, reboot, swap, the clock.
+# inotify's older form), the kernel log and performance counters, modules, reboot, swap, the clock, and changes to
+# scheduling: a lower priority, a narrower affinity or the idle class would make the program's first process wait for a
+# CPU, a wait the wall clock deducts (`colograd.rewards.sandbox_clock`); no scored program needs them, and the C
+# library and Python report the refusal as an error (PermissionError) that ends nothing.
 REFUSED_SYSCALLS = (
     "ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd", "kcmp",
     "keyctl", "add_key", "request_key",
@@ -79,6 +83,7 @@ REFUSED_SYSCALLS = (
     "io_setup", "io_destroy", "io_submit", "io_cancel", "io_getevents", "io_pgetevents",
     "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "reboot", "swapon", "swapoff",
     "acct", "quotactl", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex",
+    "setpriority", "nice", "sched_setaffinity", "sched_setscheduler", "sched_setparam", "sched_setattr", "ioprio_set",
 )  # fmt: skip
 SOCKET_FAMILIES = (1, 2, 10)  # AF_UNIX, AF_INET, AF_INET6: a program may make sockets, which reach nothing
 
@@ -173,7 +178,11 @@ class SeccompFilter:
         self._refuse("clone", errnos.EPERM, (0, self.CMP_MASKED_EQ, CLONE_NEWUSER, CLONE_NEWUSER))
         for flag in (CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET, CLONE_NEWCGROUP):
             self._refuse("clone", errnos.EPERM, (0, self.CMP_MASKED_EQ, flag, flag))
-        self._refuse("fcntl", errnos.EPERM, (1, self.CMP_EQ, F_NOTIFY, 0))
+        # The kernel reads fcntl's command as an unsigned int: only its low 32 bits are compared, or the command with
+        # any high bit set would pass the filter and still be F_NOTIFY. (clone reads its flags' low 32 bits too,
+        # tested bit by bit above; socket's family is an int, but any high bit makes it greater than the largest
+        # family allowed, so the comparison below refuses it.)
+        self._refuse("fcntl", errnos.EPERM, (1, self.CMP_MASKED_EQ, LOW_32_BITS, F_NOTIFY))
         for family in range(max(SOCKET_FAMILIES)):
             if family not in SOCKET_FAMILIES:
                 self._refuse("socket", errnos.EPERM, (0, self.CMP_EQ, family, 0))
@@ -389,12 +398,9 @@ def init(orders: dict, uid: int | None, status_fd: int, seccomp: SeccompFilter |
     if orders["judge"] is not None:
         to_program, to_judge = os.pipe(), os.pipe()
         channel, judge_end = (to_program[0], to_judge[1]), (to_judge[0], to_program[1])
-    program = os.fork()
-    if program == 0:
-        try:
-            run_program(orders, uid, seccomp, channel)
-        finally:
-            os._exit(127)
+    # The judge first, then the program, before anything else runs in the pid namespace: they are its pids 2 and 3
+    # (the program alone: 2), whatever the program forks, and the trainer's clock finds them by these numbers
+    # (`colograd.rewards.sandbox_clock.OWN_NAMESPACE_PIDS`).
     judge = None
     if judge_end is not None:
         judge = os.fork()
@@ -403,6 +409,13 @@ def init(orders: dict, uid: int | None, status_fd: int, seccomp: SeccompFilter |
                 run_judge(orders, uid, seccomp, judge_end, status_fd)
             finally:
                 os._exit(0)
+    program = os.fork()
+    if program == 0:
+        try:
+            run_program(orders, uid, seccomp, channel)
+        finally:
+            os._exit(127)
+    if judge_end is not None:
         for fd in (*channel, *judge_end):
             os.close(fd)
     status: dict = {"protections": applied}

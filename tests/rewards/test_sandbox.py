@@ -10,6 +10,8 @@ the wall-time and output caps, so the tests of those pass either way. The fork t
 so that the machine survives it unisolated.
 """
 
+import concurrent.futures
+import ctypes
 import dataclasses
 import errno
 import functools
@@ -25,9 +27,10 @@ from pathlib import Path
 import pytest
 
 from colograd.errors import ConfigError
+from colograd.rewards.code import CodeReward
 from colograd.rewards.code_tests import AssertTests, run_asserts
 from colograd.rewards.sandbox import PROTECTIONS, Execution, Sandbox, SandboxLimits, SandboxUnavailable
-from colograd.rewards.sandbox_clock import BACKSTOP
+from colograd.rewards.sandbox_clock import BACKSTOP, POLL_S, Clock
 
 ISOLATED = os.environ.get("COLOGRAD_TEST_SANDBOX", "namespaces") != "none"
 LIMITS = SandboxLimits(wall_s=1.5, cpu_s=1, memory_mib=256, processes=16, output_kib=64, file_mib=4)
@@ -284,6 +287,29 @@ def test_shared_memory_of_the_machine_is_not_reached(sandbox):
     assert "False" in run.stdout and "True" not in run.stdout and not exists
 
 
+def test_posix_message_queues_are_the_sandboxs_own(sandbox):
+    # The filter leaves mq_open to programs. POSIX message queues belong to an IPC namespace, and the sandbox's is new:
+    # the machine's queues are not seen, and the program's go with its namespace.
+    libc = ctypes.CDLL(None, use_errno=True)
+    machine, left = (f"/colograd-test-{uuid.uuid4().hex}".encode() for _ in range(2))
+    create = os.O_RDWR | os.O_CREAT
+    queue = libc.mq_open(machine, create, 0o600, None)
+    assert queue >= 0, ctypes.get_errno()
+    try:
+        run = sandbox.run(
+            f"import ctypes, os\nlibc = ctypes.CDLL(None)\nprint(libc.mq_open({machine!r}, os.O_RDWR) >= 0, "
+            f"libc.mq_open({left!r}, {create}, 0o600, None) >= 0)"
+        )
+    finally:
+        libc.mq_close(queue)
+        libc.mq_unlink(machine)
+    found = libc.mq_open(left, os.O_RDWR)
+    if found >= 0:
+        libc.mq_close(found)
+        libc.mq_unlink(left)
+    assert run.stdout.split() == ["False", "True"] and found < 0, run
+
+
 def test_a_large_file_is_stopped_at_the_file_size_limit(sandbox):
     run = sandbox.run("open('big', 'wb').write(b'x' * (64 << 20))")
     assert run.reason == "file size"
@@ -477,14 +503,28 @@ SYSCALL_ATTACKS = {
     "bpf": "libc.syscall(321, 0, 0, 0) != -1 or ctypes.get_errno() != 1",
     "aio": "libc.syscall(206, 8, ctypes.byref(ctypes.c_ulong(0))) == 0",  # io_setup
     "dnotify": "libc.fcntl(__import__('os').open('/sandbox', 0), 1026, 1) == 0",  # F_NOTIFY, DN_ACCESS
+    # The same with a high bit set in the 64-bit register: the kernel reads the command's low 32 bits, F_NOTIFY.
+    "dnotify, high bits": "libc.syscall(*map(ctypes.c_long, (72, __import__('os').open('/sandbox', 0), 1 << 32 | 1026,"
+    " 1))) == 0",
     "message queue": "libc.msgget(0, 0o1600) >= 0",  # IPC_PRIVATE, IPC_CREAT | 0600
     "semaphore": "libc.semget(0, 1, 0o1600) >= 0",
     "io_uring": "libc.syscall(425, 8, ctypes.byref((ctypes.c_char * 120)())) >= 0",  # io_uring_setup
+    # Scheduling changes, which would make the program's first process wait for a CPU, a wait the wall clock deducts.
+    # Each tried with the value it already has, so that the run without the filter is not slowed by them; the filter
+    # refuses the call whatever it asks.
+    "renice": "libc.setpriority(0, 0, 0) == 0",  # PRIO_PROCESS, this process, nice 0 (nice(2) is setpriority)
+    "affinity": "libc.sched_getaffinity(0, 128, m := ctypes.create_string_buffer(128)) == 0"
+    " and libc.sched_setaffinity(0, 128, m) == 0",
+    "scheduler": "libc.sched_setscheduler(0, 0, ctypes.byref(ctypes.c_int(0))) == 0",  # SCHED_OTHER
+    "scheduler parameters": "libc.sched_setparam(0, ctypes.byref(ctypes.c_int(0))) == 0",
+    "scheduler attributes": "libc.syscall(314, 0, (ctypes.c_uint32 * 12)(48), 0) == 0",  # sched_setattr, SCHED_OTHER
+    "io priority": "libc.syscall(251, 1, 0, 0) == 0",  # ioprio_set, IOPRIO_WHO_PROCESS, this process, the default
 }
 # The attacks that succeed without the filter on any machine the sandbox runs on (bpf and io_uring may be refused by
 # the kernel itself: they are tried, but not required to succeed unfiltered).
-SYSCALL_ESCAPES = {"ptrace", "inotify", "netlink", "new user namespace", "keyring", "aio", "dnotify", "message queue",
-                   "semaphore"}  # fmt: skip
+SYSCALL_ESCAPES = {"ptrace", "inotify", "netlink", "new user namespace", "keyring", "aio", "dnotify",
+                   "dnotify, high bits", "message queue", "semaphore", "renice", "affinity", "scheduler",
+                   "scheduler parameters", "scheduler attributes", "io priority"}  # fmt: skip
 
 
 @needs_isolation
@@ -510,6 +550,27 @@ def test_the_seccomp_filter_refuses_what_a_scored_program_never_needs():
         "r, w = os.pipe(); os.write(w, b'pipe'); print(os.read(r, 4).decode())\n"
     )
     assert filtered.run(common).stdout.split() == ["thread", "process", "pair", "pipe"]
+
+
+@needs_isolation
+def test_a_program_cannot_make_waits_of_its_own_for_the_wall_clock_to_deduct():
+    # The wall clock deducts the waits for a CPU of the program's first process. Reniced to 19 and pinned to one CPU
+    # beside a spinning child, that process waited most of the time: it ran 6 s under a 2 s limit, to the backstop
+    # (issue 49's review). The filter refuses every change of scheduling: Python raises PermissionError, the program
+    # goes on, and its first process keeps the scheduling it was given, whatever the machine's load.
+    code = (
+        "import os\nbefore = os.sched_getaffinity(0)\n"
+        "for change in (lambda: os.nice(19), lambda: os.setpriority(os.PRIO_PROCESS, 0, 19),\n"
+        "               lambda: os.sched_setaffinity(0, {min(before)}),\n"
+        "               lambda: os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0)),\n"
+        "               lambda: os.sched_setparam(0, os.sched_param(0))):\n"
+        "    try:\n        change()\n        print('changed')\n"
+        "    except PermissionError:\n        print('refused')\n"
+        "print(os.getpriority(os.PRIO_PROCESS, 0), os.sched_getscheduler(0) == os.SCHED_OTHER,\n"
+        "      os.sched_getaffinity(0) == before)\n"
+    )
+    run = Sandbox(LIMITS).run(code)
+    assert run.ok and run.stdout.splitlines() == ["refused"] * 5 + ["0 True True"], (run.stdout, run.stderr[-500:])
 
 
 @needs_isolation
@@ -630,6 +691,64 @@ def test_waits_of_the_programs_own_children_do_not_lengthen_its_wall_time(accoun
     assert run.reason == "timeout" and limits.wall_s <= elapsed < 2 * limits.wall_s, (run.reason, elapsed)
 
 
+class NoCpu:
+    def seconds(self) -> float:
+        return 0.0
+
+
+def clock_verdict(launcher: subprocess.Popen, wall_s: float, until_s: float) -> tuple[str | None, float]:
+    """`Clock`'s verdict on an unisolated launcher (its first child stands for the program), read as the sandbox reads
+    it until `until_s`, and when it came."""
+    clock = Clock(launcher.pid, isolated=False, wall_s=wall_s, cpu_s=1000, cpu=NoCpu(), cores=1)
+    while (elapsed := time.perf_counter() - clock.created) < until_s:
+        verdict, wait = clock.check()
+        if verdict:
+            return verdict, elapsed
+        time.sleep(min(wait, POLL_S))
+    return None, elapsed
+
+
+def test_a_wait_for_a_cpu_under_way_is_not_counted():
+    # The kernel adds a wait to schedstat only when it ends. A program that waits throughout (here in the idle class,
+    # beside a process spinning on its CPU; on a busy machine, a program or judge just forked waited over a second
+    # before its first turn) showed no wait at all, and was timed out at the wall limit; watched, its wait is
+    # deducted, and it runs on (to the backstop at 3 s).
+    cpu = min(os.sched_getaffinity(0))
+    starved = (
+        "import os\n"
+        "if os.fork() == 0:\n"  # the program: runnable throughout, never running
+        f"    os.sched_setaffinity(0, {{{cpu}}})\n"
+        "    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\n"
+        "    while True:\n        pass\n"
+        "if os.fork() == 0:\n"  # in the same session (one group for the scheduler), spinning on the same CPU
+        f"    os.sched_setaffinity(0, {{{cpu}}})\n"
+        "    while True:\n        pass\n"
+        "os.wait()\n"
+    )
+    launcher = subprocess.Popen([sys.executable, "-c", starved], start_new_session=True)
+    try:
+        verdict, at = clock_verdict(launcher, wall_s=1.0, until_s=2.5)
+        assert verdict is None, at
+    finally:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+
+
+def test_the_wall_clock_starts_once_the_program_is_there():
+    # Building the sandbox can sleep in the kernel (RCU grace periods when it joins its cgroup and detaches the old
+    # root, a fork waiting while another sandbox joins its cgroup): over a second under load, none of it the
+    # program's. Here the launcher sleeps 1.2 s before it forks the program, which sleeps: timed out at its wall limit
+    # after that, not during it.
+    launcher = subprocess.Popen([sys.executable, "-c", "import os, time\ntime.sleep(1.2)\nif os.fork() == 0:\n"
+                                 "    time.sleep(100)\nos.wait()\n"], start_new_session=True)  # fmt: skip
+    try:
+        verdict, at = clock_verdict(launcher, wall_s=1.0, until_s=3.5)
+        assert verdict == "timeout" and at >= 2.2, at
+    finally:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+
+
 def test_a_busy_machine_does_not_turn_a_correct_program_into_a_timeout():
     # Programs that compute for ~0.3 s of CPU (with the interpreter's start), on a machine whose cores are 6 times
     # oversubscribed for the whole test, under a wall limit of 1.5 s: they take longer than that on the clock (~2.3 s
@@ -656,6 +775,43 @@ def test_a_busy_machine_does_not_turn_a_correct_program_into_a_timeout():
     assert [a.failures for a in asserts] == [[None]] * 2
 
 
+@pytest.mark.slow
+def test_reward_calls_in_parallel_on_a_busy_machine_score_every_correct_program_one():
+    # Issue 49: with 3 reward calls in parallel at reduced limits, 1 correct completion in 24 timed out. A process the
+    # sandbox has just forked can wait over a second for its first turn on a CPU when the cores are oversubscribed,
+    # and the kernel adds a wait to schedstat only once it ends: the wall clock deducted none of such a wait, and also
+    # counted the sandbox's setup, which can sleep in the kernel as long. Here the cores are oversubscribed as in the
+    # test above, and three calls of one reward (the trainer shares one) score 8 correct completions each, one layout
+    # a call, each ~0.2 s of CPU under a 1.5 s wall limit: ~2 s on the clock on the share the machine leaves it, far
+    # from the 4.5 s backstop (it fails when no wait is deducted).
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+            for _ in range(6 * os.cpu_count())]  # fmt: skip
+    work = "sum(i * i for i in range(3_000_000))"
+    add = f"def add(a, b):\n    {work}\n    return a + b\n"
+    stdio = {"language": "python", "test_cases": [{"input": "3 4\n", "output": "7\n"}]}
+    calls = [
+        ("a, b = map(int, input().split())\n" + work + "\nprint(a + b)\n", {"verification_info": stdio}),
+        (add, {"test_list": ["assert add(1, 2) == 3", "assert add(0, 5) == 5"]}),
+        (add, {"test": "def check(candidate):\n    assert candidate(1, 2) == 3\n", "entry_point": "add"}),
+    ]
+    code = CodeReward(limits=SandboxLimits(wall_s=1.5, cpu_s=5), workers=2)
+
+    def call(program: str, row: dict) -> list[str | None]:
+        completions = [f"```python\n# completion {i}\n{program}```" for i in range(8)]  # 8 executions, not 1
+        failures = {}
+        code(completions, **{k: [v] * 8 for k, v in row.items()}, log_extra=lambda _, v: failures.update(v=v))
+        return failures["v"]
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+            failures = list(pool.map(lambda args: call(*args), calls))
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
+    assert failures == [[None] * 8] * 3
+
+
 @needs_isolation
 def test_multiprocessing_works_with_a_private_dev_shm():
     # multiprocessing's locks and queues are POSIX semaphores in /dev/shm: each sandbox has its own, empty.
@@ -666,3 +822,16 @@ def test_multiprocessing_works_with_a_private_dev_shm():
     )
     run = Sandbox(LIMITS).run(code)
     assert run.ok and run.stdout.split("\n")[:3] == ["[]", "3", "[1, 4, 9]"], run.stderr[-500:]
+
+
+@needs_isolation
+def test_multiprocessing_pools_work_in_a_rows_solution():
+    # In the assert-style layouts (MBPP, HumanEval) the program is the module ``solution``: a pool pickles `square` by
+    # reference, so its workers find it only if ``solution`` is in sys.modules, as an imported module would be.
+    code = (
+        "import multiprocessing as mp\ndef square(x):\n    return x * x\n"
+        "def squares(xs):\n    with mp.Pool(2) as pool:\n        return pool.map(square, xs)\n"
+    )
+    tests = AssertTests("", "", ("assert squares([1, 2, 3]) == [1, 4, 9]", "assert squares([]) == []"))
+    solution = run_asserts(Sandbox(LIMITS), tests, code)
+    assert solution.failures == [None, None], (solution.failures, solution.execution.stderr[-500:])
