@@ -12,15 +12,16 @@ reduced over ranks once per rollout, so every rank takes the same decision:
   pass of that slice). Past the tolerance, the run stops before its first optimizer step with one line
   (`ParityError`), or with `engine_parity: warn`, warns and trains;
 - **the running guard**: every later rollout, against the training pass the loss computes anyway. A mean gap past the
-  tolerance warns once with the step; `PERSISTENT` rollouts in a row past it stop the run with a checkpoint
-  (`engine_parity: warn` only warns).
+  tolerance warns once with the step, and the rollouts after it are compared with the evaluation pass too (is it
+  the engine, or noise that started after the gate?); `PERSISTENT` rollouts in a row past it stop the run with a
+  checkpoint (`engine_parity: warn` only warns).
 
 Both are off where sampling is filtered (top-p, top-k, min-p, a repetition penalty, extra sampling arguments,
 structured output): the engine then samples from another distribution by design. The running guard alone is off where
 the policy's training pass draws random numbers, which no engine samples: dropout the policy applies in training
 (`disable_dropout: false` with a dropout above 0, such as PEFT's `lora_dropout`, TRL's 0.05), said at start; and any
 other layer whose training pass differs from its evaluation pass (a router's jitter, Phi-3.5-MoE's sampled routing,
-dropout under a name of its own), found by the gate, which compares the two passes on the same tokens.
+dropout under a name of its own), found wherever the two passes are compared on the same tokens.
 
 The tolerances (`tolerance`) were set from measurement: the gap of a healthy run on sharp weights, against the gap of
 a run whose engine holds another model (docs/real-models.md, "The parity gate").
@@ -178,12 +179,13 @@ class ParityGuard:
         self.gap: Gap | None = None  # the current rollout's, while its first slice is trained
         self.gate_pending = active  # the next rollout is the first after a start or resume
         self.over = 0  # rollouts in a row past the bound (the running guard)
+        self.recheck = False  # the next rollout is compared on the evaluation pass too (one past the bound was not)
         self.warned = False
         self.stopped: str | None = None  # the running guard's line, once it stops the run
 
     def restart(self) -> None:
         """A `train` call (re)starts: its first rollout is gated."""
-        self.gate_pending, self.over, self.warned, self.stopped = self.active, 0, False, None
+        self.gate_pending, self.over, self.recheck, self.warned, self.stopped = self.active, 0, False, False, None
 
     @property
     def measuring(self) -> bool:
@@ -191,15 +193,21 @@ class ParityGuard:
         rank)."""
         return self.active and (self.gate_pending or self.running)
 
+    @property
+    def comparing(self) -> bool:
+        """Whether this rollout is compared with the policy's evaluation pass (`settled_logps`): the gate's, and the
+        running guard's after a rollout past the bound, before that one counts toward a stop (alike on every rank)."""
+        return self.active and (self.gate_pending or self.recheck)
+
     def begin(self) -> None:
         """A new rollout's first slice is about to be trained."""
         self.gap = Gap() if self.measuring else None
 
     def settled_logps(self, model: torch.nn.Module, logps: Callable[[], torch.Tensor]) -> torch.Tensor | None:
-        """At the gate, `logps()` (the trainer's log-probs of the slice) once more with `model` in evaluation mode,
-        before the training pass: the gate compares the engine with that pass, which draws no random numbers, and the
+        """Where `comparing`, `logps()` (the trainer's log-probs of the slice) once more with `model` in evaluation
+        mode, before the training pass: the engine is compared with that pass, which draws no random numbers, and the
         two passes' difference tells whether the training pass does (`TRAINING_NOISE`). None elsewhere."""
-        if not (self.gate_pending and self.gap is not None and model.training):
+        if not (self.comparing and self.gap is not None and model.training):
             return None
         model.eval()
         try:
@@ -234,7 +242,7 @@ class ParityGuard:
         every = gather(local).view(-1, 4)
         tokens = int(every[:, 2].sum().item())
         gated, self.gate_pending = self.gate_pending, False
-        if not tokens:
+        if not tokens:  # a recheck waits for a rollout that measures
             if gated:
                 logger.warning(
                     "colograd: the parity gate measured no token (the first rollout's engine log-probs were not "
@@ -243,16 +251,21 @@ class ParityGuard:
             return
         overall = Gap(max=every[:, 0].max().item(), total=every[:, 1].sum().item(), tokens=tokens)
         noise = every[:, 3].max().item()
-        if gated and self.running and noise > TRAINING_NOISE * self.bound.mean:
+        rechecked, self.recheck = self.recheck and not gated, False
+        if (gated or rechecked) and self.running and noise > TRAINING_NOISE * self.bound.mean:
             # The training pass draws random numbers the engine never draws: the running guard would measure them.
-            self.running = False
+            # (Found at the gate, or later where the noise starts later: a new adapter's dropout, zero at the gate.)
+            self.running, self.over = False, 0
             logger.warning(
                 "colograd: the policy's training pass differs from its evaluation pass by up to %.3g nats on the "
-                "first rollout's tokens (a layer drawing random numbers in training: dropout under a name of its own, "
-                "a router's jitter or sampled routing), so the running guard, which reads the training pass, is off "
-                "(the gate compares the engine with the evaluation pass; the gap is still logged).",
+                "tokens of %s (a layer drawing random numbers in training: dropout under a name of its own, a "
+                "router's jitter or sampled routing), so the running guard, which reads the training pass, is off "
+                "(the engine was compared with the evaluation pass; the gap is still logged).",
                 noise,
+                "the first rollout" if gated else f"the rollout of step {step}",
             )
+            if rechecked:
+                return
         if gated:
             if overall.max > self.bound.max or overall.mean > self.bound.mean:
                 if self.stop:
@@ -265,6 +278,7 @@ class ParityGuard:
             self.over = 0
             return
         self.over += 1
+        self.recheck = True  # the next rollout compares the evaluation pass too: noise, or the engine?
         line = self._line(overall, f"at step {step}", f"{self.over} rollout(s) in a row")
         if not self.warned:
             logger.warning("colograd: %s", line)

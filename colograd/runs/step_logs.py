@@ -43,10 +43,11 @@ class StepLogs(Trainer):
         Any request that asks makes vLLM do per-step work for the whole batch (generation at 0.87 of the engine's
         speed with one completion asking, 0.997 with none: the CPU, `--shape small`), so a training rollout asks
         only when an optimizer step it trains logs (every `logging_steps`, the first with `logging_first_step`, the
-        last), or while the parity gate waits for its first measure; the other steps generate at the engine's own
-        speed. An evaluation's rollout always asks."""
+        last), or while the parity guard compares the engine with the evaluation pass (the gate, and a recheck after
+        a rollout past the bound); the other steps generate at the engine's own speed. An evaluation's rollout always
+        asks."""
         args, state = self.args, self.state
-        if context.evaluation or args.logging_strategy != "steps" or self.parity.gate_pending:
+        if context.evaluation or args.logging_strategy != "steps" or self.parity.comparing:
             return True
         span = -(-args.rollout_micro_steps // args.gradient_accumulation_steps)
         first = state.global_step + 1

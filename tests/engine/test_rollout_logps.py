@@ -107,12 +107,12 @@ def test_a_rollout_asks_for_the_gap_sample_only_when_a_step_it_trains_logs(loggi
     asked = []
     for step in range(0, 6, span):  # the optimizer steps done when each rollout starts
         state = TrainerState(global_step=step, max_steps=6, logging_steps=args.logging_steps)
-        gate = SimpleNamespace(gate_pending=False)  # the parity gate's first rollout asks anyway (below)
+        gate = SimpleNamespace(comparing=False)  # the parity gate's first rollout asks anyway (below)
         context = RolloutContext([], step, args.num_generations)
         asked.append(GRPOTrainer.gap_sampled(SimpleNamespace(args=args, state=state, parity=gate), context))
     assert asked == expected
     evaluation = SimpleNamespace(args=args, state=TrainerState(global_step=1, max_steps=6),
-                                 parity=SimpleNamespace(gate_pending=False))  # fmt: skip
+                                 parity=SimpleNamespace(comparing=False))  # fmt: skip
     # An evaluation's rollout always asks, whatever its seed step.
     assert GRPOTrainer.gap_sampled(evaluation, RolloutContext([], 2, 2, evaluation=True))
 

@@ -124,6 +124,28 @@ def test_a_training_pass_unlike_the_evaluation_pass_turns_the_running_guard_off(
     assert not guard.running
 
 
+def test_noise_that_starts_after_the_gate_is_found_before_it_stops_a_run(caplog):
+    """A training pass whose noise starts after the gate (dropout, under a name of its own, on a new adapter: zero at
+    the first rollout) moves the running guard's gap past the bound; the next rollout compares the evaluation pass
+    too, finds the two passes apart and turns the running guard off instead of counting toward a stop. An engine
+    really off is still stopped, each recheck counting."""
+    guard = ParityGuard(FP32, "m")
+    gated(guard, [0.0], [0.0])
+    assert guard.running and not guard.comparing
+    rollout(guard, [1.0])  # the training pass only, past the bound
+    assert guard.over == 1 and guard.comparing
+    with caplog.at_level("WARNING"):
+        gated(guard, [1.0], [0.0])  # rechecked: the evaluation pass is on the engine's
+    assert not guard.running and guard.over == 0 and guard.stopped is None and not guard.comparing
+    assert "differs from its evaluation pass by up to 1 nats on the tokens of the rollout of step 1" in caplog.text
+    off = ParityGuard(FP32, "m")
+    gated(off, [0.0], [0.0])
+    rollout(off, [1.0])
+    for _ in range(parity.PERSISTENT - 1):  # rechecked: both passes off the engine's alike
+        gated(off, [1.0], [1.0])
+    assert off.running and off.stopped is not None
+
+
 def test_the_evaluation_pass_runs_only_at_the_gate_and_leaves_the_model_training():
     model = nn.Linear(2, 2).train()
     modes = []
