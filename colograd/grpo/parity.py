@@ -21,7 +21,8 @@ structured output): the engine then samples from another distribution by design.
 the policy's training pass draws random numbers, which no engine samples: dropout the policy applies in training
 (`disable_dropout: false` with a dropout above 0, such as PEFT's `lora_dropout`, TRL's 0.05), said at start; and any
 other layer whose training pass differs from its evaluation pass (a router's jitter, Phi-3.5-MoE's sampled routing,
-dropout under a name of its own), found wherever the two passes are compared on the same tokens.
+dropout under a name of its own), found wherever the two passes are compared on the same tokens. Off, it still
+compares every `SPOT_CHECK`-th rollout on the evaluation pass.
 
 The tolerances (`tolerance`) were set from measurement: the gap of a healthy run on sharp weights, against the gap of
 a run whose engine holds another model (docs/real-models.md, "The parity gate").
@@ -47,6 +48,9 @@ PERSISTENT = 3
 # zoo family), a training pass that draws random numbers differs at once (Phi-3.5-MoE's sampled routing: 0.03 nats
 # in float32, over three times the tolerance's mean).
 TRAINING_NOISE = 0.1
+# Where the running guard is off (the training pass carries noise), every this many rollouts one is still compared on
+# the evaluation pass, as the gate's is: a sync that breaks mid-run is found within that many steps.
+SPOT_CHECK = 50
 # What the line says of the cause where no diagnosis tells which.
 EITHER_CAUSE = (
     "a weight or buffer the sync does not write, or vLLM's model of this architecture differing from transformers'; "
@@ -180,24 +184,28 @@ class ParityGuard:
         self.gate_pending = active  # the next rollout is the first after a start or resume
         self.over = 0  # rollouts in a row past the bound (the running guard)
         self.recheck = False  # the next rollout is compared on the evaluation pass too (one past the bound was not)
+        self.rollouts = 0  # checked since the start or resume (the gate's is the first)
         self.warned = False
         self.stopped: str | None = None  # the running guard's line, once it stops the run
 
     def restart(self) -> None:
         """A `train` call (re)starts: its first rollout is gated."""
         self.gate_pending, self.over, self.recheck, self.warned, self.stopped = self.active, 0, False, False, None
+        self.rollouts = 0
 
     @property
     def measuring(self) -> bool:
-        """Whether this rollout's gap is measured and acted on: the gate's, or the running guard's (alike on every
-        rank)."""
-        return self.active and (self.gate_pending or self.running)
+        """Whether this rollout's gap is measured and acted on: the gate's, the running guard's, or a comparison with
+        the evaluation pass (alike on every rank)."""
+        return self.active and (self.gate_pending or self.running or self.comparing)
 
     @property
     def comparing(self) -> bool:
-        """Whether this rollout is compared with the policy's evaluation pass (`settled_logps`): the gate's, and the
-        running guard's after a rollout past the bound, before that one counts toward a stop (alike on every rank)."""
-        return self.active and (self.gate_pending or self.recheck)
+        """Whether this rollout is compared with the policy's evaluation pass (`settled_logps`): the gate's; the
+        running guard's after a rollout past the bound, before that one counts toward a stop; and, with the running
+        guard off, every `SPOT_CHECK`-th (alike on every rank)."""
+        spot = not self.running and self.rollouts % SPOT_CHECK == 0  # the gate's rollout is the 0th
+        return self.active and (self.gate_pending or self.recheck or spot)
 
     def begin(self) -> None:
         """A new rollout's first slice is about to be trained."""
@@ -235,6 +243,12 @@ class ParityGuard:
         Raises:
             ParityError: the gate's rollout is past the bound and `stop`.
         """
+        try:
+            self._check(step, gather)
+        finally:
+            self.rollouts += 1
+
+    def _check(self, step: int, gather: Callable[[torch.Tensor], torch.Tensor]) -> None:
         if not self.measuring:  # every rank alike: no collective
             return
         gap, self.gap = self.gap or Gap(), None

@@ -146,6 +146,33 @@ def test_noise_that_starts_after_the_gate_is_found_before_it_stops_a_run(caplog)
     assert off.running and off.stopped is not None
 
 
+def test_with_the_running_guard_off_every_spot_checked_rollout_is_compared_on_the_evaluation_pass(monkeypatch):
+    """Off (the training pass carries noise), the running guard still compares one rollout in `SPOT_CHECK` with the
+    evaluation pass: the rollouts between make no collective; a spot check within the bound does nothing; one past it
+    is rechecked on the rollouts after it and stops the run after `PERSISTENT`, as a sync broken mid-run would."""
+    monkeypatch.setattr(parity, "SPOT_CHECK", 3)
+
+    def no_collective(tensor):
+        raise AssertionError("not a spot check: no collective")
+
+    guard = ParityGuard(FP32, "m", running=False)
+    gated(guard, [5.0], [0.0])  # the gate: the evaluation pass on the engine's
+    for _ in range(2):
+        assert not guard.comparing
+        guard.begin()
+        guard.check(step=2, gather=no_collective)
+    assert guard.comparing
+    gated(guard, [5.0], [0.0])  # the spot check: fine
+    assert not guard.comparing and guard.over == 0
+    for _ in range(2):
+        guard.begin()
+        guard.check(step=3, gather=no_collective)
+    for _ in range(parity.PERSISTENT):  # a spot check past the bound, then its rechecks
+        assert guard.comparing and guard.stopped is None
+        gated(guard, [5.0], [1.0])
+    assert guard.stopped is not None and not guard.running
+
+
 def test_the_evaluation_pass_runs_only_at_the_gate_and_leaves_the_model_training():
     model = nn.Linear(2, 2).train()
     modes = []
