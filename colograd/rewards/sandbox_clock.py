@@ -6,9 +6,10 @@ CPU time is counted over the tree, so that a program cannot hand its work on to 
 under the per-process RLIMIT_CPU: from the execution's cgroup where there is one (`CgroupCpu`: the kernel counts every
 process that was ever in it), else from /proc, polled (`ProcTreeCpu`).
 
-Wall time starts once the sandbox's own processes are all there: the launcher, the sandbox's pid 1, the program's
-first process and the judge. Before, the sandbox is being built, and on a busy machine that can sleep in the kernel
-for a second (joining a cgroup and detaching the old root wait for RCU grace periods; a fork waits while another
+Wall time starts once the sandbox's own processes are all there: the launcher, the sandbox's pid 1, the program's first
+process and the judge (at the latest once the limit has passed since the launch: a program whose first process forks
+and exits at once is never seen there). Before, the sandbox is being built, and on a busy machine that can sleep in the
+kernel for a second (joining a cgroup and detaching the old root wait for RCU grace periods; a fork waits while another
 sandbox joins its cgroup), none of it the program's doing. From then on it does not count the waits for a CPU of those
 four (`/proc/<pid>/schedstat`), so that a busy machine does not turn a correct program into a timeout. The kernel adds
 a wait there only once it ends, so a wait under way is watched too: a process runnable at two readings that used no CPU
@@ -132,10 +133,14 @@ class Clock:
         else:
             next_check = min(POLL_S, self.cpu_from - elapsed)
         waited = self._waited_s(now)
+        if self.start is None and len(self._own) == self.own_count:
+            self.start, self.waited_before = now, waited
+        elif self.start is None and elapsed >= self.wall_s:
+            # They never all appeared (a program whose first process forked and exited at once): counted from the
+            # launch, as if building the sandbox had taken the whole limit, not left to the backstop.
+            self.start, self.waited_before = self.created, 0.0
         if self.start is None:
-            if len(self._own) == self.own_count:
-                self.start, self.waited_before = now, waited
-            wall_left = self.wall_s
+            wall_left = self.wall_s - elapsed
         else:
             wall_left = self.wall_s - (now - self.start - (waited - self.waited_before))
             if wall_left <= 0:

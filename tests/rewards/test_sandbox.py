@@ -737,13 +737,28 @@ def test_a_wait_for_a_cpu_under_way_is_not_counted():
 def test_the_wall_clock_starts_once_the_program_is_there():
     # Building the sandbox can sleep in the kernel (RCU grace periods when it joins its cgroup and detaches the old
     # root, a fork waiting while another sandbox joins its cgroup): over a second under load, none of it the
-    # program's. Here the launcher sleeps 1.2 s before it forks the program, which sleeps: timed out at its wall limit
+    # program's. Here the launcher sleeps 0.8 s before it forks the program, which sleeps: timed out at its wall limit
     # after that, not during it.
-    launcher = subprocess.Popen([sys.executable, "-c", "import os, time\ntime.sleep(1.2)\nif os.fork() == 0:\n"
+    launcher = subprocess.Popen([sys.executable, "-c", "import os, time\ntime.sleep(0.8)\nif os.fork() == 0:\n"
                                  "    time.sleep(100)\nos.wait()\n"], start_new_session=True)  # fmt: skip
     try:
         verdict, at = clock_verdict(launcher, wall_s=1.0, until_s=3.5)
-        assert verdict == "timeout" and at >= 2.2, at
+        assert verdict == "timeout" and at >= 1.8, at
+    finally:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+
+
+def test_a_program_never_seen_is_timed_from_its_launch():
+    # A program whose first process forks and exits at once is never among the processes the clock waits for: the
+    # wall clock starts from the launch once the limit has passed, not never (which left it to the backstop, 3x).
+    # The launcher reaps it at once, as the sandbox's pid 1 does.
+    launcher = subprocess.Popen([sys.executable, "-c", "import os, time\npid = os.fork()\nif pid == 0:\n"
+                                 "    if os.fork() == 0:\n        time.sleep(100)\n    os._exit(0)\n"
+                                 "os.waitpid(pid, 0)\ntime.sleep(100)\n"], start_new_session=True)  # fmt: skip
+    try:
+        verdict, at = clock_verdict(launcher, wall_s=1.0, until_s=2.5)
+        assert verdict == "timeout" and at < 2.5, at
     finally:
         os.killpg(launcher.pid, signal.SIGKILL)
         launcher.wait()
