@@ -354,10 +354,13 @@ RESHARD_FIELDS = ("world_size", "per_device_train_batch_size")
 def sharding(args: TrainingArguments) -> str:
     """How this launch holds the model's training state: "deepspeed", "fsdp" (each rank a shard of it, saved as
     shards), or "none" (DDP or one process: every rank the whole of it, saved once). DeepSpeed from the config
-    (accelerate's launcher, or the `deepspeed` argument), FSDP from accelerate's launcher."""
+    (the `deepspeed` argument, or accelerate's launcher), FSDP from accelerate's launcher."""
     if getattr(args, "deepspeed_plugin", None) is not None:
         return "deepspeed"
-    return "fsdp" if os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true", "yes") else "none"
+    for name, kind in (("ACCELERATE_USE_DEEPSPEED", "deepspeed"), ("ACCELERATE_USE_FSDP", "fsdp")):
+        if os.environ.get(name, "").lower() in ("1", "true", "yes"):
+            return kind
+    return "none"
 
 
 def zero_stage(args: TrainingArguments) -> int | None:
