@@ -95,7 +95,7 @@ class Gap:
     max: float = 0.0
     total: float = 0.0
     tokens: int = 0
-    noise: float = 0.0  # the gate's: the largest difference between the trainer's training and evaluation passes
+    noise: float = 0.0  # where compared: the largest difference between the training and evaluation passes
 
     @property
     def mean(self) -> float:
@@ -232,7 +232,7 @@ class ParityGuard:
         settled_NT: torch.Tensor | None = None,
     ) -> None:
         """Count a forward pass of the first slice (a slice may be trained in several passes); `settled_NT`: that
-        pass's `settled_logps`, at the gate."""
+        pass's `settled_logps`, where `comparing`."""
         if self.gap is not None:
             self.gap.add(logps_NT, engine_logps_NT, sampled_NT, settled_NT)
 
