@@ -60,6 +60,7 @@ from colograd.grpo.loss import (
 )
 from colograd.grpo.parity import ParityError, ParityGuard, ParityStop
 from colograd.grpo.partial import PartialRollouts, refuse_overridden_stages
+from colograd.grpo.placement import prepare_on_cpu
 from colograd.grpo.policy import prepare_policy, weight_plan
 from colograd.grpo.reference import ReferencePolicy
 from colograd.grpo.rollouts import (
@@ -170,9 +171,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         check_wrapped_trainer(self)
         # compute_loss returns a per-micro-batch mean; the Trainer divides it by the accumulation steps.
         self.model_accepts_loss_kwargs = False
-        # On a CPU a launch's device is `cpu:0`, and torch copies a tensor moved there from `cpu`: accelerate would
-        # duplicate the model when it prepares it (the Trainer does not move it, see GRPOConfig). It stays put.
-        self.accelerator.device_placement = args.device.type != "cpu"
+        prepare_on_cpu(self.accelerator, args.device)  # in place, and without DDP in a world of one
         self._start_engine(router)
         self._start_run_records(recipe)
 
