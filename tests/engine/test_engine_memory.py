@@ -346,3 +346,42 @@ def test_an_engine_samples_the_same_after_its_kv_cache_is_released(tmp_path):
     assert dropped >= 0.9 * engine.kv_cache_bytes
     engine.llm.reset_prefix_cache()
     assert sample() == first
+
+
+@pytest.mark.slow
+def test_an_engine_that_released_its_packed_weights_samples_the_same_after_the_next_sync(tmp_path):
+    """After a rollout, an engine that repacks its linear weights drops the packed copies (a sync packs them again)
+    and is stale: the next rollout's sync writes it whole, and the same seeded requests sample the same tokens with
+    the same log-probs. Between the two, the engine refuses to sample instead of computing from freed memory."""
+    from vllm import SamplingParams
+
+    model, tokenizer = tiny.build_model().eval(), tiny.build_tokenizer()
+    args = config(tmp_path, per_device_train_batch_size=8, max_prompt_length=200, max_completion_length=16,
+                  vllm_enforce_eager=True)  # fmt: skip
+    assert args.vllm_cpu_repack_weights  # the default: the engine packs its linear weights
+    engine = Engine(model, tokenizer, args)
+    assert not engine.direct_load
+    plan, syncs = WeightPlan(model), []
+
+    def sync() -> None:  # as the trainer's: write the weights only where the engine lacks them
+        if engine.stale:
+            plan.sync(engine)
+            syncs.append(engine.weights_version)
+
+    prompt = engine.prompt(tokenizer("abcd" * 10 + ">a:")["input_ids"])
+    params = SamplingParams(max_tokens=16, n=4, seed=3, logprobs=0, ignore_eos=True)
+
+    def sample() -> list[tuple[list[int], list[float]]]:
+        out = engine.llm.generate([prompt], params, use_tqdm=False)[0].outputs
+        return [
+            (list(c.token_ids), [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)]) for c in out
+        ]
+
+    with engine.awake(sync):
+        first = sample()
+    assert engine.stale and engine.packed_released and syncs == [1]
+    with pytest.raises(RuntimeError, match="released its packed weights"):
+        engine.prompt_logprobs(prompt["prompt_token_ids"])
+    with engine.awake(sync):
+        assert sample() == first
+    assert syncs == [1, 2]  # written whole again, though the trainer's weights did not change

@@ -34,7 +34,9 @@ class RecordingLLM:
 
     def collective_rpc(self, method, args=()) -> list:
         self.log.append(method.__name__)
-        return [0]
+        return [self.packed_layers if method is engine_cpu.release_packed_weights else 0]
+
+    packed_layers = 0  # layers whose packed weights the stand-in's worker would drop
 
     def reset_prefix_cache(self) -> None:
         self.log.append("reset_prefix_cache")
@@ -44,6 +46,7 @@ def engine_with(sleep_level: int, log: list[str]) -> Engine:
     engine = Engine.__new__(Engine)  # no vLLM: only the ordering logic is under test
     engine.llm, engine.sleep_level, engine.stale = RecordingLLM(log), sleep_level, False
     engine.weights_resident = sleep_level in (0, KV_CACHE_ONLY)  # as `Engine.__init__` leaves it, asleep
+    engine.direct_load, engine.prepacked_experts, engine.packed_released = True, False, False  # a sync copies in
     return engine
 
 
@@ -153,6 +156,25 @@ def test_without_sleep_mode_awake_syncs_and_on_a_cpu_releases_the_kv_cache():
     with engine_with(0, log).awake(sync=lambda: log.append("sync")):
         log.append("generate")
     assert log == ["sync", "generate", *AFTER_A_CPU_ROLLOUT]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU engine does not rest on the host")
+def test_on_a_cpu_an_engine_whose_sync_repacks_releases_its_packed_weights_and_is_stale_until_the_next_sync():
+    """Where a sync reloads (and packs again) every layer, the rollout's end drops the packed copies: the engine is
+    stale, so the trainer's next sync writes it whole, and it refuses to generate until a load."""
+    log: list[str] = []
+    engine = engine_with(0, log)
+    engine.direct_load, engine.llm.packed_layers = False, 3
+    with engine.awake(sync=lambda: log.append("sync")):
+        log.append("generate")
+    assert log == ["sync", "generate", "release_kv_cache", "reset_prefix_cache", "release_packed_weights"]
+    assert engine.stale and engine.packed_released
+    with pytest.raises(RuntimeError, match="released its packed weights"):
+        engine.generate([[1, 2]], GRPOConfig(output_dir="unused", report_to="none"))
+    engine._forget_image_features = lambda: None
+    engine.weights_version = 0
+    engine.load_weights([])  # (the stand-in's worker writes nothing)
+    assert not (engine.stale or engine.packed_released)
 
 
 @pytest.mark.parametrize(
