@@ -543,12 +543,13 @@ class Engine:
         allows: the KV cache's pages, with the cached prefixes they held, and the allocator's free heap
         (`colograd.engine.cpu`). Where a sync reloads the weights (repacked linear layers), which packs every layer
         again, the packed copies go too, as sleep level 2 drops a GPU engine's weights: the engine is then stale, and
-        the next sync writes it whole. Weights a sync copies into stay."""
+        the next sync writes it whole. Weights a sync copies into stay, and so does the frozen base an adapter-only
+        engine serves (its syncs send the adapter alone)."""
         if torch.cuda.is_available():
             return
         self.llm.collective_rpc(engine_cpu.release_kv_cache)
         self.llm.reset_prefix_cache()
-        if not (self.direct_load or self.prepacked_experts) and any(
+        if not (self.direct_load or self.prepacked_experts or self.lora_request) and any(
             self.llm.collective_rpc(engine_cpu.release_packed_weights)
         ):
             self.stale = self.packed_released = True

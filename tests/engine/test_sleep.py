@@ -47,6 +47,7 @@ def engine_with(sleep_level: int, log: list[str]) -> Engine:
     engine.llm, engine.sleep_level, engine.stale = RecordingLLM(log), sleep_level, False
     engine.weights_resident = sleep_level in (0, KV_CACHE_ONLY)  # as `Engine.__init__` leaves it, asleep
     engine.direct_load, engine.prepacked_experts, engine.packed_released = True, False, False  # a sync copies in
+    engine.lora_request = None
     return engine
 
 
@@ -175,6 +176,11 @@ def test_on_a_cpu_an_engine_whose_sync_repacks_releases_its_packed_weights_and_i
     engine.weights_version = 0
     engine.load_weights([])  # (the stand-in's worker writes nothing)
     assert not (engine.stale or engine.packed_released)
+    # An adapter-only engine keeps its frozen base packed: its syncs send the adapter alone.
+    engine.lora_request = object()
+    with engine.awake(sync=lambda: None):
+        pass
+    assert not (engine.stale or engine.packed_released) and log[-1] == "reset_prefix_cache"
 
 
 @pytest.mark.parametrize(
