@@ -507,6 +507,10 @@ class VLLMGeneration:
 
     @property
     def llm(self) -> Any:
+        """The engine's `vllm.LLM`, holding the current weights: reached outside a rollout after one, a CPU engine
+        that released its packed weights (`Engine.packed_released`) is synced first."""
+        if self._trainer.engine.packed_released:
+            self.sync_weights()
         return self._trainer.engine.llm
 
     def sync_weights(self) -> None:
@@ -534,10 +538,10 @@ class VLLMGeneration:
             raise ValueError("vllm_generation.generate: images are not supported; pass images=None.")
         if self.tensor_parallel_size > 1:  # the ranks of one engine would have to pass the same prompts
             raise ValueError("vllm_generation.generate does not support vllm_tensor_parallel_size > 1; set it to 1.")
-        engine = self._trainer.engine
+        engine, llm = self._trainer.engine, self.llm
         tap = engine.sampler_tap()  # the log-probs as tensors from the sampler: vLLM builds no per-token objects
         with profiler or nullcontext(), tap.capturing() if tap is not None else nullcontext():
-            outputs = engine.llm.generate(
+            outputs = llm.generate(
                 [engine.prompt(list(ids)) for ids in prompts],
                 sampling_params(self._trainer.args, n=1),
                 lora_request=engine.lora_request,

@@ -395,6 +395,9 @@ def test_trl_echo_rollout_func_runs_unchanged_on_vllm_generation(tmp_path, monke
     assert [[t] for t in completion_ids[0]] == token_ids[0] and all(len(lp) == 1 for lp in logprobs[0])
     assert 0 < len(completion_ids[0]) <= args.max_completion_length
     trainer.train()
+    # After a rollout, outside one, a CPU engine has released its packed weights: `vllm_generation` syncs it first.
+    assert trainer.engine.packed_released is not torch.cuda.is_available()
+    assert len(trainer.vllm_generation.generate([prompt], None, 1)[1]) == 1 and not trainer.engine.packed_released
     (step,) = [h for h in trainer.state.log_history if "loss" in h]
     # The environment's reward (0.1 per echoed character) reached the reward function through `env_reward`.
     assert step["rewards/reward_from_env/mean"] == pytest.approx(0.1 * step["completions/mean_length"], rel=0.3)
