@@ -14,15 +14,17 @@ from colograd.grpo.placement import prepare_on_cpu
 
 @pytest.fixture
 def world_of_one(monkeypatch):
-    """The variables `torchrun --nproc_per_node 1` sets; accelerate's shared state and process group undone after."""
+    """The variables `torchrun --nproc_per_node 1` sets; accelerate's shared state undone after, and the process
+    group if accelerate made it (an in-process engine built by an earlier test may hold the one it uses)."""
     for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))  # else accelerate sets the threads
     AcceleratorState._reset_state(True)
+    own_group = not dist.is_initialized()
     yield
-    if dist.is_initialized():
+    if own_group and dist.is_initialized():
         dist.destroy_process_group()
     AcceleratorState._reset_state(True)
 
