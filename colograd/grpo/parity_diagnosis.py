@@ -16,6 +16,7 @@ says so.
 """
 
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 from peft import PeftModel
@@ -37,7 +38,7 @@ def diagnose(engine: Engine, model: nn.Module, resync: Callable[[], None] | None
         engine: the run's engine, holding the weights of the rollout that was measured.
         model: the trained model, unwrapped (no DDP / DeepSpeed engine around it); may be a PEFT model.
         resync: writes the trainer's weights into the engine (the trainer's `sync_weights`); needed only where the
-            engine sleeps between rollouts and may have dropped them.
+            engine released them after the rollout (sleep mode, or a CPU engine's packed weights).
 
     Returns:
         The sentence, one line; where no comparison could be made, a sentence saying why.
@@ -47,14 +48,13 @@ def diagnose(engine: Engine, model: nn.Module, resync: Callable[[], None] | None
             "The engine was not compared with a fresh load: the model's weights are sharded across ranks (ZeRO-3, "
             "FSDP); run the same model on one process to find which side differs."
         )
-    if engine.sleeping and resync is None:
-        return "The engine was not compared with a fresh load: it is asleep and its weights were released."
+    # Asleep, or a CPU engine that dropped its packed weights after the rollout: synced again first, by the same path.
+    released = engine.sleeping or engine.packed_released
+    if released and resync is None:
+        return "The engine was not compared with a fresh load: it released its weights after the rollout."
     try:
         weights = saved_weights(model, merge_lora=engine.lora_request is None)
-        if engine.sleeping:
-            with engine.awake(sync=resync):
-                differ, compared = engine.llm.collective_rpc(fresh.differences_in_engine, args=(weights,))[0]
-        else:
+        with engine.awake(sync=resync) if released else nullcontext():
             differ, compared = engine.llm.collective_rpc(fresh.differences_in_engine, args=(weights,))[0]
     except Exception as error:  # a diagnosis that fails must not hide the line it adds to
         reason = " ".join(f"{type(error).__name__}: {error}".split())
