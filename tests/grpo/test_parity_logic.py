@@ -364,8 +364,15 @@ def tiny_llama() -> LlamaForCausalLM:
 class StandInEngine:
     """What `diagnose` reads of an engine, with the comparison's answer (or error) given."""
 
-    def __init__(self, answer, direct_load: bool = False, sleeping: bool = False) -> None:
-        self.answer, self.direct_load, self.sleeping = answer, direct_load, sleeping
+    def __init__(
+        self, answer, direct_load: bool = False, sleeping: bool = False, packed_released: bool = False
+    ) -> None:
+        self.answer, self.direct_load, self.sleeping, self.packed_released = (
+            answer,
+            direct_load,
+            sleeping,
+            packed_released,
+        )
         self.lora_request = None
         self.settings = {"architecture": {"architectures": ["LlamaForCausalLM"]}}
         self.llm = SimpleNamespace(collective_rpc=self.rpc)
@@ -397,10 +404,16 @@ def test_the_diagnosis_names_the_stale_tensors_or_the_engines_model():
     failed = parity_diagnosis.diagnose(StandInEngine(RuntimeError("out of\nmemory")), model)
     assert failed == "The engine was not compared with a fresh load (RuntimeError: out of memory)."
     line = parity_diagnosis.diagnose(StandInEngine(([], 40), sleeping=True), model)  # asleep, no way to resync
-    assert "\n" not in line and line.startswith("The engine was not compared") and "asleep" in line
+    assert "\n" not in line and line.startswith("The engine was not compared") and "released its weights" in line
     asleep, synced = StandInEngine(([], 40), sleeping=True), []
     assert "agrees" in parity_diagnosis.diagnose(asleep, model, resync=lambda: synced.append(1))
     assert asleep.woken == 1 and synced == [1]  # woken, and the weights written back, for the comparison
+    # A CPU engine that dropped its packed weights after the rollout is synced again the same way.
+    released, synced = StandInEngine(([], 40), packed_released=True), []
+    assert "agrees" in parity_diagnosis.diagnose(released, model, resync=lambda: synced.append(1))
+    assert released.woken == 1 and synced == [1]
+    awake = StandInEngine(([], 40))
+    assert "agrees" in parity_diagnosis.diagnose(awake, model, resync=lambda: synced.append(1)) and awake.woken == 0
 
 
 def test_the_saved_weights_are_the_checkpoints():
