@@ -299,6 +299,37 @@ PARITY: dict[str, dict[str, Any]] = {
                                        "router_aux_loss_coef": 0.0, "bos_token_id": 1, "eos_token_id": 32000},
 }  # fmt: skip
 
+# Hybrid models: layers that carry state along the sequence (Gated DeltaNet linear attention here) between their
+# attention layers, three to one. Qwen3.5-4B's text model (as slime's and Megatron's model scripts for it give its
+# shape: 16 query / 4 KV heads of 256, 32 layers, hidden 2560, a quarter of each head rotated, base 1e7, tied
+# embeddings; its linear-attention heads are transformers' Qwen3.5 defaults, which Qwen3.5-35B-A3B's script states:
+# 16 key / 32 value heads of 128, kernel 4) and Qwen3-Next-80B-A3B's (MoE: 512 experts, 10 per token).
+# Shrunk to one period of the pattern (`layers`).
+HYBRIDS: dict[str, dict[str, Any]] = {
+    "Qwen/Qwen3.5-4B": {"model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"], "vocab_size": 248320,
+                        "hidden_size": 2560, "intermediate_size": 9216, "num_hidden_layers": 32,
+                        "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256,
+                        "full_attention_interval": 4, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+                        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_value_head_dim": 128,
+                        "tie_word_embeddings": True, "max_position_embeddings": 262144, "rms_norm_eps": 1e-06,
+                        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000,
+                                            "partial_rotary_factor": 0.25},
+                        "eos_token_id": 248044},
+    "Qwen/Qwen3-Next-80B-A3B-Instruct": {"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"],
+                                         "hidden_size": 2048, "intermediate_size": 5120, "num_hidden_layers": 48,
+                                         "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+                                         "full_attention_interval": 4, "linear_conv_kernel_dim": 4,
+                                         "linear_key_head_dim": 128, "linear_num_key_heads": 16,
+                                         "linear_num_value_heads": 32, "linear_value_head_dim": 128,
+                                         "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+                                         "shared_expert_intermediate_size": 512, "norm_topk_prob": True,
+                                         "decoder_sparse_step": 1, "mlp_only_layers": [],
+                                         "partial_rotary_factor": 0.25, "rope_theta": 10000000,
+                                         "vocab_size": 151936, "max_position_embeddings": 262144,
+                                         "rms_norm_eps": 1e-06, "tie_word_embeddings": False,
+                                         "bos_token_id": 151643, "eos_token_id": 151645},
+}  # fmt: skip
+
 # Width after shrinking (where the architecture lets the hidden size shrink on its own) and MLP / expert width.
 HIDDEN = 64
 INTERMEDIATE = 128
@@ -319,9 +350,11 @@ def head_dim(published: dict[str, Any]) -> int:
 
 
 def layers(published: dict[str, Any]) -> int:
-    """Depth after shrinking: 2, or one whole period of a sliding/global pattern (Gemma 3: 5 local, 1 global), or the
+    """Depth after shrinking: 2, or one whole period of a sliding/global pattern (Gemma 3: 5 local, 1 global) or of
+    a linear/full attention pattern (Qwen3.5: 3 linear, 1 full), or the
     dense layers a Mixture-of-Experts model starts with and one expert layer (DeepSeek-V3: 3 dense)."""
-    return max(published.get("sliding_window_pattern") or LAYERS, published.get("first_k_dense_replace", 0) + 1)
+    period = published.get("sliding_window_pattern") or published.get("full_attention_interval")
+    return max(period or LAYERS, published.get("first_k_dense_replace", 0) + 1)
 
 
 def layer_types(period: int, layers: int) -> list[str]:
@@ -331,7 +364,7 @@ def layer_types(period: int, layers: int) -> list[str]:
 
 def shrunk(name: str) -> PretrainedConfig:
     """`name`'s published config, shrunk in width and depth only (see the module's docstring)."""
-    published = ZOO.get(name) or PARITY[name]
+    published = ZOO.get(name) or PARITY.get(name) or HYBRIDS[name]
     values = {**published, "intermediate_size": INTERMEDIATE, "num_hidden_layers": layers(published)}
     dim = head_dim(published)
     if published["model_type"] in HEAD_DIM_FROM_HIDDEN:

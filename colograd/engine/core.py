@@ -28,7 +28,7 @@ from colograd.engine import cpu as engine_cpu
 from colograd.engine import moe
 from colograd.engine import sampler_tap as tapping
 from colograd.engine.folder import engine_folder
-from colograd.engine.kv_cache import engine_memory, kv_bytes_per_token
+from colograd.engine.kv_cache import engine_memory, sized_from_specs
 from colograd.engine.launch import _launcher_env, _tensor_parallel_group
 from colograd.engine.lifetime import (
     add_expert_group,
@@ -155,14 +155,22 @@ class Engine:
         llm_args = {k: v for k, v in self.settings.items() if k not in NOT_LLM_ARGUMENTS}
         dtype = torch_dtype(self.settings["dtype"])
         triton_fp32_precision(dtype)
-        llm_args |= engine_memory(args, config, dtype, self.settings["max_num_seqs"], prompt_tokens, longest_prompt)
+        seqs = self.settings["max_num_seqs"]
+        memory, cache = engine_memory(args, config, dtype, seqs, prompt_tokens, longest_prompt)
+        llm_args |= memory
+        sized: list[int] = []  # the cache's bytes, as the engine allocated them
         if not torch.cuda.is_available():
             llm_args |= engine_cpu.mla_backend(config)
         # Frozen during the start, the heap is skipped by the collections vLLM runs there; on a GPU one collection
         # first frees what vLLM's memory profile must not count (see `frozen_heap`).
         if moe.expert_count(config):
             add_expert_group(self.tp_size)  # where a dense model's engine made this process's groups without it
-        with _launcher_env(), _matmul_precision_kept(), frozen_heap(collect=torch.cuda.is_available()):
+        with (
+            _launcher_env(),
+            _matmul_precision_kept(),
+            frozen_heap(collect=torch.cuda.is_available()),
+            sized_from_specs(cache, sized),
+        ):
             self.llm = LLM(
                 model=model_dir,
                 load_format="dummy",
@@ -183,10 +191,8 @@ class Engine:
         # Prompt KV cached under one version of the weights must not serve another: every request carries the
         # version as its cache salt, so a sync needs no reset of the cache (a walk over every block in Python).
         self.weights_version = 0
-        cache = self.llm.llm_engine.vllm_config.cache_config
         # The KV cache the engine got (what vLLM allocated, whichever way it was sized).
-        per_token = kv_bytes_per_token(config, dtype, self.tp_size)
-        self.kv_cache_bytes = (cache.num_gpu_blocks or 0) * cache.block_size * per_token
+        self.kv_cache_bytes = sized[-1] if sized else 0
         # Whether the engine computes with the weight tensors it holds (GPU; CPU without repacking), so a sync
         # can copy straight into them, or re-processes them into a kernel layout that needs a reload.
         self.direct_load = all(self.llm.collective_rpc(_holds_plain_weights))

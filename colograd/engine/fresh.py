@@ -97,8 +97,9 @@ def _differences(live: nn.Module, fresh: nn.Module) -> tuple[list[str], int]:
     generator = torch.Generator().manual_seed(0)
     for path, layer in fresh_layers.items():
         engine_layer = live_layers.get(path)
-        if engine_layer is None:
-            continue
+        weight = getattr(layer, "weight", None)
+        if engine_layer is None or (isinstance(weight, torch.Tensor) and weight.numel() != 0):
+            continue  # a weight left in place (a GPU's, a CPU convolution's prepacked one) is compared as a tensor
         compared += 1
         rows = torch.randn(PROBE_ROWS, _input_width(layer), generator=generator).to(layer.params_dtype)
         with torch.no_grad():
@@ -117,7 +118,9 @@ def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _computing_layers(model: nn.Module) -> dict[str, nn.Module]:
     """The model's linear layers and output layer (`ParallelLMHead`), which compute through their quant method's
-    `apply` with a weight the backend may have moved into a kernel handle, by path (LoRA's wrappers seen through)."""
+    `apply` with a weight the backend may have moved into a kernel handle, by path (LoRA's wrappers seen through).
+    Only those whose weight was moved are compared by what they compute: a Gated DeltaNet's convolution is a linear
+    layer by class whose prepacked weight stays in place, and its `apply` is never called."""
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 

@@ -9,11 +9,15 @@ step; and vLLM walks every block of it in Python whenever it resets its prefix c
 
 import math
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from colograd.errors import ConfigError
+from colograd.models.hybrid import state_layer_kinds
 
 # Head-room over the counted need: requests that finish late, blocks in flight, a rounding of lengths.
 MARGIN = 1.25
@@ -103,31 +107,26 @@ def uses_mla(text_config: Any) -> bool:
 
 
 def unsized_layers(text_config: Any) -> str | None:
-    """What in the model colograd cannot count its KV cache per token for, or None where every layer is attention
-    (full, sliding-window, or MLA).
+    """What in the model colograd cannot count its KV cache per token for from the config, or None where every
+    layer is attention (full, sliding-window, or MLA). Such a model is sized from its layers' specs once its engine
+    has started (`RolloutCache`); the count per token (`kv_bytes_per_token`) is for attention models only.
 
     vLLM gives Mamba, linear-attention and short-convolution layers (Jamba, Qwen3-Next, Qwen3.5, Granite 4 hybrid,
     Falcon-H1, LFM2, MiniMax) a state per sequence in pages of their own (`MambaSpec`), and raises the attention block
-    size to match those pages (`Platform._align_hybrid_block_size`); it reads which layers are which from
-    `layers_block_type`, `attn_type_list` or `layer_types` (`ModelConfig.get_num_layers_by_block_type`), as this
-    does. DeepSeek-V3.2's sparse attention adds an indexer cache per layer (`index_topk`), DeepSeek-V4's compresses
-    its cache (`compress_ratios`).
+    size to match those pages; DeepSeek-V3.2's sparse attention adds an indexer cache per layer (`index_topk`),
+    DeepSeek-V4's compresses its cache (`compress_ratios`).
 
     Args:
         text_config: the model's text config.
 
     Returns:
-        A description of those layers, for an error message; None where colograd sizes the model.
+        A description of those layers, for an error message; None where colograd counts the model.
     """
-    kinds: dict[Any, None] = {}  # in order of first appearance
-    for name in ("layers_block_type", "layer_types"):
-        kinds |= {kind: None for kind in getattr(text_config, name, None) or () if not _is_attention(kind)}
-    if kinds:
-        return f"hybrid, Mamba or linear-attention layers ({', '.join(map(str, kinds))})"
-    if any(kind != 1 for kind in getattr(text_config, "attn_type_list", None) or ()):  # MiniMax: 0 is linear
-        return "hybrid, Mamba or linear-attention layers (attn_type_list)"
-    if getattr(text_config, "num_attention_heads", None) is None:
+    kinds = state_layer_kinds(text_config)
+    if kinds == ["attention-free"]:
         return "no attention layers (a Mamba or other attention-free model)"
+    if kinds:
+        return f"hybrid, Mamba or linear-attention layers ({', '.join(kinds)})"
     if getattr(text_config, "index_topk", None) is not None:
         return "a sparse-attention indexer cache (index_topk)"
     if getattr(text_config, "compress_ratios", None) is not None:
@@ -136,8 +135,8 @@ def unsized_layers(text_config: Any) -> str | None:
 
 
 def check_sized_layers(text_config: Any) -> None:
-    """Refuse a model whose KV cache colograd cannot count per token (`unsized_layers`), in one line, before an
-    engine starts with a cache sized by a wrong count.
+    """Refuse to count a KV cache per token for a model whose cache is not keys and values per token
+    (`unsized_layers`): such a model's cache is sized from its engine's specs.
 
     Args:
         text_config: the model's text config.
@@ -148,17 +147,9 @@ def check_sized_layers(text_config: Any) -> None:
     layers = unsized_layers(text_config)
     if layers is not None:
         raise ConfigError(
-            f"model_type {getattr(text_config, 'model_type', None)!r} has {layers}: colograd does not yet size the "
-            "engine's KV cache for them (vLLM keeps such state in pages of its own); train a model whose layers are "
-            "all attention."
+            f"model_type {getattr(text_config, 'model_type', None)!r} has {layers}: its cache is not counted per "
+            "token; size it from the engine's specs (RolloutCache)."
         )
-
-
-def _is_attention(kind: Any) -> bool:
-    """Whether a layer kind of a config's layer list is attention with a per-token KV cache: "attention" (Jamba's
-    and Granite 4's spelling), "full_attention", "sliding_attention" and the other "*_attention" kinds, except
-    "linear_attention" (transformers' name for Mamba and linear-attention layers)."""
-    return isinstance(kind, str) and kind.endswith("attention") and kind != "linear_attention"
 
 
 def sliding_windows(text_config: Any) -> list[int | None]:
@@ -266,6 +257,107 @@ def _whole_blocks(tokens: int, block: int) -> int:
     return -(-tokens // block) * block
 
 
+def rollout_cache(
+    args: Any,
+    model_config: Any,
+    max_num_seqs: int,
+    device_bytes: int | None,
+    prompt_tokens: int | None = None,
+    longest_prompt: int | None = None,
+) -> "RolloutCache | None":
+    """What the engine's cache is sized for (`RolloutCache`): `max_num_seqs` sequences of the longest a rollout gives
+    (a prompt of `max_prompt_length`, the measured `longest_prompt` or the expected `prompt_tokens`, else the whole
+    context, and a completion), capped as `rollout_kv_bytes` caps it. None when the context is unknown."""
+    context = engine_context(args, model_config, longest_prompt)
+    if context is None:
+        return None
+    prompt_tokens = longest_prompt if longest_prompt is not None else prompt_tokens
+    longest = min(context, (args.max_prompt_length or prompt_tokens or context) + args.max_completion_length)
+    cap = int(device_bytes * GPU_CAP_FRACTION) if device_bytes else CPU_CAP_BYTES
+    return RolloutCache(max_num_seqs, longest, cap)
+
+
+@dataclass(frozen=True)
+class RolloutCache:
+    """The engine's cache as a rollout needs it, counted from the cache specs the engine's layers report to vLLM
+    (`KVCacheSpec`: attention pages of keys and values or MLA latents, a sliding window's, the per-sequence state
+    pages of Mamba, linear-attention and short-convolution layers, an indexer's), with vLLM's own accounting: its
+    grouping of the layers into one pool of pages (`get_kv_cache_groups`, hybrid models' block sizes already
+    aligned to their state pages), the bytes one block of the pool takes, and the pages one request of a given
+    length claims in every group (`_max_memory_usage_bytes_from_groups`, the function vLLM's start-up check calls).
+
+    max_num_seqs: sequences the engine runs at once (each holds its own state pages).
+    longest: the tokens of a rollout's longest sequence (prompt and completion).
+    cap: the most bytes the cache takes where the rollout would need more (vLLM then schedules fewer at once).
+    """
+
+    max_num_seqs: int
+    longest: int
+    cap: int
+
+    def bytes(self, vllm_config: Any, specs: dict[str, Any]) -> int:
+        """The cache for the rollout, with `MARGIN`, at most `cap`, and never less than vLLM's start-up floor: one
+        request of the engine's whole context and the block its pool holds back."""
+        from vllm.v1.core import kv_cache_utils
+
+        groups = kv_cache_utils.get_kv_cache_groups(vllm_config, dict(specs))  # (it may rewrite the dict it gets)
+        need = math.ceil(self.max_num_seqs * _request_bytes(vllm_config, groups, self.longest) * MARGIN)
+        context = vllm_config.model_config.max_model_len
+        null_block = kv_cache_utils._pool_bytes_per_block(vllm_config, groups)
+        floor = _request_bytes(vllm_config, groups, context) + null_block
+        return max(min(need, self.cap), floor)
+
+
+def _request_bytes(vllm_config: Any, groups: list[Any], tokens: int) -> int:
+    """The pool bytes one request of `tokens` tokens claims (vLLM counts a request of its `max_model_len`)."""
+    from vllm.v1.core import kv_cache_utils
+
+    model_config = vllm_config.model_config
+    context = model_config.max_model_len
+    model_config.max_model_len = min(tokens, context)
+    try:
+        return kv_cache_utils._max_memory_usage_bytes_from_groups(vllm_config, groups)
+    finally:
+        model_config.max_model_len = context
+
+
+@contextmanager
+def sized_from_specs(cache: RolloutCache | None, sized: list[int]) -> Iterator[None]:
+    """While an engine starts in this process: where `cache` is given, its KV cache is sized from the specs its
+    layers report (`RolloutCache.bytes`), once vLLM has resolved the cache's layout and before it measures the memory
+    it has (`determine_available_memory`, in `EngineCore._initialize_kv_caches`); `sized` gets the bytes the engine
+    then allocated. Without `cache` (an explicit size), `sized` still gets them."""
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.engine.core import EngineCore
+
+    original = EngineCore._initialize_kv_caches
+
+    def initialize(engine_core: Any, vllm_config: Any) -> Any:
+        executor = engine_core.model_executor
+        measure = executor.determine_available_memory
+
+        def determine_available_memory() -> list[int]:  # called once the cache's layout is resolved
+            specs = executor.get_kv_cache_specs()
+            vllm_config.cache_config.kv_cache_memory_bytes = cache.bytes(vllm_config, specs[0])
+            return measure()
+
+        if cache is not None:
+            executor.determine_available_memory = determine_available_memory
+        try:
+            config = original(engine_core, vllm_config)
+        finally:
+            vars(executor).pop("determine_available_memory", None)
+        # (Its groups' tensors overlay the same bytes, one block id per group: the pool is blocks × bytes a block.)
+        sized.append(config.num_blocks * kv_cache_utils._pool_bytes_per_block(vllm_config, config.kv_cache_groups))
+        return config
+
+    EngineCore._initialize_kv_caches = initialize
+    try:
+        yield
+    finally:
+        EngineCore._initialize_kv_caches = original
+
+
 def engine_memory(
     args: Any,
     model_config: Any,
@@ -273,29 +365,32 @@ def engine_memory(
     max_num_seqs: int,
     prompt_tokens: int | None = None,
     longest_prompt: int | None = None,
-) -> dict[str, Any]:
-    """The memory arguments of `vllm.LLM`: an explicit `vllm_gpu_memory_utilization` (GPU) or `vllm_kv_cache_gib`,
-    else a cache sized to the rollout (`rollout_kv_bytes`, with `prompt_tokens` and `longest_prompt`)."""
+) -> tuple[dict[str, Any], RolloutCache | None]:
+    """The memory arguments of `vllm.LLM`, and what the cache is then sized for once the engine's layers report
+    their specs (`sized_from_specs`): an explicit `vllm_gpu_memory_utilization` (GPU) or `vllm_kv_cache_gib` (no
+    `RolloutCache`), else a cache sized to the rollout (`rollout_cache`, with `prompt_tokens` and `longest_prompt`),
+    started at the count from the config (`rollout_kv_bytes`) where colograd can count it, else at the cap."""
     on_gpu = torch.cuda.is_available()
+    device_bytes = torch.cuda.mem_get_info()[1] if on_gpu else None
+    cache = None
     if on_gpu and args.vllm_gpu_memory_utilization is not None:
-        return {"gpu_memory_utilization": args.vllm_gpu_memory_utilization}
+        return {"gpu_memory_utilization": args.vllm_gpu_memory_utilization}, None
     if args.vllm_kv_cache_gib is not None:
         kv_bytes = int(args.vllm_kv_cache_gib * 2**30)
     else:
-        kv_bytes = rollout_kv_bytes(
-            args,
-            model_config,
-            dtype,
-            max_num_seqs,
-            torch.cuda.mem_get_info()[1] if on_gpu else None,
-            prompt_tokens,
-            longest_prompt,
+        cache = rollout_cache(args, model_config, max_num_seqs, device_bytes, prompt_tokens, longest_prompt)
+        if cache is None:  # no context length to count with: the device's share, as before
+            share = {"gpu_memory_utilization": GPU_CAP_FRACTION}
+            return (share if on_gpu else {"kv_cache_memory_bytes": CPU_CAP_BYTES}), None
+        counted = unsized_layers(model_config.get_text_config()) is None
+        kv_bytes = (
+            rollout_kv_bytes(args, model_config, dtype, max_num_seqs, device_bytes, prompt_tokens, longest_prompt)
+            if counted
+            else cache.cap
         )
-        if kv_bytes is None:  # no context length to count with: the device's share, as before
-            return {"gpu_memory_utilization": GPU_CAP_FRACTION} if on_gpu else {"kv_cache_memory_bytes": CPU_CAP_BYTES}
     if not on_gpu:
-        return {"kv_cache_memory_bytes": kv_bytes}
+        return {"kv_cache_memory_bytes": kv_bytes}, cache
     # vLLM still checks at start that `gpu_memory_utilization` of the card is free (the trainer's model and optimizer
     # already hold some). With the cache size given, that fraction sizes nothing else: ask for what is free.
     free, total = torch.cuda.mem_get_info()
-    return {"kv_cache_memory_bytes": kv_bytes, "gpu_memory_utilization": round(0.9 * free / total, 4)}
+    return {"kv_cache_memory_bytes": kv_bytes, "gpu_memory_utilization": round(0.9 * free / total, 4)}, cache

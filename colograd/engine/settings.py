@@ -11,6 +11,7 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from colograd.config.core import GRPOConfig
+from colograd.engine.hybrid import cpu_dtype, state_layers
 from colograd.engine.kv_cache import engine_max_model_len
 from colograd.engine.lora import engine_max_lora_rank
 from colograd.vision.core import engine_arguments, is_vision_language, text_tokenizer
@@ -127,16 +128,27 @@ def architecture_name(model: nn.Module) -> str:
 
 def engine_dtype_name(model: PreTrainedModel, args: GRPOConfig) -> str:
     """The engine's dtype for this model (see `engine_dtype`), by name."""
-    return str(engine_dtype(args, next(model.parameters()).dtype)).removeprefix("torch.")
+    return str(engine_dtype(args, next(model.parameters()).dtype, engine_layers(model))).removeprefix("torch.")
 
 
-def engine_dtype(args: GRPOConfig, parameter_dtype: torch.dtype) -> torch.dtype:
+def engine_layers(model: nn.Module) -> list[type]:
+    """vLLM's layer classes with state that the engine builds `model` from (`colograd.engine.hybrid.state_layers`)."""
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    return state_layers(architecture_name(base), base.config.get_text_config())
+
+
+def engine_dtype(args: GRPOConfig, parameter_dtype: torch.dtype, layers: list[type] = ()) -> torch.dtype:
     """The precision the trainer computes in, so that the engine samples from the policy being trained, unless
-    `vllm_dtype` asks for another.
+    `vllm_dtype` asks for another, or the CPU engine computes one of the model's `layers` (`engine_layers`) in one
+    dtype only (Gated DeltaNet: bf16, `colograd.engine.hybrid.cpu_dtype`), which it then runs in: the trainer keeps
+    its own precision, and the parity gate's 16-bit tolerance applies. (A `vllm_dtype` the layers cannot take is
+    refused before start-up, `colograd.preflight.engine`.)
 
     `args.mixed_precision` is what the Trainer hands its Accelerator: `bf16` / `fp16` when set, else the
     accelerate launch config's `mixed_precision` (e.g. `ddp.yaml`'s bf16 autocast). Without mixed precision,
     the trainer's own parameter dtype (fp32 keeps parity exact).
     """
+    if not args.vllm_dtype and not torch.cuda.is_available() and (only := cpu_dtype(list(layers))) is not None:
+        return only
     name = args.vllm_dtype or {"bf16": "bfloat16", "fp16": "float16"}.get(args.mixed_precision)
     return getattr(torch, name) if name else parameter_dtype

@@ -1,12 +1,15 @@
 """The trainer's forward pass: its settings decided once per run (`Forward.of`), then the log-probs of a rollout
 slice under a model (`logps`) and a slice cut into passes that fit the token budget (`passes`).
 
-The settings: how padding-free passes are packed (the segment kernel, a prompt shared by its completions:
+The settings: whether the passes are packed at all (not for a model with layers that carry state along the sequence,
+`colograd.models.hybrid`: a packed sequence would start from the state its neighbour left), how padding-free passes
+are packed (the segment kernel, a prompt shared by its completions:
 `colograd.grpo.packing`), the pass token budget (`colograd.grpo.memory.PassBudget`), the tokens never scored (a
 vision-language model's image placeholders), whether the model takes position ids, and a Mixture-of-Experts model's
 routers (`colograd.grpo.router`).
 """
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +24,10 @@ from colograd.grpo.logps import PromptSharing, completion_logps
 from colograd.grpo.memory import PassBudget, compute_dtype
 from colograd.grpo.packing import forward_packing
 from colograd.grpo.router import Router, RouterRecord
+from colograd.models.hybrid import carries_state, state_layer_kinds
 from colograd.vision.core import placeholder_ids, takes_position_ids
+
+logger = logging.getLogger("colograd.trainer")
 
 
 @dataclass
@@ -29,6 +35,7 @@ class Forward:
     """How the trainer runs its model over a rollout slice.
 
     args: the run's config (temperature, packing, chunking, the fp32 head, `micro_batch_tokens`).
+    packed: the passes run padding-free (`padding_free`, unless the model carries state along the sequence).
     segments: the segment-attention kernel packed passes use, or None (packed under a mask, or padded).
     prompt_cost: how a pass shares a prompt among its completions (`PromptSharing`), or None (no sharing).
     suppressed: token ids never scored (a vision-language model's image placeholders).
@@ -38,12 +45,16 @@ class Forward:
     """
 
     args: GRPOConfig
+    packed: bool = True
     segments: str | None = None
     prompt_cost: PromptSharing | None = None
     suppressed: list[int] = field(default_factory=list)
     position_ids: bool = True
     router: Router | None = None
     budget: PassBudget | None = None
+
+    def __post_init__(self) -> None:
+        self.packed = self.packed and self.args.padding_free
 
     @classmethod
     def of(
@@ -64,10 +75,18 @@ class Forward:
         """
         policy = nets[0]
         attention.honour_softcaps(nets)
-        segments, prompt_cost = forward_packing(nets, args, compute_dtype(policy, args.mixed_precision))
+        packed = args.padding_free and not carries_state(policy.config)
+        if args.padding_free and not packed and announce:
+            kinds = ", ".join(state_layer_kinds(policy.config.get_text_config()))
+            logger.warning(
+                "colograd: the model's %s layers carry state along the sequence, which packing would pass from one "
+                "sequence to the next: the trainer's passes run padded (exact; padding_free is set aside).",
+                kinds,
+            )
+        packing = forward_packing(nets, args, compute_dtype(policy, args.mixed_precision)) if packed else (None, None)
         budget = PassBudget(policy, args, deepspeed, announce)
         suppressed, position_ids = placeholder_ids(processing_class), takes_position_ids(policy.config)
-        return cls(args, segments, prompt_cost, suppressed, position_ids, router, budget)
+        return cls(args, packed, *packing, suppressed, position_ids, router, budget)
 
     def logps(
         self,
@@ -85,7 +104,7 @@ class Forward:
             model,
             batch,
             temperature=args.temperature,
-            padding_free=args.padding_free,
+            padding_free=self.packed,
             row_tokens=args.packed_row_tokens,
             chunk_tokens=args.logps_chunk_tokens,
             entropy=entropy,

@@ -14,7 +14,8 @@ from transformers import PretrainedConfig
 
 from colograd.config.core import ConfigError, GRPOConfig
 from colograd.data.core import first_line
-from colograd.engine.kv_cache import check_sized_layers, uses_mla
+from colograd.engine.hybrid import cpu_dtype, cpu_refusal, state_layers
+from colograd.engine.kv_cache import uses_mla
 from colograd.engine.lifetime import import_off_stack
 from colograd.engine.lora import engine_max_lora_rank
 from colograd.engine.moe import expert_count
@@ -23,14 +24,21 @@ from colograd.engine.settings import engine_dtype as engine_dtype_of
 
 
 def check_engine(
-    args: GRPOConfig, model_config: PretrainedConfig, dtype: torch.dtype, lora_rank: int | None = None
+    args: GRPOConfig,
+    model_config: PretrainedConfig,
+    dtype: torch.dtype,
+    lora_rank: int | None = None,
+    architecture: str | None = None,
 ) -> None:
     """What the engine would refuse at start-up or at its first request, found by vLLM's own code where it has a
-    check to run: the model's kind (attention layers whose KV cache colograd sizes, experts its sync can write), the
-    sampling settings, the LoRA settings, the dtype and the attention head size."""
-    # Hybrid, Mamba and linear-attention layers (Jamba, Qwen3-Next): the cache colograd would give the engine is
-    # counted for attention layers only, so vLLM would start with a cache of the wrong size, or refuse to.
-    check_sized_layers(model_config.get_text_config())
+    check to run: the model's kind (layers with state the engine here can run, and in which dtype; experts its sync
+    can write), the sampling settings, the LoRA settings, the dtype and the attention head size.
+
+    `architecture`: the name vLLM picks its model class by (default: the config's first `architectures` entry)."""
+    architecture = architecture or next(iter(getattr(model_config, "architectures", None) or []), None)
+    with _quiet_logs():
+        layers = state_layers(architecture, model_config.get_text_config()) if architecture else []
+    _check_layers(args, model_config, layers, lora_rank)
     _check_experts(model_config, torch.cuda.is_available())
     if args.temperature <= 0:
         raise ConfigError(
@@ -53,7 +61,7 @@ def check_engine(
             f"vllm_max_model_length={args.vllm_max_model_length} exceeds the model's context of {context} "
             "(max_position_embeddings); lower it, or leave it unset."
         )
-    engine_dtype = engine_dtype_of(args, dtype)
+    engine_dtype = engine_dtype_of(args, dtype, layers)
     supported = current_platform.supported_dtypes
     if engine_dtype not in supported:
         names = ", ".join(str(d).removeprefix("torch.") for d in supported)
@@ -67,6 +75,42 @@ def check_engine(
             "an fp32 trainer (sampling is then corrected by importance sampling)."
         )
     _check_head_size(model_config, current_platform)
+
+
+def _check_layers(args: GRPOConfig, model_config: PretrainedConfig, layers: list[type], lora_rank: int | None) -> None:
+    """Layers with state (`colograd.engine.hybrid`): on a machine without a GPU, refused where vLLM's CPU build
+    cannot run them, and run in the one dtype it computes them in (said once here: the trainer keeps its own)."""
+    if torch.cuda.is_available():
+        return
+    text = model_config.get_text_config()
+    kind = f"model_type {getattr(text, 'model_type', None)!r}"
+    refusal = cpu_refusal(layers, text)
+    if refusal is not None:
+        raise ConfigError(f"{kind} has {refusal}; train it on a GPU (vLLM's CUDA build runs it).")
+    only = cpu_dtype(layers)
+    if only is None:
+        return
+    names = ", ".join(sorted({cls.__name__ for cls in layers}))
+    only_name = str(only).removeprefix("torch.")
+    if args.vllm_dtype and getattr(torch, args.vllm_dtype) != only:
+        raise ConfigError(
+            f"vllm_dtype={args.vllm_dtype}: vLLM's CPU build computes the {names} layers of {kind} in {only_name} "
+            "only; "
+            f"leave vllm_dtype unset (the engine then runs in {only_name}) or set it to {only_name}."
+        )
+    if lora_rank is not None:
+        raise ConfigError(
+            f"lora_sync: adapter on {kind}: vLLM's CPU build runs its {names} layers without LoRA ('lora isn't "
+            "supported on CPU'); set lora_sync: merged (the adapter is merged into the weights at each sync)."
+        )
+    logging.getLogger("colograd.trainer").warning(
+        "colograd: vLLM's CPU build computes the %s layers of %s in %s only: the engine runs in %s, the trainer in "
+        "its own precision, and the parity gate's 16-bit tolerance applies.",
+        names,
+        kind,
+        only_name,
+        only_name,
+    )
 
 
 def _check_experts(model_config: PretrainedConfig, gpu: bool) -> None:

@@ -21,6 +21,7 @@ from colograd.config.core import ConfigError, GRPOConfig
 from colograd.config.trl_compat import QUANTIZED, check_refused_parameters, environment_dataset
 from colograd.data.core import sampled_prompt_tokens
 from colograd.engine.lora import check_lora
+from colograd.engine.settings import architecture_name
 from colograd.grpo.dynamic import refuse_unrefillable
 from colograd.grpo.logps import check_fp32_head
 from colograd.grpo.partial import refuse_unresumable
@@ -214,7 +215,8 @@ def check_trainer_inputs(
             longest = max(longest, eval_longest)
         elif evaluated is not None:
             longest = None  # prompts the checks have not measured: the engine keeps the model's context
-    check_engine(args, model.config, next(model.parameters()).dtype, lora_rank)
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    check_engine(args, model.config, next(model.parameters()).dtype, lora_rank, architecture_name(base))
     return train_dataset, lora_rank, longest
 
 

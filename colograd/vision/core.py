@@ -31,12 +31,17 @@ _PIL_TWINS = {
         "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl"
     ),
 }
-# The vLLM module of each vision-language architecture colograd has run (docs/vlm.md).
+# The vLLM module of each architecture colograd has run whose module imports a torchvision processor (docs/vlm.md).
 _VLLM_MODULES = {
     "LlavaForConditionalGeneration": "vllm.model_executor.models.llava",
     "LlavaNextForConditionalGeneration": "vllm.model_executor.models.llava_next",
     "Qwen2VLForConditionalGeneration": "vllm.model_executor.models.qwen2_vl",
     "Qwen2_5_VLForConditionalGeneration": "vllm.model_executor.models.qwen2_5_vl",
+    # Qwen3.5 (hybrid; text-only and vision-language) imports Qwen3-VL's module, which imports Qwen2-VL's processor.
+    "Qwen3_5ForCausalLM": "vllm.model_executor.models.qwen3_5",
+    "Qwen3_5MoeForCausalLM": "vllm.model_executor.models.qwen3_5",
+    "Qwen3_5ForConditionalGeneration": "vllm.model_executor.models.qwen3_5",
+    "Qwen3_5MoeForConditionalGeneration": "vllm.model_executor.models.qwen3_5",
 }
 # Architectures whose processor takes a torchvision-only video processor (`colograd.vision.qwen`).
 _STILLS_ONLY = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")

@@ -83,23 +83,30 @@ def test_sampled_prompt_tokens():
 
 
 def test_engine_memory_arguments(tmp_path, monkeypatch):
+    """`vllm.LLM`'s memory arguments, and what the cache is then sized for from the engine's specs (`RolloutCache`):
+    nothing where the size is explicit."""
     args = config(tmp_path)
     share = config(tmp_path, vllm_gpu_memory_utilization=0.3)  # configs first: they look for a GPU themselves
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert kv_cache.engine_memory(args, QWEN_1_5B, torch.bfloat16, 128) == {"kv_cache_memory_bytes": 2**30}
+    memory, cache = kv_cache.engine_memory(args, QWEN_1_5B, torch.bfloat16, 128)
+    assert memory == {"kv_cache_memory_bytes": 2**30}
+    assert cache == kv_cache.RolloutCache(max_num_seqs=128, longest=768, cap=2**30)  # a prompt of 512, a completion
     small = config(tmp_path, max_completion_length=16, max_prompt_length=16, per_device_train_batch_size=8)
     expected = int(8 * 128 * 28 * 1024 * 1.25)  # CPU blocks hold 128 tokens: one per sequence of 32
-    assert kv_cache.engine_memory(small, QWEN_1_5B, torch.bfloat16, 8) == {"kv_cache_memory_bytes": expected}
+    memory, cache = kv_cache.engine_memory(small, QWEN_1_5B, torch.bfloat16, 8)
+    assert memory == {"kv_cache_memory_bytes": expected}
+    assert cache == kv_cache.RolloutCache(max_num_seqs=8, longest=32, cap=2**30)
     explicit = config(tmp_path, vllm_kv_cache_gib=0.5)
-    assert kv_cache.engine_memory(explicit, QWEN_1_5B, torch.bfloat16, 128) == {"kv_cache_memory_bytes": 2**29}
+    assert kv_cache.engine_memory(explicit, QWEN_1_5B, torch.bfloat16, 128) == ({"kv_cache_memory_bytes": 2**29}, None)
 
     # A GPU (stubbed: 80 GB card, 60 GB free): the rollout's cache, and vLLM's start-up check asked for what is free.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (60 * 10**9, 80 * 10**9))
-    sized = kv_cache.engine_memory(args, QWEN_1_5B, torch.bfloat16, 128)
-    assert sized == {"kv_cache_memory_bytes": int(128 * 768 * 28 * 1024 * 1.25), "gpu_memory_utilization": 0.675}
+    memory, cache = kv_cache.engine_memory(args, QWEN_1_5B, torch.bfloat16, 128)
+    assert memory == {"kv_cache_memory_bytes": int(128 * 768 * 28 * 1024 * 1.25), "gpu_memory_utilization": 0.675}
+    assert cache == kv_cache.RolloutCache(max_num_seqs=128, longest=768, cap=int(80 * 10**9 * 0.3))
     # An explicit fraction of the card is the override.
-    assert kv_cache.engine_memory(share, QWEN_1_5B, torch.bfloat16, 128) == {"gpu_memory_utilization": 0.3}
+    assert kv_cache.engine_memory(share, QWEN_1_5B, torch.bfloat16, 128) == ({"gpu_memory_utilization": 0.3}, None)
 
 
 @pytest.mark.parametrize("field, value", [("vllm_gpu_memory_utilization", 1.5), ("vllm_gpu_memory_utilization", 0),

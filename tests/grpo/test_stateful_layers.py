@@ -1,0 +1,127 @@
+"""Models whose layers carry state along the sequence (Qwen3.5's Gated DeltaNet linear attention): the trainer's
+passes give each completion the state its own prompt left, never its neighbour's (`colograd.grpo.forward`).
+
+transformers' torch path of these layers reads no sequence boundary: packed end to end in one row (padding-free),
+or after a prompt shared by its group, a sequence starts from the state the one before it left. Padded rows are
+exact (left padding is masked to zeros before the layers, which leaves their state at zero). The model is Qwen3.5-4B's
+text model shrunk in width only (tests/zoo.py: its real vocabulary, head layout and 3:1 pattern), sharp weights.
+"""
+
+import pytest
+import torch
+import zoo
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from colograd.config.core import GRPOConfig
+from colograd.grpo.forward import Forward
+from colograd.grpo.logps import completion_logps
+from colograd.models.hybrid import carries_state, state_layer_kinds
+
+HYBRID = "Qwen/Qwen3.5-4B"
+N, P, T = 6, 24, 40  # sequences, prompt and completion widths of the padded rollout
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    """The shrunk Qwen3.5 (fp32, sharp weights) and its tokenizer."""
+    config = zoo.shrunk(HYBRID)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).eval()
+    zoo.sharpen(model)
+    return model, zoo.tokenizer_for(config)
+
+
+def rollout(seed: int = 0) -> dict[str, torch.Tensor]:
+    """A rollout as `pad_rollout` lays it out: prompts left-padded, completions right-padded, lengths that vary;
+    rows 0-2 share a prompt (a GRPO group), as do rows 3-4."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 60, (N, P + T), generator=gen)
+    mask = torch.zeros(N, P + T, dtype=torch.long)
+    for i in range(N):
+        prompt = int(torch.randint(P // 2, P + 1, (1,), generator=gen))
+        completion = T if i == 0 else int(torch.randint(4, T + 1, (1,), generator=gen))
+        mask[i, P - prompt : P + completion] = 1
+    for source, copies in ((0, (1, 2)), (3, (4,))):
+        for i in copies:
+            ids[i, :P], mask[i, :P] = ids[source, :P], mask[source, :P]
+    ids = ids * mask
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
+        "completion_ids": ids[:, P:],
+        "completion_mask": mask[:, P:],
+    }
+
+
+def alone(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Each sequence's completion log-probs from a forward pass over that sequence alone: [N, T]."""
+    out = torch.zeros(N, T)
+    for i in range(N):
+        kept = batch["attention_mask"][i].bool()
+        ids = batch["input_ids"][i][kept][None]
+        with torch.no_grad():
+            logps = model(ids, use_cache=False).logits[0].float().log_softmax(-1)
+        prompt = int(batch["attention_mask"][i, :P].sum())
+        length = int(batch["completion_mask"][i].sum())
+        targets = batch["completion_ids"][i, :length]
+        out[i, :length] = logps[prompt - 1 : prompt - 1 + length].gather(-1, targets[:, None])[:, 0]
+    return out
+
+
+def test_a_hybrids_passes_give_each_sequence_the_state_its_own_prompt_left(hybrid, tmp_path):
+    """With padding_free and prompt sharing on (the defaults), the run's passes over a hybrid are those of each
+    sequence alone. Packed, the same model gives other log-probs to the sequences that follow another in a row:
+    that is the leak the padded layout keeps out (the check has power)."""
+    model, tokenizer = hybrid
+    args = GRPOConfig(output_dir=str(tmp_path), report_to="none")
+    assert args.padding_free
+    forward = Forward.of([model], args, tokenizer)
+    assert not forward.packed and forward.prompt_cost is None
+    batch = rollout()
+    mask = batch["completion_mask"].bool()
+    expected = alone(model, batch)
+    with torch.no_grad():
+        got = forward.logps(model, batch)
+        packed = completion_logps(model, batch, padding_free=True)
+        shared = completion_logps(model, batch, padding_free=True, share_prompts=0.1)
+    assert (got - expected)[mask].abs().max() < 1e-4
+    assert (packed - expected)[mask].abs().max() > 1e-2
+    assert (shared - expected)[mask].abs().max() > 1e-2
+
+
+def test_an_all_attention_model_still_packs(tmp_path):
+    """The padded layout is for layers with state only: an attention model's passes stay padding-free."""
+    config = zoo.shrunk("Qwen/Qwen3-0.6B")
+    model = AutoModelForCausalLM.from_config(config)
+    forward = Forward.of([model], GRPOConfig(output_dir=str(tmp_path), report_to="none"), zoo.tokenizer_for(config))
+    assert forward.packed and not carries_state(model.config)
+
+
+@pytest.mark.parametrize(
+    "model_type, values, kinds",
+    [
+        ("qwen3_5_text", {}, ["linear_attention"]),
+        ("qwen3_next", {}, ["linear_attention"]),
+        ("falcon_h1", {}, ["hybrid"]),  # every layer attention and Mamba-2 side by side
+        # transformers spells Granite 4's "mamba" layers "linear_attention"
+        (
+            "granitemoehybrid",
+            {"layer_types": ["mamba", "attention", "mamba"], "num_hidden_layers": 3},
+            ["linear_attention"],
+        ),
+        ("lfm2", {"layer_types": ["conv", "full_attention"], "num_hidden_layers": 2}, ["conv"]),
+        ("nemotron_h", {}, ["linear_attention"]),  # its MLP and MoE layers are no state
+        ("jamba", {}, ["mamba", "linear_attention"]),  # its two lists, each in its own words
+        ("minimax", {}, ["linear_attention"]),
+        ("mamba2", {}, ["linear_attention"]),
+        ("mamba", {}, ["linear_attention"]),
+        ("llama", {}, []),
+        ("gemma3_text", {}, []),  # sliding-window attention
+    ],
+)
+def test_the_layers_that_carry_state_are_read_from_the_config(model_type, values, kinds):
+    """The published configs' ways of listing layer kinds, as vLLM reads them."""
+    text = AutoConfig.for_model(model_type, **values).get_text_config()
+    assert state_layer_kinds(text) == kinds
