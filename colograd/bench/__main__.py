@@ -54,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--nproc", type=int, help="soak: processes per launch (default 2)")
     parser.add_argument("--launcher", choices=["torchrun", "accelerate"], help="soak: the launcher (default torchrun)")
     parser.add_argument(
-        "--model", choices=["tiny", "small", "smollm2"], help="step: the model (default small; smollm2: pretrained)"
+        "--model",
+        choices=["tiny", "small", "smollm2", "qwen3.5"],
+        help="step: the model (default small; smollm2: pretrained; qwen3.5: a hybrid, Qwen3.5's layers, CPU-sized)",
     )
     parser.add_argument(
         "--shape",

