@@ -30,7 +30,9 @@ def _holds_plain_dense_weights(worker: Any) -> bool:
     experts takes its other weights so, and only its expert layers' through the loader and the prepack)."""
     model = worker.model_runner.model
     experts = {id(p) for layer in moe.expert_layers(model).values() for p in layer.parameters()}
-    return all(p.numel() > 0 for p in model.parameters() if id(p) not in experts) and not _prepacked_convolutions(model)
+    return all(p.numel() > 0 for p in model.parameters() if id(p) not in experts) and not _prepacked_convolutions(
+        model
+    )
 
 
 def _prepacked_convolutions(model: nn.Module) -> list[str]:
