@@ -125,7 +125,7 @@ def workload(model: str, **overrides: Any) -> dict[str, Any]:
     elif model == MOE:
         base = MOE_WORKLOAD
     else:
-        base = SMOLLM2_WORKLOAD if model == "smollm2" else GPU_WORKLOAD if model.startswith("qwen") else WORKLOAD
+        base = SMOLLM2_WORKLOAD if model == "smollm2" else GPU_WORKLOAD if model.startswith("qwen2.5") else WORKLOAD
     w = {**base, **{k: v for k, v in overrides.items() if v is not None}}
     if (w["prompts"] * w["num_generations"]) % w["gradient_accumulation_steps"]:
         raise ConfigError(

@@ -577,6 +577,8 @@ def report(r: dict[str, Any]) -> str:
             f"{r['colograd_train_gflops_executed']:.0f} GFLOP/s",
         ]
         return "\n".join(lines)
+    if "colograd_generation_tokens_per_s" not in r:  # the hybrid: no generation or packing comparison
+        return "\n".join(lines)
     lines += [
         f"  generation, same requests interleaved: colograd {r['colograd_generation_tokens_per_s']:.0f} tokens/s, "
         f"bare vllm.LLM.generate {r['bare_vllm_tokens_per_s']:.0f} tokens/s with logprobs=None "

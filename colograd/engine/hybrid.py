@@ -43,7 +43,8 @@ def state_layers(architecture: str, text_config: Any) -> list[type]:
     from colograd.vision.core import serve_without_torchvision
 
     serve_without_torchvision(architecture)  # Qwen3.5's module imports a torchvision image processor
-    model_class = ModelRegistry._try_load_model_cls(architecture)
+    load = getattr(ModelRegistry, "_try_load_model_cls", None)  # (vllm 0.32, 0.33; an older one: no rule applies)
+    model_class = load(architecture) if load is not None else None
     if model_class is None:
         return []
     found = {

@@ -295,11 +295,14 @@ class RolloutCache:
     longest: int
     cap: int
 
-    def bytes(self, vllm_config: Any, specs: dict[str, Any]) -> int:
+    def bytes(self, vllm_config: Any, specs: dict[str, Any]) -> int | None:
         """The cache for the rollout, with `MARGIN`, at most `cap`, and never less than vLLM's start-up floor: one
-        request of the engine's whole context and the block its pool holds back."""
+        request of the engine's whole context and the block its pool holds back. None where the installed vLLM has
+        not this accounting (`counts_from_specs`): the engine keeps the size it was started with."""
         from vllm.v1.core import kv_cache_utils
 
+        if not counts_from_specs():
+            return None
         groups = kv_cache_utils.get_kv_cache_groups(vllm_config, dict(specs))  # (it may rewrite the dict it gets)
         need = math.ceil(self.max_num_seqs * _request_bytes(vllm_config, groups, self.longest) * MARGIN)
         context = vllm_config.model_config.max_model_len
@@ -321,13 +324,32 @@ def _request_bytes(vllm_config: Any, groups: list[Any], tokens: int) -> int:
         model_config.max_model_len = context
 
 
+def counts_from_specs() -> bool:
+    """Whether the installed vLLM has the accounting `RolloutCache` asks (vllm 0.32 and 0.33 have it; 0.26, the newest
+    CUDA build for torch 2.11, may not)."""
+    from vllm.v1.core import kv_cache_utils
+
+    names = ("get_kv_cache_groups", "_max_memory_usage_bytes_from_groups", "_pool_bytes_per_block")
+    return all(hasattr(kv_cache_utils, name) for name in names)
+
+
+def _allocated(vllm_config: Any, config: Any) -> int:
+    """The bytes of the KV cache an engine allocated (`KVCacheConfig` `config`): its blocks × the bytes a block takes
+    in every group's layers (the groups' tensors overlay one pool, one block id per group), or, with a vLLM without
+    that accounting, its tensors' sizes."""
+    from vllm.v1.core import kv_cache_utils
+
+    if counts_from_specs():
+        return config.num_blocks * kv_cache_utils._pool_bytes_per_block(vllm_config, config.kv_cache_groups)
+    return sum(tensor.size for tensor in config.kv_cache_tensors)
+
+
 @contextmanager
 def sized_from_specs(cache: RolloutCache | None, sized: list[int]) -> Iterator[None]:
     """While an engine starts in this process: where `cache` is given, its KV cache is sized from the specs its
     layers report (`RolloutCache.bytes`), once vLLM has resolved the cache's layout and before it measures the memory
     it has (`determine_available_memory`, in `EngineCore._initialize_kv_caches`); `sized` gets the bytes the engine
     then allocated. Without `cache` (an explicit size), `sized` still gets them."""
-    from vllm.v1.core import kv_cache_utils
     from vllm.v1.engine.core import EngineCore
 
     original = EngineCore._initialize_kv_caches
@@ -337,8 +359,9 @@ def sized_from_specs(cache: RolloutCache | None, sized: list[int]) -> Iterator[N
         measure = executor.determine_available_memory
 
         def determine_available_memory() -> list[int]:  # called once the cache's layout is resolved
-            specs = executor.get_kv_cache_specs()
-            vllm_config.cache_config.kv_cache_memory_bytes = cache.bytes(vllm_config, specs[0])
+            sized_bytes = cache.bytes(vllm_config, executor.get_kv_cache_specs()[0])
+            if sized_bytes is not None:
+                vllm_config.cache_config.kv_cache_memory_bytes = sized_bytes
             return measure()
 
         if cache is not None:
@@ -347,8 +370,7 @@ def sized_from_specs(cache: RolloutCache | None, sized: list[int]) -> Iterator[N
             config = original(engine_core, vllm_config)
         finally:
             vars(executor).pop("determine_available_memory", None)
-        # (Its groups' tensors overlay the same bytes, one block id per group: the pool is blocks × bytes a block.)
-        sized.append(config.num_blocks * kv_cache_utils._pool_bytes_per_block(vllm_config, config.kv_cache_groups))
+        sized.append(_allocated(vllm_config, config))
         return config
 
     EngineCore._initialize_kv_caches = initialize

@@ -193,6 +193,9 @@ def test_step_flags_give_the_gpu_workload():
     assert model == "small" and workload(model, **settings)["prompts"] == 2 and settings == {"warmup": 0}
     with pytest.raises(SystemExit):
         step_workload(build_parser().parse_args(["step", "--shape", "tiny", "--model", "smollm2"]))
+    # The hybrid is sized for a CPU: the CPU's workload, not the GPU's of the Qwen2.5 shapes.
+    model, settings = step_workload(build_parser().parse_args(["step", "--model", "qwen3.5"]))
+    assert model == "qwen3.5" and workload(model, **settings) == workload("small")
 
 
 def test_vlm_flags_give_a_llava_workload_of_fixed_length_completions():

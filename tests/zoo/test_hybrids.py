@@ -24,13 +24,21 @@ QWEN3_5 = "Qwen/Qwen3.5-4B"
 BF16 = parity.tolerance(torch.bfloat16, torch.float32)
 
 
-def test_qwen3_5_trains_on_two_ranks_with_the_gate_on(tmp_path, record_property):
-    """TRL's quickstart settings (a learning rate that moves the weights), 2 ranks under accelerate's launcher: every
-    step passes the gate's bf16 bound, the ranks hold the same weights after every step, and after the last sync the
-    engine's log-probs of a whole answer are its trainer's within the bound."""
+LAUNCHES = {  # accelerate's launch options: plain DDP, and DeepSpeed ZeRO-3 (the sync gathering a bucket at a time)
+    "ddp": ({}, []),
+    "zero3": ({"config": "tests/configs/zero3_cpu.yaml", "env": {"DS_ACCELERATOR": "cpu"}}, ["--bucket-mib", "1"]),
+}
+
+
+@pytest.mark.parametrize("layout", LAUNCHES)
+def test_qwen3_5_trains_on_two_ranks_with_the_gate_on(layout, tmp_path, record_property):
+    """TRL's quickstart settings (a learning rate that moves the weights), 2 ranks under accelerate's launcher, plain
+    and under ZeRO-3: every step passes the gate's bf16 bound, the ranks hold the same weights after every step, and
+    after the last sync the engine's log-probs of a whole answer are its trainer's within the bound."""
     from conftest import launch
 
-    proc = launch("tests/scripts/moe_check.py", str(tmp_path), QWEN3_5, "--steps", "3", timeout=900)
+    options, flags = LAUNCHES[layout]
+    proc = launch("tests/scripts/moe_check.py", str(tmp_path), QWEN3_5, "--steps", "3", *flags, timeout=900, **options)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     for rank in range(2):
         run = json.loads((tmp_path / f"rank{rank}.json").read_text())[QWEN3_5]
@@ -38,7 +46,9 @@ def test_qwen3_5_trains_on_two_ranks_with_the_gate_on(tmp_path, record_property)
         gaps = [h["sampling/sampling_logp_difference/max"] for h in steps]
         means = [h["sampling/sampling_logp_difference/mean"] for h in steps]
         record_property(f"sampling gaps rank {rank}", [gaps, means, run["parity_gap"]])
+        print(f"{layout} rank {rank}: worst-token gaps {gaps}, means {means}, after the last sync {run['parity_gap']}")
         assert len(steps) == 3 and run["weights_agree"] == [True] * 3
+        assert run["sharded"] is (layout == "zero3")
         assert all(math.isfinite(h["loss"]) for h in steps)
         assert max(gaps) <= BF16.max and max(means) <= BF16.mean, (gaps, means)
         assert run["parity_gap"] <= BF16.max
