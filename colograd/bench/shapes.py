@@ -179,32 +179,27 @@ def build_model(shape: str = "small", vocab_size: int = 64, context: int = 0) ->
 def build_moe_model(vocab_size: int = 64, context: int = 0) -> Qwen3MoeForCausalLM:
     """A freshly initialised model of `MOE_SHAPE` over the tiny tokenizer's special tokens, with room for `context`
     tokens, the same on every call, in float32 on the CPU (tied embeddings, as `build_config`'s)."""
-    sizes = MOE_SHAPE
-    config = Qwen3MoeConfig(
-        vocab_size=vocab_size,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=None,
-        **{**sizes, "max_position_embeddings": max(sizes["max_position_embeddings"], context)},
-    )
-    torch.manual_seed(WORKLOAD["seed"])
-    return Qwen3MoeForCausalLM(config)
+    return _build(Qwen3MoeConfig, MOE_SHAPE, vocab_size, context)
 
 
 def build_hybrid_model(vocab_size: int = 64, context: int = 0) -> torch.nn.Module:
-    """A freshly initialised model of `HYBRID_SHAPE` over the tiny tokenizer's special tokens, with room for
-    `context` tokens, the same on every call, in float32 on the CPU (tied embeddings, as `build_config`'s)."""
+    """The same of `HYBRID_SHAPE` (Qwen3.5's text model)."""
     from transformers import Qwen3_5TextConfig
 
-    sizes = HYBRID_SHAPE
-    config = Qwen3_5TextConfig(
+    rope = {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25}
+    return _build(Qwen3_5TextConfig, HYBRID_SHAPE, vocab_size, context, rope_parameters=rope)
+
+
+def _build(config_class: type, sizes: dict[str, Any], vocab_size: int, context: int, **extra: Any) -> torch.nn.Module:
+    """A freshly initialised model of `config_class` with `sizes` over the tiny tokenizer's special tokens, with room
+    for `context` tokens, seeded with the workload's seed, in float32 on the CPU, its embeddings tied."""
+    config = config_class(
         vocab_size=vocab_size,
         tie_word_embeddings=True,
         pad_token_id=0,
         eos_token_id=1,
         bos_token_id=None,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25},
+        **extra,
         **{**sizes, "max_position_embeddings": max(sizes["max_position_embeddings"], context)},
     )
     torch.manual_seed(WORKLOAD["seed"])

@@ -201,9 +201,15 @@ def test_sync_check_fails_when_a_sync_does_not_reach_the_engine(monkeypatch):
     assert result.status == "FAIL", result.detail
 
 
+_LEFT_BEHIND: list = []  # the memory each move left, held so that no later allocation can take its address
+
+
 def _move_one_tensor(worker) -> None:
-    """In the engine's worker: put one weight into new memory, as a loader that rebinds `.data` would."""
+    """In the engine's worker: put one weight into new memory, as a loader that rebinds `.data` would. The memory it
+    leaves stays allocated: freed, the next move (the check syncs more than once) could be given that same address
+    back by the allocator, and the tensor would read as never moved."""
     weight = next(worker.model_runner.model.parameters())
+    _LEFT_BEHIND.append(weight.data)
     weight.data = weight.data.clone()
 
 

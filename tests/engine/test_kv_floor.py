@@ -192,15 +192,7 @@ HYBRID_MODELS: dict[str, dict] = {
                             "expert_layer_period": 2, "expert_layer_offset": 1, "num_experts": 16,
                             "num_experts_per_tok": 2, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2,
                             "mamba_dt_rank": 256, "vocab_size": 65536, "max_position_embeddings": 262144},
-    "Qwen/Qwen3-Next-80B-A3B-Instruct": {"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"],
-                                         "hidden_size": 2048, "intermediate_size": 5120, "num_hidden_layers": 48,
-                                         "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
-                                         "full_attention_interval": 4, "linear_conv_kernel_dim": 4,
-                                         "linear_key_head_dim": 128, "linear_num_key_heads": 16,
-                                         "linear_num_value_heads": 32, "linear_value_head_dim": 128,
-                                         "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
-                                         "shared_expert_intermediate_size": 512, "partial_rotary_factor": 0.25,
-                                         "vocab_size": 151936, "max_position_embeddings": 262144},
+    "Qwen/Qwen3-Next-80B-A3B-Instruct": zoo.HYBRIDS["Qwen/Qwen3-Next-80B-A3B-Instruct"],
 }  # fmt: skip
 # Block sizes of vLLM's MLA backends: CPU_MLA's 16 (and FlashAttention MLA's), FlashMLA's 64, CUTLASS MLA's 128.
 MLA_DEVICES = {"cpu-mla-16": (16, torch.bfloat16, None), "gpu-flashmla-64": (64, torch.bfloat16, 80 * 10**9),
