@@ -97,9 +97,8 @@ def _differences(live: nn.Module, fresh: nn.Module) -> tuple[list[str], int]:
     generator = torch.Generator().manual_seed(0)
     for path, layer in fresh_layers.items():
         engine_layer = live_layers.get(path)
-        weight = getattr(layer, "weight", None)
-        if engine_layer is None or (isinstance(weight, torch.Tensor) and weight.numel() != 0):
-            continue  # a weight left in place (a GPU's, a CPU convolution's prepacked one) is compared as a tensor
+        if engine_layer is None or not _computes_as_linear(layer):
+            continue
         compared += 1
         rows = torch.randn(PROBE_ROWS, _input_width(layer), generator=generator).to(layer.params_dtype)
         with torch.no_grad():
@@ -118,9 +117,7 @@ def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _computing_layers(model: nn.Module) -> dict[str, nn.Module]:
     """The model's linear layers and output layer (`ParallelLMHead`), which compute through their quant method's
-    `apply` with a weight the backend may have moved into a kernel handle, by path (LoRA's wrappers seen through).
-    Only those whose weight was moved are compared by what they compute: a Gated DeltaNet's convolution is a linear
-    layer by class whose prepacked weight stays in place, and its `apply` is never called."""
+    `apply` with a weight the backend may have moved into a kernel handle, by path (LoRA's wrappers seen through)."""
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
@@ -129,6 +126,18 @@ def _computing_layers(model: nn.Module) -> dict[str, nn.Module]:
         for path, module in model.named_modules()
         if isinstance(module, LinearBase | ParallelLMHead) and getattr(module, "quant_method", None) is not None
     }
+
+
+def _computes_as_linear(layer: nn.Module) -> bool:
+    """Whether `apply` computes the layer as a linear map of its weight: not a convolution that is a linear layer by
+    class (a Gated DeltaNet's `conv1d`: its `[dim, 1, width]` weight, or the `[dim, width]` one vLLM's CPU backend
+    prepacked in place, keeping the plain copy as `_cpu_unpacked_conv_weight`), whose weight is compared as a
+    tensor. A weight moved into a kernel handle (empty) or shared with another layer (a tied output layer, whose own
+    packed copy can go stale) is compared by what the layer computes."""
+    weight = getattr(layer, "weight", None)
+    if hasattr(layer, "_cpu_unpacked_conv_weight"):
+        return False
+    return not (isinstance(weight, torch.Tensor) and weight.numel() > 0 and weight.dim() != 2)
 
 
 def _input_width(layer: nn.Module) -> int:

@@ -4,8 +4,8 @@ vLLM's CPU engine: Qwen3.5-4B's text model (Gated DeltaNet, dense) from the zoo,
 vLLM's CPU build computes Gated DeltaNet in bf16 only, so the engine runs in bf16 while the trainer keeps float32
 (`colograd.engine.hybrid`), and the parity gate holds each rollout to its 16-bit bound. The engine's cache is sized
 from the specs its layers report (`colograd.engine.kv_cache.RolloutCache`), the trainer's passes run padded
-(`colograd.grpo.forward`), and the sync must reach every tensor the layers read: a convolution weight, `A_log` or
-`dt_bias` left out stops the run at its first rollout, named by the gate's diagnosis.
+(`colograd.grpo.forward`), and the sync must reach every tensor the layers read: a convolution weight or `A_log` left
+out stops the run at its first rollout, named by the gate's diagnosis.
 """
 
 import json
@@ -54,11 +54,10 @@ def test_qwen3_5_trains_on_two_ranks_with_the_gate_on(layout, tmp_path, record_p
         assert run["parity_gap"] <= BF16.max
 
 
-UNSENT = {  # one tensor of the first Gated DeltaNet layer, as the trainer names it
-    "convolution": "model.layers.0.linear_attn.conv1d.weight",
-    "A_log": "model.layers.0.linear_attn.A_log",
-    "dt_bias": "model.layers.0.linear_attn.dt_bias",
-}
+# One tensor of the first Gated DeltaNet layer, as the trainer names it. (A `dt_bias` left out moves this shrunk
+# model's log-probs by less than the gate's 16-bit bound on some rollouts: test_parity.py's fresh-engine comparison
+# names it instead.)
+UNSENT = {"convolution": "model.layers.0.linear_attn.conv1d.weight", "A_log": "model.layers.0.linear_attn.A_log"}
 
 
 @pytest.mark.parametrize("tensor", UNSENT)
@@ -70,4 +69,5 @@ def test_a_state_layer_tensor_left_out_of_the_sync_stops_the_run(tensor, tmp_pat
     monkeypatch.setattr(Engine, "load_weights", lambda engine, weights: own(engine, [
         (n, t) for n, t in weights if n != name]))  # fmt: skip
     line = stops_before_training(trainer_for(QWEN3_5, tmp_path))
+    print(line)
     assert "A freshly loaded engine differs" in line and name in line

@@ -70,6 +70,13 @@ def without_one_projection(monkeypatch) -> None:
         (name, tensor) for name, tensor in weights if name != "model.layers.0.self_attn.o_proj.weight"]))  # fmt: skip
 
 
+def without_one_dt_bias(monkeypatch) -> None:
+    """The sync sends every weight but one Gated DeltaNet layer's `dt_bias` (the engine keeps its dummy values)."""
+    own = Engine.load_weights
+    monkeypatch.setattr(Engine, "load_weights", lambda engine, weights: own(engine, [
+        (name, tensor) for name, tensor in weights if name != "model.layers.0.linear_attn.dt_bias"]))  # fmt: skip
+
+
 def test_a_routers_buffer_reaches_the_engine(tmp_path, monkeypatch):
     """GLM-4.5-Air's routers keep their score-correction bias in a persistent buffer. Sent with the parameters only,
     the engine routes by its dummy start-up values and samples from another model: the gate stops the run. With the
@@ -302,6 +309,10 @@ STALE = {  # the fault injected, the model, its linear weights repacked, the ten
     # Its weight tensor is empty (moved into a oneDNN handle): found by what the layer computes.
     "repacked layer unsent": (without_one_projection, "Qwen/Qwen3-0.6B", True,
                               ["model.layers.0.self_attn.o_proj.weight"]),
+    # A hybrid's state-layer vector: small on the log-probs of a shrunk model (a rollout's gap can stay within the
+    # gate's 16-bit bound), named all the same by a fresh load.
+    "state layer's dt_bias unsent": (without_one_dt_bias, "Qwen/Qwen3.5-4B", True,
+                                     ["model.layers.0.linear_attn.dt_bias"]),
 }  # fmt: skip
 
 
