@@ -211,7 +211,9 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         self.synced_step: int | None = None  # the global_step whose weights the engine holds
         self.weight_plan: WeightPlan | None = None
         main = self.accelerator.is_main_process
-        self.forward = Forward.of(nets, args, self.processing_class, router, self.is_deepspeed_enabled, main)
+        self.forward = Forward.of(
+            nets, args, self.processing_class, router, self.is_deepspeed_enabled, main, self.engine.holds_state
+        )
         # The engine samples from the model trained, or the run stops (`colograd.grpo.parity`).
         cause = lambda: parity_diagnosis.diagnose(  # noqa: E731 - said once, when the guard stops the run
             self.engine, self.accelerator.unwrap_model(self.model), self.sync_weights

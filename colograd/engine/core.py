@@ -158,7 +158,7 @@ class Engine:
         seqs = self.settings["max_num_seqs"]
         memory, cache = engine_memory(args, config, dtype, seqs, prompt_tokens, longest_prompt)
         llm_args |= memory
-        sized: list[int] = []  # the cache's bytes, as the engine allocated them
+        sized: list[tuple[int, bool]] = []  # the cache's bytes as the engine allocated them; whether it holds state
         if not torch.cuda.is_available():
             llm_args |= engine_cpu.mla_backend(config)
         # Frozen during the start, the heap is skipped by the collections vLLM runs there; on a GPU one collection
@@ -191,8 +191,9 @@ class Engine:
         # Prompt KV cached under one version of the weights must not serve another: every request carries the
         # version as its cache salt, so a sync needs no reset of the cache (a walk over every block in Python).
         self.weights_version = 0
-        # The KV cache the engine got (what vLLM allocated, whichever way it was sized).
-        self.kv_cache_bytes = sized[-1] if sized else 0
+        # The KV cache the engine got (what vLLM allocated, whichever way it was sized), and whether its layers keep
+        # state along the sequence (state pages): the trainer then runs its passes padded, whatever the config says.
+        self.kv_cache_bytes, self.holds_state = sized[-1] if sized else (0, False)
         # Whether the engine computes with the weight tensors it holds (GPU; CPU without repacking), so a sync
         # can copy straight into them, or re-processes them into a kernel layout that needs a reload.
         self.direct_load = all(self.llm.collective_rpc(_holds_plain_weights))

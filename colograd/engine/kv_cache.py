@@ -344,12 +344,23 @@ def _allocated(vllm_config: Any, config: Any) -> int:
     return sum(tensor.size for tensor in config.kv_cache_tensors)
 
 
+def _holds_state(config: Any) -> bool:
+    """Whether an engine's KV cache (`KVCacheConfig` `config`) has state pages: a group of layers that carry state
+    along the sequence (`MambaSpec`: Mamba, linear attention, short convolutions), whatever the config calls them."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    specs = [group.kv_cache_spec for group in config.kv_cache_groups]
+    specs += [inner for spec in specs for inner in (getattr(spec, "kv_cache_specs", None) or {}).values()]
+    return any(isinstance(spec, MambaSpec) for spec in specs)
+
+
 @contextmanager
-def sized_from_specs(cache: RolloutCache | None, sized: list[int]) -> Iterator[None]:
+def sized_from_specs(cache: RolloutCache | None, sized: list[tuple[int, bool]]) -> Iterator[None]:
     """While an engine starts in this process: where `cache` is given, its KV cache is sized from the specs its
     layers report (`RolloutCache.bytes`), once vLLM has resolved the cache's layout and before it measures the memory
     it has (`determine_available_memory`, in `EngineCore._initialize_kv_caches`); `sized` gets the bytes the engine
-    then allocated. Without `cache` (an explicit size), `sized` still gets them."""
+    then allocated and whether its cache holds state pages (`_holds_state`). Without `cache` (an explicit size),
+    `sized` still gets them."""
     from vllm.v1.engine.core import EngineCore
 
     original = EngineCore._initialize_kv_caches
@@ -370,7 +381,7 @@ def sized_from_specs(cache: RolloutCache | None, sized: list[int]) -> Iterator[N
             config = original(engine_core, vllm_config)
         finally:
             vars(executor).pop("determine_available_memory", None)
-        sized.append(_allocated(vllm_config, config))
+        sized.append((_allocated(vllm_config, config), _holds_state(config)))
         return config
 
     EngineCore._initialize_kv_caches = initialize

@@ -65,6 +65,7 @@ class Forward:
         router: Router | None = None,
         deepspeed: bool = False,
         announce: bool = False,
+        engine_state: bool = False,
     ) -> "Forward":
         """The settings for the policy `nets[0]` (and the reference's copy, `nets[1]`, if any), decided once: their
         soft-capped attention scores soft-capped as the engine does, their packing probed.
@@ -72,12 +73,14 @@ class Forward:
         Args:
             deepspeed: DeepSpeed trains the model (no pass budget: it counts every pass as a micro-step).
             announce: print the pass budget when it is derived (the main process).
+            engine_state: the engine's cache holds state pages (`Engine.holds_state`): the model carries state
+                along the sequence even where its config lists no such layers.
         """
         policy = nets[0]
         attention.honour_softcaps(nets)
-        packed = args.padding_free and not carries_state(policy.config)
+        packed = args.padding_free and not (carries_state(policy.config) or engine_state)
         if args.padding_free and not packed and announce:
-            kinds = ", ".join(state_layer_kinds(policy.config.get_text_config()))
+            kinds = ", ".join(state_layer_kinds(policy.config.get_text_config())) or "(state pages in the engine)"
             logger.warning(
                 "colograd: the model's %s layers carry state along the sequence, which packing would pass from one "
                 "sequence to the next: the trainer's passes run padded (exact; padding_free is set aside).",

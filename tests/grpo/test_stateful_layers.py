@@ -91,12 +91,15 @@ def test_a_hybrids_passes_give_each_sequence_the_state_its_own_prompt_left(hybri
     assert (shared - expected)[mask].abs().max() > 1e-2
 
 
-def test_an_all_attention_model_still_packs(tmp_path):
-    """The padded layout is for layers with state only: an attention model's passes stay padding-free."""
+def test_an_all_attention_model_still_packs_unless_its_engine_holds_state(tmp_path):
+    """The padded layout is for layers with state only: an attention model's passes stay padding-free. Where the
+    engine's cache holds state pages (`Engine.holds_state`) for a model whose config lists no such layers (a config
+    spelling nobody here reads), the passes run padded all the same."""
     config = zoo.shrunk("Qwen/Qwen3-0.6B")
     model = AutoModelForCausalLM.from_config(config)
-    forward = Forward.of([model], GRPOConfig(output_dir=str(tmp_path), report_to="none"), zoo.tokenizer_for(config))
-    assert forward.packed and not carries_state(model.config)
+    args, tokenizer = GRPOConfig(output_dir=str(tmp_path), report_to="none"), zoo.tokenizer_for(config)
+    assert Forward.of([model], args, tokenizer).packed and not carries_state(model.config)
+    assert not Forward.of([model], args, tokenizer, engine_state=True).packed
 
 
 @pytest.mark.parametrize(
