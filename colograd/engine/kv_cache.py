@@ -231,17 +231,15 @@ def rollout_kv_bytes(
         longest_prompt: the longest prompt of every row, measured: it bounds the engine's context
             (`engine_context`) and counts as `prompt_tokens`.
     """
-    context = engine_context(args, model_config, longest_prompt)
-    prompt_tokens = longest_prompt if longest_prompt is not None else prompt_tokens
-    if context is None:
+    cache = rollout_cache(args, model_config, max_num_seqs, device_bytes, prompt_tokens, longest_prompt)
+    if cache is None:
         return None
+    context = engine_context(args, model_config, longest_prompt)
     per_token = kv_bytes_per_token(model_config, dtype, args.vllm_tensor_parallel_size)
     block = GPU_BLOCK_TOKENS if device_bytes else CPU_BLOCK_TOKENS
-    longest = min(context, (args.max_prompt_length or prompt_tokens or context) + args.max_completion_length)
-    need = math.ceil(max_num_seqs * _whole_blocks(longest, block) * per_token * MARGIN)
-    cap = int(device_bytes * GPU_CAP_FRACTION) if device_bytes else CPU_CAP_BYTES
+    need = math.ceil(max_num_seqs * _whole_blocks(cache.longest, block) * per_token * MARGIN)
     windowed = any(w is not None for w in sliding_windows(model_config.get_text_config()))
-    return max(min(need, cap), floor_bytes(context, per_token, block, windowed))
+    return max(min(need, cache.cap), floor_bytes(context, per_token, block, windowed))
 
 
 def floor_bytes(context: int, per_token: int, block: int, windowed: bool = False) -> int:
