@@ -16,7 +16,7 @@ else
   LAUNCH := --config_file recipes/accelerate_configs/ddp.yaml --num_processes $(GPUS)
 endif
 
-.PHONY: install run run-smollm2 test test-fast quality docs gpu-check gpu-proof clean
+.PHONY: install run run-smollm2 test test-fast quality docs reference gpu-check gpu-proof clean
 
 install: $(VENV)/.installed-$(ENGINE)
 
@@ -79,6 +79,10 @@ gpu-proof: install
 # The site goes to site/; --strict turns a broken link or a missing page into a failed build.
 docs: install
 	$(BIN)/mkdocs build --strict
+
+# The configuration tables of docs/reference.md and docs/porting-trl.md, written from the dataclasses.
+reference: install
+	$(BIN)/python docs/hooks/reference.py
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache site

@@ -36,6 +36,7 @@ try:
     from colograd.config.recipe import check_recipe_value, read_recipe
     from colograd.config.trl_compat import DROPPED_KEYS, RENAMED_KEYS, unknown_key_message
     from colograd.data.core import first_line
+    from colograd.grpo.policy import use_chat_template
     from colograd.models import model_files, pretrained, tiny, tiny_vlm
     from colograd.preflight.core import preflight
     from colograd.preflight.env import check_environment, check_variables
@@ -59,7 +60,16 @@ except OSError as err:
 def load_model_config(
     args: ModelConfig, training_args: GRPOConfig
 ) -> tuple[PretrainedConfig, PreTrainedTokenizerBase, torch.dtype]:
-    """The policy's config, tokenizer and the dtype its weights will have, without reading the weights."""
+    """The policy's config, tokenizer (with the recipe's `chat_template`, if any) and the dtype its weights will have,
+    without reading the weights."""
+    config, tokenizer, dtype = _model_config(args, training_args)
+    return config, use_chat_template(tokenizer, training_args.chat_template), dtype
+
+
+def _model_config(
+    args: ModelConfig, training_args: GRPOConfig
+) -> tuple[PretrainedConfig, PreTrainedTokenizerBase, torch.dtype]:
+    """`load_model_config`, before the recipe's chat template."""
     if args.model_name_or_path is None:
         raise ConfigError("model_name_or_path is not set; give a hub id, a local folder or colograd:tiny-qwen2.")
     name = _folder(args.model_name_or_path)

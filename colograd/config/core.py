@@ -29,6 +29,7 @@ from colograd.config.loss import (
     LossOptions,
     RegularizerOptions,
 )
+from colograd.config.open_r1 import OpenR1Fields, OpenR1ScriptFields
 from colograd.config.partial import PartialRolloutOptions
 from colograd.config.ranges import check_ranges
 from colograd.config.trl_compat import TRLOnlyFields, check_refused
@@ -59,6 +60,7 @@ class GRPOConfig(
     ForwardOptions,
     LoggingOptions,
     LoadingOptions,
+    OpenR1Fields,
     TRLOnlyFields,
 ):
     # TrainingArguments fields with GRPO's defaults (TRL's)
@@ -112,6 +114,7 @@ class GRPOConfig(
         """Check the fields against each other; raise `ConfigError` naming the field and the fix. (Each numeric
         field's range is checked first, in `__post_init__`: `colograd.config.ranges`.)"""
         self.apply_trl_aliases()
+        self.apply_open_r1()
         check_refused(self)
         self.check_generation()
         self.check_dynamic_sampling()
@@ -187,6 +190,8 @@ TOPICS: tuple[tuple[str, type], ...] = (
     ("Engine", EngineOptions),
     ("Logging", LoggingOptions),
     ("Model and data loading", LoadingOptions),
+    ("open-r1's recipe fields", OpenR1Fields),
+    ("open-r1's reward parameters", OpenR1ScriptFields),
     ("Training (transformers' TrainingArguments; GRPOConfig's defaults)", GRPOConfig),
     ("TRL fields accepted only at one value (any other is refused)", TRLOnlyFields),
 )

@@ -3,10 +3,14 @@ prompt, with their names and meanings)."""
 
 from dataclasses import dataclass, field
 
+from colograd.config.open_r1 import OpenR1ScriptFields
+from colograd.config.ranges import check_ranges
+
 
 @dataclass
-class ScriptArguments:
-    """The dataset, its splits and prompt column, and the reward functions."""
+class ScriptArguments(OpenR1ScriptFields):
+    """The dataset, its splits and prompt column, and the reward functions (open-r1's reward parameters are its
+    base's fields)."""
 
     dataset_name: str = field(
         default="colograd:letters",
@@ -44,12 +48,27 @@ class ScriptArguments:
     system_prompt: str | None = field(
         default=None, metadata={"help": "A system message put before every prompt (which then becomes a chat)."}
     )
-    reward_funcs: list[str] = field(
-        default_factory=lambda: ["letters"],
+    reward_funcs: list[str] | None = field(
+        default=None,
         metadata={
-            "help": "Reward functions: built-in names (see colograd.rewards.core.BUILTIN_REWARDS), dotted paths to "
-            "functions (my_pkg.rewards.length), or a sequence-classification reward model (a local folder or hub id)."
+            "help": "Reward functions (None: 'letters', the built-in dataset's, unless reward_model_name_or_path is "
+            "set): built-in names, with their ecosystem's meanings (open-r1's: accuracy, format, "
+            "tag_count, reasoning_steps, cosine, repetition_penalty, length, code, binary_code, code_format, "
+            "soft_overlong_punishment; TRL's: accuracy_reward, think_format_reward, reasoning_accuracy_reward, "
+            "get_soft_overlong_punishment; see docs/porting-trl.md), dotted paths to functions "
+            "(my_pkg.rewards.length), or a sequence-classification reward model (a local folder or hub id)."
         },
+    )
+    reward_model_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "TRL's script: a sequence-classification reward model (hub id or local folder), put before "
+            "reward_funcs' functions."
+        },
+    )
+    ignore_bias_buffers: bool = field(
+        default=False,
+        metadata={"help": "TRL's script argument for its DPO script; its GRPO script does not read it. No effect."},
     )
     code_sandbox: str = field(
         default="namespaces",
@@ -76,3 +95,11 @@ class ScriptArguments:
             "tokenizing), and print how many, instead of stopping with an error that names the first."
         },
     )
+
+    def __post_init__(self) -> None:
+        check_ranges(self)
+        self.apply_open_r1()
+        if self.reward_funcs is None:
+            self.reward_funcs = [] if self.reward_model_name_or_path else ["letters"]
+        if self.reward_model_name_or_path:  # first, as TRL's script puts it
+            self.reward_funcs = [self.reward_model_name_or_path, *self.reward_funcs]

@@ -58,7 +58,8 @@ class LossOptions:
     scale_rewards: str = field(
         default="group",
         metadata={
-            "help": "Divide advantages by the reward std of the group, of the whole batch (all ranks), or none."
+            "help": "Divide advantages by the reward std of the group, of the whole batch (all ranks), or none. TRL's "
+            "booleans are read as TRL reads them: true is group, false is none."
         },
     )
     reward_weights: list[float] | None = field(
@@ -138,7 +139,11 @@ class LossOptions:
     )
 
     def check_loss(self) -> None:
-        """The names the objective knows, and the values it is defined for."""
+        """The names the objective knows, and the values it is defined for (TRL's boolean `scale_rewards` read as
+        TRL reads it)."""
+        booleans = {True: "group", False: "none", "true": "group", "false": "none"}
+        key = self.scale_rewards.lower() if isinstance(self.scale_rewards, str) else self.scale_rewards
+        self.scale_rewards = booleans.get(key, self.scale_rewards)
         for name, known in (
             ("loss_type", LOSS_TYPES),
             ("scale_rewards", SCALE_REWARDS),

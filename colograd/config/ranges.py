@@ -175,6 +175,18 @@ RANGES: dict[str, Range] = {
     "vllm_group_port": TRL_ONLY,
     "pad_to_multiple_of": TRL_ONLY,
     "router_aux_loss_coef": AT_LEAST_0,
+    # open-r1's reward parameters (its recipes set them; `colograd.config.open_r1`)
+    "cosine_min_value_wrong": ANY,
+    "cosine_max_value_wrong": ANY,
+    "cosine_min_value_correct": ANY,
+    "cosine_max_value_correct": ANY,
+    "cosine_max_len": AT_LEAST_1,
+    "repetition_n_grams": AT_LEAST_1,
+    "repetition_max_penalty": Range(high=0, why="a penalty: open-r1 refuses a positive one"),
+    "max_completion_len": AT_LEAST_1,
+    "soft_punish_cache": AT_LEAST_0,
+    "code_eval_test_batch_size": Range(special=(-1,), low=1, why="-1: every case at once (open-r1's)"),
+    "parallel_code_exec_per_proc": AT_LEAST_1,
 }
 
 

@@ -24,9 +24,9 @@ from transformers.hf_argparser import string_to_bool
 
 from colograd.errors import ConfigError
 
-# Text fields whose values include true and false (`share_prompts: auto | true | false`): YAML's boolean there is
-# meant, and the field reads it.
-TEXT_OR_BOOLEAN = {"share_prompts"}
+# Text fields whose values include true and false (`share_prompts: auto | true | false`, TRL's `scale_rewards: false`):
+# YAML's boolean there is meant, and the field reads it.
+TEXT_OR_BOOLEAN = {"share_prompts", "scale_rewards"}
 _FIX_YAML = "indent with spaces, close every quote and bracket, and write each key as `key: value`"
 
 

@@ -9,6 +9,8 @@ Also here: the `TrainingArguments` keys transformers 5 removed, and the message 
 """
 
 import difflib
+import os
+import sys
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -159,8 +161,23 @@ def refused_fields() -> dict[str, tuple[tuple[Any, ...], str]]:
     return {f.name: _REFUSALS[f.metadata["help"]] for f in fields(TRLOnlyFields) if f.metadata["help"] in _REFUSALS}
 
 
+# `TrainingArguments` fields TRL's GRPO reads for a speed-up that computes the same loss, which colograd gets its
+# own way: accepted, with one note saying what runs instead.
+NOTED_TRAINING: dict[str, str] = {
+    "use_liger_kernel": "TRL's Liger loss (a fused output layer and GRPO loss, Triton kernels for GPUs, the same "
+    "objective as the unfused loss) is not used: colograd's loss computes the log-probs a chunk of tokens at a time "
+    "(logps_chunk_tokens), so the full logits never exist, which is what Liger saves",
+}
+
+
 def check_refused(config: Any) -> None:
-    """Raise `ConfigError` for the first TRL-only field of `config` set to a value colograd does not accept."""
+    """Raise `ConfigError` for the first TRL-only field of `config` set to a value colograd does not accept; say
+    once what runs instead of a `NOTED_TRAINING` field that is set."""
+    for name, what in NOTED_TRAINING.items():
+        if getattr(config, name, False):
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(f"colograd: note: {name}: {what}.", file=sys.stderr, flush=True)
+            setattr(config, name, False)  # transformers' Trainer would import the kernels, minutes in
     for name, (accepted, why) in refused_fields().items():
         value = getattr(config, name)
         if value not in accepted:
@@ -180,8 +197,12 @@ RENAMED_KEYS: dict[str, str] = {
     "push_to_hub_model_id": "hub_model_id",
 }
 # Removed keys that had no effect on the Trainer: read and dropped, with a notice. (transformers 5 also removed
-# overwrite_output_dir, which colograd keeps with a meaning: see GRPOConfig.)
-DROPPED_KEYS: dict[str, str] = {}
+# overwrite_output_dir, which colograd keeps with a meaning: see GRPOConfig.) TRL's own removed keys that recipes in
+# circulation still carry (open-r1's Codeforces recipe) are read the same way.
+DROPPED_KEYS: dict[str, str] = {
+    "vllm_device": "TRL's old key for the vLLM server's device (TRL has since removed it); colograd's engine runs in "
+    "each training process, on that process's device",
+}
 REMOVED_KEYS: dict[str, str] = {
     "logging_dir": "transformers 5 removed it; set the TENSORBOARD_LOGGING_DIR environment variable instead.",
     "save_safetensors": "transformers 5 removed it (checkpoints are always safetensors); remove it.",
@@ -222,6 +243,7 @@ def trl_compat_table() -> str:
     rows += ["", "| Field | Default here, and TRL's |", "|---|---|"]
     differing = DIFFERENT_DEFAULTS | DIFFERENT_TRAINING_DEFAULTS
     rows += [f"| `{name}` | {why} |" for name, why in differing.items()]
+    rows += [f"| `{name}` | accepted, with a note: {what} |" for name, what in NOTED_TRAINING.items()]
     rows += ["", "| `GRPOTrainer` parameter (TRL's order) | Taken as |", "|---|---|"]
     taken = TRAINER_PARAMETERS | {name: f"refused: {why}" for name, why in REFUSED_PARAMETERS.items()}
     rows += [f"| `{name}` | {how} |" for name, how in taken.items()]

@@ -1,5 +1,6 @@
 """The policy a run trains, made ready before the Trainer wraps it: loaded from its name when given one, wrapped in a
-new adapter with a PEFT config, dropout off, a vision-language model's image encoder frozen, and a pad token."""
+new adapter with a PEFT config, dropout off, a vision-language model's image encoder frozen, a recipe's chat template,
+and a pad token."""
 
 from typing import Any
 
@@ -38,10 +39,19 @@ def prepare_policy(
         disable_dropout(model)
     if args.freeze_vision_tower:
         freeze_vision_tower(model)
-    tokenizer = text_tokenizer(processing_class)
+    tokenizer = text_tokenizer(use_chat_template(processing_class, args.chat_template))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, processing_class
+
+
+def use_chat_template(processing_class: Any, template: str | None) -> Any:
+    """`processing_class` with `template` (open-r1's `chat_template`) as its chat template, and its tokenizer's,
+    where one is given: prompts are rendered with it, and the saved tokenizer keeps it."""
+    if template is not None:
+        processing_class.chat_template = template
+        text_tokenizer(processing_class).chat_template = template
+    return processing_class
 
 
 def weight_plan(model: nn.Module, bucket_mib: float, lora_rank: int | None) -> WeightPlan:

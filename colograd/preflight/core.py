@@ -43,8 +43,8 @@ from colograd.engine.kv_cache import engine_context
 from colograd.models.model_files import on_meta_device
 from colograd.preflight.engine import check_engine
 from colograd.rewards.code import check_code_rows
-from colograd.rewards.core import RewardFunc, resolve_reward, reward_name
-from colograd.runs.checkpoints import check_resume
+from colograd.rewards.core import RewardFunc, resolve_reward, reward_meanings, reward_name
+from colograd.runs.checkpoints import check_resume, note
 from colograd.runs.output_dir import check_output_dir, claim_output_dir
 
 # What the trainer's `score` stage passes every reward function besides the dataset's columns (TRL's arguments).
@@ -89,10 +89,7 @@ def preflight(
     if peft_config is not None:
         check_lora_targets(model_config, peft_config)
     checkpoint = check_output_dir(training_args, training_args.resume_from_checkpoint)
-    reward_funcs = [
-        resolve_reward(name, script_args.code_sandbox, script_args.code_output_lines)
-        for name in script_args.reward_funcs
-    ]
+    reward_funcs = [resolve_reward(name, script_args) for name in script_args.reward_funcs]
     name = script_args.dataset_name
     dataset = load_prompts(script_args, streaming=script_args.dataset_streaming)
     template_kwargs = training_args.chat_template_kwargs
@@ -117,6 +114,9 @@ def preflight(
     check_resume(checkpoint, training_args, model_config, training_args.trust_remote_code)
     # Last: importing vLLM's pieces takes seconds, which a mistake found above should not wait for.
     check_engine(training_args, model_config, dtype, lora_rank)
+    said = reward_meanings(script_args.reward_funcs)
+    if said:  # what each built-in name became (open-r1's or TRL's), said once the inputs are known good
+        note(said)
     return Inputs(dataset, reward_funcs, eval_dataset)
 
 

@@ -82,93 +82,156 @@ class RewardModel:
         return cls(model, AutoTokenizer.from_pretrained(name))
 
 
-def _letters() -> RewardFunc:
+def _letters(options: Any) -> RewardFunc:
     from colograd.models.tiny import letters_reward
 
     return letters_reward
 
 
-def _colour() -> RewardFunc:
+def _colour(options: Any) -> RewardFunc:
     from colograd.models.tiny_vlm import colour_reward
 
     return colour_reward
 
 
-def _accuracy() -> RewardFunc:
-    from trl.rewards import accuracy_reward
-
-    return accuracy_reward
-
-
-def _reasoning_accuracy() -> RewardFunc:
-    from trl.rewards import reasoning_accuracy_reward
-
-    return reasoning_accuracy_reward
+def _trl(name: str) -> Callable[[Any], RewardFunc]:
+    """TRL's reward function `name` (`trl.rewards`), imported when asked for."""
+    return lambda options: getattr(importlib.import_module("trl.rewards"), name)
 
 
-def _think_format() -> RewardFunc:
-    from trl.rewards import think_format_reward
+def _trl_soft_overlong(options: Any) -> RewardFunc:
+    from trl.rewards import get_soft_overlong_punishment
 
-    return think_format_reward
-
-
-def tag_count_reward(completions: list, **kwargs: Any) -> list[float]:
-    """open-r1's `tag_count`: 0.25 for each of `<think>\n`, `\n</think>\n`, `\n<answer>\n`, `\n</answer>` that
-    occurs exactly once in a completion (text, or a chat's assistant message)."""
-    tags = ("<think>\n", "\n</think>\n", "\n<answer>\n", "\n</answer>")
-    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
-    return [sum(0.25 for tag in tags if text.count(tag) == 1) for text in texts]
+    return get_soft_overlong_punishment(max_completion_len=1280, soft_punish_cache=256)  # TRL's script's values
 
 
-BUILTIN_REWARDS: dict[str, Callable[[], RewardFunc]] = {
-    "letters": _letters,
-    "colour": _colour,
-    "accuracy": _accuracy,
-    "reasoning_accuracy": _reasoning_accuracy,
-    "format": _think_format,
-    "think_format": _think_format,
-    "tag_count": lambda: tag_count_reward,
+def _open_r1(name: str) -> Callable[[Any], RewardFunc]:
+    """open-r1's reward function `name` (`colograd.rewards.open_r1`), which takes no parameters."""
+    return lambda options: getattr(importlib.import_module("colograd.rewards.open_r1"), name)
+
+
+def _cosine(options: Any) -> RewardFunc:
+    from colograd.rewards.open_r1 import get_cosine_scaled_reward
+
+    return get_cosine_scaled_reward(
+        min_value_wrong=options.cosine_min_value_wrong,
+        max_value_wrong=options.cosine_max_value_wrong,
+        min_value_correct=options.cosine_min_value_correct,
+        max_value_correct=options.cosine_max_value_correct,
+        max_len=options.cosine_max_len,
+    )
+
+
+def _repetition(options: Any) -> RewardFunc:
+    from colograd.rewards.open_r1 import get_repetition_penalty_reward
+
+    try:
+        return get_repetition_penalty_reward(options.repetition_n_grams, options.repetition_max_penalty)
+    except ValueError as err:
+        raise ConfigError(f"reward_funcs: repetition_penalty: {err}; give repetition_max_penalty <= 0.") from None
+
+
+def _code_format(options: Any) -> RewardFunc:
+    from colograd.rewards.open_r1 import get_code_format_reward
+
+    return get_code_format_reward(options.code_language)
+
+
+def _soft_overlong(options: Any) -> RewardFunc:
+    from colograd.rewards.open_r1 import get_soft_overlong_punishment
+
+    return get_soft_overlong_punishment(options.max_completion_len, options.soft_punish_cache)
+
+
+def _code(options: Any) -> RewardFunc:
+    from colograd.rewards.code import code_reward
+
+    return code_reward(options.code_sandbox, options.code_output_lines)
+
+
+def _binary_code(options: Any) -> RewardFunc:
+    from colograd.rewards.code import binary_code_reward
+
+    return binary_code_reward(options.code_sandbox, options.code_output_lines)
+
+
+@dataclass(frozen=True)
+class Builtin:
+    """A built-in reward name: how its function is made from the run's `ScriptArguments` (open-r1's parameters,
+    the code sandbox), and what it is, in the words the run's first lines use."""
+
+    make: Callable[[Any], RewardFunc]
+    means: str
+
+
+_OPEN_R1 = "open-r1's"
+# Each name means what its ecosystem means: open-r1's registry names (src/open_r1/rewards.py) are open-r1's
+# functions, TRL's script names (trl/scripts/grpo.py) TRL's, and colograd's own names colograd's.
+BUILTIN_REWARDS: dict[str, Builtin] = {
+    # open-r1's 13 names (`ioi_code` and `cf_code` are refused: `colograd.rewards.open_r1.REFUSED`)
+    "accuracy": Builtin(_open_r1("accuracy_reward"), f"{_OPEN_R1} accuracy (math_verify, strict LaTeX, boxed first)"),
+    "format": Builtin(_open_r1("format_reward"), f"{_OPEN_R1} format (<think>...</think> then <answer>...</answer>)"),
+    "tag_count": Builtin(_open_r1("tag_count_reward"), f"{_OPEN_R1} tag_count (0.25 per think/answer tag)"),
+    "reasoning_steps": Builtin(_open_r1("reasoning_steps_reward"), f"{_OPEN_R1} reasoning_steps (3 steps: 1.0)"),
+    "length": Builtin(_open_r1("len_reward"), f"{_OPEN_R1} length (Kimi 1.5, characters, within the batch)"),
+    "cosine": Builtin(_cosine, f"{_OPEN_R1} cosine (correctness scaled by characters / cosine_max_len)"),
+    "repetition_penalty": Builtin(_repetition, f"{_OPEN_R1} repetition_penalty (word n-grams)"),
+    "code": Builtin(_code, f"{_OPEN_R1} code (pass rate, in colograd's sandbox)"),
+    "binary_code": Builtin(_binary_code, f"{_OPEN_R1} binary_code (pass rate above 0.99, in colograd's sandbox)"),
+    "code_format": Builtin(_code_format, f"{_OPEN_R1} code_format (think, then an answer with a code_language block)"),
+    "soft_overlong_punishment": Builtin(
+        _soft_overlong, f"{_OPEN_R1} soft_overlong_punishment (max_completion_len, soft_punish_cache tokens)"
+    ),
+    # TRL's script's names
+    "accuracy_reward": Builtin(_trl("accuracy_reward"), "TRL's accuracy_reward"),
+    "think_format_reward": Builtin(_trl("think_format_reward"), "TRL's think_format_reward (<think>...</think> only)"),
+    "reasoning_accuracy_reward": Builtin(_trl("reasoning_accuracy_reward"), "TRL's reasoning_accuracy_reward"),
+    "get_soft_overlong_punishment": Builtin(
+        _trl_soft_overlong, "TRL's get_soft_overlong_punishment (1280 tokens, 256 of them graded, TRL's script's)"
+    ),
+    # colograd's own, and its short names of TRL's functions
+    "letters": Builtin(_letters, "colograd's letters (the built-in dataset)"),
+    "colour": Builtin(_colour, "colograd's colour (the built-in image dataset)"),
+    "think_format": Builtin(_trl("think_format_reward"), "TRL's think_format_reward (<think>...</think> only)"),
+    "reasoning_accuracy": Builtin(_trl("reasoning_accuracy_reward"), "TRL's reasoning_accuracy_reward"),
 }
 
 
-def _code(sandbox: str, output_lines: str) -> RewardFunc:
-    from colograd.rewards.code import code_reward
-
-    return code_reward(sandbox, output_lines)
-
-
-def _binary_code(sandbox: str, output_lines: str) -> RewardFunc:
-    from colograd.rewards.code import binary_code_reward
-
-    return binary_code_reward(sandbox, output_lines)
+def reward_meanings(names: Sequence[str]) -> str:
+    """One line saying what each open-r1 or TRL name of `names` is ("" when there is none): 'rewards: accuracy is
+    open-r1's accuracy (...); ...'. colograd's own names (`letters`) go unsaid."""
+    builtins = [name for name in names if name in BUILTIN_REWARDS]
+    said = [f"{n} is {BUILTIN_REWARDS[n].means}" for n in builtins if not BUILTIN_REWARDS[n].means.startswith("colo")]
+    return f"rewards: {'; '.join(said)}." if said else ""
 
 
-# Rewards that run model-written programs, built for the run's `code_sandbox` and `code_output_lines`
-# (see docs/rewards.md).
-CODE_REWARDS: dict[str, Callable[[str, str], RewardFunc]] = {"code": _code, "binary_code": _binary_code}
-
-
-def resolve_reward(name: str, code_sandbox: str = "namespaces", code_output_lines: str = "all") -> RewardFunc:
+def resolve_reward(name: str, options: Any = None) -> RewardFunc:
     """A reward function from its name in a recipe.
 
     Args:
-        name: a built-in name (`BUILTIN_REWARDS`); a local folder or hub id (``org/model``) of a
-            sequence-classification reward model; a dotted path to user code, ``pkg.rewards.length`` or
-            ``pkg.rewards:length``, found from the working directory as TRL's script does; or a file and a name in
-            it, ``path/to/rewards.py:length``.
-        code_sandbox: how the code rewards (`CODE_REWARDS`) run programs (`colograd.rewards.code.CodeReward`).
-        code_output_lines: how the code rewards compare a program's output with the expected one ("all" its lines,
-            or "shorter": open-r1's comparison over the shorter of the two).
+        name: a built-in name (`BUILTIN_REWARDS`: open-r1's, TRL's and colograd's, each with its ecosystem's
+            meaning); a local folder or hub id (``org/model``) of a sequence-classification reward model; a dotted
+            path to user code, ``pkg.rewards.length`` or ``pkg.rewards:length``, found from the working directory
+            as TRL's script does; or a file and a name in it, ``path/to/rewards.py:length``.
+        options: the run's `ScriptArguments` (or any object with its fields): open-r1's reward parameters, and how
+            the code rewards run programs (`code_sandbox`, `code_output_lines`). None: their defaults.
 
     Raises:
         ConfigError: in one line, for anything that keeps the name from giving a reward function: a module that does
             not import (a syntax error, an import inside it failing, any error while it runs), a missing file or
-            name, something that is not callable, a class where an instance is needed.
+            name, something that is not callable, a class where an instance is needed; an open-r1 name colograd
+            does not run (`ioi_code`, `cf_code`).
     """
+    from colograd.rewards.open_r1 import REFUSED
+
     if name in BUILTIN_REWARDS:
-        return BUILTIN_REWARDS[name]()
-    if name in CODE_REWARDS:
-        return CODE_REWARDS[name](code_sandbox, code_output_lines)
+        if options is None:
+            from colograd.config.data import ScriptArguments
+
+            options = ScriptArguments()
+        return BUILTIN_REWARDS[name].make(options)
+    if name in REFUSED:
+        raise ConfigError(f"reward_funcs: {name}: open-r1's {name} {REFUSED[name]}")
     if name.endswith(".py"):
         raise ConfigError(f"reward_funcs: {name!r} names a file but no function in it; write {name}:my_reward.")
     module_name, _, attr = name.rpartition(":")
@@ -182,7 +245,7 @@ def resolve_reward(name: str, code_sandbox: str = "namespaces", code_output_line
     module_name, sep, attr = name.replace(":", ".").rpartition(".")
     if not sep:
         raise ConfigError(
-            f"reward_funcs: {name!r} is neither a built-in ({', '.join([*BUILTIN_REWARDS, *CODE_REWARDS])}), a "
+            f"reward_funcs: {name!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}), a "
             "reward model folder, "
             "a dotted path like my_pkg.rewards.my_reward, nor a file and a name like rewards.py:my_reward."
         )

@@ -39,6 +39,17 @@ class ModelSaving(Trainer):
     # The same for state each rank holds for itself (the groups partial rollouts carry): every rank writes its own.
     rank_checkpoint_parts: tuple = ()
 
+    def init_hf_repo(self, token: str | None = None) -> None:
+        """transformers' repository set-up for `push_to_hub`, and the branch `hub_revision` names (open-r1's
+        `hub_model_revision`) created from the default branch where missing, as open-r1's callback creates it:
+        transformers pushes to the branch but never makes it."""
+        super().init_hf_repo(token)
+        if self.args.hub_revision not in (None, "main") and self.is_world_process_zero():
+            from huggingface_hub import HfApi
+
+            token = token if token is not None else self.args.hub_token
+            HfApi().create_branch(self.hub_model_id, branch=self.args.hub_revision, token=token, exist_ok=True)
+
     def resume_point(self, resume_from_checkpoint: str | bool | None) -> str | None:
         """The checkpoint a `train` call resumes from, or None: the newest finished one for True, a named one only
         if finished; either saved by a run set up as this one (`check_setup`). None (not given) with `auto_resume`:

@@ -196,7 +196,8 @@ def test_every_numeric_field_declares_its_range(name):
 def _out_of_range(name: str) -> list[float]:
     """Values just outside the declared range of `name`, of its kind, and NaN for float fields."""
     declared = RANGES[name]
-    kind = next(k for cls in (GRPOConfig, ModelConfig) for f, k, *_ in numeric_fields(cls) if f.name == name)
+    classes = (GRPOConfig, ScriptArguments, ModelConfig)
+    kind = next(k for cls in classes for f, k, *_ in numeric_fields(cls) if f.name == name)
     step = 1 if kind is int else 0.5
     values = []
     if not math.isinf(declared.low):
@@ -211,6 +212,7 @@ def _out_of_range(name: str) -> list[float]:
 
 CHECKED = sorted(name for name in RANGES if RANGES[name] not in (TRL_ONLY,) and name in _all_numeric_fields())
 MODEL_FIELDS = {f.name for f, *_ in numeric_fields(ModelConfig)}
+SCRIPT_FIELDS = {f.name for f, *_ in numeric_fields(ScriptArguments)}
 LIST_FIELDS = {f.name for f, _, _, is_list in numeric_fields(GRPOConfig) if is_list}
 
 
@@ -218,6 +220,9 @@ def _build(name: str, value: object) -> None:
     """The dataclass holding `name`, built with `value` (and a valid rest)."""
     if name in MODEL_FIELDS:
         check_ranges(ModelConfig(model_name_or_path="x", **{name: value}))
+        return
+    if name in SCRIPT_FIELDS:  # checked when built, as GRPOConfig is
+        ScriptArguments(**{name: value})
         return
     base = {"output_dir": "unused", "report_to": "none", "per_device_train_batch_size": 8, "num_generations": 4}
     if RANGES[name].when:  # an interval is read only under its "steps" strategy

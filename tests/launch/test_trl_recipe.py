@@ -61,9 +61,10 @@ def test_recipe_trains_two_steps_with_its_rewards(run):
     state = json.loads((out / "checkpoint-2/trainer_state.json").read_text())
     steps = [h for h in state["log_history"] if "loss" in h]
     assert [h["step"] for h in steps] == [1, 2] and all(h["loss"] == h["loss"] for h in steps)  # not NaN
-    for name in ("accuracy_reward", "think_format_reward", "tag_count_reward"):
+    for name in ("accuracy_reward", "format_reward", "tag_count_reward"):  # open-r1's functions' names
         assert all(f"rewards/{name}/mean" in h for h in steps)
     assert "warmup_ratio was renamed warmup_steps" in proc.stderr
+    assert "rewards: accuracy is open-r1's accuracy" in proc.stderr and "format is open-r1's format" in proc.stderr
 
 
 @pytest.mark.slow
@@ -84,7 +85,7 @@ def test_evaluation_generates_scores_and_logs_trl_eval_metrics(run):
     evals = [h for h in state["log_history"] if "eval_reward" in h]
     assert [h["step"] for h in evals] == [1, 2]
     for entry in evals:
-        for name in ("accuracy_reward", "think_format_reward", "tag_count_reward"):
+        for name in ("accuracy_reward", "format_reward", "tag_count_reward"):
             assert entry[f"eval_rewards/{name}/mean"] == entry[f"eval_rewards/{name}/mean"]  # present, not NaN
         assert 1 <= entry["eval_completions/min_length"] <= entry["eval_completions/mean_length"]
         assert entry["eval_completions/mean_length"] <= entry["eval_completions/max_length"] <= 16
@@ -154,10 +155,9 @@ def test_reward_curve_and_completions_reach_wandb_offline_and_trackio(run):
     tables = [
         json.loads((run_dir / "files" / h["completions"]["path"]).read_text()) for h in history if "completions" in h
     ]
-    # TRL's table: the rewards, then what they logged with log_extra (TRL's accuracy_reward logs three columns).
-    assert tables[0]["columns"] == ["step", "prompt", "completion", "accuracy_reward", "think_format_reward",
-                                    "tag_count_reward", "solution", "gold_parsed", "answer_parsed",
-                                    "advantage"]  # fmt: skip
+    # TRL's table: the rewards (open-r1's, which log no extra columns, unlike TRL's accuracy_reward), the advantage.
+    assert tables[0]["columns"] == ["step", "prompt", "completion", "accuracy_reward", "format_reward",
+                                    "tag_count_reward", "advantage"]  # fmt: skip
     assert [[r[0], r[1], r[2], r[-1]] for t in tables for r in t["data"]] == expected
     # trackio (local): its database in TRACKIO_DIR.
     with sqlite3.connect(out / "trackio/huggingface.db") as db:

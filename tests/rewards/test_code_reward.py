@@ -4,11 +4,12 @@ early giving the same rewards; rows whose tests cannot be read refused before th
 import json
 import re
 import threading
+from types import SimpleNamespace
 
 import pytest
 from conftest import ROOT, refused
 
-from colograd.config.core import ConfigError
+from colograd.config.core import ConfigError, ScriptArguments
 from colograd.data import code_task
 from colograd.rewards.code import CodeReward, check_code_rows, extract_code, output_matches
 from colograd.rewards.code_tests import parse_python
@@ -52,9 +53,9 @@ def test_open_r1s_comparison_over_the_shorter_is_an_opt_in(code):
     shorter = CodeReward(limits=LIMITS, workers=1, output_lines="shorter")
     assert code([block("print(3)\n")], [first_line_only]) == [0.0]
     assert shorter([block("print(3)\n")], [first_line_only]) == [1.0]
-    assert resolve_reward("code", "namespaces", "shorter").output_lines == "shorter"
+    assert resolve_reward("code", ScriptArguments(code_output_lines="shorter")).output_lines == "shorter"
     with pytest.raises(ConfigError, match="code_output_lines: 'first'"):
-        resolve_reward("code", "namespaces", "first")
+        resolve_reward("code", SimpleNamespace(code_sandbox="namespaces", code_output_lines="first"))
 
 
 def test_the_reward_is_the_share_of_cases_passed(code):
@@ -106,9 +107,9 @@ def test_other_languages_are_refused(code):
 def test_names_resolve_in_recipes():
     assert resolve_reward("code").__name__ == "code" and resolve_reward("binary_code").binary
     assert resolve_reward("code")([block(ADD)], test_list=[MBPP["test_list"]]) == [1.0]
-    assert resolve_reward("code", "none").sandbox.isolated is False
+    assert resolve_reward("code", ScriptArguments(code_sandbox="none")).sandbox.isolated is False
     with pytest.raises(ConfigError, match="code_sandbox: 'docker'"):
-        resolve_reward("code", "docker")
+        resolve_reward("code", SimpleNamespace(code_sandbox="docker", code_output_lines="all"))
 
 
 def test_started_early_the_rewards_are_the_same_and_run_once(code, monkeypatch):

@@ -110,8 +110,17 @@ def test_reward_model_resolves_from_a_folder(tmp_path):
 def test_builtin_names_and_dotted_paths():
     from trl.rewards import accuracy_reward, think_format_reward
 
-    assert resolve_reward("accuracy") is accuracy_reward
-    assert resolve_reward("format") is think_format_reward and resolve_reward("think_format") is think_format_reward
+    from colograd.rewards import open_r1
+
+    # A name keeps its ecosystem's meaning: TRL's script's names are TRL's, open-r1's registry names open-r1's.
+    assert (
+        resolve_reward("accuracy_reward") is accuracy_reward and resolve_reward("accuracy") is open_r1.accuracy_reward
+    )
+    assert (
+        resolve_reward("think_format_reward") is think_format_reward
+        and resolve_reward("think_format") is think_format_reward
+    )
+    assert resolve_reward("format") is open_r1.format_reward
     assert resolve_reward("colograd.models.tiny:letters_reward") is tiny.letters_reward
 
 

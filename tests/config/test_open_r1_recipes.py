@@ -1,0 +1,104 @@
+"""open-r1's GRPO recipes as it ships them (tests/configs/open_r1/, huggingface/open-r1 @ 1416fa0c, unchanged; the
+model and dataset swapped by flags): each parses, its fields mean what they mean in open-r1, and what colograd does
+not run stops in one line naming why. (tests/launch/test_trl_recipe.py trains the demo recipe on 2 processes.)"""
+
+import os
+from types import SimpleNamespace
+from unittest.mock import patch
+
+import pytest
+from conftest import ROOT
+from transformers import Trainer
+
+from colograd import GRPOConfig
+from colograd.config.core import ConfigError, ScriptArguments
+from colograd.rewards.core import resolve_reward
+from colograd.runs.saving import ModelSaving
+from colograd.train import _Parser, load_model_config
+
+RECIPES = ROOT / "tests/configs/open_r1"
+SWAP = ["--model_name_or_path", "colograd:tiny-qwen2", "--dataset_name", "tests/configs/data/math_problems.jsonl",
+        "--report_to", "none", "--push_to_hub", "false"]  # fmt: skip
+
+
+def parse(name: str, tmp_path, *flags: str):
+    argv = ["--config", str(RECIPES / name), *SWAP, "--output_dir", str(tmp_path), *flags]
+    with patch.dict(os.environ):  # the wandb names a recipe sets stay in this test
+        return _Parser((ScriptArguments, GRPOConfig, __import__("trl").ModelConfig)).parse_args_and_config(argv)
+
+
+def test_the_deepseek_recipe_parses_with_its_template_and_liger_said(tmp_path, capsys):
+    script, args, model = parse("deepseek-r1-distill-qwen-1_5b_config_demo.yaml", tmp_path)
+    err = capsys.readouterr().err
+    assert "use_liger_kernel: TRL's Liger loss" in err and args.use_liger_kernel is False  # transformers won't load it
+    assert args.chat_template.startswith("{% if not add_generation_prompt is defined %}")
+    _, tokenizer, _ = load_model_config(model, args)
+    assert tokenizer.chat_template == args.chat_template  # the prompts are rendered with the recipe's template
+    assert [type(resolve_reward(n, script)).__name__ for n in script.reward_funcs] == ["function"] * 3
+
+
+def test_the_code_recipe_stops_on_its_batch_in_one_line(tmp_path):
+    with pytest.raises(ConfigError, match="not a multiple of num_generations=14") as err:
+        parse("qwen2_5-1_5b-instruct_config_demo_code.yaml", tmp_path)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "name, reward",
+    [("qwen2_5-1_5b-instruct_config_demo_code_ioi.yaml", "ioi_code"),
+     ("qwen2_5-coder-7b-instruct_config_codeforces.yaml", "cf_code")],
+)  # fmt: skip
+def test_the_piston_recipes_parse_and_stop_on_their_reward(tmp_path, name, reward, capsys):
+    # Their batches fit colograd's rule at 2 × 16 per rank; the codeforces one is 4 × 32 with num_generations 16.
+    script, args, _ = parse(name, tmp_path, "--num_generations", "16")
+    assert script.reward_funcs[0] == reward and script.code_eval_test_batch_size in (3, -1)
+    with pytest.raises(ConfigError, match=f"reward_funcs: {reward}: open-r1's {reward} runs C\\+\\+"):
+        resolve_reward(reward, script)
+    if reward == "cf_code":  # scale_rewards: false (TRL's boolean), vllm_device dropped, the wandb and hub names read
+        assert args.scale_rewards == "none" and args.hub_revision == "v01.00"
+        assert "vllm_device ignored" in capsys.readouterr().err
+        assert script.code_eval_scoring_mode == "weighted_sum"
+
+
+def test_open_r1_fields_set_wandb_and_the_hub_branch_and_note_the_rest(tmp_path, capsys):
+    with patch.dict(os.environ):
+        args = GRPOConfig(
+            output_dir=str(tmp_path), report_to="none", per_device_train_batch_size=8, num_generations=4,
+            wandb_entity="org", wandb_project="r1", wandb_run_group="g", hub_model_revision="v2",
+            benchmarks=["aime24"], callbacks=["push_to_hub_revision"],
+        )  # fmt: skip
+        assert (os.environ["WANDB_ENTITY"], os.environ["WANDB_PROJECT"], os.environ["WANDB_RUN_GROUP"]) == (
+            "org", "r1", "g")  # fmt: skip
+    assert args.hub_revision == "v2"
+    err = capsys.readouterr().err
+    assert "benchmarks aime24: open-r1's Slurm scripts run them" in err and "callbacks (push_to_hub_revision)" in err
+    with pytest.raises(ConfigError, match="hub_model_revision='v2' and hub_revision='v3' name two branches"):
+        GRPOConfig(output_dir=str(tmp_path), report_to="none", per_device_train_batch_size=8, num_generations=4,
+                   hub_model_revision="v2", hub_revision="v3")  # fmt: skip
+
+
+def test_the_hub_branch_is_created_before_the_first_push():
+    trainer = ModelSaving.__new__(ModelSaving)
+    trainer.args = SimpleNamespace(hub_revision="v01.00", hub_token=None)
+    trainer.hub_model_id = "org/run"
+    with (
+        patch.object(Trainer, "init_hf_repo"),
+        patch.object(Trainer, "is_world_process_zero", return_value=True),
+        patch("huggingface_hub.HfApi.create_branch") as create,
+    ):
+        trainer.init_hf_repo()
+        trainer.args.hub_revision = None
+        trainer.init_hf_repo()  # the default branch: nothing to create
+    create.assert_called_once_with("org/run", branch="v01.00", token=None, exist_ok=True)
+
+
+@pytest.mark.parametrize("value, meant", [("false", "none"), ("true", "group"), ("batch", "batch")])
+def test_scale_rewards_takes_trls_booleans_in_a_recipe_and_on_the_command_line(tmp_path, value, meant):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"scale_rewards: {value}\nnum_generations: 4\nper_device_train_batch_size: 8\n")
+    for argv in (["--config", str(recipe)], ["--scale_rewards", value, "--num_generations", "4"]):
+        _, args, _ = _Parser((ScriptArguments, GRPOConfig, __import__("trl").ModelConfig)).parse_args_and_config(
+            [*argv, "--output_dir", str(tmp_path), "--report_to", "none"]
+        )
+        assert args.scale_rewards == meant
+    assert GRPOConfig(output_dir=str(tmp_path), report_to="none", scale_rewards=False).scale_rewards == "none"
