@@ -8,6 +8,11 @@ class ConfigError(ValueError):
     """A configuration problem the user must fix; its message names the field and the fix."""
 
 
+class SaidBefore(ConfigError):
+    """A `ConfigError` an earlier attempt of the same launch already said (torchrun's restarts repeat a refused
+    start): the CLI exits with code 2 without saying it again."""
+
+
 def keyword_arguments(name: str, value: Any) -> dict[str, Any] | None:
     """A config field holding keyword arguments: a mapping (from a recipe), JSON text (from a flag), or None."""
     if isinstance(value, str):

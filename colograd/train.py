@@ -36,12 +36,13 @@ try:
     from colograd.config.recipe import check_recipe_value, read_recipe
     from colograd.config.trl_compat import DROPPED_KEYS, RENAMED_KEYS, unknown_key_message
     from colograd.data.core import first_line
+    from colograd.errors import SaidBefore
     from colograd.grpo.policy import use_chat_template
     from colograd.models import model_files, pretrained, tiny, tiny_vlm
     from colograd.preflight.core import preflight
     from colograd.preflight.env import check_environment, check_variables
     from colograd.runs.modelcard import Recipe
-    from colograd.runs.output_dir import check_output_dir
+    from colograd.runs.output_dir import RunFinished, check_output_dir, finish_from_checkpoint
     from colograd.runs.preemption import PREEMPTED_EXIT_CODE, StepFailure, exit_interrupted
     from colograd.vision.core import load_pretrained, text_tokenizer
 except OSError as err:
@@ -185,7 +186,11 @@ def main(
     model_name, revision = model_args.model_name_or_path, model_args.model_revision
     check_environment(training_args, model_name, script_args.dataset_name, revision)  # before anything is loaded
     # Before anything slow (a download, a conversion): a second run on this output_dir stops here.
-    check_output_dir(training_args, training_args.resume_from_checkpoint)
+    try:
+        check_output_dir(training_args, training_args.resume_from_checkpoint)
+    except RunFinished as done:  # the last step is saved, the final model is not: it is the checkpoint's
+        finish_from_checkpoint(done, training_args)
+        return
     config, tokenizer, dtype = load_model_config(model_args, training_args)
     adapter_rank = model_args.lora_r if model_args.use_peft and training_args.lora_sync == "adapter" else None
     peft_config = get_peft_config(model_args)
@@ -380,6 +385,8 @@ def _fail(err: Exception | str, code: int = 2, debug: bool = False) -> NoReturn:
     says its line only if it is still running `SAID_WAIT_S` later. So the line is said once a machine, and still
     when a rank fails alone.
     """
+    if isinstance(err, SaidBefore) and not debug:  # a restart of a launch whose first attempt said it
+        sys.exit(code)
     if debug and isinstance(err, Exception):
         traceback.print_exception(err)
     hint = "" if debug or code == 2 else " (rerun with --debug for the traceback)"

@@ -33,7 +33,7 @@ from colograd.config.open_r1 import OpenR1Fields, OpenR1ScriptFields
 from colograd.config.partial import PartialRolloutOptions
 from colograd.config.ranges import check_ranges
 from colograd.config.trl_compat import TRLOnlyFields, check_refused
-from colograd.errors import ConfigError
+from colograd.errors import ConfigError, SaidBefore
 
 __all__ = [
     "IMPORTANCE_SAMPLING_LEVELS",
@@ -228,11 +228,16 @@ def check_elastic_restarts(env: Mapping[str, str] | None = None) -> None:
     `colograd.runs.relaunch`).
 
     Raises:
-        ConfigError: naming the setting and the way that works: the scheduler relaunches the same command.
+        ConfigError: naming the setting and the way that works: the scheduler relaunches the same command;
+            `SaidBefore` in a restarted attempt (the agent restarts refused workers too), which the CLI does not
+            repeat.
     """
-    restarts = (os.environ if env is None else env).get("TORCHELASTIC_MAX_RESTARTS", "0").strip()
+    env = os.environ if env is None else env
+    restarts = env.get("TORCHELASTIC_MAX_RESTARTS", "0").strip()
     if restarts.isdigit() and int(restarts) > 0:
-        raise ConfigError(
+        attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0").strip()
+        # The agent restarts refused workers too: a restart's refusal was said by the first attempt.
+        raise (SaidBefore if attempt.isdigit() and int(attempt) > 0 else ConfigError)(
             f"torchrun --max-restarts {restarts} (accelerate launch --max_restarts): the restarted workers never "
             "form their process group on this torch (pytorch issue #167288); launch with no restarts and let the "
             "scheduler relaunch the same command, which resumes the run from its newest checkpoint "

@@ -427,7 +427,11 @@ def check_setup(checkpoint: str, setup: dict[str, Any]) -> None:
     Raises:
         ConfigError: naming each differing field with its value in the checkpoint and now.
     """
-    differ = describe_differences(setup_differences(recorded_setup(checkpoint) or {}, setup))
+    recorded = recorded_setup(checkpoint) or {}
+    differences = setup_differences(recorded, setup)
+    if "world_size" in differences and differences.keys() <= set(RESHARD_FIELDS):  # as a relaunch says it
+        raise ConfigError(f"resume_from_checkpoint: {checkpoint}: {reshard_refusal(recorded, setup)}.")
+    differ = describe_differences(differences)
     if differ:
         raise ConfigError(
             f"resume_from_checkpoint: {checkpoint} was saved by a run set up differently ({differ}); "

@@ -19,6 +19,7 @@ launcher stops the other ranks), and is printed once.
 import atexit
 import json
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -40,7 +41,16 @@ from transformers.utils import (
 )
 
 from colograd.config.core import ConfigError
-from colograd.runs.checkpoints import checkpoint_step, checkpoints, config_setup, note, resolve_checkpoint
+from colograd.runs.checkpoints import (
+    RECORD_FILE,
+    STATE_FILE,
+    check_setup,
+    checkpoint_step,
+    checkpoints,
+    config_setup,
+    note,
+    resolve_checkpoint,
+)
 from colograd.runs.relaunch import judge, resume_note
 
 # "_": push_to_hub's upload of output_dir leaves out names starting with it, so a host name is never published.
@@ -83,6 +93,9 @@ def check_output_dir(
     # A resume from a checkpoint elsewhere starts a branch here: it must not write over what this folder holds.
     if checkpoint is None or not _inside(checkpoint, args.output_dir):
         check_fresh_start(args)
+    if checkpoint is not None and 0 < args.max_steps <= checkpoint_step(checkpoint):
+        check_setup(checkpoint, setup or config_setup(args))  # another run's settings are refused first
+        raise RunFinished(checkpoint, args)  # transformers would train one step past max_steps
     return checkpoint
 
 
@@ -268,11 +281,13 @@ def resume_own_run(args: TrainingArguments, setup: dict[str, Any] | None) -> str
         return None
     if found.checkpoint is not None:
         if 0 < args.max_steps <= checkpoint_step(found.checkpoint):  # transformers would train one step past it
-            raise ConfigError(
-                f"output_dir={out!r} holds this run's {os.path.basename(found.checkpoint)}, saved at its last step "
-                f"(max_steps {args.max_steps}): the run is over; raise max_steps to train on, or choose another "
-                "output_dir."
-            )
+            if _model_files(out):
+                raise ConfigError(
+                    f"output_dir={out!r} holds this run's {os.path.basename(found.checkpoint)}, saved at its last "
+                    f"step (max_steps {args.max_steps}): the run is over, and its final model is there; raise "
+                    "max_steps to train on, or choose another output_dir."
+                )
+            raise RunFinished(found.checkpoint, args)  # the final save was lost: the checkpoint holds the model
         if setup is None:
             return None
         if first:
@@ -284,6 +299,62 @@ def resume_own_run(args: TrainingArguments, setup: dict[str, Any] | None) -> str
         return None
     check_fresh_start(args)
     return None
+
+
+# --- a run whose last step is saved ----------------------------------------------------------------------------
+
+
+class RunFinished(ConfigError):
+    """The run resumes from a finished checkpoint at its last step (`max_steps`): nothing is left to train, and the
+    final model is that checkpoint's. `colograd/train.py` writes it into output_dir (`finish_from_checkpoint`) and
+    exits 0, so that a relaunch after a lost final save (a full disk, a preemption in it) ends the run."""
+
+    def __init__(self, checkpoint: str, args: TrainingArguments) -> None:
+        self.checkpoint, self.output_dir = checkpoint, args.output_dir
+        super().__init__(
+            f"{checkpoint} was saved at the run's last step (max_steps {args.max_steps}): there is nothing left to "
+            "train; colograd/train.py writes the final model from it, or raise max_steps to train on."
+        )
+
+
+# What a checkpoint holds besides the model a final save writes: the optimizer's and scheduler's state, random
+# states, the Trainer's state and colograd's records (`colograd.grpo.entropy`, `colograd.grpo.partial`), DeepSpeed's.
+TRAINING_STATE = re.compile(
+    r"(optimizer|scheduler|scaler|rng_state)[\w.-]*\.(pt|pth|bin)|entropy_ctrl_state\.json|latest|zero_to_fp32\.py|"
+    + "|".join(re.escape(name) for name in (STATE_FILE, RECORD_FILE))
+)
+
+
+def finish_from_checkpoint(done: RunFinished, args: TrainingArguments) -> list[str]:
+    """Write the final model of a run whose last step `done.checkpoint` holds: its files, less the training state
+    (`TRAINING_STATE`; folders are DeepSpeed's shards or colograd's per-rank state), copied into output_dir, as
+    the final save writes them (model, config, tokenizer, model card). On the first process; said in one line.
+
+    Returns:
+        The names copied.
+
+    Raises:
+        ConfigError: the checkpoint holds no model files (a DeepSpeed ZeRO-3 checkpoint saved without gathered
+            weights): naming it and DeepSpeed's tool that consolidates them.
+    """
+    names = [n for n in sorted(os.listdir(done.checkpoint)) if os.path.isfile(os.path.join(done.checkpoint, n))]
+    names = [n for n in names if not TRAINING_STATE.fullmatch(n)]
+    if not _model_files(done.checkpoint):
+        raise ConfigError(
+            f"{done.checkpoint} holds the run's last step but no model files (DeepSpeed's shards only); consolidate "
+            f"them with {os.path.join(done.checkpoint, 'zero_to_fp32.py')}, or raise max_steps to train on."
+        )
+    if args.process_index == 0:
+        for name in names:
+            shutil.copy2(os.path.join(done.checkpoint, name), os.path.join(done.output_dir, f".{name}.tmp"))
+        for name in names:  # whole files only: a copy cut short leaves a hidden temporary, not a model
+            os.replace(os.path.join(done.output_dir, f".{name}.tmp"), os.path.join(done.output_dir, name))
+        pushed = " (not pushed: push output_dir with `hf upload`)" if getattr(args, "push_to_hub", False) else ""
+        note(
+            f"{os.path.basename(done.checkpoint)} holds the run's last step (max_steps {args.max_steps}): wrote the "
+            f"final model from it into {done.output_dir}{pushed}; nothing left to train."
+        )
+    return names
 
 
 # --- a fresh start -------------------------------------------------------------------------------------------

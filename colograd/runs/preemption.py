@@ -13,7 +13,9 @@ Hang: while `Preemption` is armed, a process that reports no progress (a step or
 `hang_timeout` seconds writes every rank's stacks and exits (`colograd.runs.hang`).
 """
 
+import errno
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -28,7 +30,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from colograd.runs import hang
-from colograd.runs.checkpoints import last_complete_checkpoint
+from colograd.runs.checkpoints import checkpoints, last_complete_checkpoint
 
 PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM  # what a shell reports for a process ended by SIGTERM
 INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT  # ... and by Ctrl-C
@@ -62,12 +64,50 @@ class StepFailure(RuntimeError):
         checkpoint: the last finished checkpoint in `output_dir`, or None.
     """
 
-    def __init__(self, step: int, stage: str, error: BaseException, checkpoint: str | None) -> None:
-        message = (str(error).strip().splitlines() or [""])[0]
-        super().__init__(
-            f"optimizer step {step}, stage {stage!r}: {type(error).__name__}: {message} ({_resume_hint(checkpoint)})."
-        )
+    def __init__(
+        self, step: int, stage: str, error: BaseException, checkpoint: str | None, said: str | None = None
+    ) -> None:
+        said = said or f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+        super().__init__(f"optimizer step {step}, stage {stage!r}: {said} ({_resume_hint(checkpoint)}).")
         self.step, self.stage = step, stage
+
+
+# What the libraries that write a save say when a write fails: torch's zip writer loses the errno ("unexpected pos",
+# an iostream error); safetensors and Python keep it, in words or as ENOSPC / EDQUOT.
+_WRITER_FAILED = ("inline_container.cc", "PytorchStreamWriter", "iostream error", "file write failed")
+_DISK_FULL = ("No space left on device", "Disk quota exceeded")
+
+
+def disk_full(error: BaseException, output_dir: str) -> str | None:
+    """'no space left on <filesystem>: N MiB needed, F MiB free' when `error` is a write that failed on a full disk
+    (or quota) under `output_dir`, else None: the error says so (ENOSPC, EDQUOT, their words), or torch's writer
+    failed (its message loses the errno) with less than 1 MiB left. N is what the newest finished checkpoint holds
+    (a save of this run takes about that), or, before the first, what the failed save had written (at least that)."""
+    chain, seen = [], error
+    while seen is not None and len(chain) < 8:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    free = shutil.disk_usage(output_dir).free if os.path.isdir(output_dir) else 0
+    told = any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in chain)
+    told = told or any(words in str(e) for e in chain for words in _DISK_FULL)
+    if not told and not (free < 2**20 and any(words in str(e) for e in chain for words in _WRITER_FAILED)):
+        return None
+    finished = last_complete_checkpoint(output_dir)
+    needed = _folder_bytes(finished or checkpoints(output_dir)[-1:])
+    mount = os.path.realpath(output_dir)
+    while not os.path.ismount(mount):
+        mount = os.path.dirname(mount)
+    at_least = "" if finished else "at least "
+    return f"no space left on {mount}: {at_least}{needed / 2**20:.0f} MiB needed, {free / 2**20:.0f} MiB free"
+
+
+def _folder_bytes(folders: list[str] | str) -> int:
+    """The bytes of the files under `folders` (one folder or a list)."""
+    total = 0
+    for folder in [folders] if isinstance(folders, str) else folders:
+        for root, _, names in os.walk(folder):
+            total += sum(os.path.getsize(os.path.join(root, name)) for name in names)
+    return total
 
 
 class StoppedBySigterm(SystemExit):
@@ -118,7 +158,7 @@ def stage_failures(stage: str, step: int, output_dir: str) -> Iterator[None]:
             err.reported = True
         raise
     except Exception as err:
-        raise StepFailure(step, stage, err, last_complete_checkpoint(output_dir)) from err
+        raise StepFailure(step, stage, err, last_complete_checkpoint(output_dir), disk_full(err, output_dir)) from err
 
 
 def exit_interrupted(err: KeyboardInterrupt, output_dir: str, debug: bool = False) -> NoReturn:
