@@ -281,7 +281,7 @@ def resume_own_run(args: TrainingArguments, setup: dict[str, Any] | None) -> str
         return None
     if found.checkpoint is not None:
         if 0 < args.max_steps <= checkpoint_step(found.checkpoint):  # transformers would train one step past it
-            if _model_files(out):
+            if _final_model_whole(found.checkpoint, out):
                 raise ConfigError(
                     f"output_dir={out!r} holds this run's {os.path.basename(found.checkpoint)}, saved at its last "
                     f"step (max_steps {args.max_steps}): the run is over, and its final model is there; raise "
@@ -325,6 +325,27 @@ TRAINING_STATE = re.compile(
 )
 
 
+def _model_and_companions(checkpoint: str) -> list[str]:
+    """The files of `checkpoint` a final save writes too: every file but the training state (`TRAINING_STATE`);
+    folders are DeepSpeed's shards or colograd's per-rank state."""
+    names = [n for n in sorted(os.listdir(checkpoint)) if os.path.isfile(os.path.join(checkpoint, n))]
+    return [n for n in names if not TRAINING_STATE.fullmatch(n)]
+
+
+def _final_model_whole(checkpoint: str, output_dir: str) -> bool:
+    """Whether output_dir holds the final model of the run whose last step `checkpoint` holds: every file a final
+    save writes is there, and each weights file has the checkpoint's size (the same weights, saved the same way). A
+    final save killed midway leaves a file cut short, or none: that is no final model."""
+    for name in _model_and_companions(checkpoint):
+        ours, theirs = os.path.join(output_dir, name), os.path.join(checkpoint, name)
+        if not os.path.isfile(ours):
+            return False
+        weights = name.endswith((".safetensors", ".bin")) and name != "training_args.bin"
+        if weights and os.path.getsize(ours) != os.path.getsize(theirs):
+            return False
+    return True
+
+
 def finish_from_checkpoint(done: RunFinished, args: TrainingArguments) -> list[str]:
     """Write the final model of a run whose last step `done.checkpoint` holds: its files, less the training state
     (`TRAINING_STATE`; folders are DeepSpeed's shards or colograd's per-rank state), copied into output_dir, as
@@ -337,8 +358,7 @@ def finish_from_checkpoint(done: RunFinished, args: TrainingArguments) -> list[s
         ConfigError: the checkpoint holds no model files (a DeepSpeed ZeRO-3 checkpoint saved without gathered
             weights): naming it and DeepSpeed's tool that consolidates them.
     """
-    names = [n for n in sorted(os.listdir(done.checkpoint)) if os.path.isfile(os.path.join(done.checkpoint, n))]
-    names = [n for n in names if not TRAINING_STATE.fullmatch(n)]
+    names = _model_and_companions(done.checkpoint)
     if not _model_files(done.checkpoint):
         raise ConfigError(
             f"{done.checkpoint} holds the run's last step but no model files (DeepSpeed's shards only); consolidate "

@@ -274,6 +274,21 @@ def test_a_run_whose_final_save_was_lost_gets_its_model_from_the_last_checkpoint
             check_output_dir(args, None)
 
 
+def test_a_final_model_cut_short_is_no_final_model(tmp_path):
+    """Killed in the final save: the weights half written, the tokenizer not yet. The relaunch writes the model."""
+    args = args_for(tmp_path)
+    save_last_step(tmp_path, setup_of(args))
+    (tmp_path / "model.safetensors").write_bytes(b"w" * 32)
+    (tmp_path / "config.json").write_bytes(b"{}")
+    with pytest.raises(RunFinished) as done:
+        check_output_dir(args, None)
+    finish_from_checkpoint(done.value, args)
+    assert (tmp_path / "model.safetensors").read_bytes() == LAST_STEP["model.safetensors"]
+    (tmp_path / "tokenizer.json").unlink()  # whole weights, a companion missing: still no final model
+    with pytest.raises(RunFinished):
+        check_output_dir(args, None)
+
+
 def test_an_explicit_resume_at_the_last_step_with_other_settings_is_refused_not_finished(tmp_path):
     args = args_for(tmp_path)
     checkpoint = save_last_step(tmp_path, setup_of(args))

@@ -494,3 +494,42 @@ def test_second_run_refused_while_the_first_runs_then_new_run_and_changed_resume
         assert proc.returncode == 0 and "wrote the final model from it" in proc.stderr, proc.stderr[-3000:]
         assert (out / "model.safetensors").read_bytes() == model and (out / "tokenizer.json").exists()
         assert not (out / "checkpoint-3").exists() and "'reward':" not in proc.stderr + proc.stdout
+
+
+# A run killed in its final save, after its last checkpoint finished: the weights half written, then SIGKILL.
+KILLED_IN_THE_FINAL_SAVE = """
+import os, sys
+from colograd.runs import saving
+from colograd.train import cli
+
+save = saving.ModelSaving._save
+
+
+def killed_in_the_final_save(self, output_dir=None, state_dict=None):
+    save(self, output_dir, state_dict)
+    if not os.path.basename(os.path.normpath(output_dir)).startswith("checkpoint-"):
+        weights = os.path.join(output_dir, "model.safetensors")
+        os.truncate(weights, os.path.getsize(weights) // 2)
+        os.kill(os.getpid(), 9)
+
+
+saving.ModelSaving._save = killed_in_the_final_save
+cli(sys.argv[1:])
+"""
+
+
+@pytest.mark.slow
+def test_a_run_killed_in_its_final_save_is_finished_by_the_same_command(tmp_path):
+    out = tmp_path / "out"
+    flags = ["--config", TINY, "--max_steps", "2", "--save_strategy", "steps", "--save_steps", "1",
+             "--disable_tqdm", "true", "--output_dir", str(out)]  # fmt: skip
+    killed = subprocess.run([sys.executable, "-c", KILLED_IN_THE_FINAL_SAVE, *flags], cwd=ROOT, capture_output=True,
+                            text=True, timeout=600)  # fmt: skip
+    assert killed.returncode == -9 and is_complete(str(out / "checkpoint-2")), killed.stderr[-3000:]
+    checkpoint = (out / "checkpoint-2/model.safetensors").read_bytes()
+    assert (out / "model.safetensors").read_bytes() != checkpoint  # cut short
+    proc = run_cli(*flags)  # the scheduler's relaunch
+    assert proc.returncode == 0 and "wrote the final model from it" in proc.stderr, proc.stderr[-3000:]
+    assert (out / "model.safetensors").read_bytes() == checkpoint and not (out / "checkpoint-3").exists()
+    line = error_line(run_cli(*flags))  # and once more: the run is over
+    assert "the run is over, and its final model is there" in line, line
