@@ -27,6 +27,8 @@ class Recipe:
     overrides: the command-line flags given after the recipe; they take precedence over its keys.
     model_name_or_path: the model the run started from.
     dataset_name: the dataset it trained on.
+    launcher: the command that started the processes (`launcher_of`): "python", "accelerate launch", "torchrun ...".
+    in_repository: whether `path` lies in the colograd repository (else it is the path the run was given).
     """
 
     path: str
@@ -34,6 +36,8 @@ class Recipe:
     overrides: list[str] = field(default_factory=list)
     model_name_or_path: str | None = None
     dataset_name: str | None = None
+    launcher: str = "accelerate launch"
+    in_repository: bool = True
 
     @classmethod
     def from_argv(cls, argv: list[str], model_name_or_path: str | None, dataset_name: str | None) -> "Recipe | None":
@@ -46,9 +50,21 @@ class Recipe:
             else:
                 continue
             resolved = Path(config).resolve()
-            path = resolved.relative_to(REPO_ROOT) if resolved.is_relative_to(REPO_ROOT) else Path(config)
-            return cls(path.as_posix(), resolved.read_text(), rest, model_name_or_path, dataset_name)
+            inside = resolved.is_relative_to(REPO_ROOT)
+            path = resolved.relative_to(REPO_ROOT) if inside else Path(config)
+            text = resolved.read_text()
+            return cls(path.as_posix(), text, rest, model_name_or_path, dataset_name, launcher_of(os.environ), inside)
         return None
+
+
+def launcher_of(env: "os._Environ[str] | dict[str, str]") -> str:
+    """The command that started this process, from the variables launchers set: accelerate's (`ACCELERATE_*`),
+    torchrun's (`TORCHELASTIC_RUN_ID`, with its processes per node), or none: a plain `python`."""
+    if any(name.startswith("ACCELERATE_") for name in env) and "LOCAL_RANK" in env:
+        return "accelerate launch"
+    if "TORCHELASTIC_RUN_ID" in env:
+        return f"torchrun --nproc_per_node {env.get('LOCAL_WORLD_SIZE', '1')}"
+    return "python"
 
 
 def model_card(
@@ -106,9 +122,10 @@ def _recipe_section(recipe: Recipe | None) -> str:
     if recipe is None:
         return "## Recipe\n\nTrained from Python with `colograd.GRPOTrainer`, not from a recipe file."
     command = shlex.join(["colograd/train.py", "--config", recipe.path, *recipe.overrides])
+    where = "of the colograd repository" if recipe.in_repository else "(a file of the run's own, embedded below)"
     return (
-        f"## Recipe\n\nTrained with the recipe `{recipe.path}` of the colograd repository, run as\n\n"
-        f"```bash\naccelerate launch {command}\n```\n\n"
+        f"## Recipe\n\nTrained with the recipe `{recipe.path}` {where}, run as\n\n"
+        f"```bash\n{recipe.launcher} {command}\n```\n\n"
         "(flags after the recipe override its keys). The recipe as it was at launch:\n\n"
         f"```yaml\n{recipe.text.rstrip()}\n```"
     )

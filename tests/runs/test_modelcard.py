@@ -46,6 +46,28 @@ def test_card_metadata_recipe_and_final_metrics(root, tmp_path):
     assert "on 8 processes" in loaded.text
 
 
+@pytest.mark.parametrize(
+    "env, launcher",
+    [({}, "python"),
+     ({"LOCAL_RANK": "0", "ACCELERATE_MIXED_PRECISION": "no"}, "accelerate launch"),
+     ({"LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "2"}, "torchrun --nproc_per_node 2")],
+)  # fmt: skip
+def test_the_card_names_the_launcher_and_where_the_recipe_is(root, tmp_path, monkeypatch, env, launcher):
+    for name in [n for n in __import__("os").environ if n.startswith(("ACCELERATE_", "TORCHELASTIC_"))]:
+        monkeypatch.delenv(name)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    inside = Recipe.from_argv(["--config", str(root / "recipes/grpo_tiny.yaml")], "colograd:tiny-qwen2", None)
+    text = model_card("m", None, inside, HISTORY, world_size=1).text
+    assert f"```bash\n{launcher} colograd/train.py --config recipes/grpo_tiny.yaml\n```" in text
+    assert "`recipes/grpo_tiny.yaml` of the colograd repository" in text
+    own = tmp_path / "mine.yaml"
+    own.write_text("max_steps: 2\n")
+    text = model_card("m", None, Recipe.from_argv(["--config", str(own)], None, None), HISTORY, world_size=1).text
+    assert "colograd repository" not in text and f"`{own}` (a file of the run's own, embedded below)" in text
+
+
 def test_card_of_a_run_from_python_has_no_recipe_and_no_fake_hub_ids(tmp_path):
     card = model_card("tiny", str(tmp_path), None, HISTORY[:1], world_size=1)
     assert card.data.base_model is None and card.data.datasets is None  # a local folder is not a Hub id
