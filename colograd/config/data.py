@@ -88,6 +88,18 @@ class ScriptArguments(OpenR1ScriptFields):
             "with open-r1's numbers; gameable)."
         },
     )
+    code_checker: str = field(
+        default="lines",
+        metadata={
+            "help": "How the code rewards compare a stdin/stdout case's output: 'lines' (with code_output_lines), "
+            "'tokens' (whitespace-separated tokens, line breaks free: Codeforces' and CodeContests' default "
+            "checker), 'tokens_nocase' (the same, case ignored: YES / yes), or 'float' (tokens, numbers equal within "
+            "code_float_tolerance, absolute or relative: testlib's real-number checkers)."
+        },
+    )
+    code_float_tolerance: float = field(
+        default=1e-6, metadata={"help": "code_checker 'float': the absolute or relative tolerance of a number."}
+    )
     drop_invalid_prompts: bool = field(
         default=False,
         metadata={

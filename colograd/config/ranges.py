@@ -187,6 +187,7 @@ RANGES: dict[str, Range] = {
     "soft_punish_cache": AT_LEAST_0,
     "code_eval_test_batch_size": Range(special=(-1,), low=1, why="-1: every case at once (open-r1's)"),
     "parallel_code_exec_per_proc": AT_LEAST_1,
+    "code_float_tolerance": Range(0, 1, high_open=True),
 }
 
 

@@ -24,6 +24,7 @@ rollout afterwards takes the started results instead of running them again, so t
 the rollout, in the same order (`scores_while_decoding` marks the functions that take this).
 """
 
+import math
 import os
 import re
 import threading
@@ -48,6 +49,7 @@ from colograd.rewards.sandbox import Execution, Sandbox, SandboxLimits
 BINARY_THRESHOLD = 0.99  # open-r1's
 SANDBOX_MODES = ("namespaces", "none")
 OUTPUT_LINES = ("all", "shorter")
+CHECKERS = ("lines", "tokens", "tokens_nocase", "float")
 
 
 def extract_code(completion: str, language: str = "python") -> str:
@@ -56,16 +58,46 @@ def extract_code(completion: str, language: str = "python") -> str:
     return matches[-1] if matches else ""
 
 
-def output_matches(stdout: str, expected: str, lines: str = "all") -> bool:
-    """Whether a program's output matches the expected output: both stripped, compared line by line, each line
-    stripped. `lines`: "all", every line, so the counts must agree; "shorter", open-r1's comparison, over the shorter
-    of the two (a program that prints only the first expected line passes: gameable)."""
+def output_matches(
+    stdout: str, expected: str, lines: str = "all", checker: str = "lines", tolerance: float = 1e-6
+) -> bool:
+    """Whether a program's output matches the expected output, as `checker` compares them:
+
+    lines           both stripped, compared line by line, each line stripped. `lines`: "all", every line, so the
+                    counts must agree; "shorter", open-r1's comparison, over the shorter of the two (a program that
+                    prints only the first expected line passes: gameable)
+    tokens          the whitespace-separated tokens, equal in order (line breaks and spacing free: the default
+                    checker of Codeforces and CodeContests' judges)
+    tokens_nocase   the same, letters' case ignored ("YES" / "yes")
+    float           the same tokens, a pair of numbers equal within `tolerance`, absolute or relative to the
+                    expected one (testlib's real-number checkers)
+    """
+    if checker != "lines":
+        got, want = stdout.split(), expected.split()
+        if len(got) != len(want):
+            return False
+        if checker == "tokens_nocase":
+            return [t.lower() for t in got] == [t.lower() for t in want]
+        if checker == "float":
+            return all(a == b or _close(a, b, tolerance) for a, b in zip(got, want, strict=True))
+        return got == want
     got, want = stdout.strip().split("\n"), expected.split("\n")
     if lines == "all":
         want = expected.strip().split("\n")
         if len(got) != len(want):
             return False
     return all(a.strip() == b.strip() for a, b in zip(got, want, strict=False))
+
+
+def _close(token: str, expected: str, tolerance: float) -> bool:
+    """Whether two tokens are numbers within `tolerance` of each other, absolutely or relative to `expected`."""
+    try:
+        a, b = float(token), float(expected)
+    except ValueError:
+        return False
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return False
+    return abs(a - b) <= tolerance * max(1.0, abs(b))
 
 
 def completion_text(completion: Any) -> str:
@@ -106,9 +138,13 @@ class CodeReward:
         program: how a completion's text becomes the program; default `extract_code` (its last python block).
         output_lines: how stdin/stdout cases compare the output: "all" its lines, or "shorter", open-r1's comparison
             over the shorter of the output's and the expected output's lines (gameable: see `output_matches`).
+        checker: how a stdin/stdout case's output is compared: "lines" (with `output_lines`), "tokens",
+            "tokens_nocase" or "float" (`output_matches`).
+        tolerance: the "float" checker's absolute or relative tolerance.
 
     Raises:
-        ConfigError: an unknown `sandbox` or `output_lines`; `SandboxUnavailable` where the namespaces cannot be built.
+        ConfigError: an unknown `sandbox`, `output_lines` or `checker`; `SandboxUnavailable` where the namespaces
+            cannot be built.
     """
 
     scores_while_decoding = True
@@ -121,14 +157,21 @@ class CodeReward:
         workers: int | None = None,
         program: Callable[[str], str] = extract_code,
         output_lines: str = "all",
+        checker: str = "lines",
+        tolerance: float = 1e-6,
     ) -> None:
         if sandbox not in SANDBOX_MODES:
             raise ConfigError(f"code_sandbox: {sandbox!r} is not one of {', '.join(SANDBOX_MODES)}.")
         if output_lines not in OUTPUT_LINES:
             raise ConfigError(f"code_output_lines: {output_lines!r} is not one of {', '.join(OUTPUT_LINES)}.")
+        if checker not in CHECKERS:
+            raise ConfigError(f"code_checker: {checker!r} is not one of {', '.join(CHECKERS)}.")
+        if not (0 <= tolerance < 1):
+            raise ConfigError(f"code_float_tolerance={tolerance}: give a value in [0, 1), e.g. 1e-6.")
         self.binary = binary
         self.program = program
         self.output_lines = output_lines
+        self.checker, self.tolerance = checker, tolerance
         self.__name__ = "binary_code" if binary else "code"
         self.sandbox = Sandbox(limits, isolated=sandbox == "namespaces")
         self.workers = workers or len(os.sched_getaffinity(0))
@@ -199,16 +242,26 @@ class CodeReward:
             return CodeResult(failures.count(None), len(failures), next(filter(None, failures), None))
         cases = tests.cases
         if not code.strip():  # open-r1 runs the empty program, which passes a case that expects no output
-            passed = sum(output_matches("", expected, self.output_lines) for _, expected in cases)
+            passed = sum(self.matches("", expected) for _, expected in cases)
             return CodeResult(passed, len(cases), "no code block" if passed < len(cases) else None)
         passed, reason = 0, None
         for stdin, expected in cases:
-            failure = _failure(self.sandbox.run(code, stdin), expected, self.output_lines)
+            failure = self.failure(self.sandbox.run(code, stdin), expected)
             passed += failure is None
             reason = reason or failure
             if failure == "syntax error":
                 break
         return CodeResult(passed, len(cases), reason)
+
+    def matches(self, stdout: str, expected: str) -> bool:
+        """Whether a case's output is right, as this reward's checker compares (`output_matches`)."""
+        return output_matches(stdout, expected, self.output_lines, self.checker, self.tolerance)
+
+    def failure(self, execution: Execution, expected: str) -> str | None:
+        """Why a stdin/stdout case failed, or None when it passed."""
+        if not execution.ok:
+            return execution.reason
+        return None if self.matches(execution.stdout, expected) else "wrong answer"
 
 
 def _rows(completions: list, verification_info: list | None, columns: dict[str, Any]) -> list[dict[str, Any]]:
@@ -217,12 +270,6 @@ def _rows(completions: list, verification_info: list | None, columns: dict[str, 
     if verification_info is not None:
         tested["verification_info"] = verification_info
     return [{name: values[i] for name, values in tested.items()} for i in range(len(completions))]
-
-
-def _failure(execution: Execution, expected: str, lines: str) -> str | None:
-    if not execution.ok:
-        return execution.reason
-    return None if output_matches(execution.stdout, expected, lines) else "wrong answer"
 
 
 def check_code_rows(
@@ -262,21 +309,27 @@ def check_code_rows(
             raise ConfigError(f"reward function {reward!r}: dataset {name!r} row {i}: {err}.") from None
 
 
-def code_reward(sandbox: str = "namespaces", output_lines: str = "all") -> CodeReward:
+def code_reward(
+    sandbox: str = "namespaces", output_lines: str = "all", checker: str = "lines", tolerance: float = 1e-6
+) -> CodeReward:
     """The built-in `code` reward (its pool and sandbox are made once per process and setting)."""
-    return _shared(False, sandbox, output_lines)
+    return _shared(False, sandbox, output_lines, checker, tolerance)
 
 
-def binary_code_reward(sandbox: str = "namespaces", output_lines: str = "all") -> CodeReward:
+def binary_code_reward(
+    sandbox: str = "namespaces", output_lines: str = "all", checker: str = "lines", tolerance: float = 1e-6
+) -> CodeReward:
     """The built-in `binary_code` reward."""
-    return _shared(True, sandbox, output_lines)
+    return _shared(True, sandbox, output_lines, checker, tolerance)
 
 
-_SHARED: dict[tuple[bool, str, str], CodeReward] = {}
+_SHARED: dict[tuple, CodeReward] = {}
 
 
-def _shared(binary: bool, sandbox: str, output_lines: str) -> CodeReward:
-    key = (binary, sandbox, output_lines)
+def _shared(binary: bool, sandbox: str, output_lines: str, checker: str, tolerance: float) -> CodeReward:
+    key = (binary, sandbox, output_lines, checker, tolerance)
     if key not in _SHARED:
-        _SHARED[key] = CodeReward(binary=binary, sandbox=sandbox, output_lines=output_lines)
+        _SHARED[key] = CodeReward(
+            binary=binary, sandbox=sandbox, output_lines=output_lines, checker=checker, tolerance=tolerance
+        )
     return _SHARED[key]

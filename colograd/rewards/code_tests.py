@@ -9,6 +9,8 @@ The layouts, looked for in this order (a column missing from a row, or null in i
                         run before the program and the tests, its test_setup_code after the program, before the tests
     test_cases          AceCode's assert statements, one test each
     test, entry_point   HumanEval's: `test` defines check(candidate); one test, check(<entry_point>)
+    ...                 competitive programming's stdin/stdout cases as CodeContests, APPS / TACO, LiveCodeBench,
+                        DeepCoder and open-r1/codeforces ship them (`colograd.rewards.code_layouts`)
 
 Assert-style tests run in one execution per completion, split in two processes: the program's, which runs the
 program as a module named ``solution`` (its ``if __name__ == "__main__":`` block does not run, as in HumanEval's
@@ -35,15 +37,17 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from colograd.rewards import code_harness
+from colograd.rewards.code_layouts import CONTEST_COLUMNS, CONTEST_LAYOUTS, LayoutError, contest_cases
 from colograd.rewards.sandbox import Execution, Sandbox
 
 # The columns a row's tests are read from, in the order the layouts are looked for.
 TEST_COLUMNS = (
     "verification_info", "test_list", "test_setup_code", "test_imports", "test_cases", "test", "entry_point",
+    *CONTEST_COLUMNS,
 )  # fmt: skip
 LAYOUTS = (
-    "verification_info (stdin/stdout cases), test_list or test_cases (assert statements), or test with entry_point "
-    "(HumanEval's check)"
+    "verification_info (stdin/stdout cases), test_list or test_cases (assert statements), test with entry_point "
+    f"(HumanEval's check), {CONTEST_LAYOUTS}"
 )
 _BUILTINS = frozenset(dir(builtins))
 # Modules a test may use without importing them: they are the judge's, imported there, never the program's objects.
@@ -106,6 +110,12 @@ def row_tests(row: dict[str, Any]) -> StdioTests | AssertTests:
         return _checked(AssertTests("", "", _asserts("test_cases", given["test_cases"])), "test_cases")
     if "test" in given:
         return _humaneval(given["test"], given.get("entry_point"))
+    try:
+        cases = contest_cases(given)
+    except LayoutError as err:
+        raise RowTestsError(str(err)) from None
+    if cases is not None:
+        return StdioTests(cases)
     raise RowTestsError(f"no tests: none of {LAYOUTS} is set; add one (docs/rewards.md shows each)")
 
 

@@ -146,13 +146,17 @@ def _soft_overlong(options: Any) -> RewardFunc:
 def _code(options: Any) -> RewardFunc:
     from colograd.rewards.code import code_reward
 
-    return code_reward(options.code_sandbox, options.code_output_lines)
+    return code_reward(
+        options.code_sandbox, options.code_output_lines, options.code_checker, options.code_float_tolerance
+    )
 
 
 def _binary_code(options: Any) -> RewardFunc:
     from colograd.rewards.code import binary_code_reward
 
-    return binary_code_reward(options.code_sandbox, options.code_output_lines)
+    return binary_code_reward(
+        options.code_sandbox, options.code_output_lines, options.code_checker, options.code_float_tolerance
+    )
 
 
 @dataclass(frozen=True)

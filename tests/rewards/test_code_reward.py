@@ -4,7 +4,6 @@ early giving the same rewards; rows whose tests cannot be read refused before th
 import json
 import re
 import threading
-from types import SimpleNamespace
 
 import pytest
 from conftest import ROOT, refused
@@ -55,7 +54,7 @@ def test_open_r1s_comparison_over_the_shorter_is_an_opt_in(code):
     assert shorter([block("print(3)\n")], [first_line_only]) == [1.0]
     assert resolve_reward("code", ScriptArguments(code_output_lines="shorter")).output_lines == "shorter"
     with pytest.raises(ConfigError, match="code_output_lines: 'first'"):
-        resolve_reward("code", SimpleNamespace(code_sandbox="namespaces", code_output_lines="first"))
+        resolve_reward("code", ScriptArguments(code_output_lines="first"))
 
 
 def test_the_reward_is_the_share_of_cases_passed(code):
@@ -109,7 +108,7 @@ def test_names_resolve_in_recipes():
     assert resolve_reward("code")([block(ADD)], test_list=[MBPP["test_list"]]) == [1.0]
     assert resolve_reward("code", ScriptArguments(code_sandbox="none")).sandbox.isolated is False
     with pytest.raises(ConfigError, match="code_sandbox: 'docker'"):
-        resolve_reward("code", SimpleNamespace(code_sandbox="docker", code_output_lines="all"))
+        resolve_reward("code", ScriptArguments(code_sandbox="docker"))
 
 
 def test_started_early_the_rewards_are_the_same_and_run_once(code, monkeypatch):
@@ -209,7 +208,7 @@ def test_assert_tests_started_early_run_once(code, monkeypatch):
 
 
 BAD_ROWS = {
-    "no tests": ({"tests": "[]"}, "no column of tests"),
+    "no tests": ({"unit_tests": "[]"}, "no column of tests"),
     "empty test_list": ({"test_list": []}, "test_list is empty"),
     "test_list as text": ({"test_list": "assert add(1, 2) == 3"}, "test_list is a str"),
     "a test asserting nothing": ({"test_list": ["add(1, 2)"]}, "has no assert that runs"),

@@ -1,0 +1,110 @@
+"""Competitive-programming rows as their datasets ship them (CodeContests, APPS / TACO, LiveCodeBench, DeepCoder,
+open-r1/codeforces) read into stdin/stdout cases, what is not read yet refused in one line, and the checkers that
+compare a case's output the way contest judges do."""
+
+import base64
+import json
+import os
+import pickle
+import zlib
+
+import pytest
+
+from colograd.rewards.code import CodeReward, output_matches
+from colograd.rewards.code_tests import RowTestsError, StdioTests, row_tests
+from colograd.rewards.sandbox import SandboxLimits
+
+CASES = (("1 2\n", "3\n"), ("2 2\n", "4\n"), ("5 -5\n", "0\n"))
+
+
+def lcb_private(cases: list[dict]) -> str:
+    """LiveCodeBench's private cases as code_generation_lite ships them: base64 of zlib of a pickled JSON text."""
+    return base64.b64encode(zlib.compress(pickle.dumps(json.dumps(cases)))).decode()
+
+
+CASE_DICTS = [{"input": i, "output": o, "testtype": "stdin"} for i, o in CASES]
+ROWS = {
+    "CodeContests": {"public_tests": {"input": ["1 2\n"], "output": ["3\n"]},
+                     "private_tests": {"input": ["2 2\n"], "output": ["4\n"]},
+                     "generated_tests": {"input": ["5 -5\n"], "output": ["0\n"]}},
+    "APPS": {"input_output": json.dumps({"inputs": [i for i, _ in CASES], "outputs": [o for _, o in CASES]})},
+    "TACO (outputs as line lists)": {"input_output": json.dumps({"inputs": [i for i, _ in CASES],
+                                                                  "outputs": [[o.strip()] for _, o in CASES]})},
+    "LiveCodeBench": {"public_test_cases": json.dumps(CASE_DICTS[:1]),
+                      "private_test_cases": lcb_private(CASE_DICTS[1:])},
+    "DeepCoder": {"tests": json.dumps(CASE_DICTS)},
+    "DeepCoder (TACO's)": {"tests": {"inputs": [i for i, _ in CASES], "outputs": [o for _, o in CASES]}},
+    "open-r1/codeforces": {"official_tests": [{"input": i, "output": o} for i, o in CASES], "checker": None},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", ROWS)
+def test_each_layout_is_read_as_its_stdin_stdout_cases(layout):
+    tests = row_tests(ROWS[layout])
+    expected = CASES if "line lists" not in layout else tuple((i, o.strip()) for i, o in CASES)
+    assert tests == StdioTests(expected)
+
+
+@pytest.mark.parametrize("layout", ROWS)
+def test_a_right_program_passes_and_a_wrong_one_fails_on_each_layout(layout, code):
+    right, wrong = (
+        "a, b = map(int, input().split())\nprint(a + b)\n",
+        "a, b = map(int, input().split())\nprint(a - b)\n",
+    )
+    row = ROWS[layout]
+    assert code.run_tests(right, row_tests(row)).rate == 1.0
+    assert code.run_tests(wrong, row_tests(row)).rate < 1.0
+
+
+@pytest.fixture(scope="module")
+def code() -> CodeReward:
+    return CodeReward(limits=SandboxLimits(wall_s=2.0, cpu_s=1), workers=2)
+
+
+@pytest.mark.parametrize(
+    "row, said",
+    [({"input_output": json.dumps({"inputs": [[1, 2]], "outputs": [3], "fn_name": "add"})},
+      "fn_name 'add': call-based"),
+     ({"public_test_cases": json.dumps([{"input": "1\n2", "output": "3", "testtype": "functional"}])},
+      "public_test_cases: case 0 is functional: call-based"),
+     ({"tests": [{"input": "1", "output": "1", "type": "function_call"}]}, "tests: case 0 is function_call"),
+     ({"official_tests": [{"input": "1", "output": "1"}], "checker": "#include <testlib.h>"}, "checker program"),
+     ({"public_tests": {"input": ["1"], "output": []}}, "public_tests has 1 inputs for 0 outputs"),
+     ({"public_tests": {"input": [], "output": []}, "private_tests": None}, "public_tests holds no test case"),
+     ({"input_output": "{not json"}, "input_output is not valid JSON"),
+     ({"tests": ["assert f(1) == 1"]}, "tests case 0 is a str")],
+)  # fmt: skip
+def test_what_is_not_read_is_refused_in_one_line_naming_what_to_keep(row, said):
+    with pytest.raises(RowTestsError, match=said) as err:
+        row_tests(row)
+    assert "\n" not in str(err.value)
+
+
+class _Runs:
+    """A pickle that would run a command when loaded (how a pickle runs code)."""
+
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/colograd-pickle-ran",))
+
+
+def test_compressed_cases_are_unpickled_as_text_only():
+    if os.path.exists("/tmp/colograd-pickle-ran"):
+        os.remove("/tmp/colograd-pickle-ran")
+    hostile = base64.b64encode(zlib.compress(pickle.dumps(_Runs()))).decode()
+    with pytest.raises(RowTestsError, match="neither JSON nor LiveCodeBench's compressed cases .*posix.system"):
+        row_tests({"private_test_cases": hostile})
+    assert not os.path.exists("/tmp/colograd-pickle-ran")
+
+
+@pytest.mark.parametrize(
+    "stdout, expected, checker, right",
+    [("1 2\n3", "1\n2 3\n", "tokens", True), ("1 2 3 4", "1 2 3", "tokens", False), ("1 2", "1 2", "lines", True),
+     ("1  2\n3", "1\n2 3\n", "lines", False), ("YES\nno", "yes\nNO", "tokens_nocase", True),
+     ("YES", "yes", "tokens", False), ("0.3333333", "0.333333333", "float", True),
+     ("0.3334", "0.333333333", "float", False), ("1000000.5", "1000000", "float", True),
+     ("1000002", "1000000", "float", False), ("abc 1.0000001", "abc 1", "float", True),
+     ("abd 1", "abc 1", "float", False), ("nan", "0", "float", False), ("inf", "inf", "float", True),
+     ("1e-7", "0", "float", True), ("2", "1 2", "float", False)],
+)  # fmt: skip
+def test_checkers_compare_as_contest_judges_do(stdout, expected, checker, right):
+    assert output_matches(stdout, expected, "all", checker, 1e-6) is right
