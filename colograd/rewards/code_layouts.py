@@ -3,7 +3,7 @@
     public_tests, private_tests,   CodeContests (deepmind/code_contests): each {"input": [...], "output": [...]};
     generated_tests                every case of the three, in that order
     input_output                   APPS, TACO: JSON text {"inputs": [...], "outputs": [...]}; with "fn_name" the
-                                   problem is call-based
+                                   problem is call-based (`CallCases`)
     public_test_cases,             LiveCodeBench (code_generation_lite): JSON text of [{"input", "output",
     private_test_cases             "testtype"}]; the private cases as shipped, base64 of zlib of a pickled JSON text
     tests                          DeepCoder: a list (or its JSON text) of {"input", "output"} cases ("testtype" /
@@ -11,9 +11,12 @@
     official_tests                 open-r1/codeforces: [{"input", "output"}]; a row whose `checker` is set needs
                                    that special judge
 
-A row in one of these becomes `StdioTests` (`colograd.rewards.code_tests`), compared as `code_checker` says. What is
-not read yet is refused in one line naming the rows to keep: call-based cases (APPS's `fn_name`, LiveCodeBench's and
-DeepCoder's functional ones) and Codeforces problems with a checker program.
+A row of stdin/stdout cases becomes `StdioTests` (`colograd.rewards.code_tests`), compared as `code_checker` says. A
+call-based row (APPS's and TACO's `fn_name`, LiveCodeBench's and DeepCoder's functional cases, the function's name in
+`fn_name` or the row's `metadata`) becomes `CallCases`, which `code_tests` turns into assert-style tests for the split
+harness: the function (a method of the program's `Solution` where it defines one, as LeetCode's problems and these
+graders call it) called with each case's arguments, its result compared as the dataset's own grader compares it. What
+is not read yet is refused in one line naming the rows to keep: Codeforces problems judged by a checker program.
 """
 
 import base64
@@ -21,12 +24,13 @@ import io
 import json
 import pickle
 import zlib
+from dataclasses import dataclass
 from typing import Any
 
 # The columns, in the order the layouts are looked for (after open-r1's verification_info).
 CONTEST_COLUMNS = (
     "public_tests", "private_tests", "generated_tests", "input_output", "public_test_cases", "private_test_cases",
-    "tests", "official_tests", "checker",
+    "tests", "official_tests", "checker", "metadata",
 )  # fmt: skip
 CONTEST_LAYOUTS = (
     "public_tests/private_tests/generated_tests (CodeContests), input_output (APPS, TACO), public_test_cases/"
@@ -35,17 +39,38 @@ CONTEST_LAYOUTS = (
 _FUNCTIONAL = {"functional", "function_call", "call", "call-based"}
 
 
+@dataclass(frozen=True)
+class CallCases:
+    """Call-based cases: `fn_name` called with each case's arguments, its result compared with the expected value
+    as `grader` does ("apps": APPS's and TACO's, "lcb": LiveCodeBench's)."""
+
+    fn_name: str
+    cases: tuple[tuple[tuple, Any], ...]
+    grader: str
+
+
+class _Functional(Exception):
+    """Raised inside the readers when a case is call-based: the row is read again as `CallCases`."""
+
+
 class LayoutError(ValueError):
     """A row's cases cannot be read; the message (one line) names the column, the problem and the fix."""
 
 
-def contest_cases(given: dict[str, Any]) -> tuple[tuple[str, str], ...] | None:
-    """The (stdin, expected stdout) cases of a competitive-programming row, or None when it has none of these
-    layouts' columns.
+def contest_cases(given: dict[str, Any]) -> tuple[tuple[str, str], ...] | CallCases | None:
+    """The (stdin, expected stdout) cases of a competitive-programming row, its `CallCases` where the problem is
+    call-based, or None when it has none of these layouts' columns.
 
     Raises:
-        LayoutError: the cases are malformed, call-based, or need a checker program.
+        LayoutError: the cases are malformed, mix stdin and call-based ones, or need a checker program.
     """
+    try:
+        return _stdio_cases(given)
+    except _Functional:
+        return _call_cases(given)
+
+
+def _stdio_cases(given: dict[str, Any]) -> tuple[tuple[str, str], ...] | None:
     if any(c in given for c in ("public_tests", "private_tests", "generated_tests")):
         return _nonempty("public_tests", [c for n in ("public_tests", "private_tests", "generated_tests")
                                           for c in _columns(n, given.get(n))])  # fmt: skip
@@ -102,7 +127,7 @@ def _inputs_outputs(column: str, value: Any) -> list[tuple[str, str]]:
     if not isinstance(value, dict) or not isinstance(value.get("inputs"), list):
         raise LayoutError(f"{column} is not {{'inputs': [...], 'outputs': [...]}} (APPS's and TACO's); fix the row")
     if value.get("fn_name"):
-        raise _call_based(column, f"fn_name {value['fn_name']!r}")
+        raise _Functional
     return _pairs(column, value["inputs"], value.get("outputs") or [])
 
 
@@ -118,7 +143,7 @@ def _case_list(column: str, value: Any) -> list[tuple[str, str]]:
             raise LayoutError(f"{column} case {k} is a {type(case).__name__}; give {{'input': ..., 'output': ...}}")
         kind = str(case.get("testtype") or case.get("type") or "stdin").lower()
         if kind in _FUNCTIONAL:
-            raise _call_based(column, f"case {k} is {kind}")
+            raise _Functional
         cases += _pairs(f"{column} case {k}", [case.get("input")], [case.get("output")])
     return cases
 
@@ -137,11 +162,49 @@ def _pairs(column: str, inputs: list, outputs: list) -> list[tuple[str, str]]:
     return pairs
 
 
-def _call_based(column: str, what: str) -> LayoutError:
-    return LayoutError(
-        f"{column}: {what}: call-based cases (a function called with arguments) are not read yet, only stdin/stdout "
-        "ones; keep the stdin rows (dataset.filter), or give the row's tests as assert statements (test_list)"
-    )
+def _call_cases(given: dict[str, Any]) -> CallCases:
+    """A call-based row's `CallCases`: APPS's and TACO's {"inputs": [[args...]], "outputs": [...], "fn_name"}, or
+    LiveCodeBench's and DeepCoder's cases, each argument a JSON line of "input", "output" JSON, the function's name in
+    `fn_name` (a case's, DeepCoder's) or the row's `metadata` ({"func_name": ...}, LiveCodeBench's)."""
+    for column in ("input_output", "tests"):
+        value = _json(column, given[column]) if column in given else None
+        if isinstance(value, dict):
+            calls = [(tuple(args) if isinstance(args, list) else (args,), expected)
+                     for args, expected in zip(value["inputs"], value.get("outputs") or [], strict=False)]  # fmt: skip
+            if len(calls) != len(value["inputs"]):
+                raise LayoutError(f"{column} has {len(value['inputs'])} inputs for {len(calls)} outputs")
+            return CallCases(_name(column, value.get("fn_name")), tuple(calls), "apps")
+    if "public_test_cases" in given or "private_test_cases" in given:
+        column = "public_test_cases"
+        cases = [c for n in ("public_test_cases", "private_test_cases") for c in _lcb(n, given.get(n)) or []]
+    else:
+        column = "tests"
+        cases = _json("tests", given["tests"])
+    metadata = _json("metadata", given.get("metadata")) or {}
+    names = {c.get("fn_name") for c in cases if isinstance(c, dict)} - {None}
+    name = names.pop() if len(names) == 1 else (metadata.get("func_name") if isinstance(metadata, dict) else None)
+    calls = []
+    for k, case in enumerate(cases):
+        kind = str(case.get("testtype") or case.get("type") or "stdin").lower() if isinstance(case, dict) else ""
+        if kind not in _FUNCTIONAL:
+            said = f"{column} case {k} is {kind or 'not a dict'} where others are call-based; keep one kind"
+            raise LayoutError(said)
+        try:
+            args = tuple(json.loads(line) for line in str(case.get("input")).split("\n"))
+            expected = json.loads(case.get("output"))
+        except (TypeError, json.JSONDecodeError) as err:
+            raise LayoutError(f"{column} case {k}: its arguments or result are not JSON lines ({err})") from None
+        calls.append((args, expected))
+    return CallCases(_name(column, name), tuple(calls), "lcb")
+
+
+def _name(column: str, name: Any) -> str:
+    if not isinstance(name, str) or not name.isidentifier():
+        raise LayoutError(
+            f"{column}: call-based cases, but the function to call is {name!r}; give its name (fn_name, or metadata's "
+            "func_name)"
+        )
+    return name
 
 
 def _lcb(column: str, value: Any) -> Any:

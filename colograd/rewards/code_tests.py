@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from colograd.rewards import code_harness
-from colograd.rewards.code_layouts import CONTEST_COLUMNS, CONTEST_LAYOUTS, LayoutError, contest_cases
+from colograd.rewards.code_layouts import CONTEST_COLUMNS, CONTEST_LAYOUTS, CallCases, LayoutError, contest_cases
 from colograd.rewards.sandbox import Execution, Sandbox
 
 # The columns a row's tests are read from, in the order the layouts are looked for.
@@ -114,6 +114,8 @@ def row_tests(row: dict[str, Any]) -> StdioTests | AssertTests:
         cases = contest_cases(given)
     except LayoutError as err:
         raise RowTestsError(str(err)) from None
+    if isinstance(cases, CallCases):
+        return _call_asserts(cases)
     if cases is not None:
         return StdioTests(cases)
     raise RowTestsError(f"no tests: none of {LAYOUTS} is set; add one (docs/rewards.md shows each)")
@@ -228,6 +230,41 @@ def _humaneval(test: Any, entry_point: Any) -> AssertTests:
             "function it never calls or under a condition that is always false); make it assert on candidate"
         )
     return AssertTests("", "", (program,), (entry_point,))
+
+
+# The judge's side of a call-based row: the function to call (a method of the program's `Solution` where it defines
+# one, as LeetCode's problems and the datasets' graders call it) and the dataset grader's comparison. It runs in the
+# judge, after the program; the names it does not define (`Solution`, the function) are the program's.
+_CALL_SETUP = """
+def _entry():
+    try:
+        return getattr(Solution(), {name!r})
+    except Exception:
+        return {name}
+
+
+def _same(got, want):
+    if isinstance(got, tuple):
+        got = list(got)
+    if got == want:
+        return True
+    if {apps}:  # APPS's and TACO's grader: an expected list of one also stands for its element
+        if isinstance(want, list) and want and got == want[0]:
+            return True
+        try:
+            return isinstance(got[0], tuple) and [list(x) for x in got] == want[0]
+        except Exception:
+            return False
+    return False
+"""
+
+
+def _call_asserts(calls: CallCases) -> AssertTests:
+    """A call-based row's tests: one assert per case, the function called with the case's arguments and its result
+    compared as the dataset's grader compares it (`_CALL_SETUP`); the expected values stay in the judge."""
+    setup = _CALL_SETUP.format(name=calls.fn_name, apps=calls.grader == "apps")
+    tests = tuple(f"assert _same(_entry()(*{args!r}), {expected!r})" for args, expected in calls.cases)
+    return AssertTests("", setup, tests, (calls.fn_name, "Solution"))
 
 
 def _checked(tests: AssertTests, column: str) -> AssertTests:

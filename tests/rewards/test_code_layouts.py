@@ -63,16 +63,16 @@ def code() -> CodeReward:
 
 @pytest.mark.parametrize(
     "row, said",
-    [({"input_output": json.dumps({"inputs": [[1, 2]], "outputs": [3], "fn_name": "add"})},
-      "fn_name 'add': call-based"),
-     ({"public_test_cases": json.dumps([{"input": "1\n2", "output": "3", "testtype": "functional"}])},
-      "public_test_cases: case 0 is functional: call-based"),
-     ({"tests": [{"input": "1", "output": "1", "type": "function_call"}]}, "tests: case 0 is function_call"),
-     ({"official_tests": [{"input": "1", "output": "1"}], "checker": "#include <testlib.h>"}, "checker program"),
+    [({"official_tests": [{"input": "1", "output": "1"}], "checker": "#include <testlib.h>"}, "checker program"),
      ({"public_tests": {"input": ["1"], "output": []}}, "public_tests has 1 inputs for 0 outputs"),
      ({"public_tests": {"input": [], "output": []}, "private_tests": None}, "public_tests holds no test case"),
      ({"input_output": "{not json"}, "input_output is not valid JSON"),
-     ({"tests": ["assert f(1) == 1"]}, "tests case 0 is a str")],
+     ({"tests": ["assert f(1) == 1"]}, "tests case 0 is a str"),
+     ({"public_test_cases": json.dumps([{"input": "1", "output": "1", "testtype": "functional"}])},
+      "the function to call is None; give its name"),
+     ({"tests": [{"input": "1", "output": "1", "testtype": "functional", "fn_name": "f"},
+                 {"input": "1", "output": "1", "testtype": "stdin"}]}, "case 1 is stdin where others are call-based"),
+     ({"tests": [{"input": "[1", "output": "1", "testtype": "functional", "fn_name": "f"}]}, "not JSON lines")],
 )  # fmt: skip
 def test_what_is_not_read_is_refused_in_one_line_naming_what_to_keep(row, said):
     with pytest.raises(RowTestsError, match=said) as err:
@@ -108,3 +108,33 @@ def test_compressed_cases_are_unpickled_as_text_only():
 )  # fmt: skip
 def test_checkers_compare_as_contest_judges_do(stdout, expected, checker, right):
     assert output_matches(stdout, expected, "all", checker, 1e-6) is right
+
+
+SUM_CALLS = {"inputs": [[1, 2], [2, 2], [5, -5]], "outputs": [[3], [4], [0]]}
+LCB_CALLS = [
+    {"input": f"{a}\n{b}", "output": json.dumps(a + b), "testtype": "functional"} for a, b in ((1, 2), (2, 2))
+]
+CALL_ROWS = {
+    "APPS / TACO": {"input_output": json.dumps({**SUM_CALLS, "fn_name": "add"})},
+    "LiveCodeBench (functional)": {"public_test_cases": json.dumps(LCB_CALLS[:1]),
+                                   "private_test_cases": lcb_private(LCB_CALLS[1:]),
+                                   "metadata": json.dumps({"func_name": "add"})},
+    "DeepCoder (functional)": {"tests": [{**case, "fn_name": "add"} for case in LCB_CALLS]},
+}  # fmt: skip
+RIGHT = {"function": "def add(a, b):\n    return a + b\n",
+         "Solution": "class Solution:\n    def add(self, a, b):\n        return a + b\n"}  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", CALL_ROWS)
+@pytest.mark.parametrize("form", RIGHT)
+def test_call_based_rows_call_the_function_and_compare_as_their_grader(layout, form, code):
+    tests = row_tests(CALL_ROWS[layout])
+    assert code.run_tests(RIGHT[form], tests).rate == 1.0
+    assert code.run_tests(RIGHT[form].replace("a + b", "a - b"), tests).rate < 1.0
+    assert code.run_tests("print(3)\n", tests).rate == 0.0  # the expected values never reach the program
+
+
+def test_apps_grader_reads_a_tuple_as_a_list_and_a_builtins_name_as_the_programs(code):
+    pairs = row_tests({"input_output": json.dumps({"inputs": [[2]], "outputs": [[[1, 2]]], "fn_name": "divmod"})})
+    assert code.run_tests("def divmod(n):\n    return (1, 2)\n", pairs).rate == 1.0  # APPS: tuple == list
+    assert code.run_tests("x = 1\n", pairs).rate == 0.0  # not the builtin divmod: the program defines none
