@@ -44,6 +44,7 @@ try:
     from colograd.runs.modelcard import Recipe
     from colograd.runs.output_dir import RunFinished, check_output_dir, finish_from_checkpoint
     from colograd.runs.preemption import PREEMPTED_EXIT_CODE, StepFailure, exit_interrupted
+    from colograd.runs.saving import push_output_dir
     from colograd.vision.core import load_pretrained, text_tokenizer
 except OSError as err:
     if err.filename is None:  # not a path (a library that cannot load): its own traceback says more
@@ -190,6 +191,8 @@ def main(
         check_output_dir(training_args, training_args.resume_from_checkpoint)
     except RunFinished as done:  # the last step is saved, the final model is not: it is the checkpoint's
         finish_from_checkpoint(done, training_args)
+        if training_args.push_to_hub and training_args.process_index == 0:
+            print(f"colograd: note: pushed {done.output_dir} to {push_output_dir(training_args)}.", file=sys.stderr)
         return
     config, tokenizer, dtype = load_model_config(model_args, training_args)
     adapter_rank = model_args.lora_r if model_args.use_peft and training_args.lora_sync == "adapter" else None

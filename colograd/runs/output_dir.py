@@ -369,10 +369,9 @@ def finish_from_checkpoint(done: RunFinished, args: TrainingArguments) -> list[s
             shutil.copy2(os.path.join(done.checkpoint, name), os.path.join(done.output_dir, f".{name}.tmp"))
         for name in names:  # whole files only: a copy cut short leaves a hidden temporary, not a model
             os.replace(os.path.join(done.output_dir, f".{name}.tmp"), os.path.join(done.output_dir, name))
-        pushed = " (not pushed: push output_dir with `hf upload`)" if getattr(args, "push_to_hub", False) else ""
         note(
             f"{os.path.basename(done.checkpoint)} holds the run's last step (max_steps {args.max_steps}): wrote the "
-            f"final model from it into {done.output_dir}{pushed}; nothing left to train."
+            f"final model from it into {done.output_dir}; nothing left to train."
         )
     return names
 

@@ -29,6 +29,29 @@ from colograd.runs.preemption import stage_failures
 from colograd.runs.relaunch import reshard_note
 
 
+def push_output_dir(args: Any) -> str:
+    """What `push_to_hub` uploads at a run's end, for a run finished from its last checkpoint, where no trainer is
+    built (`colograd.runs.output_dir.RunFinished`): output_dir less its checkpoints and `_` files, as transformers'
+    `Trainer.push_to_hub` leaves them out, to `hub_model_id` (default: the folder's name under the token's user), on
+    `hub_revision` (created from the default branch where missing).
+
+    Returns:
+        The repository's id.
+    """
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=args.hub_token)
+    name = args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir))
+    repo = api.create_repo(name, private=args.hub_private_repo, exist_ok=True).repo_id
+    if args.hub_revision not in (None, "main"):
+        api.create_branch(repo, branch=args.hub_revision, exist_ok=True)
+    api.upload_folder(
+        repo_id=repo, folder_path=args.output_dir, commit_message="End of training", revision=args.hub_revision,
+        ignore_patterns=["_*", f"{PREFIX_CHECKPOINT_DIR}-*"],
+    )  # fmt: skip
+    return repo
+
+
 class ModelSaving(Trainer):
     """The save hooks of `GRPOTrainer` and where a `train` call starts from (`recipe`, `reward_func_names` and
     `reward_weights` are set by it)."""

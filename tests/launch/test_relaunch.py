@@ -428,3 +428,25 @@ def test_torchrun_relaunched_after_a_worker_is_killed_ends_bit_identical(tmp_pat
     assert expected.keys() == got.keys()
     for name in expected:
         assert torch.equal(got[name], expected[name]), name
+
+
+def test_a_run_finished_from_its_last_checkpoint_pushes_as_the_trainer_would(tmp_path):
+    from unittest.mock import patch
+
+    from colograd.runs.saving import push_output_dir
+
+    args = SimpleNamespace(output_dir=str(tmp_path / "my-run"), hub_model_id=None, hub_token="t",
+                           hub_private_repo=True, hub_revision="v1")  # fmt: skip
+    with (
+        patch("huggingface_hub.HfApi.create_repo") as create,
+        patch("huggingface_hub.HfApi.create_branch") as branch,
+        patch("huggingface_hub.HfApi.upload_folder") as upload,
+    ):
+        create.return_value.repo_id = "me/my-run"
+        assert push_output_dir(args) == "me/my-run"
+    create.assert_called_once_with("my-run", private=True, exist_ok=True)
+    branch.assert_called_once_with("me/my-run", branch="v1", exist_ok=True)
+    assert upload.call_args.kwargs == {
+        "repo_id": "me/my-run", "folder_path": str(tmp_path / "my-run"), "commit_message": "End of training",
+        "revision": "v1", "ignore_patterns": ["_*", "checkpoint-*"],
+    }  # fmt: skip
