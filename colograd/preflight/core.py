@@ -27,7 +27,7 @@ Every failure is a `ConfigError` naming the input, the problem and the fix.
 import copy
 import inspect
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -161,9 +161,16 @@ def check_data(
         check_code_rows(reward_funcs, dataset.column_names, _reader(dataset), name, rewards_also_get)
 
 
-def _reader(dataset: Dataset) -> Callable[[list[str]], dict[str, list]]:
-    """The values of the named columns of `dataset` (only those are read)."""
-    return lambda columns: dataset.select_columns(columns).to_dict() if columns else {}
+def _reader(dataset: Dataset, batch: int = 256) -> Callable[[list[str]], Iterator[dict[str, list]]]:
+    """The values of the named columns of `dataset` (only those are read), `batch` rows at a time: a code dataset's
+    tests (CodeContests' generated ones) can be gigabytes."""
+
+    def read(columns: list[str]) -> Iterator[dict[str, list]]:
+        selected = dataset.select_columns(columns)
+        for start in range(0, len(selected), batch):
+            yield selected[start : start + batch]
+
+    return read
 
 
 def check_stream_data(

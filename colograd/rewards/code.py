@@ -28,7 +28,7 @@ import math
 import os
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -275,7 +275,7 @@ def _rows(completions: list, verification_info: list | None, columns: dict[str, 
 def check_code_rows(
     reward_funcs: list,
     column_names: list[str],
-    read: Callable[[list[str]], dict[str, list]],
+    read: Callable[[list[str]], dict[str, list] | Iterable[dict[str, list]]],
     name: str,
     also_given: Sequence[str] = (),
 ) -> None:
@@ -284,7 +284,8 @@ def check_code_rows(
     Args:
         reward_funcs: the run's reward functions; nothing is checked (or read) without a `CodeReward` among them.
         column_names: the dataset's columns.
-        read: the values of the named columns, one per row.
+        read: the values of the named columns, one per row: all at once, or an iterable of such batches (a
+            competitive-programming dataset's tests can be gigabytes, more than one process should hold at once).
         name: how messages name the dataset.
         also_given: keywords the rewards get besides the columns (an environment's): when they include a column of
             tests, the rows' tests are not the dataset's to check.
@@ -296,17 +297,22 @@ def check_code_rows(
     if not code or any(c in TEST_COLUMNS for c in also_given):
         return
     reward = code[0].__name__
-    tested = read([c for c in TEST_COLUMNS if c in column_names])
-    if not tested:
+    columns = [c for c in TEST_COLUMNS if c in column_names]
+    if not columns:
         raise ConfigError(
             f"reward function {reward!r}: dataset {name!r} has no column of tests: none of {LAYOUTS} (its columns: "
             f"{', '.join(column_names)}); add one (docs/rewards.md shows each)."
         )
-    for i in range(len(next(iter(tested.values())))):
-        try:
-            row_tests({c: values[i] for c, values in tested.items()})
-        except RowTestsError as err:
-            raise ConfigError(f"reward function {reward!r}: dataset {name!r} row {i}: {err}.") from None
+    batches = read(columns)
+    first = 0
+    for tested in [batches] if isinstance(batches, dict) else batches:  # a batch at a time: tests can be GBs
+        rows = len(next(iter(tested.values())))
+        for i in range(rows):
+            try:
+                row_tests({c: values[i] for c, values in tested.items()})
+            except RowTestsError as err:
+                raise ConfigError(f"reward function {reward!r}: dataset {name!r} row {first + i}: {err}.") from None
+        first += rows
 
 
 def code_reward(

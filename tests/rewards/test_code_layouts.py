@@ -138,3 +138,20 @@ def test_apps_grader_reads_a_tuple_as_a_list_and_a_builtins_name_as_the_programs
     pairs = row_tests({"input_output": json.dumps({"inputs": [[2]], "outputs": [[[1, 2]]], "fn_name": "divmod"})})
     assert code.run_tests("def divmod(n):\n    return (1, 2)\n", pairs).rate == 1.0  # APPS: tuple == list
     assert code.run_tests("x = 1\n", pairs).rate == 0.0  # not the builtin divmod: the program defines none
+
+
+def test_preflight_reads_a_datasets_tests_a_batch_at_a_time_and_names_the_bad_row(code):
+    """CodeContests' tests are gigabytes: preflight reads them in batches; a bad row is still named by its index."""
+    from datasets import Dataset
+
+    from colograd.config.core import ConfigError
+    from colograd.preflight.core import _reader
+    from colograd.rewards.code import check_code_rows
+
+    good = {"input": ["1 2\n"], "output": ["3\n"]}
+    rows = [{"public_tests": good if i != 513 else {"input": ["1"], "output": []}} for i in range(600)]
+    dataset = Dataset.from_list(rows)
+    batches = list(_reader(dataset, batch=256)(["public_tests"]))
+    assert [len(b["public_tests"]) for b in batches] == [256, 256, 88]
+    with pytest.raises(ConfigError, match="dataset 'cc' row 513: public_tests has 1 inputs for 0 outputs"):
+        check_code_rows([code], dataset.column_names, _reader(dataset, batch=256), "cc")
