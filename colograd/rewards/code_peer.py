@@ -320,7 +320,9 @@ class Peer:
         if self._data_only and tag in ("h", "it"):
             raise NotPlainData(str(items[1])[:100] if tag == "h" and len(items) > 1 else "iterator")
         if tag == "h" and len(items) == 2 and type(items[1]) is str and len(items[1]) <= 100:
-            level = OBJECT if items[1] in self.classes else self._level
+            # What the reply op grants (a callable a call returned may be called) is the reply's own: a handle inside
+            # data (a namedtuple's field, a list's item) is read, never called, whatever its field is named.
+            level = OBJECT if items[1] in self.classes else self._level if depth == 0 else NONE
             shown = self._via if self._via and level != OBJECT else items[1]  # a method: named by its object's type
             remote = self._remote(key, lambda: Remote(self, ["h", key], shown, level))
             if type(remote) is not Remote:
@@ -348,9 +350,10 @@ _END = object()
 
 
 def _reply_level(op, target):
-    """What the program's objects in its reply to `op` on `target` may be asked, unless the row names their class:
+    """What the program's object that is the reply to `op` on `target` may be asked, unless the row names its class:
     a callable a call returns may be called (``make_adder(1)(2)``), as may a method of an object of a named class;
-    nothing else, so that a proxy's ``startswith`` never sees the test's value."""
+    nothing else, so that a proxy's ``startswith`` never sees the test's value. Objects inside the reply's data get
+    none of it (`_judge_resolve`): a namedtuple's callable field is never called."""
     level = getattr(target, "_level", NONE) if type(target) is Remote else NONE
     if op == "call" or (op == "getattr" and level == OBJECT):
         return CALLABLE

@@ -263,3 +263,37 @@ def test_a_wrong_program_scores_zero_whatever_it_does(code, layout):
     reasons = logged["code_failure"]
     scored = {hack: (reward, why) for hack, reward, why in zip(HACKS, rewards, reasons, strict=True) if reward}
     assert scored == {}
+
+
+# Tests that call a method on what the program returned (AceCode's and MBPP's string and set tasks do).
+METHOD_CALLS = {"test_list": ["assert f('abc').startswith('ab')", "assert not f('x').isupper()",
+                              "assert g().issubset({1, 2, 3})"]}  # fmt: skip
+RIGHT_METHODS = "def f(s):\n    return s\ndef g():\n    return {1, 2}\n"
+# A wrong program whose results carry, under the names of the methods the tests call, callables of its own that say
+# yes: a namedtuple's fields, an object in a list, a dict's values. Nothing inside data it returns is callable.
+SHADOWED = {
+    "namedtuple fields": """
+from collections import namedtuple
+R = namedtuple("R", ["startswith", "isupper", "issubset"])
+yes, no = (lambda *a, **k: True), (lambda *a, **k: False)
+def f(s):
+    return R(yes, no, yes)
+def g():
+    return R(yes, no, yes)
+""",
+    "a callable field whose namedtuple is named like str": """
+from collections import namedtuple
+str = namedtuple("str", ["startswith", "isupper"])
+set = namedtuple("set", ["issubset"])
+def f(s):
+    return str(lambda *a: True, lambda *a: False)
+def g():
+    return set(lambda *a: True)
+""",
+}
+
+
+def test_a_callable_inside_returned_data_is_never_called_in_the_judge(code):
+    assert code([f"```python\n{RIGHT_METHODS}```"], **{k: [v] for k, v in METHOD_CALLS.items()}) == [1.0]
+    completions = [f"```python\n{program}```" for program in SHADOWED.values()]
+    assert code(completions, **{k: [v] * len(completions) for k, v in METHOD_CALLS.items()}) == [0.0, 0.0]
