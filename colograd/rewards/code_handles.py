@@ -16,6 +16,8 @@ from colograd.rewards.code_wire import Handle, NotPlainData
 # What the judge lets the program answer for one of its objects: a method of it is called (and an item read) only
 # when the row names the object's class; a callable a call returned is called; anything else is read, not asked.
 NONE, CALLABLE, OBJECT = 0, 1, 2
+# The dunder attributes a test may read of the program's object: names and text, answered as data.
+_TEXT_DUNDERS = ("__name__", "__qualname__", "__doc__", "__module__")
 
 
 class Remote(Handle):
@@ -36,6 +38,10 @@ class Remote(Handle):
     def __getattribute__(self, name):
         if name in Remote.__slots__:
             return object.__getattribute__(self, name)
+        if name[:2] == "__" == name[-2:] and name not in _TEXT_DUNDERS:
+            # A protocol the judge's libraries look up (numpy's __array_interface__, copy's __deepcopy__, ...) is
+            # never the program's to answer: its answer would steer them (an address numpy would read).
+            raise AttributeError(name)
         return object.__getattribute__(self, "_peer").ask("getattr", self, name=name)
 
     def __setattr__(self, name, value):

@@ -265,6 +265,8 @@ class Peer:
         if callable(value):
             if any(value is refused for refused in _NEVER_HANDED):
                 raise NotPlainData(f"{value.__name__} (a builtin the program may not call in the judge)")
+            if isinstance(value, type) and issubclass(value, type):  # `type`, any metaclass: a class from data
+                raise NotPlainData(f"{value.__name__} (it would build, in the judge, a class of the program's design)")
             return ["fn", self._number(value)]
         kind = type(value)
         if kind.__module__ != "__test__":

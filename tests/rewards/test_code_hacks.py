@@ -297,3 +297,22 @@ def test_a_callable_inside_returned_data_is_never_called_in_the_judge(code):
     assert code([f"```python\n{RIGHT_METHODS}```"], **{k: [v] for k, v in METHOD_CALLS.items()}) == [1.0]
     completions = [f"```python\n{program}```" for program in SHADOWED.values()]
     assert code(completions, **{k: [v] * len(completions) for k, v in METHOD_CALLS.items()}) == [0.0, 0.0]
+
+
+def test_a_class_of_the_programs_design_is_never_built_in_the_judge(code):
+    """A test that hands `type` over: the program would build, in the judge, a class whose __eq__ says yes."""
+    row = {"test_list": ["assert type_name(type) == 'type'"]}
+    attack = "def type_name(t):\n    E = t('E', (), {'__eq__': str, '__module__': '__test__'})\n    return E()\n"
+    assert code([f"```python\n{attack}```"], **{k: [v] for k, v in row.items()}) == [0.0]
+
+
+def test_the_judges_libraries_never_read_a_protocol_the_program_answers(code):
+    """numpy asks an object for __array_interface__: the program's answer (an address of its choice) is never
+    asked, so the judge neither reads that memory nor dies of it; a right program still passes."""
+    row = {"test_list": ["import numpy as np\nassert np.allclose(f(), [1.0, 2.0])"]}
+    attack = ("class A:\n    __array_interface__ = {'data': (16, False), 'shape': (2,), 'typestr': '<f8', "
+              "'version': 3}\ndef f():\n    return A()\n")  # fmt: skip
+    logged = {}
+    rewards = code([f"```python\n{attack}```", "```python\ndef f():\n    return [1.0, 2.0]\n```"],
+                   **{k: [v] * 2 for k, v in row.items()}, log_extra=lambda c, v: logged.update({c: v}))  # fmt: skip
+    assert rewards == [0.0, 1.0] and "SIGSEGV" not in str(logged["code_failure"][0]), logged
