@@ -2,8 +2,9 @@
 channel it goes over. Standard library only: this file's source runs inside the sandbox, in both processes.
 
 The schema (`encode`, `decode`): None, bool, int, float, complex, str, bytes, lists, tuples, dicts, sets and
-frozensets, dates and times, Fraction, Decimal, numpy arrays and scalars, namedtuples, enums, Counters, OrderedDicts
-and defaultdicts, each rebuilt on arrival as a fresh value of the receiver's own types; and the builtin types of that
+frozensets, dates and times, Fraction, Decimal, numpy arrays and scalars, namedtuples, enums, Counters, OrderedDicts,
+defaultdicts, deques, ChainMaps, array.arrays, bytearrays, byte memoryviews (as bytes) and dict views, each rebuilt on
+arrival as a fresh value of the receiver's own types; and the builtin types of that
 data themselves (`int`, `str`, ... as a test passes them: ``remove_type(xs, int)``), by name, each arriving as the
 receiver's own builtin type. Scalars travel as
 themselves, anything else as a list whose first item names its type. What is not data is given to an `export`
@@ -46,6 +47,7 @@ class Handle:
 # --- data ----------------------------------------------------------------------------------------------------------
 
 _CONTAINERS = {list: "list", tuple: "tuple", set: "set", frozenset: "frozenset"}
+_VIEWS = {type({}.keys()): "keys", type({}.values()): "values", type({}.items()): "items"}
 # The builtin types that cross by name, as data: a test hands them to the program (``isinstance(x, data_type)`` with
 # ``int`` given), a program returns them. Taken when this module loads, before any program runs: a program's own class
 # named ``int``, or a rebound ``builtins.int``, is not one of them.
@@ -71,6 +73,12 @@ def encode(value, export=None, depth=0):
         return ["dict", *_pairs(value, export, depth)]
     if kind is bytes:
         return ["bytes", value.hex()]
+    if kind is bytearray:
+        return ["bytearray", value.hex()]
+    if kind is memoryview and value.format in ("B", "b", "c") and value.c_contiguous:  # compares as its bytes
+        return ["bytes", value.tobytes().hex()]
+    if kind in _VIEWS:  # a dict's keys, values or items: a view of a fresh dict on the other side
+        return [_VIEWS[kind], *(encode(item, export, depth + 1) for item in value)]
     if kind is complex:
         return ["complex", value.real, value.imag]
     if kind is type and value in _TYPE_NAMES:  # a class's hash and equality are its identity: no class can fake one
@@ -118,6 +126,13 @@ def _library_value(value, export, depth):
         fields = [str(f) for f in kind._fields]
         return ["nt", kind.__name__, fields, *(encode(item, export, depth + 1) for item in tuple.__iter__(value))]
     collections = modules.get("collections")
+    if collections is not None and kind is collections.deque:
+        return ["deque", value.maxlen, *(encode(item, export, depth + 1) for item in value)]
+    if collections is not None and kind is collections.ChainMap:
+        return ["chainmap", *(encode(dict(m) if isinstance(m, dict) else m, export, depth + 1) for m in value.maps)]
+    array = modules.get("array")
+    if array is not None and kind is array.array:
+        return ["array", value.typecode, *(encode(item, export, depth + 1) for item in value.tolist())]
     if collections is not None and isinstance(value, dict):
         if isinstance(value, collections.Counter):
             return ["counter", *_pairs(value, export, depth)]
@@ -202,6 +217,34 @@ def _decode_tagged(tag, items, resolve, depth):
         return int(items[0], 16)
     if tag == "bytes" and len(items) == 1 and type(items[0]) is str:
         return bytes.fromhex(items[0])
+    if tag == "bytearray" and len(items) == 1 and type(items[0]) is str:
+        return bytearray.fromhex(items[0])
+    if tag == "keys":
+        return {inner(item): None for item in items}.keys()
+    if tag == "values":
+        return {k: inner(item) for k, item in enumerate(items)}.values()
+    if tag == "items":
+        pairs = [inner(item) for item in items]
+        if not all(type(pair) is tuple and len(pair) == 2 for pair in pairs):
+            raise ValueError("items")
+        return dict(pairs).items()
+    if tag == "deque" and items and (items[0] is None or type(items[0]) is int):
+        import collections
+
+        return collections.deque((inner(item) for item in items[1:]), items[0])
+    if tag == "chainmap":
+        import collections
+
+        maps = [inner(item) for item in items]
+        if not all(type(m) is dict for m in maps):
+            raise ValueError("chainmap")
+        return collections.ChainMap(*maps)
+    if tag == "array" and items and type(items[0]) is str and len(items[0]) == 1:
+        import array
+
+        if items[0] not in array.typecodes:
+            raise ValueError("array")
+        return array.array(items[0], [inner(item) for item in items[1:]])
     if tag == "type" and len(items) == 1 and type(items[0]) is str and items[0] in _TYPES:
         return _TYPES[items[0]]
     if tag == "complex" and len(items) == 2 and all(type(x) in (int, float) for x in items):

@@ -381,3 +381,28 @@ def test_the_run_refuses_a_row_that_does_not_compile_before_it_loads_weights(tmp
     message = refused("--config", str(ROOT / "recipes/grpo_tiny.yaml"), "--dataset_name", str(data),
                       "--reward_funcs", "code", "--output_dir", str(tmp_path / "out"))  # fmt: skip
     assert "row 2: test_list item 0 does not compile as Python (SyntaxError" in message and "\n" not in message
+
+
+# Values one interpreter compares that used to fail as not plain data (a correct program's false negative): each
+# row's test compares the program's result as a test would, and a program returning another value fails it.
+VALUE_TYPES = {
+    "bytearray": ("bytearray(b'ab')", "assert f() == bytearray(b'ab') and f() == b'ab'", "bytearray(b'ac')"),
+    "memoryview": ("memoryview(b'ab')", "assert f() == b'ab'", "memoryview(b'ac')"),
+    "dict keys": ("{'a': 1, 'b': 2}.keys()", "assert f() == {'a', 'b'}", "{'a': 1}.keys()"),
+    "dict values": ("{'a': 1, 'b': 2}.values()", "assert sorted(f()) == [1, 2]", "{'a': 1}.values()"),
+    "dict items": ("{'a': 1}.items()", "assert f() == {('a', 1)}", "{'a': 2}.items()"),
+    "deque": ("__import__('collections').deque([1, 2])", "import collections\nassert f() == collections.deque([1, 2])",
+              "__import__('collections').deque([2, 1])"),
+    "ChainMap": ("__import__('collections').ChainMap({'a': 1}, {'b': 2})", "assert f() == {'a': 1, 'b': 2}",
+                 "__import__('collections').ChainMap({'a': 1})"),
+    "array": ("__import__('array').array('i', [1, 2])", "import array\nassert f() == array.array('i', [1, 2])",
+              "__import__('array').array('i', [1, 3])"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", VALUE_TYPES)
+def test_the_value_types_one_interpreter_compares_cross_as_data(code, kind):
+    right, test, wrong = VALUE_TYPES[kind]
+    row = {"test_list": [test]}
+    assert score(code, f"def f():\n    return {right}\n", row) == 1.0
+    assert score(code, f"def f():\n    return {wrong}\n", row) == 0.0
