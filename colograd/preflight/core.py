@@ -43,7 +43,8 @@ from colograd.engine.kv_cache import engine_context
 from colograd.models.model_files import on_meta_device
 from colograd.preflight.engine import check_engine
 from colograd.rewards.code import check_code_rows
-from colograd.rewards.core import RewardFunc, resolve_reward, reward_meanings, reward_name
+from colograd.rewards.core import RewardFunc, resolve_reward, reward_name
+from colograd.rewards.names import reward_meanings
 from colograd.runs.checkpoints import check_resume, note
 from colograd.runs.output_dir import check_output_dir, claim_output_dir
 

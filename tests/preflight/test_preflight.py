@@ -29,7 +29,7 @@ from colograd.config.core import ConfigError
 from colograd.data.core import load_prompts
 from colograd.models import tiny
 from colograd.preflight.core import REWARD_ARGUMENTS, check_prompts
-from colograd.rewards.core import BUILTIN_REWARDS
+from colograd.rewards.names import BUILTIN_REWARDS
 
 TINY = str(ROOT / "recipes/grpo_tiny.yaml")
 NEED = 8  # the tiny recipe's rollout batch on one process: 64 completions / 8 per prompt

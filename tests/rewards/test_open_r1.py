@@ -10,7 +10,8 @@ import trl.rewards
 
 from colograd.config.core import ConfigError
 from colograd.config.data import ScriptArguments
-from colograd.rewards.core import BUILTIN_REWARDS, resolve_reward, reward_meanings
+from colograd.rewards.core import resolve_reward
+from colograd.rewards.names import BUILTIN_REWARDS, reward_meanings
 
 THINK = "<think>\nI add them.\n</think>\n"
 # Completions (as chats, as open-r1 reads them) where the definitions part: think-only, think-and-answer, tags
