@@ -66,9 +66,15 @@ class TRLOnlyFields:
     )
 
     def apply_trl_aliases(self) -> None:
-        """Read TRL's deprecated names as the fields they became, as TRL does."""
+        """Read TRL's deprecated names as the fields they became, as TRL does; say once what runs instead of a
+        `NOTED_TRAINING` field that is set, and unset it."""
         if self.vllm_importance_sampling_cap is not None:
             self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
+        for name, what in NOTED_TRAINING.items():
+            if getattr(self, name, False):
+                if int(os.environ.get("RANK", "0")) == 0:
+                    print(f"colograd: note: {name}: {what}.", file=sys.stderr, flush=True)
+                setattr(self, name, False)  # transformers' Trainer would import the kernels, minutes in
 
 
 # Fields of TRL's GRPOConfig colograd implements with TRL's meaning but a different default, and why.
@@ -171,13 +177,7 @@ NOTED_TRAINING: dict[str, str] = {
 
 
 def check_refused(config: Any) -> None:
-    """Raise `ConfigError` for the first TRL-only field of `config` set to a value colograd does not accept; say
-    once what runs instead of a `NOTED_TRAINING` field that is set."""
-    for name, what in NOTED_TRAINING.items():
-        if getattr(config, name, False):
-            if int(os.environ.get("RANK", "0")) == 0:
-                print(f"colograd: note: {name}: {what}.", file=sys.stderr, flush=True)
-            setattr(config, name, False)  # transformers' Trainer would import the kernels, minutes in
+    """Raise `ConfigError` for the first TRL-only field of `config` set to a value colograd does not accept."""
     for name, (accepted, why) in refused_fields().items():
         value = getattr(config, name)
         if value not in accepted:

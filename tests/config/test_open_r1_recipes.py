@@ -9,6 +9,7 @@ from unittest.mock import patch
 import pytest
 from conftest import ROOT
 from transformers import Trainer
+from trl import ModelConfig
 
 from colograd import GRPOConfig
 from colograd.config.core import ConfigError, ScriptArguments
@@ -24,7 +25,7 @@ SWAP = ["--model_name_or_path", "colograd:tiny-qwen2", "--dataset_name", "tests/
 def parse(name: str, tmp_path, *flags: str):
     argv = ["--config", str(RECIPES / name), *SWAP, "--output_dir", str(tmp_path), *flags]
     with patch.dict(os.environ):  # the wandb names a recipe sets stay in this test
-        return _Parser((ScriptArguments, GRPOConfig, __import__("trl").ModelConfig)).parse_args_and_config(argv)
+        return _Parser((ScriptArguments, GRPOConfig, ModelConfig)).parse_args_and_config(argv)
 
 
 def test_the_deepseek_recipe_parses_with_its_template_and_liger_said(tmp_path, capsys):
@@ -97,7 +98,7 @@ def test_scale_rewards_takes_trls_booleans_in_a_recipe_and_on_the_command_line(t
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"scale_rewards: {value}\nnum_generations: 4\nper_device_train_batch_size: 8\n")
     for argv in (["--config", str(recipe)], ["--scale_rewards", value, "--num_generations", "4"]):
-        _, args, _ = _Parser((ScriptArguments, GRPOConfig, __import__("trl").ModelConfig)).parse_args_and_config(
+        _, args, _ = _Parser((ScriptArguments, GRPOConfig, ModelConfig)).parse_args_and_config(
             [*argv, "--output_dir", str(tmp_path), "--report_to", "none"]
         )
         assert args.scale_rewards == meant
