@@ -328,6 +328,65 @@ HYBRIDS: dict[str, dict[str, Any]] = {
                                          "vocab_size": 151936, "max_position_embeddings": 262144,
                                          "rms_norm_eps": 1e-06, "tie_word_embeddings": False,
                                          "bos_token_id": 151643, "eos_token_id": 151645},
+    # Mamba-2 layers: Granite-4.0-H-Tiny (MoE: 64 experts, 6 per token, a shared expert; no positions in attention;
+    # attention at layers 5, 15, 25, 35 of 40, the shrunk model keeps the first six), Falcon-H1 (attention and Mamba
+    # in parallel in every layer, its multipliers), Nemotron-H (Mamba, MLP and attention layers by a pattern string).
+    # Short convolutions: LFM2 (attention at the listed layers). As the models' published config.json give them:
+    # Granite's token ids and attention / residual multipliers as its family's other configs set them.
+    "ibm-granite/granite-4.0-h-tiny": {"model_type": "granitemoehybrid",
+                                       "architectures": ["GraniteMoeHybridForCausalLM"], "vocab_size": 100352,
+                                       "hidden_size": 1536, "intermediate_size": 512, "num_hidden_layers": 40,
+                                       "num_attention_heads": 12, "num_key_value_heads": 4,
+                                       "shared_intermediate_size": 1024, "num_local_experts": 64,
+                                       "num_experts_per_tok": 6, "mamba_n_heads": 48, "mamba_d_head": 64,
+                                       "mamba_d_state": 128, "mamba_n_groups": 1, "mamba_d_conv": 4,
+                                       "mamba_expand": 2, "mamba_chunk_size": 256, "mamba_conv_bias": True,
+                                       "mamba_proj_bias": False,
+                                       "layer_types": ["mamba"] * 5 + ["attention"]
+                                       + (["mamba"] * 9 + ["attention"]) * 3 + ["mamba"] * 4,
+                                       "position_embedding_type": "nope", "embedding_multiplier": 12.0,
+                                       "logits_scaling": 6.0, "residual_multiplier": 0.22,
+                                       "attention_multiplier": 0.0078125, "tie_word_embeddings": True,
+                                       "max_position_embeddings": 131072, "rms_norm_eps": 1e-05,
+                                       "bos_token_id": 100257, "eos_token_id": 100257, "pad_token_id": 100256},
+    "tiiuae/Falcon-H1-0.5B-Instruct": {"model_type": "falcon_h1", "architectures": ["FalconH1ForCausalLM"],
+                                       "vocab_size": 32784, "hidden_size": 1024, "intermediate_size": 2048,
+                                       "num_hidden_layers": 36, "num_attention_heads": 8, "num_key_value_heads": 2,
+                                       "head_dim": 64, "mamba_d_ssm": 1536, "mamba_n_heads": 24, "mamba_d_head": 64,
+                                       "mamba_d_state": 128, "mamba_n_groups": 1, "mamba_d_conv": 4,
+                                       "mamba_expand": 2, "mamba_chunk_size": 128, "mamba_conv_bias": True,
+                                       "mamba_proj_bias": False, "mamba_norm_before_gate": False,
+                                       "mamba_rms_norm": False, "attention_in_multiplier": 1.0,
+                                       "attention_out_multiplier": 0.9375, "embedding_multiplier": 5.656854249492381,
+                                       "key_multiplier": 0.390625, "lm_head_multiplier": 0.0390625,
+                                       "mlp_multipliers": [0.8838834764831844, 0.5859375], "ssm_in_multiplier": 1.25,
+                                       "ssm_multipliers": [0.3535533905932738, 0.25, 0.3535533905932738, 0.5,
+                                                           0.3535533905932738],
+                                       "ssm_out_multiplier": 0.23570226039551587, "rope_theta": 100000000000.0,
+                                       "max_position_embeddings": 16384, "rms_norm_eps": 1e-05,
+                                       "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 11,
+                                       "pad_token_id": 0},
+    "nvidia/Nemotron-H-8B-Base-8K": {"model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"],
+                                     "vocab_size": 131072, "hidden_size": 4096, "intermediate_size": 21504,
+                                     "num_hidden_layers": 52, "num_attention_heads": 32, "num_key_value_heads": 8,
+                                     "head_dim": 128,
+                                     "hybrid_override_pattern": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+                                     "mamba_num_heads": 128, "mamba_head_dim": 64, "ssm_state_size": 128,
+                                     "n_groups": 8, "conv_kernel": 4, "expand": 2, "chunk_size": 128,
+                                     "use_conv_bias": True, "mamba_proj_bias": False, "use_bias": False,
+                                     "mlp_hidden_act": "relu2", "mamba_hidden_act": "silu", "mlp_bias": False,
+                                     "layer_norm_epsilon": 1e-05, "residual_in_fp32": False,
+                                     "rescale_prenorm_residual": True, "max_position_embeddings": 8192,
+                                     "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+                                     "pad_token_id": 0},
+    "LiquidAI/LFM2-1.2B": {"model_type": "lfm2", "architectures": ["Lfm2ForCausalLM"], "vocab_size": 65536,
+                           "hidden_size": 2048, "block_dim": 2048, "block_ff_dim": 12288, "conv_dim": 2048,
+                           "conv_dim_out": 2048, "block_auto_adjust_ff_dim": True, "block_ffn_dim_multiplier": 1.0,
+                           "block_multiple_of": 256, "conv_L_cache": 3, "conv_bias": False,
+                           "full_attn_idxs": [2, 5, 8, 10, 12, 14], "num_hidden_layers": 16,
+                           "num_attention_heads": 32, "num_heads": 32, "num_key_value_heads": 8,
+                           "max_position_embeddings": 128000, "norm_eps": 1e-05, "rope_theta": 1000000.0,
+                           "bos_token_id": 1, "eos_token_id": 7, "pad_token_id": 0},
 }  # fmt: skip
 
 # Width after shrinking (where the architecture lets the hidden size shrink on its own) and MLP / expert width.
@@ -335,10 +394,11 @@ HIDDEN = 64
 INTERMEDIATE = 128
 MOE_INTERMEDIATE = 32
 LAYERS = 2
-# Architectures where the head dimension follows the hidden size: vLLM's qwen2.py and olmoe.py compute it so,
-# transformers checks Phi-3's and PhiMoE's longrope factors (one per rotated pair) against hidden_size / heads, and the
-# other configs have no head_dim of their own.
-HEAD_DIM_FROM_HIDDEN = {"qwen2", "phi3", "granite", "cohere", "olmo2", "phi", "olmoe", "phimoe"}
+# Architectures where the head dimension follows the hidden size: vLLM's qwen2.py, olmoe.py, granitemoehybrid.py and
+# lfm2.py compute it so, transformers checks Phi-3's and PhiMoE's longrope factors (one per rotated pair) against
+# hidden_size / heads, and the other configs have no head_dim of their own.
+HEAD_DIM_FROM_HIDDEN = {"qwen2", "phi3", "granite", "cohere", "olmo2", "phi", "olmoe", "phimoe", "granitemoehybrid",
+                        "lfm2"}  # fmt: skip
 # Weights drawn at this std, norms and biases moved by as much: at transformers' 0.02, attention is near uniform and
 # the next-token distributions near flat, so a wrong rope scaling moved the log-probs by 1e-6 (by 0.06 here).
 SHARP_STD = 0.2
@@ -352,9 +412,24 @@ def head_dim(published: dict[str, Any]) -> int:
 def layers(published: dict[str, Any]) -> int:
     """Depth after shrinking: 2, or one whole period of a sliding/global pattern (Gemma 3: 5 local, 1 global) or of
     a linear/full attention pattern (Qwen3.5: 3 linear, 1 full), or the
-    dense layers a Mixture-of-Experts model starts with and one expert layer (DeepSeek-V3: 3 dense)."""
+    dense layers a Mixture-of-Experts model starts with and one expert layer (DeepSeek-V3: 3 dense), or a hybrid's
+    published layer list up to its first attention layer and one of each kind of layer (Granite-4.0-H: 5 Mamba
+    layers, then attention; Nemotron-H's pattern: Mamba, MLP, attention, expert layers)."""
     period = published.get("sliding_window_pattern") or published.get("full_attention_interval")
-    return max(period or LAYERS, published.get("first_k_dense_replace", 0) + 1)
+    listed = layer_list(published)
+    whole = max(listed.index(kind) for kind in set(listed)) + 1 if listed else 0
+    return max(period or LAYERS, published.get("first_k_dense_replace", 0) + 1, whole)
+
+
+def layer_list(published: dict[str, Any]) -> list[str]:
+    """A hybrid's published layer kinds, one per layer: `layer_types`, LFM2's `full_attn_idxs` (the rest short
+    convolutions) or Nemotron-H's `hybrid_override_pattern` (one character a layer); empty for the others."""
+    if "hybrid_override_pattern" in published:
+        return list(published["hybrid_override_pattern"])
+    if "full_attn_idxs" in published:
+        attention = set(published["full_attn_idxs"])
+        return ["full_attention" if i in attention else "conv" for i in range(published["num_hidden_layers"])]
+    return list(published.get("layer_types") or ()) if "sliding_window_pattern" not in published else []
 
 
 def layer_types(period: int, layers: int) -> list[str]:
@@ -381,8 +456,19 @@ def shrunk(name: str) -> PretrainedConfig:
         values["max_window_layers"] = min(published["max_window_layers"], values["num_hidden_layers"])
     if "sliding_window_pattern" in published:  # transformers 5 reads the pattern as layer types
         values["layer_types"] = layer_types(published["sliding_window_pattern"], values["num_hidden_layers"])
-    elif "layer_types" in published:  # the published list, cut to the shrunk depth
-        values["layer_types"] = published["layer_types"][: values["num_hidden_layers"]]
+    elif "hybrid_override_pattern" in published:  # Nemotron-H's pattern, cut to the shrunk depth
+        values["hybrid_override_pattern"] = published["hybrid_override_pattern"][: values["num_hidden_layers"]]
+    elif "layer_types" in published or "full_attn_idxs" in published:  # the published list, cut to the shrunk depth
+        values["layer_types"] = layer_list(published)[: values["num_hidden_layers"]]
+        values.pop("full_attn_idxs", None)
+    if "mamba_d_head" in published and not published.get("mamba_d_ssm"):
+        # Mamba-2 layers as wide as the model (Granite-4.0-H; Falcon-H1 without mamba_d_ssm): as many heads of the
+        # published head size as the shrunk width makes
+        values["mamba_n_heads"] = published["mamba_expand"] * values["hidden_size"] // published["mamba_d_head"]
+    if published.get("model_type") == "lfm2":  # LFM2's own names for its widths (vLLM reads them)
+        width, heads = values["hidden_size"], values["num_attention_heads"]
+        values |= {"conv_dim": width, "conv_dim_out": width, "block_dim": width, "num_heads": heads}
+        values["block_ff_dim"] = values["intermediate_size"]  # transformers reads it over intermediate_size
     model_type = values.pop("model_type")
     config = AutoConfig.for_model(model_type, **values)
     config.architectures = published["architectures"]

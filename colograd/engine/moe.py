@@ -102,13 +102,18 @@ def takes_name(model: nn.Module, engine_name: str) -> bool:
     `hf_to_vllm_mapper`) into one of its expert layers, by vLLM's own expert mappings: a model that declares its own
     (`get_expert_mapping`, as vLLM's hand-written MoE loaders do: DeepSeek-V2) loads only the names in it; otherwise
     the layer's loader takes its mapping's names, fused ones included (`gate_up_proj` [E, 2I, H] in Qwen's and
-    OLMoE's). True for a name outside every expert layer: the model's other loaders take it."""
+    OLMoE's). The declaring model is the innermost module above the layer with a mapping of its own, the one whose
+    loader reads the names: the causal LM (DeepSeek-V2) or the decoder under it (Granite-4.0-H, Nemotron-H).
+    True for a name outside every expert layer: the model's other loaders take it."""
     parts = engine_name.split(".")
-    by_prefix = {layer.layer_name: layer for layer in expert_layers(model).values()}
-    layer = next((by_prefix[p] for end in range(1, len(parts)) if (p := ".".join(parts[:end])) in by_prefix), None)
-    if layer is None:
+    by_prefix = {layer.layer_name: (path, layer) for path, layer in expert_layers(model).items()}
+    found = next((by_prefix[p] for end in range(1, len(parts)) if (p := ".".join(parts[:end])) in by_prefix), None)
+    if found is None:
         return True
-    declared = getattr(model, "get_expert_mapping", None)
+    path, layer = found
+    steps = path.split(".")
+    above = [model] + [model.get_submodule(".".join(steps[:end])) for end in range(1, len(steps))]
+    declared = next((m.get_expert_mapping for m in reversed(above) if hasattr(m, "get_expert_mapping")), None)
     mapping = declared() if declared is not None else layer.get_expert_mapping(include_fused=True)
     return any(weight_name in engine_name for _, weight_name, _, _ in mapping)
 
@@ -118,18 +123,25 @@ def split_expert_weights(
 ) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
     """`weights` split into those of prepacked expert layers and the rest, by the engine's own naming: a name
     belongs to a layer when, after the model's `hf_to_vllm_mapper`, it lies under the layer's checkpoint prefix
-    (`layer_name`, e.g. `model.layers.3.mlp.experts`).
+    (`layer_name`, e.g. `model.layers.3.mlp.experts`), or when it is a stack of the layer's experts ([E, ...]) under
+    its MoE block that names no module of the engine's model: a checkpoint's own name that only the model's loader
+    reads (Granite-4.0-H's `block_sparse_moe.input_linear.weight`, which it splits into the experts' `w13_weight`).
 
     Returns:
         (expert weights, other weights), each in the order given.
     """
-    prefixes = {layer.layer_name for layer in expert_layers(model).values() if prepack_isa(layer)}
+    layers = {layer.layer_name: layer for layer in expert_layers(model).values() if prepack_isa(layer)}
+    blocks = {prefix.rpartition(".")[0]: layer for prefix, layer in layers.items()}
+    modules = {path for path, _ in model.named_modules()}
     mapper = getattr(model, "hf_to_vllm_mapper", None)
     experts, rest = [], []
     for name, tensor in weights:
         engine_name = (mapper._map_name(name) if mapper is not None else name) or name
         parts = engine_name.split(".")
-        inside = any(".".join(parts[:end]) in prefixes for end in range(1, len(parts)))
+        prefixes = [".".join(parts[:end]) for end in range(1, len(parts))]
+        block = next((blocks[p] for p in prefixes if p in blocks), None)
+        stack = block is not None and tensor.dim() == 3 and tensor.shape[0] == block.global_num_experts
+        inside = any(p in layers for p in prefixes) or (stack and prefixes[-1] not in modules)
         (experts if inside else rest).append((name, tensor))
     return experts, rest
 

@@ -24,7 +24,7 @@ from colograd.grpo.logps import PromptSharing, completion_logps
 from colograd.grpo.memory import PassBudget, compute_dtype
 from colograd.grpo.packing import forward_packing
 from colograd.grpo.router import Router, RouterRecord
-from colograd.models.hybrid import carries_state, state_layer_kinds
+from colograd.models.hybrid import bound_time_steps_as_configured, carries_state, state_layer_kinds
 from colograd.vision.core import placeholder_ids, takes_position_ids
 
 logger = logging.getLogger("colograd.trainer")
@@ -78,6 +78,14 @@ class Forward:
         """
         policy = nets[0]
         attention.honour_softcaps(nets)
+        for net in nets:
+            changed, before, limit = bound_time_steps_as_configured(net) if net is not None else (0, None, None)
+            if changed and announce and net is policy:
+                logger.warning(
+                    "colograd: note: the model's %d Mamba-2 layers bound their time step by the config's "
+                    "time_step_limit %s, as the engine's do, where transformers' forward bounds it by %s.",
+                    changed, limit, before,
+                )  # fmt: skip
         packed = args.padding_free and not (carries_state(policy.config) or engine_state)
         if args.padding_free and not packed and announce:
             kinds = ", ".join(state_layer_kinds(policy.config.get_text_config())) or "(state pages in the engine)"

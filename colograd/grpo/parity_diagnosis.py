@@ -63,17 +63,13 @@ def diagnose(engine: Engine, model: nn.Module, resync: Callable[[], None] | None
     if differ:
         listed = ", ".join(differ[:NAMED]) + (f" and {len(differ) - NAMED} more" if len(differ) > NAMED else "")
         verb = "is" if len(differ) == 1 else "are"
-        # Where the sync goes through vLLM's in-place reload (the CPU backend's repacking), the copies of the other
-        # path may reach what the reload dropped; they cannot reach a tensor the sync never sends.
-        hint = (
-            "; vllm_cpu_repack_weights: false, which syncs by plain copies instead of vLLM's reload, may avoid it"
-            if not engine.direct_load
-            else ""
-        )
+        # No advice on another sync path: whether one would deliver these tensors is not known without trying it in
+        # a new engine, and a hint that changes nothing costs the user a run (it was given for Granite-4.0-H's
+        # experts, which neither path prepacked again).
         return (
             f"A freshly loaded engine differs: {len(differ)} of the engine's {compared} tensors and layers {verb} not "
             f"what vLLM's loader makes of the trainer's weights ({listed}): colograd's sync leaves them stale (vLLM's "
-            f"{architecture} is not at fault), a bug to report with this line{hint}."
+            f"{architecture} is not at fault), a bug to report with this line."
         )
     return (
         f"A freshly loaded engine agrees: all {compared} of the engine's tensors and layers are what vLLM's loader "

@@ -44,3 +44,38 @@ def test_a_latent_attention_engine_gets_the_reference_cpu_backend():
     deepseek = DeepseekV2Config()  # kv_lora_rank 512, as DeepSeek-V2's
     assert mla_backend(deepseek) == {"attention_backend": "CPU_MLA"}
     assert mla_backend(LlamaConfig()) == {}
+
+
+def test_the_rotary_kernel_gets_flat_heads_and_rotates_them_as_vllms_torch_path():
+    """A rotary layer built after `rotate_flat_heads` rotates a [tokens, heads, head_dim] query as vLLM's own torch
+    path does (LFM2's attention hands it per-head queries); without it the CPU kernel gets them as they are and
+    rotates them wrongly (if this part fails, vLLM's kernel takes 3-D queries now and the switch can go)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    kernel = RotaryEmbedding.__dict__["forward_cpu"]
+    generator = torch.Generator().manual_seed(0)
+    positions = torch.arange(7)
+    query = torch.randn(7, 4, 64, generator=generator)  # LFM2-1.2B's head size, a few heads
+    key = torch.randn(7, 1, 64, generator=generator)
+
+    def rotated(layer):
+        native = layer.forward_native(positions, query.flatten(-2).clone(), key.flatten(-2).clone())
+        return layer.forward_cpu(positions, query.clone(), key.clone()), native  # what the CPU engine dispatches
+
+    try:
+        with set_current_vllm_config(VllmConfig()):
+            RotaryEmbedding.forward_cpu = getattr(kernel, "__wrapped__", kernel)  # the kernel as vLLM calls it
+            (q, _), (native_q, _) = rotated(RotaryEmbedding(64, 64, 128000, 1e6, True, torch.float32))
+            assert (q.flatten(-2) - native_q).abs().max() > 1  # the kernel's own handling of heads
+            assert engine_cpu.rotate_flat_heads()
+            assert engine_cpu.rotate_flat_heads()  # once is enough
+            layer = RotaryEmbedding(64, 64, 128000, 1e6, True, torch.float32)
+            assert layer.forward_cpu.__func__.flat_heads
+            (q, k), (native_q, native_k) = rotated(layer)
+            assert q.shape == query.shape and k.shape == key.shape
+            assert (q.flatten(-2) - native_q).abs().max() < 1e-5 and (k.flatten(-2) - native_k).abs().max() < 1e-5
+            flat_q, flat_k = layer.forward_cpu(positions, query.flatten(-2).clone(), key.flatten(-2).clone())  # 2-D
+            assert torch.equal(flat_q, q.flatten(-2)) and torch.equal(flat_k, k.flatten(-2))
+    finally:
+        RotaryEmbedding.forward_cpu = kernel

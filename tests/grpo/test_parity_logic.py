@@ -396,7 +396,8 @@ def test_the_diagnosis_names_the_stale_tensors_or_the_engines_model():
     line = parity_diagnosis.diagnose(StandInEngine((stale, 40)), model)
     assert line.startswith("A freshly loaded engine differs: 7 of the engine's 40 tensors and layers are not")
     assert "model.layers.0.t0, model.layers.0.t1" in line and "t4 and 2 more" in line and "t5" not in line
-    assert "colograd's sync leaves them stale" in line and "vllm_cpu_repack_weights: false" in line
+    # No advice on the other sync path, on either: it was given where it changed nothing (Granite-4.0-H's experts).
+    assert "colograd's sync leaves them stale" in line and "vllm_cpu_repack_weights" not in line
     line = parity_diagnosis.diagnose(StandInEngine((stale[:1], 40), direct_load=True), model)
     assert "1 of the engine's 40 tensors and layers is not" in line and "vllm_cpu_repack_weights" not in line
     line = parity_diagnosis.diagnose(StandInEngine(([], 40)), model)

@@ -128,3 +128,33 @@ def test_the_layers_that_carry_state_are_read_from_the_config(model_type, values
     """The published configs' ways of listing layer kinds, as vLLM reads them."""
     text = AutoConfig.for_model(model_type, **values).get_text_config()
     assert state_layer_kinds(text) == kinds
+
+
+def test_mamba2_layers_bound_their_time_step_by_the_configs_limit_as_the_engine_does(tmp_path, caplog):
+    """vLLM's Mamba-2 layers bound the time step to (0, inf); transformers' Nemotron-H bounds it below by its
+    config's time_step_min (an initialisation range). The trainer's passes take the config's limit, said once; the
+    families whose layers already read it are left alone. The bound matters: a time step under 0.001 (a dt_bias
+    of -9) changes the log-probs."""
+    from colograd.models.hybrid import bound_time_steps_as_configured
+
+    config = zoo.shrunk("nvidia/Nemotron-H-8B-Base-8K")
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).eval()
+    zoo.sharpen(model)
+    mixers = [m for m in model.modules() if "time_step_limit" in m.__dict__]
+    assert len(mixers) == 4 and all(m.time_step_limit == (0.001, float("inf")) for m in mixers)
+    with torch.no_grad():
+        mixers[0].dt_bias.fill_(-9.0)
+        ids = torch.randint(3, 60, (1, 24), generator=torch.Generator().manual_seed(0))
+        before = model(ids).logits
+    with caplog.at_level("WARNING"):
+        Forward.of([model], GRPOConfig(output_dir=str(tmp_path), report_to="none"), zoo.tokenizer_for(config),
+                   announce=True)  # fmt: skip
+    assert all(m.time_step_limit == (0.0, float("inf")) for m in mixers)
+    assert "4 Mamba-2 layers bound their time step by the config's time_step_limit (0.0, inf)" in caplog.text
+    with torch.no_grad():
+        assert (model(ids).logits - before).abs().max() > 1e-3
+    assert bound_time_steps_as_configured(model)[0] == 0  # once
+    for name in ("ibm-granite/granite-4.0-h-tiny", "tiiuae/Falcon-H1-0.5B-Instruct"):  # their layers read the limit
+        assert bound_time_steps_as_configured(AutoModelForCausalLM.from_config(zoo.shrunk(name)))[0] == 0
