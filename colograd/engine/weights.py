@@ -86,6 +86,27 @@ def _reload_into_model(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> 
     unprocessed, _ = split_unprocessed(model, weights)
     if unprocessed:
         model.load_weights(unprocessed)
+    refresh_convolution_views(model)
+
+
+def refresh_convolution_views(model: nn.Module) -> int:
+    """Copy each prepacked convolution's plain weight into the (dim, width) view its layer computes from; returns how
+    many were copied.
+
+    vLLM's Mamba-2 layer (`MambaMixer2`: Granite-4.0-H, Falcon-H1, Nemotron-H) computes its convolution from
+    `conv_weights`, a view of `conv1d.weight` it takes when it is built. Where the CPU backend prepacks that weight
+    (bf16, `_prepacked_convolutions`), `conv1d.weight` moves to the packed copy and the view keeps the storage the
+    first load wrote, which no later load reaches: after a sync the layer computed with its start-up convolution (the
+    gate stopped a bf16 Granite-4.0-H, the fresh load named every `conv_weights`). vLLM's reload leaves the plain
+    weight beside the packed one (`_cpu_unpacked_conv_weight`); that is what a fresh engine's view holds."""
+    copied = 0
+    for module in model.modules():
+        view = module._buffers.get("conv_weights")
+        plain = getattr(getattr(module, "conv1d", None), "_cpu_unpacked_conv_weight", None)
+        if view is not None and plain is not None and view.shape == plain.shape:
+            view.copy_(plain)
+            copied += 1
+    return copied
 
 
 def name_loaders(model: nn.Module) -> None:
