@@ -14,7 +14,7 @@ from colograd.config.core import GRPOConfig
 from colograd.engine.hybrid import cpu_dtype, state_layers
 from colograd.engine.kv_cache import engine_max_model_len
 from colograd.engine.lora import engine_max_lora_rank
-from colograd.vision.core import engine_arguments, is_vision_language, text_tokenizer
+from colograd.vision.core import engine_arguments, is_processor, is_vision_language, text_tokenizer
 
 # The sleep level of an engine whose weights stay in place between rollouts, only its KV cache released.
 KV_CACHE_ONLY = "kv_cache"
@@ -48,7 +48,9 @@ def engine_settings(
     architecture = {k: v for k, v in engine_config(base).to_dict().items() if k not in _NOT_ARCHITECTURE}
     stop_ids = base.generation_config.eos_token_id if base.generation_config is not None else None
     lora = {"enable_lora": True, "max_lora_rank": engine_max_lora_rank(lora_rank), "max_loras": 1} if lora_rank else {}
-    vision = engine_arguments(images_per_prompt) if is_vision_language(base) else {}
+    vision = {}
+    if is_vision_language(base):  # trained on text alone (a tokenizer, not a processor): vLLM needs no image processor
+        vision = engine_arguments(images_per_prompt) if is_processor(tokenizer) else {"language_model_only": True}
     tokenizer = text_tokenizer(tokenizer)
     return {
         "dtype": engine_dtype_name(model, args),

@@ -324,3 +324,20 @@ def test_the_tiny_llava_is_built_whole_while_a_zero3_config_is_active():
     assert all(p.numel() > 0 for p in model.parameters())
     assert torch.equal(model.lm_head.weight, tiny_vlm.build_model().lm_head.weight)  # seeded, as on every rank
     del config
+
+
+def test_a_vision_language_model_trained_on_text_gets_a_language_model_only_engine(tmp_path):
+    """With its processor, a vision-language model's engine takes images (normalised on the host, no video); with a
+    tokenizer alone (text-only training, as a Qwen3.5 checkpoint's users start) it is vLLM's language-model-only
+    engine, which needs no image processor in its folder (the engine failed at start-up looking for one)."""
+    from colograd.config.core import GRPOConfig
+    from colograd.engine.settings import engine_settings
+
+    args = GRPOConfig(output_dir=str(tmp_path), report_to="none")
+    model, processor = build_model(), build_processor()
+    with_images = engine_settings(model, processor, args)
+    assert with_images["limit_mm_per_prompt"]["video"] == 0 and with_images["mm_device_do_normalize"] is False
+    assert "language_model_only" not in with_images
+    text_only = engine_settings(model, processor.tokenizer, args)
+    assert text_only["language_model_only"] is True and "limit_mm_per_prompt" not in text_only
+    assert "language_model_only" not in engine_settings(build_text_model(), processor.tokenizer, args)
