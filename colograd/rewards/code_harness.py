@@ -19,11 +19,11 @@ enums, Counters, OrderedDicts and defaultdicts, each rebuilt on arrival as a fre
 the methods, comparisons and formatting a test runs on what the program returned are the judge's. A generator or
 iterator is materialised (bounded) before it crosses. What is not data stays where it is, behind a handle: a callable
 a test passes is called by the judge when the program asks (with data, for data); the program's objects answer
-requests from the judge, but the judge calls a method of one only when the row names its class, so a returned proxy
-cannot answer `.startswith(expected)` for the test. An exception comes back as its builtin type's name with its
-arguments as data; one with a control-flow meaning (StopIteration, GeneratorExit, SystemExit, ...) fails the test
-instead of ending a loop. The tests' expected values never leave the judge, and the program gets nothing of the tests
-but the data they pass it.
+requests from the judge, but the judge calls a method of one only when the test built it by calling a class the row
+names (never by the name its type gives), so a returned proxy cannot answer `.startswith(expected)` for the test. An
+exception comes back as its builtin type's name with its arguments as data; one with a control-flow meaning
+(StopIteration, GeneratorExit, SystemExit, ...) fails the test instead of ending a loop. The tests' expected values
+never leave the judge, and the program gets nothing of the tests but the data they pass it.
 
 Requests go both ways over a pair of pipes, one message at a time (`code_wire.Channel`), each bounded in size and
 parsed as untrusted by the judge: anything that is not what `encode` makes ends the execution for the program

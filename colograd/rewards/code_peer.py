@@ -4,9 +4,9 @@ sandbox, in both processes.
 
 The judge's peer answers only calls of the callables it handed over, and parses every reply as untrusted: a reply
 becomes data of the judge's own types, or a handle (`colograd.rewards.code_handles`) whose level says what the judge
-may ask of it (a method of a program's object is called only when the row names its class). An exception comes back
-as its builtin type's name and its arguments as data (its message); one with a control-flow meaning (`CONTROL_FLOW`)
-fails the test instead of ending its loop (`ProgramFault`).
+may ask of it (a method of a program's object is called only when the test built it by calling a class the row
+names). An exception comes back as its builtin type's name and its arguments as data (its message); one with a
+control-flow meaning (`CONTROL_FLOW`) fails the test instead of ending its loop (`ProgramFault`).
 """
 
 import builtins
@@ -109,7 +109,7 @@ class Peer:
             raise ProgramGone("malformed reply")
         sys.stdout.write(written)  # what the program printed while it answered (a test may capture it)
         if self.judging:
-            self._level = _reply_level(op, target)
+            self._level = _reply_level(op, target, self.classes)
             self._via = f"{target._type}.{name}" if op == "getattr" and type(target) is Remote else None
             self._data_only = op == "value"
         for item in changed:  # arguments the call changed in place
@@ -324,7 +324,7 @@ class Peer:
         if tag == "h" and len(items) == 2 and type(items[1]) is str and len(items[1]) <= 100:
             # What the reply op grants (a callable a call returned may be called) is the reply's own: a handle inside
             # data (a namedtuple's field, a list's item) is read, never called, whatever its field is named.
-            level = OBJECT if items[1] in self.classes else self._level if depth == 0 else NONE
+            level = self._level if depth == 0 else NONE
             shown = self._via if self._via and level != OBJECT else items[1]  # a method: named by its object's type
             remote = self._remote(key, lambda: Remote(self, ["h", key], shown, level))
             if type(remote) is not Remote:
@@ -351,12 +351,16 @@ class Peer:
 _END = object()
 
 
-def _reply_level(op, target):
-    """What the program's object that is the reply to `op` on `target` may be asked, unless the row names its class:
-    a callable a call returns may be called (``make_adder(1)(2)``), as may a method of an object of a named class;
-    nothing else, so that a proxy's ``startswith`` never sees the test's value. Objects inside the reply's data get
-    none of it (`_judge_resolve`): a namedtuple's callable field is never called."""
+def _reply_level(op, target, classes):
+    """What the program's object that is the reply to `op` on `target` may be asked, by where it came from, never by
+    what it says it is: what the test built by calling a class the row names (``Stack()``) is that class's object,
+    whose methods may be called; a callable a call returns may be called (``make_adder(1)(2)``), as may a method of
+    such an object; nothing else, so that a proxy's ``startswith`` never sees the test's value, whatever its type is
+    named (an object a function returns under the name of the row's class is read as data). Objects inside the
+    reply's data get none of it (`_judge_resolve`): a namedtuple's callable field is never called."""
     level = getattr(target, "_level", NONE) if type(target) is Remote else NONE
+    if op == "call" and level == OBJECT and target._ref[0] == "name" and target._ref[1] in classes:
+        return OBJECT
     if op == "call" or (op == "getattr" and level == OBJECT):
         return CALLABLE
     return NONE

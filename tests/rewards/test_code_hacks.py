@@ -316,3 +316,18 @@ def test_the_judges_libraries_never_read_a_protocol_the_program_answers(code):
     rewards = code([f"```python\n{attack}```", "```python\ndef f():\n    return [1.0, 2.0]\n```"],
                    **{k: [v] * 2 for k, v in row.items()}, log_extra=lambda c, v: logged.update({c: v}))  # fmt: skip
     assert rewards == [0.0, 1.0] and "SIGSEGV" not in str(logged["code_failure"][0]), logged
+
+
+def test_an_object_is_the_rows_class_only_when_the_test_built_it(code):
+    """The methods of an object of a class the row uses are called when the test built it (``Node(3).get()``); an
+    object a function returns is read as data whatever its type is named, so a wrong program whose result is an
+    object of the row's class (or of one named like it) that says yes to ``startswith`` fails that test (it passed
+    before), and a right program passes both."""
+    row = {"test_list": ["n = Node(3)\nassert n.get() == 3", "assert f('abc').startswith('ab')"]}
+    node = "class Node:\n    def __init__(self, v=None):\n        self.v = v\n    def get(self):\n        return 3\n"
+    says_yes = "def startswith(self, *a):\n    return True\n"
+    right = node + "def f(s):\n    return s\n"
+    spoof = node + says_yes + "Node.startswith = startswith\ndef f(s):\n    return Node(s)\n"  # the row's class
+    look_alike = node + says_yes + "def f(s):\n    return type('Node', (), {'startswith': startswith})()\n"
+    completions = [f"```python\n{program}```" for program in (right, spoof, look_alike)]
+    assert code(completions, **{k: [v] * 3 for k, v in row.items()}) == [1.0, 0.5, 0.5]  # the Node test: right
