@@ -72,3 +72,23 @@ def cpu_refusal(layers: list[type], text_config: Any) -> str | None:
         except NotImplementedError as err:
             return f"a sparse-attention indexer (index_topk), which vLLM's engine here refuses ({err})"
     return None
+
+
+def unserved(architecture: str, text_config: Any) -> str | None:
+    """Why vLLM cannot build a model whose config lists layers with state, in a few words, where it has no model class
+    of its own for `architecture` (vLLM 0.32 dropped Bamba's); None where it has one, or the layers are all attention.
+
+    A name vLLM lacks goes to its Transformers backend, which runs a model through transformers' attention interface
+    and so cannot run a Mamba, linear-attention or convolution layer: the engine's start-up failed in a traceback."""
+    kinds = state_layer_kinds(text_config)
+    if not kinds:
+        return None
+    from vllm import ModelRegistry
+
+    if architecture in set(ModelRegistry.get_supported_archs()):
+        return None
+    return (
+        f"{', '.join(kinds)} layers, and vLLM here has no model of its own for {architecture} (its Transformers "
+        "backend runs attention layers only)"
+    )
+

