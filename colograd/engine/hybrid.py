@@ -91,4 +91,3 @@ def unserved(architecture: str, text_config: Any) -> str | None:
         f"{', '.join(kinds)} layers, and vLLM here has no model of its own for {architecture} (its Transformers "
         "backend runs attention layers only)"
     )
-
