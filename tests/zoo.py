@@ -387,6 +387,32 @@ HYBRIDS: dict[str, dict[str, Any]] = {
                            "num_attention_heads": 32, "num_heads": 32, "num_key_value_heads": 8,
                            "max_position_embeddings": 128000, "norm_eps": 1e-05, "rope_theta": 1000000.0,
                            "bos_token_id": 1, "eos_token_id": 7, "pad_token_id": 0},
+    # Their Mixture-of-Experts siblings: Nemotron 3 Nano (Mamba-2, expert and attention layers by a pattern; 128
+    # experts, 6 per token, a shared expert, non-gated relu² experts) and LFM2-8B-A1B (short convolutions; 32 experts,
+    # 4 per token, an expert bias; its first two layers dense).
+    "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16": {
+        "model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"], "vocab_size": 131072,
+        "hidden_size": 2688, "intermediate_size": 1856, "num_hidden_layers": 52, "num_attention_heads": 32,
+        "num_key_value_heads": 2, "head_dim": 128,
+        "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+        "mamba_num_heads": 64, "mamba_head_dim": 64, "n_groups": 8, "ssm_state_size": 128, "conv_kernel": 4,
+        "chunk_size": 128, "expand": 2, "use_conv_bias": True, "mamba_proj_bias": False, "use_bias": False,
+        "mamba_hidden_act": "silu", "mlp_hidden_act": "relu2", "mlp_bias": False, "n_routed_experts": 128,
+        "num_experts_per_tok": 6, "moe_intermediate_size": 1856, "moe_shared_expert_intermediate_size": 3712,
+        "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+        "layer_norm_epsilon": 1e-05, "rope_theta": 10000, "max_position_embeddings": 262144,
+        "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0},
+    "LiquidAI/LFM2-8B-A1B": {
+        "model_type": "lfm2_moe", "architectures": ["Lfm2MoeForCausalLM"], "vocab_size": 65536, "hidden_size": 2048,
+        "intermediate_size": 7168, "moe_intermediate_size": 1792, "num_hidden_layers": 24, "num_dense_layers": 2,
+        "num_experts": 32, "num_experts_per_tok": 4, "use_expert_bias": True, "routed_scaling_factor": 1.0,
+        "norm_topk_prob": True,
+        "layer_types": ["conv", "conv", "full_attention", "conv", "conv", "conv", "full_attention", "conv", "conv",
+                        "conv", "full_attention", "conv", "conv", "conv", "full_attention", "conv", "conv", "conv",
+                        "full_attention", "conv", "conv", "full_attention", "conv", "conv"],
+        "num_attention_heads": 32, "num_key_value_heads": 8, "conv_L_cache": 3, "conv_bias": False,
+        "rope_theta": 1000000.0, "max_position_embeddings": 128000, "norm_eps": 1e-05, "tie_word_embeddings": True,
+        "bos_token_id": 1, "eos_token_id": 7, "pad_token_id": 0},
 }  # fmt: skip
 
 # Width after shrinking (where the architecture lets the hidden size shrink on its own) and MLP / expert width.
@@ -394,11 +420,11 @@ HIDDEN = 64
 INTERMEDIATE = 128
 MOE_INTERMEDIATE = 32
 LAYERS = 2
-# Architectures where the head dimension follows the hidden size: vLLM's qwen2.py, olmoe.py, granitemoehybrid.py and
-# lfm2.py compute it so, transformers checks Phi-3's and PhiMoE's longrope factors (one per rotated pair) against
-# hidden_size / heads, and the other configs have no head_dim of their own.
+# Architectures where the head dimension follows the hidden size: vLLM's qwen2.py, olmoe.py, granitemoehybrid.py,
+# lfm2.py and lfm2_moe.py compute it so, transformers checks Phi-3's and PhiMoE's longrope factors (one per rotated
+# pair) against hidden_size / heads, and the other configs have no head_dim of their own.
 HEAD_DIM_FROM_HIDDEN = {"qwen2", "phi3", "granite", "cohere", "olmo2", "phi", "olmoe", "phimoe", "granitemoehybrid",
-                        "lfm2"}  # fmt: skip
+                        "lfm2", "lfm2_moe"}  # fmt: skip
 # Weights drawn at this std, norms and biases moved by as much: at transformers' 0.02, attention is near uniform and
 # the next-token distributions near flat, so a wrong rope scaling moved the log-probs by 1e-6 (by 0.06 here).
 SHARP_STD = 0.2

@@ -29,7 +29,7 @@ from colograd.engine import moe
 from colograd.engine import sampler_tap as tapping
 from colograd.engine.folder import engine_folder
 from colograd.engine.kv_cache import engine_memory, sized_from_specs
-from colograd.engine.launch import _launcher_env, _tensor_parallel_group
+from colograd.engine.launch import _launcher_env, _tensor_parallel_group, unsupported_as_refusal
 from colograd.engine.lifetime import (
     add_expert_group,
     forget_reload_records,
@@ -167,6 +167,7 @@ class Engine:
         if moe.expert_count(config):
             add_expert_group(self.tp_size)  # where a dense model's engine made this process's groups without it
         with (
+            unsupported_as_refusal(config.architectures[0]),
             _launcher_env(),
             _matmul_precision_kept(),
             frozen_heap(collect=torch.cuda.is_available()),

