@@ -100,11 +100,15 @@ def refresh_convolution_views(model: nn.Module) -> int:
     first load wrote, which no later load reaches: after a sync the layer computed with its start-up convolution (the
     gate stopped a bf16 Granite-4.0-H, the fresh load named every `conv_weights`). vLLM's reload leaves the plain
     weight beside the packed one (`_cpu_unpacked_conv_weight`); that is what a fresh engine's view holds."""
+    layers = getattr(model, "_colograd_convolution_views", None)
+    if layers is None:  # the layers never change after start-up: found once, not at every sync
+        layers = [m for m in model.modules() if "conv_weights" in m._buffers and hasattr(m, "conv1d")]
+        model._colograd_convolution_views = layers
     copied = 0
-    for module in model.modules():
-        view = module._buffers.get("conv_weights")
-        plain = getattr(getattr(module, "conv1d", None), "_cpu_unpacked_conv_weight", None)
-        if view is not None and plain is not None and view.shape == plain.shape:
+    for module in layers:
+        view = module._buffers["conv_weights"]
+        plain = getattr(module.conv1d, "_cpu_unpacked_conv_weight", None)  # replaced at every reload: read each time
+        if plain is not None and view.shape == plain.shape:
             view.copy_(plain)
             copied += 1
     return copied
