@@ -72,7 +72,7 @@ from colograd.grpo.rollouts import (
     scored_metrics,
     vision_prompts,
 )
-from colograd.grpo.router import Router, RouterRecord, router_of
+from colograd.grpo.router import Router, RouterRecord, check_replay, router_of
 from colograd.models import logit_transform
 from colograd.preflight.trainer import check_call, check_trainer, check_wrapped_trainer
 from colograd.rewards.core import RewardFunc, RewardModel, TimeLimits, across_ranks, resolve_rewards, reward_name
@@ -147,6 +147,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
             if tools or environment_factory or rollout_func
             else None
         )
+        check_replay(args, router, model, self.agents is not None)
         if self.agents is not None and self.agents.reward_funcs:  # an environment's own reward, weight 1 (TRL's)
             self.reward_funcs += self.agents.reward_funcs
             self.reward_weights = torch.cat([self.reward_weights, torch.ones(len(self.agents.reward_funcs))])
@@ -216,7 +217,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         )
         # The engine samples from the model trained, or the run stops (`colograd.grpo.parity`).
         cause = lambda: parity_diagnosis.diagnose(  # noqa: E731 - said once, when the guard stops the run
-            self.engine, self.accelerator.unwrap_model(self.model), self.sync_weights
+            self.engine, self.accelerator.unwrap_model(self.model), self.sync_weights, self.forward.replay is not None
         )
         self.parity = ParityGuard.of_run(unwrapped, args, diagnose=cause)
         self.add_callback(ParityStop(self.parity))
@@ -276,7 +277,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
             self.parity.begin()  # the first slice is trained on the weights that sampled it: its gap is measured
         batch = self._slices[self._micro_step % self.args.steps_per_generation]
         self._micro_step += 1
-        with self._timed("train"):
+        with self._timed("train"), self.forward.replaying():
             loss = self.train_slice(model, batch, num_items_in_batch)
         if first:  # before the optimizer step: a gate that stops the run leaves the weights untrained
             self.parity.check(self.state.global_step + 1, self.accelerator.gather)
@@ -617,6 +618,8 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         if routed is not None:  # TRL's router loss, and the experts' load
             loss = loss + routed.loss()
             self._record(routed.metrics())
+        if self.forward.replay is not None and model.training:  # the routing of the passes since the last slice
+            self._record(self.forward.replay.take())
         out = out._replace(loss=loss * inputs["loss_scale"] if "loss_scale" in inputs else loss)  # micro_batch_tokens
         self._record(loss_metrics(out, inputs["advantages"], mask_NT, args.epsilon, args.epsilon_high))
         return out.loss

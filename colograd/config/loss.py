@@ -227,6 +227,19 @@ class RegularizerOptions:
             "Refused for a model without router logits."
         },
     )
+    routing_replay: str = field(
+        default="off",
+        metadata={
+            "help": "Mixture-of-Experts models: 'rollout' routes each token, in every pass the trainer runs (old "
+            "policy, reference, training), to the experts the engine's routers chose for it while sampling "
+            "(routing replay of the rollout, R3 in verl's and slime's terms), so that a router near a tie cannot "
+            "pick other experts than the ones the tokens were sampled with; the gates' weights are still the "
+            "trainer's, so the routers keep their gradient. 'off': the trainer routes each token itself. Logged as "
+            "moe/routing_replay/differed (the share of routing choices the trainer would have made otherwise) and "
+            "moe/routing_replay/unreplayed (those the engine did not report). Refused for a dense model, with "
+            "partial_rollouts and with tool calls."
+        },
+    )
 
     def check_regularizers(self) -> None:
         """The values the entropy terms and the reference updates are defined for."""
@@ -243,3 +256,10 @@ class RegularizerOptions:
             )
         if self.sync_ref_model and self.beta == 0.0:
             raise ConfigError("sync_ref_model with beta=0: there is no reference model to update; set beta > 0.")
+        if self.routing_replay not in ("off", "rollout"):
+            raise ConfigError(f"routing_replay={self.routing_replay!r} is unknown; use 'off' or 'rollout'.")
+        if self.routing_replay == "rollout" and getattr(self, "partial_rollouts", False):
+            raise ConfigError(
+                "routing_replay=rollout with partial_rollouts: a resumed completion's earlier tokens are not "
+                "replayed yet; set one of them off."
+            )

@@ -25,7 +25,7 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from colograd.config.core import GRPOConfig
 from colograd.engine import cpu as engine_cpu
-from colograd.engine import moe
+from colograd.engine import moe, routing
 from colograd.engine import sampler_tap as tapping
 from colograd.engine.folder import engine_folder
 from colograd.engine.kv_cache import engine_memory, sized_from_specs
@@ -208,6 +208,7 @@ class Engine:
         self.lora_request = None  # set by `load_adapter`; every generation then applies the adapter
         self._adapter_dir: tempfile.TemporaryDirectory | None = None
         self._tap: tapping.SamplerTap | None | object = _UNTRIED  # see `sampler_tap`
+        self._routing: routing.RoutingCapture | routing.ReturnedRouting | None = None  # see `routing_capture`
         if self.sleep_level:
             # Asleep from the start: the memory is free while DeepSpeed / FSDP set up; the first rollout wakes it.
             self._sleep()
@@ -314,10 +315,15 @@ class Engine:
         prompts = [self.prompt(prompt_ids[i], images[i] if images else None) for i, _ in requests]
         tap = self.sampler_tap() if args.needs_engine_logps else None
         reporting = self._reporting_groups(requests, on_group) if on_group and self.tp_group is None else nullcontext()
-        with tap.capturing() if tap is not None else nullcontext(), reporting:
+        capture = self.routing_capture() if args.routing_replay == "rollout" else None
+        if isinstance(capture, routing.RoutingCapture):  # every prompt position is computed inside the capture
+            self.llm.reset_prefix_cache()
+        recording = capture.capturing() if capture is not None else nullcontext()
+        with tap.capturing() if tap is not None else nullcontext(), reporting, recording:
             outputs = self.llm.generate(
                 prompts, [params for _, params in requests], lora_request=self.lora_request, use_tqdm=False
             )
+        routed = routing.prompt_routes(capture, requests, outputs, len(prompt_ids)) if capture else None
         groups: list[list[Any]] = [[] for _ in prompt_ids]  # each prompt's completions, over its requests
         computed: list[list[int]] = [[] for _ in prompt_ids]
         for (i, _), request in zip(requests, outputs, strict=True):
@@ -326,6 +332,7 @@ class Engine:
         if self.tp_group is not None:
             first = self._tp_rank() * mine
             groups = groups[first : first + mine]
+            routed = routed[first : first + mine] if routed else None
         samples = [sample for group in groups for sample in group]
         logps = self._tapped_logps(tap, outputs, mine * g) if tap is not None else None
         if tap is not None and logps is None:
@@ -343,6 +350,7 @@ class Engine:
             logps=logps,
             truncated=[sample.finish_reason == "length" for sample in samples],
             engine_prompt_ids=computed if images is not None else None,
+            routed=[routes for group in routed for routes in group] if routed else None,
         )
 
     @contextmanager
@@ -382,6 +390,22 @@ class Engine:
             yield
         finally:
             del engine.step  # the class's method again
+
+    def routing_capture(self) -> routing.RoutingCapture | routing.ReturnedRouting:
+        """How this engine reports its routing (`routing_replay`): vLLM's own route where the engine was started with
+        it (a GPU), else the capture on its routers, installed at the first rollout that replays.
+
+        Raises:
+            ConfigError: the engine cannot report its routing (in one line: why).
+        """
+        if self._routing is None and self.settings.get("enable_return_routed_experts"):
+            self._routing = routing.ReturnedRouting()
+        if self._routing is None:
+            found = routing.install(self.llm)
+            if isinstance(found, str):
+                raise ConfigError(f"routing_replay=rollout needs the engine's routing, and {found}; set it to 'off'.")
+            self._routing = found
+        return self._routing
 
     def sampler_tap(self) -> tapping.SamplerTap | None:
         """The tap on this engine's sampler, installed (and probed) at the first rollout that reads every log-prob;

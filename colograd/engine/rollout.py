@@ -3,6 +3,8 @@
 
 from dataclasses import dataclass, field
 
+import torch
+
 
 @dataclass(frozen=True)
 class RolloutContext:
@@ -41,6 +43,9 @@ class Rollout:
         run's `environments`).
     metrics: the rollout's own metrics, recorded by the trainer as they are (tool runs' `tools/*`).
     counts: the rollout's totals that metrics over ranks are reduced from (tool runs: completions, calls, failures).
+    routed: routing replay (`routing_replay: rollout`): the experts the engine's MoE layers chose for each position
+        of each completion's sequence (prompt then completion), int16 [prompt + completion length, layers, top_k],
+        -1 where the engine did not route it (`colograd.engine.routing`); None: not recorded.
     """
 
     completion_ids: list[list[int]]
@@ -53,3 +58,4 @@ class Rollout:
     columns: dict[str, list] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
+    routed: list[torch.Tensor] | None = None

@@ -52,6 +52,13 @@ def engine_settings(
     if is_vision_language(base):  # trained on text alone (a tokenizer, not a processor): vLLM needs no image processor
         vision = engine_arguments(images_per_prompt) if is_processor(tokenizer) else {"language_model_only": True}
     tokenizer = text_tokenizer(tokenizer)
+    # Routing replay on a GPU: vLLM's own route (its V2 runner records each token's experts inside CUDA graphs);
+    # the CPU engine has none, and colograd's capture reads its routers instead (`colograd.engine.routing`).
+    replay = (
+        {"enable_return_routed_experts": True}
+        if args.routing_replay == "rollout" and torch.cuda.is_available()
+        else {}
+    )
     return {
         "dtype": engine_dtype_name(model, args),
         "tensor_parallel_size": args.vllm_tensor_parallel_size,
@@ -66,6 +73,7 @@ def engine_settings(
         "enable_sleep_mode": args.vllm_enable_sleep_mode,
         **lora,
         **vision,
+        **replay,
         "memory": (args.vllm_gpu_memory_utilization, args.vllm_kv_cache_gib),
         "cpu_repack_weights": args.vllm_cpu_repack_weights,
         "sleep_level": sleep_level,

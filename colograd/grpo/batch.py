@@ -11,6 +11,7 @@ import torch
 from colograd.engine.rollout import Rollout
 from colograd.grpo.logps import PromptSharing, forwarded_tokens, plan_shared
 from colograd.grpo.rollouts import ScoredRollout
+from colograd.grpo.router import UNREAD
 from colograd.vision.core import check_expansion, pad_pixels
 
 
@@ -32,6 +33,7 @@ class RolloutBatch(TypedDict, total=False):
     old_logps: torch.Tensor  # [N, T] float: the sampling policy's, when a slice trains after an optimizer step
     ref_logps: torch.Tensor  # [N, T] float: the reference policy's, when beta > 0
     loss_scale: torch.Tensor  # [] float: a pass's share of its slice, when a slice is trained in several passes
+    routed_experts: torch.Tensor  # [N, P + T, layers, top_k] int16: the engine's routing (routing replay), else < 0
 
 
 def pad_rollout(
@@ -55,10 +57,12 @@ def pad_rollout(
 
     Returns:
         input_ids, attention_mask, position_ids [N, P + T]; completion_ids, completion_mask, tool_mask,
-        engine_logps [N, T]; advantages [N]. `tool_mask` is 1 on each token the engine sampled under this
-        rollout's weights (0 on inserted tool results, padding, and stale tokens of partial rollouts: the sampling-gap
-        metric compares the trainer with the engine there); `completion_mask` (the tokens the loss counts) is 0 on
-        inserted tool results and padding, and on stale tokens with `mask_stale_tokens`.
+        engine_logps [N, T]; advantages [N]; with the engine's routing (`rollout.routed`), routed_experts
+        [N, P + T, layers, top_k], aligned with input_ids (-1 on positions the engine did not route, `UNREAD` on
+        padding and on a completion's last token, whose routing nothing reads). `tool_mask` is 1 on each token the
+        engine sampled under this rollout's weights (0 on inserted tool results, padding, and stale tokens of partial
+        rollouts: the sampling-gap metric compares the trainer with the engine there); `completion_mask` (the tokens
+        the loss counts) is 0 on inserted tool results and padding, and on stale tokens with `mask_stale_tokens`.
     """
     completions = rollout.completion_ids
     if rollout.prompt_ids is not None:  # one prompt per completion
@@ -83,7 +87,7 @@ def pad_rollout(
         completion_mask = completion_mask * tool_mask
     if mask_truncated_completions:
         completion_mask[torch.tensor(rollout.truncated)] = 0
-    return RolloutBatch(
+    batch = RolloutBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=(attention_mask.cumsum(1) - 1).clamp(min=0),
@@ -93,6 +97,16 @@ def pad_rollout(
         engine_logps=engine_logps,
         advantages=advantages_N,
     )
+    if rollout.routed is not None:
+        routed = torch.full((n, p + t, *rollout.routed[0].shape[1:]), UNREAD, dtype=torch.int16)
+        for i, routes in enumerate(rollout.routed):
+            start = p - len(prompt_ids[i // num_generations])
+            routed[i, start : start + routes.size(0)] = routes
+            # The last token's routing is read by nothing: its output predicts past the completion.
+            last = routed[i, start + routes.size(0) - 1]
+            last[last == -1] = UNREAD
+        batch["routed_experts"] = routed
+    return batch
 
 
 def rollout_batch(

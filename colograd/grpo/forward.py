@@ -11,6 +11,7 @@ routers (`colograd.grpo.router`).
 
 import logging
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +24,7 @@ from colograd.grpo.batch import RolloutBatch, split_by_tokens
 from colograd.grpo.logps import PromptSharing, completion_logps
 from colograd.grpo.memory import PassBudget, compute_dtype
 from colograd.grpo.packing import forward_packing
-from colograd.grpo.router import Router, RouterRecord
+from colograd.grpo.router import Router, RouterRecord, RoutingReplay
 from colograd.models.hybrid import bound_time_steps_as_configured, carries_state, state_layer_kinds
 from colograd.vision.core import placeholder_ids, takes_position_ids
 
@@ -41,6 +42,7 @@ class Forward:
     suppressed: token ids never scored (a vision-language model's image placeholders).
     position_ids: whether the model takes position ids.
     router: a Mixture-of-Experts model's routers, recorded in a training pass (TRL's load-balancing loss), or None.
+    replay: routing replay (`routing_replay: rollout`), installed on the policy and the reference, or None.
     budget: the per-pass token budget derived on a GPU when `micro_batch_tokens` is unset, or None.
     """
 
@@ -52,6 +54,7 @@ class Forward:
     position_ids: bool = True
     router: Router | None = None
     budget: PassBudget | None = None
+    replay: RoutingReplay | None = None
 
     def __post_init__(self) -> None:
         self.packed = self.packed and self.args.padding_free
@@ -97,7 +100,10 @@ class Forward:
         packing = forward_packing(nets, args, compute_dtype(policy, args.mixed_precision)) if packed else (None, None)
         budget = PassBudget(policy, args, deepspeed, announce)
         suppressed, position_ids = placeholder_ids(processing_class), takes_position_ids(policy.config)
-        return cls(args, packed, *packing, suppressed, position_ids, router, budget)
+        replay = RoutingReplay(router, nets) if args.routing_replay == "rollout" and router is not None else None
+        if replay is not None and not deepspeed:  # ZeRO-3's routers hold no weights outside its forward
+            replay.probe(policy)
+        return cls(args, packed, *packing, suppressed, position_ids, router, budget, replay)
 
     def logps(
         self,
@@ -126,7 +132,14 @@ class Forward:
             suppressed=self.suppressed,
             position_ids=self.position_ids,
             router=router,
+            replay=self.replay,
         )
+
+    def replaying(self) -> AbstractContextManager:
+        """Around a slice's passes and their backward: the routing replay that the passes set (a layer recomputed in
+        the backward, gradient checkpointing, routes as its forward did) is cleared after, so that no other forward
+        of the model replays it."""
+        return self.replay.cleared() if self.replay is not None else nullcontext()
 
     def passes(
         self, model: nn.Module, batch: RolloutBatch, optimizer: torch.optim.Optimizer | None

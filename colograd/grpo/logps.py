@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 from colograd.errors import ConfigError
 from colograd.grpo import attention
-from colograd.grpo.router import RouterRecord
+from colograd.grpo.router import UNREAD, RouterRecord, RoutingReplay
 from colograd.models import logit_transform
 from colograd.models.logit_transform import LogitTransform
 from colograd.vision.core import forward_images
@@ -53,6 +53,8 @@ class Packed:
         segment attention, a `colograd.grpo.attention.segment_mask` (no mask values).
     weights: [R, L], how many sequences each position stands for: 0 for padding, a shared prompt's token one for
         each completion that shares it, else 1 (what a per-token statistic of the sequences weighs it by).
+    source: [R × L], the flat position in the padded batch ([N × (P + T)]) each position's token comes from (a
+        shared prompt's: its first sequence's), -1 for padding (what a per-token input of the batch is packed by).
     """
 
     input_ids: torch.Tensor
@@ -63,6 +65,7 @@ class Packed:
     tokens: int
     attention_mask: torch.Tensor | None = None
     weights: torch.Tensor | None = None
+    source: torch.Tensor | None = None
 
 
 def pack_rows(lengths: list[int], row_tokens: int | None = None) -> list[list[int]]:
@@ -121,6 +124,8 @@ def pack(
     positions[dest_T] = pos_T
     weights = torch.zeros(len(rows) * width, device=device)
     weights[dest_T] = 1.0
+    source = torch.full((len(rows) * width,), -1, dtype=torch.long, device=device)
+    source[dest_T] = mask.flatten().nonzero().squeeze(1)
     # Completion token j of a sequence is predicted by the logits at the token before it.
     column_T = pos_T - prompt_len_N[seq_T]
     wanted = column_T >= 0
@@ -140,6 +145,7 @@ def pack(
         sum(lengths),
         mask,
         weights.view(len(rows), width),
+        source,
     )
 
 
@@ -286,6 +292,9 @@ def pack_shared(
     unit_of = torch.full((len(rows), width), -1)  # padding belongs to no unit
     branch = torch.zeros(len(rows), width, dtype=torch.long)  # 0: a prompt token; b: the unit's b-th completion
     weights = torch.zeros(len(rows), width)  # a prompt token stands for each of its unit's sequences
+    source = torch.full((len(rows), width), -1, dtype=torch.long)
+    full = batch["input_ids"].size(1)  # P + T
+    p = full - batch["completion_ids"].size(1)
     index, seq, column = [], [], []
     for r, row in enumerate(rows):
         offset = 0
@@ -298,6 +307,7 @@ def pack_shared(
                 u,
             )
             weights[r, offset:end] = len(units[u])
+            source[r, offset:end] = units[u][0] * full + p - len(prompt) + torch.arange(len(prompt))
             last_prompt = r * width + end - 1
             offset = end
             for b, i in enumerate(units[u], 1):
@@ -305,6 +315,7 @@ def pack_shared(
                 end = offset + len(completion)
                 ids[r, offset:end], unit_of[r, offset:end], branch[r, offset:end] = completion, u, b
                 weights[r, offset:end] = 1.0
+                source[r, offset:end] = i * full + p + torch.arange(len(completion))
                 positions[r, offset:end] = torch.arange(len(prompt), len(prompt) + len(completion))
                 # Completion token j is predicted at the token before it: the prompt's last for j = 0.
                 before = r * width + torch.arange(offset - 1, end - 1)
@@ -327,6 +338,7 @@ def pack_shared(
             attention.segments_of(unit_of.flatten(), branch.flatten(), segments), len(rows), device
         ),
         weights.to(device),
+        source.flatten().to(device),
     )
 
 
@@ -363,6 +375,7 @@ def completion_logps(
     suppressed: list[int] | None = None,
     position_ids: bool = True,
     router: RouterRecord | None = None,
+    replay: RoutingReplay | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of `batch`'s completion tokens under `model` at `temperature`: [N, T], 0 where there is no token.
     The log-probs are of the model's own distribution: what its forward does to the logits after the output layer
@@ -396,6 +409,8 @@ def completion_logps(
         position_ids: give the model the rows' position ids (False: a model that computes its own, M-RoPE).
         router: a Mixture-of-Experts model's `RouterRecord`, filled with what its routers did in this pass (the
             load-balancing loss and the experts' load, each position weighted by the sequences it stands for).
+        replay: the routing replay installed on `model`: set to route this pass by `batch`'s `routed_experts` (the
+            engine's routing), laid out as the pass's tokens, or by the model's own routers where `batch` has none.
 
     Returns:
         logps_NT; with `entropy`, (logps_NT, entropy_NT). Only the completion tokens' values are meaningful.
@@ -426,12 +441,21 @@ def completion_logps(
         inputs |= images
         weights = batch["attention_mask"]
     packed_rows = padding_free and not images
+    if replay is not None:
+        routes = batch.get("routed_experts")
+        if routes is not None:
+            source = packed.source if packed_rows else torch.arange(routes.size(0) * routes.size(1))
+            routes = routes.flatten(0, 1)[source.clamp(min=0).to(routes.device)]
+            routes[source < 0] = UNREAD
+        replay.use(routes)
     if count_tokens is not None:
         count_tokens(packed.tokens if packed_rows else batch["input_ids"].numel())  # padded: padding included
     swap = _head_returns_logps(head, index_K, target_K, temperature, chunk_tokens, entropy, fp32_head, suppressed,
                                transform)  # fmt: skip
     with swap as left, router.recording(model) if router is not None else nullcontext([]) as routed:
         out_K = model(**inputs, use_cache=False).logits  # [K], or [K, 2]: log-prob and entropy
+    if replay is not None and not torch.is_grad_enabled():  # no backward will recompute a layer of this pass
+        replay.use(None)
     if router is not None:
         router.finish(routed, weights)
     out_K = logit_transform.returned(out_K, left, transform, model)

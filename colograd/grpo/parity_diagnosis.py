@@ -30,7 +30,9 @@ from colograd.engine.sync import WeightPlan, is_sharded
 NAMED = 5
 
 
-def diagnose(engine: Engine, model: nn.Module, resync: Callable[[], None] | None = None) -> str:
+def diagnose(
+    engine: Engine, model: nn.Module, resync: Callable[[], None] | None = None, replaying: bool = False
+) -> str:
     """One sentence on the cause of an engine/trainer gap: the engine's tensors that a fresh load of the trainer's
     weights gives otherwise, or that there are none.
 
@@ -39,6 +41,8 @@ def diagnose(engine: Engine, model: nn.Module, resync: Callable[[], None] | None
         model: the trained model, unwrapped (no DDP / DeepSpeed engine around it); may be a PEFT model.
         resync: writes the trainer's weights into the engine (the trainer's `sync_weights`); needed only where the
             engine released them after the rollout (sleep mode, or a CPU engine's packed weights).
+        replaying: the trainer's passes replay the engine's routing (`routing_replay: rollout`), a cause the fresh
+            load cannot rule out.
 
     Returns:
         The sentence, one line; where no comparison could be made, a sentence saying why.
@@ -70,6 +74,13 @@ def diagnose(engine: Engine, model: nn.Module, resync: Callable[[], None] | None
             f"A freshly loaded engine differs: {len(differ)} of the engine's {compared} tensors and layers {verb} not "
             f"what vLLM's loader makes of the trainer's weights ({listed}): colograd's sync leaves them stale (vLLM's "
             f"{architecture} is not at fault), a bug to report with this line."
+        )
+    if replaying:
+        return (
+            f"A freshly loaded engine agrees: all {compared} of the engine's tensors and layers are what vLLM's "
+            "loader makes of the trainer's weights, so the sync is complete; the trainer replays the engine's routing "
+            "(routing_replay: rollout): run once with routing_replay: off to tell a replay that misroutes tokens from "
+            f"vLLM's {architecture} computing another distribution, and report the replay's case with this line."
         )
     return (
         f"A freshly loaded engine agrees: all {compared} of the engine's tensors and layers are what vLLM's loader "

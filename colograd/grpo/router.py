@@ -21,6 +21,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -156,3 +157,155 @@ class RouterRecord:
 
 
 # --- routing replay: the trainer's routers made to pick given experts -------------------------------------------
+
+
+def check_replay(args: Any, router: Router | None, model: nn.Module, agents: bool) -> None:
+    """Refuse `routing_replay` where it cannot apply: a dense model, or rollouts with tool calls (their inserted
+    tokens are not the engine's sampled sequence)."""
+    if args.routing_replay == "off":
+        return
+    if router is None:
+        raise ConfigError(
+            f"routing_replay={args.routing_replay!r} but {type(model).__name__} is not a Mixture-of-Experts model "
+            "with routers to replay; set routing_replay: off."
+        )
+    if agents:
+        raise ConfigError(
+            "routing_replay=rollout with tools, an environment or a rollout_func: the engine's routing of "
+            "multi-turn completions is not recorded yet; set routing_replay: off."
+        )
+
+
+# The routes of a position whose routing nothing reads: padding, and a sequence's last token (no loss reads its output
+# and no token attends to it). -1: a token the engine did not route, which the trainer then routes itself.
+UNREAD = -2
+
+
+class RoutingReplay:
+    """Routing replay, the trainer's half (`routing_replay: rollout`): while a pass's routing is set (`use`), each
+    router of the models it is installed on picks, for every token, the experts the engine's router chose for it
+    (`colograd.engine.routing`), and routes the token itself where the engine reported none.
+
+    A router is a module of the family's router class (`Router.router_class`); the l-th of a model, in the model's
+    order, replays the engine's l-th MoE layer. While it runs, the top-k it takes over its experts (`torch.topk` or
+    `Tensor.topk` on [tokens, E]) is answered with the given experts and the router's own scores of them, so that the
+    rest of the family's routing (softmax, renormalisation, scaling) runs as written and the scores keep their
+    gradient; a top-k over expert groups (DeepSeek's group-limited routing) is answered with the groups that hold the
+    given experts first. A router that runs without such a top-k cannot be replayed, and stops the pass.
+
+    A pass without gradients clears the routing at its end. One with gradients leaves it set until its slice's
+    backward is done (`cleared`, around the slice): a layer recomputed in the backward (gradient checkpointing)
+    routes as it did in the forward.
+    """
+
+    def __init__(self, router: Router, nets: list[nn.Module | None]) -> None:
+        self.router = router
+        self.routes: torch.Tensor | None = None  # [tokens, layers, k] long, -1 where not given
+        self.counts = torch.zeros(3, dtype=torch.float64)  # routed choices, differed, unreplayed (since `take`)
+        self._layer: dict[nn.Module, int] = {}
+        self._handles = []
+        for net in nets:
+            if net is None:
+                continue
+            routers = [m for m in net.modules() if isinstance(m, router.router_class)]
+            for index, module in enumerate(routers):
+                self._layer[module] = index
+                self._handles.append(module.register_forward_pre_hook(self._before))
+                self._handles.append(module.register_forward_hook(self._after, always_call=True))
+        self._answered = 0
+        self._real = (torch.topk, torch.Tensor.topk)
+
+    def use(self, routes: torch.Tensor | None) -> None:
+        """Route the next passes by `routes` ([tokens of the pass, layers, k], in the order the model flattens its
+        input; -1 where the trainer routes a token itself, `UNREAD` where nothing reads the routing), or by the
+        trainer's own routers (None)."""
+        self.routes = None if routes is None else routes.long()
+
+    def probe(self, model: nn.Module) -> None:
+        """Run the first router of `model` once on a few random tokens with given experts, so that a family whose
+        routing cannot be replayed is refused at set-up rather than at its first pass (a router that takes other
+        inputs than the hidden states is left to that first pass).
+
+        Raises:
+            ConfigError: the router chose its experts without a top-k the replay answers.
+        """
+        module = next((m for m in model.modules() if m in self._layer), None)
+        weight = next(module.parameters(), None) if module is not None else None
+        if weight is None:
+            return
+        hidden = torch.randn(4, model.config.get_text_config().hidden_size, dtype=weight.dtype, device=weight.device)
+        given = torch.arange(self.router.top_k).expand(4, len(self._layer), -1)
+        self.use(given)
+        try:
+            with torch.no_grad():
+                module(hidden)
+        except ValueError as error:
+            if "routing_replay" in str(error):
+                raise ConfigError(str(error)) from None
+        except (TypeError, RuntimeError):
+            pass  # another signature: the first pass checks
+        finally:
+            self.use(None)
+            self.counts.zero_()
+
+    @contextmanager
+    def cleared(self) -> Iterator[None]:
+        """The block's passes may set routing; after it (however it ends) the routers route by themselves again."""
+        try:
+            yield
+        finally:
+            self.routes = None
+
+    def take(self) -> dict[str, float]:
+        """The share of routing choices since the last `take` that the trainer's own routers would have made
+        otherwise (`differed`) and that the engine did not report (`unreplayed`), over the positions whose routing is
+        read (not `UNREAD`)."""
+        total, differed, unreplayed = self.counts.tolist()
+        self.counts.zero_()
+        if not total:
+            return {}
+        return {"moe/routing_replay/differed": differed / total, "moe/routing_replay/unreplayed": unreplayed / total}
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def _before(self, module: nn.Module, args: tuple) -> None:
+        if self.routes is None:
+            return
+        given = self.routes[:, self._layer[module]]
+        self._answered = 0
+        torch.topk = lambda *a, **k: self._topk(given, *a, **k)
+        torch.Tensor.topk = lambda *a, **k: self._topk(given, *a, **k)
+
+    def _after(self, module: nn.Module, args: tuple, output: object) -> None:
+        torch.topk, torch.Tensor.topk = self._real
+        if self.routes is not None and not self._answered:
+            raise ValueError(
+                f"routing_replay: {type(module).__name__} chose its experts without a top-k over its "
+                f"{self.router.num_experts} experts, so its routing cannot be replayed; set routing_replay: off."
+            )
+
+    def _topk(self, given: torch.Tensor, input: torch.Tensor, k: int, dim: int = -1, largest: bool = True,
+              sorted: bool = True) -> torch.return_types.topk:  # fmt: skip
+        own = self._real[0](input, k, dim, largest, sorted)
+        experts = self.router.num_experts
+        if input.dim() != 2 or dim not in (-1, 1) or not largest or input.size(0) != given.size(0):
+            return own
+        given = given.to(input.device)
+        known = given[:, :1] >= 0  # a position is given all of its experts or none
+        if input.size(1) == experts and k == given.size(1):
+            chosen = torch.where(known, given, own.indices)
+            with torch.no_grad():
+                routed = given[:, 0] != UNREAD
+                differs = (own.indices.sort(-1).values != chosen.sort(-1).values).any(-1)
+                counts = torch.stack([routed.sum(), differs.sum(), (routed & ~known[:, 0]).sum()])
+                self.counts = counts.double() + self.counts.to(counts.device)
+            self._answered += 1
+            return torch.return_types.topk((input.gather(-1, chosen), chosen))
+        if experts % input.size(1) == 0 and input.size(1) < experts:  # expert groups: the given experts' first
+            holds = torch.zeros_like(input, dtype=torch.bool)
+            holds.scatter_(1, given.clamp(min=0) // (experts // input.size(1)), True)
+            first = self._real[0](input.masked_fill(holds & known, float("inf")), k, dim, largest, sorted).indices
+            return torch.return_types.topk((input.gather(-1, first), first))
+        return own

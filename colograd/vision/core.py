@@ -265,6 +265,7 @@ def rotate_prompts(
         truncated=per_completion(rollout.truncated),
         tool_mask=per_completion(rollout.tool_mask),
         prompt_ids=per_completion(rollout.prompt_ids),
+        routed=per_completion(rollout.routed),
         engine_prompt_ids=per_prompt(rollout.engine_prompt_ids),
     )
 

@@ -10,7 +10,8 @@ correction on, so that one process's start-up serves both precisions. Each rank 
 run ("MODEL", or "MODEL (bf16)"): the trainer's log history, whether every rank held identical weights after every
 optimizer step, the largest gap between engine and trainer log-probs after the final sync, whether the model was
 sharded and into how many buckets the sync cut it, whether the engine's experts are prepacked, and whether the running
-parity guard stayed on (the gate found the training pass equal to the evaluation pass).
+parity guard stayed on (the gate found the training pass equal to the evaluation pass). With --replay the MoE models
+replay the engine's routing in every pass (`routing_replay: rollout`).
 """
 
 import argparse
@@ -29,6 +30,7 @@ import zoo  # noqa: E402  (tests/zoo.py)
 
 from colograd import GRPOConfig, GRPOTrainer  # noqa: E402
 from colograd.engine.sync import is_sharded  # noqa: E402
+from colograd.grpo.router import router_of  # noqa: E402
 
 QUESTIONS = ["what is 2+2?", "name a colour.", "say yes.", "(1+3)*2=?"]
 
@@ -49,7 +51,15 @@ def main() -> None:
                         "correction on (vllm_importance_sampling_correction)")  # fmt: skip
     parser.add_argument("--bf16-models", nargs="*", default=[], help="models of MODEL... that train again after "
                         "all of them, from the same initial weights, as with --bf16")  # fmt: skip
+    parser.add_argument("--replay", action="store_true", help="routing_replay: rollout for the MoE models")
+    parser.add_argument("--shift-replay", action="store_true", help="a fault to catch: the engine's routing of every "
+                        "completion reaches the trainer one position late")  # fmt: skip
     cli = parser.parse_args()
+    if cli.shift_replay:
+        from colograd.engine.routing import RoutingCapture
+
+        captured = RoutingCapture.routes
+        RoutingCapture.routes = lambda self, requests: [r.roll(1, dims=0) for r in captured(self, requests)]
     # Every model is built before the first trainer: once a trainer has set up ZeRO-3, transformers builds models
     # already partitioned (deepspeed.zero.Init), and the zoo's edit of their weights needs them whole.
     built = {name: zoo.stopping_model(name) for name in cli.models}
@@ -67,9 +77,11 @@ def check(name: str, model: torch.nn.Module, tokenizer, bf16: bool, cli: argpars
     # GRPOConfig's defaults (TRL's quickstart) but a learning rate that moves every expert in a few steps and
     # shorter completions (the stopping model answers in a few tokens anyway).
     out = os.path.join(cli.out, name.replace("/", "--") + ("-bf16" if bf16 else ""))
+    replay = "rollout" if cli.replay and router_of(model, None) is not None else "off"
     args = GRPOConfig(output_dir=out, max_steps=cli.steps, learning_rate=1e-2, max_completion_length=64,
                       sync_bucket_mib=cli.bucket_mib, vllm_enforce_eager=True, save_strategy="no", report_to="none",
-                      disable_tqdm=True, bf16=bf16, vllm_importance_sampling_correction=bf16)  # fmt: skip
+                      disable_tqdm=True, bf16=bf16, vllm_importance_sampling_correction=bf16,
+                      routing_replay=replay)  # fmt: skip
     callback = WeightsAgree()
     rows = [{"prompt": [{"role": "user", "content": q}]} for q in QUESTIONS]
     trainer = GRPOTrainer(model=model, reward_funcs=answer_length, args=args, train_dataset=Dataset.from_list(rows),

@@ -294,6 +294,7 @@ def test_the_gap_metric_rotates_through_an_image_rollouts_prompts():
         tool_mask: list | None
         prompt_ids: list | None
         engine_prompt_ids: list | None
+        routed: list | None = None
 
     reported = []
     rollout = rotate_prompts(
