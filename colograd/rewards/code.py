@@ -36,6 +36,7 @@ from typing import Any
 from colograd.errors import ConfigError
 from colograd.rewards.code_tests import (
     LAYOUTS,
+    ROW_TEXT_COLUMNS,
     TEST_COLUMNS,
     AssertTests,
     RowCompileError,
@@ -265,8 +266,11 @@ class CodeReward:
 
 
 def _rows(completions: list, verification_info: list | None, columns: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each completion's test columns (`TEST_COLUMNS`), from the reward call's columns."""
-    tested = {name: values for name, values in columns.items() if name in TEST_COLUMNS}
+    """Each completion's test columns (`TEST_COLUMNS`) and the columns that say what it was asked
+    (`ROW_TEXT_COLUMNS`, and the prompt TRL passes as `prompts`), from the reward call's columns."""
+    tested = {name: values for name, values in columns.items() if name in TEST_COLUMNS or name in ROW_TEXT_COLUMNS}
+    if columns.get("prompts") is not None:
+        tested["prompt"] = columns["prompts"]
     if verification_info is not None:
         tested["verification_info"] = verification_info
     return [{name: values[i] for name, values in tested.items()} for i in range(len(completions))]

@@ -29,6 +29,7 @@ import builtins
 import functools
 import json
 import os
+import re
 import subprocess
 import symtable
 import sys
@@ -79,12 +80,37 @@ class StdioTests:
 class AssertTests:
     """Assert-style tests: `imports` run before the program and in the judge; `setup` in the judge after the program
     ran (it may build the program's objects); then each of `tests`. `declared`: names that are the program's
-    whatever else they name (HumanEval's entry_point)."""
+    whatever else they name (HumanEval's entry_point). `classes`: the names the row says are classes (`row_classes`):
+    the only program names whose objects' methods the judge calls."""
 
     imports: str
     setup: str
     tests: tuple[str, ...]
     declared: tuple[str, ...] = ()
+    classes: tuple[str, ...] = ()
+
+
+# The columns that say what a row asks for, besides its tests: the problem's text and a reference solution, as code
+# datasets name them (MBPP: text, code; HumanEval: prompt, canonical_solution; APPS / TACO: question, solutions;
+# KodCode: question, solution; LiveCodeBench: question_content). Read only for the classes they declare.
+ROW_TEXT_COLUMNS = (
+    "text", "prompt", "question", "question_content", "problem", "description", "instruction",
+    "code", "solution", "solutions", "canonical_solution", "reference_solution", "starter_code",
+)  # fmt: skip
+_CLASS = re.compile(r"\bclass\s+([A-Za-z_][A-Za-z_0-9]*)")
+
+
+def row_classes(row: dict[str, Any]) -> tuple[str, ...]:
+    """The classes a row declares: the names after `class` in its problem text or reference solution
+    (`ROW_TEXT_COLUMNS`). Never the program's word, nor a name's spelling: a test that calls a
+    function `Solve` and a method of what it returns (`Solve(x).startswith("a")`) reads that result as data unless
+    the row says `Solve` is a class, so a program that makes it a class whose `startswith` says True gains nothing."""
+    found = set()
+    for column in ROW_TEXT_COLUMNS:
+        value = row.get(column)
+        if value is not None:
+            found |= set(_CLASS.findall(value if isinstance(value, str) else json.dumps(value, default=str)))
+    return tuple(sorted(found))
 
 
 def row_tests(row: dict[str, Any]) -> StdioTests | AssertTests:
@@ -96,6 +122,13 @@ def row_tests(row: dict[str, Any]) -> StdioTests | AssertTests:
         RowTestsError: the row has no tests, they are not in a layout the code rewards read, or one of them cannot
             tell a right program from a wrong one.
     """
+    tests = _row_tests(row)
+    if isinstance(tests, AssertTests):
+        return replace(tests, classes=tuple(sorted({*tests.classes, *row_classes(row)})))
+    return tests
+
+
+def _row_tests(row: dict[str, Any]) -> StdioTests | AssertTests:
     given = {k: v for k, v in row.items() if k in TEST_COLUMNS and v is not None}
     if "verification_info" in given:
         return _stdio(given["verification_info"])
@@ -264,7 +297,7 @@ def _call_asserts(calls: CallCases) -> AssertTests:
     compared as the dataset's grader compares it (`_CALL_SETUP`); the expected values stay in the judge."""
     setup = _CALL_SETUP.format(name=calls.fn_name, apps=calls.grader == "apps")
     tests = tuple(f"assert _same(_entry()(*{args!r}), {expected!r})" for args, expected in calls.cases)
-    return AssertTests("", setup, tests, (calls.fn_name, "Solution"))
+    return AssertTests("", setup, tests, (calls.fn_name, "Solution"), ("Solution",))
 
 
 def _checked(tests: AssertTests, column: str) -> AssertTests:
@@ -313,8 +346,8 @@ def _modules_used(names: set[str], called: set[str]) -> dict[str, str]:
 class JudgeNames:
     """How the judge resolves a row's names. program: the names that are the program's (its entry point, the
     functions and classes the tests and setup use); modules: name -> module the judge imports for a test that uses
-    it without importing it; classes: the program's names that are classes by their spelling (their objects'
-    methods may be called). Any other name a test uses is a NameError in the judge."""
+    it without importing it; classes: the program's names the row declares as classes (`row_classes`; their
+    objects' methods may be called). Any other name a test uses is a NameError in the judge."""
 
     program: tuple[str, ...]
     modules: dict[str, str]
@@ -333,7 +366,7 @@ def judge_names(tests: AssertTests) -> JudgeNames:
     declared = set(tests.declared)
     modules = _modules_used(used - declared, called)
     program = sorted(declared | {name for name in used - set(modules) if name not in _BUILTINS})
-    classes = tuple(name for name in program if name[:1].isupper())
+    classes = tuple(name for name in program if name in tests.classes)
     return JudgeNames(tuple(program), modules, classes)
 
 

@@ -255,7 +255,8 @@ VALUES = {
     "a function returned, methods of a named class": (
         {"test_list": ["assert adder(2)(3) == 5", "assert Stack().push(1).push(2).items == [1, 2]",
                        "assert Stack().push('ab').top().startswith('a')",
-                       "assert isinstance(Stack().push(1), Stack)"]},
+                       "assert isinstance(Stack().push(1), Stack)"],
+         "code": "class Stack:\n    pass"},
         "def adder(n):\n    return lambda x: x + n\nclass Stack:\n    def __init__(self):\n        self.items = []\n"
         "    def push(self, x):\n        self.items.append(x)\n        return self\n    def top(self):\n"
         "        return self.items[-1]\n",
@@ -298,9 +299,13 @@ def test_library_values_are_rebuilt_as_the_receivers_own():
 
 
 def test_a_tests_names_resolve_in_the_judge_unless_the_row_makes_them_the_programs():
-    tests = row_tests({"test_cases": ["assert math.isclose(area(1), 3.14)", "assert Shape(2).area() == np.pi * 4"]})
-    names = judge_names(tests)
+    row = {"test_cases": ["assert math.isclose(area(1), 3.14)", "assert Shape(2).area() == np.pi * 4"]}
+    names = judge_names(row_tests({**row, "question": "Write a class Shape with an area method, and area(r)."}))
     assert names.program == ("Shape", "area") and names.classes == ("Shape",)
+    # A class is one the row declares (its text, reference solution or setup), never a name's spelling.
+    assert judge_names(row_tests(row)).classes == ()
+    assert judge_names(row_tests({**row, "test_setup_code": "class Shape:\n    pass"})).classes == ()  # the setup's
+    assert judge_names(row_tests({**row, "solution": "class Shape:\n    def area(self): ..."})).classes == ("Shape",)
     assert names.modules == {"math": "math", "np": "numpy"}
     called = judge_names(row_tests({"test_list": ["assert random(3) == 4"]}))
     assert called.program == ("random",) and called.modules == {}  # a module's name called: the program's function

@@ -318,12 +318,38 @@ def test_the_judges_libraries_never_read_a_protocol_the_program_answers(code):
     assert rewards == [0.0, 1.0] and "SIGSEGV" not in str(logged["code_failure"][0]), logged
 
 
+def test_a_function_named_like_a_class_is_not_made_one_by_the_program(code):
+    """A row whose function is spelled like a class (`Solve`) and whose test calls a method of its result: a program
+    that makes `Solve` a class whose `startswith` and `isupper` answer as the tests want passed both method tests (2/3)
+    while a name's capital letter made it the row's class; the row declares no class, so the result is read as data
+    and the program fails all three. A right program passes,
+    and where the row's text does declare the class, a program built on it passes too."""
+    row = {"test_list": ["assert Solve('abc').startswith('ab')", "assert not Solve('x').isupper()",
+                         "assert Solve('Q') == 'Q'"]}  # fmt: skip
+    right = "def Solve(s):\n    return s\n"
+    says_yes = ("class Solve:\n    def __init__(self, s):\n        self.s = s\n    def startswith(self, *a):\n"
+                "        return True\n    def isupper(self):\n        return False\n")  # fmt: skip
+    completions = [f"```python\n{program}```" for program in (right, says_yes)]
+    assert code(completions, **{k: [v] * 2 for k, v in row.items()}) == [1.0, 0.0]
+    declared = {**row, "text": "Write a class Solve, built from a string, that says whether it starts with a prefix."}
+    honest = (
+        says_yes.replace("return True", "return self.s.startswith(*a)").replace(
+            "return False", "return self.s.isupper()"
+        )
+        + "    def __eq__(self, other):\n        return self.s == other\n"
+    )
+    assert code([f"```python\n{honest}```"], **{k: [v] for k, v in declared.items()}) == [2 / 3]
+
+
 def test_an_object_is_the_rows_class_only_when_the_test_built_it(code):
     """The methods of an object of a class the row uses are called when the test built it (``Node(3).get()``); an
     object a function returns is read as data whatever its type is named, so a wrong program whose result is an
     object of the row's class (or of one named like it) that says yes to ``startswith`` fails that test (it passed
     before), and a right program passes both."""
-    row = {"test_list": ["n = Node(3)\nassert n.get() == 3", "assert f('abc').startswith('ab')"]}
+    row = {
+        "test_list": ["n = Node(3)\nassert n.get() == 3", "assert f('abc').startswith('ab')"],
+        "text": "Write a class Node whose get returns 3, and a function f that returns its argument.",
+    }
     node = "class Node:\n    def __init__(self, v=None):\n        self.v = v\n    def get(self):\n        return 3\n"
     says_yes = "def startswith(self, *a):\n    return True\n"
     right = node + "def f(s):\n    return s\n"

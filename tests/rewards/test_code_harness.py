@@ -163,7 +163,8 @@ SEMANTICS = {
     "classes, methods and callbacks": (
         {"test_list": ["assert Stack().push(1).push(2).items == [1, 2]",
                        "assert apply(lambda v: v * 2, [1, 2]) == [2, 4]",
-                       "s = Stack()\nassert s.push(5).top() == 5", "assert len(Stack().push(1)) == 1"]},
+                       "s = Stack()\nassert s.push(5).top() == 5", "assert len(Stack().push(1)) == 1"],
+         "text": "Write a class Stack whose push returns the stack, and a function apply(f, xs)."},
         "class Stack:\n    def __init__(self):\n        self.items = []\n    def push(self, x):\n"
         "        self.items.append(x)\n        return self\n    def top(self):\n        return self.items[-1]\n"
         "    def __len__(self):\n        return len(self.items)\ndef apply(f, xs):\n    return [f(x) for x in xs]\n",
