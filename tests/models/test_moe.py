@@ -263,28 +263,38 @@ def test_each_moe_family_trains_with_its_engine_in_step(layout, tmp_path, record
 REPLAYED = ["Qwen/Qwen3-0.6B", "Qwen/Qwen3-30B-A3B", "zai-org/GLM-4.5-Air", "Qwen/Qwen3-Next-80B-A3B-Instruct"]
 
 
+REPLAY_LAUNCHES = {  # layout: (models, extra flags, launcher options)
+    "ddp": (REPLAYED, [], {}),
+    # Sharded: the routers' weights live in ZeRO-3's partitions; the replay answers inside its gathered forward.
+    "zero3": (REPLAYED[1:3], ["--bucket-mib", "0.1"],
+              {"config": "tests/configs/zero3_cpu.yaml", "env": {"DS_ACCELERATOR": "cpu"}}),
+}  # fmt: skip
+
+
 @pytest.mark.slow
-def test_routing_replay_trains_moe_models_with_a_dense_models_gap(tmp_path, record_property):
-    """2 ranks under accelerate's launcher, GRPOTrainer, two steps each in fp32 and in TRL's bf16, the MoE models
-    replaying the engine's routing in every pass. With the parity gate on (it would stop a run whose routing went
-    astray: see the shifted replay below), every position the loss reads is replayed, the routers' choices that
-    differed from the engine's are counted, and the sampling gap is a dense model's: float32 rounding in fp32 (near-tie
-    tokens included, which reach 3.7e-4 without replay), and in bf16 a mean per step within 0.05 (Qwen3-MoE reads
-    0.055 at its first step without replay, the dense Qwen3 0.007)."""
+@pytest.mark.parametrize("layout", REPLAY_LAUNCHES)
+def test_routing_replay_trains_moe_models_with_a_dense_models_gap(layout, tmp_path, record_property):
+    """2 ranks under accelerate's launcher (plain, and under DeepSpeed ZeRO-3), GRPOTrainer, two steps each in fp32
+    and in TRL's bf16, the MoE models replaying the engine's routing in every pass. With the parity gate on (it would
+    stop a run whose routing went astray: see the shifted replay below), every position the loss reads is replayed,
+    the routers' choices that differed from the engine's are counted, and the sampling gap is a dense model's: float32
+    rounding in fp32 (near-tie tokens included, which reach 3.7e-4 without replay), and in bf16 a mean per step
+    within 0.05 (Qwen3-MoE reads 0.055 at its first step without replay, the dense Qwen3 0.007)."""
     from conftest import launch
 
-    args = [str(tmp_path), *REPLAYED, "--steps", "2", "--replay", "--bf16-models", *REPLAYED]
-    proc = launch("tests/scripts/moe_check.py", *args, timeout=1200)
+    models, flags, options = REPLAY_LAUNCHES[layout]
+    args = [str(tmp_path), *models, "--steps", "2", "--replay", *flags, "--bf16-models", *models]
+    proc = launch("tests/scripts/moe_check.py", *args, timeout=1200, **options)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     for r in range(2):
         results = json.loads((tmp_path / f"rank{r}.json").read_text())
-        assert list(results) == REPLAYED + [name + BF16 for name in REPLAYED]
+        assert list(results) == models + [name + BF16 for name in models]
         for name, run in results.items():
             steps = [h for h in run["log_history"] if "loss" in h]
             gaps = [h["sampling/sampling_logp_difference/max"] for h in steps]
             means = [h["sampling/sampling_logp_difference/mean"] for h in steps]
             record_property(f"replayed sampling gaps {name} rank {r}", [gaps, means])
-            assert len(steps) == 2 and run["running_guard"], name
+            assert len(steps) == 2 and run["running_guard"] and run["sharded"] is (layout == "zero3"), name
             if name.removesuffix(BF16) == REPLAYED[0]:  # dense: nothing to replay
                 assert not any("moe/routing_replay/differed" in h for h in steps)
                 continue
