@@ -23,7 +23,7 @@ from colograd.grpo import attention
 from colograd.grpo.batch import RolloutBatch, split_by_tokens
 from colograd.grpo.logps import PromptSharing, completion_logps
 from colograd.grpo.memory import PassBudget, compute_dtype
-from colograd.grpo.packing import forward_packing
+from colograd.grpo.packing import forward_packing, keeps_packed_sequences_apart
 from colograd.grpo.router import Router, RouterRecord, RoutingReplay
 from colograd.models.hybrid import bound_time_steps_as_configured, carries_state, state_layer_kinds
 from colograd.vision.core import placeholder_ids, takes_position_ids
@@ -90,7 +90,16 @@ class Forward:
                     changed, limit, before,
                 )  # fmt: skip
         packed = args.padding_free and not (carries_state(policy.config) or engine_state)
-        if args.padding_free and not packed and announce:
+        takes_positions = takes_position_ids(policy.config)
+        if packed and takes_positions and not deepspeed and not keeps_packed_sequences_apart(policy):
+            packed = False
+            if announce:
+                logger.warning(
+                    "colograd: %s's forward lets sequences packed in one row attend to each other (its mask is built "
+                    "without the position ids): the trainer's passes run padded (exact; padding_free is set aside).",
+                    type(policy).__name__,
+                )
+        elif args.padding_free and not packed and announce:
             kinds = ", ".join(state_layer_kinds(policy.config.get_text_config())) or "(state pages in the engine)"
             logger.warning(
                 "colograd: the model's %s layers carry state along the sequence, which packing would pass from one "
@@ -99,7 +108,7 @@ class Forward:
             )
         packing = forward_packing(nets, args, compute_dtype(policy, args.mixed_precision)) if packed else (None, None)
         budget = PassBudget(policy, args, deepspeed, announce)
-        suppressed, position_ids = placeholder_ids(processing_class), takes_position_ids(policy.config)
+        suppressed, position_ids = placeholder_ids(processing_class), takes_positions
         replay = RoutingReplay(router, nets) if args.routing_replay == "rollout" and router is not None else None
         if replay is not None and not deepspeed:  # ZeRO-3's routers hold no weights outside its forward
             replay.probe(policy)

@@ -18,6 +18,33 @@ from colograd.grpo import attention
 from colograd.grpo.logps import PromptSharing
 
 
+def keeps_packed_sequences_apart(model: nn.Module) -> bool:
+    """Whether `model`'s forward keeps sequences packed end to end in one row apart when it is given no mask, only
+    position ids that restart at each sequence (transformers finds the sequences from them, `masking_utils`), as the
+    padding-free passes without a mask need. Some families build their mask without the position ids (gpt-oss in
+    transformers 5.19): their packed sequences attend to each other. Probed: two sequences of 8 tokens, packed and the
+    second alone, must give the second the same logits (to 5% of their scale: rounding in 16 bits is far below it,
+    a sequence that sees its neighbour is far above it)."""
+    weight = next(model.parameters(), None)
+    config = _config(model)
+    if weight is None or config is None or weight.device.type == "meta" or weight.numel() == 0:
+        return True  # nothing to probe with here (sharded): the parity gate still compares every pass
+    vocab = config.get_text_config().vocab_size
+    ids = torch.randint(3, min(vocab, 1000), (1, 16), generator=torch.Generator().manual_seed(0)).to(weight.device)
+    positions = torch.arange(8, device=weight.device).repeat(2)[None]
+    training = model.training
+    model.eval()  # no dropout between the two
+    try:
+        with torch.no_grad():
+            packed = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0, 8:].float()
+            alone = model(input_ids=ids[:, 8:], position_ids=positions[:, 8:], use_cache=False).logits[0].float()
+    except Exception:  # a forward this probe cannot make: the parity gate still compares every pass
+        return True
+    finally:
+        model.train(training)
+    return (packed - alone).abs().max().item() <= 0.05 * (1.0 + alone.abs().max().item())
+
+
 def prompt_sharing_cost(model: nn.Module) -> float | None:
     """What sharing a prompt weighs (`pack_shared`'s `attention_cost`) for `model`, or None where it cannot be
     shared: attention other than sdpa (flash kernels ignore a 4D mask), a layer with sliding-window attention

@@ -102,6 +102,39 @@ def test_an_all_attention_model_still_packs_unless_its_engine_holds_state(tmp_pa
     assert not Forward.of([model], args, tokenizer, engine_state=True).packed
 
 
+def test_a_model_whose_mask_ignores_the_position_ids_trains_padded(tmp_path):
+    """gpt-oss (transformers 5.19) builds its attention mask without the position ids, so sequences packed in one row
+    without a mask attend to each other: in a padding-free pass of the zoo's gpt-oss, the second sequence of a
+    packed row was 3.2 nats off its padded log-probs. The probe finds it (and no such thing in Qwen3), and the
+    trainer's passes then run padded, which give each sequence its own log-probs."""
+    from colograd.grpo.logps import completion_logps
+    from colograd.grpo.packing import keeps_packed_sequences_apart
+
+    config = zoo.shrunk("openai/gpt-oss-20b")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    zoo.sharpen(model)
+    qwen = AutoModelForCausalLM.from_config(zoo.shrunk("Qwen/Qwen3-0.6B")).eval()
+    assert not keeps_packed_sequences_apart(model) and keeps_packed_sequences_apart(qwen)
+    args, tokenizer = GRPOConfig(output_dir=str(tmp_path), report_to="none"), zoo.tokenizer_for(config)
+    assert not Forward.of([model], args, tokenizer).packed
+    # Two sequences that share a packed row: packed without a mask, the second is off; padded, both are exact.
+    batch = {"input_ids": torch.randint(3, 1000, (2, 24), generator=torch.Generator().manual_seed(1))}
+    batch["attention_mask"] = torch.ones(2, 24, dtype=torch.long)
+    batch["attention_mask"][1, :6] = 0
+    batch["input_ids"] *= batch["attention_mask"]
+    batch["position_ids"] = (batch["attention_mask"].cumsum(1) - 1).clamp(min=0)
+    batch["completion_ids"], batch["completion_mask"] = batch["input_ids"][:, 12:], batch["attention_mask"][:, 12:]
+    with torch.no_grad():
+        packed = completion_logps(model, batch, padding_free=True, row_tokens=48)
+        padded = completion_logps(model, batch, padding_free=False)
+        alone = [
+            completion_logps(model, {k: v[i : i + 1] for k, v in batch.items()}, padding_free=False) for i in (0, 1)
+        ]
+    assert (padded - torch.cat(alone)).abs().max() < 1e-4
+    assert (packed - padded).abs().max() > 1e-2
+
+
 @pytest.mark.parametrize(
     "model_type, values, kinds",
     [
