@@ -29,7 +29,6 @@ computed inside it. A completion's last token is never fed back to the engine: i
 trainer routes it itself (`moe/routing_replay/unreplayed` counts such positions).
 """
 
-import re
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -38,8 +37,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from colograd.engine.sampler_tap import RANDOM_SUFFIX, request_key
+
 _CAPTURES: dict[str, "_Capture"] = {}  # this process's armed-or-not captures, by key
-_RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$")  # what `assign_request_id` appends to a request id
 UNKNOWN = -1  # a position the engine did not route while captured
 
 
@@ -70,11 +70,6 @@ class RoutingCapture:
         self._llm = llm
         self._key = key
         self._capture = _CAPTURES[key]
-
-    @property
-    def layers(self) -> int:
-        """The engine's MoE layers, in the model's order."""
-        return self._capture.layers
 
     @contextmanager
     def capturing(self) -> Iterator[None]:
@@ -108,7 +103,7 @@ class RoutingCapture:
             step = torch.stack(ids, dim=1).cpu()  # [tokens, layers, k]: one copy to the host per step
             for r, req_id in enumerate(req_ids):
                 span = slice(int(starts[r]), int(starts[r + 1]))
-                rows_of.setdefault(_RANDOM_SUFFIX.sub("", req_id), []).append((positions[span].numpy(), step[span]))
+                rows_of.setdefault(RANDOM_SUFFIX.sub("", req_id), []).append((positions[span].numpy(), step[span]))
         # Each prompt's routing, from whichever request computed each of its positions: its own requests', then
         # those of prompts that begin with the same tokens (a prefix cached by one, read by the other).
         prompts: dict[tuple[int, ...], torch.Tensor] = {}
@@ -174,7 +169,7 @@ def prompt_routes(
         return groups
     keys = [
         (
-            request.request_id if len(request.outputs) == 1 else f"{sample.index}_{request.request_id}",
+            request_key(request, sample),
             request.prompt_token_ids,
             len(sample.token_ids),
         )

@@ -46,7 +46,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _RECORDERS: dict[str, "_Recorder"] = {}  # this process's tapped samplers, by key
-_RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$")  # what `assign_request_id` appends to a request id
+RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$")  # what `assign_request_id` appends to a request id
 _PROBE_TOLERANCE = 1e-5  # the tap and the objects come from one tensor: they agree to float32 rounding
 
 
@@ -124,7 +124,7 @@ class SamplerTap:
         return self.request_logps(
             [
                 (
-                    request.request_id if len(request.outputs) == 1 else f"{sample.index}_{request.request_id}",
+                    request_key(request, sample),
                     sample.token_ids,
                     len(request.prompt_token_ids),
                 )
@@ -155,7 +155,7 @@ class SamplerTap:
             for req_id in req_ids:
                 by_request.setdefault(req_id, []).append(row)
                 row += 1
-        by_name = {_RANDOM_SUFFIX.sub("", req_id): found for req_id, found in by_request.items()}
+        by_name = {RANDOM_SUFFIX.sub("", req_id): found for req_id, found in by_request.items()}
         logps = []
         for name, token_ids, prompt_len in requests:
             found = _match(table[by_name.get(name, [])], token_ids, prompt_len)
@@ -202,6 +202,12 @@ def install(llm: Any) -> SamplerTap | None:
         logger.warning("Engine log-probs come from Logprob objects: vLLM %s: %s.", vllm.__version__, reason)
         return None
     return tap
+
+
+def request_key(request: Any, sample: Any) -> str:
+    """The id the engine ran `sample` (a completion of `request`, a `RequestOutput`) under, without the suffix vLLM
+    appends: the request's own for n = 1, its child's (`f"{index}_{id}"`) for n > 1."""
+    return request.request_id if len(request.outputs) == 1 else f"{sample.index}_{request.request_id}"
 
 
 def object_logps(outputs: Sequence[Any]) -> list[list[float]]:
