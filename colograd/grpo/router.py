@@ -204,10 +204,12 @@ class RoutingReplay:
         self.counts = torch.zeros(3, dtype=torch.float64)  # routed choices, differed, unreplayed (since `take`)
         self._layer: dict[nn.Module, int] = {}
         self._handles = []
+        self.layers = 0  # the policy's routers, one per MoE layer
         for net in nets:
             if net is None:
                 continue
             routers = [m for m in net.modules() if isinstance(m, router.router_class)]
+            self.layers = self.layers or len(routers)
             for index, module in enumerate(routers):
                 self._layer[module] = index
                 self._handles.append(module.register_forward_pre_hook(self._before))
@@ -219,6 +221,11 @@ class RoutingReplay:
         """Route the next passes by `routes` ([tokens of the pass, layers, k], in the order the model flattens its
         input; -1 where the trainer routes a token itself, `UNREAD` where nothing reads the routing), or by the
         trainer's own routers (None)."""
+        if routes is not None and routes.size(1) != self.layers:
+            raise ValueError(
+                f"routing_replay: the engine routed {routes.size(1)} MoE layers and the trainer's model has "
+                f"{self.layers} routers, so their layers cannot be matched; set routing_replay: off."
+            )
         self.routes = None if routes is None else routes.long()
 
     def probe(self, model: nn.Module) -> None:
@@ -234,7 +241,7 @@ class RoutingReplay:
         if weight is None:
             return
         hidden = torch.randn(4, model.config.get_text_config().hidden_size, dtype=weight.dtype, device=weight.device)
-        given = torch.arange(self.router.top_k).expand(4, len(self._layer), -1)
+        given = torch.arange(self.router.top_k).expand(4, self.layers, -1)
         self.use(given)
         try:
             with torch.no_grad():

@@ -164,6 +164,8 @@ def test_no_forward_outside_the_passes_replays():
     logps(model, {**batch, "routed_experts": own.roll(1, dims=1)}, replay)
     assert replay.routes is None
     assert torch.equal(own_routing(model, batch), own)
+    with pytest.raises(ValueError, match="the engine routed 3 MoE layers and the trainer's model has 2 routers"):
+        replay.use(torch.zeros(5, 3, 2, dtype=torch.long))  # an engine with a layer more: no layer is matched
     replay.remove()
     replay.use(own.roll(1, dims=1).flatten(0, 1).long())  # removed: set routing reaches no router
     assert torch.equal(own_routing(model, batch), own)
