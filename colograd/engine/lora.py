@@ -132,14 +132,24 @@ def serve_adapter_in_worker(worker: typing.Any, tensors: dict, request: typing.A
         device=str(next(iter(tensors.values())).device),
         dtype=manager.lora_config.lora_dtype,
         model_vocab_size=manager.vocab_size,
-        weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+        weights_mapper=_lora_names(mapper),
         skip_prefixes=getattr(model, "lora_skip_prefixes", None),
     )
     lora.is_3d_lora_weight = request.is_3d_lora_weight
-    adapters._validate_moe_lora_format(lora)
-    adapters._validate_modules_to_save(lora)
-    adapters._validate_token_classification_lora(lora)
+    for name in ("_validate_moe_lora_format", "_validate_modules_to_save", "_validate_token_classification_lora"):
+        validate = getattr(adapters, name, None)  # vLLM 0.32 on; 0.26's loader checks within, as it read version 1
+        if validate is not None:
+            validate(lora)
     with gpu_sync_allowed():
         adapters.remove_adapter(lora.id)
         adapters.add_adapter(lora)
         adapters.activate_adapter(lora.id)
+
+
+def _lora_names(mapper: typing.Any) -> typing.Any:
+    """The model's checkpoint-name mapper as vLLM's own LoRA loader applies it to adapter names: renames only
+    (`get_rename_mapper`, vLLM 0.32 on), or all but the stacking (`get_unstacked_mapper`, vLLM 0.26)."""
+    if mapper is None:
+        return None
+    rename = getattr(mapper, "get_rename_mapper", None) or mapper.get_unstacked_mapper
+    return rename()

@@ -151,3 +151,21 @@ def test_adapter_only_lora_base_weights_reach_layers_an_older_vllm_hides():
     # What the model's loader then sees: its own renaming of those names reaches the wrapped layer.
     mapped = llava._map_name(names[0])
     assert mapped == "language_model.model.layers.0.self_attn.q_proj.base_layer.weight"
+
+
+def test_adapter_names_are_mapped_as_the_installed_vllm_loader_maps_them():
+    """The in-place adapter sync maps PEFT names with the model's checkpoint mapper as vLLM's own LoRA loader does:
+    renames only on 0.32 on (`get_rename_mapper`), everything but the stacking on 0.26 (`get_unstacked_mapper`, the
+    lent GPU machine's build, where calling the newer name crashed the second sync)."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    from colograd.engine.lora import _lora_names
+
+    mapper = WeightsMapper(orig_to_new_prefix={"model.language_model.": "language_model.model."})
+    names = _lora_names(mapper)
+    assert names.apply_list(["model.language_model.layers.0.q_proj"]) == ["language_model.model.layers.0.q_proj"]
+    older = SimpleNamespace(get_unstacked_mapper=lambda: "unstacked")  # vLLM 0.26's mapper has only this one
+    assert _lora_names(older) == "unstacked"
+    assert _lora_names(None) is None

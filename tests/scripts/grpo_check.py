@@ -82,8 +82,8 @@ class RecordingTrainer(GRPOTrainer):
 
 
 def hf_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    with torch.no_grad():  # on the CPU, whatever device the model is on (as the engine's log-probs are)
+        logits = model(torch.tensor([ids], device=model.device)).logits[0, :-1].float().cpu()
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
 
 
