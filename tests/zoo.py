@@ -528,6 +528,34 @@ def special_ids(config: PretrainedConfig) -> dict[str, int]:
 CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789 +-*/=?.,:;<>()[]{}'\"!\n") + ["A", "B", "C", "D"]
 
 
+def as_published(name: str) -> Any:
+    """A Qwen3.5 of HYBRIDS (dense or MoE) as its checkpoints are published, a vision-language class
+    (`Qwen3_5ForConditionalGeneration`, `Qwen3_5MoeForConditionalGeneration`): the shrunk text model behind a
+    two-block vision tower (transformers' Qwen3.5 patch, merge and position defaults), sharp weights."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    text = shrunk(name).to_dict()
+    model_type = text.pop("model_type").removesuffix("_text")
+    for key in ("architectures", "transformers_version"):
+        text.pop(key, None)
+    vision = {
+        "depth": 2,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_heads": 1,
+        "out_hidden_size": text["hidden_size"],
+    }
+    tied = text["tie_word_embeddings"]
+    config = AutoConfig.for_model(model_type, text_config=text, vision_config=vision, tie_word_embeddings=tied)
+    config.architectures = [HYBRIDS[name]["architectures"][0].replace("ForCausalLM", "ForConditionalGeneration")]
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = AutoModelForImageTextToText.from_config(config).eval()
+    sharpen(model)
+    return model
+
+
 def tokenizer_for(config: PretrainedConfig) -> PreTrainedTokenizerFast:
     """A character tokenizer over the model's whole vocabulary: one token per character in the low ids, the special
     tokens at the model's own ids (end-of-sequence, beginning, padding), filler tokens everywhere else, so that any id

@@ -67,21 +67,29 @@ def router_of(model: nn.Module, coef: float | None) -> Router | None:
     )
     if recorder is None or not hasattr(text_config, "output_router_logits"):
         return None
-    # The family's model class holds the experts as its forward passes them to its own loss function.
+    # The family's loss function sits in its modeling module. The experts and top-k it is given: as the family's
+    # causal LM holds them, else (the vision-language classes read them from the text config) from the config.
+    family = next(
+        (
+            module
+            for m in model.modules()
+            if hasattr(module := sys.modules[type(m).__module__], "load_balancing_loss_func")
+        ),
+        None,
+    )
+    loss_func = family.load_balancing_loss_func if family is not None else None
     owner = next(
         (
             m
             for m in model.modules()
-            if hasattr(m, "num_experts_per_tok")
-            and hasattr(sys.modules[type(m).__module__], "load_balancing_loss_func")
+            if hasattr(m, "num_experts_per_tok") and sys.modules[type(m).__module__] is family
         ),
         None,
     )
     if owner is not None:
-        loss_func = sys.modules[type(owner).__module__].load_balancing_loss_func
         num_experts, top_k = owner.num_experts, owner.num_experts_per_tok
-    else:  # no loss in transformers' code (DeepSeek-V2): the load only, from the config
-        loss_func, top_k = None, getattr(text_config, "num_experts_per_tok", None)
+    else:  # no loss in transformers' code (DeepSeek-V2), or a vision-language class: the config's
+        top_k = getattr(text_config, "num_experts_per_tok", None)
         num_experts = next(
             (getattr(text_config, key) for key in ("num_experts", "num_local_experts", "n_routed_experts")
              if getattr(text_config, key, None)),

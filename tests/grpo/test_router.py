@@ -141,6 +141,22 @@ def test_trls_rule_for_the_coefficient():
         router_of(deepseek, 0.01)
 
 
+def test_a_vision_language_moe_adds_its_own_load_balancing_loss():
+    """Qwen3.5's MoE as its checkpoints are published (`Qwen3_5MoeForConditionalGeneration`) reads its experts and
+    coefficient from its text config, where its causal LM holds them itself: the run takes the coefficient of the
+    config and computes the model's own loss. (It was refused in one line, "has no load-balancing loss to add",
+    which was false.)"""
+    model = zoo.as_published("Qwen/Qwen3.5-35B-A3B")
+    assert type(model).__name__ == "Qwen3_5MoeForConditionalGeneration"
+    router = router_of(model, None)
+    assert router.coef == model.config.text_config.router_aux_loss_coef > 0
+    assert (router.num_experts, router.top_k) == (256, 8)
+    batch = rollout(model.config.text_config.vocab_size, groups=2, size=2)
+    expected = trl_aux_loss(model, batch)
+    record = colograd_aux_loss(model, batch, padding_free=False)  # a hybrid's passes run padded
+    assert (record.aux_loss - expected).abs() <= 1e-5 * expected, (record.aux_loss, expected)
+
+
 def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, router_of(model, 0.0).router_class)]
 

@@ -22,6 +22,10 @@ from colograd.grpo import parity
 pytestmark = pytest.mark.slow
 
 QWEN3_5 = "Qwen/Qwen3.5-4B"
+HYBRIDS_PUBLISHED = {
+    QWEN3_5: "Qwen3_5ForConditionalGeneration",
+    "Qwen/Qwen3.5-35B-A3B": "Qwen3_5MoeForConditionalGeneration",
+}
 BF16 = parity.tolerance(torch.bfloat16, torch.float32)
 
 
@@ -127,48 +131,29 @@ def test_a_state_layer_tensor_left_out_of_the_sync_stops_the_run(case, tmp_path,
     assert "A freshly loaded engine differs" in line and in_engine in line
 
 
-def qwen3_5_vision_language() -> torch.nn.Module:
-    """Qwen3.5 as its checkpoints are published: `Qwen3_5ForConditionalGeneration`, the zoo's shrunk Qwen3.5-4B text
-    model behind a two-block vision tower (transformers' Qwen3.5 patch, merge and position defaults), sharp weights."""
-    import zoo
-    from transformers import AutoConfig, AutoModelForImageTextToText
-
-    text = zoo.shrunk(QWEN3_5).to_dict()
-    for key in ("model_type", "architectures", "transformers_version"):
-        text.pop(key, None)
-    vision = {
-        "depth": 2,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_heads": 1,
-        "out_hidden_size": text["hidden_size"],
-    }
-    config = AutoConfig.for_model("qwen3_5", text_config=text, vision_config=vision, tie_word_embeddings=True)
-    config.architectures = ["Qwen3_5ForConditionalGeneration"]
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = AutoModelForImageTextToText.from_config(config).eval()
-    zoo.sharpen(model)
-    return model
-
-
-def test_qwen3_5_as_published_trains_on_text_with_its_tokenizer(tmp_path):
-    """A Qwen3.5 checkpoint (vision-language) trained on text with its tokenizer, TRL's quickstart: the engine is
-    vLLM's language-model-only one (no image processor needed in its folder; it failed at start-up looking for
-    one), bf16 for its Gated DeltaNet layers, and every step passes the gate's 16-bit bound."""
+@pytest.mark.parametrize("name", [QWEN3_5, "Qwen/Qwen3.5-35B-A3B"])
+def test_qwen3_5_as_published_trains_on_text_with_its_tokenizer(name, tmp_path):
+    """A Qwen3.5 checkpoint (vision-language, dense and MoE) trained on text with its tokenizer, TRL's quickstart:
+    the engine is vLLM's language-model-only one (no image processor needed in its folder; it failed at start-up
+    looking for one), bf16 for its Gated DeltaNet layers, and every step passes the gate's 16-bit bound. The MoE
+    replays the engine's routing (without it, its experts flip at near-ties: worst 0.78 at the first step) and adds
+    its own load-balancing loss at its config's coefficient (it was refused, its class holding no expert counts)."""
     import zoo
     from datasets import Dataset
     from test_zoo import answer_length, chat_rows
 
     from colograd import GRPOConfig, GRPOTrainer
 
-    model = qwen3_5_vision_language()
-    assert type(model).__name__ == "Qwen3_5ForConditionalGeneration"
+    model = zoo.as_published(name)
+    assert type(model).__name__ == HYBRIDS_PUBLISHED[name]
+    moe = name != QWEN3_5
     args = GRPOConfig(output_dir=str(tmp_path), max_steps=2, learning_rate=1e-2, max_completion_length=32,
-                      vllm_enforce_eager=True, save_strategy="no", report_to="none")  # fmt: skip
+                      vllm_enforce_eager=True, save_strategy="no", report_to="none",
+                      routing_replay="rollout" if moe else "off")  # fmt: skip
     trainer = GRPOTrainer(model=model, reward_funcs=answer_length, args=args, processing_class=zoo.tokenizer_for(
-        zoo.shrunk(QWEN3_5)), train_dataset=Dataset.from_list(chat_rows() * 4))  # fmt: skip
+        zoo.shrunk(name)), train_dataset=Dataset.from_list(chat_rows() * 4))  # fmt: skip
     assert trainer.engine.settings["language_model_only"] and trainer.engine.settings["dtype"] == "bfloat16"
+    assert (trainer.forward.router is not None and trainer.forward.router.coef > 0) == moe
     trainer.train()
     steps = [h for h in trainer.state.log_history if "loss" in h]
     gaps = [h["sampling/sampling_logp_difference/max"] for h in steps]
