@@ -36,13 +36,15 @@ def test_the_sampler_counts_ranks_eagerly_with_vllms_own_expression():
 def test_a_latent_attention_engine_gets_the_reference_cpu_backend():
     """vLLM's AMX kernels for latent attention refuse fp32 weights at start-up (tests/models/test_moe.py's deepseek_v2
     on a CPU with AMX tiles) and, in bf16, empty a weight the sync's reload writes back (tests/zoo/test_parity.py):
-    an MLA engine asks for the reference backend in any precision; other attention keeps vLLM's."""
+    an MLA engine asks for the reference backend in any precision, and starts without prefix caching, which vLLM's
+    CPU platform turns off for MLA anyway (too late for a hybrid's state cache: tests/zoo/test_hybrids.py's
+    Kimi-Linear); other attention keeps vLLM's."""
     from transformers import DeepseekV2Config, LlamaConfig
 
     from colograd.engine.cpu import mla_backend
 
     deepseek = DeepseekV2Config()  # kv_lora_rank 512, as DeepSeek-V2's
-    assert mla_backend(deepseek) == {"attention_backend": "CPU_MLA"}
+    assert mla_backend(deepseek) == {"attention_backend": "CPU_MLA", "enable_prefix_caching": False}
     assert mla_backend(LlamaConfig()) == {}
 
 
