@@ -47,6 +47,7 @@ from colograd.check_runner import ROW_TIMEOUT_S, Result, format_table, read_resu
 from colograd.config.core import GRPOConfig
 from colograd.engine.core import Engine
 from colograd.engine.launch import free_port
+from colograd.engine.requests import sampling_params
 from colograd.engine.sync import WeightPlan
 from colograd.models import tiny
 
@@ -172,7 +173,7 @@ def check_sync(setup: Setup, dtype: str, compiled: bool = False, name: str | Non
 
 def engine_addresses(engine: Engine) -> dict[str, int]:
     """Where each of the engine's parameters and buffers lives (`data_ptr`), read in its worker."""
-    return engine.llm.collective_rpc(_addresses_in_worker)[0]
+    return engine.in_workers(_addresses_in_worker)[0]
 
 
 def _addresses_in_worker(worker: object) -> dict[str, int]:
@@ -277,9 +278,7 @@ def check_lora(setup: Setup, merged: bool = False) -> Result:
         gaps, adapter_effect = adapter_cycles(engine, model, WeightPlan(model, adapter_only=True), ids)
         prompts = [_sample_ids(setup, seed=i)[:16] for i in range(setup.prompts)]
         with_adapter = _tokens_per_second(engine, prompts, args, setup.repeats)
-        engine.lora_request, request = None, engine.lora_request
-        without = _tokens_per_second(engine, prompts, args, setup.repeats)
-        engine.lora_request = request
+        without = _tokens_per_second(engine, prompts, args, setup.repeats, adapter=False)
     tolerance = TOLERANCE["bfloat16"]
     ok = max(gaps) <= tolerance and adapter_effect > tolerance
     detail = (
@@ -632,14 +631,19 @@ def _sample_ids(setup: Setup, seed: int = 0, length: int = 24) -> list[int]:
     return [vocab[i] for i in torch.randint(len(vocab), (length,), generator=generator).tolist()]
 
 
-def _tokens_per_second(engine: Engine, prompts: list[list[int]], args: GRPOConfig, repeats: int) -> float:
-    """Generated tokens per second over a whole rollout (median of `repeats`, after one warm-up)."""
-    engine.generate(prompts, args)
+def _tokens_per_second(
+    engine: Engine, prompts: list[list[int]], args: GRPOConfig, repeats: int, adapter: bool = True
+) -> float:
+    """Generated tokens per second over a rollout's requests (each prompt × G, no log-probs; `adapter=False`: the
+    base weights alone), median of `repeats`, after one warm-up."""
+    requests = engine.requests(adapter=adapter)
+    batch, params = [engine.prompt(ids) for ids in prompts], sampling_params(args, logprobs=None)
+    requests.generate(batch, params)
     rates = []
     for _ in range(repeats):
         start = time.perf_counter()
-        rollout = engine.generate(prompts, args)
-        rates.append(sum(map(len, rollout.completion_ids)) / (time.perf_counter() - start))
+        outputs = requests.generate(batch, params)
+        rates.append(sum(len(s.token_ids) for o in outputs for s in o.outputs) / (time.perf_counter() - start))
     return statistics.median(rates)
 
 

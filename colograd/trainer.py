@@ -209,7 +209,6 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         for func in self.reward_funcs:
             if isinstance(func, RewardModel):
                 func.model.to(self.accelerator.device)
-        self.synced_step: int | None = None  # the global_step whose weights the engine holds
         self.weight_plan: WeightPlan | None = None
         main = self.accelerator.is_main_process
         self.forward = Forward.of(
@@ -245,7 +244,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         checkpoint = self.resume_point(resume_from_checkpoint)
         check_stream_resume(self.train_dataset, checkpoint)
         # The model is about to change (restored, or trained on from here): the first rollout re-syncs.
-        self.synced_step = None
+        self.engine.forget_synced()
         self.resume_step = checkpoint_step(checkpoint) if checkpoint else 0  # where the data continues
         # The first logging window starts where the run (re)starts: time/* are divided by its steps.
         self._last_logged_step = self.resume_step
@@ -444,19 +443,18 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
 
     def sync_weights(self) -> None:
         """Write the model's weights into the engine, once per optimizer step (not per accumulation step), and again
-        whenever the engine dropped them (sleep mode). Called while the engine is asleep (from a callback between
-        rollouts, with sleep mode on), it wakes the engine for the sync and puts it back to sleep."""
-        if self.synced_step == self.state.global_step and not self.engine.stale:
-            return
-        if not self.engine.weights_resident:
-            with self.engine.awake(sync=self.sync_weights):
-                return
-        if self.weight_plan is None:  # built once accelerate / DeepSpeed have wrapped (maybe sharded) the model
+        whenever the engine dropped them (sleep mode): `Engine.sync`, which also wakes an engine asleep between
+        rollouts for the write."""
+        self.engine.sync(self._write_weights, self.state.global_step)
+
+    def _write_weights(self) -> None:
+        """The weight sync itself: the model's weights through its `WeightPlan` (built at the first sync, once
+        accelerate / DeepSpeed have wrapped and maybe sharded the model)."""
+        if self.weight_plan is None:
             model = self.accelerator.unwrap_model(self.model)
             self.weight_plan = weight_plan(model, self.args.sync_bucket_mib, self.inputs.lora_rank)
         with self._timed("sync"):
             self.weight_plan.sync(self.engine)
-        self.synced_step = self.state.global_step
 
     def prepare_prompts(self, rows: list[dict]) -> PreparedPrompts:
         """Template and tokenize a batch of dataset rows. A vision-language run's rows are each checked first

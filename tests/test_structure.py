@@ -144,3 +144,40 @@ def test_no_import_cycle_between_parts():
 
     cycles = [cycle for node in sorted(edges) if node not in state and (cycle := visit(node, []))]
     assert cycles == []
+
+
+# The engine's own state, which only colograd/engine/ reads or writes: callers use its stated surface
+# (`Engine.requests`, `sync`, `in_workers`, `on_held_weights`, `serves_adapter`, `dtype`, ...).
+ENGINE_INTERNALS = {"llm", "stale", "weights_resident", "packed_released", "_awake", "lora_request", "_synced_version"}
+
+
+def engine_internal_reads(source: str) -> list[str]:
+    """`<...engine>.<internal>` in `source`: an attribute of ENGINE_INTERNALS read off a name or attribute whose
+    name is `engine` or ends in `_engine` / `.engine` (`trainer.engine.llm`, `engine.stale`)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in ENGINE_INTERNALS:
+            owner = node.value
+            name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
+            if name == "engine" or name.endswith("_engine"):
+                found.append((node.lineno, f"line {node.lineno}: {ast.unparse(node)}"))
+    return [text for _, text in sorted(found)]
+
+
+def test_no_module_outside_the_engine_reads_its_state():
+    """Outside colograd/engine/, nothing touches `engine.llm` or the engine's state flags (issue: the engine has one
+    surface). The last change that added a flag had to patch every caller that read them."""
+    reads = {
+        module_name(path): found
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if "engine" not in path.relative_to(PACKAGE).parts[:1] and (found := engine_internal_reads(path.read_text()))
+    }
+    assert not reads, reads
+
+
+def test_the_engine_state_check_finds_a_read():
+    assert engine_internal_reads("x = trainer.engine.llm.generate(p)\nif self.engine.stale: pass\n") == [
+        "line 1: trainer.engine.llm",
+        "line 2: self.engine.stale",
+    ]
+    assert engine_internal_reads("requests = engine.requests()\nrequests.llm.generate(p)\n") == []

@@ -39,7 +39,7 @@ from colograd.agents.tools import (
     tool_messages,
 )
 from colograd.config.core import ConfigError, GRPOConfig
-from colograd.engine.requests import sampled_logps, sampling_params
+from colograd.engine.requests import Requests, sampled_logps, sampling_params
 from colograd.engine.rollout import Rollout, RolloutContext
 from colograd.engine.sampler_tap import SamplerTap
 
@@ -108,7 +108,9 @@ class AgentLoop:
     trajectories ask for them.
 
     Args:
-        llm: the `vllm.LLM` (its in-process `llm_engine` is stepped directly).
+        requests: the engine as a loop that drives its own requests sees it (`Engine.requests`): every request is
+            served with its adapter and cache salt, and where it has a sampler tap, the turns' log-probs are read
+            from the sampler as tensors (vLLM builds no per-token objects for them).
         tokenizer: decodes a turn's tokens for the parser.
         parser: finds tool calls in a turn's text; its `stop` strings end a turn besides the end-of-turn token.
         result_ids: the tokens a turn's tool messages are inserted as
@@ -116,31 +118,22 @@ class AgentLoop:
         runner: runs the tools.
         max_completion_length: bound of a whole completion, sampled and inserted tokens.
         max_tool_calling_iterations: turns that may call tools per trajectory; None: unbounded (TRL's meaning).
-        lora_request: the adapter every request is served with, if any.
-        cache_salt: every request's cache salt (`Engine.cache_salt`: the weights' version), if any.
-        tap: the engine's sampler tap (`Engine.sampler_tap`), if any: the turns' log-probs are then read from the
-            sampler as tensors, and vLLM builds no per-token objects for them.
     """
 
     def __init__(
         self,
-        llm: Any,
+        requests: Requests,
         tokenizer: PreTrainedTokenizerBase,
         parser: ToolCallParser,
         result_ids: Callable[[list[dict]], list[int]],
         runner: ToolRunner,
         max_completion_length: int,
         max_tool_calling_iterations: int | None = None,
-        lora_request: Any = None,
-        cache_salt: str | None = None,
-        tap: SamplerTap | None = None,
     ) -> None:
-        self.llm, self.tokenizer, self.parser = llm, tokenizer, parser
-        self.cache_salt, self.tap = cache_salt, tap
+        self.requests, self.tokenizer, self.parser = requests, tokenizer, parser
         self.result_ids, self.runner = result_ids, runner
         self.max_completion_length = max_completion_length
         self.max_tool_calling_iterations = max_tool_calling_iterations
-        self.lora_request = lora_request
 
     def run(
         self, trajectories: list[Trajectory], params: Any, on_finished: Callable[[int], None] | None = None
@@ -148,7 +141,7 @@ class AgentLoop:
         """Complete every trajectory in place. `params`: the `SamplingParams` of a turn (n=1); each request gets a
         copy with its own seed and the length left to its trajectory. `on_finished(i)` is called as trajectory i
         completes, while the others go on (with the tap, the log-probs are filled in once all have)."""
-        tap = self.tap if self.tap is not None and self.tap.installed else None
+        tap = self.requests.tap if self.requests.tap is not None and self.requests.tap.installed else None
         turns: list[Turn] = []
         with tap.capturing() if tap is not None else nullcontext():
             self._step(trajectories, params, on_finished or (lambda i: None), turns)
@@ -164,12 +157,12 @@ class AgentLoop:
     ) -> None:
         """`run`'s loop: step the engine, end turns, run their tools and add the next turns, until every trajectory
         is complete; records each finished turn in `turns`."""
-        engine = self.llm.llm_engine
+        engine = self.requests
         waiting: dict[int, Any] = {}  # trajectory index -> its running tool calls
         for i, trajectory in enumerate(trajectories):
-            self._add(engine, i, trajectory, params)
-        while engine.has_unfinished_requests() or waiting:
-            if engine.has_unfinished_requests():
+            self._add(i, trajectory, params)
+        while engine.unfinished() or waiting:
+            if engine.unfinished():
                 for output in engine.step():
                     if output.finished:
                         i = int(output.request_id.split(".")[0])
@@ -184,7 +177,7 @@ class AgentLoop:
                 _wait_for_any(waiting.values())
             for i in [i for i, pending in waiting.items() if pending.ready()]:
                 if self.insert_results(trajectories[i], waiting.pop(i).results()):
-                    self._add(engine, i, trajectories[i], params)
+                    self._add(i, trajectories[i], params)
                 else:
                     finished(i)
 
@@ -200,14 +193,9 @@ class AgentLoop:
         for turn, found in zip(turns, logps, strict=True):
             turn.trajectory.logps[turn.start : turn.start + turn.length] = found
 
-    def _add(self, engine: Any, i: int, trajectory: Trajectory, params: Any) -> None:
-        engine.add_request(
-            f"{i}.{trajectory.turns}",
-            {"prompt_token_ids": trajectory.prompt_ids + trajectory.ids}
-            | ({"cache_salt": self.cache_salt} if self.cache_salt else {}),
-            turn_params(params, trajectory, self.max_completion_length),
-            lora_request=self.lora_request,
-        )
+    def _add(self, i: int, trajectory: Trajectory, params: Any) -> None:
+        ids = trajectory.prompt_ids + trajectory.ids
+        self.requests.add(f"{i}.{trajectory.turns}", ids, turn_params(params, trajectory, self.max_completion_length))
 
     def end_turn(self, trajectory: Trajectory, sample: Any) -> list[ToolCall]:
         """Add a finished request's tokens to its trajectory. Returns the tool calls to run before the next turn;
@@ -387,10 +375,8 @@ class Agents:
         trajectories = [
             Trajectory(p, t, seed=rng.getrandbits(31)) for p, t in zip(trajectory_prompts, tools, strict=True)
         ]
-        engine = trainer.engine
-        loop = AgentLoop(engine.llm, self.tokenizer, self.parser, self.result_ids, self.runner,
-                         args.max_completion_length, args.max_tool_calling_iterations,
-                         engine.lora_request, engine.cache_salt, engine.sampler_tap())  # fmt: skip
+        loop = AgentLoop(trainer.engine.requests(), self.tokenizer, self.parser, self.result_ids, self.runner,
+                         args.max_completion_length, args.max_tool_calling_iterations)  # fmt: skip
         params = turn_sampling_params(args, self.parser.stop)
         loop.run(trajectories, params, _group_reporter(trajectories, g, on_group))
         calls, failures = sum(t.calls for t in trajectories), sum(t.failures for t in trajectories)
@@ -508,21 +494,16 @@ class VLLMGeneration:
     @property
     def llm(self) -> Any:
         """The engine's `vllm.LLM`, holding the current weights: reached outside a rollout after one, a CPU engine
-        that released its packed weights (`Engine.packed_released`) is synced first."""
-        if self._trainer.engine.packed_released:
-            self.sync_weights()
-        return self._trainer.engine.llm
+        that released its packed weights is synced first."""
+        return self._requests().llm
 
     def sync_weights(self) -> None:
-        """Write the current weights into the engine. Called between rollouts (a callback) with sleep mode on, the
-        engine is asleep and has no weights memory to write into: it is woken for the sync and put back to sleep,
-        as a rollout does (`Engine.awake`)."""
-        engine = self._trainer.engine
-        if engine.sleeping:
-            with engine.awake(sync=self._trainer.sync_weights):
-                pass
-        else:
-            self._trainer.sync_weights()
+        """Write the current weights into the engine (`Engine.sync`: an engine asleep between rollouts, with sleep
+        mode on, is woken for the write and put back to sleep, as a rollout does)."""
+        self._trainer.sync_weights()
+
+    def _requests(self) -> Any:
+        return self._trainer.engine.requests(resync=self._trainer.sync_weights)
 
     def generate(
         self, prompts: list[list[int]], images: list | None, num_generations: int, profiler: Any = None
@@ -538,14 +519,11 @@ class VLLMGeneration:
             raise ValueError("vllm_generation.generate: images are not supported; pass images=None.")
         if self.tensor_parallel_size > 1:  # the ranks of one engine would have to pass the same prompts
             raise ValueError("vllm_generation.generate does not support vllm_tensor_parallel_size > 1; set it to 1.")
-        engine, llm = self._trainer.engine, self.llm
-        tap = engine.sampler_tap()  # the log-probs as tensors from the sampler: vLLM builds no per-token objects
+        engine, requests = self._trainer.engine, self._requests()
+        tap = requests.tap  # the log-probs as tensors from the sampler: vLLM builds no per-token objects
         with profiler or nullcontext(), tap.capturing() if tap is not None else nullcontext():
-            outputs = llm.generate(
-                [engine.prompt(list(ids)) for ids in prompts],
-                sampling_params(self._trainer.args, n=1),
-                lora_request=engine.lora_request,
-                use_tqdm=False,
+            outputs = requests.generate(
+                [engine.prompt(list(ids)) for ids in prompts], sampling_params(self._trainer.args, n=1)
             )
         samples = [request.outputs[0] for request in outputs]
         if tap is None:

@@ -35,7 +35,8 @@ def decode_step_seconds(trainer: Any, prompt_ids: list[list[int]], tokens: int, 
 
     def timed(max_tokens: int) -> float:
         params = sampling_params(trainer.args, logprobs=None, max_tokens=max_tokens, ignore_eos=True)
-        return median_time(lambda: trainer.engine.llm.generate(prompts, params, use_tqdm=False), repeats)
+        llm = trainer.engine.requests().llm  # vLLM as it is
+        return median_time(lambda: llm.generate(prompts, params, use_tqdm=False), repeats)
 
     return (timed(tokens) - timed(1)) / (tokens - 1)
 
@@ -71,7 +72,7 @@ def decode_against_floor(trainer: Any, prompts: int) -> dict[str, float]:
     bandwidth = memory_bandwidth(args.device)
     sequences = len(prompt_ids) * args.num_generations
     prompt = statistics.mean(len(ids) for ids in prompt_ids)
-    engine_dtype = trainer.engine.llm.llm_engine.model_config.dtype
+    engine_dtype = trainer.engine.dtype
     floor = decode_floor_seconds(model, engine_dtype, sequences, prompt + tokens / 2, bandwidth)
     return {
         "decode_ms_per_step": 1e3 * step,

@@ -161,9 +161,9 @@ def measure_sync(w: dict[str, Any], repeats: int) -> dict[str, Any]:
             target.copy_(source)
 
     def loader_sync() -> None:  # the same sync with the engine's copy plans off: the model's loaders for every tensor
-        engine.llm.collective_rpc(copy_plan.set_enabled_in_engine, args=(False,))
+        engine.in_workers(copy_plan.set_enabled_in_engine, False)
         plan.sync(engine)
-        engine.llm.collective_rpc(copy_plan.set_enabled_in_engine, args=(True,))
+        engine.in_workers(copy_plan.set_enabled_in_engine, True)
 
     medians = interleaved_medians(
         {

@@ -384,7 +384,7 @@ def generation_side_by_side(trainer: GRPOTrainer, w: dict[str, Any], repeats: in
             tokens[name] += sum(len(c) for c in rollout.completion_ids)
         for name, params in bare.items():
             start = time.perf_counter()
-            outputs = trainer.engine.llm.generate(prompts, params, use_tqdm=False)
+            outputs = trainer.engine.requests().llm.generate(prompts, params, use_tqdm=False)  # vLLM as it is
             seconds[name] += time.perf_counter() - start
             tokens[name] += sum(len(s.token_ids) for o in outputs for s in o.outputs)
     rate = {name: tokens[name] / seconds[name] for name in tokens}

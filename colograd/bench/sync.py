@@ -91,7 +91,7 @@ def median_time(fn: Callable[[], object], repeats: int) -> float:
 
 def copy_plans(engine: Engine, enabled: bool) -> None:
     """Whether the engine's direct-path loads replay copy plans (its default) or run the model's loaders."""
-    engine.llm.collective_rpc(copy_plan.set_enabled_in_engine, args=(enabled,))
+    engine.in_workers(copy_plan.set_enabled_in_engine, enabled)
 
 
 def parity_gap(model: torch.nn.Module, engine: Engine, ids: list[int]) -> float:
@@ -151,7 +151,7 @@ def measure(engine: Engine, args: GRPOConfig, plan: WeightPlan, model: torch.nn.
         timed["loader_sync_s"] = lambda: loader_sync(engine, plan)
     out |= medians(timed, repeats)
     out["parity_gap"] = parity_gap(model, engine, ids)
-    out |= {f"plan_{key}": value for key, value in engine.llm.collective_rpc(copy_plan.summary_in_engine)[0].items()}
+    out |= {f"plan_{key}": value for key, value in engine.in_workers(copy_plan.summary_in_engine)[0].items()}
     out["plan_refused"] = len(out["plan_refused"])
     copy_plans(engine, False)  # one loader call per tensor, as TRL's sync makes them
     named = [pair for bucket in plan for pair in bucket]
@@ -183,7 +183,7 @@ def measure_row(model: torch.nn.Module, args: GRPOConfig, repeats: int) -> dict:
     out["dense_path"] = "direct" if engine.direct_dense else "reload"  # outside the expert layers
     out |= medians(timed, repeats)
     out["parity_gap"] = parity_gap(model, engine, tiny.build_tokenizer()("abcd>b:bbbb, then more text")["input_ids"])
-    out |= {f"plan_{key}": value for key, value in engine.llm.collective_rpc(copy_plan.summary_in_engine)[0].items()}
+    out |= {f"plan_{key}": value for key, value in engine.in_workers(copy_plan.summary_in_engine)[0].items()}
     out["plan_refused"] = len(out["plan_refused"])
     return out
 
@@ -202,7 +202,7 @@ def measure_adapter(repeats: int) -> dict:
     buffers = [torch.empty_like(t) for t in tensors]
 
     def through_folder() -> None:
-        engine.lora_request = None  # the engine then loads the adapter as a first version: from its folder
+        engine.forget_adapter()  # the engine then loads the adapter as a first version: from its folder
         plan._sync_adapter(engine)
 
     timed = {

@@ -68,7 +68,7 @@ def lockstep(loop: AgentLoop, trajectories: list[Trajectory], params: Any) -> No
     while active:
         prompts = [{"prompt_token_ids": trajectories[i].prompt_ids + trajectories[i].ids} for i in active]
         per_row = [turn_params(params, trajectories[i], loop.max_completion_length) for i in active]
-        outputs = loop.llm.generate(prompts, per_row, use_tqdm=False)
+        outputs = loop.requests.generate(prompts, per_row)
         pending = {}
         for i, output in zip(active, outputs, strict=True):
             calls = loop.end_turn(trajectories[i], output.outputs[0])
@@ -90,8 +90,8 @@ def run(prompts: int = 16, group: int = 8, length: int = 64, repeats: int = 3, a
     WeightPlan(model).sync(engine)
     tools = SlowTools(seed=0)
     runner = ToolRunner(timeout=10.0)
-    tap = engine.sampler_tap()  # the turns' log-probs as a training rollout reads them
-    loop = AgentLoop(engine.llm, tokenizer, tools, plain_result_ids(tokenizer), runner, length, tap=tap)
+    # the turns' log-probs through the engine's sampler tap, as a training rollout reads them
+    loop = AgentLoop(engine.requests(), tokenizer, tools, plain_result_ids(tokenizer), runner, length)
     params = turn_sampling_params(args, tools.stop)
     dataset = tiny.letters_dataset(prompts, seed=1)
     prompt_ids = [tokenizer(row["prompt"])["input_ids"] for row in dataset]

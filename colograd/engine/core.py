@@ -39,7 +39,7 @@ from colograd.engine.lifetime import (
     layer_refs,
 )
 from colograd.engine.lora import adapter_parent, serve_adapter_in_worker
-from colograd.engine.requests import rollout_requests, sampled_logps
+from colograd.engine.requests import Requests, rollout_requests, sampled_logps
 from colograd.engine.rollout import Rollout
 from colograd.engine.settings import (
     KV_CACHE_ONLY,
@@ -100,6 +100,7 @@ class Engine:
 
     weights_resident = True  # whether the weights memory is there to write into (sleep mode: see `awake`)
     _awake = False  # inside `awake`
+    _synced_version: int | None = None  # the trainer's version (optimizer step) of the weights it holds (`sync`)
 
     def __init__(
         self,
@@ -263,6 +264,7 @@ class Engine:
         self.stale = True
         self.weights_version += 1
         self.lora_request = None
+        self._synced_version = None
 
     def generate(
         self,
@@ -453,6 +455,67 @@ class Engine:
     def cache_salt(self) -> str:
         """The cache salt of requests under the weights the engine holds now (see `prompt`)."""
         return f"w{self.weights_version}"
+
+    def requests(self, adapter: bool = True, resync: Callable[[], None] | None = None) -> Requests:
+        """The engine for a loop that drives its own requests (`colograd.engine.requests.Requests`): the agents'
+        turns, TRL's `vllm_generation`, the benchmarks. `adapter=False` serves the base weights alone (an adapter-only
+        engine's, timed without its adapter). A CPU engine that released its packed weights after a rollout has them
+        written again first by `resync` (the trainer's `sync_weights`); without one it refuses."""
+        if self.packed_released and resync is not None:
+            resync()
+        engine_cpu.check_packed(self, "requests")
+        lora = self.lora_request if adapter else None
+        return Requests(self.llm, lora, self.cache_salt, self.sampler_tap())
+
+    def in_workers(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """Run `fn(worker, *args)` in each of the engine's workers (vLLM's `collective_rpc`); their results."""
+        return self.llm.collective_rpc(fn, args=args)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the engine computes in."""
+        return torch_dtype(self.settings["dtype"])
+
+    @property
+    def serves_adapter(self) -> bool:
+        """Whether the engine serves a LoRA adapter over base weights it keeps (adapter-only sync)."""
+        return bool(self.settings.get("enable_lora"))
+
+    def sync(self, write: Callable[[], None], version: int) -> None:
+        """Hold the trainer's weights of `version` (its optimizer step), written by `write` (the trainer's weight
+        plan): once per version, and again whenever the engine dropped them (sleep level 2; a CPU engine that released
+        its packed weights). Asleep between rollouts, its weights memory is brought back for the write, and it sleeps
+        again after (`awake`)."""
+        if version == self._synced_version and not self.stale:
+            return
+        if not self.weights_resident:
+            with self.awake(sync=lambda: self.sync(write, version)):
+                return
+        write()
+        self._synced_version = version
+
+    def forget_synced(self) -> None:
+        """Forget which weights the engine holds: the next `sync` writes them whatever its version (a new trainer)."""
+        self._synced_version = None
+
+    def forget_adapter(self) -> None:
+        """Load the next adapter version as a first one, through its folder and vLLM's loader (the sync benchmark
+        times both ways)."""
+        self.lora_request = None
+
+    def on_held_weights(self, fn: Callable[..., Any], *args: Any, resync: Callable[[], None] | None) -> Any:
+        """`fn(worker, *args)` in the first worker, on the weights the engine holds. An engine that released them
+        after the rollout (asleep, or a CPU engine's packed weights) has them written again first by `resync` (and
+        sleeps again after).
+
+        Raises:
+            RuntimeError: the engine released its weights and no `resync` was given.
+        """
+        released = self.sleeping or self.packed_released
+        if released and resync is None:
+            raise RuntimeError("it released its weights after the rollout")
+        with self.awake(sync=resync) if released else nullcontext():
+            return self.in_workers(fn, *args)[0]
 
     def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """Write checkpoint-named weights into the engine in one call; layers not named keep their weights.

@@ -1,8 +1,10 @@
 """What the engine is asked for a rollout: the `vllm.SamplingParams` of the run's settings, the requests of one
 rollout (who asks for log-probs, which tokens are never sampled), and the log-probs read back from vLLM's objects.
-Preflight builds the same params before start-up, so a setting vLLM refuses is caught there."""
+Preflight builds the same params before start-up, so a setting vLLM refuses is caught there. `Requests` is the engine
+as a loop that drives its own requests sees it (`Engine.requests`)."""
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from colograd.config.core import GRPOConfig
@@ -79,3 +81,41 @@ def _structured_outputs(regex: str | None) -> Any:
     from vllm.sampling_params import StructuredOutputsParams
 
     return StructuredOutputsParams(regex=regex) if regex is not None else None
+
+
+@dataclass(frozen=True)
+class Requests:
+    """The engine for a loop that drives its own requests (the agents' turns, TRL's `vllm_generation`, the
+    benchmarks), from `Engine.requests()`: each request it adds or generates carries what the engine's own rollouts
+    carry, the weights' version as its cache salt and the adapter the engine serves.
+
+    Attributes:
+        llm: vLLM's `LLM` itself, for a caller that must hand vLLM's own interface on (TRL's `vllm_generation.llm`)
+            or time it bare (the benchmarks).
+        lora_request: the adapter every request is served with (None: the engine's own weights).
+        cache_salt: the salt of requests under the weights the engine holds now.
+        tap: the sampler tap that reads sampled log-probs as tensors, or None where the engine has none.
+    """
+
+    llm: Any
+    lora_request: Any
+    cache_salt: str
+    tap: Any = None
+
+    def add(self, request_id: str, prompt_ids: list[int], params: Any) -> None:
+        """Queue one request (`step` runs it)."""
+        prompt = {"prompt_token_ids": prompt_ids, "cache_salt": self.cache_salt}
+        self.llm.llm_engine.add_request(request_id, prompt, params, lora_request=self.lora_request)
+
+    def step(self) -> list[Any]:
+        """One engine step over the queued requests: the outputs it made (finished ones have `finished`)."""
+        return self.llm.llm_engine.step()
+
+    def unfinished(self) -> bool:
+        """Whether a queued request is still running."""
+        return self.llm.llm_engine.has_unfinished_requests()
+
+    def generate(self, prompts: list[dict[str, Any]], params: Any) -> list[Any]:
+        """Run `prompts` (vLLM prompt dicts, `Engine.prompt`'s) to completion with `params` (one, or one each)."""
+        prompts = [{"cache_salt": self.cache_salt} | prompt for prompt in prompts]
+        return self.llm.generate(prompts, params, lora_request=self.lora_request, use_tqdm=False)

@@ -16,7 +16,6 @@ says so.
 """
 
 from collections.abc import Callable
-from contextlib import nullcontext
 
 import torch
 from peft import PeftModel
@@ -53,13 +52,9 @@ def diagnose(
             "FSDP); run the same model on one process to find which side differs."
         )
     # Asleep, or a CPU engine that dropped its packed weights after the rollout: synced again first, by the same path.
-    released = engine.sleeping or engine.packed_released
-    if released and resync is None:
-        return "The engine was not compared with a fresh load: it released its weights after the rollout."
     try:
-        weights = saved_weights(model, merge_lora=engine.lora_request is None)
-        with engine.awake(sync=resync) if released else nullcontext():
-            differ, compared = engine.llm.collective_rpc(fresh.differences_in_engine, args=(weights,))[0]
+        weights = saved_weights(model, merge_lora=not engine.serves_adapter)
+        differ, compared = engine.on_held_weights(fresh.differences_in_engine, weights, resync=resync)
     except Exception as error:  # a diagnosis that fails must not hide the line it adds to
         reason = " ".join(f"{type(error).__name__}: {error}".split())
         return f"The engine was not compared with a fresh load ({reason})."

@@ -7,6 +7,7 @@ really samples every model token, the tool really runs, and its tokens really go
 
 import asyncio
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -51,8 +52,9 @@ def engine_and_model(tmp_path_factory):
 def run_loop(engine, tokenizer, args, max_iterations=None, seed=0, tap=None):
     parser = MarkerToolParser(";", "count", "text")
     runner = ToolRunner(timeout=5.0)
-    loop = AgentLoop(engine.llm, tokenizer, parser, plain_result_ids(tokenizer), runner, args.max_completion_length,
-                     max_iterations, tap=tap)  # fmt: skip
+    requests = replace(engine.requests(), tap=tap)  # the loop reads log-probs from `tap`, or (None) vLLM's objects
+    loop = AgentLoop(requests, tokenizer, parser, plain_result_ids(tokenizer), runner, args.max_completion_length,
+                     max_iterations)  # fmt: skip
     prompts = [tokenizer(p)["input_ids"] for p in ("abcd>b:", "dcba>a:", "aaaa>c:", "bbbb>d:")]
     samples = [p for p in prompts for _ in range(4)]  # G=4, each sample its own trajectory and seed
     trajectories = [Trajectory(p, {"count": count}, seed=seed + 100 * i) for i, p in enumerate(samples)]

@@ -184,21 +184,23 @@ def test_on_a_cpu_an_engine_whose_sync_repacks_releases_its_packed_weights_and_i
 
 
 @pytest.mark.parametrize(
-    "synced_step, stale, expect_sync",
+    "synced, stale, expect_sync",
     [(None, True, True), (3, False, False), (2, False, True), (3, True, True)],
     ids=["first", "same-step", "optimizer-stepped", "engine-dropped-weights"],
 )
-def test_trainer_syncs_only_when_the_engine_lacks_the_current_weights(synced_step, stale, expect_sync):
-    synced = []
-    trainer = SimpleNamespace(
-        state=SimpleNamespace(global_step=3),
-        engine=SimpleNamespace(stale=stale, weights_resident=True),
-        synced_step=synced_step,
-        weight_plan=SimpleNamespace(sync=lambda engine: synced.append(engine)),
-        _timed=lambda phase: nullcontext(),
-    )
+def test_the_engine_syncs_only_when_it_lacks_the_trainers_weights(synced, stale, expect_sync):
+    """`Engine.sync(write, version)`: the trainer's weights of its optimizer step are written once, and again where
+    the engine dropped them; the trainer's `sync_weights` is that call with its step."""
+    written = []
+    engine = engine_with(0, [])
+    engine._synced_version, engine.stale = synced, stale
+    engine.sync(lambda: written.append(True), 3)
+    assert bool(written) is expect_sync and engine._synced_version == 3
+    calls = []
+    stand_in = SimpleNamespace(sync=lambda write, version: calls.append((write, version)))
+    trainer = SimpleNamespace(state=SimpleNamespace(global_step=3), _write_weights=lambda: None, engine=stand_in)
     GRPOTrainer.sync_weights(trainer)
-    assert bool(synced) is expect_sync and trainer.synced_step == 3
+    assert calls == [(trainer._write_weights, 3)]
 
 
 @pytest.mark.parametrize("asleep", [True, False], ids=["asleep", "awake"])
@@ -210,8 +212,9 @@ def test_vllm_generation_sync_weights_wakes_a_sleeping_engine(asleep):
 
     log: list[str] = []
     engine = engine_with(2, log)
-    engine.llm.asleep = asleep
-    trainer = SimpleNamespace(engine=engine, sync_weights=lambda: log.append("sync"), args=GRPOConfig(output_dir="x"))
+    engine.llm.asleep, engine.weights_resident = asleep, not asleep
+    trainer = SimpleNamespace(engine=engine, args=GRPOConfig(output_dir="x"))
+    trainer.sync_weights = lambda: engine.sync(lambda: log.append("sync"), 3)
     VLLMGeneration(trainer).sync_weights()
     assert log == (["wake_up:weights", "sync", "wake_up:kv_cache", "sleep:2"] if asleep else ["sync"])
 
@@ -241,14 +244,13 @@ def test_a_sync_called_between_rollouts_wakes_the_engine_for_it():
     """`trainer.sync_weights()` from a callback between rollouts (sleep mode on): woken, synced, asleep again."""
     log: list[str] = []
     engine = engine_with(2, log)
-    engine.weights_resident, engine.stale = False, True
+    engine.weights_resident, engine.stale, engine._synced_version = False, True, 2
     trainer = SimpleNamespace(
         state=SimpleNamespace(global_step=3),
         engine=engine,
-        synced_step=2,
         weight_plan=SimpleNamespace(sync=lambda engine: log.append(f"sync:{engine.weights_resident}")),
         _timed=lambda phase: nullcontext(),
     )
-    trainer.sync_weights = lambda: GRPOTrainer.sync_weights(trainer)
-    trainer.sync_weights()
-    assert log == ["wake_up:weights", "sync:True", "wake_up:kv_cache", "sleep:2"] and trainer.synced_step == 3
+    trainer._write_weights = lambda: GRPOTrainer._write_weights(trainer)
+    GRPOTrainer.sync_weights(trainer)
+    assert log == ["wake_up:weights", "sync:True", "wake_up:kv_cache", "sleep:2"] and engine._synced_version == 3

@@ -4,7 +4,6 @@ picks its model by; the diagnosis's sentence for each outcome of its comparison,
 in again after vLLM's reload. The runs themselves are in tests/zoo/test_parity.py."""
 
 from contextlib import contextmanager
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, PhimoeConfig, PhimoeForCausalLM
 
 from colograd.config.loading import disable_dropout
+from colograd.engine.core import Engine
 from colograd.engine.settings import architecture_name
 from colograd.engine.weights import split_unprocessed
 from colograd.grpo import parity, parity_diagnosis
@@ -373,12 +373,13 @@ class StandInEngine:
             sleeping,
             packed_released,
         )
-        self.lora_request = None
         self.settings = {"architecture": {"architectures": ["LlamaForCausalLM"]}}
-        self.llm = SimpleNamespace(collective_rpc=self.rpc)
         self.woken = 0
 
-    def rpc(self, function, args=()):
+    serves_adapter = False
+    on_held_weights = Engine.on_held_weights  # the engine's own rule, on the stand-in's state
+
+    def in_workers(self, function, *args):
         if isinstance(self.answer, Exception):
             raise self.answer
         return [self.answer]

@@ -82,10 +82,10 @@ class RecordingTrainer(GRPOTrainer):
         self.first_prompt: str | None = None
         self.advantages: list[tuple[list, list]] = []
 
-    def sync_weights(self) -> None:
-        if self.synced_step != self.state.global_step:
+    def _write_weights(self) -> None:
+        if self.state.global_step not in self.synced_at[-1:]:  # a new optimizer step's weights (not a rewrite)
             self.synced_at.append(self.state.global_step)
-        super().sync_weights()
+        super()._write_weights()
 
     def prepare_prompts(self, rows):
         prompts, prompt_ids, columns = super().prepare_prompts(rows)
