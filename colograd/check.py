@@ -206,7 +206,7 @@ def check_sleep(setup: Setup, level: int, compiled: bool = False) -> Result:
         plan = WeightPlan(model)
         before = engine_addresses(engine)
 
-        def update_and_sync() -> None:  # an optimizer step, then the sync `awake` runs once the weights are back
+        def update_and_sync() -> None:  # an optimizer step, then the rollout's sync once the weights are back
             move(model)
             plan.sync(engine)
 
@@ -226,7 +226,8 @@ def check_sleep(setup: Setup, level: int, compiled: bool = False) -> Result:
 def sleep_cycles(
     engine: Engine, sync: Callable[[], object], rollout: Callable[[], float], cycles: int = CYCLES
 ) -> tuple[list[float], list[int]]:
-    """`cycles` rollouts, each inside `engine.awake(sync)`, measuring the GPU memory each sleep gives back.
+    """`cycles` rollouts as training runs them (the weights memory back, `sync`, then `engine.awake`), measuring the
+    GPU memory each sleep gives back.
 
     The engine is asleep between rollouts (it starts asleep), so the memory it holds is seen only inside
     `awake`: freed = free memory after the block (asleep again) − free memory inside it (awake, after the
@@ -240,7 +241,9 @@ def sleep_cycles(
     """
     gaps, freed = [], []
     for _ in range(cycles):
-        with engine.awake(sync):
+        engine.wake_weights()
+        sync()
+        with engine.awake():
             gaps.append(rollout())
             _synchronize()
             inside = _free_bytes()
@@ -332,7 +335,9 @@ def check_lora_sleep(setup: Setup, level: int | str) -> Result:
             move(model, lora_only=True, seed=1 + cycle)
             _synchronize()
             start = time.perf_counter()
-            with engine.awake(functools.partial(plan.sync, engine)):
+            engine.wake_weights()
+            plan.sync(engine)
+            with engine.awake():
                 _synchronize()
                 woken = time.perf_counter() - start
                 gaps.append(parity_gap(engine, model, ids, torch.bfloat16))

@@ -302,13 +302,13 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         """Sample and score one rollout from this rank's prompts, record its metrics, and prepare it for training;
         returns one slice per micro-step.
 
-        First the weight sync: the last optimizer step's weights written into the engine (`sync_weights`). Then the
-        rollout's source: `sample`, or with dynamic sampling its refill rounds (`sample_dynamic`), or with partial
-        rollouts `sample_partial`; each wakes the engine for its generation, and puts it back to sleep after.
+        First the weight sync: the last optimizer step's weights written into the engine (`sync_for_rollout`), the
+        rollout's only one. Then the rollout's source: `sample`, or with dynamic sampling its refill rounds
+        (`sample_dynamic`), or with partial rollouts `sample_partial`; each wakes the engine for its generation, and
+        puts it back to sleep after.
         """
         args = self.args
-        self.engine.wake_weights()  # sleep mode: its weights memory back, for the sync and the generation after it
-        self.sync_weights()
+        self.sync_for_rollout()
         if self.partial is not None:
             scored, generated = self.sample_partial(rows)
         else:
@@ -341,8 +341,8 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         """One training rollout of dynamic sampling (`colograd.grpo.dynamic`): `sample` in rounds until every group
         kept is informative. Returns it, and the completion tokens of the groups dropped."""
         sample = lambda rows, round: self.sample(rows, round=round)  # noqa: E731
-        # One wake for every round: with sleep mode, each round's own would sync the weights again.
-        with self.engine.awake(sync=self.sync_weights):
+        # One wake for every round: with sleep mode, each round's own would put the engine to sleep in between.
+        with self.engine.awake():
             scored, metrics, dropped = self.dynamic.fill(
                 rows,
                 sample,
@@ -388,7 +388,8 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         context = RolloutContext(rows, step, g, evaluation, round)
         prefix = "eval_" if evaluation else ""
         self.reward_logs.take()  # a reward's logs belong to the rollout that called it (an evaluation's are dropped)
-        with self.engine.awake(sync=self.sync_weights), self._timed(f"{prefix}generate"):
+        self._check_synced("sample")
+        with self.engine.awake(), self._timed(f"{prefix}generate"):
             if images is None:
                 rollout = self.generate(prompt_ids, context)
             else:
@@ -410,7 +411,8 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         limit = self.prompt_limit
         cut = [len(ids) > limit for ids in prompt_ids]
         self.reward_logs.take()  # a reward's logs belong to the rollout that called it
-        with self.engine.awake(sync=self.sync_weights), self._timed("generate"):
+        self._check_synced("sample_partial")
+        with self.engine.awake(), self._timed("generate"):
             groups, metrics, generated = partial.take(
                 self.engine, rows, [ids[-limit:] for ids in prompt_ids], want, version, cut
             )
@@ -440,6 +442,22 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         """The most prompt tokens a rollout keeps (the last ones): `max_prompt_length`, or as many as the engine's
         context leaves room for beside a whole completion, whichever is fewer."""
         return min(self.args.max_prompt_length or self.engine.max_prompt_tokens, self.engine.max_prompt_tokens)
+
+    def sync_for_rollout(self) -> None:
+        """A rollout's first phase, training's (`make_rollout`) and evaluation's: the engine's weights memory back
+        (sleep mode; it stays for the generation, whose `Engine.awake` brings back the KV cache) and the last
+        optimizer step's weights written into it (`sync_weights`)."""
+        self.engine.wake_weights()
+        self.sync_weights()
+
+    def _check_synced(self, stage: str) -> None:
+        """Refuse a rollout's generation on weights other than the last optimizer step's (an override of
+        `make_rollout` that skipped its first phase would train on samples of older weights, silently)."""
+        if not self.engine.holds(self.state.global_step):
+            raise RuntimeError(
+                f"GRPOTrainer.{stage}: the engine does not hold the last optimizer step's weights; a rollout starts "
+                "by writing them (`self.sync_for_rollout()`, as `make_rollout` and evaluation do)."
+            )
 
     def sync_weights(self) -> None:
         """Write the model's weights into the engine, once per optimizer step (not per accumulation step), and again

@@ -486,13 +486,19 @@ class Engine:
         plan): once per version, and again whenever the engine dropped them (sleep level 2; a CPU engine that released
         its packed weights). Asleep between rollouts, its weights memory is brought back for the write, and it sleeps
         again after (`awake`)."""
-        if version == self._synced_version and not self.stale:
+        if self.holds(version):
             return
-        if not self.weights_resident:
-            with self.awake(sync=lambda: self.sync(write, version)):
-                return
+        asleep = not self.weights_resident
+        self.wake_weights()
         write()
         self._synced_version = version
+        if asleep:  # between rollouts: asleep again, as a rollout leaves it (vLLM sleeps a whole engine)
+            self.llm.wake_up(tags=["kv_cache"])
+            self._sleep()
+
+    def holds(self, version: int) -> bool:
+        """Whether the engine holds the trainer's weights of `version` (written by `sync`, not dropped since)."""
+        return version == self._synced_version and not self.stale
 
     def forget_synced(self) -> None:
         """Forget which weights the engine holds: the next `sync` writes them whatever its version (a new trainer)."""
@@ -514,7 +520,11 @@ class Engine:
         released = self.sleeping or self.packed_released
         if released and resync is None:
             raise RuntimeError("it released its weights after the rollout")
-        with self.awake(sync=resync) if released else nullcontext():
+        if not released:
+            return self.in_workers(fn, *args)[0]
+        self.wake_weights()
+        resync()
+        with self.awake():
             return self.in_workers(fn, *args)[0]
 
     def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
@@ -585,41 +595,40 @@ class Engine:
         self.weights_version += 1
 
     @contextmanager
-    def awake(self, sync: Callable[[], None]) -> Iterator[None]:
-        """Bring the engine up to date for one rollout, sleeping again afterwards when sleep mode is on.
-
-        The order matters: weights memory back first (unless `wake_weights` brought it already), then `sync` writes
-        the current weights into it, then the KV cache comes back. Weights written before waking would be lost, and
-        the engine would sample from stale weights.
+    def awake(self) -> Iterator[None]:
+        """One rollout's generation, on the weights a sync wrote (`sync`, the rollout's first phase, after
+        `wake_weights`): with sleep mode, the KV cache back (and the weights memory, where nothing brought it yet),
+        and asleep again afterwards; without, a CPU engine's KV cache released afterwards (`_rest_on_the_host`).
 
         Inside another `awake` (a rollout's refill rounds, `colograd.grpo.dynamic`, within the rollout's own) it
-        does nothing: the engine is up to date and stays awake until the outer one ends.
+        does nothing: the engine stays awake until the outer one ends.
+
+        Raises:
+            RuntimeError: the engine does not hold the trainer's weights (never synced, or dropped since).
         """
         if self._awake:
             yield
             return
+        self.wake_weights()
+        if self.stale:
+            raise RuntimeError(
+                "Engine.awake: the engine does not hold the trainer's weights (never written, or dropped by a sleep "
+                "or a CPU engine's release since): write them first (`Engine.sync`, the trainer's `sync_weights`)."
+            )
         self._awake = True
         try:
-            if not self.sleep_level:
-                sync()
-                try:
-                    yield
-                finally:
-                    self._rest_on_the_host()
-                return
-            self.wake_weights()
-            sync()
-            self.llm.wake_up(tags=["kv_cache"])  # (the last memory back: vLLM resumes scheduling)
+            if self.sleep_level:
+                self.llm.wake_up(tags=["kv_cache"])  # (the last memory back: vLLM resumes scheduling)
             try:
                 yield
             finally:
-                self._sleep()
+                self._sleep() if self.sleep_level else self._rest_on_the_host()
         finally:
             self._awake = False
 
     def wake_weights(self) -> None:
-        """Sleep mode: bring the weights memory back (and no more), so that a sync can write into it. The rollout's
-        `awake` then brings back only the KV cache; between rollouts, `awake` does both and sleeps again after."""
+        """Sleep mode: bring the weights memory back (and no more), so that a sync can write into it: a rollout's
+        first phase (`sync` after it), whose `awake` then brings back only the KV cache."""
         if not self.weights_resident:
             self.llm.wake_up(tags=["weights"])
             self.weights_resident = True

@@ -28,6 +28,7 @@ def evaluate(trainer: Any, dataset: Any) -> dict[str, float]:
     """
     accelerator = trainer.accelerator
     rows = rank_share(dataset, accelerator.process_index, accelerator.num_processes)
+    trainer.sync_for_rollout()
     scored = trainer.sample(rows, evaluation=True)
     lengths_N = sampled_lengths(scored.rollout)
     rewards_N = weighted_rewards(scored.rewards_NF, trainer.reward_weights)

@@ -388,7 +388,8 @@ def test_trl_echo_rollout_func_runs_unchanged_on_vllm_generation(tmp_path, monke
                           processing_class=tokenizer, rollout_func=rollout_func)  # fmt: skip
     # TRL's return shapes: per completion, the prompt's ids, the sampled ids, and [[logprob]] / [[token id]] per token.
     prompt = tokenizer.apply_chat_template(data[0]["prompt"], add_generation_prompt=True, return_dict=False)
-    with trainer.engine.awake(sync=trainer.sync_weights):
+    trainer.sync_for_rollout()
+    with trainer.engine.awake():
         tap, read = trainer.engine.sampler_tap(), []  # log-probs read from the sampler: no per-token objects
         monkeypatch.setattr(tap, "logps", lambda outputs, real=tap.logps: read.append(len(outputs)) or real(outputs))
         prompt_ids, completion_ids, logprobs, token_ids = trainer.vllm_generation.generate([prompt] * 3, None, 3)

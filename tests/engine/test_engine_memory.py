@@ -384,11 +384,13 @@ def test_an_engine_that_released_its_packed_weights_samples_the_same_after_the_n
             (list(c.token_ids), [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)]) for c in out
         ]
 
-    with engine.awake(sync):
+    sync()
+    with engine.awake():
         first = sample()
     assert engine.stale and engine.packed_released and syncs == [1]
     with pytest.raises(RuntimeError, match="released its packed weights"):
         engine.prompt_logprobs(prompt["prompt_token_ids"])
-    with engine.awake(sync):
+    sync()
+    with engine.awake():
         assert sample() == first
     assert syncs == [1, 2]  # written whole again, though the trainer's weights did not change

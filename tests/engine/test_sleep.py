@@ -53,9 +53,12 @@ def engine_with(sleep_level: int, log: list[str]) -> Engine:
 
 @pytest.mark.parametrize("level", [1, 2])
 def test_weights_are_written_after_waking_and_before_the_kv_cache(level):
+    """A rollout as the trainer runs it (`sync_for_rollout`, then `awake`): weights memory, the write, KV cache."""
     log: list[str] = []
     engine = engine_with(level, log)
-    with engine.awake(sync=lambda: log.append("sync")):
+    trainer = SimpleNamespace(engine=engine, sync_weights=lambda: log.append("sync"))
+    GRPOTrainer.sync_for_rollout(trainer)
+    with engine.awake():
         log.append("generate")
     assert log == ["wake_up:weights", "sync", "wake_up:kv_cache", "generate", f"sleep:{level}"]
     # Level 2 discards the weights: the next rollout must sync even if the optimizer did not step.
@@ -65,19 +68,21 @@ def test_weights_are_written_after_waking_and_before_the_kv_cache(level):
 @pytest.mark.parametrize("level", [1, 2])
 def test_a_rollouts_sync_phase_wakes_only_the_weights_and_its_generation_only_the_kv_cache(level):
     """The step's first phase (`make_rollout`): the weights memory back (`wake_weights`), the sync, then the prompts
-    are prepared; the generation's `awake` brings back only the KV cache, and its sync has nothing left to write.
-    vLLM sees the calls of a wake in one piece: weights, the write, the KV cache."""
+    are prepared; the generation's `awake` brings back only the KV cache and writes nothing: a rollout syncs once.
+    vLLM sees the calls of a wake in one piece: weights, the write, the KV cache. Level 2 drops the weights: the
+    next rollout's `awake` refuses an engine nobody wrote again."""
     log: list[str] = []
     engine = engine_with(level, log)
-    written = []
-    sync = lambda: written or written.append(log.append("sync"))  # noqa: E731 - writes once, as the trainer's
     engine.wake_weights()
-    sync()
+    log.append("sync")
     log.append("prepare_prompts")
-    with engine.awake(sync=sync):
+    with engine.awake():
         log.append("generate")
     assert log == ["wake_up:weights", "sync", "prepare_prompts", "wake_up:kv_cache", "generate", f"sleep:{level}"]
-    assert not engine.weights_resident
+    assert not engine.weights_resident and engine.stale is (level == 2)
+    if level == 2:
+        with pytest.raises(RuntimeError, match="does not hold the trainer's weights"), engine.awake():
+            pass
 
 
 def test_an_adapter_only_engine_keeps_its_base_in_place_and_releases_only_its_kv_cache(tmp_path):
@@ -92,7 +97,9 @@ def test_an_adapter_only_engine_keeps_its_base_in_place_and_releases_only_its_kv
     engine = engine_with(KV_CACHE_ONLY, log)
     engine._sleep()  # as a new engine does
     assert engine.weights_resident and engine.sleeping
-    with engine.awake(sync=lambda: log.append("sync")):
+    engine.wake_weights()  # (nothing: the base stays in place)
+    log.append("sync")
+    with engine.awake():
         log.append("generate")
     assert log == ["sleep:0", "release_kv_cache_memory", "sync", "wake_up:kv_cache", "generate", "sleep:0",
                    "release_kv_cache_memory"]  # fmt: skip
@@ -129,7 +136,10 @@ def test_engine_sleeps_as_soon_as_it_is_built(sleep_mode, tmp_path, monkeypatch)
                       vllm_enable_sleep_mode=sleep_mode, report_to="none")  # fmt: skip
     engine = Engine(tiny.build_model(), tiny.build_tokenizer(), args)
     assert log == (["start", "sleep:2"] if sleep_mode else ["start"])
-    with engine.awake(sync=lambda: log.append("sync")):
+    engine.wake_weights()
+    log.append("sync")
+    engine.stale = False  # (as the write leaves it)
+    with engine.awake():
         log.append("generate")
     expected = (
         ["wake_up:weights", "sync", "wake_up:kv_cache", "generate", "sleep:2"]
@@ -142,7 +152,7 @@ def test_engine_sleeps_as_soon_as_it_is_built(sleep_mode, tmp_path, monkeypatch)
 def test_engine_sleeps_even_if_generation_fails():
     log: list[str] = []
     engine = engine_with(2, log)
-    with pytest.raises(RuntimeError), engine.awake(sync=lambda: None):
+    with pytest.raises(RuntimeError), engine.awake():
         raise RuntimeError("generation failed")
     assert log[-1] == "sleep:2"
 
@@ -152,9 +162,11 @@ def test_engine_sleeps_even_if_generation_fails():
 AFTER_A_CPU_ROLLOUT = [] if torch.cuda.is_available() else ["release_kv_cache", "reset_prefix_cache"]
 
 
-def test_without_sleep_mode_awake_syncs_and_on_a_cpu_releases_the_kv_cache():
+def test_without_sleep_mode_awake_on_a_cpu_releases_the_kv_cache_after_the_generation():
     log: list[str] = []
-    with engine_with(0, log).awake(sync=lambda: log.append("sync")):
+    engine = engine_with(0, log)
+    log.append("sync")
+    with engine.awake():
         log.append("generate")
     assert log == ["sync", "generate", *AFTER_A_CPU_ROLLOUT]
 
@@ -166,7 +178,8 @@ def test_on_a_cpu_an_engine_whose_sync_repacks_releases_its_packed_weights_and_i
     log: list[str] = []
     engine = engine_with(0, log)
     engine.direct_load, engine.llm.packed_layers = False, 3
-    with engine.awake(sync=lambda: log.append("sync")):
+    log.append("sync")
+    with engine.awake():
         log.append("generate")
     assert log == ["sync", "generate", "release_kv_cache", "reset_prefix_cache", "release_packed_weights"]
     assert engine.stale and engine.packed_released
@@ -178,7 +191,7 @@ def test_on_a_cpu_an_engine_whose_sync_repacks_releases_its_packed_weights_and_i
     assert not (engine.stale or engine.packed_released)
     # An adapter-only engine keeps its frozen base packed: its syncs send the adapter alone.
     engine.lora_request = object()
-    with engine.awake(sync=lambda: None):
+    with engine.awake():
         pass
     assert not (engine.stale or engine.packed_released) and log[-1] == "reset_prefix_cache"
 
@@ -233,7 +246,9 @@ def test_weights_are_never_written_into_an_asleep_engine():
     assert "\n" not in str(err.value)
     with pytest.raises(RuntimeError, match="Engine.load_adapter: the engine is asleep"):
         engine.load_adapter({}, None)
-    with engine.awake(sync=lambda: engine.load_weights([])):
+    engine.wake_weights()
+    engine.load_weights([])
+    with engine.awake():
         pass
     assert log == ["wake_up:weights", "written", "wake_up:kv_cache", "sleep:2"] and engine.weights_version == 1
     with pytest.raises(RuntimeError, match="asleep"):  # asleep again after the rollout

@@ -235,8 +235,8 @@ def test_a_run_that_keeps_filling_with_uniform_groups_is_warned():
 
 
 def test_the_rounds_of_a_rollout_wake_the_engine_once():
-    """Inside a rollout's wake, a round's own wake does nothing: with sleep mode each would otherwise sync the weights
-    (a whole gather under ZeRO-3) and put the engine back to sleep between rounds."""
+    """Inside a rollout's wake, a round's own wake does nothing: with sleep mode each would otherwise put the engine
+    back to sleep between rounds (and level 2 drop the weights the rollout's sync wrote)."""
     from types import SimpleNamespace
 
     from colograd.engine.core import Engine
@@ -248,13 +248,20 @@ def test_the_rounds_of_a_rollout_wake_the_engine_once():
     engine = Engine.__new__(Engine)  # no vLLM: only the wake logic is under test
     engine.sleep_level, engine.llm, engine.stale = 2, llm, False
     engine.weights_resident = False  # asleep, as `Engine.__init__` leaves an engine with sleep mode on
-    sync = lambda: calls.append("sync")  # noqa: E731
-    with engine.awake(sync):
+
+    def sync_for_rollout() -> None:  # as the trainer's: the weights memory back, then the write
+        engine.wake_weights()
+        calls.append("sync")
+        engine.stale = False  # (level 2 dropped them at the last sleep)
+
+    sync_for_rollout()
+    with engine.awake():
         for _ in range(3):
-            with engine.awake(sync):
+            with engine.awake():
                 calls.append("round")
     assert calls == ["wake weights", "sync", "wake kv_cache", "round", "round", "round", "sleep"]
-    with engine.awake(sync):  # the next rollout wakes it again
+    sync_for_rollout()  # the next rollout wakes it again
+    with engine.awake():
         pass
     assert calls[-4:] == ["wake weights", "sync", "wake kv_cache", "sleep"]
 
@@ -338,6 +345,7 @@ def test_a_rollout_trains_on_informative_groups_only(tmp_path):
     rows = [data[i] for i in range(8)]
     args = tiny.run_config(str(tmp_path), 2, dynamic_sampling=True, dynamic_sampling_max_rounds=4)
     trainer = GRPOTrainer(tiny.build_model(), half_uniform_reward, args, data, processing_class=tiny.build_tokenizer())
+    trainer.sync_for_rollout()
     plain = trainer.sample(rows)  # the first round alone: what a rollout without dynamic sampling trains
     assert (group_spread(plain.rewards_NF, trainer.reward_weights, args.num_generations) == 0).sum() >= 2
     steps, generate = [], trainer.engine.generate

@@ -285,7 +285,8 @@ def test_a_resumed_completion_has_the_log_probs_the_engine_gives_it_in_one_piece
     _, prompt_ids, _ = trainer.prepare_prompts(rows)
     groups = [Group(row, ids, [Piecewise() for _ in range(G)]) for row, ids in zip(rows, prompt_ids, strict=True)]
     engine = trainer.engine
-    with engine.awake(sync=trainer.sync_weights):
+    trainer.sync_for_rollout()
+    with engine.awake():
         sample_until(engine, groups, args, 0, 2)
         cut = [(g, c, len(c.ids)) for g in groups for c in g.completions if c.finish is None and c.ids]
         assert sum(g.finished for g in groups) >= 2 and len(cut) >= 4
@@ -341,7 +342,8 @@ def test_the_sampler_tap_gives_the_log_probs_of_the_objects_across_calls(tail_tr
     from vLLM's Logprob objects (no tap), and from the sampler tap, where vLLM builds none; the same log-probs."""
     trainer, args = tail_trainer, tail_trainer.args
     engine = trainer.engine
-    with engine.awake(sync=trainer.sync_weights):
+    trainer.sync_for_rollout()
+    with engine.awake():
         tap = engine.sampler_tap()
         assert tap is not None
         monkeypatch.setattr(engine, "sampler_tap", lambda: None)
@@ -381,7 +383,8 @@ def test_without_a_loss_that_reads_them_no_log_probs_are_asked(tail_trainer, mon
     monkeypatch.setattr(core, "add_request", lambda rid, prompt, params, **kw: asked.append(params.logprobs) or add(
         rid, prompt, params, **kw))  # fmt: skip
     groups = fresh_groups(trainer, 4)
-    with engine.awake(sync=trainer.sync_weights):
+    trainer.sync_for_rollout()
+    with engine.awake():
         sample_until(engine, groups, args, 0, 1)
     assert asked and set(asked) == {None} and not objects_built
     logps = [x for g in groups for c in g.completions for x in c.logps]
@@ -400,7 +403,8 @@ def test_a_missed_tap_samples_the_call_again_with_the_objects(tail_trainer, monk
     trainer, args = tail_trainer, tail_trainer.args
     engine = trainer.engine
     groups = fresh_groups(trainer)
-    with engine.awake(sync=trainer.sync_weights):
+    trainer.sync_for_rollout()
+    with engine.awake():
         tap = engine.sampler_tap()
         assert tap is not None and tap.installed
         sample_until(engine, groups, args, 0, 2)  # read through the tap

@@ -97,9 +97,8 @@ def test_overrides_without_super_keep_every_metric_and_evaluation_shares_the_rol
         processing_class=tiny.build_tokenizer(),
     )
     trainer.train()
-    # The weight sync is the step's first phase, before the prompts are read (the engine's wake calls it again,
-    # and it has nothing left to write).
-    rollout = ["sync_weights", "prepare_prompts", "sync_weights", "generate"]
+    # The weight sync is the step's first phase, before the prompts are read, and the rollout's only one.
+    rollout = ["sync_weights", "prepare_prompts", "generate"]
     assert trainer.phases == rollout * 2, trainer.phases
     # Each stage gets what it works on as its arguments: the rows' column, the rollout, the batch's tensors.
     assert trainer.seen["score"] == (4, "Rollout", ["target"]), trainer.seen  # 16 completions: 4 prompts × 4

@@ -42,6 +42,7 @@ def test_the_tiny_code_task_trains_and_rewards_started_while_decoding_equal_thos
 
     # One more rollout: started while decoding, then scored; against the same completions scored afterwards only.
     batch = [dataset[i] for i in range(4)]
+    trainer.sync_for_rollout()
     scored = trainer.sample(batch)
     assert starts[8:] == [4] * 4
     afterwards = CodeReward(limits=reward.sandbox.limits, program=code_task.as_print)
@@ -71,6 +72,7 @@ def test_the_agent_loop_hands_over_each_prompts_trajectories_as_they_complete(tm
     dataset = code_task.expressions_dataset(16)
     trainer = GRPOTrainer(tiny.build_model(), reward, args, dataset, processing_class=tokenizer, tools=[digit],
                           tool_call_parser=MarkerToolParser("+", "digit", "text"))  # fmt: skip
+    trainer.sync_for_rollout()
     scored = trainer.sample([dataset[i] for i in range(4)])
     assert len(starts) == 4  # each prompt's 4 trajectories, once all were complete, tool results included
     assert sorted(ids for group in starts for ids in group) == sorted(scored.rollout.completion_ids)

@@ -187,7 +187,8 @@ def test_image_rollouts_match_and_learn(tmp_path):
     # TRL 1.16 sends ids with the placeholders already expanded: vLLM expands them again.
     prepared = trainer.prepare_prompts(rows[:1])
     expanded = prepared.images.expanded_ids
-    with trainer.engine.awake(sync=trainer.sync_weights):
+    trainer.sync_for_rollout()
+    with trainer.engine.awake():
         rollout = trainer.engine.generate(expanded, args, images=prepared.images.images, num_generations=2)
     assert len(rollout.engine_prompt_ids[0]) > len(expanded[0])
     with pytest.raises(RuntimeError, match="expanded its image placeholders"):
