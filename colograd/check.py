@@ -431,6 +431,40 @@ def recipe_result(
     return Result(name, "pass" if ok else "FAIL", detail, figures)
 
 
+def check_moe_replay(setup: Setup, steps: int = 8) -> Result:
+    """A small Qwen3-MoE (`colograd.bench.shapes.MOE_SHAPE`: 4 layers, 8 experts, 2 per token) trained `steps` GRPO
+    steps on the letters task in bf16 with `routing_replay: rollout` on a compiled engine, so every pass routes as the
+    engine did (on a GPU through vLLM's own route, `enable_return_routed_experts`). Passes when the engine reported
+    every routing choice (`moe/routing_replay/unreplayed` 0 at every step), replay had work to do (`differed` above 0
+    at some step: the trainer's routers alone would have chosen otherwise) and the sampling gap stays within the bf16
+    tolerance at every step."""
+    from colograd import GRPOTrainer
+    from colograd.bench.shapes import build_moe_model
+
+    name, tokenizer = "MoE routing replay", tiny.build_tokenizer()
+    model = build_moe_model(len(tokenizer), 16 + 8)
+    with tempfile.TemporaryDirectory() as out:
+        args = tiny.run_config(out, steps, bf16=True, routing_replay="rollout", vllm_enforce_eager=False,
+                               vllm_importance_sampling_correction=True, logging_steps=1)  # fmt: skip
+        trainer = GRPOTrainer(model=model, reward_funcs=tiny.letters_reward, args=args,
+                              train_dataset=tiny.letters_dataset(256), processing_class=tokenizer)  # fmt: skip
+        trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    if not logged:
+        return Result(name, "FAIL", "no step logged")
+    gaps = [entry["sampling/sampling_logp_difference/max"] for entry in logged]
+    differed = [entry["moe/routing_replay/differed"] for entry in logged]
+    unreplayed = [entry["moe/routing_replay/unreplayed"] for entry in logged]
+    tolerance = TOLERANCE["bfloat16"]
+    ok = max(gaps) <= tolerance and max(unreplayed) == 0 and max(differed) > 0
+    detail = (
+        f"{len(logged)} steps, bf16 gap max {max(gaps):.1e} (≤ {tolerance:.0e}); routing choices the trainer would "
+        f"have made otherwise {min(differed):.1%} to {max(differed):.1%} (above 0), unreported {max(unreplayed):.1%}"
+    )
+    figures = {"gap": max(gaps), "gaps": gaps, "differed": differed, "unreplayed": unreplayed}
+    return Result(name, "pass" if ok else "FAIL", detail, figures)
+
+
 def check_segments(setup: Setup) -> Result:
     """Padding-free passes as segments (`colograd.grpo.attention`): which varlen kernel this GPU runs, and a pass with
     shared prompts against SDPA's unshared packing, in float32 and under bf16 autocast: the largest log-prob gap
@@ -566,6 +600,7 @@ ROWS: dict[str, Callable[[Setup], Result]] = {
     "sleep level 2": lambda setup: check_sleep(setup, 2),
     "sleep level 2 compiled": lambda setup: check_sleep(setup, 2, compiled=True),
     "MoE sync parity": lambda setup: check_sync(moe_setup(setup.device), "float32", True, "MoE sync parity"),
+    "MoE routing replay": check_moe_replay,
     "LoRA adapter": check_lora,
     "LoRA merged": lambda setup: check_lora(setup, merged=True),
     "LoRA sleep kv_cache": lambda setup: check_lora_sleep(setup, "kv_cache"),

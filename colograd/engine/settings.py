@@ -52,13 +52,13 @@ def engine_settings(
     if is_vision_language(base):  # trained on text alone (a tokenizer, not a processor): vLLM needs no image processor
         vision = engine_arguments(images_per_prompt) if is_processor(tokenizer) else {"language_model_only": True}
     tokenizer = text_tokenizer(tokenizer)
-    # Routing replay on a GPU: vLLM's own route (its V2 runner records each token's experts inside CUDA graphs);
-    # the CPU engine has none, and colograd's capture reads its routers instead (`colograd.engine.routing`).
-    replay = (
-        {"enable_return_routed_experts": True}
-        if args.routing_replay == "rollout" and torch.cuda.is_available()
-        else {}
-    )
+    # Routing replay on a GPU: vLLM's own route (its runner records each token's experts inside CUDA graphs);
+    # the CPU engine has none, and colograd's capture reads its routers instead (`colograd.engine.routing`): a Python
+    # hook, which the CPU engine's compiled forward would skip (the first rollout then stopped, its routing missing),
+    # so that engine runs eagerly.
+    replaying = args.routing_replay == "rollout"
+    replay = {"enable_return_routed_experts": True} if replaying and torch.cuda.is_available() else {}
+    eager = args.vllm_enforce_eager or (replaying and not torch.cuda.is_available())
     return {
         "dtype": engine_dtype_name(model, args),
         "tensor_parallel_size": args.vllm_tensor_parallel_size,
@@ -68,7 +68,7 @@ def engine_settings(
         "max_num_batched_tokens": args.vllm_max_num_batched_tokens,
         # A prompt limit or the measured longest prompt, and a completion; else the model's own context (None).
         "max_model_len": engine_max_model_len(args, base.config, longest_prompt),
-        "enforce_eager": args.vllm_enforce_eager,
+        "enforce_eager": eager,
         "enable_prefix_caching": args.vllm_enable_prefix_caching,
         "enable_sleep_mode": args.vllm_enable_sleep_mode,
         **lora,

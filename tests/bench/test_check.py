@@ -308,3 +308,14 @@ def test_the_proof_writes_its_parts_between_the_page_markers_and_nothing_else(tm
     page.write_text("no markers\n")
     with pytest.raises(SystemExit, match="no '<!-- gpu-proof:begin -->'"):
         proof.record(page, [])
+
+
+@pytest.mark.slow
+def test_the_moe_replay_row_trains_with_the_engine_in_its_default_mode():
+    """The "MoE routing replay" row on vLLM's CPU build, its engine left compiled (`vllm_enforce_eager` false, a run's
+    default): the engine reports every routing choice (the CPU capture is a Python hook, which a compiled forward
+    skipped: the first rollout stopped with "ran without routing some of its MoE layers"; such an engine now runs
+    eagerly), replay has work to do, and the bf16 gap stays within the tolerance."""
+    result = check.check_moe_replay(None, steps=2)
+    assert result.status == "pass", result.detail
+    assert result.figures["unreplayed"] == [0.0, 0.0] and max(result.figures["differed"]) > 0

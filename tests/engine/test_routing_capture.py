@@ -159,3 +159,17 @@ def test_the_routing_vllm_returns_on_a_gpu_is_laid_out_as_the_capture():
     assert groups[1][0][:, 1, 2].tolist() == [0, 1, 2, 3, UNKNOWN]
     with pytest.raises(RuntimeError, match="returned a completion without its routed experts"):
         ReturnedRouting.routes(SimpleNamespace(token_ids=[1], routed_experts=None), 2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU engine uses vLLM's own route, inside CUDA graphs")
+def test_a_cpu_engine_that_captures_routing_runs_eagerly(tmp_path):
+    """The CPU capture is a Python hook in the routers, which the engine's compiled forward skips: with
+    `routing_replay: rollout` the engine runs eagerly whatever `vllm_enforce_eager` says (the default, compiled,
+    stopped the first rollout); without replay the setting is the user's."""
+    from colograd.engine.settings import engine_settings
+    from colograd.models import tiny
+
+    model, tokenizer = tiny.build_model(), tiny.build_tokenizer()
+    for replay, eager in (("rollout", True), ("off", False)):
+        args = GRPOConfig(output_dir=str(tmp_path), routing_replay=replay, vllm_enforce_eager=False, report_to="none")
+        assert engine_settings(model, tokenizer, args)["enforce_eager"] is eager
