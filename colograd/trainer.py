@@ -311,9 +311,11 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         self.sync_for_rollout()
         if self.partial is not None:
             scored, generated = self.sample_partial(rows)
+        elif self.dynamic is not None:
+            scored, generated = self.sample_dynamic(rows)
         else:
-            scored, dropped = (self.sample(rows), 0) if self.dynamic is None else self.sample_dynamic(rows)
-            generated = int(sampled_lengths(scored.rollout).sum()) + dropped  # dropped groups' tokens too
+            scored = self.sample(rows)
+            generated = int(sampled_lengths(scored.rollout).sum())
         extra, logged = self.reward_logs.take()  # what the reward functions logged (TRL's log_extra / log_metric)
         self._times.count("generated", generated, self.metrics)
         advantages_N = self.compute_advantages(scored.rewards_NF)
@@ -339,7 +341,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
 
     def sample_dynamic(self, rows: list[dict]) -> tuple[ScoredRollout, int]:
         """One training rollout of dynamic sampling (`colograd.grpo.dynamic`): `sample` in rounds until every group
-        kept is informative. Returns it, and the completion tokens of the groups dropped."""
+        kept is informative. Returns it, and the completion tokens generated (in every round, dropped groups too)."""
         sample = lambda rows, round: self.sample(rows, round=round)  # noqa: E731
         # One wake for every round: with sleep mode, each round's own would put the engine to sleep in between.
         with self.engine.awake():
@@ -352,7 +354,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
                 self.reward_logs,
             )
         self._record(metrics)
-        return scored, dropped
+        return scored, int(sampled_lengths(scored.rollout).sum()) + dropped
 
     def sample(
         self, rows: list[dict], num_generations: int | None = None, *, evaluation: bool = False, round: int = 0
