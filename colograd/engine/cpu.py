@@ -15,6 +15,7 @@ nothing is changed and the backend's default stands.
 
 import ctypes
 import os
+import sys
 from typing import Any
 
 import torch
@@ -76,15 +77,16 @@ def keep_kernel_scan_off_llvmlite() -> bool:
     every attribute of every loaded module and reads `vars(value).get("kernel")` of each that has a `__dict__`.
     llvmlite's `ffi.lib` answers any attribute it lacks, `__dict__` included, with a wrapped C function, and the
     scan fails on it ("'_lib_fn_wrapper' object has no attribute 'get'"). llvmlite is loaded where vLLM's model
-    imports numba (Kimi-Linear's, through its vision module's JIT monitor). Its answer for `__dict__` is set here to
-    an empty mapping, which is what the scan looks for: the object holds no kernel.
+    imports numba (Kimi-Linear's, through its vision module's JIT monitor), which happens before the engine starts,
+    where colograd reads the model's vLLM class (`colograd.engine.hybrid`). Its answer for `__dict__` is set here to
+    an empty mapping, which is what the scan looks for: the object holds no kernel. llvmlite is not imported here
+    (that loads a whole LLVM into the process): where nothing loaded it, the scan never meets it.
 
     Returns:
-        Whether llvmlite is installed (and now answers `__dict__` so).
+        Whether llvmlite is loaded (and now answers `__dict__` so).
     """
-    try:
-        from llvmlite.binding import ffi
-    except ImportError:
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    if ffi is None:
         return False
     table = getattr(ffi.lib, "_fntab", None)  # the cache of its wrapped functions, which it answers from first
     if not isinstance(table, dict):
