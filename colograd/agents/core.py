@@ -375,7 +375,7 @@ class Agents:
         trajectories = [
             Trajectory(p, t, seed=rng.getrandbits(31)) for p, t in zip(trajectory_prompts, tools, strict=True)
         ]
-        loop = AgentLoop(trainer.engine.requests(), self.tokenizer, self.parser, self.result_ids, self.runner,
+        loop = AgentLoop(trainer.engine.requests(tap=True), self.tokenizer, self.parser, self.result_ids, self.runner,
                          args.max_completion_length, args.max_tool_calling_iterations)  # fmt: skip
         params = turn_sampling_params(args, self.parser.stop)
         loop.run(trajectories, params, _group_reporter(trajectories, g, on_group))
@@ -502,8 +502,8 @@ class VLLMGeneration:
         mode on, is woken for the write and put back to sleep, as a rollout does)."""
         self._trainer.sync_weights()
 
-    def _requests(self) -> Any:
-        return self._trainer.engine.requests(resync=self._trainer.sync_weights)
+    def _requests(self, tap: bool = False) -> Any:
+        return self._trainer.engine.requests(resync=self._trainer.sync_weights, tap=tap)
 
     def generate(
         self, prompts: list[list[int]], images: list | None, num_generations: int, profiler: Any = None
@@ -519,7 +519,7 @@ class VLLMGeneration:
             raise ValueError("vllm_generation.generate: images are not supported; pass images=None.")
         if self.tensor_parallel_size > 1:  # the ranks of one engine would have to pass the same prompts
             raise ValueError("vllm_generation.generate does not support vllm_tensor_parallel_size > 1; set it to 1.")
-        engine, requests = self._trainer.engine, self._requests()
+        engine, requests = self._trainer.engine, self._requests(tap=True)
         tap = requests.tap  # the log-probs as tensors from the sampler: vLLM builds no per-token objects
         with profiler or nullcontext(), tap.capturing() if tap is not None else nullcontext():
             outputs = requests.generate(

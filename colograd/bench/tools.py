@@ -91,7 +91,7 @@ def run(prompts: int = 16, group: int = 8, length: int = 64, repeats: int = 3, a
     tools = SlowTools(seed=0)
     runner = ToolRunner(timeout=10.0)
     # the turns' log-probs through the engine's sampler tap, as a training rollout reads them
-    loop = AgentLoop(engine.requests(), tokenizer, tools, plain_result_ids(tokenizer), runner, length)
+    loop = AgentLoop(engine.requests(tap=True), tokenizer, tools, plain_result_ids(tokenizer), runner, length)
     params = turn_sampling_params(args, tools.stop)
     dataset = tiny.letters_dataset(prompts, seed=1)
     prompt_ids = [tokenizer(row["prompt"])["input_ids"] for row in dataset]

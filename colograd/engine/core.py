@@ -456,16 +456,18 @@ class Engine:
         """The cache salt of requests under the weights the engine holds now (see `prompt`)."""
         return f"w{self.weights_version}"
 
-    def requests(self, adapter: bool = True, resync: Callable[[], None] | None = None) -> Requests:
+    def requests(self, adapter: bool = True, resync: Callable[[], None] | None = None, tap: bool = False) -> Requests:
         """The engine for a loop that drives its own requests (`colograd.engine.requests.Requests`): the agents'
         turns, TRL's `vllm_generation`, the benchmarks. `adapter=False` serves the base weights alone (an adapter-only
         engine's, timed without its adapter). A CPU engine that released its packed weights after a rollout has them
-        written again first by `resync` (the trainer's `sync_weights`); without one it refuses."""
+        written again first by `resync` (the trainer's `sync_weights`); without one it refuses. `tap`: with the
+        sampler tap (`sampler_tap`: installed at the first call that asks, under tensor parallelism a collective of
+        the engine's ranks), for a caller that reads sampled log-probs."""
         if self.packed_released and resync is not None:
             resync()
         engine_cpu.check_packed(self, "requests")
         lora = self.lora_request if adapter else None
-        return Requests(self.llm, lora, self.cache_salt, self.sampler_tap())
+        return Requests(self.llm, lora, self.cache_salt, self.sampler_tap() if tap else None)
 
     def in_workers(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         """Run `fn(worker, *args)` in each of the engine's workers (vLLM's `collective_rpc`); their results."""
