@@ -156,7 +156,7 @@ class Engine:
             engine_cpu.rotate_flat_heads()
             engine_cpu.keep_kernel_scan_off_llvmlite()
         llm_args = {k: v for k, v in self.settings.items() if k not in NOT_LLM_ARGUMENTS}
-        dtype = torch_dtype(self.settings["dtype"])
+        dtype = self.dtype
         triton_fp32_precision(dtype)
         seqs = self.settings["max_num_seqs"]
         memory, cache = engine_memory(args, config, dtype, seqs, prompt_tokens, longest_prompt)
@@ -487,7 +487,7 @@ class Engine:
         """Hold the trainer's weights of `version` (its optimizer step), written by `write` (the trainer's weight
         plan): once per version, and again whenever the engine dropped them (sleep level 2; a CPU engine that released
         its packed weights). Asleep between rollouts, its weights memory is brought back for the write, and it sleeps
-        again after (`awake`)."""
+        again after, as a rollout leaves it."""
         if self.holds(version):
             return
         asleep = not self.weights_resident
