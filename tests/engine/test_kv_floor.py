@@ -458,3 +458,63 @@ def test_attention_only_layer_lists_are_sized():
     assert kv_cache.unsized_layers(granite) is None
     assert all(kv_cache.unsized_layers(zoo.published_config(name)) is None for name in zoo.ZOO)
     assert kv_cache.unsized_layers(SimpleNamespace(num_attention_heads=8, attn_type_list=[0, 1])) is not None
+
+
+# Kimi-Linear-48B's prefix-caching block on an H200 (vLLM 0.26, its state heads kept by the zoo's shrink): 1,888.
+KIMI_LINEAR_BLOCK = 1888
+
+
+@pytest.mark.parametrize("name", [*HYBRID_LAYERS, "moonshotai/Kimi-Linear-48B-A3B-Instruct"])
+def test_a_hybrids_gpu_engine_schedules_a_whole_prefix_caching_block_in_a_step(name, monkeypatch):
+    """vLLM 0.26 on a GPU caches a hybrid's prefixes in blocks widened to hold a state page ("align" mode) and asserts
+    that one step's token budget holds such a block; left to vLLM, TRL's quickstart got a budget of max_num_seqs ×
+    max_model_len = 680, under Kimi-Linear's 1,888, and the engine stopped at start-up. colograd gives a hybrid's GPU
+    engine a budget that holds every block here, keeps a budget the user set, and asks nothing of an attention-only
+    model, a CPU engine, or one without prefix caching."""
+    block = KIMI_LINEAR_BLOCK if name not in HYBRID_LAYERS else hybrid_specs(name, "align")[1]
+    text = zoo.shrunk(name).get_text_config()
+    args = GRPOConfig(output_dir="out", report_to="none")  # TRL's quickstart: 8 sequences
+    seqs, length = 8, 85
+    own = GRPOConfig(output_dir="out", report_to="none", vllm_max_num_batched_tokens=4096)
+    uncached = GRPOConfig(output_dir="out", report_to="none", vllm_enable_prefix_caching=False)
+    assert seqs * length < KIMI_LINEAR_BLOCK  # what vLLM made of it: the failure this guards against
+    assert hybrid.cuda_arguments(text, args, seqs, length) == {}  # no GPU here
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    budget = hybrid.cuda_arguments(text, args, seqs, length)["max_num_batched_tokens"]
+    assert budget >= block and budget >= seqs * length
+    assert hybrid.cuda_arguments(text, args, 64, 1024)["max_num_batched_tokens"] == 64 * 1024
+    assert "max_num_batched_tokens" not in hybrid.cuda_arguments(text, args, seqs, None)  # vLLM's own: the context
+    assert "max_num_batched_tokens" not in hybrid.cuda_arguments(text, own, seqs, length)
+    assert "max_num_batched_tokens" not in hybrid.cuda_arguments(text, uncached, seqs, length)
+    assert hybrid.cuda_arguments(zoo.shrunk("Qwen/Qwen3-30B-A3B"), args, seqs, length) == {}
+
+
+def test_a_prefix_caching_block_over_the_step_budget_is_one_line_naming_both_fixes():
+    """vLLM 0.26's assertion, as an H200 raised it for Kimi-Linear, ends the start-up in one line; any other
+    assertion stays vLLM's."""
+    from colograd.engine.launch import unsupported_as_refusal
+
+    message = "In Mamba cache align mode, block_size (1888) must be <= max_num_batched_tokens (680)."
+    with pytest.raises(ConfigError) as err, unsupported_as_refusal("KimiLinearForCausalLM"):
+        raise AssertionError(message)
+    line = str(err.value)
+    assert "\n" not in line and "KimiLinearForCausalLM" in line and "1888" in line and "680" in line
+    assert "vllm_max_num_batched_tokens to at least 1888" in line and "vllm_enable_prefix_caching: false" in line
+    with pytest.raises(AssertionError), unsupported_as_refusal("KimiLinearForCausalLM"):
+        raise AssertionError("block_size must be a multiple of 16")
+
+
+def test_a_gated_deltanet_engine_without_flashinfer_prefills_with_triton(monkeypatch):
+    """vLLM 0.26's "auto" prefill for Gated DeltaNet on a Hopper GPU is FlashInfer's, chosen without asking whether it
+    is installed: on an H200 without it, Qwen3.5's and Qwen3-Next's first rollout stopped on `import flashinfer`.
+    Without FlashInfer a GPU engine asks for the Triton kernels; with it, vLLM chooses."""
+    import importlib.util
+
+    text = zoo.shrunk("Qwen/Qwen3.5-4B").get_text_config()
+    args = GRPOConfig(output_dir="out", report_to="none")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flashinfer" else real(name, *a))
+    assert hybrid.cuda_arguments(text, args, 8, 85)["additional_config"] == {"gdn_prefill_backend": "triton"}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: SimpleNamespace(name=name))
+    assert "additional_config" not in hybrid.cuda_arguments(text, args, 8, 85)

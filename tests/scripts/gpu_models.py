@@ -29,6 +29,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--replay", action="store_true", help="routing_replay: rollout (an MoE model)")
+    parser.add_argument("--published", action="store_true", help="a Qwen3.5 as its checkpoints are published, the "
+                        "vision-language class (zoo.as_published: sharp weights, not a stopping model)")  # fmt: skip
     parser.add_argument("--stacks-after", type=float, help="seconds after which every thread's stack is printed "
                         "(to find where a run that a time limit will kill is waiting)")  # fmt: skip
     parser.add_argument("--runs", default="/tmp/gpu-models", help="the trainers' output folders")
@@ -36,11 +38,14 @@ def main() -> None:
     if cli.stacks_after:
         faulthandler.dump_traceback_later(cli.stacks_after, exit=False)
     started = time.time()
-    row = {"model": cli.model, "bf16": cli.bf16, "replay": cli.replay}
+    row = {"model": cli.model, "bf16": cli.bf16, "replay": cli.replay, "published": cli.published}
     try:
         check = argparse.Namespace(steps=cli.steps, bucket_mib=512, replay=cli.replay, shift_replay=False,
                                    out=cli.runs)  # fmt: skip
-        model, tokenizer = zoo.stopping_model(cli.model)
+        if cli.published:
+            model, tokenizer = zoo.as_published(cli.model), zoo.tokenizer_for(zoo.shrunk(cli.model))
+        else:
+            model, tokenizer = zoo.stopping_model(cli.model)
         result = moe_check.check(cli.model, model, tokenizer, cli.bf16, check)
         steps = [h for h in result["log_history"] if "loss" in h]
         row |= {
