@@ -96,6 +96,7 @@ class Gap:
     total: float = 0.0
     tokens: int = 0
     noise: float = 0.0  # where compared: the largest difference between the training and evaluation passes
+    sampled: int = 0  # the tokens sampled under the current weights, scored by the engine or not
 
     @property
     def mean(self) -> float:
@@ -111,6 +112,7 @@ class Gap:
         """Add the tokens the engine sampled under the current weights (`sampled_NT` 1) and scored (not NaN): the
         engine's log-probs against the trainer's `settled_NT` (its evaluation pass) where given, else `logps_NT` (its
         training pass); the two passes' difference is `noise`."""
+        self.sampled += int(sampled_NT.bool().sum().item())
         scored_NT = sampled_NT.bool() & ~engine_logps_NT.isnan()
         if not scored_NT.any():
             return
@@ -248,20 +250,36 @@ class ParityGuard:
         finally:
             self.rollouts += 1
 
+    def _unmeasured(self, sampled: int) -> None:
+        """The gate's rollout gave no token to compare. Where the engine sampled tokens, none of which it scored (NaN:
+        its model computed NaN, or its log-probs were lost on the way), nothing vouches for the engine: the run stops
+        as it would past the bound (a warning under `engine_parity: warn`)."""
+        if not sampled:
+            logger.warning("colograd: the parity gate's first rollout sampled no token; engine and trainer were not "
+                           "compared.")  # fmt: skip
+            return
+        line = (
+            f"Engine parity for {self.model} was not measured before training: the engine gave no log-prob (NaN) "
+            f"for any of the {sampled} tokens it sampled in the first rollout, so its model computes NaN or its "
+            "log-probs are not read back, and nothing says it samples from the policy being trained."
+        )
+        if self.stop:
+            raise ParityError(f"{line} Set engine_parity: warn to train anyway.")
+        logger.warning("colograd: %s Training on (engine_parity: warn).", line)
+
     def _check(self, step: int, gather: Callable[[torch.Tensor], torch.Tensor]) -> None:
         if not self.measuring:  # every rank alike: no collective
             return
         gap, self.gap = self.gap or Gap(), None
-        local = torch.tensor([[gap.max, gap.total, float(gap.tokens), gap.noise]], dtype=torch.float64)
-        every = gather(local).view(-1, 4)
-        tokens = int(every[:, 2].sum().item())
+        local = torch.tensor(
+            [[gap.max, gap.total, float(gap.tokens), gap.noise, float(gap.sampled)]], dtype=torch.float64
+        )
+        every = gather(local).view(-1, 5)
+        tokens, sampled = int(every[:, 2].sum().item()), int(every[:, 4].sum().item())
         gated, self.gate_pending = self.gate_pending, False
         if not tokens:  # a recheck waits for a rollout that measures
             if gated:
-                logger.warning(
-                    "colograd: the parity gate measured no token (the first rollout's engine log-probs were not "
-                    "read back); engine and trainer were not compared."
-                )
+                self._unmeasured(sampled)
             return
         overall = Gap(max=every[:, 0].max().item(), total=every[:, 1].sum().item(), tokens=tokens)
         noise = every[:, 3].max().item()

@@ -189,10 +189,26 @@ def test_the_evaluation_pass_runs_only_at_the_gate_and_leaves_the_model_training
     assert ParityGuard(FP32, "m", active=False).settled_logps(model, read) is None
 
 
-def test_a_gate_that_measured_nothing_says_so(caplog):
+def test_a_gate_whose_engine_scored_none_of_its_samples_stops(caplog):
+    """The engine's log-prob of every token it sampled is NaN (its model computes NaN, or the read-back lost them):
+    nothing vouches for the engine, and the gate stops as it does past the bound (it used to warn and train); one
+    scored token is enough to measure; a rollout that sampled nothing warns."""
+    with pytest.raises(ParityError) as err:
+        rollout(ParityGuard(FP32, "m"), [5.0, 0.0], engine_nan=True)
+    line = str(err.value)
+    assert "\n" not in line and "no log-prob (NaN) for any of the 2 tokens" in line and "engine_parity: warn" in line
+    warned = ParityGuard(FP32, "m", stop=False)
+    rollout(warned, [5.0], engine_nan=True)
+    assert "not measured before training" in caplog.text and not warned.gate_pending
     guard = ParityGuard(FP32, "m")
-    rollout(guard, [5.0], engine_nan=True)
-    assert "measured no token" in caplog.text and not guard.gate_pending
+    guard.begin()
+    guard.observe(torch.zeros(1, 2), torch.tensor([[float("nan"), 0.0]]), torch.ones(1, 2))
+    guard.check(step=1, gather=one_rank)  # one token scored, within the bound: trains
+    empty = ParityGuard(FP32, "m")
+    empty.begin()
+    empty.observe(torch.zeros(1, 2), torch.full((1, 2), float("nan")), torch.zeros(1, 2))
+    empty.check(step=1, gather=one_rank)
+    assert "sampled no token" in caplog.text
 
 
 def test_a_restart_gates_again():
@@ -463,3 +479,24 @@ def test_the_tensors_copied_in_after_vllms_reload_are_those_nothing_processes():
     unprocessed, rest = split_unprocessed(model, [(name, i) for i, name in enumerate(names)])
     assert [name for name, _ in unprocessed] == ["self_attn.sinks", "attn.bias", "norm.weight"]
     assert [value for _, value in rest] == [3, 4, 5, 6, 7, 8]  # the rest in the order given
+
+
+@pytest.mark.slow  # one engine start, in process
+def test_an_engine_computing_nan_stops_the_run_before_training(tmp_path, monkeypatch):
+    """The sync hands the engine a NaN final norm, so the engine's model computes NaN and scores none of its samples:
+    the gate stops the run at its first rollout, before any optimizer step (it used to warn that it "measured no
+    token" and train on, the loss standing in the trainer's own log-probs for the engine's)."""
+    from colograd import GRPOConfig, GRPOTrainer
+    from colograd.models import tiny
+
+    own = Engine.load_weights
+    monkeypatch.setattr(Engine, "load_weights", lambda engine, weights: own(engine, [
+        (n, torch.full_like(t, float("nan")) if n == "model.norm.weight" else t) for n, t in weights]))  # fmt: skip
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, report_to="none", save_strategy="no",
+                      vllm_enforce_eager=True, max_completion_length=8)  # fmt: skip
+    trainer = GRPOTrainer(model=tiny.build_model(), reward_funcs=tiny.letters_reward, args=args,
+                          train_dataset=tiny.letters_dataset(16), processing_class=tiny.build_tokenizer())  # fmt: skip
+    with pytest.raises(ParityError) as err:
+        trainer.train()
+    assert "\n" not in str(err.value) and "no log-prob (NaN)" in str(err.value)
+    assert trainer.state.global_step == 0
