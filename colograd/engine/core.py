@@ -21,19 +21,15 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 import torch
 import torch.distributed as dist
 from peft import PeftModel
-from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from colograd.config.core import GRPOConfig
 from colograd.engine import cpu as engine_cpu
-from colograd.engine import moe, routing
+from colograd.engine import routing
 from colograd.engine import sampler_tap as tapping
-from colograd.engine.folder import engine_folder
-from colograd.engine.kv_cache import engine_memory, sized_from_specs
-from colograd.engine.launch import _launcher_env, _tensor_parallel_group, unsupported_as_refusal
+from colograd.engine.launch import _tensor_parallel_group, start_engine
 from colograd.engine.lifetime import (
-    add_expert_group,
     forget_reload_records,
-    frozen_heap,
     import_off_stack,
     keep_parallel_groups_when_dropped,
     layer_refs,
@@ -43,17 +39,12 @@ from colograd.engine.requests import Requests, rollout_requests, sampled_logps
 from colograd.engine.rollout import Rollout
 from colograd.engine.settings import (
     KV_CACHE_ONLY,
-    NOT_LLM_ARGUMENTS,
-    engine_config,
     engine_settings,
     holds,
     torch_dtype,
-    triton_fp32_precision,
 )
 from colograd.engine.weights import (
     _held_names,
-    _holds_plain_dense_weights,
-    _holds_plain_weights,
     _known_names,
     _load_into_model,
     _load_with_prepacked_experts,
@@ -65,7 +56,6 @@ from colograd.vision.core import (
     is_vision_language,
     multimodal_prompt,
     placeholder_ids,
-    serve_without_torchvision,
 )
 
 logger = logging.getLogger(__name__)
@@ -114,9 +104,7 @@ class Engine:
         longest_prompt: int | None = None,
         images_per_prompt: int = 1,
     ) -> None:
-        import_off_stack("vllm.entrypoints.llm")
-        from vllm import LLM
-
+        import_off_stack("vllm.entrypoints.llm")  # `start_engine` imports it
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
         # Tensor parallel: consecutive ranks share one engine, as vLLM's external launcher groups them.
@@ -129,63 +117,9 @@ class Engine:
         # Image placeholders the engine never samples: the trainer's model would look for an image there.
         self.suppressed = placeholder_ids(tokenizer)
         self.vision = is_vision_language(model.get_base_model() if isinstance(model, PeftModel) else model)
-        base = model.get_base_model() if isinstance(model, PeftModel) else model
-        config = engine_config(base)
-
-        def write_model_folder(folder: str) -> None:
-            """vLLM reads the architecture from a folder: the config and tokenizer, never the weights."""
-            config.save_pretrained(folder)
-            tokenizer.save_pretrained(folder)
-            # vLLM also stops at the end-of-sequence ids of the generation config (chat models list their
-            # end-of-turn token only there). Only those ids go over: the rest is sampling defaults, which every
-            # request sets.
-            if base.generation_config is not None and base.generation_config.eos_token_id is not None:
-                GenerationConfig(eos_token_id=base.generation_config.eos_token_id).save_pretrained(folder)
-
-        # A folder named by its content, so that vLLM's compile cache, keyed on its path, hits at the next start.
-        # CPU repacking changes the traced linear layers without changing vLLM's key.
-        repacking = "" if torch.cuda.is_available() else f"cpu_repack_weights={args.vllm_cpu_repack_weights}"
-        model_dir, self._temporary_dir = engine_folder(
-            write_model_folder, repacking, temporary_prefix=f"colograd-engine-{rank}-"
-        )
-
-        serve_without_torchvision(config.architectures[0])
-        if not torch.cuda.is_available():
-            engine_cpu.set_repacking(args.vllm_cpu_repack_weights)
-            engine_cpu.count_ranks_eagerly()
-            engine_cpu.rotate_flat_heads()
-            engine_cpu.keep_kernel_scan_off_llvmlite()
-        llm_args = {k: v for k, v in self.settings.items() if k not in NOT_LLM_ARGUMENTS}
-        dtype = self.dtype
-        triton_fp32_precision(dtype)
-        seqs = self.settings["max_num_seqs"]
-        memory, cache = engine_memory(args, config, dtype, seqs, prompt_tokens, longest_prompt)
-        llm_args |= memory
-        sized: list[tuple[int, bool]] = []  # the cache's bytes as the engine allocated them; whether it holds state
-        if not torch.cuda.is_available():
-            llm_args |= engine_cpu.mla_backend(config)
-        # Frozen during the start, the heap is skipped by the collections vLLM runs there; on a GPU one collection
-        # first frees what vLLM's memory profile must not count (see `frozen_heap`).
-        if moe.expert_count(config):
-            add_expert_group(self.tp_size)  # where a dense model's engine made this process's groups without it
-        with (
-            unsupported_as_refusal(config.architectures[0]),
-            _launcher_env(),
-            _matmul_precision_kept(),
-            frozen_heap(collect=torch.cuda.is_available()),
-            sized_from_specs(cache, sized),
-        ):
-            self.llm = LLM(
-                model=model_dir,
-                load_format="dummy",
-                seed=args.seed + self._tp_index,  # each engine samples different completions
-                # The engine joins this process's torch process group (or, alone, makes a world of one).
-                distributed_executor_backend="external_launcher",
-                # The engine reports log-probs of the distribution it sampled from (after temperature), the
-                # same distribution the trainer scores, so the two are comparable token by token.
-                logprobs_mode="processed_logprobs",
-                **llm_args,
-            )
+        started = start_engine(model, tokenizer, args, self.settings, self.dtype, rank, self._tp_index,
+                               prompt_tokens=prompt_tokens, longest_prompt=longest_prompt)  # fmt: skip
+        self.llm, self._temporary_dir = started.llm, started.folder
         if not one_engine_per_process():
             keep_parallel_groups_when_dropped(self.llm)
             weakref.finalize(self, forget_reload_records, self.llm.collective_rpc(layer_refs)[0])
@@ -195,18 +129,10 @@ class Engine:
         # Prompt KV cached under one version of the weights must not serve another: every request carries the
         # version as its cache salt, so a sync needs no reset of the cache (a walk over every block in Python).
         self.weights_version = 0
-        # The KV cache the engine got (what vLLM allocated, whichever way it was sized), and whether its layers keep
-        # state along the sequence (state pages): the trainer then runs its passes padded, whatever the config says.
-        self.kv_cache_bytes, self.holds_state = sized[-1] if sized else (0, False)
-        # Whether the engine computes with the weight tensors it holds (GPU; CPU without repacking), so a sync
-        # can copy straight into them, or re-processes them into a kernel layout that needs a reload.
-        self.direct_load = all(self.llm.collective_rpc(_holds_plain_weights))
-        # The same for the weights outside expert layers: an MoE engine copies those straight in when it can.
-        self.direct_dense = all(self.llm.collective_rpc(_holds_plain_dense_weights))
-        # Expert layers whose weights the CPU backend prepacked: a sync must prepack what it writes into them again.
-        self.prepacked_experts = any(self.llm.collective_rpc(moe.has_prepacked_experts_in_engine))
-        # Prompts must leave room for a whole completion in the engine's context.
-        self.max_prompt_tokens = self.llm.llm_engine.model_config.max_model_len - args.max_completion_length
+        # What the started engine is (`Started`): its cache, how a sync writes into it, the room left for prompts.
+        self.kv_cache_bytes, self.holds_state = started.kv_cache_bytes, started.holds_state
+        self.direct_load, self.direct_dense = started.direct_load, started.direct_dense
+        self.prepacked_experts, self.max_prompt_tokens = started.prepacked_experts, started.max_prompt_tokens
         self.lora_request = None  # set by `load_adapter`; every generation then applies the adapter
         self._adapter_dir: tempfile.TemporaryDirectory | None = None
         self._tap: tapping.SamplerTap | None | object = _UNTRIED  # see `sampler_tap`
@@ -704,13 +630,3 @@ def one_engine_per_process() -> bool:
     """Whether this process keeps one engine for its lifetime: on a GPU, where vLLM cannot free an engine's memory
     in-process."""
     return torch.cuda.is_available()
-
-
-@contextmanager
-def _matmul_precision_kept() -> Iterator[None]:
-    """Keep the trainer's float32 matmul precision (TF32 or not): vLLM's start sets its own for the process."""
-    precision = torch.get_float32_matmul_precision()
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(precision)

@@ -1,16 +1,152 @@
-"""Where an in-process engine sits among the launch's processes: the ranks that share a tensor-parallel engine,
-the torchrun-style variables vLLM's external launcher reads while it starts, and this process's index on its
-machine."""
+"""vLLM's start-up of an in-process engine (`start_engine`), and where the engine sits among the launch's processes:
+the ranks that share a tensor-parallel engine, the torchrun-style variables vLLM's external launcher reads while it
+starts, and this process's index on its machine."""
 
 import os
 import socket
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from tempfile import TemporaryDirectory
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from peft import PeftModel
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from colograd.config.core import GRPOConfig
+from colograd.engine import cpu as engine_cpu
+from colograd.engine import moe
+from colograd.engine.folder import engine_folder
+from colograd.engine.kv_cache import engine_memory, sized_from_specs
+from colograd.engine.lifetime import add_expert_group, frozen_heap
+from colograd.engine.settings import NOT_LLM_ARGUMENTS, engine_config, triton_fp32_precision
+from colograd.engine.weights import _holds_plain_dense_weights, _holds_plain_weights
+from colograd.vision.core import serve_without_torchvision
+
+
+@dataclass(frozen=True)
+class Started:
+    """An engine as vLLM's start-up left it.
+
+    Attributes:
+        llm: the `vllm.LLM`.
+        folder: the temporary folder holding its config and tokenizer, where the cache's could not be written
+            (kept as long as the engine); None otherwise.
+        kv_cache_bytes: the KV cache vLLM allocated, whichever way it was sized.
+        holds_state: its layers keep state along the sequence (state pages): the trainer then runs its passes
+            padded, whatever the config says.
+        direct_load: it computes with the weight tensors it holds (GPU; CPU without repacking), so a sync copies
+            straight into them, rather than re-processing them into a kernel layout through a reload.
+        direct_dense: the same for the weights outside expert layers (an MoE engine copies those straight in when
+            it can).
+        prepacked_experts: its CPU backend prepacked expert layers' weights: a sync prepacks what it writes again.
+        max_prompt_tokens: its context less a whole completion.
+    """
+
+    llm: Any
+    folder: TemporaryDirectory | None
+    kv_cache_bytes: int
+    holds_state: bool
+    direct_load: bool
+    direct_dense: bool
+    prepacked_experts: bool
+    max_prompt_tokens: int
+
+
+def start_engine(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    args: GRPOConfig,
+    settings: dict[str, Any],
+    dtype: torch.dtype,
+    rank: int,
+    tp_index: int,
+    *,
+    prompt_tokens: int | None,
+    longest_prompt: int | None,
+) -> Started:
+    """Start `model`'s engine in this process with `settings` (`colograd.engine.settings.engine_settings`): with
+    dummy weights, from a folder holding its config and tokenizer only, its KV cache sized for a rollout
+    (`colograd.engine.kv_cache`), joined to this process's torch process group; `tp_index` (the engine among the
+    launch's) seeds it. A start vLLM cannot make here ends in one line (`unsupported_as_refusal`)."""
+    from vllm import LLM
+
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    config = engine_config(base)
+
+    def write_model_folder(folder: str) -> None:
+        """vLLM reads the architecture from a folder: the config and tokenizer, never the weights."""
+        config.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        # vLLM also stops at the end-of-sequence ids of the generation config (chat models list their end-of-turn
+        # token only there). Only those ids go over: the rest is sampling defaults, which every request sets.
+        if base.generation_config is not None and base.generation_config.eos_token_id is not None:
+            GenerationConfig(eos_token_id=base.generation_config.eos_token_id).save_pretrained(folder)
+
+    # A folder named by its content, so that vLLM's compile cache, keyed on its path, hits at the next start.
+    # CPU repacking changes the traced linear layers without changing vLLM's key.
+    repacking = "" if torch.cuda.is_available() else f"cpu_repack_weights={args.vllm_cpu_repack_weights}"
+    model_dir, folder = engine_folder(write_model_folder, repacking, temporary_prefix=f"colograd-engine-{rank}-")
+
+    serve_without_torchvision(config.architectures[0])
+    if not torch.cuda.is_available():
+        engine_cpu.set_repacking(args.vllm_cpu_repack_weights)
+        engine_cpu.count_ranks_eagerly()
+        engine_cpu.rotate_flat_heads()
+        engine_cpu.keep_kernel_scan_off_llvmlite()
+    llm_args = {k: v for k, v in settings.items() if k not in NOT_LLM_ARGUMENTS}
+    triton_fp32_precision(dtype)
+    memory, cache = engine_memory(args, config, dtype, settings["max_num_seqs"], prompt_tokens, longest_prompt)
+    llm_args |= memory
+    sized: list[tuple[int, bool]] = []  # the cache's bytes as the engine allocated them; whether it holds state
+    if not torch.cuda.is_available():
+        llm_args |= engine_cpu.mla_backend(config)
+    if moe.expert_count(config):
+        add_expert_group(args.vllm_tensor_parallel_size)  # where a dense model's engine made the groups without it
+    # Frozen during the start, the heap is skipped by the collections vLLM runs there; on a GPU one collection
+    # first frees what vLLM's memory profile must not count (see `frozen_heap`).
+    with (
+        unsupported_as_refusal(config.architectures[0]),
+        _launcher_env(),
+        _matmul_precision_kept(),
+        frozen_heap(collect=torch.cuda.is_available()),
+        sized_from_specs(cache, sized),
+    ):
+        llm = LLM(
+            model=model_dir,
+            load_format="dummy",
+            seed=args.seed + tp_index,  # each engine samples different completions
+            # The engine joins this process's torch process group (or, alone, makes a world of one).
+            distributed_executor_backend="external_launcher",
+            # The engine reports log-probs of the distribution it sampled from (after temperature), the same
+            # distribution the trainer scores, so the two are comparable token by token.
+            logprobs_mode="processed_logprobs",
+            **llm_args,
+        )
+    kv_cache_bytes, holds_state = sized[-1] if sized else (0, False)
+    return Started(
+        llm=llm,
+        folder=folder,
+        kv_cache_bytes=kv_cache_bytes,
+        holds_state=holds_state,
+        direct_load=all(llm.collective_rpc(_holds_plain_weights)),
+        direct_dense=all(llm.collective_rpc(_holds_plain_dense_weights)),
+        prepacked_experts=any(llm.collective_rpc(moe.has_prepacked_experts_in_engine)),
+        max_prompt_tokens=llm.llm_engine.model_config.max_model_len - args.max_completion_length,
+    )
+
+
+@contextmanager
+def _matmul_precision_kept() -> Iterator[None]:
+    """Keep the trainer's float32 matmul precision (TF32 or not): vLLM's start sets its own for the process."""
+    precision = torch.get_float32_matmul_precision()
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(precision)
 
 
 def _tensor_parallel_group(tp_size: int, world: int) -> Any:

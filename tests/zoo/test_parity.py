@@ -16,8 +16,8 @@ from datasets import Dataset
 from test_zoo import answer_length, chat_rows, rope_base_of_10k, step_log
 
 from colograd import GRPOConfig, GRPOTrainer
-from colograd.engine import core as engine_module
 from colograd.engine import fresh, sync
+from colograd.engine import launch as engine_launch
 from colograd.engine import weights as engine_weights
 from colograd.engine.core import Engine
 from colograd.grpo import parity, parity_diagnosis
@@ -193,14 +193,14 @@ def test_an_engine_whose_own_model_differs_is_said_so(tmp_path, monkeypatch):
     """vLLM's model computing otherwise than transformers' on the same weights, simulated by starting the engine with
     another rope base than the model's: every tensor the engine holds is what a fresh engine (of the same vLLM model)
     loads, so the line says the sync is complete and the engine's model differs, and what to try."""
-    own = engine_module.engine_config
+    own = engine_launch.engine_config
 
     def mutated(model):
         config = own(model)
         rope_base_of_10k(config)
         return config
 
-    monkeypatch.setattr(engine_module, "engine_config", mutated)
+    monkeypatch.setattr(engine_launch, "engine_config", mutated)
     line = stops_before_training(trainer_for("Qwen/Qwen3-0.6B", tmp_path))
     assert "A freshly loaded engine agrees" in line and "so the sync is complete" in line
     assert "vLLM's Qwen3ForCausalLM itself computes another distribution" in line

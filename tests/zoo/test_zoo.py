@@ -16,8 +16,8 @@ from datasets import Dataset, IterableDataset
 
 from colograd import GRPOConfig, GRPOTrainer
 from colograd.config.core import ConfigError
-from colograd.engine import core as engine_module
 from colograd.engine import kv_cache, moe
+from colograd.engine import launch as engine_launch
 from colograd.grpo.parity import ParityError
 from colograd.rewards.core import resolve_reward
 
@@ -125,14 +125,14 @@ def test_the_parity_check_fails_on_a_wrong_model_in_the_engine(mutation, tmp_pat
     """The parity gate has power: with one error injected into the engine's model, the same step is stopped before
     it trains (with transformers' flat 0.02 weights, a dropped rope scaling moved the gap by 1e-6)."""
     name, mutate = MUTATIONS[mutation]
-    own = engine_module.engine_config
+    own = engine_launch.engine_config
 
     def mutated(model):
         config = own(model)
         mutate(config)
         return config
 
-    monkeypatch.setattr(engine_module, "engine_config", mutated)
+    monkeypatch.setattr(engine_launch, "engine_config", mutated)
     # The parity gate (engine_parity: error, the default) stops the run before it trains: its line gives the gap.
     args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, report_to="none", save_strategy="no",
                       vllm_enforce_eager=True, max_completion_length=64)  # fmt: skip
