@@ -47,7 +47,7 @@ from colograd.check_runner import ROW_TIMEOUT_S, Result, format_table, read_resu
 from colograd.config.core import GRPOConfig
 from colograd.engine.core import Engine
 from colograd.engine.launch import free_port
-from colograd.engine.requests import sampling_params
+from colograd.engine.requests import Sampling, sampling_params
 from colograd.engine.sync import WeightPlan
 from colograd.models import tiny
 
@@ -211,7 +211,7 @@ def check_sleep(setup: Setup, level: int, compiled: bool = False) -> Result:
             plan.sync(engine)
 
         def rollout() -> float:
-            engine.generate([ids[:8]], args)
+            engine.generate([ids[:8]], Sampling.of(args))
             return parity_gap(engine, model, ids)
 
         gaps, freed = sleep_cycles(engine, update_and_sync, rollout)

@@ -37,6 +37,7 @@ from colograd.data.core import keep_rows, tokenize_prompts
 from colograd.data.streaming import RolloutBatches, check_stream_resume, named_rows, row_names
 from colograd.engine.core import Engine
 from colograd.engine.lifetime import frozen_heap, own_classes
+from colograd.engine.requests import Sampling
 from colograd.engine.rollout import Rollout, RolloutContext
 from colograd.engine.sync import WeightPlan
 from colograd.grpo import parity_diagnosis
@@ -274,7 +275,8 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         if first:
             self._slices = self.make_rollout(inputs)
             self.parity.begin()  # the first slice is trained on the weights that sampled it: its gap is measured
-        batch = self._slices[self._micro_step % self.args.steps_per_generation]
+        # `fresh`: the rollout's first micro-step, trained on the weights that sampled it (`compute_loss` reads it)
+        batch = self._slices[self._micro_step % self.args.steps_per_generation] | {"fresh": torch.tensor(first)}
         self._micro_step += 1
         with self._timed("train"), self.forward.replaying():
             loss = self.train_slice(model, batch, num_items_in_batch)
@@ -534,7 +536,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         return rotate_prompts(
             lambda ids, imgs, report: self.engine.generate(
                 ids,
-                self.args,
+                Sampling.of(self.args),
                 step=context.step,
                 num_generations=g,
                 gap_sample=gap_sample,
@@ -608,8 +610,8 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
             self._times.count("forwarded", forwarded[0] if forwarded else trained, self.metrics)
         # On-policy, and on a rollout's first slice, the current weights are the ones that sampled. (When old
         # log-probs come from a forward pass, `rollout_logps` logged the gap for every slice already.)
-        first_slice = (self._micro_step - 1) % args.rollout_micro_steps == 0
-        if "old_logps" not in inputs or (first_slice and args.engine_logps_are_old_logps):
+        fresh = bool(inputs["fresh"]) if "fresh" in inputs else False
+        if "old_logps" not in inputs or (fresh and args.engine_logps_are_old_logps):
             self._record(sampling_gap_metrics(logps_NT.detach(), inputs["engine_logps"], inputs["tool_mask"]))
         if model.training:
             self.parity.observe(logps_NT, inputs["engine_logps"], inputs["tool_mask"], settled_NT)

@@ -65,7 +65,7 @@ from colograd.bench.shapes import (
     workload,
 )
 from colograd.engine.launch import free_port
-from colograd.engine.requests import sampling_params
+from colograd.engine.requests import Sampling, sampling_params
 from colograd.grpo.logps import completion_logps
 from colograd.grpo.loss import policy_loss
 from colograd.models import pretrained, tiny
@@ -379,7 +379,7 @@ def generation_side_by_side(trainer: GRPOTrainer, w: dict[str, Any], repeats: in
     for _ in range(repeats):
         for name, gap_sample in ours.items():
             start = time.perf_counter()
-            rollout = trainer.engine.generate(prompt_ids, args, gap_sample=gap_sample)
+            rollout = trainer.engine.generate(prompt_ids, Sampling.of(args), gap_sample=gap_sample)
             seconds[name] += time.perf_counter() - start
             tokens[name] += sum(len(c) for c in rollout.completion_ids)
         for name, params in bare.items():

@@ -39,6 +39,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from colograd import GRPOConfig
 from colograd.engine import copy_plan
 from colograd.engine.core import Engine
+from colograd.engine.requests import Sampling
 from colograd.engine.sync import WeightPlan
 from colograd.models import tiny
 
@@ -118,7 +119,7 @@ def generation_tokens_per_s(engine: Engine, args: GRPOConfig, repeats: int) -> f
 
     def generate() -> None:
         nonlocal tokens
-        tokens = sum(len(c) for c in engine.generate(prompts, args).completion_ids)
+        tokens = sum(len(c) for c in engine.generate(prompts, Sampling.of(args)).completion_ids)
 
     seconds = median_time(generate, repeats)
     return tokens / seconds

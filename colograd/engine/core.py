@@ -35,7 +35,7 @@ from colograd.engine.lifetime import (
     layer_refs,
 )
 from colograd.engine.lora import adapter_parent, serve_adapter_in_worker
-from colograd.engine.requests import Requests, rollout_requests, sampled_logps
+from colograd.engine.requests import Requests, Sampling, rollout_requests, sampled_logps
 from colograd.engine.rollout import Rollout
 from colograd.engine.settings import (
     KV_CACHE_ONLY,
@@ -195,7 +195,7 @@ class Engine:
     def generate(
         self,
         prompt_ids: list[list[int]],
-        args: GRPOConfig,
+        sampling: Sampling,
         *,
         step: int = 0,
         num_generations: int | None = None,
@@ -203,7 +203,8 @@ class Engine:
         on_group: Callable[[int, list[list[int]]], None] | None = None,
         images: list[list[Any]] | None = None,
     ) -> Rollout:
-        """Sample `num_generations` (default `args.num_generations`) completions of every prompt in one engine call.
+        """Sample `num_generations` (default `sampling.num_generations`) completions of every prompt in one engine
+        call, with the run's sampling settings (`Sampling.of(args)`).
 
         `n=G` makes the engine prefill each prompt once for its whole group. Under tensor parallelism the ranks
         of a group pool their prompts, run one engine call together, and each keeps its own completions;
@@ -211,7 +212,7 @@ class Engine:
         same tokens (vLLM's CPU sampler otherwise draws from each process's own generator).
 
         The sampled tokens' log-probs are asked for every request when the loss reads them
-        (`args.needs_engine_logps`), else for one completion per rank, for the sampling-gap metric: the first of its
+        (`sampling.every_logps`), else for one completion per rank, for the sampling-gap metric: the first of its
         first prompt, asked in a request of its own (`n=1`, beside its group's other G - 1), because vLLM builds them
         with per-token Python in its output path, which slows every decoding step; with `gap_sample` False (a
         rollout whose steps do not log) none asks. Completions not asked get NaN.
@@ -226,7 +227,7 @@ class Engine:
         engine expands the placeholders, and the rollout's `engine_prompt_ids` are the prompts it computed.
         """
         engine_cpu.check_packed(self, "generate")
-        g = num_generations or args.num_generations
+        g = num_generations or sampling.num_generations
         own, mine = prompt_ids, len(prompt_ids)
         seeds: list[int | None] = [None] * mine
         if self.tp_group is not None:
@@ -235,16 +236,16 @@ class Engine:
             prompt_ids = [ids for part in pooled for ids in part]
             # One seed per request (vLLM gives its n samples seed, seed + 1, ...), so that a prompt that comes
             # twice still gets different completions.
-            base = hash((args.seed, self._tp_index, step)) % 2**31
+            base = hash((sampling.seed, self._tp_index, step)) % 2**31
             seeds = [base + i * g for i in range(len(prompt_ids))]
 
         if images is not None and self.tp_group is not None:
             raise ConfigError("image prompts under vllm_tensor_parallel_size > 1 are not supported; set it to 1.")
-        requests = rollout_requests(args, seeds, mine, g, gap_sample, self.suppressed)
+        requests = rollout_requests(sampling, seeds, mine, g, gap_sample, self.suppressed)
         prompts = [self.prompt(prompt_ids[i], images[i] if images else None) for i, _ in requests]
-        tap = self.sampler_tap() if args.needs_engine_logps else None
+        tap = self.sampler_tap() if sampling.every_logps else None
         reporting = self._reporting_groups(requests, on_group) if on_group and self.tp_group is None else nullcontext()
-        capture = self.routing_capture() if args.routing_replay == "rollout" else None
+        capture = self.routing_capture() if sampling.replay else None
         if isinstance(capture, routing.RoutingCapture):  # every prompt position is computed inside the capture
             self.llm.reset_prefix_cache()
         recording = capture.capturing() if capture is not None else nullcontext()
@@ -270,7 +271,7 @@ class Engine:
             logger.warning("colograd: the sampler tap missed a rollout's log-probs; reading vLLM's Logprob objects.")
             self._tap = None
             return self.generate(
-                own, args, step=step, num_generations=g, gap_sample=gap_sample, on_group=on_group, images=images
+                own, sampling, step=step, num_generations=g, gap_sample=gap_sample, on_group=on_group, images=images
             )
         if logps is None:
             logps = [sampled_logps(sample) for sample in samples]

@@ -10,8 +10,60 @@ from typing import Any
 from colograd.config.core import GRPOConfig
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """What a rollout samples with, as one value (`Sampling.of(args)`): what `Engine.generate` and its requests read
+    of the run's config, and nothing else.
+
+    Attributes:
+        num_generations: completions per prompt (G).
+        seed: the run's seed (tensor parallelism seeds each engine call from it).
+        every_logps: every request asks for its sampled tokens' log-probs (the loss reads them:
+            `GRPOConfig.needs_engine_logps`); else only the sampling-gap metric's completion asks.
+        replay: the engine records each token's routed experts (`routing_replay: rollout`).
+        params: `vllm.SamplingParams`' arguments (`sampling_params`).
+    """
+
+    num_generations: int
+    seed: int
+    every_logps: bool
+    replay: bool
+    params: tuple[tuple[str, Any], ...]
+
+    @classmethod
+    def of(cls, args: GRPOConfig) -> "Sampling":
+        settings = dict(
+            n=args.num_generations,
+            max_tokens=args.max_completion_length,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k if args.top_k > 0 else -1,
+            repetition_penalty=args.repetition_penalty,
+            min_p=args.min_p or 0.0,
+            regex=args.vllm_structured_outputs_regex,
+            logprobs=0,  # the sampled token's own log-prob
+        )
+        return cls(
+            num_generations=args.num_generations,
+            seed=args.seed,
+            every_logps=args.needs_engine_logps,
+            replay=args.routing_replay == "rollout",
+            params=tuple((settings | (args.generation_kwargs or {})).items()),
+        )
+
+    def request(self, seed: int | None = None, **overrides: Any) -> Any:
+        """The `vllm.SamplingParams` of one request, seeded `seed` (None: the engine's generator), `overrides`
+        replacing the settings (e.g. `n=1` for one turn, `logprobs=None` to leave the log-probs out)."""
+        from vllm import SamplingParams
+
+        settings = {"seed": seed} | dict(self.params) | overrides
+        regex = settings.pop("regex")
+        settings.setdefault("structured_outputs", _structured_outputs(regex))  # generation_kwargs may give its own
+        return SamplingParams(**settings)
+
+
 def rollout_requests(
-    args: GRPOConfig,
+    sampling: Sampling,
     seeds: list[int | None],
     mine: int,
     g: int,
@@ -21,22 +73,22 @@ def rollout_requests(
     """The engine requests of a rollout of `len(seeds)` prompts (`mine` per rank), as (prompt index, params).
 
     One request of n = G per prompt, each asking for its log-probs where the loss reads them
-    (`args.needs_engine_logps`); else, with `gap_sample`, only the sampling-gap metric's completion asks, the first
+    (`sampling.every_logps`); else, with `gap_sample`, only the sampling-gap metric's completion asks, the first
     of each rank's first prompt, in a request of its own (n = 1) beside one of n = G - 1, seeded as the one request
     would have been (vLLM seeds a request's n completions seed, seed + 1, ...); without it, none. `suppressed`
     token ids are never sampled (a bias of -inf: the log-probs are those of the distribution without them).
     """
-    every = args.needs_engine_logps
+    every = sampling.every_logps
     bias = {"logit_bias": dict.fromkeys(suppressed, -math.inf)} if suppressed else {}
     requests = []
     for i, seed in enumerate(seeds):
         if every or not gap_sample or i % mine != 0:
-            requests.append((i, sampling_params(args, seed, n=g, **({} if every else {"logprobs": None}), **bias)))
+            requests.append((i, sampling.request(seed, n=g, **({} if every else {"logprobs": None}), **bias)))
             continue
-        requests.append((i, sampling_params(args, seed, n=1, **bias)))
+        requests.append((i, sampling.request(seed, n=1, **bias)))
         if g > 1:
             rest = None if seed is None else seed + 1
-            requests.append((i, sampling_params(args, rest, n=g - 1, logprobs=None, **bias)))
+            requests.append((i, sampling.request(rest, n=g - 1, logprobs=None, **bias)))
     return requests
 
 
@@ -55,25 +107,11 @@ def sampling_params(args: GRPOConfig, seed: int | None = None, **overrides: Any)
 
     Args:
         args: the run's config (num_generations, max_completion_length, temperature, top_p, top_k,
-            repetition_penalty, min_p, vllm_structured_outputs_regex, generation_kwargs).
+            repetition_penalty, min_p, vllm_structured_outputs_regex, generation_kwargs: `Sampling.of`).
         seed: the request's seed; None draws from the engine's generator.
         overrides: further `SamplingParams` arguments, replacing the ones above (e.g. `n=1` for one turn).
     """
-    from vllm import SamplingParams
-
-    settings = dict(
-        n=args.num_generations,
-        max_tokens=args.max_completion_length,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k if args.top_k > 0 else -1,
-        repetition_penalty=args.repetition_penalty,
-        min_p=args.min_p or 0.0,
-        structured_outputs=_structured_outputs(args.vllm_structured_outputs_regex),
-        logprobs=0,  # the sampled token's own log-prob
-        seed=seed,
-    )
-    return SamplingParams(**settings | (args.generation_kwargs or {}) | overrides)
+    return Sampling.of(args).request(seed, **overrides)
 
 
 def _structured_outputs(regex: str | None) -> Any:

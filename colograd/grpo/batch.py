@@ -34,6 +34,7 @@ class RolloutBatch(TypedDict, total=False):
     ref_logps: torch.Tensor  # [N, T] float: the reference policy's, when beta > 0
     loss_scale: torch.Tensor  # [] float: a pass's share of its slice, when a slice is trained in several passes
     routed_experts: torch.Tensor  # [N, P + T, layers, top_k] int16: the engine's routing (routing replay), else < 0
+    fresh: torch.Tensor  # [] bool: the rollout's first micro-step, on the weights that sampled it (`training_step`)
 
 
 def pad_rollout(

@@ -13,6 +13,7 @@ from colograd import GRPOConfig
 from colograd.engine import lora, sync
 from colograd.engine import weights as engine_weights
 from colograd.engine.core import Engine
+from colograd.engine.requests import Sampling
 from colograd.engine.sync import WeightPlan
 from colograd.models import tiny
 from colograd.runs import time_limit
@@ -157,7 +158,7 @@ def test_lora_sync_gives_engine_the_adapted_model(adapter_only, repack, tmp_path
 
     def rollout() -> None:  # prompt log-probs (one engine step), then completions (several steps)
         assert (engine.prompt_logprobs(ids) - trainer_logprobs(model, ids)).abs().max() <= 1e-4
-        assert len(engine.generate([ids[:8]], args).completion_ids) == args.num_generations
+        assert len(engine.generate([ids[:8]], Sampling.of(args)).completion_ids) == args.num_generations
 
     plan = WeightPlan(model, adapter_only=adapter_only)
     first = plan.sync(engine)
@@ -280,6 +281,6 @@ def test_engine_stops_at_eos_ids_of_the_generation_config(tmp_path):
     finally:
         torch.set_float32_matmul_precision(before)
     WeightPlan(model).sync(engine)
-    rollout = engine.generate([tokenizer("abcd>b:")["input_ids"]], args)
+    rollout = engine.generate([tokenizer("abcd>b:")["input_ids"]], Sampling.of(args))
     assert rollout.completion_ids == [[stop]] * args.num_generations
     assert not any(rollout.truncated)

@@ -10,7 +10,7 @@ from torch._dynamo.utils import counters
 from colograd.check import trainer_logprobs
 from colograd.config.core import GRPOConfig
 from colograd.engine.core import Engine
-from colograd.engine.requests import rollout_requests, sampling_params
+from colograd.engine.requests import Sampling, rollout_requests, sampling_params
 from colograd.engine.sampler_tap import SamplerTap
 from colograd.engine.sync import WeightPlan
 from colograd.models import tiny
@@ -42,7 +42,7 @@ def test_log_probs_only_where_consumed(tiny_engine, tmp_path, monkeypatch):
     prompts = [tokenizer(p)["input_ids"] for p in ("abcd>b:", "dcba>c:", "bbad>a:")]
 
     frames = dict(counters["frames"])
-    rollout = engine.generate(prompts, args)
+    rollout = engine.generate(prompts, Sampling.of(args))
     assert dict(counters["frames"]) == frames  # the CPU sampler counted ranks without compiling (engine_cpu)
     asked = [not any(math.isnan(v) for v in logps) for logps in rollout.logps]
     assert asked == [True] + [False] * 11
@@ -51,7 +51,7 @@ def test_log_probs_only_where_consumed(tiny_engine, tmp_path, monkeypatch):
     expected = trainer_logprobs(model, prompts[0] + rollout.completion_ids[0])[len(prompts[0]) - 1 :]
     assert torch.tensor(rollout.logps[0]).sub(expected).abs().max() < 1e-4
 
-    rollout = engine.generate(prompts, corrected)
+    rollout = engine.generate(prompts, Sampling.of(corrected))
     assert isinstance(engine._tap, SamplerTap)  # read from the sampler, with no per-token objects
     assert all(not any(math.isnan(v) for v in logps) for logps in rollout.logps)
     for i, (ids, logps) in enumerate(zip(rollout.completion_ids, rollout.logps, strict=True)):
@@ -62,7 +62,7 @@ def test_log_probs_only_where_consumed(tiny_engine, tmp_path, monkeypatch):
     # A capture the tap cannot assemble: one warning line, the rollout sampled again with vLLM's objects, tap off.
     missed = []
     monkeypatch.setattr(SamplerTap, "logps", lambda self, outputs: missed.append(1))
-    rollout = engine.generate(prompts, corrected)
+    rollout = engine.generate(prompts, Sampling.of(corrected))
     assert missed == [1] and engine._tap is None
     assert len(rollout.logps) == 12 and all(not any(math.isnan(v) for v in logps) for logps in rollout.logps)
 
@@ -75,7 +75,7 @@ def test_the_metric_completion_asked_alone_keeps_the_seeds_of_its_group(tiny_eng
     args = GRPOConfig(output_dir=str(tmp_path), **SETTINGS)
     prompt = engine.prompt(tokenizer("abcd>b:")["input_ids"])
     whole = engine.llm.generate([prompt], sampling_params(args, 1234, logprobs=None), use_tqdm=False)[0].outputs
-    requests = rollout_requests(args, [1234], 1, 4)
+    requests = rollout_requests(Sampling.of(args), [1234], 1, 4)
     assert [(i, p.n, p.seed, p.logprobs) for i, p in requests] == [(0, 1, 1234, 0), (0, 3, 1235, None)]
     split = [engine.llm.generate([prompt], p, use_tqdm=False)[0].outputs for _, p in requests]
     assert [list(s.token_ids) for s in whole] == [list(s.token_ids) for s in split[0] + split[1]]

@@ -12,6 +12,7 @@ import zoo
 
 from colograd import GRPOConfig
 from colograd.engine.core import Engine
+from colograd.engine.requests import Sampling
 from colograd.engine.routing import _CAPTURES, UNKNOWN
 from colograd.engine.sync import WeightPlan
 from colograd.errors import ConfigError
@@ -50,7 +51,7 @@ def trainer_routing(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
 
 def check_rollout(engine: Engine, args: GRPOConfig, model: torch.nn.Module, prompts: list[list[int]]) -> int:
     """Every completion's routing is the trainer's at every position but its last; returns the completions."""
-    rollout = engine.generate(prompts, args, num_generations=4)
+    rollout = engine.generate(prompts, Sampling.of(args), num_generations=4)
     assert rollout.routed is not None and len(rollout.routed) == len(rollout.completion_ids) == 12
     for i, (ids, routed) in enumerate(zip(rollout.completion_ids, rollout.routed, strict=True)):
         sequence = prompts[i // 4] + ids
@@ -74,7 +75,7 @@ def test_the_engines_routing_is_the_trainers_at_every_position(engine_and_model)
     the position before (a capture misaligned by one step) differs from the trainer's almost everywhere."""
     engine, args, model, prompts = engine_and_model
     assert check_rollout(engine, args, model, prompts) == 12
-    rollout = engine.generate(prompts, args, num_generations=4)
+    rollout = engine.generate(prompts, Sampling.of(args), num_generations=4)
     routed, sequence = rollout.routed[0], prompts[0] + rollout.completion_ids[0]
     late = routed.roll(1, dims=0)[1:-1].long().sort(-1).values
     assert (late != trainer_routing(model, sequence)[1:-1]).any(-1).float().mean() > 0.5

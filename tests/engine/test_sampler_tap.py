@@ -13,7 +13,7 @@ import vllm
 from colograd import GRPOConfig
 from colograd.engine import sampler_tap
 from colograd.engine.core import Engine
-from colograd.engine.requests import sampling_params
+from colograd.engine.requests import Sampling, sampling_params
 from colograd.engine.sampler_tap import install, object_logps
 from colograd.engine.sync import WeightPlan
 from colograd.models import tiny
@@ -240,7 +240,9 @@ def test_a_missed_tap_samples_again_with_every_argument(engine, monkeypatch, cap
     started: dict[int, list[list[int]]] = {}
     try:
         with caplog.at_level(logging.WARNING, logger="colograd.engine.core"):
-            rollout = engine.generate(prompt_ids, args, on_group=lambda i, ids: started.__setitem__(i, ids))
+            rollout = engine.generate(
+                prompt_ids, Sampling.of(args), on_group=lambda i, ids: started.__setitem__(i, ids)
+            )
         assert engine._tap is None
         assert "the sampler tap missed" in caplog.text
         g = args.num_generations

@@ -10,6 +10,7 @@ from colograd import GRPOConfig
 from colograd.engine import cpu as engine_cpu
 from colograd.engine.core import Engine
 from colograd.engine.lifetime import layer_refs
+from colograd.engine.requests import Sampling
 from colograd.engine.settings import KV_CACHE_ONLY, engine_settings
 from colograd.models import tiny
 from colograd.trainer import GRPOTrainer
@@ -184,7 +185,7 @@ def test_on_a_cpu_an_engine_whose_sync_repacks_releases_its_packed_weights_and_i
     assert log == ["sync", "generate", "release_kv_cache", "reset_prefix_cache", "release_packed_weights"]
     assert engine.stale and engine.packed_released
     with pytest.raises(RuntimeError, match="released its packed weights"):
-        engine.generate([[1, 2]], GRPOConfig(output_dir="unused", report_to="none"))
+        engine.generate([[1, 2]], Sampling.of(GRPOConfig(output_dir="unused", report_to="none")))
     engine._forget_image_features = lambda: None
     engine.weights_version = 0
     engine.load_weights([])  # (the stand-in's worker writes nothing)

@@ -17,6 +17,7 @@ import torch
 from datasets import Dataset, IterableDataset
 
 from colograd.engine.partial import Group, Piecewise
+from colograd.engine.requests import Sampling
 from colograd.engine.rollout import Rollout
 from colograd.errors import ConfigError
 from colograd.grpo import partial as partial_module
@@ -292,7 +293,7 @@ def test_a_resumed_completion_has_the_log_probs_the_engine_gives_it_in_one_piece
         assert sum(g.finished for g in groups) >= 2 and len(cut) >= 4
         assert not engine.llm.llm_engine.has_unfinished_requests()  # the others were aborted
         # An engine call after the cut one serves only its own requests (the cut ones were aborted).
-        assert len(engine.generate(prompt_ids[:2], args, num_generations=2).completion_ids) == 4
+        assert len(engine.generate(prompt_ids[:2], Sampling.of(args), num_generations=2).completion_ids) == 4
         sample_until(engine, groups, args, 0, len(groups))  # continued, under the same weights
         assert all(g.finished for g in groups)
         gaps = []

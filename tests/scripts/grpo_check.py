@@ -28,6 +28,7 @@ from transformers import TrainerCallback
 
 from colograd import GRPOTrainer
 from colograd.engine.launch import _local_rank
+from colograd.engine.requests import Sampling
 from colograd.engine.sync import is_sharded
 from colograd.models import tiny
 
@@ -163,7 +164,7 @@ def run(argv: list[str]) -> None:
     model = trainer.accelerator.unwrap_model(trainer.model).eval()
     ids = tokenizer("abcd>b:bbbbbbbb")["input_ids"]
     gap = (trainer.engine.prompt_logprobs(ids) - hf_logprobs(model, ids)).abs().max().item()
-    shared = trainer.engine.generate([tokenizer("abcd>a:")["input_ids"]], args).completion_ids
+    shared = trainer.engine.generate([tokenizer("abcd>a:")["input_ids"]], Sampling.of(args)).completion_ids
 
     rank = dist.get_rank()
     derived_local_rank = local_rank_without_launcher()

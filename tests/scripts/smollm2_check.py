@@ -18,6 +18,7 @@ from transformers import GenerationConfig
 from trl import ModelConfig
 
 from colograd.data import sums
+from colograd.engine.requests import Sampling
 from colograd.models import pretrained, tiny
 from colograd.train import load_model
 
@@ -65,7 +66,7 @@ def main() -> None:
     gap = (trainer.engine.prompt_logprobs(ids) - hf_logprobs(model, ids)).abs().max().item()
     # A question the model answers briefly: samples that stop by themselves must end at the end-of-turn token.
     _, prompt_ids, _ = trainer.prepare_prompts([{"prompt": [{"role": "user", "content": "Say hello."}]}])
-    rollout = trainer.engine.generate(prompt_ids, args)
+    rollout = trainer.engine.generate(prompt_ids, Sampling.of(args))
     sampled = [ids for step in trainer.sampled for ids in step] + rollout.completion_ids
 
     rank = dist.get_rank()

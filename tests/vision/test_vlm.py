@@ -14,6 +14,7 @@ from datasets import Dataset
 from PIL import Image
 
 from colograd import GRPOTrainer
+from colograd.engine.requests import Sampling
 from colograd.errors import ConfigError
 from colograd.models.tiny import build_model as build_text_model
 from colograd.models.tiny import run_config
@@ -189,7 +190,9 @@ def test_image_rollouts_match_and_learn(tmp_path):
     expanded = prepared.images.expanded_ids
     trainer.sync_for_rollout()
     with trainer.engine.awake():
-        rollout = trainer.engine.generate(expanded, args, images=prepared.images.images, num_generations=2)
+        rollout = trainer.engine.generate(
+            expanded, Sampling.of(args), images=prepared.images.images, num_generations=2
+        )
     assert len(rollout.engine_prompt_ids[0]) > len(expanded[0])
     with pytest.raises(RuntimeError, match="expanded its image placeholders"):
         check_expansion(rollout.engine_prompt_ids, expanded)
