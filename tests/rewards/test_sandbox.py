@@ -552,6 +552,46 @@ def test_the_seccomp_filter_refuses_what_a_scored_program_never_needs():
     assert filtered.run(common).stdout.split() == ["thread", "process", "pair", "pipe"]
 
 
+# Advisory locks on a file every sandbox binds read-only (the interpreter): the host holds an exclusive flock and an
+# fcntl read lock on it while the program probes them. Seen, they are a channel between executions (a concurrent
+# sandbox holds or drops a lock; issue 62).
+LOCK_PROBES = {
+    "flock": "fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)",
+    "posix lock": "fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)",
+    "posix test": "struct.unpack('hh', fcntl.fcntl(fd, fcntl.F_GETLK, struct.pack('hhqqi', fcntl.F_WRLCK, 0, 0, 0,"
+    " 0))[:4])[0] != fcntl.F_UNLCK and see()",
+    "ofd lock": "fcntl.fcntl(fd, 37, struct.pack('hhqqi', fcntl.F_RDLCK, 0, 0, 0, 0))",  # F_OFD_SETLK
+}
+
+
+@needs_isolation
+def test_advisory_locks_are_no_channel_out_of_the_sandbox():
+    sandbox = Sandbox(LIMITS)
+    code = (
+        f"import fcntl, os, struct, sys\nfd = os.open({sandbox.python!r}, os.O_RDONLY)\n"
+        "def see():\n    raise BlockingIOError\n"
+        + "".join(
+            f"try:\n    {probe}\n    print({name!r}, 'free')\nexcept BlockingIOError:\n    print({name!r}, 'seen')\n"
+            f"except PermissionError:\n    print({name!r}, 'refused')\n"
+            for name, probe in LOCK_PROBES.items()
+        )
+    )
+    held = os.open(sandbox.python, os.O_RDONLY)
+    try:
+        import fcntl
+
+        fcntl.flock(held, fcntl.LOCK_EX)
+        other = os.open(sandbox.python, os.O_RDONLY)  # a POSIX lock of this process, beside the flock of another file
+        fcntl.lockf(other, fcntl.LOCK_SH)
+        unfiltered = Sandbox(LIMITS, protections=()).run(code)
+        filtered = sandbox.run(code)
+        os.close(other)
+    finally:
+        os.close(held)
+    assert unfiltered.ok and "flock seen" in unfiltered.stdout, unfiltered  # without the filter: the host's lock
+    assert filtered.ok and filtered.stdout.split("\n")[:-1] == [f"{name} refused" for name in LOCK_PROBES], filtered
+
+
 @needs_isolation
 def test_a_program_cannot_make_waits_of_its_own_for_the_wall_clock_to_deduct():
     # The wall clock deducts the waits for a CPU of the program's first process. Reniced to 19 and pinned to one CPU
