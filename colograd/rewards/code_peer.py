@@ -268,17 +268,43 @@ class Peer:
             if isinstance(value, type) and issubclass(value, type):  # `type`, any metaclass: a class from data
                 raise NotPlainData(f"{value.__name__} (it would build, in the judge, a class of the program's design)")
             return ["fn", self._number(value)]
-        kind = type(value)
-        if kind.__module__ != "__test__":
-            raise NotPlainData(kind.__name__)
-        attributes, methods = {}, []
-        for name, item in vars(value).items():
-            if not name.startswith("_"):
-                attributes[name] = item
-        for name in dir(kind):
-            if not name.startswith("_") and name not in attributes and callable(getattr(kind, name, None)):
-                methods.append([name, ["fn", self._number(getattr(value, name))]])
-        return ["obj", self._number(value), kind.__name__, encode(attributes, self._export, depth + 1), *methods]
+        if type(value).__module__ != "__test__":
+            raise NotPlainData(type(value).__name__)
+        return self._graph(value, depth)
+
+    def _graph(self, root, depth):
+        """A test's object, and every object of the test's classes reachable from it (through their attributes and
+        the lists, tuples, sets and dicts in them), as one flat list: each object's number, class name, public
+        attributes and public methods, an object of the graph in an attribute standing as ["objref", its number].
+        So a graph crosses by identity, not by nesting: a cycle is one reference, and a linked list of any length
+        is as deep as one node (`MAX_ITEMS` objects at most)."""
+        members = {id(root): root}
+        order, stack = [root], [root]
+        while stack:
+            for item in _test_objects_in(_public_attributes(stack.pop()).values()):
+                if id(item) not in members:
+                    if len(order) >= MAX_ITEMS:
+                        raise NotPlainData(f"an object graph of more than {MAX_ITEMS} objects")
+                    members[id(item)] = item
+                    order.append(item)
+                    stack.append(item)
+
+        def export(value, at):
+            if members.get(id(value)) is value:
+                return ["objref", self._number(value)]
+            return self._export(value, at)
+
+        described = []
+        for obj in order:
+            kind = type(obj)
+            attributes = _public_attributes(obj)
+            methods = [
+                [name, ["fn", self._number(getattr(obj, name))]]
+                for name in dir(kind)
+                if not name.startswith("_") and name not in attributes and callable(getattr(kind, name, None))
+            ]
+            described.append([self._number(obj), kind.__name__, encode(attributes, export, depth + 1), *methods])
+        return ["graph", self._number(root), *described]
 
     def _number(self, value):
         number = self.exported.get(id(value))
@@ -296,22 +322,38 @@ class Peer:
         key = items[0] if items else None
         if tag == "fn" and len(items) == 1 and type(key) is int:
             return self._remote(key, lambda: JudgeFunction(self, ["h", key]))
-        if tag == "obj" and len(items) >= 3 and type(key) is int:
-            return self._remote(key, lambda: self._judge_object(key, items[1:], depth))
+        if tag == "graph" and len(items) >= 2 and type(key) is int:
+            return self._judge_objects(key, items[1:], depth)
+        if tag == "objref" and len(items) == 1 and type(key) is int and isinstance(self.remotes.get(key), JudgeObject):
+            return self.remotes[key]
         if tag == "ref" and len(items) == 1 and type(key) is int and 0 <= key < len(self.exports):
             return self.exports[key]
         if tag == "name" and len(items) == 1:
             return self._target(["name", key])
         raise ProgramGone("malformed request")
 
-    def _judge_object(self, key, items, depth):
-        kind = type(str(items[0]), (JudgeObject,), {})
-        obj = kind()
-        obj.__dict__.update(decode(items[1], self._resolve, depth + 1))
-        for name, handle in items[2:]:
-            obj.__dict__[name] = decode(handle, self._resolve, depth + 1)
-        obj.__dict__["_judge_ref"] = key
-        return obj
+    def _judge_objects(self, root, described, depth):
+        """The copies of a test's object graph (`_graph`): every object made first, then their attributes filled in,
+        so that a reference to any of them (a cycle, the next node) is the copy itself. An object copied before keeps
+        its copy."""
+        fresh = []
+        for item in described:
+            if type(item) is not list or len(item) < 3 or type(item[0]) is not int:
+                raise ProgramGone("malformed request")
+            key = item[0]
+            if key not in self.remotes:
+                obj = self.remotes[key] = type(str(item[1]), (JudgeObject,), {})()
+                obj.__dict__["_judge_ref"] = key
+                fresh.append((obj, item))
+        for obj, item in fresh:
+            obj.__dict__.update(decode(item[2], self._resolve, depth + 1))
+            for name, handle in item[3:]:
+                obj.__dict__[name] = decode(handle, self._resolve, depth + 1)
+            obj.__dict__["_judge_ref"] = item[0]
+        found = self.remotes.get(root)
+        if not isinstance(found, JudgeObject):
+            raise ProgramGone("malformed request")
+        return found
 
     def _judge_resolve(self, tag, items, depth):
         """The judge's reading of a reference in the program's reply: only to the program's own objects (a handle,
@@ -364,6 +406,28 @@ def _reply_level(op, target, classes):
     if op == "call" or (op == "getattr" and level == OBJECT):
         return CALLABLE
     return NONE
+
+
+def _public_attributes(obj):
+    """A test's object's attributes whose names do not start with an underscore."""
+    return {name: item for name, item in vars(obj).items() if not name.startswith("_")}
+
+
+def _test_objects_in(values):
+    """The objects of the test's classes among `values` and in the lists, tuples, sets and dicts among them (walked
+    without recursion, each container once), as `Peer._judge_export` would copy them (not callables, not values of
+    a builtin type)."""
+    stack, seen, found = list(values), set(), []
+    while stack:
+        value = stack.pop()
+        kind = type(value)
+        if kind in (list, tuple, set, frozenset, dict):
+            if id(value) not in seen:
+                seen.add(id(value))
+                stack += [*value.keys(), *value.values()] if kind is dict else value
+        elif kind.__module__ == "__test__" and not callable(value) and lenient(value) is value:
+            found.append(value)
+    return found
 
 
 def _is_iterator(value):

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 
 from colograd.errors import ConfigError
 from colograd.rewards.sandbox_cgroup import Cgroups, CpuCgroups, MemoryCgroups
-from colograd.rewards.sandbox_clock import CgroupCpu, Clock, ProcTreeCpu
+from colograd.rewards.sandbox_clock import BACKSTOP, CgroupCpu, Clock, ProcTreeCpu
 
 logger = logging.getLogger(__name__)
 
@@ -73,9 +73,11 @@ class SandboxLimits:
     """What one execution may use.
 
     wall_s: seconds of wall time before it is killed, from when the program has started (building the sandbox is
-        not its time), not counting the time the sandbox's own processes waited for a CPU (on a busy machine a
-        program that computes is bound by `cpu_s`; this catches programs that sleep or wait); whatever the waits, it
-        ends at 3 times this after the launcher started (`colograd.rewards.sandbox_clock.BACKSTOP`).
+        not its time), not counting the time the sandbox waited for a CPU (its own processes' waits, or its whole
+        tree's stalls: a pool's workers too), so that the verdict does not depend on the machine's load (on a busy
+        machine a program that computes is bound by `cpu_s`; this catches programs that sleep or wait); whatever the
+        waits, it ends at 20 times this after the launcher started (`colograd.rewards.sandbox_clock.BACKSTOP`), as
+        "overloaded", not "timeout": only a machine that gives the execution under a twentieth of its time gets there.
     cpu_s: seconds of CPU time, for each process (RLIMIT_CPU) and for all of the execution's processes together (its
         cgroup's CPU accounting, else read from /proc), besides what the sandbox's own processes use.
     memory_mib: address space per process (RLIMIT_AS) and, with a memory cgroup, all the execution's memory
@@ -132,7 +134,8 @@ class Execution:
     exit_code: the program's exit status, None when a signal ended it or it was killed here.
     signal: the signal that ended it, if one did.
     reason: None when it exited 0 (or was stopped once its judge had decided every test); else why it failed:
-        "timeout", "cpu time", "memory", "output limit", "syntax error", "error: <exception type>",
+        "timeout", "cpu time", "memory", "output limit", "syntax error", "error: <exception type>", "overloaded"
+        (the machine's doing: `SandboxLimits.wall_s`),
         "killed by <signal>", "exit code <n>", or the sandbox's own: "sandbox setup failed", "sandbox failed".
     seconds: wall time of the whole execution, sandbox included.
     verdicts: with a judge, each test's outcome by index ("ok", a failure reason, or "ended": decided by the
@@ -285,7 +288,7 @@ class Sandbox:
             limits = self.limits
             clock = Clock(proc.pid, self.isolated, limits.wall_s, limits.tree_cpu_s(),
                           CgroupCpu(cpu, cgroups["cpu_cgroup"]) if "cpu_cgroup" in cgroups else ProcTreeCpu(proc.pid),
-                          os.cpu_count() or 1, judge is not None)  # fmt: skip
+                          len(os.sched_getaffinity(0)), judge is not None)  # fmt: skip
             status_cap = _STATUS_BYTES + _STATUS_BYTES_PER_TEST * len((judge or {}).get("tests", ()))
             stdout, stderr, status_bytes, cut = _communicate(
                 proc, status_r, clock, self.limits.output_kib * 1024, status_cap
@@ -424,7 +427,8 @@ def _text(data: bytes) -> str:
 def _communicate(proc: subprocess.Popen, status_fd: int, clock: Clock, cap: int, status_cap: int = _STATUS_BYTES):
     """Read the program's stdout and stderr and the status pipe until all close, the clock runs out, stdout and
     stderr together exceed `cap` bytes or the status pipe `status_cap`. Returns stdout, the end of stderr, the status
-    pipe's bytes, and "timeout" / "cpu time" / "output limit" / "status limit" when it was cut short."""
+    pipe's bytes, and "timeout" / "cpu time" / "overloaded" / "output limit" / "status limit" when it was cut
+    short."""
     out, err, status = bytearray(), bytearray(), bytearray()
     total = 0
     with selectors.DefaultSelector() as sel:
@@ -434,6 +438,9 @@ def _communicate(proc: subprocess.Popen, status_fd: int, clock: Clock, cap: int,
         try:
             while sel.get_map():
                 over, wait = clock.check()
+                if over == "overloaded":
+                    logger.warning("code rewards: an execution got under 1/%d of its wall time on this machine's "
+                                   "CPUs and was stopped: the machine is overloaded", BACKSTOP)  # fmt: skip
                 if over:
                     return bytes(out), bytes(err[-_STDERR_KEPT:]), bytes(status), over
                 for key, _ in sel.select(wait):

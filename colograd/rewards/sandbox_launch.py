@@ -47,6 +47,11 @@ MNT_DETACH = 2
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_DUMPABLE = 1, 38, 4
 KEYCTL_JOIN_SESSION_KEYRING = 1
 F_NOTIFY = 1026  # fcntl's directory notifications (F_LINUX_SPECIFIC_BASE + 2)
+# fcntl's file locks and leases: F_GETLK, F_SETLK, F_SETLKW, their open-file-description forms F_OFD_GETLK,
+# F_OFD_SETLK, F_OFD_SETLKW, and F_SETLEASE. A lock is the inode's, and every sandbox binds the same system files
+# read-only: one taken or tested there is seen by a concurrent sandbox and by the machine (a channel between two
+# executions), so none is taken or tested (flock(2), the other kind, is refused whole).
+F_LOCKS = (5, 6, 7, 36, 37, 38, 1024)
 LOW_32_BITS = 0xFFFFFFFF  # the part of a 64-bit argument register the kernel reads as an int
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217}
 SYS_KEYCTL = {"x86_64": 250, "aarch64": 219, "ppc64le": 271, "s390x": 280}
@@ -68,8 +73,10 @@ JUDGE_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_TH
 # io_uring and the kernel's AIO (both submit work this filter does not see), directory notifications (fcntl F_NOTIFY:
 # inotify's older form), the kernel log and performance counters, modules, reboot, swap, the clock, and changes to
 # scheduling: a lower priority, a narrower affinity or the idle class would make the program's first process wait for a
-# CPU, a wait the wall clock deducts (`colograd.rewards.sandbox_clock`); no scored program needs them, and the C
-# library and Python report the refusal as an error (PermissionError) that ends nothing.
+# CPU, a wait the wall clock deducts (`colograd.rewards.sandbox_clock`); and advisory file locks (flock, and fcntl's
+# `F_LOCKS`): the system files are the same inodes in every sandbox and on the machine, so a lock on one is a channel
+# out of the execution. No scored program needs them, and the C library and Python report the refusal as an error
+# (PermissionError) that ends nothing.
 REFUSED_SYSCALLS = (
     "ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd", "kcmp",
     "keyctl", "add_key", "request_key",
@@ -84,6 +91,7 @@ REFUSED_SYSCALLS = (
     "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "reboot", "swapon", "swapoff",
     "acct", "quotactl", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex",
     "setpriority", "nice", "sched_setaffinity", "sched_setscheduler", "sched_setparam", "sched_setattr", "ioprio_set",
+    "flock",
 )  # fmt: skip
 SOCKET_FAMILIES = (1, 2, 10)  # AF_UNIX, AF_INET, AF_INET6: a program may make sockets, which reach nothing
 
@@ -182,7 +190,8 @@ class SeccompFilter:
         # any high bit set would pass the filter and still be F_NOTIFY. (clone reads its flags' low 32 bits too,
         # tested bit by bit above; socket's family is an int, but any high bit makes it greater than the largest
         # family allowed, so the comparison below refuses it.)
-        self._refuse("fcntl", errnos.EPERM, (1, self.CMP_MASKED_EQ, LOW_32_BITS, F_NOTIFY))
+        for command in (F_NOTIFY, *F_LOCKS):
+            self._refuse("fcntl", errnos.EPERM, (1, self.CMP_MASKED_EQ, LOW_32_BITS, command))
         for family in range(max(SOCKET_FAMILIES)):
             if family not in SOCKET_FAMILIES:
                 self._refuse("socket", errnos.EPERM, (0, self.CMP_EQ, family, 0))

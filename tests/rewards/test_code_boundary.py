@@ -411,3 +411,50 @@ def test_the_value_types_one_interpreter_compares_cross_as_data(code, kind):
     row = {"test_list": [test]}
     assert score(code, f"def f():\n    return {right}\n", row) == 1.0
     assert score(code, f"def f():\n    return {wrong}\n", row) == 0.0
+
+
+GRAPHS = """
+class Node:
+    def __init__(self, val, next=None):
+        self.val, self.next = val, next
+head = None
+for v in range(4999, -1, -1):
+    head = Node(v, head)
+a, b, c = Node(1), Node(2), Node(3)
+a.next, b.next, c.next = b, c, a
+hub = Node(0, [a, b, c])
+a.hub = b.hub = c.hub = hub
+"""
+WALKS = """
+def length(node):
+    n = 0
+    while node is not None:
+        n, node = n + 1, node.next
+    return n
+
+def ring(node):
+    seen = []
+    while all(node is not s for s in seen):
+        seen.append(node)
+        node = node.next
+    return len(seen)
+
+def find(node, val):
+    while node.val != val:
+        node = node.next
+    return node
+"""
+
+
+def test_object_graphs_with_cycles_and_long_lists_cross_by_identity(code):
+    # Issue 62: a test's linked list of over ~100 nodes, or a graph with a cycle, failed as "nested too deep", so a
+    # correct program scored 0. The test's objects cross as one flat graph: a cycle is a reference to a node already
+    # copied, a 5,000-node list is as deep as one node, and a node the program hands back is the test's own.
+    tests = ["assert length(head) == 5000", "assert ring(a) == 3", "assert find(a, 3) is c",
+             "assert find(head, 4999).next is None", "assert ring(hub.next[1].hub.next[2]) == 3",
+             "assert find(c, 2).hub is hub"]  # fmt: skip
+    row = {"test_list": tests, "test_setup_code": GRAPHS}
+    log = {}
+    assert score(code, WALKS, row, log) == 1.0, log
+    assert score(code, WALKS.replace("n + 1, node.next", "n + 2, node.next"), row) < 1.0
+    assert score(code, WALKS.replace("return node\n", "return node.next\n"), row) < 1.0
