@@ -185,3 +185,70 @@ def test_a_hybrid_vllms_cpu_build_cannot_build_is_refused_in_one_line(name, reas
         trainer_for(name, tmp_path)
     message = str(err.value)
     assert "\n" not in message and reason in message
+
+
+# Resume: a Gated DeltaNet hybrid (its CPU engine in bf16) and a Mamba-2 one (float32), each through the command line
+# (colograd/train.py) in one process, from the stopping model saved as a folder, a checkpoint after every step.
+RESUMED = {"Gated DeltaNet": QWEN3_5, "Mamba-2": "tiiuae/Falcon-H1-0.5B-Instruct"}
+# A state layer's own tensors, as each model names them: the resumed step must move them.
+STATE_TENSORS = {
+    QWEN3_5: ("linear_attn.conv1d.weight", "linear_attn.A_log", "linear_attn.dt_bias"),
+    "tiiuae/Falcon-H1-0.5B-Instruct": ("mamba.conv1d.weight", "mamba.A_log", "mamba.dt_bias"),
+}
+
+
+@pytest.mark.parametrize("kind", RESUMED)
+def test_a_hybrid_interrupted_after_a_checkpoint_resumes_to_the_same_weights_bit_for_bit(kind, tmp_path):
+    """Two steps uninterrupted, against the same command killed (SIGKILL) in the second step once the first step's
+    checkpoint is finished, then run again: it resumes from that checkpoint by itself, trains the second step, and
+    ends with the uninterrupted run's weights, bit for bit, the state layers' tensors included (the resumed step
+    moved them). The engine starts from the folder's weights and must be synced to the checkpoint's; its samples
+    must follow from the restored RNG exactly, in bf16 too (a batch of the same sequences gives the same bf16
+    rounding). The reward depends on the completions' lengths, so that a different sample shows in the weights."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import zoo
+    from conftest import ROOT, _env
+    from safetensors.torch import load_file
+
+    name = RESUMED[kind]
+    model, tokenizer = zoo.stopping_model(name)
+    folder = tmp_path / "model"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+
+    def command(out):
+        return [sys.executable, "colograd/train.py", "--config", "recipes/grpo_tiny.yaml", "--model_name_or_path",
+                str(folder), "--reward_funcs", "tests.scripts.hanging_reward.length_or_hang", "--max_steps", "2",
+                "--save_strategy", "steps", "--save_steps", "1", "--per_device_train_batch_size", "8",
+                "--num_generations", "4", "--disable_tqdm", "true", "--output_dir", str(out)]  # fmt: skip
+
+    def run(out, log, **env):
+        with open(log, "a") as sink:
+            return subprocess.Popen(command(out), cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT,
+                                    env={**_env(), **env}, start_new_session=True)  # fmt: skip
+
+    assert run(full, tmp_path / "full.log").wait(timeout=900) == 0, (tmp_path / "full.log").read_text()[-4000:]
+    log, marker = tmp_path / "resumed.log", tmp_path / "hung"
+    proc = run(resumed, log, HANG_AT_STEP="2", HANG_MARKER=str(marker))  # its reward never returns at step 2
+    deadline = time.monotonic() + 600
+    while not marker.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert not (resumed / "checkpoint-2").exists()
+    assert run(resumed, log).wait(timeout=900) == 0, log.read_text()[-4000:]
+    assert f"colograd: note: resuming from {resumed}/checkpoint-1" in log.read_text()
+
+    weights = [resumed / "checkpoint-1", full, resumed]
+    before, theirs, ours = (load_file(folder / "model.safetensors") for folder in weights)
+    assert ours.keys() == theirs.keys()
+    assert [k for k in ours if not torch.equal(ours[k], theirs[k])] == []
+    state = [k for k in ours if k.endswith(STATE_TENSORS[name])]
+    assert state and all(not torch.equal(ours[k], before[k]) for k in state), state
