@@ -100,6 +100,45 @@ def test_mamba2_and_short_convolution_hybrids_train_on_two_ranks_with_the_gate_o
             assert run["parity_gap"] <= bound.max, name
 
 
+# Sharded: Mamba-2 hybrids on 2 ranks under ZeRO-3 (every parameter partitioned, tests/configs/zero3_cpu.json), the
+# sync gathering a bucket at a time, float32 engines: Falcon-H1 (Mamba-2 and attention side by side in every layer)
+# and Granite-4.0-H (Mamba-2 layers, then attention, experts in every layer, its gated norm in the Mamba-2 layers).
+ZERO3_MAMBA2 = ["tiiuae/Falcon-H1-0.5B-Instruct", "ibm-granite/granite-4.0-h-tiny"]
+# What only Mamba-2 layers hold, as the trainer names them: each must arrive at the engine gathered whole.
+MAMBA2_TENSORS = ("mamba.conv1d.weight", "mamba.conv1d.bias", "mamba.A_log", "mamba.dt_bias", "mamba.D")
+
+
+def test_mamba2_hybrids_train_on_two_ranks_under_zero3_with_the_gate_on(tmp_path, record_property):
+    """TRL's quickstart settings, 2 ranks, DeepSpeed ZeRO-3, one launch: each rank holds only a part of every
+    Mamba-2 tensor (the convolution's weight and bias, `A_log`, `dt_bias`, `D`) and of the norms, the sync gathers
+    them a bucket at a time, and every step passes the gate's float32 bound; the ranks agree after every step, and
+    after the last sync the engine's log-probs of a whole answer are its trainer's. Both stopped at their first step
+    before: DeepSpeed's hook on the output layer detaches its output, which lost the log-probs' passage through the
+    models' scaling of their logits (`colograd.models.logit_transform`)."""
+    from conftest import launch
+
+    proc = launch("tests/scripts/moe_check.py", str(tmp_path), *ZERO3_MAMBA2, "--steps", "2", "--bucket-mib", "1",
+                  config="tests/configs/zero3_cpu.yaml", env={"DS_ACCELERATOR": "cpu"}, timeout=1500)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    for rank in range(2):
+        runs = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for name in ZERO3_MAMBA2:
+            run = runs[name]
+            steps = [h for h in run["log_history"] if "loss" in h]
+            gaps = [h["sampling/sampling_logp_difference/max"] for h in steps]
+            means = [h["sampling/sampling_logp_difference/mean"] for h in steps]
+            record_property(f"{name} rank {rank}", [gaps, means, run["parity_gap"]])
+            print(f"zero3 {name} rank {rank}: worst-token gaps {gaps}, means {means}, last sync {run['parity_gap']}")
+            partitioned = set(run["partitioned"])
+            assert run["sharded"] and run["sync_buckets"] > 1, name
+            assert all(any(n.endswith(t) for n in partitioned) for t in MAMBA2_TENSORS), (name, partitioned)
+            assert any("norm" in n for n in partitioned), (name, partitioned)
+            assert len(steps) == 2 and run["weights_agree"] == [True] * 2, name
+            assert all(math.isfinite(h["loss"]) for h in steps), name
+            assert max(gaps) <= FP32.max and max(means) <= FP32.mean, (name, gaps, means)
+            assert run["parity_gap"] <= FP32.max, name
+
+
 # One tensor of the first Gated DeltaNet layer, as the trainer names it. (A `dt_bias` left out moves this shrunk
 # model's log-probs by less than the gate's 16-bit bound on some rollouts: test_parity.py's fresh-engine comparison
 # names it instead.)
