@@ -166,7 +166,9 @@ def of(model: nn.Module) -> LogitTransform:
 class _Passthrough(torch.Tensor):
     """What the output layer returns while it computes log-probs: the forward's own operations on the logits, already
     applied to each chunk, leave it unchanged, in their order (`_left`, shared by the tensors they pass through); any
-    other operation computes as usual."""
+    other operation computes as usual. One whose result is the tensor itself under another name (an alias of its
+    data, shape and dtype: DeepSpeed ZeRO-3's hook on every module's output detaches it through an autograd function
+    on its way out of the output layer) passes it on, still held."""
 
     _left: list
 
@@ -178,7 +180,17 @@ class _Passthrough(torch.Tensor):
             held._left.pop(0)
             return held
         with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            alias = (
+                held is not None
+                and isinstance(out, torch.Tensor)
+                and not isinstance(out, _Passthrough)
+                and (out.data_ptr(), out.shape, out.dtype) == (held.data_ptr(), held.shape, held.dtype)
+            )
+        if alias:
+            out = out.as_subclass(_Passthrough)
+            out._left = held._left
+        return out
 
 
 def passthrough(out: torch.Tensor, transform: LogitTransform, left: list) -> torch.Tensor:

@@ -165,3 +165,33 @@ def test_a_forward_that_transforms_otherwise_than_probed_fails_loudly():
     model.forward = unscaled.__get__(model)
     with pytest.raises(RuntimeError, match="otherwise than when colograd probed it"):
         completion_logps(model, b)
+
+
+class _DetachedForBackward(torch.autograd.Function):
+    """What DeepSpeed ZeRO-3's forward hook does to every module's output (`PreBackwardFunctionForModule`, to fetch
+    the module's partitions again before its backward): the output detached, through an autograd function."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor) -> torch.Tensor:
+        return output.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+@pytest.mark.parametrize("family", ["granite", "cohere", "gemma2"])
+def test_the_transform_passes_a_hook_that_replaces_the_heads_output(family):
+    # Under ZeRO-3 every module's output is replaced by a detached alias of it on its way out of the module's call;
+    # the forward's transform must still find the log-probs the head computed, and leave them as they are. (Falcon-H1
+    # and Granite-4.0-H stopped at their first step under ZeRO-3: "forward transformed its logits otherwise".)
+    model, b = sharp(family), batch()
+    attention.honour_softcaps([model])
+    logit_transform.of(model)  # learnt before the hooks are installed, as the trainer learns it before DeepSpeed's
+    model.get_output_embeddings().register_forward_hook(lambda module, args, out: _DetachedForBackward.apply(out))
+    ours = completion_logps(model, b, 0.7, chunk_tokens=4)
+    ours.sum().backward()
+    with torch.no_grad():
+        expected = plain(model, b, 0.7)[0]
+    assert (ours.detach() - expected).abs().max() < 5e-4
+    assert model.get_output_embeddings().weight.grad.abs().sum() > 0

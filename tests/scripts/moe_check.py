@@ -9,9 +9,10 @@ bf16); those named after --bf16-models then train again, from the same initial w
 correction on, so that one process's start-up serves both precisions. Each rank writes OUT_DIR/rank<r>.json with, per
 run ("MODEL", or "MODEL (bf16)"): the trainer's log history, whether every rank held identical weights after every
 optimizer step, the largest gap between engine and trainer log-probs after the final sync, whether the model was
-sharded and into how many buckets the sync cut it, whether the engine's experts are prepacked, and whether the running
-parity guard stayed on (the gate found the training pass equal to the evaluation pass). With --replay the MoE models
-replay the engine's routing in every pass (`routing_replay: rollout`).
+sharded (and which parameters this rank then held only a part of) and into how many buckets the sync cut it, whether
+the engine's experts are prepacked, and whether the running parity guard stayed on (the gate found the training pass
+equal to the evaluation pass). With --replay the MoE models replay the engine's routing in every pass
+(`routing_replay: rollout`).
 """
 
 import argparse
@@ -95,11 +96,13 @@ def check(name: str, model: torch.nn.Module, tokenizer, bf16: bool, cli: argpars
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     with torch.no_grad():
         gap = (trainer.engine.prompt_logprobs(ids) - hf_logprobs(model, ids)).abs().max().item()
+    sharded = is_sharded(model)
     return {
         "log_history": trainer.state.log_history,
         "weights_agree": callback.per_step,
         "parity_gap": gap,
-        "sharded": is_sharded(model),
+        "sharded": sharded,
+        "partitioned": [n for n, p in model.named_parameters() if p.ds_tensor.numel() < p.ds_numel] if sharded else [],
         "sync_buckets": len(trainer.weight_plan.buckets),
         "prepacked_experts": trainer.engine.prepacked_experts,
         "running_guard": trainer.parity.running,  # the training pass read at every rollout, as the evaluation one

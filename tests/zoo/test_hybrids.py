@@ -100,6 +100,45 @@ def test_mamba2_and_short_convolution_hybrids_train_on_two_ranks_with_the_gate_o
             assert run["parity_gap"] <= bound.max, name
 
 
+# Sharded: Mamba-2 hybrids on 2 ranks under ZeRO-3 (every parameter partitioned, tests/configs/zero3_cpu.json), the
+# sync gathering a bucket at a time, float32 engines: Falcon-H1 (Mamba-2 and attention side by side in every layer)
+# and Granite-4.0-H (Mamba-2 layers, then attention, experts in every layer, its gated norm in the Mamba-2 layers).
+ZERO3_MAMBA2 = ["tiiuae/Falcon-H1-0.5B-Instruct", "ibm-granite/granite-4.0-h-tiny"]
+# What only Mamba-2 layers hold, as the trainer names them: each must arrive at the engine gathered whole.
+MAMBA2_TENSORS = ("mamba.conv1d.weight", "mamba.conv1d.bias", "mamba.A_log", "mamba.dt_bias", "mamba.D")
+
+
+def test_mamba2_hybrids_train_on_two_ranks_under_zero3_with_the_gate_on(tmp_path, record_property):
+    """TRL's quickstart settings, 2 ranks, DeepSpeed ZeRO-3, one launch: each rank holds only a part of every
+    Mamba-2 tensor (the convolution's weight and bias, `A_log`, `dt_bias`, `D`) and of the norms, the sync gathers
+    them a bucket at a time, and every step passes the gate's float32 bound; the ranks agree after every step, and
+    after the last sync the engine's log-probs of a whole answer are its trainer's. Both stopped at their first step
+    before: DeepSpeed's hook on the output layer detaches its output, which lost the log-probs' passage through the
+    models' scaling of their logits (`colograd.models.logit_transform`)."""
+    from conftest import launch
+
+    proc = launch("tests/scripts/moe_check.py", str(tmp_path), *ZERO3_MAMBA2, "--steps", "2", "--bucket-mib", "1",
+                  config="tests/configs/zero3_cpu.yaml", env={"DS_ACCELERATOR": "cpu"}, timeout=1500)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    for rank in range(2):
+        runs = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for name in ZERO3_MAMBA2:
+            run = runs[name]
+            steps = [h for h in run["log_history"] if "loss" in h]
+            gaps = [h["sampling/sampling_logp_difference/max"] for h in steps]
+            means = [h["sampling/sampling_logp_difference/mean"] for h in steps]
+            record_property(f"{name} rank {rank}", [gaps, means, run["parity_gap"]])
+            print(f"zero3 {name} rank {rank}: worst-token gaps {gaps}, means {means}, last sync {run['parity_gap']}")
+            partitioned = set(run["partitioned"])
+            assert run["sharded"] and run["sync_buckets"] > 1, name
+            assert all(any(n.endswith(t) for n in partitioned) for t in MAMBA2_TENSORS), (name, partitioned)
+            assert any("norm" in n for n in partitioned), (name, partitioned)
+            assert len(steps) == 2 and run["weights_agree"] == [True] * 2, name
+            assert all(math.isfinite(h["loss"]) for h in steps), name
+            assert max(gaps) <= FP32.max and max(means) <= FP32.mean, (name, gaps, means)
+            assert run["parity_gap"] <= FP32.max, name
+
+
 # One tensor of the first Gated DeltaNet layer, as the trainer names it. (A `dt_bias` left out moves this shrunk
 # model's log-probs by less than the gate's 16-bit bound on some rollouts: test_parity.py's fresh-engine comparison
 # names it instead.)
@@ -185,3 +224,70 @@ def test_a_hybrid_vllms_cpu_build_cannot_build_is_refused_in_one_line(name, reas
         trainer_for(name, tmp_path)
     message = str(err.value)
     assert "\n" not in message and reason in message
+
+
+# Resume: a Gated DeltaNet hybrid (its CPU engine in bf16) and a Mamba-2 one (float32), each through the command line
+# (colograd/train.py) in one process, from the stopping model saved as a folder, a checkpoint after every step.
+RESUMED = {"Gated DeltaNet": QWEN3_5, "Mamba-2": "tiiuae/Falcon-H1-0.5B-Instruct"}
+# A state layer's own tensors, as each model names them: the resumed step must move them.
+STATE_TENSORS = {
+    QWEN3_5: ("linear_attn.conv1d.weight", "linear_attn.A_log", "linear_attn.dt_bias"),
+    "tiiuae/Falcon-H1-0.5B-Instruct": ("mamba.conv1d.weight", "mamba.A_log", "mamba.dt_bias"),
+}
+
+
+@pytest.mark.parametrize("kind", RESUMED)
+def test_a_hybrid_interrupted_after_a_checkpoint_resumes_to_the_same_weights_bit_for_bit(kind, tmp_path):
+    """Two steps uninterrupted, against the same command killed (SIGKILL) in the second step once the first step's
+    checkpoint is finished, then run again: it resumes from that checkpoint by itself, trains the second step, and
+    ends with the uninterrupted run's weights, bit for bit, the state layers' tensors included (the resumed step
+    moved them). The engine starts from the folder's weights and must be synced to the checkpoint's; its samples
+    must follow from the restored RNG exactly, in bf16 too (a batch of the same sequences gives the same bf16
+    rounding). The reward depends on the completions' lengths, so that a different sample shows in the weights."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import zoo
+    from conftest import ROOT, _env
+    from safetensors.torch import load_file
+
+    name = RESUMED[kind]
+    model, tokenizer = zoo.stopping_model(name)
+    folder = tmp_path / "model"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+
+    def command(out):
+        return [sys.executable, "colograd/train.py", "--config", "recipes/grpo_tiny.yaml", "--model_name_or_path",
+                str(folder), "--reward_funcs", "tests.scripts.hanging_reward.length_or_hang", "--max_steps", "2",
+                "--save_strategy", "steps", "--save_steps", "1", "--per_device_train_batch_size", "8",
+                "--num_generations", "4", "--disable_tqdm", "true", "--output_dir", str(out)]  # fmt: skip
+
+    def run(out, log, **env):
+        with open(log, "a") as sink:
+            return subprocess.Popen(command(out), cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT,
+                                    env={**_env(), **env}, start_new_session=True)  # fmt: skip
+
+    assert run(full, tmp_path / "full.log").wait(timeout=900) == 0, (tmp_path / "full.log").read_text()[-4000:]
+    log, marker = tmp_path / "resumed.log", tmp_path / "hung"
+    proc = run(resumed, log, HANG_AT_STEP="2", HANG_MARKER=str(marker))  # its reward never returns at step 2
+    deadline = time.monotonic() + 600
+    while not marker.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert not (resumed / "checkpoint-2").exists()
+    assert run(resumed, log).wait(timeout=900) == 0, log.read_text()[-4000:]
+    assert f"colograd: note: resuming from {resumed}/checkpoint-1" in log.read_text()
+
+    weights = [resumed / "checkpoint-1", full, resumed]
+    before, theirs, ours = (load_file(folder / "model.safetensors") for folder in weights)
+    assert ours.keys() == theirs.keys()
+    assert [k for k in ours if not torch.equal(ours[k], theirs[k])] == []
+    state = [k for k in ours if k.endswith(STATE_TENSORS[name])]
+    assert state and all(not torch.equal(ours[k], before[k]) for k in state), state
