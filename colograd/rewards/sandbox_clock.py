@@ -26,6 +26,7 @@ machine's load).
 
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -67,21 +68,14 @@ class ProcTreeCpu:
         self.root = root
 
     def seconds(self) -> float:
-        ticks, level, seen = 0, [self.root], set()
-        while level:  # parents before children: a process reaped meanwhile is missed once, never counted twice
-            below = []
-            for pid in level:
-                if pid in seen:
-                    continue
-                seen.add(pid)
-                try:
-                    with open(f"/proc/{pid}/stat") as f:
-                        fields = f.read().rpartition(")")[2].split()
-                    ticks += sum(int(n) for n in fields[11:15])  # utime, stime, cutime, cstime
-                except (OSError, ValueError):
-                    continue
-                below += _children(pid)
-            level = below
+        ticks = 0
+        for pid in _tree(self.root):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rpartition(")")[2].split()
+                ticks += sum(int(n) for n in fields[11:15])  # utime, stime, cutime, cstime
+            except (OSError, ValueError):
+                continue
         return ticks / _TICK
 
 
@@ -255,20 +249,28 @@ def _read_task(tid: int, now: float) -> _Reading | None:
 
 def _tasks(root: int) -> list[int]:
     """Every thread of every process in the tree under `root` (the sandbox's pid 1 reaps orphans: they stay in it)."""
-    found, level, seen = [], [root], set()
+    found = []
+    for pid in _tree(root):
+        try:
+            found += [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def _tree(root: int) -> Iterator[int]:
+    """`root` and the processes under it, read from /proc parents before children: a process reaped meanwhile is
+    missed once, never counted twice (a process gone has no children to list)."""
+    level, seen = [root], set()
     while level:
         below = []
         for pid in level:
             if pid in seen:
                 continue
             seen.add(pid)
-            try:
-                found += [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
-            except (OSError, ValueError):
-                continue
+            yield pid
             below += _children(pid)
         level = below
-    return found
 
 
 def _children(pid: int) -> list[int]:

@@ -88,16 +88,21 @@ def test_mamba2_and_short_convolution_hybrids_train_on_two_ranks_with_the_gate_o
     for rank in range(2):
         runs = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for name, bound in [(name, FP32) for name in OTHER_HYBRIDS] + [(f"{n} (bf16)", BF16) for n in BF16_AGAIN]:
-            run = runs[name]
-            steps = [h for h in run["log_history"] if "loss" in h]
-            gaps = [h["sampling/sampling_logp_difference/max"] for h in steps]
-            means = [h["sampling/sampling_logp_difference/mean"] for h in steps]
-            record_property(f"{name} rank {rank}", [gaps, means, run["parity_gap"]])
-            print(f"{name} rank {rank}: worst-token gaps {gaps}, means {means}, last sync {run['parity_gap']}")
-            assert len(steps) == 2 and run["weights_agree"] == [True] * 2, name
-            assert all(math.isfinite(h["loss"]) for h in steps), name
-            assert max(gaps) <= bound.max and max(means) <= bound.mean, (name, gaps, means)
-            assert run["parity_gap"] <= bound.max, name
+            within_bound(runs[name], f"{name} rank {rank}", bound, record_property)
+
+
+def within_bound(run: dict, label: str, bound, record_property) -> None:
+    """One model's run of a launch (tests/scripts/moe_check.py's record): two steps with finite losses, the ranks'
+    weights agreeing after each, every step's gap and the last sync's within `bound`."""
+    steps = [h for h in run["log_history"] if "loss" in h]
+    gaps = [h["sampling/sampling_logp_difference/max"] for h in steps]
+    means = [h["sampling/sampling_logp_difference/mean"] for h in steps]
+    record_property(label, [gaps, means, run["parity_gap"]])
+    print(f"{label}: worst-token gaps {gaps}, means {means}, last sync {run['parity_gap']}")
+    assert len(steps) == 2 and run["weights_agree"] == [True] * 2, label
+    assert all(math.isfinite(h["loss"]) for h in steps), label
+    assert max(gaps) <= bound.max and max(means) <= bound.mean, (label, gaps, means)
+    assert run["parity_gap"] <= bound.max, label
 
 
 # Sharded: Mamba-2 hybrids on 2 ranks under ZeRO-3 (every parameter partitioned, tests/configs/zero3_cpu.json), the
@@ -124,19 +129,11 @@ def test_mamba2_hybrids_train_on_two_ranks_under_zero3_with_the_gate_on(tmp_path
         runs = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for name in ZERO3_MAMBA2:
             run = runs[name]
-            steps = [h for h in run["log_history"] if "loss" in h]
-            gaps = [h["sampling/sampling_logp_difference/max"] for h in steps]
-            means = [h["sampling/sampling_logp_difference/mean"] for h in steps]
-            record_property(f"{name} rank {rank}", [gaps, means, run["parity_gap"]])
-            print(f"zero3 {name} rank {rank}: worst-token gaps {gaps}, means {means}, last sync {run['parity_gap']}")
+            within_bound(run, f"zero3 {name} rank {rank}", FP32, record_property)
             partitioned = set(run["partitioned"])
             assert run["sharded"] and run["sync_buckets"] > 1, name
             assert all(any(n.endswith(t) for n in partitioned) for t in MAMBA2_TENSORS), (name, partitioned)
             assert any("norm" in n for n in partitioned), (name, partitioned)
-            assert len(steps) == 2 and run["weights_agree"] == [True] * 2, name
-            assert all(math.isfinite(h["loss"]) for h in steps), name
-            assert max(gaps) <= FP32.max and max(means) <= FP32.mean, (name, gaps, means)
-            assert run["parity_gap"] <= FP32.max, name
 
 
 # One tensor of the first Gated DeltaNet layer, as the trainer names it. (A `dt_bias` left out moves this shrunk
