@@ -66,8 +66,8 @@ from colograd.grpo.policy import prepare_policy, weight_plan
 from colograd.grpo.reference import ReferencePolicy
 from colograd.grpo.rollouts import (
     PreparedPrompts,
-    RewardLogs,
     ScoredRollout,
+    gap_sampling,
     sampled_lengths,
     score_rollout,
     scored_metrics,
@@ -196,7 +196,6 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         # A vision-language model's rows are checked at each rollout, named by the index they carry (`ROW_KEY`).
         self._vision = is_vision_language(getattr(unwrapped, "get_base_model", lambda: unwrapped)())
         self.numbered_rows = self._vision
-        self._gap_rotation = 0  # image runs: which of a rank's prompts the sampling-gap metric's completion is from
         rank, world, dataset = self.accelerator.process_index, self.accelerator.num_processes, self.train_dataset
         self.dynamic = DynamicSampling(args, dataset, self._vision, rank, world) if args.dynamic_sampling else None
         self.partial = PartialRollouts(args, dataset, self._vision, rank, world) if args.partial_rollouts else None
@@ -228,7 +227,6 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         self._start_logs()
         self._micro_step = 0  # micro-steps trained since start (or resume): picks the rollout slice
         self._slices: list[RolloutBatch] | None = None  # the current rollout, one slice per micro-step
-        self.reward_logs = RewardLogs()
         self.entropy = EntropyTerms(self.args, self.accelerator, across_ranks(self.accelerator), self.metrics)
         self.checkpoint_parts = (self.entropy,)  # written into each checkpoint before its record finishes
         # Written by every rank, each its own: the groups a rank carries between partial rollouts.
@@ -318,7 +316,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         else:
             scored = self.sample(rows)
             generated = int(sampled_lengths(scored.rollout).sum())
-        extra, logged = self.reward_logs.take()  # what the reward functions logged (TRL's log_extra / log_metric)
+        extra, logged = scored.rollout.reward_logs.take()  # what its reward functions logged (TRL's log_extra ...)
         self._times.count("generated", generated, self.metrics)
         advantages_N = self.compute_advantages(scored.rewards_NF)
         self._record(
@@ -353,7 +351,6 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
                 self.reward_weights,
                 largest_over_ranks(self.accelerator),
                 self._run_micro_step(),
-                self.reward_logs,
             )
         self._record(metrics)
         return scored, int(sampled_lengths(scored.rollout).sum()) + dropped
@@ -389,9 +386,9 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         truncated = sum(len(ids) > limit for ids in prompt_ids)
         prompt_ids = [ids[-limit:] for ids in prompt_ids]
         step = -1 - self.state.global_step if evaluation else self._rollout_index() + round * ROUND_STRIDE
-        context = RolloutContext(rows, step, g, evaluation, round)
+        asks, turn = gap_sampling(args, self.state, self.parity.comparing, evaluation)
+        context = RolloutContext(rows, step, g, evaluation, round, gap_sample=asks, gap_turn=turn)
         prefix = "eval_" if evaluation else ""
-        self.reward_logs.take()  # a reward's logs belong to the rollout that called it (an evaluation's are dropped)
         self._check_synced("sample")
         with self.engine.awake(), self._timed(f"{prefix}generate"):
             if images is None:
@@ -414,7 +411,6 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         _, prompt_ids, _ = self.prepare_prompts(rows)
         limit = self.prompt_limit
         cut = [len(ids) > limit for ids in prompt_ids]
-        self.reward_logs.take()  # a reward's logs belong to the rollout that called it
         self._check_synced("sample_partial")
         with self.engine.awake(), self._timed("generate"):
             groups, metrics, generated = partial.take(
@@ -526,20 +522,19 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         on_group = group_starter(early, self.processing_class, rows, chats) if early and rows else None
         if self.agents is not None:
             return self.agents.generate(self, prompt_ids, context, on_group)
-        gap_sample = self.gap_sampled(context)
         # The engine asks the sampling-gap metric's log-probs of its first prompt's first completion: an image run
-        # puts another of its prompts first at each rollout that asks, so that the metric covers every row in turn
-        # (the same requests, at no cost); `sampling_gap_completions: all` asks every completion instead.
+        # puts another of its prompts first at each rollout that asks (`context.gap_turn`), so that the metric covers
+        # every row in turn (the same requests, at no cost); `sampling_gap_completions: all` asks every completion.
         shift = 0
-        if images is not None and gap_sample and not self.args.needs_engine_logps:
-            shift, self._gap_rotation = self._gap_rotation % len(prompt_ids), self._gap_rotation + 1
+        if images is not None and context.gap_sample and not self.args.needs_engine_logps:
+            shift = context.gap_turn % len(prompt_ids)
         return rotate_prompts(
             lambda ids, imgs, report: self.engine.generate(
                 ids,
                 Sampling.of(self.args),
                 step=context.step,
                 num_generations=g,
-                gap_sample=gap_sample,
+                gap_sample=context.gap_sample,
                 on_group=report,
                 images=imgs,
             ),
@@ -551,8 +546,9 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         )
 
     def score(self, prompts: list, rollout: Rollout, columns: dict[str, list]) -> torch.Tensor:
-        """Rewards of every completion from every reward function: [N, F], NaN where a function abstained."""
-        given = {"trainer_state": self.state, **self.reward_logs.arguments()}
+        """Rewards of every completion from every reward function: [N, F], NaN where a function abstained. What the
+        functions log (TRL's `log_extra` / `log_metric`) goes into `rollout.reward_logs`."""
+        given = {"trainer_state": self.state, **rollout.reward_logs.arguments()}
         limits = TimeLimits.of(self.args)
         return score_rollout(self.reward_funcs, self.processing_class, prompts, rollout, columns, given, limits)
 

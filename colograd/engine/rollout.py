@@ -1,6 +1,9 @@
 """What one rollout is asked and what it returns: `RolloutContext` (built by `GRPOTrainer.sample`, read by the
-`generate` stage and the agents) and `Rollout` (what the engine, the agent loop or partial rollouts give back)."""
+`generate` stage and the agents) and `Rollout` (what the engine, the agent loop or partial rollouts give back, with
+the `RewardLogs` its reward functions write)."""
 
+from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +20,10 @@ class RolloutContext:
     num_generations: G, the completions of each prompt.
     evaluation: an evaluation rollout (it always asks the sampling-gap metric's log-probs).
     round: dynamic sampling's refill round (`colograd.grpo.dynamic`); 0 for a rollout's first.
+    gap_sample: whether the engine is asked the log-probs of the sampling-gap metric's completion
+        (`colograd.grpo.rollouts.gap_sampling`).
+    gap_turn: an image run's turn of the metric's prompt: `generate` puts prompt `gap_turn % len(prompts)` first, so
+        that the metric covers every row in turn.
     """
 
     rows: list[dict]
@@ -24,6 +31,37 @@ class RolloutContext:
     num_generations: int
     evaluation: bool = False
     round: int = 0
+    gap_sample: bool = True
+    gap_turn: int = 0
+
+
+class RewardLogs:
+    """What reward functions log through TRL's `log_extra` and `log_metric` arguments about one rollout's
+    completions (`Rollout.reward_logs`, filled by the `score` stage): extra columns of the completions log, and
+    scalar metrics (averaged over a logging window and the ranks, as every metric is)."""
+
+    def __init__(self) -> None:
+        self.extra: dict[str, list] = defaultdict(list)
+        self.metrics: dict[str, list[float]] = defaultdict(list)
+
+    def log_extra(self, column: str, values: list) -> None:
+        """Add a column to the completions log: one value per completion of the call."""
+        self.extra[column].extend(values)
+
+    def log_metric(self, name: str, value: float) -> None:
+        """Log one scalar for this rollout (several calls are averaged)."""
+        self.metrics[name].append(float(value))
+
+    def arguments(self) -> dict[str, Callable]:
+        """The keyword arguments every reward function is called with, as TRL names them."""
+        return {"log_extra": self.log_extra, "log_metric": self.log_metric}
+
+    def take(self) -> tuple[dict[str, list], dict[str, float]]:
+        """The extra columns and each metric's mean since the last call; forgets them."""
+        extra, metrics = dict(self.extra), {k: sum(v) / len(v) for k, v in self.metrics.items() if v}
+        self.extra.clear()
+        self.metrics.clear()
+        return extra, metrics
 
 
 @dataclass
@@ -46,6 +84,8 @@ class Rollout:
     routed: routing replay (`routing_replay: rollout`): the experts the engine's MoE layers chose for each position
         of each completion's sequence (prompt then completion), int16 [prompt + completion length, layers, top_k],
         -1 where the engine did not route it (`colograd.engine.routing`); None: not recorded.
+    reward_logs: what the reward functions logged about these completions when `score` called them (TRL's
+        `log_extra` / `log_metric`): each rollout its own, read by the trainer with the rollout's other metrics.
     """
 
     completion_ids: list[list[int]]
@@ -59,3 +99,4 @@ class Rollout:
     metrics: dict[str, float] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
     routed: list[torch.Tensor] | None = None
+    reward_logs: RewardLogs = field(default_factory=RewardLogs, compare=False, repr=False)

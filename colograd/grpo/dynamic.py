@@ -23,10 +23,10 @@ import torch
 from trl.trainer.utils import nanstd
 
 from colograd.data.streaming import NumberedRows, read_row
-from colograd.engine.rollout import Rollout
+from colograd.engine.rollout import RewardLogs, Rollout
 from colograd.errors import ConfigError
 from colograd.grpo.loss import weighted_rewards
-from colograd.grpo.rollouts import PromptImages, RewardLogs, ScoredRollout
+from colograd.grpo.rollouts import PromptImages, ScoredRollout
 
 # Refill round k of a rollout samples with its step + k × this as the engine's step: apart from every other
 # rollout's.
@@ -88,8 +88,9 @@ def group_spread(
 # The lists of a `Rollout` with one entry per prompt; the others have one per completion.
 _PER_PROMPT = ("engine_prompt_ids",)
 # A `Rollout`'s dicts: its reward columns (per completion, taken and joined per key), metrics and counts (the whole
-# rollout's: kept as they are when groups are taken, averaged and summed when rounds are joined).
-JOINED = ("columns", "metrics", "counts")
+# rollout's: kept as they are when groups are taken, averaged and summed when rounds are joined), and its reward
+# logs (each round's taken by `DynamicSampling.fill`, the kept groups' put back in the joined rollout's own).
+JOINED = ("columns", "metrics", "counts", "reward_logs")
 
 
 def take_groups(scored: ScoredRollout, groups: list[int], num_generations: int) -> ScoredRollout:
@@ -209,7 +210,6 @@ class DynamicSampling:
         weights_F: torch.Tensor,
         most: Callable[[list[int]], list[int]],
         step: int,
-        logs: RewardLogs | None = None,
     ) -> tuple[ScoredRollout, dict[str, float], int]:
         """This rank's rollout of `len(rows)` groups, informative ones first.
 
@@ -219,8 +219,6 @@ class DynamicSampling:
             weights_F: the reward functions' weights (a group is scored on its total reward).
             most: each of a list of numbers, its largest over every rank (the identity in one process).
             step: the rollout's place in the run, the same after a resume; it seeds the refill prompts.
-            logs: the reward functions' logs (TRL's `log_extra` / `log_metric`): each round's are taken, and what
-                belongs to the kept groups is put back for the caller.
 
         Returns:
             The rollout; its metrics (`dynamic_sampling/*`); the completion tokens sampled in groups it dropped.
@@ -232,10 +230,9 @@ class DynamicSampling:
             if k:
                 rows, drawn = self.rows(step, drawn, count), drawn + count
             parts.append(sample(rows, k))
-            if logs is not None:
-                extra, metrics = logs.take()
-                extras.append(extra)
-                logged.append(metrics)
+            extra, metrics = parts[-1].rollout.reward_logs.take()  # each round's reward logs (TRL's log_extra ...)
+            extras.append(extra)
+            logged.append(metrics)
             spreads.append(group_spread(parts[-1].rewards_NF, weights_F, g, self.per_function))
             found += int((spreads[-1] > eps).sum())
             sampled += len(spreads[-1])
@@ -263,8 +260,8 @@ class DynamicSampling:
             warnings.warn(warning, stacklevel=2)
         groups = informative + filled
         kept = take_groups(every, groups, g)
-        if logs is not None:
-            _put_back(logs, extras, logged, [len(p.rollout.completion_ids) for p in parts], groups, g)
+        # What the reward functions logged about the kept groups, in the rollout returned.
+        _put_back(kept.rollout.reward_logs, extras, logged, [len(p.rollout.completion_ids) for p in parts], groups, g)
         dropped = set(range(len(spread))) - set(groups)
         lengths = [len(every.rollout.completion_ids[i * g + j]) for i in dropped for j in range(g)]
         metrics = {

@@ -19,7 +19,6 @@ class StepLogs(Trainer):
 
     reward_func_names: list[str]
     reward_weights: torch.Tensor
-    parity: Any  # `colograd.grpo.parity.ParityGuard`
 
     def _start_logs(self) -> None:
         """The logs' state: the current window's metrics, the phases' times, the completion log (main process)."""
@@ -34,29 +33,6 @@ class StepLogs(Trainer):
             CompletionLog(args.output_dir, args.num_completions_to_print, args.log_unique_prompts, args.report_to)
             if args.log_completions and self.accelerator.is_main_process
             else None
-        )
-
-    def gap_sampled(self, context: Any) -> bool:
-        """Whether the rollout of `context` (a `RolloutContext`) asks the engine for the log-prob of the sampling-gap
-        metric's completion.
-
-        Any request that asks makes vLLM do per-step work for the whole batch (generation at 0.87 of the engine's
-        speed with one completion asking, 0.997 with none: the CPU, `--shape small`), so a training rollout asks
-        only when an optimizer step it trains logs (every `logging_steps`, the first with `logging_first_step`, the
-        last), or while the parity guard compares the engine with the evaluation pass (the gate, and a recheck after
-        a rollout past the bound); the other steps generate at the engine's own speed. An evaluation's rollout always
-        asks."""
-        args, state = self.args, self.state
-        if context.evaluation or args.logging_strategy != "steps" or self.parity.comparing:
-            return True
-        span = -(-args.rollout_micro_steps // args.gradient_accumulation_steps)
-        first = state.global_step + 1
-        steps = range(first, first + span)  # the optimizer steps this rollout trains
-        every = max(1, int(state.logging_steps or 1))
-        return (
-            any(step % every == 0 for step in steps)
-            or (args.logging_first_step and first == 1)
-            or 0 < state.max_steps <= steps[-1]
         )
 
     def summarize_phases(self, steps: int) -> None:

@@ -95,26 +95,39 @@ def test_the_metric_completion_asked_alone_keeps_the_seeds_of_its_group(tiny_eng
 def test_a_rollout_asks_for_the_gap_sample_only_when_a_step_it_trains_logs(logging, steps, expected, tmp_path):
     """The rollouts of a 6-step run: one asks when an optimizer step it trains logs. With two micro-steps per
     rollout and one per optimizer step, a rollout trains two steps (1-2, 3-4, 5-6: 4 logs, 6 is the last)."""
-    from types import SimpleNamespace
 
     from transformers import TrainerState
 
-    from colograd import GRPOTrainer
-    from colograd.engine.rollout import RolloutContext
+    from colograd.grpo.rollouts import gap_sampling
 
     args = GRPOConfig(output_dir=str(tmp_path), **SETTINGS | steps | logging)
     span = args.steps_per_generation // args.gradient_accumulation_steps  # optimizer steps per rollout
     asked = []
     for step in range(0, 6, span):  # the optimizer steps done when each rollout starts
         state = TrainerState(global_step=step, max_steps=6, logging_steps=args.logging_steps)
-        gate = SimpleNamespace(comparing=False)  # the parity gate's first rollout asks anyway (below)
-        context = RolloutContext([], step, args.num_generations)
-        asked.append(GRPOTrainer.gap_sampled(SimpleNamespace(args=args, state=state, parity=gate), context))
+        asked.append(gap_sampling(args, state, comparing=False)[0])
     assert asked == expected
-    evaluation = SimpleNamespace(args=args, state=TrainerState(global_step=1, max_steps=6),
-                                 parity=SimpleNamespace(comparing=False))  # fmt: skip
-    # An evaluation's rollout always asks, whatever its seed step.
-    assert GRPOTrainer.gap_sampled(evaluation, RolloutContext([], 2, 2, evaluation=True))
+    state = TrainerState(global_step=1, max_steps=6, logging_steps=args.logging_steps)
+    # An evaluation's rollout always asks, and so does one the parity guard compares (the gate's first, a recheck).
+    assert gap_sampling(args, state, comparing=False, evaluation=True)[0]
+    assert gap_sampling(args, state, comparing=True)[0]
+
+
+def test_an_image_runs_gap_turn_moves_on_by_one_at_each_rollout_that_logs(tmp_path):
+    """The rotation of the metric's prompt is the rollout's logging window: 0, 1, 2 ... at the rollouts that ask,
+    whatever the logging period, and the same for the same step after a resume (nothing counted in the trainer)."""
+    from transformers import TrainerState
+
+    from colograd.grpo.rollouts import gap_sampling
+
+    args = GRPOConfig(output_dir=str(tmp_path), **SETTINGS | dict(logging_steps=3))
+    turns = []
+    for step in range(12):
+        state = TrainerState(global_step=step, max_steps=100, logging_steps=3)
+        asks, turn = gap_sampling(args, state, comparing=False)
+        if asks:
+            turns.append(turn)
+    assert turns == [1, 2, 3, 4]
 
 
 def test_between_logging_steps_no_request_asks_and_the_metric_is_logged_where_steps_log(tmp_path, monkeypatch):

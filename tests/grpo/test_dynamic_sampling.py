@@ -21,7 +21,7 @@ from colograd.grpo.dynamic import (
     refuse_unrefillable,
     take_groups,
 )
-from colograd.grpo.rollouts import PromptImages, RewardLogs, ScoredRollout
+from colograd.grpo.rollouts import PromptImages, ScoredRollout
 from colograd.models import tiny
 
 G = 4
@@ -85,16 +85,17 @@ def test_groups_are_taken_and_joined_whole(images):
 class Rounds:
     """A stand-in for `GRPOTrainer.sample`: scores each row's group uniform when its name is in `uniform`."""
 
-    def __init__(self, uniform: set[str], logs: RewardLogs | None = None) -> None:
+    def __init__(self, uniform: set[str], logs: bool = False) -> None:
         self.uniform, self.logs, self.calls = uniform, logs, []
 
     def __call__(self, rows: list[dict], round: int) -> ScoredRollout:
         self.calls.append(([row["name"] for row in rows], round))
         names = [row["name"] for row in rows]
-        if self.logs is not None:  # what a reward function logs: a column per completion, a metric per call
-            self.logs.log_extra("seen", [f"{name}{j}" for name in names for j in range(G)])
-            self.logs.log_metric("calls", float(round))
-        return scored_of(names, self.uniform)
+        scored = scored_of(names, self.uniform)
+        if self.logs:  # what a reward function logs about the round's rollout: a column per completion, a metric
+            scored.rollout.reward_logs.log_extra("seen", [f"{name}{j}" for name in names for j in range(G)])
+            scored.rollout.reward_logs.log_metric("calls", float(round))
+        return scored
 
 
 NAMES = [f"p{i}" for i in range(40)]
@@ -302,12 +303,12 @@ def test_normalize_then_sum_keeps_groups_whose_totals_tie_but_whose_functions_di
 
 
 def test_what_rewards_log_follows_the_kept_groups():
-    logs = RewardLogs()
-    sample = Rounds(set(NAMES[::2]), logs)
+    sample = Rounds(set(NAMES[::2]), logs=True)
     kept, _, _ = DynamicSampling(settings(), DATA, False, 0, 1).fill(
-        [DATA[i] for i in range(4)], sample, WEIGHTS, same, 3, logs
+        [DATA[i] for i in range(4)], sample, WEIGHTS, same, 3
     )
-    extra, metrics = logs.take()
+    assert len(sample.calls) > 1  # refill rounds ran
+    extra, metrics = kept.rollout.reward_logs.take()
     assert extra["seen"] == [f"{name}{j}" for name in kept.columns["name"] for j in range(G)]
     assert metrics["calls"] == sum(range(len(sample.calls))) / len(sample.calls)
 

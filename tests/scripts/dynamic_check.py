@@ -34,7 +34,7 @@ def run(out: str) -> None:
     record = {"rounds": [], "sampled": [], "uniform_kept": [], "first_round_found": []}
     fill = trainer.dynamic.fill
 
-    def recorded_fill(rows, sample, weights, most, step, logs=None):
+    def recorded_fill(rows, sample, weights, most, step):
         counts = []
 
         def counted(rows, round):
@@ -45,7 +45,7 @@ def run(out: str) -> None:
                 record["first_round_found"].append(int((spread > args.dynamic_sampling_std_eps).sum()))
             return scored
 
-        kept, metrics, dropped = fill(rows, counted, weights, most, step, logs)
+        kept, metrics, dropped = fill(rows, counted, weights, most, step)
         record["rounds"].append(metrics["dynamic_sampling/rounds"])
         record["sampled"].append(sum(counts))
         spread = group_spread(kept.rewards_NF, weights, args.num_generations)

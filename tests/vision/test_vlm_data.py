@@ -323,23 +323,25 @@ def test_an_image_trainer_puts_another_prompt_first_at_each_rollout_that_asks(tm
     def trainer(images_per_prompt: int, **settings) -> SimpleNamespace:
         fake = SimpleNamespace(
             reward_funcs=[], agents=None, processing_class=None,
-            args=run_config(str(tmp_path), 1, num_generations=2, **settings), _gap_rotation=0,
+            args=run_config(str(tmp_path), 1, num_generations=2, **settings),
             inputs=SimpleNamespace(images_per_prompt=images_per_prompt),
-            engine=SimpleNamespace(generate=engine_generate), gap_sampled=lambda context: True,
+            engine=SimpleNamespace(generate=engine_generate),
         )  # fmt: skip
         return fake
 
     images = [[solid_image("red")]] * 3
     image_run = trainer(1)
-    context = RolloutContext([{"prompt": USER}] * 3, 0, 2)
-    rollouts = [GRPOTrainer.generate(image_run, [[10], [11], [12]], context, images=images) for _ in range(4)]
+    contexts = [RolloutContext([{"prompt": USER}] * 3, 0, 2, gap_turn=turn) for turn in range(4)]
+    rollouts = [GRPOTrainer.generate(image_run, [[10], [11], [12]], c, images=images) for c in contexts]
     assert first == [10, 11, 12, 10]
     assert all(r.completion_ids == [[10], [10], [11], [11], [12], [12]] for r in rollouts)  # back in order
     first.clear()
+    not_asking = RolloutContext([{"prompt": USER}] * 3, 0, 2, gap_sample=False, gap_turn=1)
+    GRPOTrainer.generate(image_run, [[10], [11], [12]], not_asking, images=images)  # a rollout that does not ask
     for run, run_images in ((trainer(0), None), (trainer(1, sampling_gap_completions="all"), images)):
-        GRPOTrainer.generate(run, [[10], [11], [12]], context, images=run_images)
-        GRPOTrainer.generate(run, [[10], [11], [12]], context, images=run_images)
-    assert first == [10, 10, 10, 10]
+        for c in contexts[1:3]:
+            GRPOTrainer.generate(run, [[10], [11], [12]], c, images=run_images)
+    assert first == [10, 10, 10, 10, 10]
 
 
 def test_sampling_gap_completions_setting(tmp_path):
