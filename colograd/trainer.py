@@ -149,6 +149,8 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
             else None
         )
         check_replay(args, router, model, self.agents is not None)
+        if self.agents is not None:
+            self.agents.check_stages(type(self))
         if self.agents is not None and self.agents.reward_funcs:  # an environment's own reward, weight 1 (TRL's)
             self.reward_funcs += self.agents.reward_funcs
             self.reward_weights = torch.cat([self.reward_weights, torch.ones(len(self.agents.reward_funcs))])
@@ -474,13 +476,16 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         with self._timed("sync"):
             self.weight_plan.sync(self.engine)
 
-    def prepare_prompts(self, rows: list[dict]) -> PreparedPrompts:
+    def prepare_prompts(self, rows: list[dict], tools: list[dict] | None = None) -> PreparedPrompts:
         """Template and tokenize a batch of dataset rows. A vision-language run's rows are each checked first
         (`check_row`, as preflight checks its sample), so a bad row stops the rollout before any work on it.
 
         Args:
             rows: this rank's dataset rows; rows read for a vision-language run carry their names
                 ("train_dataset row 300", `colograd.data.streaming.ROW_KEY`) for the checks' messages.
+            tools: the tool schemas the chat template is given; None: the run's (every tool's, and with several
+                environments every environment's). An environment's prompts are templated with its own
+                (`colograd.agents.core.Agents`).
 
         Returns:
             `(prompts, prompt_ids, columns)` (a `PreparedPrompts`):
@@ -500,7 +505,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
             if prepared is not None:
                 return prepared
         prompt_ids = tokenize_prompts(
-            prompts, self.processing_class, self._tool_schemas(), self.args.chat_template_kwargs
+            prompts, self.processing_class, tools or self._tool_schemas(), self.args.chat_template_kwargs
         )
         return PreparedPrompts(prompts, prompt_ids, columns)
 
@@ -665,6 +670,6 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         return metrics
 
     def _tool_schemas(self) -> list[dict] | None:
-        """The tools' schemas the chat template is given now (`or None`: some templates write tool text for an empty
-        list); an environment's own tools stand in while its prompts are templated (`Agents._template`)."""
+        """The run's tool schemas, which the chat template is given unless `prepare_prompts` is passed others (`or
+        None`: some templates write tool text for an empty list)."""
         return (self.agents.schemas or None) if self.agents is not None else None

@@ -344,6 +344,17 @@ class Agents:
         )
         self.reward_funcs = [_environment_reward(env_type) for env_type in rewarded]
 
+    def check_stages(self, trainer_class: type) -> None:
+        """Refuse a subclass's `prepare_prompts` that takes no `tools` where environments re-template their prompts
+        with their own tool schemas (`_template` passes them): the call would fail at the first tool turn."""
+        if not self._factories or "tools" in inspect.signature(trainer_class.prepare_prompts).parameters:
+            return
+        raise ConfigError(
+            f"{trainer_class.__name__}.prepare_prompts takes no `tools` argument, but environment_factory's "
+            "environments template their prompts again with their own tool schemas; add `tools=None` to its "
+            "parameters and pass it on (`super().prepare_prompts(rows, tools)`)."
+        )
+
     def generate(
         self,
         trainer: Any,
@@ -444,11 +455,7 @@ class Agents:
     def _template(self, trainer: Any, rows: list[dict], schemas: list[dict]) -> list[list[int]]:
         """The trainer's tokenization of `rows`' prompts (`prepare_prompts`), rendered with these tool schemas and cut
         to the trainer's `prompt_limit` as every rollout's prompts are."""
-        shown, self.schemas = self.schemas, schemas
-        try:
-            return [ids[-trainer.prompt_limit :] for ids in trainer.prepare_prompts(rows)[1]]
-        finally:
-            self.schemas = shown
+        return [ids[-trainer.prompt_limit :] for ids in trainer.prepare_prompts(rows, tools=schemas)[1]]
 
     def _from_rollout_func(self, output: dict[str, list], expected: int) -> Rollout:
         missing = {"prompt_ids", "completion_ids", "logprobs"} - output.keys()

@@ -535,6 +535,31 @@ def solved(completions, environments, **kwargs):
     ]
 
 
+def test_a_prepare_prompts_override_without_tools_is_refused_where_environments_pass_theirs(tmp_path):
+    """Environments template their prompts again with their own schemas, as an argument of `prepare_prompts`: an
+    override that cannot take it is refused in one line at start-up, not at the first tool turn."""
+    from colograd import GRPOTrainer
+    from colograd.agents.core import Agents
+    from colograd.config.core import ConfigError
+
+    class Plain(GRPOTrainer):
+        def prepare_prompts(self, rows):
+            return super().prepare_prompts(rows)
+
+    class Passing(GRPOTrainer):
+        def prepare_prompts(self, rows, tools=None):
+            return super().prepare_prompts(rows, tools)
+
+    tokenizer = tiny.build_tokenizer()
+    args = GRPOConfig(output_dir=str(tmp_path), report_to="none")
+    agents = Agents(tokenizer, args, environment_factory=Oracle)
+    with pytest.raises(ConfigError, match=r"^Plain.prepare_prompts takes no `tools` argument.*tools=None"):
+        agents.check_stages(Plain)
+    agents.check_stages(Passing)
+    agents.check_stages(GRPOTrainer)
+    Agents(tokenizer, args, tools=[count]).check_stages(Plain)  # no environment: nothing passes its own
+
+
 @pytest.mark.slow
 def test_a_task_only_a_tool_solves_is_learned(tmp_path, monkeypatch):
     from colograd import GRPOTrainer
@@ -603,9 +628,9 @@ def test_environments_by_name_and_evaluation_run_the_agent_loop(tmp_path, monkey
     seen: dict[str, list] = {}
 
     class Recording(GRPOTrainer):
-        def prepare_prompts(self, rows):
-            shown.append(sorted(s["function"]["name"] for s in self.agents.schemas))
-            return super().prepare_prompts(rows)
+        def prepare_prompts(self, rows, tools=None):
+            shown.append(sorted(s["function"]["name"] for s in tools or self.agents.schemas))
+            return super().prepare_prompts(rows, tools)
 
         def generate(self, prompt_ids, context, images=None):
             rollout = super().generate(prompt_ids, context, images)
