@@ -601,9 +601,14 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         args, mask_NT = self.args, inputs["completion_mask"]
         forwarded: list[int] = []  # tokens computed: fewer than the sequences' when completions share a prompt
         routed = RouterRecord(self.forward.router) if self.forward.router is not None and model.training else None
-        settled_NT = self.parity.settled_logps(model, lambda: self.completion_logps(model, inputs))  # at the gate
-        logps_NT, entropy_NT = self.completion_logps(
-            model, inputs, entropy=self.entropy.mode, count_tokens=forwarded.append, router=routed
+        # The trainer's log-probs, measured against the engine's on a rollout's first slice (`ParityGuard.measured`).
+        logps_NT, entropy_NT = self.parity.measured(
+            model,
+            inputs,
+            lambda: self.completion_logps(model, inputs),
+            lambda: self.completion_logps(
+                model, inputs, entropy=self.entropy.mode, count_tokens=forwarded.append, router=routed
+            ),
         )
         if model.training:
             trained = inputs["attention_mask"].sum().item()
@@ -614,8 +619,6 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         fresh = bool(inputs["fresh"]) if "fresh" in inputs else False
         if "old_logps" not in inputs or (fresh and args.engine_logps_are_old_logps):
             self._record(sampling_gap_metrics(logps_NT.detach(), inputs["engine_logps"], inputs["tool_mask"]))
-        if model.training:
-            self.parity.observe(logps_NT, inputs["engine_logps"], inputs["tool_mask"], settled_NT)
         sampling_weights = None
         if args.vllm_importance_sampling_correction:  # truncated π_trainer / π_engine of the sampled tokens
             # The trainer's log-probs of the sampling policy: stored with the rollout, or, on-policy, the current.

@@ -31,13 +31,15 @@ a run whose engine holds another model (docs/real-models.md, "The parity gate").
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from colograd.config.loading import dropouts_in_use
 from colograd.errors import ConfigError
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +99,7 @@ class Gap:
     tokens: int = 0
     noise: float = 0.0  # where compared: the largest difference between the training and evaluation passes
     sampled: int = 0  # the tokens sampled under the current weights, scored by the engine or not
+    passes: int = 0  # the training passes measured (`ParityGuard.measured`): none means the loss skipped the guard
 
     @property
     def mean(self) -> float:
@@ -112,6 +115,7 @@ class Gap:
         """Add the tokens the engine sampled under the current weights (`sampled_NT` 1) and scored (not NaN): the
         engine's log-probs against the trainer's `settled_NT` (its evaluation pass) where given, else `logps_NT` (its
         training pass); the two passes' difference is `noise`."""
+        self.passes += 1
         self.sampled += int(sampled_NT.bool().sum().item())
         scored_NT = sampled_NT.bool() & ~engine_logps_NT.isnan()
         if not scored_NT.any():
@@ -188,6 +192,7 @@ class ParityGuard:
         self.recheck = False  # the next rollout is compared on the evaluation pass too (one past the bound was not)
         self.rollouts = 0  # checked since the start or resume (the gate's is the first)
         self.warned = False
+        self.skipped_warned = False
         self.stopped: str | None = None  # the running guard's line, once it stops the run
 
     def restart(self) -> None:
@@ -212,6 +217,25 @@ class ParityGuard:
     def begin(self) -> None:
         """A new rollout's first slice is about to be trained."""
         self.gap = Gap() if self.measuring else None
+
+    def measured(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, torch.Tensor],
+        settled: Callable[[], torch.Tensor],
+        training_pass: Callable[[], T],
+    ) -> T:
+        """The guard's one call, in the loss (`GRPOTrainer.compute_loss`): `training_pass()` (the trainer's log-probs
+        of the slice `inputs`, first of what it returns), measured against the engine's where this rollout's first
+        slice is trained; where `comparing`, `settled()` (the same log-probs) runs first in evaluation mode
+        (`settled_logps`). Returns what `training_pass` returns. A rollout whose first slice was trained without this
+        call is said so at `check` (an override of `compute_loss` that computes its own log-probs)."""
+        settled_NT = self.settled_logps(model, settled)
+        out = training_pass()
+        if model.training:
+            logps_NT = out[0] if isinstance(out, tuple) else out
+            self.observe(logps_NT, inputs["engine_logps"], inputs["tool_mask"], settled_NT)
+        return out
 
     def settled_logps(self, model: torch.nn.Module, logps: Callable[[], torch.Tensor]) -> torch.Tensor | None:
         """Where `comparing`, `logps()` (the trainer's log-probs of the slice) once more with `model` in evaluation
@@ -250,6 +274,22 @@ class ParityGuard:
         finally:
             self.rollouts += 1
 
+    def _skipped(self) -> None:
+        """A rollout's first slice was trained, and the loss never called `measured`: an override of `compute_loss`
+        that computes its own log-probs. Nothing then vouches for the engine: the run stops in one line (once a
+        warning under `engine_parity: warn`)."""
+        line = (
+            f"the parity guard measured nothing of {self.model}: the rollout's first slice was trained by a "
+            "compute_loss that does not pass its log-probs through the guard; call super().compute_loss, or compute "
+            "the trainer's log-probs with `self.parity.measured(model, inputs, settled, training_pass)` as "
+            "GRPOTrainer.compute_loss does"
+        )
+        if self.stop:
+            raise ParityError(f"{line}. Set engine_parity: warn to train without it.")
+        if not self.skipped_warned:
+            logger.warning("colograd: %s; training on unguarded (engine_parity: warn).", line)
+            self.skipped_warned = True
+
     def _unmeasured(self, sampled: int) -> None:
         """The gate's rollout gave no token to compare. Where the engine sampled tokens, none of which it scored (NaN:
         its model computed NaN, or its log-probs were lost on the way), nothing vouches for the engine: the run stops
@@ -272,11 +312,15 @@ class ParityGuard:
             return
         gap, self.gap = self.gap or Gap(), None
         local = torch.tensor(
-            [[gap.max, gap.total, float(gap.tokens), gap.noise, float(gap.sampled)]], dtype=torch.float64
+            [[gap.max, gap.total, float(gap.tokens), gap.noise, float(gap.sampled), float(gap.passes)]],
+            dtype=torch.float64,
         )
-        every = gather(local).view(-1, 5)
+        every = gather(local).view(-1, 6)
         tokens, sampled = int(every[:, 2].sum().item()), int(every[:, 4].sum().item())
         gated, self.gate_pending = self.gate_pending, False
+        if not every[:, 5].all():  # a rank trained the slice without the guard's call
+            self._skipped()
+            return
         if not tokens:  # a recheck waits for a rollout that measures
             if gated:
                 self._unmeasured(sampled)

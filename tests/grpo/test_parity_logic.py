@@ -211,6 +211,35 @@ def test_a_gate_whose_engine_scored_none_of_its_samples_stops(caplog):
     assert "sampled no token" in caplog.text
 
 
+def test_a_loss_that_skips_the_guards_call_is_said_so_and_one_that_makes_it_is_measured(caplog):
+    """The guard is one call in the loss (`measured`): a rollout whose first slice was trained without it (an override
+    of compute_loss that computes its own log-probs) stops the run in one line, or warns once under warn; through
+    the call, the training pass's log-probs are measured and returned as they are."""
+    model = nn.Linear(1, 1).train()
+    inputs = {"engine_logps": torch.zeros(1, 2), "tool_mask": torch.ones(1, 2)}
+    guard = ParityGuard(FP32, "m")
+    guard.begin()
+    with pytest.raises(ParityError, match=r"^the parity guard measured nothing of m: .*compute_loss") as err:
+        guard.check(step=1, gather=one_rank)
+    assert "\n" not in str(err.value)
+    warned = ParityGuard(FP32, "m", stop=False)
+    for _ in range(2):
+        warned.begin()
+        warned.check(step=1, gather=one_rank)
+    assert caplog.text.count("measured nothing") == 1
+    guard = ParityGuard(FP32, "m")
+    guard.begin()
+    off = torch.tensor([[0.0, 5.0]])  # 5 nats on a token, in both passes (the gate reads the evaluation pass)
+    out = guard.measured(model, inputs, lambda: off, lambda: (off, "entropy"))
+    assert out[1] == "entropy" and model.training
+    with pytest.raises(ParityError, match="disagree on m before training"):  # measured
+        guard.check(step=1, gather=one_rank)
+    guard = ParityGuard(FP32, "m")
+    guard.begin()
+    guard.measured(model, inputs, lambda: torch.zeros(1, 2), lambda: torch.zeros(1, 2))
+    guard.check(step=1, gather=one_rank)  # measured, within the bound: trains
+
+
 def test_a_restart_gates_again():
     guard = ParityGuard(FP32, "m")
     rollout(guard, [0.0])
