@@ -215,10 +215,9 @@ class Engine:
         (`sampling.every_logps`), else for one completion per rank, for the sampling-gap metric: the first of its
         first prompt, asked in a request of its own (`n=1`, beside its group's other G - 1), because vLLM builds them
         with per-token Python in its output path, which slows every decoding step; with `gap_sample` False (a
-        rollout whose steps do not log) none asks. Completions not asked get NaN.
-        Where every request asks, they are read as tensors from the sampler instead (`colograd.engine.sampler_tap`),
-        so that
-        vLLM builds no per-token objects at all.
+        rollout whose steps do not log) none asks. Completions not asked get NaN. Where every request asks, they are
+        read as tensors from the sampler instead (`colograd.engine.sampler_tap`), so that vLLM builds no per-token
+        objects at all.
 
         `on_group(i, completion_ids)` is called as soon as all G completions of prompt i are sampled, while the
         engine decodes the others (rewards start on them: `colograd.rewards.early`); not under tensor parallelism.
@@ -229,18 +228,9 @@ class Engine:
         engine_cpu.check_packed(self, "generate")
         g = num_generations or sampling.num_generations
         own, mine = prompt_ids, len(prompt_ids)
-        seeds: list[int | None] = [None] * mine
-        if self.tp_group is not None:
-            pooled: list[list[list[int]]] = [[] for _ in range(self.tp_size)]
-            dist.all_gather_object(pooled, prompt_ids, group=self.tp_group)
-            prompt_ids = [ids for part in pooled for ids in part]
-            # One seed per request (vLLM gives its n samples seed, seed + 1, ...), so that a prompt that comes
-            # twice still gets different completions.
-            base = hash((sampling.seed, self._tp_index, step)) % 2**31
-            seeds = [base + i * g for i in range(len(prompt_ids))]
-
         if images is not None and self.tp_group is not None:
             raise ConfigError("image prompts under vllm_tensor_parallel_size > 1 are not supported; set it to 1.")
+        prompt_ids, seeds = self._pooled(prompt_ids, sampling.seed, step, g)
         requests = rollout_requests(sampling, seeds, mine, g, gap_sample, self.suppressed)
         prompts = [self.prompt(prompt_ids[i], images[i] if images else None) for i, _ in requests]
         tap = self.sampler_tap() if sampling.every_logps else None
@@ -254,16 +244,7 @@ class Engine:
                 prompts, [params for _, params in requests], lora_request=self.lora_request, use_tqdm=False
             )
         routed = routing.prompt_routes(capture, requests, outputs, len(prompt_ids)) if capture else None
-        groups: list[list[Any]] = [[] for _ in prompt_ids]  # each prompt's completions, over its requests
-        computed: list[list[int]] = [[] for _ in prompt_ids]
-        for (i, _), request in zip(requests, outputs, strict=True):
-            groups[i] += request.outputs
-            computed[i] = list(request.prompt_token_ids)
-        if self.tp_group is not None:
-            first = self._tp_rank() * mine
-            groups = groups[first : first + mine]
-            routed = routed[first : first + mine] if routed else None
-        samples = [sample for group in groups for sample in group]
+        samples, computed, routed = self._own_samples(requests, outputs, len(prompt_ids), mine, routed)
         logps = self._tapped_logps(tap, outputs, mine * g) if tap is not None else None
         if tap is not None and logps is None:
             # The tap's rows did not hold these completions, on this rank or another of its engine (and vLLM built
@@ -282,6 +263,37 @@ class Engine:
             engine_prompt_ids=computed if images is not None else None,
             routed=[routes for group in routed for routes in group] if routed else None,
         )
+
+    def _pooled(
+        self, prompt_ids: list[list[int]], seed: int | None, step: int, g: int
+    ) -> tuple[list[list[int]], list[int | None]]:
+        """The prompts of one engine call and a seed per prompt's request: this rank's, unseeded; under tensor
+        parallelism every rank of the group's, pooled, seeded from `step` alike on each (vLLM gives a request's n
+        samples seed, seed + 1, ..., so that a prompt that comes twice still gets different completions)."""
+        if self.tp_group is None:
+            return prompt_ids, [None] * len(prompt_ids)
+        pooled: list[list[list[int]]] = [[] for _ in range(self.tp_size)]
+        dist.all_gather_object(pooled, prompt_ids, group=self.tp_group)
+        prompt_ids = [ids for part in pooled for ids in part]
+        base = hash((seed, self._tp_index, step)) % 2**31
+        return prompt_ids, [base + i * g for i in range(len(prompt_ids))]
+
+    def _own_samples(
+        self, requests: list[tuple[int, Any]], outputs: list[Any], prompts: int, mine: int, routed: list | None
+    ) -> tuple[list[Any], list[list[int]], list | None]:
+        """vLLM's outputs of one call as this rank's completions, groups contiguous (a prompt's requests joined),
+        each prompt as the engine computed it, and its routes (under tensor parallelism, this rank's share of the
+        pooled prompts)."""
+        groups: list[list[Any]] = [[] for _ in range(prompts)]  # each prompt's completions, over its requests
+        computed: list[list[int]] = [[] for _ in range(prompts)]
+        for (i, _), request in zip(requests, outputs, strict=True):
+            groups[i] += request.outputs
+            computed[i] = list(request.prompt_token_ids)
+        if self.tp_group is not None:
+            first = self._tp_rank() * mine
+            groups = groups[first : first + mine]
+            routed = routed[first : first + mine] if routed else None
+        return [sample for group in groups for sample in group], computed, routed
 
     @contextmanager
     def _reporting_groups(

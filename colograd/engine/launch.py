@@ -76,27 +76,8 @@ def start_engine(
 
     base = model.get_base_model() if isinstance(model, PeftModel) else model
     config = engine_config(base)
-
-    def write_model_folder(folder: str) -> None:
-        """vLLM reads the architecture from a folder: the config and tokenizer, never the weights."""
-        config.save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
-        # vLLM also stops at the end-of-sequence ids of the generation config (chat models list their end-of-turn
-        # token only there). Only those ids go over: the rest is sampling defaults, which every request sets.
-        if base.generation_config is not None and base.generation_config.eos_token_id is not None:
-            GenerationConfig(eos_token_id=base.generation_config.eos_token_id).save_pretrained(folder)
-
-    # A folder named by its content, so that vLLM's compile cache, keyed on its path, hits at the next start.
-    # CPU repacking changes the traced linear layers without changing vLLM's key.
-    repacking = "" if torch.cuda.is_available() else f"cpu_repack_weights={args.vllm_cpu_repack_weights}"
-    model_dir, folder = engine_folder(write_model_folder, repacking, temporary_prefix=f"colograd-engine-{rank}-")
-
-    serve_without_torchvision(config.architectures[0])
-    if not torch.cuda.is_available():
-        engine_cpu.set_repacking(args.vllm_cpu_repack_weights)
-        engine_cpu.count_ranks_eagerly()
-        engine_cpu.rotate_flat_heads()
-        engine_cpu.keep_kernel_scan_off_llvmlite()
+    model_dir, folder = _model_folder(base, config, tokenizer, args.vllm_cpu_repack_weights, rank)
+    _prepare_process(config, args)
     llm_args = {k: v for k, v in settings.items() if k not in NOT_LLM_ARGUMENTS}
     triton_fp32_precision(dtype)
     memory, cache = engine_memory(args, config, dtype, settings["max_num_seqs"], prompt_tokens, longest_prompt)
@@ -104,8 +85,6 @@ def start_engine(
     sized: list[tuple[int, bool]] = []  # the cache's bytes as the engine allocated them; whether it holds state
     if not torch.cuda.is_available():
         llm_args |= engine_cpu.mla_backend(config)
-    if moe.expert_count(config):
-        add_expert_group(args.vllm_tensor_parallel_size)  # where a dense model's engine made the groups without it
     # Frozen during the start, the heap is skipped by the collections vLLM runs there; on a GPU one collection
     # first frees what vLLM's memory profile must not count (see `frozen_heap`).
     with (
@@ -137,6 +116,38 @@ def start_engine(
         prepacked_experts=any(llm.collective_rpc(moe.has_prepacked_experts_in_engine)),
         max_prompt_tokens=llm.llm_engine.model_config.max_model_len - args.max_completion_length,
     )
+
+
+def _model_folder(
+    base: PreTrainedModel, config: Any, tokenizer: PreTrainedTokenizerBase, repack: bool, rank: int
+) -> tuple[str, Any]:
+    """The folder vLLM reads the architecture from: the engine's config and the tokenizer, never the weights; named
+    by its content, so that vLLM's compile cache, keyed on its path, hits at the next start (CPU repacking changes
+    the traced linear layers without changing vLLM's key). Returns its path and what keeps it (`engine_folder`)."""
+
+    def write(folder: str) -> None:
+        config.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        # vLLM also stops at the end-of-sequence ids of the generation config (chat models list their end-of-turn
+        # token only there). Only those ids go over: the rest is sampling defaults, which every request sets.
+        if base.generation_config is not None and base.generation_config.eos_token_id is not None:
+            GenerationConfig(eos_token_id=base.generation_config.eos_token_id).save_pretrained(folder)
+
+    repacking = "" if torch.cuda.is_available() else f"cpu_repack_weights={repack}"
+    return engine_folder(write, repacking, temporary_prefix=f"colograd-engine-{rank}-")
+
+
+def _prepare_process(config: Any, args: GRPOConfig) -> None:
+    """What this process needs set before vLLM starts the engine of `config`: its model module importable without
+    torchvision, the CPU engine's switches (`colograd.engine.cpu`), and an MoE model's expert group."""
+    serve_without_torchvision(config.architectures[0])
+    if not torch.cuda.is_available():
+        engine_cpu.set_repacking(args.vllm_cpu_repack_weights)
+        engine_cpu.count_ranks_eagerly()
+        engine_cpu.rotate_flat_heads()
+        engine_cpu.keep_kernel_scan_off_llvmlite()
+    if moe.expert_count(config):
+        add_expert_group(args.vllm_tensor_parallel_size)  # where a dense model's engine made the groups without it
 
 
 @contextmanager
