@@ -69,12 +69,12 @@ quality: install
 
 # Proves a GPU machine's engine: parity after a sync, sleep/wake cycles, LoRA, tensor parallel (docs/gpu.md).
 gpu-check: install
-	$(BIN)/python -m colograd.check
+	$(BIN)/python -m colograd.gpu.check
 
 # The check, feature rows on a compiled engine and the step benchmark against TRL, written into docs/gpu.md.
 # PART=engine|training|step-0.5b|step-1.5b runs one part (each fits a 10-minute command on an H100).
 gpu-proof: install
-	$(BIN)/python -m colograd.proof --part $(or $(PART),all) --record docs/gpu.md
+	$(BIN)/python -m colograd.gpu.proof --part $(or $(PART),all) --record docs/gpu.md
 
 # The site goes to site/; --strict turns a broken link or a missing page into a failed build.
 docs: install

@@ -14,9 +14,8 @@ then each micro-step trains on one slice of it:
     compute_loss       GRPO clipped policy-gradient loss (+ beta × KL); backward and optimizer step are the Trainer's
 
 Subclass and override one of these to change that stage alone: a stage returns values and owes nothing else. The
-trainer records the metrics from what the stages return (`colograd.grpo.rollouts`); `sample` runs the first three
-stages
-for training and evaluation alike.
+trainer records the metrics from what the stages return (`colograd.rollout.core`); `sample` runs the first three
+stages for training and evaluation alike.
 """
 
 from collections.abc import Callable
@@ -40,12 +39,11 @@ from colograd.engine.lifetime import frozen_heap, own_classes
 from colograd.engine.requests import Sampling
 from colograd.engine.rollout import Rollout, RolloutContext
 from colograd.engine.sync import WeightPlan
+from colograd.forward.batch import RolloutBatch, rollout_batch, split_rows
+from colograd.forward.core import Forward
+from colograd.forward.router import Router, RouterRecord, check_replay, router_of
 from colograd.grpo import parity_diagnosis
-from colograd.grpo.batch import RolloutBatch, rollout_batch, split_rows
-from colograd.grpo.dynamic import ROUND_STRIDE, DynamicSampling, largest_over_ranks
 from colograd.grpo.entropy import EntropyTerms
-from colograd.grpo.evaluation import evaluate
-from colograd.grpo.forward import Forward
 from colograd.grpo.loss import (
     engine_old_logps,
     group_advantages,
@@ -60,11 +58,14 @@ from colograd.grpo.loss import (
     weighted_rewards,
 )
 from colograd.grpo.parity import ParityError, ParityGuard, ParityStop
-from colograd.grpo.partial import PartialRollouts, refuse_overridden_stages
 from colograd.grpo.placement import prepare_on_cpu
 from colograd.grpo.policy import prepare_policy, weight_plan
 from colograd.grpo.reference import ReferencePolicy
-from colograd.grpo.rollouts import (
+from colograd.models import logit_transform
+from colograd.preflight.trainer import check_call, check_trainer, check_wrapped_trainer
+from colograd.rewards.core import RewardFunc, RewardModel, TimeLimits, resolve_rewards, reward_name
+from colograd.rewards.early import early_rewards, group_starter
+from colograd.rollout.core import (
     PreparedPrompts,
     ScoredRollout,
     gap_sampling,
@@ -73,14 +74,13 @@ from colograd.grpo.rollouts import (
     scored_metrics,
     vision_prompts,
 )
-from colograd.grpo.router import Router, RouterRecord, check_replay, router_of
-from colograd.models import logit_transform
-from colograd.preflight.trainer import check_call, check_trainer, check_wrapped_trainer
-from colograd.rewards.core import RewardFunc, RewardModel, TimeLimits, across_ranks, resolve_rewards, reward_name
-from colograd.rewards.early import early_rewards, group_starter
+from colograd.rollout.dynamic import ROUND_STRIDE, DynamicSampling
+from colograd.rollout.evaluation import evaluate
+from colograd.rollout.partial import PartialRollouts, refuse_overridden_stages
 from colograd.runs.checkpoints import checkpoint_step
 from colograd.runs.modelcard import Recipe
 from colograd.runs.preemption import Preemption
+from colograd.runs.ranks import across_ranks, largest_over_ranks
 from colograd.runs.saving import ModelSaving
 from colograd.runs.step_logs import StepLogs
 from colograd.vision.core import is_vision_language, rotate_prompts, text_tokenizer
@@ -342,7 +342,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         return slices
 
     def sample_dynamic(self, rows: list[dict]) -> tuple[ScoredRollout, int]:
-        """One training rollout of dynamic sampling (`colograd.grpo.dynamic`): `sample` in rounds until every group
+        """One training rollout of dynamic sampling (`colograd.rollout.dynamic`): `sample` in rounds until every group
         kept is informative. Returns it, and the completion tokens generated (in every round, dropped groups too)."""
         sample = lambda rows, round: self.sample(rows, round=round)  # noqa: E731
         # One wake for every round: with sleep mode, each round's own would put the engine to sleep in between.
@@ -370,7 +370,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
                 `num_generations_eval` (when set).
             evaluation: an evaluation rollout: seeded apart from training's, and its phases timed as `eval_generate`
                 and `eval_reward`, out of training's figures.
-            round: a refill round of dynamic sampling (`colograd.grpo.dynamic`), seeded apart from the rollout's
+            round: a refill round of dynamic sampling (`colograd.rollout.dynamic`), seeded apart from the rollout's
                 first.
         """
         args = self.args
@@ -402,7 +402,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         return ScoredRollout(prompts, prompt_ids, columns, rollout, rewards_NF, truncated, images)
 
     def sample_partial(self, rows: list[dict]) -> tuple[ScoredRollout, int]:
-        """One training rollout of partial rollouts (`colograd.grpo.partial`): the groups carried from the last
+        """One training rollout of partial rollouts (`colograd.rollout.partial`): the groups carried from the last
         rollout continued first, then `rows` and the extra prompts that keep the groups in flight; the first
         `len(rows)` finished groups, in that order, scored. Returns it, and the completion tokens generated (in every
         group)."""
@@ -666,7 +666,8 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         self, eval_dataset: Any = None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"
     ) -> dict[str, float]:
         """Sample `num_generations_eval` completions of every eval prompt with the engine, in one call per rank,
-        and score them with the reward functions; logs and returns TRL's eval metrics (`colograd.grpo.evaluation`)."""
+        and score them with the reward functions; logs and returns TRL's eval metrics
+        (`colograd.rollout.evaluation`)."""
         metrics = evaluate(self, eval_dataset if eval_dataset is not None else self.eval_dataset)
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)

@@ -1,4 +1,4 @@
-"""What the per-token entropies cost the training forward + backward (`colograd.grpo.logps`).
+"""What the per-token entropies cost the training forward + backward (`colograd.forward.logps`).
 
 On a model with SmolLM2-135M's shape (Llama, hidden 576, vocabulary 49,152, tied embeddings; random weights,
 fp32; `layers` of its 30 layers, so that the output layer's share is at least the real model's), one process:
@@ -16,8 +16,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from colograd.engine.rollout import Rollout
-from colograd.grpo.batch import pad_rollout
-from colograd.grpo.logps import completion_logps
+from colograd.forward.batch import pad_rollout
+from colograd.forward.logps import completion_logps
 
 MODES = {"none": None, "detached": "detached", "grad": "grad"}
 

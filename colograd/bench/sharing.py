@@ -7,8 +7,8 @@ pass of `completion_logps` forward + backward over `prompts` prompts of `prompt_
 - `unshared`: every sequence whole, packed (transformers' packed-sequence mask);
 - `shared_mask`: each prompt computed once, a 4D mask (boolean on a CPU, additive in the compute dtype on a GPU,
   as `prompt_sharing` gives it);
-- `unshared_segments`, `shared_segments`: the same two as segments in CUDA's varlen kernels (`colograd.grpo.attention`;
-  on a GPU only, where `segment_kernel` finds one).
+- `unshared_segments`, `shared_segments`: the same two as segments in CUDA's varlen kernels
+  (`colograd.forward.attention`; on a GPU only, where `segment_kernel` finds one).
 
 Medians of `repeats` interleaved runs after a warm-up, tokens computed, and on a GPU the peak memory torch
 allocated in each (a packing that runs out of memory is reported so, and the others still run). A long-prompt
@@ -28,10 +28,10 @@ import torch
 
 from colograd.bench.shapes import build_model
 from colograd.engine.rollout import Rollout
-from colograd.grpo import attention
-from colograd.grpo.batch import pad_rollout
-from colograd.grpo.logps import PromptSharing, completion_logps, pack_for_forward
-from colograd.grpo.packing import prompt_sharing, segment_kernel
+from colograd.forward import attention
+from colograd.forward.batch import pad_rollout
+from colograd.forward.logps import PromptSharing, completion_logps, pack_for_forward
+from colograd.forward.packing import prompt_sharing, segment_kernel
 
 
 def grouped_batch(

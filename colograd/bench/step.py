@@ -66,7 +66,7 @@ from colograd.bench.shapes import (
 )
 from colograd.engine.launch import free_port
 from colograd.engine.requests import Sampling, sampling_params
-from colograd.grpo.logps import completion_logps
+from colograd.forward.logps import completion_logps
 from colograd.grpo.loss import policy_loss
 from colograd.models import pretrained, tiny
 

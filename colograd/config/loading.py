@@ -3,6 +3,7 @@
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from peft import PeftConfig, PeftModel, get_peft_model
 from torch import nn
 from transformers import PreTrainedModel, set_seed
@@ -111,6 +112,12 @@ def disable_dropout(model: nn.Module) -> None:
         _zero_dropout_fields(vars(module))
     for config in _configs(getattr(model, "config", None)):
         _zero_dropout_fields(vars(config))
+
+
+def compute_dtype(model: nn.Module, mixed_precision: str | None) -> torch.dtype:
+    """The dtype the model computes in: autocast's under `mixed_precision` bf16 / fp16, else its weights'."""
+    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision or "")
+    return autocast or next(model.parameters()).dtype
 
 
 def dropouts_in_use(model: nn.Module) -> list[str]:

@@ -303,7 +303,7 @@ class TRLTrainerAttributes:
     pad_to_multiple_of = _FromArgs()
     use_transformers_continuous_batching = _FromArgs()
     # What colograd always does: generate with its colocated engine. A dense model has no router loss; the trainer
-    # sets these two for a Mixture-of-Experts model (`colograd.grpo.router`).
+    # sets these two for a Mixture-of-Experts model (`colograd.forward.router`).
     use_vllm = True
     vllm_mode = "colocate"
     aux_loss_enabled = False

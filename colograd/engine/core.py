@@ -541,7 +541,7 @@ class Engine:
         `wake_weights`): with sleep mode, the KV cache back (and the weights memory, where nothing brought it yet),
         and asleep again afterwards; without, a CPU engine's KV cache released afterwards (`_rest_on_the_host`).
 
-        Inside another `awake` (a rollout's refill rounds, `colograd.grpo.dynamic`, within the rollout's own) it
+        Inside another `awake` (a rollout's refill rounds, `colograd.rollout.dynamic`, within the rollout's own) it
         does nothing: the engine stays awake until the outer one ends.
 
         Raises:

@@ -1,4 +1,4 @@
-"""The engine's request loop for partial rollouts (`colograd.grpo.partial`): completions sampled a piece at a time,
+"""The engine's request loop for partial rollouts (`colograd.rollout.partial`): completions sampled a piece at a time,
 across rollouts and weight versions.
 
 `sample_until` drives vLLM's `LLMEngine` directly (add / step / abort), one request of n = 1 per unfinished
@@ -8,7 +8,7 @@ sampler tap), or from vLLM's per-token objects where the tap is not installed. I
 all their completions finished, and aborts the rest: what they sampled so far is kept, and a later call continues
 each as prompt + tokens so far, with what is left of its length. The engine computes a continued completion's
 tokens from the same context as it would have in one piece, so their log-probs are the same
-(tests/grpo/test_partial_rollouts.py).
+(tests/rollout/test_partial_rollouts.py).
 """
 
 import logging

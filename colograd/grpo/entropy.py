@@ -2,7 +2,7 @@
 the entropy bonus (`entropy_coef`) and its adaptive coefficient (`use_adaptive_entropy`), and the `entropy` metric.
 
 Entropies are those of each completion position's next-token distribution at the sampling temperature, computed
-by `colograd.grpo.logps` chunk by chunk with the log-probs (no [tokens × vocabulary] matrix for the whole batch).
+by `colograd.forward.logps` chunk by chunk with the log-probs (no [tokens × vocabulary] matrix for the whole batch).
 """
 
 import json
@@ -60,7 +60,7 @@ class EntropyTerms:
     Args:
         args: the run's `GRPOConfig`.
         accelerator: the Trainer's (its `sync_gradients` marks the optimizer steps; its reductions span ranks).
-        gather: every rank's values of a 1-D tensor (see `colograd.rewards.core.across_ranks`).
+        gather: every rank's values of a 1-D tensor (see `colograd.runs.ranks.across_ranks`).
         metrics: the trainer's metric lists, which `regularize` appends to.
     """
 
@@ -88,8 +88,8 @@ class EntropyTerms:
 
     @property
     def mode(self) -> str:
-        """How `colograd.grpo.logps` computes entropies: with gradient while a bonus applies, else (detached) for the
-        mask and the metric."""
+        """How `colograd.forward.logps` computes entropies: with gradient while a bonus applies, else (detached) for
+        the mask and the metric."""
         return "grad" if self.bonus_enabled and self.applied_coef != 0.0 else "detached"
 
     def mask(self, entropy_NT: torch.Tensor, mask_NT: torch.Tensor) -> torch.Tensor | None:

@@ -148,8 +148,8 @@ class ParityGuard:
     def of_run(cls, model: torch.nn.Module, args: Any, diagnose: Callable[[], str] | None = None) -> "ParityGuard":
         """The guard of a run training `model` (unwrapped) with `args`: its bound from the dtype the engine samples in
         and the one the trainer computes in, acting as `engine_parity` says, off where sampling is filtered."""
+        from colograd.config.loading import compute_dtype
         from colograd.engine.settings import engine_dtype, engine_layers
-        from colograd.grpo.memory import compute_dtype
 
         sampled_in = engine_dtype(args, next(model.parameters()).dtype, engine_layers(model))
         bound = tolerance(sampled_in, compute_dtype(model, args.mixed_precision))

@@ -4,8 +4,8 @@ Some models transform the output layer's logits in their forward before returnin
 `logits_scaling`, Command-R multiplies them by `logit_scale`, Gemma-2 soft-caps them (`cap * tanh(z / cap)`). The
 trainer's log-probs must be those of the transformed logits, the distribution the engine samples. colograd never
 builds the whole [tokens × vocabulary] logit matrix: its output layer computes the log-probs of the wanted tokens a
-chunk at a time (`colograd.grpo.logps`). So the transform is learnt once per model, by running the model's own forward
-around a stand-in: its decoder returns zeros without computing anything, its output layer returns a recording
+chunk at a time (`colograd.forward.logps`). So the transform is learnt once per model, by running the model's own
+forward around a stand-in: its decoder returns zeros without computing anything, its output layer returns a recording
 tensor, and every torch operation the forward then applies to that tensor is kept (`logit_transform`). The output
 layer applies the kept operations to each chunk's logits, and the forward's own operations, applied to the log-probs
 it returns, are let through unchanged (`passthrough`).

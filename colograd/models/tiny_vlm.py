@@ -1,10 +1,9 @@
 """A tiny vision-language model, processor and image task built locally, so VLM runs and tests need no download.
 
-The model is a LLaVA: a 2-layer CLIP vision tower (28-pixel images, 14-pixel patches, hidden 32), a projector and
-the tiny 2-layer Qwen2 of `colograd.models.tiny` (hidden 128, 2 heads of 64, sizes vLLM's CPU attention accepts). An
-image
-becomes 4 placeholder tokens (2 × 2 patches; the CLS feature is dropped). The processor's image processor is the
-PIL one, which needs no torchvision.
+The model is a LLaVA: a 2-layer CLIP vision tower (28-pixel images, 14-pixel patches, hidden 32), a projector and the
+tiny 2-layer Qwen2 of `colograd.models.tiny` (hidden 128, 2 heads of 64, sizes vLLM's CPU attention accepts). An image
+becomes 4 placeholder tokens (2 × 2 patches; the CLS feature is dropped). The processor's image processor is the PIL
+one, which needs no torchvision.
 
 Two variable-resolution models share its vocabulary: a tiny LLaVA-Next (`save_tiny_llava_next`: crops by aspect
 ratio) and a tiny Qwen2.5-VL or Qwen2-VL (`save_tiny_qwen_vl`: patches by aspect ratio, M-RoPE positions).

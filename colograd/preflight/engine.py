@@ -123,8 +123,7 @@ def _check_layers(args: GRPOConfig, model_config: PretrainedConfig, layers: list
 def _check_experts(model_config: PretrainedConfig, gpu: bool) -> None:
     """A Mixture-of-Experts model trains where the engine's experts can take the trainer's weights at every sync
     (see `colograd.engine.moe`): full-precision experts, on a GPU, or on vLLM's CPU backend where its grouped-GEMM
-    kernel
-    takes the hidden size (it pads the expert intermediate size itself)."""
+    kernel takes the hidden size (it pads the expert intermediate size itself)."""
     experts = expert_count(model_config)
     if experts is None:
         return

@@ -22,9 +22,7 @@ from colograd.config.trl_compat import QUANTIZED, check_refused_parameters, envi
 from colograd.data.core import sampled_prompt_tokens
 from colograd.engine.lora import check_lora
 from colograd.engine.settings import architecture_name
-from colograd.grpo.dynamic import refuse_unrefillable
-from colograd.grpo.logps import check_fp32_head
-from colograd.grpo.partial import refuse_unresumable
+from colograd.forward.logps import check_fp32_head
 from colograd.models import logit_transform
 from colograd.models.model_files import check_model_tokens
 from colograd.models.precision import master_copy_warning
@@ -32,6 +30,8 @@ from colograd.preflight.core import check_data, check_prompts, check_settings, c
 from colograd.preflight.engine import check_engine
 from colograd.preflight.env import check_environment
 from colograd.rewards.core import RewardFunc
+from colograd.rollout.dynamic import refuse_unrefillable
+from colograd.rollout.partial import refuse_unresumable
 from colograd.vision.checks import check_image_data
 from colograd.vision.core import text_tokenizer
 

@@ -270,23 +270,6 @@ def _reward_tokenizer(model: PreTrainedModel) -> PreTrainedTokenizerBase:
         ) from err
 
 
-def across_ranks(accelerator: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A gather of every rank's values of a 1-D tensor: rewards, for what TRL normalises over the whole batch, and
-    per-token entropies, for the high-entropy mask's quantile.
-
-    Returns:
-        A function of this rank's values [N] giving all ranks' [M] (on this rank's device), a rank with fewer
-        padded with NaN, which the nan-aware statistics leave out. A collective: every rank must call it.
-    """
-
-    def gather(rewards_N: torch.Tensor) -> torch.Tensor:
-        local = rewards_N.to(accelerator.device)
-        padded = accelerator.pad_across_processes(local, dim=0, pad_index=float("nan"))
-        return accelerator.gather(padded).to(rewards_N.device)
-
-    return gather
-
-
 def reward_name(func: RewardFunc) -> str:
     """The name metrics use for a reward function: ``rewards/<name>/mean``."""
     return getattr(func, "__name__", type(func).__name__)

@@ -318,7 +318,8 @@ class RunFinished(ConfigError):
 
 
 # What a checkpoint holds besides the model a final save writes: the optimizer's and scheduler's state, random
-# states, the Trainer's state and colograd's records (`colograd.grpo.entropy`, `colograd.grpo.partial`), DeepSpeed's.
+# states, the Trainer's state and colograd's records (`colograd.grpo.entropy`, `colograd.rollout.partial`),
+# DeepSpeed's.
 TRAINING_STATE = re.compile(
     r"(optimizer|scheduler|scaler|rng_state)[\w.-]*\.(pt|pth|bin)|entropy_ctrl_state\.json|latest|zero_to_fp32\.py|"
     + "|".join(re.escape(name) for name in (STATE_FILE, RECORD_FILE))

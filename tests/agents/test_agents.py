@@ -18,8 +18,8 @@ from colograd.agents.tools import HermesToolParser, MarkerToolParser, ToolCall, 
 from colograd.engine.core import Engine
 from colograd.engine.rollout import Rollout
 from colograd.engine.sync import WeightPlan
-from colograd.grpo.batch import pad_rollout
-from colograd.grpo.logps import completion_logps
+from colograd.forward.batch import pad_rollout
+from colograd.forward.logps import completion_logps
 from colograd.models import tiny
 from colograd.runs.preemption import StepFailure
 

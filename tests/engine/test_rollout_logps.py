@@ -7,12 +7,12 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from colograd.check import trainer_logprobs
 from colograd.config.core import GRPOConfig
 from colograd.engine.core import Engine
 from colograd.engine.requests import Sampling, rollout_requests, sampling_params
 from colograd.engine.sampler_tap import SamplerTap
 from colograd.engine.sync import WeightPlan
+from colograd.gpu.check import trainer_logprobs
 from colograd.models import tiny
 
 pytestmark = pytest.mark.slow
@@ -98,7 +98,7 @@ def test_a_rollout_asks_for_the_gap_sample_only_when_a_step_it_trains_logs(loggi
 
     from transformers import TrainerState
 
-    from colograd.grpo.rollouts import gap_sampling
+    from colograd.rollout.core import gap_sampling
 
     args = GRPOConfig(output_dir=str(tmp_path), **SETTINGS | steps | logging)
     span = args.steps_per_generation // args.gradient_accumulation_steps  # optimizer steps per rollout
@@ -118,7 +118,7 @@ def test_an_image_runs_gap_turn_moves_on_by_one_at_each_rollout_that_logs(tmp_pa
     whatever the logging period, and the same for the same step after a resume (nothing counted in the trainer)."""
     from transformers import TrainerState
 
-    from colograd.grpo.rollouts import gap_sampling
+    from colograd.rollout.core import gap_sampling
 
     args = GRPOConfig(output_dir=str(tmp_path), **SETTINGS | dict(logging_steps=3))
     turns = []

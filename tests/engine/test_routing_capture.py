@@ -16,7 +16,7 @@ from colograd.engine.requests import Sampling
 from colograd.engine.routing import _CAPTURES, UNKNOWN
 from colograd.engine.sync import WeightPlan
 from colograd.errors import ConfigError
-from colograd.grpo.router import router_of
+from colograd.forward.router import router_of
 from colograd.models import tiny
 
 QUESTIONS = ["what is 2+2?", "name a colour, any colour you like, and say why.", "say yes."]

@@ -21,9 +21,9 @@ from trl.trainer.utils import add_fused_lm_head
 
 from colograd.config.core import IS_CORRECTION_MODES, LOSS_TYPES, ConfigError
 from colograd.engine.rollout import Rollout
-from colograd.grpo.batch import pad_rollout, split_by_tokens
+from colograd.forward.batch import pad_rollout, split_by_tokens
+from colograd.forward.logps import completion_logps
 from colograd.grpo.entropy import EntropyTerms
-from colograd.grpo.logps import completion_logps
 from colograd.grpo.loss import (
     Surrogate,
     clipped_fractions,

@@ -15,10 +15,10 @@ from colograd import GRPOConfig, GRPOTrainer
 from colograd.config.core import ConfigError
 from colograd.engine.launch import free_port
 from colograd.engine.rollout import Rollout
-from colograd.grpo.batch import pad_rollout
-from colograd.grpo.forward import Forward
+from colograd.forward.batch import pad_rollout
+from colograd.forward.core import Forward
+from colograd.forward.packing import prompt_sharing_cost
 from colograd.grpo.loss import policy_loss
-from colograd.grpo.packing import prompt_sharing_cost
 from colograd.grpo.reference import ReferencePolicy
 from colograd.models import tiny
 

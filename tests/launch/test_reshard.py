@@ -7,7 +7,7 @@ sampler's, whoever holds the model: one uninterrupted DDP run is the reference f
 
 (The decision and its refusals, on checkpoints written as the trainer writes them: tests/launch/test_relaunch.py;
 the conversion's refusals and DeepSpeed's shared step counts: tests/runs/test_universal.py; partial rollouts' carried
-groups shared out among the ranks: tests/grpo/test_partial_rollouts.py.)
+groups shared out among the ranks: tests/rollout/test_partial_rollouts.py.)
 """
 
 import json

@@ -8,17 +8,17 @@ import torch
 from conftest import launch
 from test_logps import _grouped_batch, _one_prompt_batch
 
-from colograd.grpo import memory
-from colograd.grpo.batch import split_by_tokens
-from colograd.grpo.logps import PromptSharing, pack_shared
-from colograd.grpo.memory import (
+from colograd.forward import memory
+from colograd.forward.batch import split_by_tokens
+from colograd.forward.logps import PromptSharing, pack_shared
+from colograd.forward.memory import (
     PassBudget,
     activation_bytes_per_token,
     output_layer_bytes,
     pass_token_budget,
     pending_bytes,
 )
-from colograd.grpo.packing import prompt_sharing_cost
+from colograd.forward.packing import prompt_sharing_cost
 from colograd.models import tiny
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]

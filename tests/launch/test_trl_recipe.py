@@ -20,7 +20,7 @@ from colograd import GRPOConfig, GRPOTrainer, ScriptArguments, train
 from colograd.data.core import load_prompts
 from colograd.data.streaming import rollout_stream
 from colograd.engine.rollout import Rollout
-from colograd.grpo.batch import pad_rollout
+from colograd.forward.batch import pad_rollout
 from colograd.models import tiny
 from colograd.runs.completions import first_of_each_prompt
 

@@ -12,8 +12,8 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from colograd.errors import ConfigError
-from colograd.grpo import attention
-from colograd.grpo.logps import completion_logps
+from colograd.forward import attention
+from colograd.forward.logps import completion_logps
 from colograd.models import logit_transform
 
 VOCAB, PROMPT, COMPLETION = 256, 5, 7

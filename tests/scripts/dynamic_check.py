@@ -1,5 +1,6 @@
-"""Dynamic sampling on 2 ranks (tests/grpo/test_dynamic_sampling.py): rank 0's reward also leaves the groups of prompts
-asking for 'a' or 'b' uniform, so rank 0 needs more refill rounds than rank 1. Run under a multi-process launch:
+"""Dynamic sampling on 2 ranks (tests/rollout/test_dynamic_sampling.py): rank 0's reward also leaves the groups of
+prompts asking for 'a' or 'b' uniform, so rank 0 needs more refill rounds than rank 1.
+Run under a multi-process launch:
 
     accelerate launch --config_file tests/configs/zero3_cpu.yaml tests/scripts/dynamic_check.py OUT_DIR
 
@@ -15,8 +16,8 @@ import torch.distributed as dist
 
 from colograd import GRPOTrainer
 from colograd.engine.sync import is_sharded
-from colograd.grpo.dynamic import group_spread
 from colograd.models import tiny
+from colograd.rollout.dynamic import group_spread
 
 
 def rank_reward(completions: list[str], target: list[str], **kwargs) -> list[float]:

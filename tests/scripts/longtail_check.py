@@ -1,5 +1,5 @@
-"""The long-tail features on 2 ranks under ZeRO-3, in one launch (tests/grpo/test_dynamic_sampling.py,
-tests/grpo/test_partial_rollouts.py): dynamic sampling's run (`dynamic_check.py`), then partial rollouts'
+"""The long-tail features on 2 ranks under ZeRO-3, in one launch (tests/rollout/test_dynamic_sampling.py,
+tests/rollout/test_partial_rollouts.py): dynamic sampling's run (`dynamic_check.py`), then partial rollouts'
 (`partial_check.py`), one trainer after the other in the same processes, so that the launch's start-up is paid once.
 
     accelerate launch --config_file tests/configs/zero3_cpu.yaml tests/scripts/longtail_check.py OUT_DIR

@@ -31,7 +31,7 @@ import zoo  # noqa: E402  (tests/zoo.py)
 
 from colograd import GRPOConfig, GRPOTrainer  # noqa: E402
 from colograd.engine.sync import is_sharded  # noqa: E402
-from colograd.grpo.router import router_of  # noqa: E402
+from colograd.forward.router import router_of  # noqa: E402
 
 QUESTIONS = ["what is 2+2?", "name a colour.", "say yes.", "(1+3)*2=?"]
 

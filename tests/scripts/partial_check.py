@@ -1,4 +1,4 @@
-"""Partial rollouts on 2 ranks (tests/grpo/test_partial_rollouts.py). Run under a multi-process launch:
+"""Partial rollouts on 2 ranks (tests/rollout/test_partial_rollouts.py). Run under a multi-process launch:
 
     accelerate launch --config_file tests/configs/zero3_cpu.yaml tests/scripts/partial_check.py OUT_DIR
 

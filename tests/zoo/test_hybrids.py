@@ -5,7 +5,7 @@ LFM2 (short convolutions) from the zoo, shrunk in width only, sharp weights.
 vLLM's CPU build computes Gated DeltaNet in bf16 only, so the engine runs in bf16 while the trainer keeps float32
 (`colograd.engine.hybrid`), and the parity gate holds each rollout to its 16-bit bound. The engine's cache is sized
 from the specs its layers report (`colograd.engine.kv_cache.RolloutCache`), the trainer's passes run padded
-(`colograd.grpo.forward`), and the sync must reach every tensor the layers read: a convolution weight or `A_log` left
+(`colograd.forward.core`), and the sync must reach every tensor the layers read: a convolution weight or `A_log` left
 out stops the run at its first rollout, named by the gate's diagnosis.
 """
 

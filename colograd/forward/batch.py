@@ -9,9 +9,9 @@ from typing import TypedDict
 import torch
 
 from colograd.engine.rollout import Rollout
-from colograd.grpo.logps import PromptSharing, forwarded_tokens, plan_shared
-from colograd.grpo.rollouts import ScoredRollout
-from colograd.grpo.router import UNREAD
+from colograd.forward.logps import PromptSharing, forwarded_tokens, plan_shared
+from colograd.forward.router import UNREAD
+from colograd.rollout.core import ScoredRollout
 from colograd.vision.core import check_expansion, pad_pixels
 
 

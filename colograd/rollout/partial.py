@@ -27,7 +27,7 @@ from colograd.data.streaming import NumberedRows
 from colograd.engine.partial import Group, Piecewise, sample_until
 from colograd.engine.rollout import Rollout
 from colograd.errors import ConfigError
-from colograd.grpo.dynamic import draw_rows, refuse_stream
+from colograd.rollout.dynamic import draw_rows, refuse_stream
 
 STATE_DIR = "partial_rollouts"  # in a checkpoint: one file per rank of its carried groups
 

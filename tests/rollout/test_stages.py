@@ -8,8 +8,8 @@ import torch
 
 from colograd import GRPOTrainer
 from colograd.engine.rollout import Rollout
-from colograd.grpo.rollouts import ScoredRollout, reward_metrics, rollout_metrics, sampled_lengths
 from colograd.models import tiny
+from colograd.rollout.core import ScoredRollout, reward_metrics, rollout_metrics, sampled_lengths
 
 
 def test_rollout_metrics_by_hand():

@@ -1,4 +1,4 @@
-"""The GPU acceptance check (`python -m colograd.check`): its checks run here against vLLM's CPU build, which is
+"""The GPU acceptance check (`python -m colograd.gpu.check`): its checks run here against vLLM's CPU build, which is
 evidence that they measure what they claim; the command itself refuses to run without a GPU. Each engine row runs in
 a child process and hands its result back as JSON: that protocol runs here for real (a hidden `--allow-cpu`)."""
 
@@ -9,9 +9,10 @@ import pytest
 import torch
 from conftest import ROOT, _env
 
-from colograd import check, check_runner
 from colograd.engine.core import Engine
 from colograd.engine.sync import WeightPlan
+from colograd.gpu import check
+from colograd.gpu import runner as check_runner
 
 CPU = torch.device("cpu")
 GiB = 2**30
@@ -21,7 +22,7 @@ GiB = 2**30
 @pytest.mark.slow
 def test_without_a_gpu_the_check_says_so_in_one_line_and_fails():
     proc = subprocess.run(
-        [sys.executable, "-m", "colograd.check"], cwd=ROOT, env=_env(), capture_output=True, text=True
+        [sys.executable, "-m", "colograd.gpu.check"], cwd=ROOT, env=_env(), capture_output=True, text=True
     )
     assert proc.returncode == 1
     lines = (proc.stdout + proc.stderr).strip().splitlines()
@@ -96,7 +97,7 @@ def test_a_child_that_failed_after_or_while_writing_its_result_is_a_fail_row(tmp
     crashed while writing it: a FAIL row with its last line, and the other rows go on."""
     path = tmp_path / "row.json"
     written = check.Result("r", "pass", "gap 1e-05", {"gap": 1e-5})
-    code = (f"from colograd.check_runner import Result, write_result; import sys; "
+    code = (f"from colograd.gpu.runner import Result, write_result; import sys; "
             f"write_result(Result(**{vars(written)!r}), {str(path)!r}); "
             "print('teardown crashed', file=sys.stderr); sys.exit(3)")  # fmt: skip
     result = check_runner.run_child("r", [sys.executable, "-c", code], lambda: check_runner.read_result(str(path)))
@@ -256,7 +257,7 @@ def test_gpu_check_passes():
 
 def test_segment_row_compares_shared_segments_with_unshared_sdpa(monkeypatch):
     """The row's arithmetic on a CPU, the reference kernel standing in for CUDA's varlen kernels."""
-    from colograd.grpo import attention, packing
+    from colograd.forward import attention, packing
 
     setup = check.tiny_setup(CPU)
     assert check.check_segments(setup).status == "FAIL"  # no varlen kernel on a CPU, and the row says so
@@ -276,7 +277,7 @@ def test_segment_row_compares_shared_segments_with_unshared_sdpa(monkeypatch):
     assert check.check_segments(setup).status == "FAIL"
 
 
-# --- the proof: the check and the step benchmark, recorded (`python -m colograd.proof`) ----------------------
+# --- the proof: the check and the step benchmark, recorded (`python -m colograd.gpu.proof`) ----------------------
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the proof runs instead")
@@ -285,7 +286,7 @@ def test_without_a_gpu_the_proof_says_so_in_one_line_before_writing_anything(tmp
     page = tmp_path / "gpu.md"
     page.write_text("<!-- gpu-proof:begin -->\nkept\n<!-- gpu-proof:end -->\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "colograd.proof", "--record", str(page)],
+        [sys.executable, "-m", "colograd.gpu.proof", "--record", str(page)],
         cwd=tmp_path, env={**_env(), "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
     )  # fmt: skip
     lines = (proc.stdout + proc.stderr).strip().splitlines()
@@ -294,7 +295,7 @@ def test_without_a_gpu_the_proof_says_so_in_one_line_before_writing_anything(tmp
 
 
 def test_the_proof_writes_its_parts_between_the_page_markers_and_nothing_else(tmp_path):
-    from colograd import proof
+    from colograd.gpu import proof
 
     page = tmp_path / "gpu.md"
     page.write_text(f"intro\n{proof.BEGIN}\nan older table\n{proof.END}\noutro\n")

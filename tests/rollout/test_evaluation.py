@@ -7,7 +7,7 @@ import torch
 from trl.trainer.utils import nanstd
 
 from colograd.config.core import ConfigError
-from colograd.grpo.evaluation import eval_metrics, eval_tool_metrics, eval_totals, rank_share, tool_totals
+from colograd.rollout.evaluation import eval_metrics, eval_tool_metrics, eval_totals, rank_share, tool_totals
 
 NAN = float("nan")
 

@@ -11,15 +11,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from colograd.config.loading import compute_dtype
+
 # Share of the memory left for activations that passes may plan to use: the rest absorbs the allocator's
 # fragmentation and what the estimate leaves out (temporaries of the backward pass, a shared prompt's mask).
 HEADROOM = 0.8
-
-
-def compute_dtype(model: nn.Module, mixed_precision: str | None) -> torch.dtype:
-    """The dtype the model computes in: autocast's under `mixed_precision` bf16 / fp16, else its weights'."""
-    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision or "")
-    return autocast or next(model.parameters()).dtype
 
 
 def activation_bytes_per_token(config: Any, compute_bytes: int, residual_bytes: int) -> int:

@@ -1,4 +1,4 @@
-"""Partial rollouts (APRIL, `colograd.grpo.partial`, `colograd.engine.partial`): a rollout stops once enough groups
+"""Partial rollouts (APRIL, `colograd.rollout.partial`, `colograd.engine.partial`): a rollout stops once enough groups
 have finished, the rest carried to the next, continued first, their stale tokens corrected or masked.
 
 The logic runs on groups built by hand (no engine); the slow tests sample on the CPU engine: a continued completion's
@@ -20,10 +20,10 @@ from colograd.engine.partial import Group, Piecewise
 from colograd.engine.requests import Sampling
 from colograd.engine.rollout import Rollout
 from colograd.errors import ConfigError
-from colograd.grpo import partial as partial_module
-from colograd.grpo.batch import pad_rollout
-from colograd.grpo.partial import PartialRollouts, refuse_overridden_stages, refuse_unresumable
+from colograd.forward.batch import pad_rollout
 from colograd.models import tiny
+from colograd.rollout import partial as partial_module
+from colograd.rollout.partial import PartialRollouts, refuse_overridden_stages, refuse_unresumable
 
 G = 4
 STOPS = [1, 40, 41, 42, 43]  # <eos> and four characters: a random model stops at ~1 token in 13

@@ -1,4 +1,4 @@
-"""Routing replay, the trainer's half (`colograd.grpo.router.RoutingReplay`): on every forward layout (packed, in
+"""Routing replay, the trainer's half (`colograd.forward.router.RoutingReplay`): on every forward layout (packed, in
 rows, prompts shared, padded) the model's routers pick the experts a rollout's `routed_experts` give, position by
 position, for every family whose router takes a top-k (DeepSeek's and GLM's group-limited routing with its correction
 bias included); replaying the model's own routing changes nothing, a routing shifted by one token changes the
@@ -12,9 +12,9 @@ from test_router import PASSES, moe_model, rollout
 from transformers import AutoModelForCausalLM
 
 from colograd.errors import ConfigError
-from colograd.grpo.logps import PromptSharing, completion_logps
-from colograd.grpo.packing import prompt_sharing_cost
-from colograd.grpo.router import UNREAD, RouterRecord, RoutingReplay, check_replay, router_of
+from colograd.forward.logps import PromptSharing, completion_logps
+from colograd.forward.packing import prompt_sharing_cost
+from colograd.forward.router import UNREAD, RouterRecord, RoutingReplay, check_replay, router_of
 from colograd.models import tiny
 
 QWEN3_MOE, MIXTRAL, DEEPSEEK_V3 = (
@@ -208,7 +208,7 @@ def test_the_batch_holds_the_routing_beside_the_tokens():
     """`pad_rollout` places each completion's routing (prompt, then completion) where its tokens are: -1 where the
     engine did not route, `UNREAD` on padding and on a last token the engine did not route (nothing reads it)."""
     from colograd.engine.rollout import Rollout
-    from colograd.grpo.batch import pad_rollout
+    from colograd.forward.batch import pad_rollout
 
     prompts = [[5, 6, 7], [8, 9]]
     completions = [[1, 2], [3], [4, 4, 4], [2]]

@@ -106,7 +106,7 @@ def router_of(model: nn.Module, coef: float | None) -> Router | None:
 
 
 class RouterRecord:
-    """What the routers did in one forward pass (`colograd.grpo.logps.completion_logps` fills it)."""
+    """What the routers did in one forward pass (`colograd.forward.logps.completion_logps` fills it)."""
 
     def __init__(self, router: Router) -> None:
         self.router = router

@@ -1,6 +1,6 @@
 """Log-probs of completion tokens under a causal LM: padded or packed (padding-free), output layer in chunks.
 
-A rollout is stored padded (see `colograd.grpo.batch`): N rows of P prompt tokens (left-padded) and T completion
+A rollout is stored padded (see `colograd.forward.batch`): N rows of P prompt tokens (left-padded) and T completion
 tokens (right-padded). The forward pass can run on those rows as they are, or on the same sequences packed
 end to end (`pack`): no padding is computed, and the position ids restart at 0 for each sequence, which is how
 transformers' attention masks tell packed sequences apart. Either way the result is [N, T], the log-prob of
@@ -10,8 +10,8 @@ Completions of the same prompt can also share one copy of it (`pack_shared`, GRP
 computed once, each completion follows it with positions continuing from the prompt's end, and a 4D attention
 mask lets each completion see only its prompt and itself. Log-probs and gradients are those of the unshared
 sequences; the prompt's tokens are computed once per group instead of once per completion. `PromptSharing` says
-when a forward pass shares and in which form the mask is built; `colograd.grpo.packing` decides it for a run (always
-on a CPU; on a GPU as segments without a mask, `colograd.grpo.attention`, or only where sharing pays for the masked
+when a forward pass shares and in which form the mask is built; `colograd.forward.packing` decides it for a run (always
+on a CPU; on a GPU as segments without a mask, `colograd.forward.attention`, or only where sharing pays for the masked
 kernel).
 
 The output layer never produces the whole [tokens × vocabulary] logit matrix: for the duration of the forward
@@ -32,8 +32,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from colograd.errors import ConfigError
-from colograd.grpo import attention
-from colograd.grpo.router import UNREAD, RouterRecord, RoutingReplay
+from colograd.forward import attention
+from colograd.forward.router import UNREAD, RouterRecord, RoutingReplay
 from colograd.models import logit_transform
 from colograd.models.logit_transform import LogitTransform
 from colograd.vision.core import forward_images
@@ -50,7 +50,7 @@ class Packed:
     tokens: the real (not padding) tokens the rows hold.
     attention_mask: None (position ids restarting at 0 tell the sequences apart) or, for shared prompts,
         [R, 1, L, L]: True where a token may attend, or additive (0 there, -inf elsewhere); or, packed for
-        segment attention, a `colograd.grpo.attention.segment_mask` (no mask values).
+        segment attention, a `colograd.forward.attention.segment_mask` (no mask values).
     weights: [R, L], how many sequences each position stands for: 0 for padding, a shared prompt's token one for
         each completion that shares it, else 1 (what a per-token statistic of the sequences weighs it by).
     source: [R × L], the flat position in the padded batch ([N × (P + T)]) each position's token comes from (a
@@ -94,7 +94,8 @@ def pack(
     """The padded rollout rows of `batch` (input_ids, attention_mask, completion_ids) packed without padding.
 
     Vectorised: one host sync (the lengths, to plan the rows), then a scatter of every real token to its place.
-    With `segments` (a `colograd.grpo.attention.KERNELS` name) each sequence is a segment of its own (`segment_mask`).
+    With `segments` (a `colograd.forward.attention.KERNELS` name) each sequence is a segment of its own
+    (`segment_mask`).
     """
     input_ids, mask = batch["input_ids"], batch["attention_mask"].bool()
     device, n = input_ids.device, input_ids.size(0)
@@ -230,7 +231,7 @@ def plan_shared(batch: dict[str, torch.Tensor], attention_cost: float, row_token
 class PromptSharing:
     """When and how a forward pass shares prompts (`pack_shared`).
 
-    attention_cost: `colograd.grpo.packing.prompt_sharing_cost` of the model; bounds a shared unit.
+    attention_cost: `colograd.forward.packing.prompt_sharing_cost` of the model; bounds a shared unit.
     min_saving: share only when that computes at least this fraction fewer tokens than packing every sequence
         whole would, where that packing runs without a mask (every row one sequence, no padding) and so gets the
         faster maskless kernel. Otherwise (or at 0) share whenever some prompt is computed fewer times.
@@ -277,7 +278,7 @@ def pack_shared(
             layer then uses (and saves for its backward) this one tensor instead of converting its own copy.
         plan: `plan_shared(batch, attention_cost, row_tokens)`, when already made.
         segments: instead of a mask, the prompts and completions as segments for segment attention, run by this
-            `colograd.grpo.attention.KERNELS` kernel (`segment_mask`).
+            `colograd.forward.attention.KERNELS` kernel (`segment_mask`).
     """
     device = batch["input_ids"].device
     plan = plan or plan_shared(batch, attention_cost, row_tokens)
@@ -399,9 +400,9 @@ def completion_logps(
         fp32_head: the output layer computes in float32, outside autocast (`cast_lm_head_to_fp32`).
         share_prompts: with `padding_free`, sequences with the same prompt compute it once (`pack_shared`) where
             `PromptSharing.applies`; a float is the attention cost of a `PromptSharing` that shares whenever that
-            saves tokens (`colograd.grpo.packing.prompt_sharing_cost`). None: each its own.
+            saves tokens (`colograd.forward.packing.prompt_sharing_cost`). None: each its own.
         count_tokens: called with the number of tokens the forward pass computes (padded: padding included).
-        segments: with `padding_free`, run the attention on segments with this `colograd.grpo.attention.KERNELS`
+        segments: with `padding_free`, run the attention on segments with this `colograd.forward.attention.KERNELS`
             kernel instead of a mask, where `model`'s attention is switched to it (`attention.install`; else this
             is ignored). All sequences then go in one row: segments, not rows, keep them apart.
         suppressed: token ids the engine never samples (image placeholders): left out of every distribution, as
@@ -476,7 +477,7 @@ def pack_for_forward(
 ) -> Packed:
     """`batch` packed for one forward pass: prompts shared where `share_prompts` says it applies (its additive
     mask in `compute_dtype`, the dtype of the attention's queries), else each sequence whole (`pack`); with
-    `segments` (a `colograd.grpo.attention.KERNELS` kernel) in one row, as segments instead of under a mask."""
+    `segments` (a `colograd.forward.attention.KERNELS` kernel) in one row, as segments instead of under a mask."""
     if segments is not None:
         row_tokens = int(batch["attention_mask"].sum())  # one row: the segments keep the sequences apart
     if share_prompts is None:

@@ -1,4 +1,5 @@
-"""Dynamic sampling (DAPO, `colograd.grpo.dynamic`): uniform groups dropped, the rollout refilled, every rank in step.
+"""Dynamic sampling (DAPO, `colograd.rollout.dynamic`): uniform groups dropped, the rollout refilled, every rank in
+step.
 
 The logic runs on rollouts built by hand (no engine); the slow tests train through `GRPOTrainer` on the CPU engine,
 in one process and on 2 ranks under ZeRO-3, with rewards that leave many groups uniform.
@@ -13,7 +14,9 @@ from datasets import Dataset, IterableDataset
 from colograd.config.core import GRPOConfig
 from colograd.engine.rollout import Rollout
 from colograd.errors import ConfigError
-from colograd.grpo.dynamic import (
+from colograd.models import tiny
+from colograd.rollout.core import PromptImages, ScoredRollout
+from colograd.rollout.dynamic import (
     ROUND_STRIDE,
     DynamicSampling,
     group_spread,
@@ -21,8 +24,6 @@ from colograd.grpo.dynamic import (
     refuse_unrefillable,
     take_groups,
 )
-from colograd.grpo.rollouts import PromptImages, ScoredRollout
-from colograd.models import tiny
 
 G = 4
 WEIGHTS = torch.ones(1)
@@ -199,7 +200,7 @@ def test_a_run_that_keeps_filling_with_uniform_groups_is_warned():
     warned."""
     import warnings
 
-    from colograd.grpo.dynamic import WARN_AFTER
+    from colograd.rollout.dynamic import WARN_AFTER
 
     never = Rounds(set(NAMES))
     dynamic = DynamicSampling(settings(dynamic_sampling_max_rounds=2), DATA, False, 0, 1)

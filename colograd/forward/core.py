@@ -4,9 +4,9 @@ slice under a model (`logps`) and a slice cut into passes that fit the token bud
 The settings: whether the passes are packed at all (not for a model with layers that carry state along the sequence,
 `colograd.models.hybrid`: a packed sequence would start from the state its neighbour left), how padding-free passes
 are packed (the segment kernel, a prompt shared by its completions:
-`colograd.grpo.packing`), the pass token budget (`colograd.grpo.memory.PassBudget`), the tokens never scored (a
+`colograd.forward.packing`), the pass token budget (`colograd.forward.memory.PassBudget`), the tokens never scored (a
 vision-language model's image placeholders), whether the model takes position ids, and a Mixture-of-Experts model's
-routers (`colograd.grpo.router`).
+routers (`colograd.forward.router`).
 """
 
 import logging
@@ -19,12 +19,13 @@ import torch
 from torch import nn
 
 from colograd.config.core import GRPOConfig
-from colograd.grpo import attention
-from colograd.grpo.batch import RolloutBatch, split_by_tokens
-from colograd.grpo.logps import PromptSharing, completion_logps
-from colograd.grpo.memory import PassBudget, compute_dtype
-from colograd.grpo.packing import forward_packing, keeps_packed_sequences_apart
-from colograd.grpo.router import Router, RouterRecord, RoutingReplay
+from colograd.config.loading import compute_dtype
+from colograd.forward import attention
+from colograd.forward.batch import RolloutBatch, split_by_tokens
+from colograd.forward.logps import PromptSharing, completion_logps
+from colograd.forward.memory import PassBudget
+from colograd.forward.packing import forward_packing, keeps_packed_sequences_apart
+from colograd.forward.router import Router, RouterRecord, RoutingReplay
 from colograd.models.hybrid import bound_time_steps_as_configured, carries_state, state_layer_kinds
 from colograd.vision.core import placeholder_ids, takes_position_ids
 
@@ -123,7 +124,7 @@ class Forward:
         router: RouterRecord | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Log-probs of the completion tokens under `model` at the sampling temperature, [N, T], and with `entropy`
-        ("detached" / "grad") each position's entropy (`colograd.grpo.logps.completion_logps`); `count_tokens` gets
+        ("detached" / "grad") each position's entropy (`colograd.forward.logps.completion_logps`); `count_tokens` gets
         the tokens computed, `router` records the routers in the pass."""
         args = self.args
         return completion_logps(

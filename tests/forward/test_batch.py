@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from colograd.engine.rollout import Rollout
-from colograd.grpo.batch import pad_rollout, split_rows
+from colograd.forward.batch import pad_rollout, split_rows
 
 
 def test_pad_rollout_by_hand():

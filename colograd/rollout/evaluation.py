@@ -14,8 +14,8 @@ import torch
 
 from colograd.errors import ConfigError
 from colograd.grpo.loss import weighted_rewards
-from colograd.grpo.rollouts import sampled_lengths
 from colograd.rewards.core import reward_name
+from colograd.rollout.core import sampled_lengths
 
 
 def evaluate(trainer: Any, dataset: Any) -> dict[str, float]:

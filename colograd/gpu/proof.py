@@ -1,8 +1,8 @@
-"""`python -m colograd.proof` (or `make gpu-proof`): prove a GPU machine end to end and record it in docs/gpu.md.
+"""`python -m colograd.gpu.proof` (or `make gpu-proof`): prove a GPU machine end to end and record it in docs/gpu.md.
 
 It runs, in parts that each fit one 10-minute command on an H100:
 
-    engine      the acceptance check's engine rows (`colograd.check`): sync parity eager and compiled, with every
+    engine      the acceptance check's engine rows (`colograd.gpu.check`): sync parity eager and compiled, with every
                 engine tensor at the address it had (captured CUDA graphs read those), sleep levels 1 and 2 (2
                 compiled), a tiny MoE, LoRA adapter and merged, LoRA's three sleep levels
     training    the tiny recipe, then partial rollouts, dynamic sampling and a vision-language model on a compiled
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from colograd import check
-from colograd.check_runner import Result, format_table, last_line
+from colograd.gpu import check
+from colograd.gpu.runner import Result, format_table, last_line
 
 # The check's rows of each part (all of `check.ROWS` between them, in its order).
 _ENGINE_ROWS = [name for name in check.ROWS if name.startswith(("sync", "sleep", "MoE", "LoRA"))]
@@ -110,7 +110,7 @@ def record(page: Path, parts: list[dict]) -> None:
     """Write `parts` into `page` between its markers (replacing what was there), or say where they are missing."""
     text = page.read_text()
     if BEGIN not in text or END not in text:
-        raise SystemExit(f"colograd.proof: {page} has no '{BEGIN}' ... '{END}' section to write into; add one")
+        raise SystemExit(f"colograd.gpu.proof: {page} has no '{BEGIN}' ... '{END}' section to write into; add one")
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
     page.write_text(head + BEGIN + "\n" + render(parts) + "\n" + END + tail)
@@ -131,20 +131,20 @@ def render(parts: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m colograd.proof", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m colograd.gpu.proof", description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=[*PARTS, "all"], default="all")
     parser.add_argument("--record", metavar="PAGE", help="write every part's results into PAGE (docs/gpu.md)")
     cli = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print(
-            "colograd.proof: needs an NVIDIA GPU (torch.cuda.is_available() is False); see docs/gpu.md",
+            "colograd.gpu.proof: needs an NVIDIA GPU (torch.cuda.is_available() is False); see docs/gpu.md",
             file=sys.stderr,
         )
         return 1
     RESULTS.mkdir(exist_ok=True)
     failed = False
     for part in PARTS if cli.part == "all" else (cli.part,):
-        print(f"colograd.proof: {part} ...", flush=True)
+        print(f"colograd.gpu.proof: {part} ...", flush=True)
         result = run_part(part) | {"finished": time.time()}
         (RESULTS / f"{part}.json").write_text(json.dumps(result))
         print(format_table([Result(**row) for row in result["rows"]]), flush=True)
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             json.loads((RESULTS / f"{part}.json").read_text()) for part in PARTS if (RESULTS / f"{part}.json").exists()
         ]
         record(Path(cli.record), found)
-        print(f"colograd.proof: wrote {len(found)} part(s) into {cli.record}", flush=True)
+        print(f"colograd.gpu.proof: wrote {len(found)} part(s) into {cli.record}", flush=True)
     return 1 if failed else 0
 
 

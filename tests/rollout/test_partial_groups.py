@@ -13,10 +13,10 @@ from conftest import ROOT, refused
 from colograd import GRPOTrainer
 from colograd.config.core import ConfigError, GRPOConfig
 from colograd.engine.rollout import Rollout
-from colograd.grpo.batch import pad_rollout, split_rows
-from colograd.grpo.logps import completion_logps, pack_shared
+from colograd.forward.batch import pad_rollout, split_rows
+from colograd.forward.logps import completion_logps, pack_shared
+from colograd.forward.packing import prompt_sharing_cost
 from colograd.grpo.loss import group_advantages
-from colograd.grpo.packing import prompt_sharing_cost
 from colograd.models import tiny
 from colograd.preflight.core import check_size
 

@@ -1,4 +1,4 @@
-"""A Mixture-of-Experts router's load-balancing loss as TRL adds it (`colograd.grpo.router`): the loss colograd
+"""A Mixture-of-Experts router's load-balancing loss as TRL adds it (`colograd.forward.router`): the loss colograd
 computes on packed and prompt-shared passes is the one the model computes on the same sequences padded (TRL's
 forward), TRL's rule for the coefficient, and the experts' load."""
 
@@ -8,9 +8,9 @@ import zoo
 from transformers import AutoModelForCausalLM
 
 from colograd.errors import ConfigError
-from colograd.grpo.logps import PromptSharing, completion_logps
-from colograd.grpo.packing import prompt_sharing_cost
-from colograd.grpo.router import RouterRecord, router_of
+from colograd.forward.logps import PromptSharing, completion_logps
+from colograd.forward.packing import prompt_sharing_cost
+from colograd.forward.router import RouterRecord, router_of
 from colograd.models import tiny
 
 QWEN3_MOE, MIXTRAL, OLMOE, DEEPSEEK = (
@@ -115,7 +115,7 @@ def test_a_shared_prompt_counts_once_per_completion():
     router = router_of(model, None)
     flat = RouterRecord(router)
     with torch.no_grad(), flat.recording(model) as logits:
-        from colograd.grpo.logps import pack_shared
+        from colograd.forward.logps import pack_shared
 
         packed = pack_shared(batch, sharing.attention_cost)
         model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=packed.attention_mask)
@@ -196,8 +196,8 @@ def test_the_training_loss_adds_coef_times_the_router_loss(tmp_path):
     from types import MethodType, SimpleNamespace
 
     from colograd import GRPOTrainer
+    from colograd.forward.core import Forward
     from colograd.grpo.entropy import EntropyTerms
-    from colograd.grpo.forward import Forward
     from colograd.grpo.parity import ParityGuard, tolerance
     from colograd.runs.timing import PhaseTimes
 

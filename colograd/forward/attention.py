@@ -1,7 +1,7 @@
 """Attention over packed segments without a mask: CUDA's variable-length (varlen) attention kernels.
 
-A padding-free forward pass (`colograd.grpo.logps`) holds many sequences end to end. With SDPA, transformers tells them
-apart by a 4D mask, and shared prompts (`pack_shared`) need one too: an [L, L] tensor per pass, and a masked call
+A padding-free forward pass (`colograd.forward.logps`) holds many sequences end to end. With SDPA, transformers tells
+them apart by a 4D mask, and shared prompts (`pack_shared`) need one too: an [L, L] tensor per pass, and a masked call
 that runs in the slower memory-efficient kernel. Here the pass is cut into *segments* instead, each a run of query
 tokens with the keys it may see:
 

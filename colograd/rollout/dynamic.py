@@ -26,7 +26,7 @@ from colograd.data.streaming import NumberedRows, read_row
 from colograd.engine.rollout import RewardLogs, Rollout
 from colograd.errors import ConfigError
 from colograd.grpo.loss import weighted_rewards
-from colograd.grpo.rollouts import PromptImages, ScoredRollout
+from colograd.rollout.core import PromptImages, ScoredRollout
 
 # Refill round k of a rollout samples with its step + k × this as the engine's step: apart from every other
 # rollout's.
@@ -55,16 +55,6 @@ def refuse_unrefillable(args: Any, train_dataset: Any, agents: bool) -> None:
             "dynamic_sampling with tools, environment_factory or rollout_func is not supported (a refill round would "
             "run the agents again within one rollout); turn dynamic_sampling off for agent runs."
         )
-
-
-def largest_over_ranks(accelerator: Any) -> Callable[[list[int]], list[int]]:
-    """`DynamicSampling.fill`'s `most`: each of a list of numbers, its largest over every rank (a collective)."""
-
-    def most(numbers: list[int]) -> list[int]:
-        every = accelerator.gather(torch.tensor(numbers, device=accelerator.device))
-        return every.view(-1, len(numbers)).max(dim=0).values.tolist()
-
-    return most
 
 
 def group_spread(

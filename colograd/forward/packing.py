@@ -1,8 +1,8 @@
 """How a run packs its padding-free passes, decided once at start-up from the model, the device and the dtype.
 
-`colograd.grpo.logps` packs and runs each pass; this module says how: whether the model's attention can share a prompt
-and what that costs (`prompt_sharing_cost`), whether a GPU runs the passes as segments in a varlen kernel
-(`segment_kernel`, `use_segments`, `colograd.grpo.attention`), and when a pass shares its prompts (`prompt_sharing`:
+`colograd.forward.logps` packs and runs each pass; this module says how: whether the model's attention can share a
+prompt and what that costs (`prompt_sharing_cost`), whether a GPU runs the passes as segments in a varlen kernel
+(`segment_kernel`, `use_segments`, `colograd.forward.attention`), and when a pass shares its prompts (`prompt_sharing`:
 on a GPU that masks, only where that saves enough tokens to pay for the masked kernel). `forward_packing` is the
 trainer's one call.
 """
@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend
 
-from colograd.grpo import attention
-from colograd.grpo.logps import PromptSharing
+from colograd.forward import attention
+from colograd.forward.logps import PromptSharing
 
 
 def keeps_packed_sequences_apart(model: nn.Module) -> bool:
@@ -88,8 +88,8 @@ GPU_MIN_SAVING = 0.2
 
 
 def segment_kernel(model: nn.Module, device: torch.device, compute_dtype: torch.dtype) -> str | None:
-    """The varlen kernel that runs `model`'s padding-free passes as segments (`colograd.grpo.attention`) on `device`,
-    or None: not on CUDA, an attention that cannot be cut into segments (`prompt_sharing_cost`), or no varlen
+    """The varlen kernel that runs `model`'s padding-free passes as segments (`colograd.forward.attention`) on
+    `device`, or None: not on CUDA, an attention that cannot be cut into segments (`prompt_sharing_cost`), or no varlen
     kernel for its heads in `compute_dtype` (`attention.varlen_kernel`)."""
     if device.type != "cuda" or prompt_sharing_cost(model) is None:
         return None

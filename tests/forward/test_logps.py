@@ -9,8 +9,8 @@ from trl.trainer.utils import selective_log_softmax
 
 from colograd.config.core import GRPOConfig
 from colograd.errors import ConfigError
-from colograd.grpo import packing
-from colograd.grpo.logps import (
+from colograd.forward import packing
+from colograd.forward.logps import (
     PromptSharing,
     completion_logps,
     pack,
@@ -19,8 +19,8 @@ from colograd.grpo.logps import (
     pack_shared,
     share_units,
 )
+from colograd.forward.packing import masked_attention_kernel, prompt_sharing, prompt_sharing_cost
 from colograd.grpo.loss import policy_loss
-from colograd.grpo.packing import masked_attention_kernel, prompt_sharing, prompt_sharing_cost
 from colograd.models import tiny
 
 N, P, T = 8, 6, 9

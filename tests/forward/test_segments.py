@@ -1,4 +1,4 @@
-"""Segment attention (`colograd.grpo.attention`): padding-free passes, shared prompts included, without a mask.
+"""Segment attention (`colograd.forward.attention`): padding-free passes, shared prompts included, without a mask.
 
 The varlen kernels exist on CUDA only; here the `reference` kernel (a loop of masked SDPA calls over the same
 segments) stands in for them, so what is proven on a CPU is the layout: which keys each query segment gathers,
@@ -15,10 +15,10 @@ from torch.nn.attention import SDPBackend
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from colograd import GRPOTrainer
-from colograd.grpo import attention, packing
-from colograd.grpo.attention import Segments, segments_of
-from colograd.grpo.logps import PromptSharing, completion_logps, pack_for_forward
-from colograd.grpo.packing import prompt_sharing, use_segments
+from colograd.forward import attention, packing
+from colograd.forward.attention import Segments, segments_of
+from colograd.forward.logps import PromptSharing, completion_logps, pack_for_forward
+from colograd.forward.packing import prompt_sharing, use_segments
 from colograd.models import tiny
 
 

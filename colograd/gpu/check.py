@@ -1,4 +1,4 @@
-"""The GPU acceptance check: `python -m colograd.check` (or `make gpu-check`) on a machine with NVIDIA GPUs.
+"""The GPU acceptance check: `python -m colograd.gpu.check` (or `make gpu-check`) on a machine with NVIDIA GPUs.
 
 Every figure in the test suite comes from vLLM's CPU build; the CUDA build takes a different model runner.
 This check runs the pieces a GPU run depends on, with the project's own engine and sync, and prints a table:
@@ -17,8 +17,8 @@ This check runs the pieces a GPU run depends on, with the project's own engine a
     segment attention         the varlen kernel of padding-free passes: shared prompts train as unshared SDPA
     tensor parallel 2         one engine over two GPUs (two processes), when there are two
 
-Each row that builds an engine runs in a fresh interpreter (`python -m colograd.check --row NAME --json OUT`,
-run and read back by `colograd.check_runner`):
+Each row that builds an engine runs in a fresh interpreter (`python -m colograd.gpu.check --row NAME --json OUT`,
+run and read back by `colograd.gpu.runner`):
 vLLM never gives an engine's GPU memory back inside a process, and its sleep-mode allocator refuses a second
 engine in one. Parity is measured as in tests/engine/test_engine.py: the engine's prompt log-probs of a token sequence
 against `log_softmax` of the trainer's logits. Without a GPU the check says so in one line and exits 1.
@@ -43,12 +43,12 @@ import torch.distributed as dist
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from colograd.check_runner import ROW_TIMEOUT_S, Result, format_table, read_result, run_child, write_result
 from colograd.config.core import GRPOConfig
 from colograd.engine.core import Engine
 from colograd.engine.launch import free_port
 from colograd.engine.requests import Sampling, sampling_params
 from colograd.engine.sync import WeightPlan
+from colograd.gpu.runner import ROW_TIMEOUT_S, Result, format_table, read_result, run_child, write_result
 from colograd.models import tiny
 
 # Largest engine/trainer log-prob gap accepted: fp32 differs only by kernel order; bf16 rounds every layer.
@@ -466,13 +466,13 @@ def check_moe_replay(setup: Setup, steps: int = 8) -> Result:
 
 
 def check_segments(setup: Setup) -> Result:
-    """Padding-free passes as segments (`colograd.grpo.attention`): which varlen kernel this GPU runs, and a pass with
-    shared prompts against SDPA's unshared packing, in float32 and under bf16 autocast: the largest log-prob gap
+    """Padding-free passes as segments (`colograd.forward.attention`): which varlen kernel this GPU runs, and a pass
+    with shared prompts against SDPA's unshared packing, in float32 and under bf16 autocast: the largest log-prob gap
     and the largest gradient difference relative to the gradient's largest value."""
     from colograd.bench.sharing import grouped_batch
-    from colograd.grpo import attention
-    from colograd.grpo.logps import PromptSharing, completion_logps
-    from colograd.grpo.packing import segment_kernel
+    from colograd.forward import attention
+    from colograd.forward.logps import PromptSharing, completion_logps
+    from colograd.forward.packing import segment_kernel
 
     name, figures, parts = "segment attention", {}, []
     model = setup.build().train()
@@ -517,7 +517,7 @@ def check_tensor_parallel() -> Result:
             return Result(name, "pass" if ok else "FAIL", f"gap per rank {gaps[0]:.1e} / {gaps[1]:.1e}")
 
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), "-m", "colograd.check", "--tp-worker", out]  # fmt: skip
+               str(free_port()), "-m", "colograd.gpu.check", "--tp-worker", out]  # fmt: skip
         return run_child(name, cmd, read)
 
 
@@ -616,7 +616,7 @@ def run_row(name: str, model: str | None = None, allow_cpu: bool = False, timeou
     """Run the row `name` of `ROWS` in a fresh interpreter (`row_child`) and read its result back (`run_child`)."""
     with tempfile.TemporaryDirectory(prefix="colograd-check-") as out:
         path = os.path.join(out, "row.json")
-        cmd = [sys.executable, "-m", "colograd.check", "--row", name, "--json", path]
+        cmd = [sys.executable, "-m", "colograd.gpu.check", "--row", name, "--json", path]
         cmd += (["--model", model] if model else []) + (["--allow-cpu"] if allow_cpu else [])
         return run_child(name, cmd, lambda: read_result(path), timeout)
 
@@ -709,7 +709,7 @@ def _free_bytes() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m colograd.check", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m colograd.gpu.check", description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="a local folder or hub id to check with instead of the tiny model")
     parser.add_argument("--row", choices=list(ROWS), help=argparse.SUPPRESS)  # one row, in this process
     parser.add_argument("--json", metavar="OUT", help=argparse.SUPPRESS)  # where --row writes its result
@@ -722,7 +722,7 @@ def main(argv: list[str] | None = None) -> int:
         tensor_parallel_worker(cli.tp_worker)
         return 0
     if not torch.cuda.is_available() and not (cli.row and cli.allow_cpu):
-        message = "colograd.check: needs an NVIDIA GPU (torch.cuda.is_available() is False); see docs/gpu.md"
+        message = "colograd.gpu.check: needs an NVIDIA GPU (torch.cuda.is_available() is False); see docs/gpu.md"
         print(message, file=sys.stderr)
         return 1
     if cli.row:

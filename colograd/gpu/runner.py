@@ -1,4 +1,4 @@
-"""How the GPU check (`colograd.check`) runs its rows: each in a child process that writes its `Result` as JSON,
+"""How the GPU check (`colograd.gpu.check`) runs its rows: each in a child process that writes its `Result` as JSON,
 read back here, and the table they make.
 
 A row runs in a fresh interpreter because vLLM never gives an engine's GPU memory back inside a process; a child

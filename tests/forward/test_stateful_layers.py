@@ -1,5 +1,5 @@
 """Models whose layers carry state along the sequence (Qwen3.5's Gated DeltaNet linear attention): the trainer's
-passes give each completion the state its own prompt left, never its neighbour's (`colograd.grpo.forward`).
+passes give each completion the state its own prompt left, never its neighbour's (`colograd.forward.core`).
 
 transformers' torch path of these layers reads no sequence boundary: packed end to end in one row (padding-free),
 or after a prompt shared by its group, a sequence starts from the state the one before it left. Padded rows are
@@ -13,8 +13,8 @@ import zoo
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from colograd.config.core import GRPOConfig
-from colograd.grpo.forward import Forward
-from colograd.grpo.logps import completion_logps
+from colograd.forward.core import Forward
+from colograd.forward.logps import completion_logps
 from colograd.models.hybrid import carries_state, state_layer_kinds
 
 HYBRID = "Qwen/Qwen3.5-4B"
@@ -107,8 +107,8 @@ def test_a_model_whose_mask_ignores_the_position_ids_trains_padded(tmp_path):
     without a mask attend to each other: in a padding-free pass of the zoo's gpt-oss, the second sequence of a
     packed row was 3.2 nats off its padded log-probs. The probe finds it (and no such thing in Qwen3), and the
     trainer's passes then run padded, which give each sequence its own log-probs."""
-    from colograd.grpo.logps import completion_logps
-    from colograd.grpo.packing import keeps_packed_sequences_apart
+    from colograd.forward.logps import completion_logps
+    from colograd.forward.packing import keeps_packed_sequences_apart
 
     config = zoo.shrunk("openai/gpt-oss-20b")
     torch.manual_seed(0)
