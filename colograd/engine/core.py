@@ -3,6 +3,22 @@
 The engine starts with dummy weights and receives the trainer's weights through `load_weights` (see
 `colograd.engine.sync`) before its first generation, so it never reads a checkpoint from disk and works the same
 for a hub model, a local folder, or a model built in memory.
+
+Its surface, all that callers outside engine/ use (none reads `llm` or a state flag):
+
+    start        Engine.acquire(model, tokenizer, args, ...)    vLLM started by `launch.start_engine`; what it
+                                                                 holds (cache bytes, state pages, how a sync
+                                                                 writes, prompt room) read from its `Started`
+    weights in   sync(write, version)                            a rollout's first phase, once per optimizer step:
+                                                                 `write` is the trainer's `WeightPlan.sync`, which
+                                                                 calls load_weights / load_adapter
+                 holds(version), forget_synced()                 whether it holds that step's weights; "no longer"
+    sleep, wake  wake_weights(), then `with awake():`            the weights memory back for the sync; the KV cache
+                                                                 for the generation, asleep again after
+    generate     generate(prompt_ids, Sampling, step=, ...)      one call: B prompts × G completions → `Rollout`
+    per request  requests(...) → `Requests`                      the agents' turns, partial rollouts and TRL's
+                                                                 `VLLMGeneration`: add, step, generate
+    scoring      prompt_logprobs(ids), in_workers(fn)            the parity diagnosis and the checks
 """
 
 import logging
