@@ -406,6 +406,7 @@ class Agents:
             columns=columns,
             metrics=metrics,
             counts={"completions": len(trajectories), "calls": calls, "failures": failures},
+            asked=[True] * len(trajectories),  # every turn reads its log-probs (a missed tap leaves NaN: counted)
         )
 
     def _reset(

@@ -260,7 +260,7 @@ class Engine:
                 prompts, [params for _, params in requests], lora_request=self.lora_request, use_tqdm=False
             )
         routed = routing.prompt_routes(capture, requests, outputs, len(prompt_ids)) if capture else None
-        samples, computed, routed = self._own_samples(requests, outputs, len(prompt_ids), mine, routed)
+        samples, asked, computed, routed = self._own_samples(requests, outputs, len(prompt_ids), mine, routed)
         logps = self._tapped_logps(tap, outputs, mine * g) if tap is not None else None
         if tap is not None and logps is None:
             # The tap's rows did not hold these completions, on this rank or another of its engine (and vLLM built
@@ -278,6 +278,7 @@ class Engine:
             truncated=[sample.finish_reason == "length" for sample in samples],
             engine_prompt_ids=computed if images is not None else None,
             routed=[routes for group in routed for routes in group] if routed else None,
+            asked=[True] * len(samples) if tap is not None else asked,
         )
 
     def _pooled(
@@ -296,20 +297,23 @@ class Engine:
 
     def _own_samples(
         self, requests: list[tuple[int, Any]], outputs: list[Any], prompts: int, mine: int, routed: list | None
-    ) -> tuple[list[Any], list[list[int]], list | None]:
+    ) -> tuple[list[Any], list[bool], list[list[int]], list | None]:
         """vLLM's outputs of one call as this rank's completions, groups contiguous (a prompt's requests joined),
-        each prompt as the engine computed it, and its routes (under tensor parallelism, this rank's share of the
-        pooled prompts)."""
+        whether each was asked its log-probs, each prompt as the engine computed it, and its routes (under tensor
+        parallelism, this rank's share of the pooled prompts)."""
         groups: list[list[Any]] = [[] for _ in range(prompts)]  # each prompt's completions, over its requests
+        asks: list[list[bool]] = [[] for _ in range(prompts)]
         computed: list[list[int]] = [[] for _ in range(prompts)]
-        for (i, _), request in zip(requests, outputs, strict=True):
+        for (i, params), request in zip(requests, outputs, strict=True):
             groups[i] += request.outputs
+            asks[i] += [params.logprobs is not None] * len(request.outputs)
             computed[i] = list(request.prompt_token_ids)
         if self.tp_group is not None:
             first = self._tp_rank() * mine
-            groups = groups[first : first + mine]
+            groups, asks = groups[first : first + mine], asks[first : first + mine]
             routed = routed[first : first + mine] if routed else None
-        return [sample for group in groups for sample in group], computed, routed
+        asked = [a for group in asks for a in group]
+        return [sample for group in groups for sample in group], asked, computed, routed
 
     @contextmanager
     def _reporting_groups(

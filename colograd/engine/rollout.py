@@ -84,6 +84,9 @@ class Rollout:
     routed: routing replay (`routing_replay: rollout`): the experts the engine's MoE layers chose for each position
         of each completion's sequence (prompt then completion), int16 [prompt + completion length, layers, top_k],
         -1 where the engine did not route it (`colograd.engine.routing`); None: not recorded.
+    asked: whether the engine was asked the log-probs of each completion, so that a NaN in an asked completion's
+        `logps` is the engine's own (it computed none: the parity guard counts it past any bound); None: not
+        recorded (a NaN then may mean either).
     reward_logs: what the reward functions logged about these completions when `score` called them (TRL's
         `log_extra` / `log_metric`): each rollout its own, read by the trainer with the rollout's other metrics.
     """
@@ -99,4 +102,5 @@ class Rollout:
     metrics: dict[str, float] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
     routed: list[torch.Tensor] | None = None
+    asked: list[bool] | None = None
     reward_logs: RewardLogs = field(default_factory=RewardLogs, compare=False, repr=False)

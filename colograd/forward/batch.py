@@ -35,6 +35,7 @@ class RolloutBatch(TypedDict, total=False):
     loss_scale: torch.Tensor  # [] float: a pass's share of its slice, when a slice is trained in several passes
     routed_experts: torch.Tensor  # [N, P + T, layers, top_k] int16: the engine's routing (routing replay), else < 0
     fresh: torch.Tensor  # [] bool: the rollout's first micro-step, on the weights that sampled it (`training_step`)
+    engine_asked: torch.Tensor  # [N] bool: the engine was asked each completion's log-probs (`Rollout.asked`)
 
 
 def pad_rollout(
@@ -98,6 +99,8 @@ def pad_rollout(
         engine_logps=engine_logps,
         advantages=advantages_N,
     )
+    if rollout.asked is not None:
+        batch["engine_asked"] = torch.tensor(rollout.asked, dtype=torch.bool)
     if rollout.routed is not None:
         routed = torch.full((n, p + t, *rollout.routed[0].shape[1:]), UNREAD, dtype=torch.int16)
         for i, routes in enumerate(rollout.routed):

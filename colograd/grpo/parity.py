@@ -100,6 +100,7 @@ class Gap:
     noise: float = 0.0  # where compared: the largest difference between the training and evaluation passes
     sampled: int = 0  # the tokens sampled under the current weights, scored by the engine or not
     passes: int = 0  # the training passes measured (`ParityGuard.measured`): none means the loss skipped the guard
+    unscored: int = 0  # tokens sampled under the current weights whose log-probs the engine was asked and gave NaN
 
     @property
     def mean(self) -> float:
@@ -111,12 +112,17 @@ class Gap:
         engine_logps_NT: torch.Tensor,
         sampled_NT: torch.Tensor,
         settled_NT: torch.Tensor | None = None,
+        asked_N: torch.Tensor | None = None,
     ) -> None:
         """Add the tokens the engine sampled under the current weights (`sampled_NT` 1) and scored (not NaN): the
         engine's log-probs against the trainer's `settled_NT` (its evaluation pass) where given, else `logps_NT` (its
-        training pass); the two passes' difference is `noise`."""
+        training pass); the two passes' difference is `noise`. With `asked_N` (the completions whose log-probs the
+        engine was asked), a NaN among those is the engine's own and counts as `unscored`."""
         self.passes += 1
         self.sampled += int(sampled_NT.bool().sum().item())
+        if asked_N is not None:
+            asked_NT = sampled_NT.bool() & asked_N.to(sampled_NT.device).bool()[:, None]
+            self.unscored += int((asked_NT & engine_logps_NT.isnan()).sum().item())
         scored_NT = sampled_NT.bool() & ~engine_logps_NT.isnan()
         if not scored_NT.any():
             return
@@ -234,7 +240,7 @@ class ParityGuard:
         out = training_pass()
         if model.training:
             logps_NT = out[0] if isinstance(out, tuple) else out
-            self.observe(logps_NT, inputs["engine_logps"], inputs["tool_mask"], settled_NT)
+            self.observe(logps_NT, inputs["engine_logps"], inputs["tool_mask"], settled_NT, inputs.get("engine_asked"))
         return out
 
     def settled_logps(self, model: torch.nn.Module, logps: Callable[[], torch.Tensor]) -> torch.Tensor | None:
@@ -256,11 +262,12 @@ class ParityGuard:
         engine_logps_NT: torch.Tensor,
         sampled_NT: torch.Tensor,
         settled_NT: torch.Tensor | None = None,
+        asked_N: torch.Tensor | None = None,
     ) -> None:
         """Count a forward pass of the first slice (a slice may be trained in several passes); `settled_NT`: that
-        pass's `settled_logps`, where `comparing`."""
+        pass's `settled_logps`, where `comparing`; `asked_N`: the completions the engine was asked to score."""
         if self.gap is not None:
-            self.gap.add(logps_NT, engine_logps_NT, sampled_NT, settled_NT)
+            self.gap.add(logps_NT, engine_logps_NT, sampled_NT, settled_NT, asked_N)
 
     def check(self, step: int, gather: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Reduce the rollout's gap over ranks (`gather`: a tensor per rank to all of them, stacked: a collective,
@@ -290,6 +297,33 @@ class ParityGuard:
             logger.warning("colograd: %s; training on unguarded (engine_parity: warn).", line)
             self.skipped_warned = True
 
+    def _engine_nan(self, step: int, unscored: int, sampled: int, gated: bool) -> None:
+        """The engine gave NaN for `unscored` of the `sampled` tokens whose log-probs it was asked: its model computes
+        NaN, so it cannot be sampling from the policy being trained. Past any bound: the gate stops the run; later,
+        such a rollout counts toward the running guard's stop like one past the bound (warnings under
+        `engine_parity: warn`)."""
+        when = "before training" if gated else f"at step {step}"
+        line = (
+            f"the engine computes NaN for {self.model} {when}: it gave no log-prob (NaN) for {unscored} of the "
+            f"{sampled} tokens it sampled and was asked to score, so its model computes NaN (a synced tensor holding "
+            "NaN or inf, or an overflow in its precision) and nothing says it samples from the policy being trained"
+        )
+        if gated:
+            if self.stop:
+                raise ParityError(f"{line}. Set engine_parity: warn to train anyway.")
+            logger.warning("colograd: %s. Training on (engine_parity: warn).", line)
+            return
+        self.over += 1
+        self.recheck = True
+        if not self.warned:
+            logger.warning("colograd: %s (%d rollout(s) in a row).", line, self.over)
+            self.warned = True
+        if self.over >= PERSISTENT and self.stop and self.stopped is None:
+            self.stopped = (
+                f"{line} ({self.over} rollouts in a row). The run stopped with a checkpoint; set "
+                "engine_parity: warn to train on."
+            )
+
     def _unmeasured(self, sampled: int) -> None:
         """The gate's rollout gave no token to compare. Where the engine sampled tokens, none of which it scored (NaN:
         its model computed NaN, or its log-probs were lost on the way), nothing vouches for the engine: the run stops
@@ -312,14 +346,17 @@ class ParityGuard:
             return
         gap, self.gap = self.gap or Gap(), None
         local = torch.tensor(
-            [[gap.max, gap.total, float(gap.tokens), gap.noise, float(gap.sampled), float(gap.passes)]],
+            [[gap.max, gap.total, float(gap.tokens), gap.noise, float(gap.sampled), float(gap.passes), gap.unscored]],
             dtype=torch.float64,
         )
-        every = gather(local).view(-1, 6)
+        every = gather(local).view(-1, 7)
         tokens, sampled = int(every[:, 2].sum().item()), int(every[:, 4].sum().item())
         gated, self.gate_pending = self.gate_pending, False
         if not every[:, 5].all():  # a rank trained the slice without the guard's call
             self._skipped()
+            return
+        if unscored := int(every[:, 6].sum().item()):  # the engine computed NaN where it was asked: past any bound
+            self._engine_nan(step, unscored, sampled, gated)
             return
         if not tokens:  # a recheck waits for a rollout that measures
             if gated:

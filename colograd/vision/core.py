@@ -266,6 +266,7 @@ def rotate_prompts(
         tool_mask=per_completion(rollout.tool_mask),
         prompt_ids=per_completion(rollout.prompt_ids),
         routed=per_completion(rollout.routed),
+        asked=per_completion(rollout.asked),
         engine_prompt_ids=per_prompt(rollout.engine_prompt_ids),
     )
 

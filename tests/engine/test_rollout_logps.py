@@ -46,14 +46,16 @@ def test_log_probs_only_where_consumed(tiny_engine, tmp_path, monkeypatch):
     assert dict(counters["frames"]) == frames  # the CPU sampler counted ranks without compiling (engine_cpu)
     asked = [not any(math.isnan(v) for v in logps) for logps in rollout.logps]
     assert asked == [True] + [False] * 11
+    assert rollout.asked == asked  # recorded: a NaN in an asked completion would be the engine's own
     assert all(all(math.isnan(v) for v in logps) for logps in rollout.logps[1:])
+    assert engine.generate(prompts, Sampling.of(args), gap_sample=False).asked == [False] * 12
     assert [len(v) for v in rollout.logps] == [len(ids) for ids in rollout.completion_ids]
     expected = trainer_logprobs(model, prompts[0] + rollout.completion_ids[0])[len(prompts[0]) - 1 :]
     assert torch.tensor(rollout.logps[0]).sub(expected).abs().max() < 1e-4
 
     rollout = engine.generate(prompts, Sampling.of(corrected))
     assert isinstance(engine._tap, SamplerTap)  # read from the sampler, with no per-token objects
-    assert all(not any(math.isnan(v) for v in logps) for logps in rollout.logps)
+    assert all(not any(math.isnan(v) for v in logps) for logps in rollout.logps) and rollout.asked == [True] * 12
     for i, (ids, logps) in enumerate(zip(rollout.completion_ids, rollout.logps, strict=True)):
         sequence = prompts[i // 4] + ids
         expected = trainer_logprobs(model, sequence)[len(prompts[i // 4]) - 1 :]

@@ -240,6 +240,42 @@ def test_a_loss_that_skips_the_guards_call_is_said_so_and_one_that_makes_it_is_m
     guard.check(step=1, gather=one_rank)  # measured, within the bound: trains
 
 
+def test_nan_where_the_engine_was_asked_is_past_any_bound_at_the_gate_and_after_it(caplog):
+    """A rollout records which completions the engine was asked to score (`Rollout.asked`): a NaN among those is the
+    engine's own. At the gate one such token stops the run even where others were scored within the bound; after
+    the gate, rollouts with such tokens count toward the running guard's stop as rollouts past the bound do (the
+    run stops after `PERSISTENT` in a row). A NaN where the engine was not asked is nothing."""
+    engine = torch.tensor([[0.0, float("nan")]])
+    trained, sampled = torch.zeros(1, 2), torch.ones(1, 2)
+    asked, not_asked = torch.tensor([True]), torch.tensor([False])
+
+    def step(guard: ParityGuard, asked_N: torch.Tensor, at: int = 1) -> None:
+        guard.begin()
+        guard.observe(trained, engine, sampled, asked_N=asked_N)
+        guard.check(step=at, gather=one_rank)
+
+    with pytest.raises(ParityError, match=r"^the engine computes NaN for m before training: .* for 1 of the 2 tok"):
+        step(ParityGuard(FP32, "m"), asked)
+    step(ParityGuard(FP32, "m"), not_asked)  # the other token is scored, within the bound: trains
+    guard = ParityGuard(FP32, "m")
+    rollout(guard, [0.0])  # the gate passes
+    for at in range(2, 2 + parity.PERSISTENT):
+        assert guard.stopped is None
+        step(guard, asked, at)
+    assert guard.stopped and "computes NaN for m at step" in guard.stopped and "\n" not in guard.stopped
+    assert "computes NaN" in caplog.text  # said at the first such rollout
+    warned = ParityGuard(FP32, "m", stop=False)
+    rollout(warned, [0.0])
+    for at in range(2, 12):
+        step(warned, asked, at)
+    assert warned.stopped is None
+    recovering = ParityGuard(FP32, "m")
+    rollout(recovering, [0.0])
+    for at in range(2, 12):  # one rollout in two: never PERSISTENT in a row
+        step(recovering, asked if at % 2 else not_asked, at)
+    assert recovering.stopped is None
+
+
 def test_a_restart_gates_again():
     guard = ParityGuard(FP32, "m")
     rollout(guard, [0.0])
@@ -529,3 +565,32 @@ def test_an_engine_computing_nan_stops_the_run_before_training(tmp_path, monkeyp
         trainer.train()
     assert "\n" not in str(err.value) and "no log-prob (NaN)" in str(err.value)
     assert trainer.state.global_step == 0
+
+
+@pytest.mark.slow
+def test_an_engine_that_starts_computing_nan_later_stops_the_run(tmp_path, monkeypatch):
+    """From the third rollout on, the sync hands the engine a NaN final norm: the gate passed, and the engine is asked
+    only the sampling-gap metric's completion. Its NaN is the engine's own (the rollout records that it asked), so
+    the running guard counts each such rollout past the bound and stops the run after `PERSISTENT` of them, with a
+    checkpoint (it used to read them as "nothing measured" and train to the end)."""
+    from colograd import GRPOConfig, GRPOTrainer
+    from colograd.models import tiny
+
+    own, trainer = Engine.load_weights, None
+
+    def load_weights(engine, weights):
+        broken = trainer is not None and trainer.state.global_step >= 2
+        own(engine, [(n, torch.full_like(t, float("nan")) if broken and n == "model.norm.weight" else t)
+                     for n, t in weights])  # fmt: skip
+
+    monkeypatch.setattr(Engine, "load_weights", load_weights)
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=8, report_to="none", save_strategy="no",
+                      vllm_enforce_eager=True, max_completion_length=8)  # fmt: skip
+    trainer = GRPOTrainer(model=tiny.build_model(), reward_funcs=tiny.letters_reward, args=args,
+                          train_dataset=tiny.letters_dataset(64), processing_class=tiny.build_tokenizer())  # fmt: skip
+    with pytest.raises(ParityError) as err:
+        trainer.train()
+    line = str(err.value)
+    assert "\n" not in line and "the engine computes NaN for" in line and "at step 5" in line, line
+    assert trainer.state.global_step == 2 + parity.PERSISTENT  # stopped at the third rollout of NaN
+    assert (tmp_path / f"checkpoint-{trainer.state.global_step}").is_dir()

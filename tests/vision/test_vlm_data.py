@@ -279,32 +279,23 @@ def test_the_gap_metric_rotates_through_an_image_rollouts_prompts():
             report(j, [[ids[j][0], c] for c in range(2)])
         completions = [[ids[j][0], c] for j in range(len(ids)) for c in range(2)]
         first = [[0.5, 0.5] if j == 0 and c == 0 else [math.nan] * 2 for j in range(len(ids)) for c in range(2)]
-        return SimpleNamespace(
-            completion_ids=completions, logps=first, truncated=[False] * len(completions), tool_mask=None,
-            prompt_ids=None, engine_prompt_ids=[[i] for i, *_ in ids],
-        )  # fmt: skip
+        return Rollout(
+            completions, first, [False] * len(completions), engine_prompt_ids=[[i] for i, *_ in ids],
+            asked=[not math.isnan(lp[0]) for lp in first],
+        )
 
-    import dataclasses
-
-    @dataclasses.dataclass
-    class Rollout:
-        completion_ids: list
-        logps: list
-        truncated: list
-        tool_mask: list | None
-        prompt_ids: list | None
-        engine_prompt_ids: list | None
-        routed: list | None = None
+    from colograd.engine.rollout import Rollout
 
     reported = []
     rollout = rotate_prompts(
-        lambda *a: Rollout(**vars(generate(*a))), [[10], [11], [12]], [["a"], ["b"], ["c"]],
+        generate, [[10], [11], [12]], [["a"], ["b"], ["c"]],
         lambda i, comps: reported.append((i, comps[0][0])), shift=2, num_generations=2,
     )  # fmt: skip
     assert calls[0] == ([[12], [10], [11]], [["c"], ["a"], ["b"]])
     assert rollout.completion_ids == [[10, 0], [10, 1], [11, 0], [11, 1], [12, 0], [12, 1]]
     assert rollout.engine_prompt_ids == [[10], [11], [12]]
     assert [i for i, lp in enumerate(rollout.logps) if not math.isnan(lp[0])] == [4]  # prompt 2's first completion
+    assert [i for i, asked in enumerate(rollout.asked) if asked] == [4]  # what was asked follows its completion
     assert sorted(reported) == [(0, 10), (1, 11), (2, 12)]
 
 
