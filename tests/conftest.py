@@ -264,3 +264,37 @@ def worker(launcher: int, rank: int) -> int:
     if (pid := worker_pid(launcher, rank)) is None:
         raise AssertionError(f"no rank {rank} under process {launcher}")
     return pid
+
+
+def watch_rollouts(trainer: Any) -> set[str]:
+    """The names of the trainer's attributes its rollouts set or delete from now on (`make_rollout`, and `sample` as
+    evaluation calls it): `trainer` becomes an instance of a subclass of its class that records them. docs/design.md
+    names the one a rollout may set (`weight_plan`)."""
+    rebound: set[str] = set()
+    base = type(trainer)
+
+    def watched(stage):
+        def run(self, *args, **kwargs):
+            self.__dict__["_rolling"] = self.__dict__.get("_rolling", 0) + 1
+            try:
+                return stage(self, *args, **kwargs)
+            finally:
+                self.__dict__["_rolling"] -= 1
+
+        return run
+
+    def setattr_(self, name, value):
+        if self.__dict__.get("_rolling"):
+            rebound.add(name)
+        base.__setattr__(self, name, value)
+
+    def delattr_(self, name):
+        if self.__dict__.get("_rolling"):
+            rebound.add(name)
+        base.__delattr__(self, name)
+
+    body = {"make_rollout": watched(base.make_rollout), "sample": watched(base.sample)}
+    trainer.__class__ = type(
+        f"Watched{base.__name__}", (base,), body | {"__setattr__": setattr_, "__delattr__": delattr_}
+    )
+    return rebound

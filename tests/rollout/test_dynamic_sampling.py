@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from conftest import watch_rollouts
 from datasets import Dataset, IterableDataset
 
 from colograd.config.core import GRPOConfig
@@ -347,6 +348,7 @@ def test_a_rollout_trains_on_informative_groups_only(tmp_path):
     rows = [data[i] for i in range(8)]
     args = tiny.run_config(str(tmp_path), 2, dynamic_sampling=True, dynamic_sampling_max_rounds=4)
     trainer = GRPOTrainer(tiny.build_model(), half_uniform_reward, args, data, processing_class=tiny.build_tokenizer())
+    rebound = watch_rollouts(trainer)
     trainer.sync_for_rollout()
     plain = trainer.sample(rows)  # the first round alone: what a rollout without dynamic sampling trains
     assert (group_spread(plain.rewards_NF, trainer.reward_weights, args.num_generations) == 0).sum() >= 2
@@ -361,6 +363,7 @@ def test_a_rollout_trains_on_informative_groups_only(tmp_path):
     trainer.train()
     history = [h for h in trainer.state.log_history if "loss" in h]
     assert len(history) == 2 and all(math.isfinite(h["loss"]) for h in history)
+    assert rebound == set(), rebound  # the refill rounds leave nothing on the trainer (its plan was built above)
 
 
 @pytest.mark.slow

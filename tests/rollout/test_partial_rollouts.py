@@ -14,6 +14,7 @@ from dataclasses import asdict
 
 import pytest
 import torch
+from conftest import watch_rollouts
 from datasets import Dataset, IterableDataset
 
 from colograd.engine.partial import Group, Piecewise
@@ -439,6 +440,7 @@ def test_training_carries_groups_across_steps_and_a_checkpoint(tmp_path):
                            processing_class=tiny.build_tokenizer())  # fmt: skip
 
     trainer = build()
+    rebound = watch_rollouts(trainer)
     saved = {}
     write = trainer.partial.write_state
     trainer.partial.write_state = lambda folder: saved.update({os.path.basename(folder): json.dumps(
@@ -454,6 +456,7 @@ def test_training_carries_groups_across_steps_and_a_checkpoint(tmp_path):
     ratios = stale_step["sampling/importance_sampling_ratio/min"], stale_step["sampling/importance_sampling_ratio/max"]
     assert ratios[0] < 0.999 or ratios[1] > 1.001, ratios  # stale tokens: sampled by older weights
     assert logs[0]["sampling/sampling_logp_difference/max"] < 1e-4  # the fresh tokens: the engine is the trainer
+    assert rebound == {"weight_plan"}, rebound  # the carried groups live in `partial`, not on the trainer
 
     resumed = build()
     back = []

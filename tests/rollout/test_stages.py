@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from conftest import watch_rollouts
 
 from colograd import GRPOTrainer
 from colograd.engine.rollout import Rollout
@@ -51,30 +52,6 @@ class OwnStages(GRPOTrainer):
     asked: list[int] = []
     phases: list[str] = []
     seen: dict[str, object] = {}  # what a stage was handed, as arguments
-    rebound: set[str] = set()  # the trainer's attributes a rollout set or deleted
-
-    def _watched(self, stage, *args, **kwargs):
-        self.__dict__["_rolling"] = True
-        try:
-            return stage(*args, **kwargs)
-        finally:
-            self.__dict__["_rolling"] = False
-
-    def __setattr__(self, name, value):
-        if self.__dict__.get("_rolling"):
-            self.rebound.add(name)
-        super().__setattr__(name, value)
-
-    def __delattr__(self, name):
-        if self.__dict__.get("_rolling"):
-            self.rebound.add(name)
-        super().__delattr__(name)
-
-    def make_rollout(self, rows):
-        return self._watched(super().make_rollout, rows)
-
-    def sample(self, rows, num_generations=None, *, evaluation=False, round=0):
-        return self._watched(super().sample, rows, num_generations, evaluation=evaluation, round=round)
 
     def sync_weights(self):
         self.phases.append("sync_weights")
@@ -120,13 +97,14 @@ def test_overrides_without_super_keep_every_metric_and_evaluation_shares_the_rol
         eval_dataset=rows.select(range(3)),
         processing_class=tiny.build_tokenizer(),
     )
+    rebound = watch_rollouts(trainer)
     trainer.train()
     # The weight sync is the step's first phase, before the prompts are read, and the rollout's only one.
     rollout = ["sync_weights", "prepare_prompts", "generate"]
     assert trainer.phases == rollout * 2, trainer.phases
     # A rollout leaves nothing on the trainer for another stage to read: the only attribute it sets is the weight
     # sync's plan, built at the first sync (docs/design.md, "The step").
-    assert trainer.rebound == {"weight_plan"}, trainer.rebound
+    assert rebound == {"weight_plan"}, rebound
     # Each stage gets what it works on as its arguments: the rows' column, the rollout, the batch's tensors.
     assert trainer.seen["score"] == (4, "Rollout", ["target"]), trainer.seen  # 16 completions: 4 prompts × 4
     assert {"completion_ids", "completion_mask", "advantages", "engine_logps"} <= set(trainer.seen["rollout_logps"])
@@ -141,7 +119,7 @@ def test_overrides_without_super_keep_every_metric_and_evaluation_shares_the_rol
 
     metrics = trainer.evaluate()
     assert trainer.asked == [4, 4, 2]  # two training rollouts, then one evaluation with num_generations_eval
-    assert trainer.rebound == {"weight_plan"}, trainer.rebound  # evaluation's rollout set nothing either
+    assert rebound == {"weight_plan"}, rebound  # evaluation's rollout set nothing either
     assert metrics["eval_reward"] == pytest.approx(metrics["eval_completions/mean_length"])
     # Evaluation recorded none of training's metrics, and its phases only under their own names.
     window = set(trainer.metrics)

@@ -280,7 +280,10 @@ def test_the_gap_metric_rotates_through_an_image_rollouts_prompts():
         completions = [[ids[j][0], c] for j in range(len(ids)) for c in range(2)]
         first = [[0.5, 0.5] if j == 0 and c == 0 else [math.nan] * 2 for j in range(len(ids)) for c in range(2)]
         return Rollout(
-            completions, first, [False] * len(completions), engine_prompt_ids=[[i] for i, *_ in ids],
+            completions,
+            first,
+            [False] * len(completions),
+            engine_prompt_ids=[[i] for i, *_ in ids],
             asked=[not math.isnan(lp[0]) for lp in first],
         )
 
