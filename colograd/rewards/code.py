@@ -51,6 +51,7 @@ BINARY_THRESHOLD = 0.99  # open-r1's
 SANDBOX_MODES = ("namespaces", "none")
 OUTPUT_LINES = ("all", "shorter")
 CHECKERS = ("lines", "tokens", "tokens_nocase", "float")
+CASES = ("first_failure", "all")
 
 
 def extract_code(completion: str, language: str = "python") -> str:
@@ -142,10 +143,13 @@ class CodeReward:
         checker: how a stdin/stdout case's output is compared: "lines" (with `output_lines`), "tokens",
             "tokens_nocase" or "float" (`output_matches`).
         tolerance: the "float" checker's absolute or relative tolerance.
+        cases: how many of a row's stdin/stdout cases run: "first_failure", in order until one fails (the cases after
+            it count as failed and are never sent to the sandbox: a competitive-programming judge's verdict), or
+            "all", every one (open-r1's and TRL's `code_reward`: the reward is the fraction passed).
 
     Raises:
-        ConfigError: an unknown `sandbox`, `output_lines` or `checker`; `SandboxUnavailable` where the namespaces
-            cannot be built.
+        ConfigError: an unknown `sandbox`, `output_lines`, `checker` or `cases`; `SandboxUnavailable` where the
+            namespaces cannot be built.
     """
 
     scores_while_decoding = True
@@ -160,6 +164,7 @@ class CodeReward:
         output_lines: str = "all",
         checker: str = "lines",
         tolerance: float = 1e-6,
+        cases: str = "first_failure",
     ) -> None:
         if sandbox not in SANDBOX_MODES:
             raise ConfigError(f"code_sandbox: {sandbox!r} is not one of {', '.join(SANDBOX_MODES)}.")
@@ -167,12 +172,15 @@ class CodeReward:
             raise ConfigError(f"code_output_lines: {output_lines!r} is not one of {', '.join(OUTPUT_LINES)}.")
         if checker not in CHECKERS:
             raise ConfigError(f"code_checker: {checker!r} is not one of {', '.join(CHECKERS)}.")
+        if cases not in CASES:
+            raise ConfigError(f"code_cases: {cases!r} is not one of {', '.join(CASES)}.")
         if not (0 <= tolerance < 1):
             raise ConfigError(f"code_float_tolerance={tolerance}: give a value in [0, 1), e.g. 1e-6.")
         self.binary = binary
         self.program = program
         self.output_lines = output_lines
         self.checker, self.tolerance = checker, tolerance
+        self.cases = cases
         self.__name__ = "binary_code" if binary else "code"
         self.sandbox = Sandbox(limits, isolated=sandbox == "namespaces")
         self.workers = workers or len(os.sched_getaffinity(0))
@@ -233,9 +241,9 @@ class CodeReward:
         return future
 
     def run_tests(self, code: str, tests: StdioTests | AssertTests) -> CodeResult:
-        """Run `code` against `tests`, in this thread: stdin/stdout cases one execution each, one after the other
-        (a program that does not compile fails every case alike, so it runs once); assert-style tests all in one
-        execution."""
+        """Run `code` against `tests`, in this thread: stdin/stdout cases in one sandbox (`Sandbox.session`), one
+        after the other, each a fresh execution, until one fails (`cases` "first_failure"; a program that does not
+        compile fails every case alike, so it runs once) or all ran; assert-style tests all in one execution."""
         if isinstance(tests, AssertTests):
             if not code.strip():  # nothing to test: the tests would only fail on the names they call
                 return CodeResult(0, len(tests.tests), "no code block")
@@ -246,12 +254,19 @@ class CodeReward:
             passed = sum(self.matches("", expected) for _, expected in cases)
             return CodeResult(passed, len(cases), "no code block" if passed < len(cases) else None)
         passed, reason = 0, None
-        for stdin, expected in cases:
-            failure = self.failure(self.sandbox.run(code, stdin), expected)
-            passed += failure is None
-            reason = reason or failure
-            if failure == "syntax error":
-                break
+        session = self.sandbox.session(code)
+        try:
+            for stdin, expected in cases:
+                if not session.alive:  # the last case was killed from outside, and the sandbox with it
+                    session.close()
+                    session = self.sandbox.session(code)
+                failure = self.failure(session.case(stdin), expected)
+                passed += failure is None
+                reason = reason or failure
+                if failure is not None and (self.cases == "first_failure" or failure == "syntax error"):
+                    break
+        finally:
+            session.close()
         return CodeResult(passed, len(cases), reason)
 
     def matches(self, stdout: str, expected: str) -> bool:
@@ -320,26 +335,33 @@ def check_code_rows(
 
 
 def code_reward(
-    sandbox: str = "namespaces", output_lines: str = "all", checker: str = "lines", tolerance: float = 1e-6
+    sandbox: str = "namespaces",
+    output_lines: str = "all",
+    checker: str = "lines",
+    tolerance: float = 1e-6,
+    cases: str = "first_failure",
 ) -> CodeReward:
     """The built-in `code` reward (its pool and sandbox are made once per process and setting)."""
-    return _shared(False, sandbox, output_lines, checker, tolerance)
+    return _shared(False, sandbox, output_lines, checker, tolerance, cases)
 
 
 def binary_code_reward(
-    sandbox: str = "namespaces", output_lines: str = "all", checker: str = "lines", tolerance: float = 1e-6
+    sandbox: str = "namespaces",
+    output_lines: str = "all",
+    checker: str = "lines",
+    tolerance: float = 1e-6,
+    cases: str = "first_failure",
 ) -> CodeReward:
     """The built-in `binary_code` reward."""
-    return _shared(True, sandbox, output_lines, checker, tolerance)
+    return _shared(True, sandbox, output_lines, checker, tolerance, cases)
 
 
 _SHARED: dict[tuple, CodeReward] = {}
 
 
-def _shared(binary: bool, sandbox: str, output_lines: str, checker: str, tolerance: float) -> CodeReward:
-    key = (binary, sandbox, output_lines, checker, tolerance)
+def _shared(binary: bool, sandbox: str, output_lines: str, checker: str, tolerance: float, cases: str) -> CodeReward:
+    key = (binary, sandbox, output_lines, checker, tolerance, cases)
     if key not in _SHARED:
-        _SHARED[key] = CodeReward(
-            binary=binary, sandbox=sandbox, output_lines=output_lines, checker=checker, tolerance=tolerance
-        )
+        _SHARED[key] = CodeReward(binary=binary, sandbox=sandbox, output_lines=output_lines, checker=checker,
+                                  tolerance=tolerance, cases=cases)  # fmt: skip
     return _SHARED[key]
