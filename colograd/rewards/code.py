@@ -24,6 +24,8 @@ rollout afterwards takes the started results instead of running them again, so t
 the rollout, in the same order (`scores_while_decoding` marks the functions that take this).
 """
 
+import contextlib
+import logging
 import math
 import os
 import re
@@ -34,8 +36,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from colograd.errors import ConfigError
+from colograd.rewards.code_checker import CheckerBroken, Checkers, CheckRun
 from colograd.rewards.code_tests import (
     LAYOUTS,
+    ROW_NAME_COLUMNS,
     ROW_TEXT_COLUMNS,
     TEST_COLUMNS,
     AssertTests,
@@ -46,6 +50,8 @@ from colograd.rewards.code_tests import (
     run_asserts,
 )
 from colograd.rewards.sandbox import Execution, Sandbox, SandboxLimits
+
+logger = logging.getLogger(__name__)
 
 BINARY_THRESHOLD = 0.99  # open-r1's
 SANDBOX_MODES = ("namespaces", "none")
@@ -115,11 +121,13 @@ def completion_text(completion: Any) -> str:
 
 @dataclass(frozen=True)
 class CodeResult:
-    """One completion against its tests: `passed` of `total`, and the first failure's reason (None if none)."""
+    """One completion against its tests: `passed` of `total`, and the first failure's reason (None if none).
+    `scored`: False where the problem, not the program, is at fault (its checker is broken): no reward is given."""
 
     passed: int
     total: int
     reason: str | None
+    scored: bool = True
 
     @property
     def rate(self) -> float:
@@ -181,6 +189,8 @@ class CodeReward:
         self.output_lines = output_lines
         self.checker, self.tolerance = checker, tolerance
         self.cases = cases
+        self.checkers = Checkers(isolated=sandbox == "namespaces")
+        self._broken: set = set()  # the checkers said broken (each said once)
         self.__name__ = "binary_code" if binary else "code"
         self.sandbox = Sandbox(limits, isolated=sandbox == "namespaces")
         self.workers = workers or len(os.sched_getaffinity(0))
@@ -218,8 +228,8 @@ class CodeReward:
         if log_extra is not None:
             log_extra(f"{self.__name__}_failure", [r.reason for r in results])
         if self.binary:
-            return [1.0 if r.rate > BINARY_THRESHOLD else 0.0 for r in results]
-        return [r.rate for r in results]
+            return [(1.0 if r.rate > BINARY_THRESHOLD else 0.0) if r.scored else None for r in results]
+        return [r.rate if r.scored else None for r in results]
 
     def prefetch(self, completions: list, verification_info: list | None = None, **columns: Any) -> None:
         """Start the executions of completions known before the rollout is scored; the scoring call takes them."""
@@ -250,9 +260,27 @@ class CodeReward:
             failures = run_asserts(self.sandbox, tests, code).failures
             return CodeResult(failures.count(None), len(failures), next(filter(None, failures), None))
         cases = tests.cases
-        if not code.strip():  # open-r1 runs the empty program, which passes a case that expects no output
+        if not code.strip():
+            if tests.checker is not None:  # nothing ran, nothing to check
+                return CodeResult(0, len(cases), "no code block")
+            # open-r1 runs the empty program, which passes a case that expects no output
             passed = sum(self.matches("", expected) for _, expected in cases)
             return CodeResult(passed, len(cases), "no code block" if passed < len(cases) else None)
+        try:
+            with contextlib.ExitStack() as stack:
+                check = None if tests.checker is None else stack.enter_context(CheckRun(self.checkers, tests.checker))
+                return self._run_cases(code, cases, check)
+        except CheckerBroken as err:
+            with self._lock:
+                said = tests.checker not in self._broken
+                self._broken.add(tests.checker)
+            if said:
+                logger.warning("code rewards: problem %s: %s; its completions get no code reward (None) until the "
+                               "row is fixed or dropped", tests.problem or "(unnamed)", err)  # fmt: skip
+            return CodeResult(0, len(cases), f"problem: {err}", scored=False)
+
+    def _run_cases(self, code: str, cases: tuple[tuple[str, str], ...], check: CheckRun | None) -> CodeResult:
+        """The cases in one session, in order; each output judged by `check` where the row has a checker."""
         passed, reason = 0, None
         session = self.sandbox.session(code)
         try:
@@ -260,7 +288,11 @@ class CodeReward:
                 if not session.alive:  # the last case was killed from outside, and the sandbox with it
                     session.close()
                     session = self.sandbox.session(code)
-                failure = self.failure(session.case(stdin), expected)
+                execution = session.case(stdin)
+                if check is None or not execution.ok:
+                    failure = self.failure(execution, expected)
+                else:
+                    failure = check.decide(stdin, execution.stdout, expected)
                 passed += failure is None
                 reason = reason or failure
                 if failure is not None and (self.cases == "first_failure" or failure == "syntax error"):
@@ -283,7 +315,8 @@ class CodeReward:
 def _rows(completions: list, verification_info: list | None, columns: dict[str, Any]) -> list[dict[str, Any]]:
     """Each completion's test columns (`TEST_COLUMNS`) and the columns that say what it was asked
     (`ROW_TEXT_COLUMNS`, and the prompt TRL passes as `prompts`), from the reward call's columns."""
-    tested = {name: values for name, values in columns.items() if name in TEST_COLUMNS or name in ROW_TEXT_COLUMNS}
+    read = {*TEST_COLUMNS, *ROW_TEXT_COLUMNS, *ROW_NAME_COLUMNS}
+    tested = {name: values for name, values in columns.items() if name in read}
     if columns.get("prompts") is not None:
         tested["prompt"] = columns["prompts"]
     if verification_info is not None:
