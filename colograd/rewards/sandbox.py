@@ -8,8 +8,9 @@ a scored program never needs, a memory cgroup bounding everything it allocates, 
 processes, open files, file size, disk and output; the CPU time of its whole process tree and its wall time are kept
 here (`colograd.rewards.sandbox_clock`). When the program exits or is killed, everything it started dies with its pid
 namespace. The launcher (`colograd.rewards.sandbox_launch`) does the building; this module starts it, feeds it, reads
-its output within the caps and tells why an execution failed. docs/rewards.md has the threat model: what is
-enforced, by which mechanism, and what is not.
+its output within the caps and tells why an execution failed. `Sandbox.run` is one execution; `Sandbox.session` keeps
+one sandbox for many executions of one program (a completion's stdin/stdout cases), each in a fresh folder.
+docs/rewards.md has the threat model: what is enforced, by which mechanism, and what is not.
 
 Where the isolation cannot be built, `Sandbox` refuses at construction in one line naming what is missing;
 ``isolated=False`` is the explicit opt-in to run programs with the rlimits and a temporary folder only. Where one of

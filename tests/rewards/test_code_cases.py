@@ -110,6 +110,17 @@ def test_all_goes_on_after_a_case_that_timed_out():
     assert code([block(hangs_on_five)], **{k: [v] for k, v in FIVE.items()}) == [4 / 5]
 
 
+def test_the_contest_benchmark_reads_its_rows_and_reports_its_ratios():
+    from colograd.bench.code import contest_rows, contest_throughput
+    from colograd.rewards.code_tests import row_tests
+
+    assert [len(row_tests(row).cases) for row in contest_rows(2, 50)] == [50, 50]
+    figures = contest_throughput(repeats=1, problems=1, completions=2, cases=3)
+    rates = figures["completions_per_s"]
+    assert set(rates) == {"sandboxed", "sandboxed, 1 worker", "unsandboxed"} and min(rates.values()) > 0
+    assert figures["ratio"] == rates["sandboxed"] / rates["unsandboxed"]
+
+
 def test_an_unknown_cases_setting_is_refused():
     with pytest.raises(ConfigError, match="code_cases: 'some'"):
         CodeReward(cases="some")
