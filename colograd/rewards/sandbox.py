@@ -405,6 +405,7 @@ class Session:
         for fd in self._streams:
             self._selector.register(fd, selectors.EVENT_READ)
         self._oom = 0
+        self._written = 0  # bytes the current case wrote to stdout and stderr
 
     def __enter__(self) -> "Session":
         return self
@@ -433,6 +434,7 @@ class Session:
         out, err = self._streams[self._proc.stdout.fileno()], self._streams[self._proc.stderr.fileno()]
         out.clear()
         err.clear()
+        self._written = 0
         cut, report = self._wait_for_case()
         stdout, stderr = bytes(out[: self.sandbox.limits.output_kib * 1024]), bytes(err[-_STDERR_KEPT:])
         seconds = time.perf_counter() - start
@@ -469,12 +471,12 @@ class Session:
         """Read the streams until the status pipe says the case is done (its report), the sandbox ends (None), or
         the case must be cut ("timeout", "cpu time", "overloaded", "output limit", "status limit")."""
         cap = self.sandbox.limits.output_kib * 1024
-        out, err = self._streams[self._proc.stdout.fileno()], self._streams[self._proc.stderr.fileno()]
+        err = self._streams[self._proc.stderr.fileno()]
         while True:
             report = self._next_report()
             if report is not None:
                 self._drain()  # the case's processes are all gone: what they wrote is in the pipes
-                return (None if len(out) + len(err) <= cap else "output limit"), report
+                return (None if self._written <= cap else "output limit"), report
             if not self._selector.get_map():
                 return None, None
             over, wait = self._clock.check()
@@ -485,7 +487,7 @@ class Session:
                 return over, None
             for key, _ in self._selector.select(wait):
                 self._read(key.fd)
-            if len(out) + len(err) > cap:
+            if self._written > cap:  # stdout and stderr together, stderr counted though only its end is kept
                 return "output limit", None
             if len(self._status) > _STATUS_BYTES:
                 return "status limit", None
@@ -519,6 +521,8 @@ class Session:
             return
         if chunk:
             self._streams[fd].extend(chunk)
+            if fd != self._status_fd:
+                self._written += len(chunk)
         else:
             self._selector.unregister(fd)
 

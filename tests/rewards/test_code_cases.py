@@ -69,6 +69,14 @@ def test_a_case_killed_from_outside_ends_the_session_only(sandbox):
         assert session.case("1\n").reason == "sandbox failed"  # nothing runs in a session that ended
 
 
+def test_output_to_stderr_counts_against_a_cases_output_limit():
+    # Small writes, read a few at a time: only the end of stderr is kept, but every byte counts against the limit.
+    limits = SandboxLimits(wall_s=5.0, cpu_s=5, memory_mib=256, output_kib=64)
+    flood = "import os, time\nwhile True:\n    os.write(2, b'x' * 1000)\n    time.sleep(0.001)\n"
+    with Sandbox(limits).session(flood) as session:
+        assert session.case("").reason == "output limit"
+
+
 SUM = "a, b = map(int, input().split())\nprint(a + b)\n"
 FIVE = {
     "public_tests": {"input": ["1 2\n", "5 5\n"], "output": ["3\n", "10\n"]},
