@@ -11,7 +11,7 @@ Two kinds, as the datasets ship them:
                         correct_output.txt solution_output.txt``; accepts when it exits 0 with 1 as the last word of
                         its output, rejects with 0
 
-The checker runs in a sandbox of its own (`colograd.rewards.sandbox.Session`), one per completion with a fresh
+The checker runs in a sandbox of its own (`colograd.rewards.sandbox_session.Session`), one per completion with a fresh
 folder for each case: it sees the three files and nothing of the program's sandbox, processes or files. Its verdict is
 the only one. Any other outcome (a crash, a time-out, testlib's "fail" exit code 3, output that is neither 1 nor 0)
 is decided by running the checker once more with the expected output as the program's: if it does not accept the
@@ -27,7 +27,8 @@ import shutil
 import threading
 from dataclasses import dataclass
 
-from colograd.rewards.sandbox import Sandbox, SandboxLimits, Session
+from colograd.rewards.sandbox import Sandbox, SandboxLimits
+from colograd.rewards.sandbox_session import Session
 
 KINDS = {"checker": "cpp", "generated_checker": "python"}
 # What compiling one checker, and checking one case, may use (the problem's programs, not the policy's: generous).

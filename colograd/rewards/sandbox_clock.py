@@ -134,8 +134,8 @@ class Clock:
         self._own: list[int] = []
 
     def restart(self) -> None:
-        """Start the limits again for the next case of a session (`colograd.rewards.sandbox.Session`): its wall time
-        and CPU time from now, what the sandbox waited and used before not its."""
+        """Start the limits again for the next case of a session (`colograd.rewards.sandbox_session.Session`): its
+        wall time and CPU time from now, what the sandbox waited and used before not its."""
         now = time.perf_counter()
         self.waited_before = self._waited_s(now)
         self.created = self.start = now

@@ -22,9 +22,9 @@ Isolated, the processes are (see docs/rewards.md):
        └─ judge    (assert-style tests) forked from init, never runs model code: drops every privilege, takes the
                    same limits and filter, runs the tests and reports each one's outcome on the status pipe
 
-In cases mode (`colograd.rewards.sandbox.Session`: a completion's stdin/stdout cases, or a checker's), init runs the
-program once per case the trainer sends over a Unix socket, each in a fresh /sandbox, and kills whatever a case left
-before the next (`serve_cases`).
+In cases mode (`colograd.rewards.sandbox_session.Session`: a completion's stdin/stdout cases, or a checker's), init
+runs the program once per case the trainer sends over a Unix socket, each in a fresh /sandbox, and kills whatever a
+case left before the next (`serve_cases`).
 
 Unisolated (the explicit opt-in), the launcher is init: it sets the rlimits, and runs the program (and the judge) in
 the given folder, with nothing else of the above.

@@ -6,7 +6,8 @@ import pytest
 
 from colograd.errors import ConfigError
 from colograd.rewards.code import CodeReward
-from colograd.rewards.sandbox import Sandbox, SandboxLimits, Session
+from colograd.rewards.sandbox import Sandbox, SandboxLimits
+from colograd.rewards.sandbox_session import Session
 
 LIMITS = SandboxLimits(wall_s=30.0, cpu_s=1, memory_mib=256)
 

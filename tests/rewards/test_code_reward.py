@@ -13,7 +13,8 @@ from colograd.data import code_task
 from colograd.rewards.code import CodeReward, check_code_rows, extract_code, output_matches
 from colograd.rewards.code_tests import parse_python
 from colograd.rewards.core import resolve_reward
-from colograd.rewards.sandbox import SandboxLimits, Session
+from colograd.rewards.sandbox import SandboxLimits
+from colograd.rewards.sandbox_session import Session
 
 LIMITS = SandboxLimits(wall_s=2.0, cpu_s=1)
 SUM = "a, b = map(int, input().split())\nprint(a + b)\n"
