@@ -77,6 +77,13 @@ class Session:
                 env={},
                 start_new_session=True,
             )
+        except BaseException:  # no launcher: nothing will use the session's cgroups, folder or pipes
+            os.close(status_r)
+            self._control.close()
+            if self._workdir is not None:
+                self._workdir.cleanup()
+            sandbox._remove_cgroups(self._cgroups)
+            raise
         finally:
             os.close(status_w)
             control.close()

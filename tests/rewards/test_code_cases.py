@@ -2,9 +2,12 @@
 each case has its own limits, the cases after the first failure are never sent (`code_cases: first_failure`), and
 `all` runs every one, open-r1's fraction."""
 
+import os
+
 import pytest
 
 from colograd.errors import ConfigError
+from colograd.rewards import sandbox_session
 from colograd.rewards.code import CodeReward
 from colograd.rewards.sandbox import Sandbox, SandboxLimits
 from colograd.rewards.sandbox_session import Session
@@ -76,6 +79,21 @@ def test_output_to_stderr_counts_against_a_cases_output_limit():
     flood = "import os, time\nwhile True:\n    os.write(2, b'x' * 1000)\n    time.sleep(0.001)\n"
     with Sandbox(limits).session(flood) as session:
         assert session.case("").reason == "output limit"
+
+
+def test_a_session_whose_launcher_cannot_start_leaves_nothing_behind(sandbox, monkeypatch):
+    removed = []
+    real_remove = sandbox._remove_cgroups
+    monkeypatch.setattr(sandbox, "_remove_cgroups", lambda made: removed.append(made) or real_remove(made))
+
+    def no_launcher(*args, **kwargs):
+        raise OSError("no launcher")
+
+    before = sorted(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(sandbox_session.subprocess, "Popen", no_launcher)
+    with pytest.raises(OSError, match="no launcher"):
+        sandbox.session("print(1)")
+    assert len(removed) == 1 and sorted(os.listdir("/proc/self/fd")) == before
 
 
 SUM = "a, b = map(int, input().split())\nprint(a + b)\n"
