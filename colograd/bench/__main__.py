@@ -95,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="step, moe: tokens per prompt (longer letters prompts; default: 7); sharing: (default 1024)",
     )
     parser.add_argument("--warmup", type=int, help="step, vlm, moe: untimed steps before the timed ones")
+    parser.add_argument(
+        "--contest-only",
+        action="store_true",
+        help="code: only the CodeContests-shaped workload (50 stdin/stdout cases a problem, sandboxed against one "
+        "unsandboxed interpreter), no rollout",
+    )
     return parser
 
 
@@ -170,7 +176,9 @@ def main() -> None:
         bench.run(shape=args.shape or "small", repeats=args.repeats or 3, as_json=args.json, **given)
     elif args.name == "longtail":
         bench.run(as_json=args.json, steps=args.steps, prompts=args.prompts, num_generations=args.generations)
-    elif args.name in ("tools", "entropy", "code"):
+    elif args.name == "code":
+        bench.run(repeats=args.repeats or 3, as_json=args.json, contest_only=args.contest_only)
+    elif args.name in ("tools", "entropy"):
         bench.run(repeats=args.repeats or 3, as_json=args.json)
     else:
         bench.run(repeats=args.repeats or 7, as_json=args.json)

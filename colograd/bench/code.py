@@ -1,6 +1,7 @@
 """Code rewards: a rollout of the tiny code task scored while it decodes against scored after it, the sandbox's own
-cost per execution against a bare subprocess, and the split harness's cost per completion against the
-single-interpreter harness it replaced.
+cost per execution against a bare subprocess, the split harness's cost per completion against the
+single-interpreter harness it replaced, and completions per second on a CodeContests-shaped workload (50 stdin/stdout
+cases a problem) against one unsandboxed interpreter (`contest_throughput`).
 
 The workload: P prompts × G completions of the tiny model on `colograd.data.code_task.expressions_dataset`, each
 completion run in the sandbox as a program (`print(<completion>)`) against its test case. Completions stop at any of
@@ -131,6 +132,83 @@ def sandbox_overhead(executions: int = 20) -> dict[str, float]:
     return times
 
 
+# The CodeContests-shaped workload: each problem's cases are a list of numbers on stdin (its length on the first line)
+# and their sum, as CodeContests' generated tests are many small inputs of one format; the program is a correct
+# solution, so that every case runs.
+CONTEST_PROGRAM = "import sys\nn, *values = map(int, sys.stdin.read().split())\nprint(sum(values[:n]))\n"
+
+
+def contest_rows(problems: int, cases: int) -> list[dict]:
+    """`problems` rows in CodeContests' layout (public, private and generated tests), `cases` cases each."""
+    rows = []
+    for p in range(problems):
+        inputs = [[(p * 7919 + c * 104729 + k * 31) % 2001 - 1000 for k in range(1 + (p + c) % 40)]
+                  for c in range(cases)]  # fmt: skip
+        tests = {"input": [f"{len(v)}\n{' '.join(map(str, v))}\n" for v in inputs],
+                 "output": [f"{sum(v)}\n" for v in inputs]}  # fmt: skip
+        public = {"input": tests["input"][:1], "output": tests["output"][:1]}
+        private = {"input": tests["input"][1:10], "output": tests["output"][1:10]}
+        generated = {"input": tests["input"][10:], "output": tests["output"][10:]}
+        rows.append({"public_tests": public, "private_tests": private, "generated_tests": generated})
+    return rows
+
+
+def unsandboxed_rate(python: str, rows: list[dict], completions: int, program: str) -> float:
+    """Completions per second of one unsandboxed interpreter at a time running every case of each completion: a bare
+    `python -I main.py` subprocess per case, its output compared by the same checker, one after the other."""
+    from colograd.rewards.code import output_matches
+
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as folder:
+        with open(f"{folder}/main.py", "w") as f:
+            f.write(program)
+        for row in rows:
+            for _ in range(completions):
+                for stdin, expected in row_tests(row).cases:
+                    done = subprocess.run([python, "-I", "main.py"], cwd=folder, input=stdin.encode(),
+                                          capture_output=True, timeout=60)  # fmt: skip
+                    if done.returncode != 0 or not output_matches(done.stdout.decode(), expected):
+                        raise RuntimeError("the contest workload's program failed a case unsandboxed")
+    return len(rows) * completions / (time.perf_counter() - start)
+
+
+def contest_throughput(repeats: int = 3, problems: int = 2, completions: int = 4, cases: int = 50) -> dict:
+    """Completions per second on the CodeContests-shaped workload (`contest_rows`): `problems` × `completions`
+    correct programs scored by the `code` reward (its pool, sandboxed), by the same reward with one worker, and by
+    one unsandboxed interpreter (`unsandboxed_rate`); alternately, medians, and the ratios to the unsandboxed rate."""
+    rows = contest_rows(problems, cases)
+    rewards = {"sandboxed": CodeReward(), "sandboxed, 1 worker": CodeReward(workers=1)}
+    # Distinct programs (a comment apart): the reward runs a program that is the same as another of its call once.
+    completions_text = [f"```python\n{CONTEST_PROGRAM}# {i}\n```" for i in range(completions)]
+    rates: dict[str, list[float]] = {name: [] for name in (*rewards, "unsandboxed")}
+    for _ in range(repeats):
+        for name, reward in rewards.items():
+            start = time.perf_counter()
+            for row in rows:  # one rollout: a problem's completions scored together, as a trainer's call does
+                columns = {k: [v] * completions for k, v in row.items()}
+                if reward(completions_text, **columns) != [1.0] * completions:
+                    raise RuntimeError("the contest workload's program failed a case in the sandbox")
+            rates[name].append(len(rows) * completions / (time.perf_counter() - start))
+        rates["unsandboxed"].append(unsandboxed_rate(rewards["sandboxed"].sandbox.python, rows, completions,
+                                                     CONTEST_PROGRAM))  # fmt: skip
+    medians = {name: statistics.median(values) for name, values in rates.items()}
+    return {"completions_per_s": medians, "problems": problems, "completions": completions, "cases": cases,
+            "workers": rewards["sandboxed"].workers,
+            "ratio": medians["sandboxed"] / medians["unsandboxed"],
+            "ratio_1_worker": medians["sandboxed, 1 worker"] / medians["unsandboxed"]}  # fmt: skip
+
+
+def print_contest(figures: dict) -> None:
+    rate = figures["completions_per_s"]
+    print(
+        f"  CodeContests-shaped: {figures['problems']} problems × {figures['completions']} correct completions, "
+        f"{figures['cases']} stdin/stdout cases each: sandboxed ({figures['workers']} workers) "
+        f"{rate['sandboxed']:.2f} completions/s, 1 worker {rate['sandboxed, 1 worker']:.2f}, one unsandboxed "
+        f"interpreter {rate['unsandboxed']:.2f}; ratio {figures['ratio']:.2f} ({figures['ratio_1_worker']:.2f} "
+        "with 1 worker)"
+    )
+
+
 def trl_rollout_seconds(reward: CodeReward, prompts: int, generations: int, repeats: int) -> float:
     """Median seconds of TRL 1.16's rollout on the same task: `model.generate` (`use_vllm=False`, its configuration
     that runs on a CPU), then the same reward called after generation. Its completions run to the length limit (its
@@ -155,8 +233,19 @@ def trl_rollout_seconds(reward: CodeReward, prompts: int, generations: int, repe
     return statistics.median(seconds)
 
 
-def run(repeats: int = 3, as_json: bool = False, prompts: int = 8, generations: int = 8) -> dict:
-    """Time `repeats` rollouts each way; print a table (or one JSON line) and return the figures."""
+def run(
+    repeats: int = 3, as_json: bool = False, prompts: int = 8, generations: int = 8, contest_only: bool = False
+) -> dict:
+    """Time `repeats` rollouts each way; print a table (or one JSON line) and return the figures. `contest_only`:
+    the CodeContests-shaped workload alone (`contest_throughput`)."""
+    contest = contest_throughput(repeats)
+    if contest_only:
+        if as_json:
+            print(json.dumps({"contest": contest}))
+        else:
+            print("code rewards:")
+            print_contest(contest)
+        return {"contest": contest}
     from colograd.trainer import GRPOTrainer  # torch and vLLM only when the benchmark runs
 
     overhead = sandbox_overhead()
@@ -206,6 +295,7 @@ def run(repeats: int = 3, as_json: bool = False, prompts: int = 8, generations: 
         "execution_s": overhead,
         "sandbox_overhead_s": overhead["sandbox"] - overhead["bare"],
         "harness_s": harness,
+        "contest": contest,
     }
     if as_json:
         print(json.dumps(result))
@@ -233,4 +323,5 @@ def run(repeats: int = 3, as_json: bool = False, prompts: int = 8, generations: 
             f"  assert-style, {name}: single interpreter {figures['single'] * 1e3:.1f} ms, split "
             f"{figures['split'] * 1e3:.1f} ms per completion ({figures['ratio']:.2f}x)"
         )
+    print_contest(contest)
     return result

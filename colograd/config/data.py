@@ -100,6 +100,14 @@ class ScriptArguments(OpenR1ScriptFields):
     code_float_tolerance: float = field(
         default=1e-6, metadata={"help": "code_checker 'float': the absolute or relative tolerance of a number."}
     )
+    code_cases: str = field(
+        default="first_failure",
+        metadata={
+            "help": "Which of a row's stdin/stdout cases the code rewards run: 'first_failure', in order until one "
+            "fails (the rest count as failed and never run: a judge's verdict), or 'all', every case (open-r1's and "
+            "TRL's code_reward: code is the fraction passed)."
+        },
+    )
     drop_invalid_prompts: bool = field(
         default=False,
         metadata={

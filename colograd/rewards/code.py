@@ -24,6 +24,8 @@ rollout afterwards takes the started results instead of running them again, so t
 the rollout, in the same order (`scores_while_decoding` marks the functions that take this).
 """
 
+import contextlib
+import logging
 import math
 import os
 import re
@@ -34,8 +36,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from colograd.errors import ConfigError
+from colograd.rewards.code_checker import CheckerBroken, Checkers, CheckRun
 from colograd.rewards.code_tests import (
     LAYOUTS,
+    ROW_NAME_COLUMNS,
     ROW_TEXT_COLUMNS,
     TEST_COLUMNS,
     AssertTests,
@@ -47,10 +51,13 @@ from colograd.rewards.code_tests import (
 )
 from colograd.rewards.sandbox import Execution, Sandbox, SandboxLimits
 
+logger = logging.getLogger(__name__)
+
 BINARY_THRESHOLD = 0.99  # open-r1's
 SANDBOX_MODES = ("namespaces", "none")
 OUTPUT_LINES = ("all", "shorter")
 CHECKERS = ("lines", "tokens", "tokens_nocase", "float")
+CASES = ("first_failure", "all")
 
 
 def extract_code(completion: str, language: str = "python") -> str:
@@ -114,11 +121,13 @@ def completion_text(completion: Any) -> str:
 
 @dataclass(frozen=True)
 class CodeResult:
-    """One completion against its tests: `passed` of `total`, and the first failure's reason (None if none)."""
+    """One completion against its tests: `passed` of `total`, and the first failure's reason (None if none).
+    `scored`: False where the problem, not the program, is at fault (its checker is broken): no reward is given."""
 
     passed: int
     total: int
     reason: str | None
+    scored: bool = True
 
     @property
     def rate(self) -> float:
@@ -142,10 +151,13 @@ class CodeReward:
         checker: how a stdin/stdout case's output is compared: "lines" (with `output_lines`), "tokens",
             "tokens_nocase" or "float" (`output_matches`).
         tolerance: the "float" checker's absolute or relative tolerance.
+        cases: how many of a row's stdin/stdout cases run: "first_failure", in order until one fails (the cases after
+            it count as failed and are never sent to the sandbox: a competitive-programming judge's verdict), or
+            "all", every one (open-r1's and TRL's `code_reward`: the reward is the fraction passed).
 
     Raises:
-        ConfigError: an unknown `sandbox`, `output_lines` or `checker`; `SandboxUnavailable` where the namespaces
-            cannot be built.
+        ConfigError: an unknown `sandbox`, `output_lines`, `checker` or `cases`; `SandboxUnavailable` where the
+            namespaces cannot be built.
     """
 
     scores_while_decoding = True
@@ -160,6 +172,7 @@ class CodeReward:
         output_lines: str = "all",
         checker: str = "lines",
         tolerance: float = 1e-6,
+        cases: str = "first_failure",
     ) -> None:
         if sandbox not in SANDBOX_MODES:
             raise ConfigError(f"code_sandbox: {sandbox!r} is not one of {', '.join(SANDBOX_MODES)}.")
@@ -167,12 +180,17 @@ class CodeReward:
             raise ConfigError(f"code_output_lines: {output_lines!r} is not one of {', '.join(OUTPUT_LINES)}.")
         if checker not in CHECKERS:
             raise ConfigError(f"code_checker: {checker!r} is not one of {', '.join(CHECKERS)}.")
+        if cases not in CASES:
+            raise ConfigError(f"code_cases: {cases!r} is not one of {', '.join(CASES)}.")
         if not (0 <= tolerance < 1):
             raise ConfigError(f"code_float_tolerance={tolerance}: give a value in [0, 1), e.g. 1e-6.")
         self.binary = binary
         self.program = program
         self.output_lines = output_lines
         self.checker, self.tolerance = checker, tolerance
+        self.cases = cases
+        self.checkers = Checkers(isolated=sandbox == "namespaces")
+        self._broken: set = set()  # the checkers said broken (each said once)
         self.__name__ = "binary_code" if binary else "code"
         self.sandbox = Sandbox(limits, isolated=sandbox == "namespaces")
         self.workers = workers or len(os.sched_getaffinity(0))
@@ -210,8 +228,8 @@ class CodeReward:
         if log_extra is not None:
             log_extra(f"{self.__name__}_failure", [r.reason for r in results])
         if self.binary:
-            return [1.0 if r.rate > BINARY_THRESHOLD else 0.0 for r in results]
-        return [r.rate for r in results]
+            return [(1.0 if r.rate > BINARY_THRESHOLD else 0.0) if r.scored else None for r in results]
+        return [r.rate if r.scored else None for r in results]
 
     def prefetch(self, completions: list, verification_info: list | None = None, **columns: Any) -> None:
         """Start the executions of completions known before the rollout is scored; the scoring call takes them."""
@@ -233,25 +251,54 @@ class CodeReward:
         return future
 
     def run_tests(self, code: str, tests: StdioTests | AssertTests) -> CodeResult:
-        """Run `code` against `tests`, in this thread: stdin/stdout cases one execution each, one after the other
-        (a program that does not compile fails every case alike, so it runs once); assert-style tests all in one
-        execution."""
+        """Run `code` against `tests`, in this thread: stdin/stdout cases in one sandbox (`Sandbox.session`), one
+        after the other, each a fresh execution, until one fails (`cases` "first_failure"; a program that does not
+        compile fails every case alike, so it runs once) or all ran; assert-style tests all in one execution."""
         if isinstance(tests, AssertTests):
             if not code.strip():  # nothing to test: the tests would only fail on the names they call
                 return CodeResult(0, len(tests.tests), "no code block")
             failures = run_asserts(self.sandbox, tests, code).failures
             return CodeResult(failures.count(None), len(failures), next(filter(None, failures), None))
         cases = tests.cases
-        if not code.strip():  # open-r1 runs the empty program, which passes a case that expects no output
+        if not code.strip():
+            if tests.checker is not None:  # nothing ran, nothing to check
+                return CodeResult(0, len(cases), "no code block")
+            # open-r1 runs the empty program, which passes a case that expects no output
             passed = sum(self.matches("", expected) for _, expected in cases)
             return CodeResult(passed, len(cases), "no code block" if passed < len(cases) else None)
+        try:
+            with contextlib.ExitStack() as stack:
+                check = None if tests.checker is None else stack.enter_context(CheckRun(self.checkers, tests.checker))
+                return self._run_cases(code, cases, check)
+        except CheckerBroken as err:
+            with self._lock:
+                said = tests.checker not in self._broken
+                self._broken.add(tests.checker)
+            if said:
+                logger.warning("code rewards: problem %s: %s; its completions get no code reward (None) until the "
+                               "row is fixed or dropped", tests.problem or "(unnamed)", err)  # fmt: skip
+            return CodeResult(0, len(cases), f"problem: {err}", scored=False)
+
+    def _run_cases(self, code: str, cases: tuple[tuple[str, str], ...], check: CheckRun | None) -> CodeResult:
+        """The cases in one session, in order; each output judged by `check` where the row has a checker."""
         passed, reason = 0, None
-        for stdin, expected in cases:
-            failure = self.failure(self.sandbox.run(code, stdin), expected)
-            passed += failure is None
-            reason = reason or failure
-            if failure == "syntax error":
-                break
+        session = self.sandbox.session(code)
+        try:
+            for stdin, expected in cases:
+                if not session.alive:  # the last case was killed from outside, and the sandbox with it
+                    session.close()
+                    session = self.sandbox.session(code)
+                execution = session.case(stdin)
+                if check is None or not execution.ok:
+                    failure = self.failure(execution, expected)
+                else:
+                    failure = check.decide(stdin, execution.stdout, expected)
+                passed += failure is None
+                reason = reason or failure
+                if failure is not None and (self.cases == "first_failure" or failure == "syntax error"):
+                    break
+        finally:
+            session.close()
         return CodeResult(passed, len(cases), reason)
 
     def matches(self, stdout: str, expected: str) -> bool:
@@ -268,7 +315,8 @@ class CodeReward:
 def _rows(completions: list, verification_info: list | None, columns: dict[str, Any]) -> list[dict[str, Any]]:
     """Each completion's test columns (`TEST_COLUMNS`) and the columns that say what it was asked
     (`ROW_TEXT_COLUMNS`, and the prompt TRL passes as `prompts`), from the reward call's columns."""
-    tested = {name: values for name, values in columns.items() if name in TEST_COLUMNS or name in ROW_TEXT_COLUMNS}
+    read = {*TEST_COLUMNS, *ROW_TEXT_COLUMNS, *ROW_NAME_COLUMNS}
+    tested = {name: values for name, values in columns.items() if name in read}
     if columns.get("prompts") is not None:
         tested["prompt"] = columns["prompts"]
     if verification_info is not None:
@@ -320,26 +368,33 @@ def check_code_rows(
 
 
 def code_reward(
-    sandbox: str = "namespaces", output_lines: str = "all", checker: str = "lines", tolerance: float = 1e-6
+    sandbox: str = "namespaces",
+    output_lines: str = "all",
+    checker: str = "lines",
+    tolerance: float = 1e-6,
+    cases: str = "first_failure",
 ) -> CodeReward:
     """The built-in `code` reward (its pool and sandbox are made once per process and setting)."""
-    return _shared(False, sandbox, output_lines, checker, tolerance)
+    return _shared(False, sandbox, output_lines, checker, tolerance, cases)
 
 
 def binary_code_reward(
-    sandbox: str = "namespaces", output_lines: str = "all", checker: str = "lines", tolerance: float = 1e-6
+    sandbox: str = "namespaces",
+    output_lines: str = "all",
+    checker: str = "lines",
+    tolerance: float = 1e-6,
+    cases: str = "first_failure",
 ) -> CodeReward:
     """The built-in `binary_code` reward."""
-    return _shared(True, sandbox, output_lines, checker, tolerance)
+    return _shared(True, sandbox, output_lines, checker, tolerance, cases)
 
 
 _SHARED: dict[tuple, CodeReward] = {}
 
 
-def _shared(binary: bool, sandbox: str, output_lines: str, checker: str, tolerance: float) -> CodeReward:
-    key = (binary, sandbox, output_lines, checker, tolerance)
+def _shared(binary: bool, sandbox: str, output_lines: str, checker: str, tolerance: float, cases: str) -> CodeReward:
+    key = (binary, sandbox, output_lines, checker, tolerance, cases)
     if key not in _SHARED:
-        _SHARED[key] = CodeReward(
-            binary=binary, sandbox=sandbox, output_lines=output_lines, checker=checker, tolerance=tolerance
-        )
+        _SHARED[key] = CodeReward(binary=binary, sandbox=sandbox, output_lines=output_lines, checker=checker,
+                                  tolerance=tolerance, cases=cases)  # fmt: skip
     return _SHARED[key]

@@ -8,15 +8,15 @@
     private_test_cases             "testtype"}]; the private cases as shipped, base64 of zlib of a pickled JSON text
     tests                          DeepCoder: a list (or its JSON text) of {"input", "output"} cases ("testtype" /
                                    "type" saying stdin or functional), or TACO's {"inputs", "outputs"}
-    official_tests                 open-r1/codeforces: [{"input", "output"}]; a row whose `checker` is set needs
-                                   that special judge
+    official_tests                 open-r1/codeforces: [{"input", "output"}]; its `generated_checker` (Python),
+                                   or a `checker` (C++, testlib's interface), judges each case where a row has
+                                   one (`colograd.rewards.code_checker`)
 
 A row of stdin/stdout cases becomes `StdioTests` (`colograd.rewards.code_tests`), compared as `code_checker` says. A
 call-based row (APPS's and TACO's `fn_name`, LiveCodeBench's and DeepCoder's functional cases, the function's name in
 `fn_name` or the row's `metadata`) becomes `CallCases`, which `code_tests` turns into assert-style tests for the split
 harness: the function (a method of the program's `Solution` where it defines one, as LeetCode's problems and these
-graders call it) called with each case's arguments, its result compared as the dataset's own grader compares it. What
-is not read yet is refused in one line naming the rows to keep: Codeforces problems judged by a checker program.
+graders call it) called with each case's arguments, its result compared as the dataset's own grader compares it.
 """
 
 import base64
@@ -30,7 +30,7 @@ from typing import Any
 # The columns, in the order the layouts are looked for (after open-r1's verification_info).
 CONTEST_COLUMNS = (
     "public_tests", "private_tests", "generated_tests", "input_output", "public_test_cases", "private_test_cases",
-    "tests", "official_tests", "checker", "metadata",
+    "tests", "official_tests", "checker", "generated_checker", "metadata",
 )  # fmt: skip
 CONTEST_LAYOUTS = (
     "public_tests/private_tests/generated_tests (CodeContests), input_output (APPS, TACO), public_test_cases/"
@@ -62,7 +62,7 @@ def contest_cases(given: dict[str, Any]) -> tuple[tuple[str, str], ...] | CallCa
     call-based, or None when it has none of these layouts' columns.
 
     Raises:
-        LayoutError: the cases are malformed, mix stdin and call-based ones, or need a checker program.
+        LayoutError: the cases are malformed, or mix stdin and call-based ones.
     """
     try:
         return _stdio_cases(given)
@@ -84,12 +84,6 @@ def _stdio_cases(given: dict[str, Any]) -> tuple[tuple[str, str], ...] | None:
         cases = _inputs_outputs("tests", tests) if isinstance(tests, dict) else _case_list("tests", tests)
         return _nonempty("tests", cases)
     if "official_tests" in given:
-        if given.get("checker"):
-            raise LayoutError(
-                "official_tests: this problem is judged by its checker program (a C++ testlib checker), which the "
-                "code rewards do not run yet; keep the rows without one (dataset.filter(lambda row: not "
-                "row['checker']))"
-            )
         return _nonempty(
             "official_tests", _case_list("official_tests", _json("official_tests", given["official_tests"]))
         )

@@ -34,10 +34,11 @@ import subprocess
 import symtable
 import sys
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from colograd.rewards import code_harness
+from colograd.rewards.code_checker import KINDS, Checker, CheckerError, row_checker
 from colograd.rewards.code_layouts import CONTEST_COLUMNS, CONTEST_LAYOUTS, CallCases, LayoutError, contest_cases
 from colograd.rewards.sandbox import Execution, Sandbox
 
@@ -71,9 +72,13 @@ class RowCompileError(RowTestsError):
 
 @dataclass(frozen=True)
 class StdioTests:
-    """stdin/stdout cases: (input, expected output) pairs."""
+    """stdin/stdout cases: (input, expected output) pairs; `checker`: the problem's own checker program, the only
+    verdict on each case's output where there is one (`colograd.rewards.code_checker`); `problem`: how messages name
+    the row (its name or id column, where it has one)."""
 
     cases: tuple[tuple[str, str], ...]
+    checker: Checker | None = None
+    problem: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,9 @@ ROW_TEXT_COLUMNS = (
     "text", "prompt", "question", "question_content", "problem", "description", "instruction",
     "code", "solution", "solutions", "canonical_solution", "reference_solution", "starter_code",
 )  # fmt: skip
+# The columns that name a row, as code datasets hold them (CodeContests: name; open-r1/codeforces: id, title; APPS,
+# TACO: problem_id; MBPP, HumanEval: task_id). Read only for messages.
+ROW_NAME_COLUMNS = ("name", "id", "problem_id", "task_id", "title")
 _CLASS = re.compile(r"\bclass\s+([A-Za-z_][A-Za-z_0-9]*)")
 
 
@@ -150,8 +158,27 @@ def _row_tests(row: dict[str, Any]) -> StdioTests | AssertTests:
     if isinstance(cases, CallCases):
         return _call_asserts(cases)
     if cases is not None:
-        return StdioTests(cases)
+        return StdioTests(cases, _checker(given), problem_name(row))
     raise RowTestsError(f"no tests: none of {LAYOUTS} is set; add one (docs/rewards.md shows each)")
+
+
+def _checker(given: dict[str, Any]) -> Checker | None:
+    """The row's checker program (`checker`, else `generated_checker`), or None when it has neither."""
+    for column in KINDS:
+        if given.get(column):
+            try:
+                return row_checker(column, given[column])
+            except CheckerError as err:
+                raise RowTestsError(str(err)) from None
+    return None
+
+
+def problem_name(row: dict[str, Any]) -> str:
+    """How messages name a row: its first name or id column (`ROW_NAME_COLUMNS`), else ""."""
+    for column in ROW_NAME_COLUMNS:
+        if row.get(column) not in (None, ""):
+            return f"{column} {str(row[column])[:80]!r}"
+    return ""
 
 
 def _stdio(info: Any) -> StdioTests:

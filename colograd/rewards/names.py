@@ -79,7 +79,11 @@ def _code(options: Any) -> RewardFunc:
     from colograd.rewards.code import code_reward
 
     return code_reward(
-        options.code_sandbox, options.code_output_lines, options.code_checker, options.code_float_tolerance
+        options.code_sandbox,
+        options.code_output_lines,
+        options.code_checker,
+        options.code_float_tolerance,
+        options.code_cases,
     )
 
 
@@ -87,7 +91,11 @@ def _binary_code(options: Any) -> RewardFunc:
     from colograd.rewards.code import binary_code_reward
 
     return binary_code_reward(
-        options.code_sandbox, options.code_output_lines, options.code_checker, options.code_float_tolerance
+        options.code_sandbox,
+        options.code_output_lines,
+        options.code_checker,
+        options.code_float_tolerance,
+        options.code_cases,
     )
 
 

@@ -8,8 +8,9 @@ a scored program never needs, a memory cgroup bounding everything it allocates, 
 processes, open files, file size, disk and output; the CPU time of its whole process tree and its wall time are kept
 here (`colograd.rewards.sandbox_clock`). When the program exits or is killed, everything it started dies with its pid
 namespace. The launcher (`colograd.rewards.sandbox_launch`) does the building; this module starts it, feeds it, reads
-its output within the caps and tells why an execution failed. docs/rewards.md has the threat model: what is
-enforced, by which mechanism, and what is not.
+its output within the caps and tells why an execution failed. `Sandbox.run` is one execution; `Sandbox.session` keeps
+one sandbox for many executions of one program (a completion's stdin/stdout cases), each in a fresh folder.
+docs/rewards.md has the threat model: what is enforced, by which mechanism, and what is not.
 
 Where the isolation cannot be built, `Sandbox` refuses at construction in one line naming what is missing;
 ``isolated=False`` is the explicit opt-in to run programs with the rlimits and a temporary folder only. Where one of
@@ -302,6 +303,18 @@ class Sandbox:
             self._remove_cgroups(cgroups)
         tests = len((judge or {}).get("tests", ()))
         return _execution(stdout, stderr, status_bytes, cut, oom, time.perf_counter() - start, tests)
+
+    def session(self, code: str, argv: list[str] | None = None, files: dict[str, bytes] | None = None):
+        """A sandbox kept for many executions of `code` (`Session`): one per completion, however many cases it has.
+
+        Args:
+            code: the program (its main.py).
+            argv: what runs instead of ``python main.py`` (a compiled checker: ``["/sandbox/checker", ...]``).
+            files: more of the program's files, put in /sandbox for every case (a compiled checker), executable.
+        """
+        from colograd.rewards.sandbox_session import Session  # it builds on this module's helpers
+
+        return Session(self, code, argv, files)
 
     def _create_cgroups(self) -> dict[str, str]:
         """The execution's cgroups, by protection (a v2 memory cgroup counts the CPU time too)."""

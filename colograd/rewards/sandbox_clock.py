@@ -130,7 +130,16 @@ class Clock:
         self.readings: dict[int, _Reading] = {}  # pid -> the latest reading of an own process
         self.tasks: dict[int, _Reading] = {}  # tid -> the latest reading of each task (thread) of the tree
         self.stalled_s = 0.0  # the tree's stalls so far (`_stalls`)
+        self.cpu_before = 0.0  # the tree's CPU seconds before the current case (`restart`)
         self._own: list[int] = []
+
+    def restart(self) -> None:
+        """Start the limits again for the next case of a session (`colograd.rewards.sandbox_session.Session`): its
+        wall time and CPU time from now, what the sandbox waited and used before not its."""
+        now = time.perf_counter()
+        self.waited_before = self._waited_s(now)
+        self.created = self.start = now
+        self.cpu_before = self.cpu.seconds()
 
     def check(self) -> tuple[str | None, float]:
         """Why the execution must end now ("timeout", "cpu time", "overloaded"), or None and the seconds until the
@@ -140,7 +149,7 @@ class Clock:
         if elapsed >= self.wall_s * BACKSTOP:
             return "overloaded", 0.0
         if elapsed >= self.cpu_from:
-            if self.cpu.seconds() >= self.cpu_s:
+            if self.cpu.seconds() - self.cpu_before >= self.cpu_s:
                 return "cpu time", 0.0
             next_check = POLL_S
         else:

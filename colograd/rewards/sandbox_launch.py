@@ -22,6 +22,10 @@ Isolated, the processes are (see docs/rewards.md):
        └─ judge    (assert-style tests) forked from init, never runs model code: drops every privilege, takes the
                    same limits and filter, runs the tests and reports each one's outcome on the status pipe
 
+In cases mode (`colograd.rewards.sandbox_session.Session`: a completion's stdin/stdout cases, or a checker's), init
+runs the program once per case the trainer sends over a Unix socket, each in a fresh /sandbox, and kills whatever a
+case left before the next (`serve_cases`).
+
 Unisolated (the explicit opt-in), the launcher is init: it sets the rlimits, and runs the program (and the judge) in
 the given folder, with nothing else of the above.
 """
@@ -214,11 +218,17 @@ class SeccompFilter:
 
 
 def write_program(orders: dict, folder: str) -> None:
-    """The program's files: main.py, and for assert-style tests the compiled harness it loads (no test is in it)."""
+    """The program's files: main.py, for assert-style tests the compiled harness it loads (no test is in it), and
+    the files the orders name (a compiled checker: executable)."""
     _write(os.path.join(folder, "main.py"), orders["code"])
     if orders["judge"] is not None:
         with open(os.path.join(folder, "harness.bin"), "wb") as f:
             f.write(bytes.fromhex(orders["judge"]["harness"]))
+    for name, data in (orders.get("files") or {}).items():
+        path = os.path.join(folder, name)
+        with open(path, "wb") as f:
+            f.write(bytes.fromhex(data))
+        os.chmod(path, 0o755)
 
 
 # --- the namespaces and the new root -------------------------------------------------------------------------------
@@ -324,9 +334,15 @@ def _drop_privileges(uid: int | None) -> None:
     _check(_libc.capset(ctypes.byref(Header(0x20080522, 0)), data), "dropping capabilities")
 
 
-def run_program(orders: dict, uid: int | None, seccomp: SeccompFilter | None, channel: tuple | None) -> None:
-    """In the program's process: its descriptors, limits, no privileges, the filter, then the interpreter."""
-    stdin = orders["stdin_fd"]
+def run_program(
+    orders: dict, uid: int | None, seccomp: SeccompFilter | None, channel: tuple | None, stdin: int | None = None
+) -> None:
+    """In the program's process: its descriptors, limits, no privileges, the filter, then the interpreter (or the
+    orders' `argv`: a compiled checker). `stdin`: a case's input (cases mode), else the orders' file."""
+    if stdin is None:
+        stdin = orders["stdin_fd"]
+    if orders.get("cases_fd") is not None and not orders["isolated"]:
+        os.setpgid(0, 0)  # unisolated, a case's processes are a group of their own, killed as one after it
     os.dup2(stdin if stdin is not None and channel is None else os.open(os.devnull, os.O_RDONLY), 0)
     _keep_fds(dict(zip(PROGRAM_FDS, channel, strict=True)) if channel else {})
     os.chdir(orders["workdir"] or "/sandbox")
@@ -337,7 +353,8 @@ def run_program(orders: dict, uid: int | None, seccomp: SeccompFilter | None, ch
     if seccomp is not None:
         seccomp.apply()
     # UTF-8 mode: stdin and stdout carry any bytes (invalid UTF-8, a lone surrogate's) through as surrogate escapes.
-    os.execve(orders["python"], [orders["python"], "-I", "-X", "utf8", "main.py"], orders["env"])
+    argv = orders.get("argv") or [orders["python"], "-I", "-X", "utf8", "main.py"]
+    os.execve(argv[0], argv, orders["env"])
 
 
 def run_judge(orders: dict, uid: int | None, seccomp: SeccompFilter | None, channel: tuple, status_fd: int) -> None:
@@ -403,6 +420,9 @@ def init(orders: dict, uid: int | None, status_fd: int, seccomp: SeccompFilter |
         _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
     os.write(status_fd, (json.dumps({"protections": applied}) + "\n").encode())
+    if orders.get("cases_fd") is not None:
+        serve_cases(orders, uid, status_fd, seccomp)
+        return
     channel = judge_end = None
     if orders["judge"] is not None:
         to_program, to_judge = os.pipe(), os.pipe()
@@ -439,6 +459,92 @@ def init(orders: dict, uid: int | None, status_fd: int, seccomp: SeccompFilter |
     os.write(status_fd, (json.dumps(status) + "\n").encode())
 
 
+def serve_cases(orders: dict, uid: int | None, status_fd: int, seccomp: SeccompFilter | None) -> None:
+    """Cases mode: one sandbox, many executions of the program. The trainer sends each case on the control socket as
+    it is wanted (a short JSON header naming the files, and their descriptors: the case's stdin first, then each
+    file's content), and ends the session by closing the socket. Each case gets a fresh /sandbox (and /tmp,
+    /dev/shm) holding the program's files and the case's, a fresh process started as the program always is, and
+    when its first process exits, every process left in the sandbox is killed before the next case, so that nothing
+    of one case runs in the next; then its status goes on the status pipe: {"case": k, "program": {...}}. The
+    program's stdout and stderr are the launcher's, read by the trainer between two such lines."""
+    import socket  # only here: the one-execution mode starts without it
+
+    control = socket.socket(fileno=orders["cases_fd"])
+    for case in range(1 << 62):
+        message, fds, _, _ = socket.recv_fds(control, 1 << 16, 16)
+        if not message:
+            for fd in fds:
+                os.close(fd)
+            return  # the trainer ended the session
+        names = json.loads(message)["files"]
+        if orders["isolated"]:
+            fresh_folders(orders, uid)
+        else:
+            _clear_folder(orders["workdir"])
+            write_program(orders, orders["workdir"])
+        folder = "/sandbox" if orders["isolated"] else orders["workdir"]
+        for name, fd in zip(names, fds[1:], strict=True):
+            with os.fdopen(fd, "rb") as source, open(os.path.join(folder, name), "wb") as target:
+                while chunk := source.read(1 << 20):
+                    target.write(chunk)
+            if uid is not None:
+                os.chown(os.path.join(folder, name), uid, uid)
+        program = os.fork()
+        if program == 0:
+            try:
+                run_program(orders, uid, seccomp, None, fds[0])
+            finally:
+                os._exit(127)
+        os.close(fds[0])
+        report = _describe(*os.wait4(program, 0)[1:])
+        _end_case(orders, program)
+        os.write(status_fd, (json.dumps({"case": case, "program": report}) + "\n").encode())
+
+
+def fresh_folders(orders: dict, owner: int | None) -> None:
+    """A new, empty /sandbox (with the program's files), /tmp and /dev/shm: the last case's are detached, and what
+    it wrote is gone with them."""
+    for path in ("/tmp", "/sandbox", "/dev/shm"):
+        _check(_libc.umount2(path.encode(), MNT_DETACH), f"detaching {path}")
+    size = f"size={orders['disk_kib']}k"
+    _mount("tmpfs", "/sandbox", "tmpfs", MS_NOSUID | MS_NODEV, f"{size},mode=777")
+    _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, f"{size},mode=1777")
+    if owner is not None:
+        os.chown("/sandbox", owner, owner)
+    write_program(orders, "/sandbox")
+    if owner is not None:
+        for name in os.listdir("/sandbox"):
+            os.chown(os.path.join("/sandbox", name), owner, owner)
+    _mount("/sandbox", "/tmp", None, MS_BIND)
+
+
+def _clear_folder(folder: str) -> None:
+    import shutil
+
+    for entry in os.scandir(folder):
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            os.unlink(entry.path)
+
+
+def _end_case(orders: dict, program: int) -> None:
+    """Kill what the case left running and reap it. Isolated, this is the sandbox's pid 1: every other process in
+    its pid namespace; unisolated, the case's process group."""
+    try:
+        if orders["isolated"]:
+            os.kill(-1, signal.SIGKILL)  # from pid 1: every process of the namespace but itself
+        else:
+            os.killpg(program, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    while True:
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
+
+
 def main() -> None:
     orders = json.loads(sys.stdin.buffer.read())
     status_fd = orders["status_fd"]
@@ -472,6 +578,8 @@ def main() -> None:
         finally:
             os._exit(0)
     os.close(status_fd)
+    if orders.get("cases_fd") is not None:
+        os.close(orders["cases_fd"])
     os.waitpid(child, 0)
 
 

@@ -63,7 +63,7 @@ def code() -> CodeReward:
 
 @pytest.mark.parametrize(
     "row, said",
-    [({"official_tests": [{"input": "1", "output": "1"}], "checker": "#include <testlib.h>"}, "checker program"),
+    [({"official_tests": [{"input": "1", "output": "1"}], "checker": ["not", "text"]}, "checker is a list, not the"),
      ({"public_tests": {"input": ["1"], "output": []}}, "public_tests has 1 inputs for 0 outputs"),
      ({"public_tests": {"input": [], "output": []}, "private_tests": None}, "public_tests holds no test case"),
      ({"input_output": "{not json"}, "input_output is not valid JSON"),

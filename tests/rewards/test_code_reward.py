@@ -14,6 +14,7 @@ from colograd.rewards.code import CodeReward, check_code_rows, extract_code, out
 from colograd.rewards.code_tests import parse_python
 from colograd.rewards.core import resolve_reward
 from colograd.rewards.sandbox import SandboxLimits
+from colograd.rewards.sandbox_session import Session
 
 LIMITS = SandboxLimits(wall_s=2.0, cpu_s=1)
 SUM = "a, b = map(int, input().split())\nprint(a + b)\n"
@@ -116,12 +117,14 @@ def test_started_early_the_rewards_are_the_same_and_run_once(code, monkeypatch):
     infos = [INFO, INFO, {**INFO, "test_cases": INFO["test_cases"][:1]}, INFO]
     after = code(completions, infos)
     runs = []
-    real_run = code.sandbox.run
-    monkeypatch.setattr(code.sandbox, "run", lambda *a, **k: runs.append(a) or real_run(*a, **k))
+    real_case = Session.case
+    monkeypatch.setattr(Session, "case", lambda self, *a, **k: runs.append(a) or real_case(self, *a, **k))
     code.prefetch(completions[:2], infos[:2])  # the first two finished while the others decode
     code.prefetch(completions[2:], infos[2:])
     assert code(completions, infos) == after
-    assert len(runs) == 7  # 3 + 3 + 1 cases, each run once: scoring took the started ones
+    # 3 + 2 (print(3) passes the first case, fails the second: no more run) + 1 cases, each run once: scoring took
+    # the started ones
+    assert len(runs) == 6
 
 
 def test_the_offline_code_task_is_solved_by_a_correct_program(code):

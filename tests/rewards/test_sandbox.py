@@ -51,10 +51,24 @@ class AsSolution:
         return dataclasses.replace(result.execution, reason=result.failures[0])
 
 
-@pytest.fixture(scope="module", params=["program", "assert-style solution"])
-def sandbox(request) -> Sandbox | AsSolution:
+class AsCase:
+    """The sandbox as stdin/stdout cases use it: the program is a case of a session (`Sandbox.session`; what one case
+    leaves for the next is tests/rewards/test_code_cases.py's)."""
+
+    def __init__(self, sandbox: Sandbox) -> None:
+        self.sandbox = sandbox
+
+    def run(self, code: str, stdin: str = "") -> Execution:
+        with self.sandbox.session(code) as session:
+            return session.case(stdin)
+
+
+@pytest.fixture(scope="module", params=["program", "assert-style solution", "case of a session"])
+def sandbox(request) -> Sandbox | AsSolution | AsCase:
     sandbox = Sandbox(LIMITS, isolated=ISOLATED)
-    return sandbox if request.param == "program" else AsSolution(sandbox)
+    return {"program": sandbox, "assert-style solution": AsSolution(sandbox), "case of a session": AsCase(sandbox)}[
+        request.param
+    ]
 
 
 def leftovers(marker: str) -> list[int]:

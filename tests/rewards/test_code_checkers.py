@@ -1,0 +1,141 @@
+"""A problem's own checker program (C++ with testlib's interface, or open-r1/codeforces' Python `generated_checker`):
+its verdict is the only one, it runs in a sandbox of its own, and a broken checker is the problem's fault, not the
+program's zero."""
+
+import logging
+
+import pytest
+
+from colograd.errors import ConfigError
+from colograd.rewards import code_checker
+from colograd.rewards.code import CodeReward, check_code_rows
+from colograd.rewards.code_checker import CheckerBroken, Checkers, row_checker
+from colograd.rewards.sandbox import SandboxLimits
+
+LIMITS = SandboxLimits(wall_s=10.0, cpu_s=2, memory_mib=256)
+
+# Any-answer problem: print a permutation of 1..n with no p[i] == i (a derangement); the expected output is one.
+CASES = [("2\n", "2 1\n"), ("3\n", "2 3 1\n"), ("5\n", "2 3 4 5 1\n")]
+ROTATE_LEFT = "n = int(input())\nprint(*([n] + list(range(1, n))))\n"  # right, and never the expected output
+SHIFT = "n = int(input())\nprint(*(list(range(2, n + 1)) + [1]))\n"  # right, and the expected output itself
+IDENTITY = "n = int(input())\nprint(*range(1, n + 1))\n"  # a permutation, not a derangement
+GARBAGE = "input()\nprint('no idea')\n"
+CPP = r"""
+#include <cstdio>
+#include <vector>
+int main(int argc, char **argv) {
+    FILE *in = fopen(argv[1], "r"), *out = fopen(argv[2], "r");
+    int n;
+    if (fscanf(in, "%d", &n) != 1) return 3;
+    std::vector<int> seen(n + 1, 0);
+    for (int i = 1; i <= n; i++) {
+        int p;
+        if (fscanf(out, "%d", &p) != 1 || p < 1 || p > n || seen[p] || p == i) return 1;
+        seen[p] = 1;
+    }
+    int extra;
+    return fscanf(out, "%d", &extra) == 1 ? 1 : 0;
+}
+"""
+PYTHON = """
+import sys
+n = int(open(sys.argv[1]).read())
+words = open(sys.argv[3]).read().split()
+ok = len(words) == n and sorted(words, key=int) == [str(i) for i in range(1, n + 1)]
+ok = ok and all(int(w) != i + 1 for i, w in enumerate(words))
+print(1 if ok else 0)
+"""
+
+
+def block(code: str) -> str:
+    return f"```python\n{code}```\n"
+
+
+def row(**checker) -> dict:
+    return {"official_tests": [{"input": i, "output": o} for i, o in CASES], "id": "1234A", **checker}
+
+
+def score(reward, programs, r):
+    return reward([block(p) for p in programs], **{k: [v] * len(programs) for k, v in r.items()})
+
+
+@pytest.fixture(scope="module")
+def code() -> CodeReward:
+    return CodeReward(limits=LIMITS, workers=2)
+
+
+@pytest.mark.parametrize("kind", ["checker", "generated_checker"])
+def test_an_any_answer_problem_is_scored_by_its_checker(code, kind):
+    r = row(**{kind: CPP if kind == "checker" else PYTHON})
+    assert score(code, [ROTATE_LEFT, SHIFT, IDENTITY, GARBAGE], r) == [1.0, 1.0, 0.0, 0.0]
+    # Without the checker, the tokens must be the expected ones: the other right answer fails from n = 3 on (n = 2
+    # has one derangement only).
+    plain = {k: v for k, v in r.items() if k != kind}
+    assert score(code, [ROTATE_LEFT, SHIFT], plain) == [1 / 3, 1.0]
+
+
+def test_the_checker_never_sees_the_programs_sandbox(code):
+    # The program leaves files where a checker in its sandbox would find them; the checker accepts only where it
+    # finds none of them, and only its three files and its own beside it.
+    plants = (
+        "import os\nfor path in ('planted', '/tmp/planted', 'solution_output.txt'):\n    open(path, 'w').write('1')\n"
+    )
+    looks = (
+        "import os, sys\n"
+        "mine = sorted(os.listdir('.'))\n"
+        "print(1 if 'planted' not in os.listdir('/tmp') and mine == sorted(['checker.py', 'main.py', 'input.txt', "
+        "'correct_output.txt', 'solution_output.txt']) and open(sys.argv[3]).read() == 'out\\n' else 0)\n"
+    )
+    r = {"official_tests": [{"input": "", "output": "out\n"}], "generated_checker": looks}
+    assert score(code, [plants + "print('out')\n"], r) == [1.0]
+
+
+def test_a_checker_that_does_not_compile_is_the_problems_fault(code, caplog):
+    logged = {}
+    r = row(checker="int main( { return 0; }\n")
+    with caplog.at_level(logging.WARNING):
+        rewards = code([block(ROTATE_LEFT)] * 2, **{k: [v] * 2 for k, v in r.items()},
+                       log_extra=lambda column, values: logged.update({column: values}))  # fmt: skip
+    assert rewards == [None, None]
+    assert logged["code_failure"][0].startswith("problem: the checker does not compile")
+    said = [rec.getMessage() for rec in caplog.records if "does not compile" in rec.getMessage()]
+    assert len(said) == 1 and "problem id '1234A'" in said[0]
+
+
+def test_a_checker_that_rejects_the_expected_output_is_the_problems_fault(code):
+    crashes = "raise SystemExit('this checker is broken')\n"
+    assert score(code, [ROTATE_LEFT], row(generated_checker=crashes)) == [None]
+    silent = "print('accepted')\n"  # neither 1 nor 0, whatever the output
+    assert score(code, [ROTATE_LEFT], row(generated_checker=silent)) == [None]
+
+
+def test_a_checker_that_crashes_only_on_the_programs_output_fails_the_case(code):
+    # A checker that cannot parse what the program printed, but accepts the expected output: the program's output
+    # was wrong, not the checker, so a policy cannot turn its zero into no reward by printing what crashes it.
+    strict = "import sys\nwords = list(map(int, open(sys.argv[3]).read().split()))\nprint(1)\n"
+    assert score(code, [GARBAGE, SHIFT], row(generated_checker=strict)) == [0.0, 1.0]
+    testlib_fail = "int main() { return 3; }\n"  # testlib's 'fail' on every output, the expected one too
+    assert score(code, [SHIFT], row(checker=testlib_fail)) == [None]
+
+
+def test_checkers_are_compiled_once_per_source():
+    checkers = Checkers(isolated=True)
+    checker = row_checker("checker", CPP)
+    first = checkers._binary(checker)
+    assert checkers._binary(row_checker("checker", CPP)) is first
+    broken = row_checker("checker", "not c++")
+    with pytest.raises(CheckerBroken, match="does not compile"):
+        checkers._binary(broken)
+    with pytest.raises(CheckerBroken):  # the failure is kept, not compiled again
+        checkers._binary(broken)
+
+
+def test_rows_whose_checker_cannot_run_here_are_refused_before_the_run(code, monkeypatch):
+    monkeypatch.setattr(code_checker, "INCLUDE_DIRS", ("/nonexistent",))  # a machine without testlib.h
+    for bad, said in [
+        ({"checker": '#include "testlib.h"\nint main() {}\n'}, "includes testlib.h, which is not on this machine"),
+        ({"generated_checker": 3}, "generated_checker is a int, not the checker's source"),
+    ]:
+        columns = {"official_tests": [[{"input": "1", "output": "1"}]], **{k: [v] for k, v in bad.items()}}
+        with pytest.raises(ConfigError, match=said):
+            check_code_rows([code], list(columns), lambda names, c=columns: {n: c[n] for n in names}, "cf")

@@ -1,0 +1,137 @@
+"""Competitive-programming rows in CodeContests' and open-r1/codeforces' schemas (tests/rewards/contest/: written for
+these tests, not rows of those datasets; its README says how they were made): every right solution scores 1.0 under
+two reward calls at once, and every wrong one (off by one, wrong format, too slow, an invalid answer to an any-answer
+problem) scores what one unsandboxed interpreter gives, running the same cases with the same comparison or checker.
+
+``COLOGRAD_CONTEST_SAMPLE=<file.jsonl>`` runs the same test on other rows of those schemas (real ones)."""
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+
+from colograd.rewards.code import CodeReward, output_matches
+from colograd.rewards.code_tests import row_tests
+from colograd.rewards.sandbox import SandboxLimits
+
+SAMPLE = Path(os.environ.get("COLOGRAD_CONTEST_SAMPLE", Path(__file__).parent / "contest" / "sample.jsonl"))
+ROWS = [json.loads(line) for line in SAMPLE.read_text().splitlines() if line.strip()]
+# How each problem's output is compared where it has no checker program (the reward's code_checker).
+COMPARISON = {
+    "62_A. Fibonacci modulo": "lines",
+    "62_B. Trip time": "float",
+    "62_C. Almost a palindrome": "tokens_nocase",
+}
+CPU_S = 2
+LIMITS = SandboxLimits(wall_s=20.0, cpu_s=CPU_S, memory_mib=512)
+PYTHON3 = 3  # CodeContests' language code
+
+
+def solutions(row: dict) -> tuple[list[str], list[str]]:
+    """A row's right and wrong Python solutions."""
+    if "colograd_solutions" in row:
+        return row["colograd_solutions"]["right"], row["colograd_solutions"]["wrong"]
+
+    def python(column: str) -> list[str]:
+        given = row.get(column) or {"language": [], "solution": []}
+        return [s for lang, s in zip(given["language"], given["solution"], strict=True) if lang == PYTHON3]
+
+    return python("solutions"), python("incorrect_solutions")
+
+
+def problem(row: dict) -> str:
+    return row.get("name") or row.get("id")
+
+
+def reward_for(row: dict) -> CodeReward:
+    return CodeReward(limits=LIMITS, workers=2, checker=COMPARISON.get(problem(row), "tokens"))
+
+
+def columns(row: dict, n: int) -> dict:
+    return {k: [v] * n for k, v in row.items() if k != "colograd_solutions"}
+
+
+def block(code: str) -> str:
+    return f"```python\n{code}```\n"
+
+
+def _cpu_limit() -> None:
+    resource.setrlimit(resource.RLIMIT_CPU, (CPU_S, CPU_S + 1))
+
+
+class Unsandboxed:
+    """One interpreter at a time, no sandbox: each case a bare `python -I main.py` under the same CPU limit, its
+    output judged by the row's checker program (run unsandboxed too) or the same comparison; the cases in order until
+    the first failure, as the reward runs them."""
+
+    def __init__(self, row: dict, folder: str) -> None:
+        self.row, self.folder = row, folder
+        self.tests = row_tests(row)
+        self.checker_argv = None
+        if self.tests.checker is not None and self.tests.checker.language == "cpp":
+            Path(folder, "checker.cpp").write_text(self.tests.checker.source)
+            subprocess.run(["g++", "-O2", "-std=gnu++17", "-o", "checker", "checker.cpp"], cwd=folder, check=True)
+            self.checker_argv = ["./checker", "input.txt", "output.txt", "answer.txt"]
+        elif self.tests.checker is not None:
+            Path(folder, "checker.py").write_text(self.tests.checker.source)
+            self.checker_argv = [sys.executable, "-I", "checker.py", "input.txt", "correct_output.txt",
+                                 "solution_output.txt"]  # fmt: skip
+
+    def accepts(self, stdin: str, output: str, expected: str) -> bool:
+        if self.checker_argv is None:
+            return output_matches(output, expected, "all", COMPARISON.get(problem(self.row), "tokens"), 1e-6)
+        names = ("input.txt", "output.txt", "answer.txt")
+        if self.tests.checker.language == "python":
+            names = ("input.txt", "solution_output.txt", "correct_output.txt")
+        for name, text in zip(names, (stdin, output, expected), strict=True):
+            Path(self.folder, name).write_text(text)
+        done = subprocess.run(self.checker_argv, cwd=self.folder, capture_output=True, text=True, timeout=60)
+        if self.tests.checker.language == "python":
+            return done.returncode == 0 and done.stdout.split()[-1:] == ["1"]
+        return done.returncode == 0
+
+    def score(self, code: str) -> float:
+        Path(self.folder, "main.py").write_text(code)
+        cases = self.tests.cases
+        for k, (stdin, expected) in enumerate(cases):
+            done = subprocess.run([sys.executable, "-I", "main.py"], cwd=self.folder, input=stdin, text=True,
+                                  capture_output=True, preexec_fn=_cpu_limit, timeout=600)  # fmt: skip
+            if done.returncode != 0 or not self.accepts(stdin, done.stdout, expected):
+                return k / len(cases)
+        return 1.0
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[problem(r) for r in ROWS])
+def test_right_solutions_score_one_under_two_calls_at_once(row):
+    right, _ = solutions(row)
+    assert right, f"{problem(row)} has no Python solution to check"
+    reward = reward_for(row)
+    got = {}
+
+    def call(k: int) -> None:
+        got[k] = reward([block(s) for s in right], **columns(row, len(right)))
+
+    calls = [threading.Thread(target=call, args=(k,)) for k in range(2)]
+    for thread in calls:
+        thread.start()
+    for thread in calls:
+        thread.join()
+    assert got == {0: [1.0] * len(right), 1: [1.0] * len(right)}
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[problem(r) for r in ROWS])
+def test_wrong_solutions_score_what_one_unsandboxed_interpreter_gives(row):
+    _, wrong = solutions(row)
+    assert wrong, f"{problem(row)} has no wrong Python solution to check"
+    rewards = reward_for(row)([block(s) for s in wrong], **columns(row, len(wrong)))
+    with tempfile.TemporaryDirectory() as folder:
+        reference = Unsandboxed(row, folder)
+        expected = [reference.score(s) for s in wrong]
+    assert rewards == expected
+    assert all(r < 1.0 for r in rewards), f"{problem(row)}: a wrong solution passed every case"
