@@ -42,6 +42,17 @@ def state_layer_kinds(text_config: Any) -> list[str]:
     return list(kinds)
 
 
+def state_layer_count(text_config: Any) -> int:
+    """How many of the model's layers carry state (`state_layer_kinds`), counted in the first layer list that names
+    one (Jamba's two lists name the same layers twice)."""
+    for name in ("layers_block_type", "layer_types"):
+        listed = getattr(text_config, name, None) or ()
+        count = sum(1 for kind in listed if not is_attention(kind) and kind not in FEED_FORWARD)
+        if count:
+            return count
+    return sum(1 for kind in getattr(text_config, "attn_type_list", None) or () if kind != 1)
+
+
 def carries_state(config: Any) -> bool:
     """Whether any layer of the model carries state along the sequence (`state_layer_kinds`).
 
