@@ -1,8 +1,9 @@
 """The trainer's forward pass: its settings decided once per run (`Forward.of`), then the log-probs of a rollout
 slice under a model (`logps`) and a slice cut into passes that fit the token budget (`passes`).
 
-The settings: whether the passes are packed at all (not for a model with layers that carry state along the sequence,
-`colograd.models.hybrid`: a packed sequence would start from the state its neighbour left), how padding-free passes
+The settings: whether the passes are packed at all (a model with layers that carry state along the sequence,
+`colograd.models.hybrid`, only where each such layer can be given its sequences apart, `colograd.grpo.stateful`: else
+a packed sequence would start from the state its neighbour left), how padding-free passes
 are packed (the segment kernel, a prompt shared by its completions:
 `colograd.grpo.packing`), the pass token budget (`colograd.grpo.memory.PassBudget`), the tokens never scored (a
 vision-language model's image placeholders), whether the model takes position ids, and a Mixture-of-Experts model's
@@ -37,7 +38,8 @@ class Forward:
     """How the trainer runs its model over a rollout slice.
 
     args: the run's config (temperature, packing, chunking, the fp32 head, `micro_batch_tokens`).
-    packed: the passes run padding-free (`padding_free`, unless the model carries state along the sequence).
+    packed: the passes run padding-free (`padding_free`, unless the model carries state along the sequence and its
+        layers with state cannot be given their sequences apart).
     segments: the segment-attention kernel packed passes use, or None (packed under a mask, or padded).
     prompt_cost: how a pass shares a prompt among its completions (`PromptSharing`), or None (no sharing).
     suppressed: token ids never scored (a vision-language model's image placeholders).

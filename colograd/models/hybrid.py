@@ -4,8 +4,9 @@ Nemotron-H, Jamba, LFM2, Kimi-Linear, MiniMax) mixes with its attention layers.
 A Mamba, linear-attention (Gated DeltaNet, Kimi's delta rule) or short-convolution layer reads each token through a
 state the tokens before it left, not through keys and values it can be masked from. Two consequences for colograd:
 the engine keeps that state in pages of its own, one per sequence (`colograd.engine.kv_cache` sizes them), and the
-trainer cannot pack two sequences into one row, because the second would start from the state the first left
-(`colograd.grpo.forward` runs such a model's passes padded).
+trainer cannot pack two sequences into one row as they are, because the second would start from the state the first
+left (`colograd.grpo.stateful` gives each such layer its sequences apart; else `colograd.grpo.forward` runs the
+model's passes padded).
 
 The layer kinds are read from the config as vLLM reads them (`ModelConfig.get_num_layers_by_block_type`):
 `layers_block_type`, `layer_types` or MiniMax's `attn_type_list` (0 marks a linear layer).
