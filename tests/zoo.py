@@ -583,12 +583,58 @@ def as_published(name: str) -> Any:
     return model
 
 
-def tokenizer_for(config: PretrainedConfig) -> PreTrainedTokenizerFast:
+# Qwen3.5's vision tokens, as its tokenizer names them, by the config attribute holding each one's id.
+QWEN3_5_VISION_TOKENS = {"<|vision_start|>": "vision_start_token_id", "<|vision_end|>": "vision_end_token_id",
+                         "<|image_pad|>": "image_token_id", "<|video_pad|>": "video_token_id"}  # fmt: skip
+# Its image processor's pixel bounds here: 16-pixel patches merged 2 x 2, so a 64 x 64 image is 4 tokens.
+QWEN3_5_PIXELS = (32 * 32, 64 * 64)
+
+
+def save_as_published_with_images(name: str, folder: str) -> str:
+    """`as_published(name)` saved with its processor, as a Qwen3.5 checkpoint is loaded to train on images: the
+    character tokenizer over the real vocabulary with Qwen3.5's vision tokens at its config's ids, transformers' PIL
+    image processor at Qwen3.5's 16-pixel patches merged 2 x 2 (`QWEN3_5_PIXELS`), Qwen3-VL's processor, and a
+    template that puts each image part between the vision tokens. Returns the folder."""
+    import json
+    import os
+
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    model = as_published(name)
+    config = model.config
+    tokenizer = tokenizer_for(
+        config.get_text_config(), {t: getattr(config, a) for t, a in QWEN3_5_VISION_TOKENS.items()}
+    )
+    tokenizer.chat_template = (
+        "{% for m in messages %}<{{ m['role'][0] }}>{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+        "{% for part in m['content'] %}{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+        "{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}\n{% endfor %}"
+        "{% if add_generation_prompt %}<a>{% endif %}"
+    )
+    patches = {"patch_size": 16, "merge_size": 2, "temporal_patch_size": 2}
+    images = Qwen2VLImageProcessorPil(size={"shortest_edge": QWEN3_5_PIXELS[0], "longest_edge": QWEN3_5_PIXELS[1]},
+                                      **patches)  # fmt: skip
+    os.makedirs(folder, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    processor = {  # what `ProcessorMixin.save_pretrained` writes, the video processor's settings as transformers' has
+        "processor_class": "Qwen3VLProcessor",
+        "image_processor": images.to_dict(),
+        "video_processor": {"video_processor_type": "Qwen3VLVideoProcessor", **patches},
+    }
+    with open(os.path.join(folder, "processor_config.json"), "w") as f:
+        json.dump(processor, f, indent=2)
+    with open(os.path.join(folder, "chat_template.jinja"), "w") as f:
+        f.write(tokenizer.chat_template)
+    return folder
+
+
+def tokenizer_for(config: PretrainedConfig, extra: dict[str, int] | None = None) -> PreTrainedTokenizerFast:
     """A character tokenizer over the model's whole vocabulary: one token per character in the low ids, the special
-    tokens at the model's own ids (end-of-sequence, beginning, padding), filler tokens everywhere else, so that any id
-    the engine samples decodes; a ChatML-like template in those characters."""
+    tokens at the model's own ids (end-of-sequence, beginning, padding, and `extra`'s, by name), filler tokens
+    everywhere else, so that any id the engine samples decodes; a ChatML-like template in those characters."""
     specials = special_ids(config)
-    by_id = {i: f"<|{role}|>" for role, i in specials.items()}
+    by_id = {i: f"<|{role}|>" for role, i in specials.items()} | {i: token for token, i in (extra or {}).items()}
     free = (i for i in range(config.vocab_size) if i not in by_id)
     vocab = {token: i for i, token in by_id.items()} | {ch: next(free) for ch in CHARS}
     used = set(vocab.values())

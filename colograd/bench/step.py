@@ -166,9 +166,9 @@ def run_colograd(out: str, w: dict[str, Any]) -> tuple[dict[str, Any], GRPOTrain
         max_completion_length=w["max_completion_length"],
         learning_rate=w["learning_rate"],
         seed=w["seed"],
-        # On a CPU a fixed cache (the engine shares host memory with every process); on a GPU the engine sizes its
-        # own to the rollout.
-        vllm_kv_cache_gib=None if torch.cuda.is_available() else 0.25,
+        # On a CPU a fixed cache (the engine shares host memory with every process); on a GPU, and for the hybrid,
+        # colograd's default: the cache sized to the rollout (for the hybrid, from the state pages its layers report).
+        vllm_kv_cache_gib=None if torch.cuda.is_available() or w["model"] == HYBRID else 0.25,
         vllm_enforce_eager=False,  # GRPOConfig's default: the engine compiles (the warm-up steps absorb it)
         max_prompt_length=max(64, w["prompt_tokens"] or 0),  # 64: a sums question's chat turns, for smollm2
         logging_steps=1,
@@ -472,7 +472,7 @@ def run(size: str = "small", dtype: str = "bf16", as_json: bool = False, **overr
     w = {**workload(size, **overrides), "model": size, "dtype": dtype}
     ours = run_side("colograd", w)
     theirs = run_side("trl", w)
-    if size == HYBRID:  # its passes run padded (layers with state): there is no packing to compare
+    if size == HYBRID:  # the packing comparison is the small Qwen2 model's
         packing = {}
     else:
         packing = packed_vs_padded(dtype) if size != "smollm2" else against_the_limit(ours, theirs, dtype)

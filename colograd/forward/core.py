@@ -1,12 +1,12 @@
 """The trainer's forward pass: its settings decided once per run (`Forward.of`), then the log-probs of a rollout
 slice under a model (`logps`) and a slice cut into passes that fit the token budget (`passes`).
 
-The settings: whether the passes are packed at all (not for a model with layers that carry state along the sequence,
-`colograd.models.hybrid`: a packed sequence would start from the state its neighbour left), how padding-free passes
-are packed (the segment kernel, a prompt shared by its completions:
-`colograd.forward.packing`), the pass token budget (`colograd.forward.memory.PassBudget`), the tokens never scored (a
-vision-language model's image placeholders), whether the model takes position ids, and a Mixture-of-Experts model's
-routers (`colograd.forward.router`).
+The settings: whether the passes are packed at all (a model with layers that carry state along the sequence,
+`colograd.models.hybrid`, only where each such layer can be given its sequences apart, `colograd.forward.stateful`:
+else a packed sequence would start from the state its neighbour left), how padding-free passes are packed (the segment
+kernel, a prompt shared by its completions: `colograd.forward.packing`), the pass token budget
+(`colograd.forward.memory.PassBudget`), the tokens never scored (a vision-language model's image placeholders), whether
+the model takes position ids, and a Mixture-of-Experts model's routers (`colograd.forward.router`).
 """
 
 import logging
@@ -26,7 +26,8 @@ from colograd.forward.logps import PromptSharing, completion_logps
 from colograd.forward.memory import PassBudget
 from colograd.forward.packing import forward_packing, keeps_packed_sequences_apart
 from colograd.forward.router import Router, RouterRecord, RoutingReplay
-from colograd.models.hybrid import bound_time_steps_as_configured, carries_state, state_layer_kinds
+from colograd.forward.stateful import KWARG, Apart
+from colograd.models.hybrid import bound_time_steps_as_configured, carries_state, state_layer_count, state_layer_kinds
 from colograd.vision.core import placeholder_ids, takes_position_ids
 
 logger = logging.getLogger("colograd.trainer")
@@ -37,7 +38,8 @@ class Forward:
     """How the trainer runs its model over a rollout slice.
 
     args: the run's config (temperature, packing, chunking, the fp32 head, `micro_batch_tokens`).
-    packed: the passes run padding-free (`padding_free`, unless the model carries state along the sequence).
+    packed: the passes run padding-free (`padding_free`, unless the model carries state along the sequence and its
+        layers with state cannot be given their sequences apart).
     segments: the segment-attention kernel packed passes use, or None (packed under a mask, or padded).
     prompt_cost: how a pass shares a prompt among its completions (`PromptSharing`), or None (no sharing).
     suppressed: token ids never scored (a vision-language model's image placeholders).
@@ -45,6 +47,8 @@ class Forward:
     router: a Mixture-of-Experts model's routers, recorded in a training pass (TRL's load-balancing loss), or None.
     replay: routing replay (`routing_replay: rollout`), installed on the policy and the reference, or None.
     budget: the per-pass token budget derived on a GPU when `micro_batch_tokens` is unset, or None.
+    apart: a model with layers that carry state, packed: the hooks that give those layers their sequences apart
+        (`colograd.forward.stateful`), or None.
     """
 
     args: GRPOConfig
@@ -56,6 +60,7 @@ class Forward:
     router: Router | None = None
     budget: PassBudget | None = None
     replay: RoutingReplay | None = None
+    apart: Apart | None = None
 
     def __post_init__(self) -> None:
         self.packed = self.packed and self.args.padding_free
@@ -90,9 +95,18 @@ class Forward:
                     "time_step_limit %s, as the engine's do, where transformers' forward bounds it by %s.",
                     changed, limit, before,
                 )  # fmt: skip
-        packed = args.padding_free and not (carries_state(policy.config) or engine_state)
         takes_positions = takes_position_ids(policy.config)
-        if packed and takes_positions and not deepspeed and not keeps_packed_sequences_apart(policy):
+        stateful = carries_state(policy.config) or engine_state
+        apart = packed_apart(nets, policy) if args.padding_free and stateful and takes_positions else None
+        packed = args.padding_free and (not stateful or apart is not None)
+        if apart is not None and announce:
+            logger.warning(
+                "colograd: the model's %s layers carry state along the sequence: the trainer's passes run packed, "
+                "each of those layers computing its sequences apart (padded within the layer; exact), and a prompt is "
+                "not shared by its completions.",
+                ", ".join(state_layer_kinds(policy.config.get_text_config())),
+            )
+        if packed and apart is None and takes_positions and not deepspeed and not keeps_packed_sequences_apart(policy):
             packed = False
             if announce:
                 logger.warning(
@@ -107,13 +121,15 @@ class Forward:
                 "sequence to the next: the trainer's passes run padded (exact; padding_free is set aside).",
                 kinds,
             )
-        packing = forward_packing(nets, args, compute_dtype(policy, args.mixed_precision)) if packed else (None, None)
+        packing = (None, None)
+        if packed and apart is None:
+            packing = forward_packing(nets, args, compute_dtype(policy, args.mixed_precision))
         budget = PassBudget(policy, args, deepspeed, announce)
         suppressed, position_ids = placeholder_ids(processing_class), takes_positions
         replay = RoutingReplay(router, nets) if args.routing_replay == "rollout" and router is not None else None
         if replay is not None and not deepspeed:  # ZeRO-3's routers hold no weights outside its forward
             replay.probe(policy)
-        return cls(args, packed, *packing, suppressed, position_ids, router, budget, replay)
+        return cls(args, packed, *packing, suppressed, position_ids, router, budget, replay, apart)
 
     def logps(
         self,
@@ -143,6 +159,7 @@ class Forward:
             position_ids=self.position_ids,
             router=router,
             replay=self.replay,
+            apart=self.apart,
         )
 
     def replaying(self) -> AbstractContextManager:
@@ -162,3 +179,20 @@ class Forward:
             return None
         row_tokens = None if self.segments else args.packed_row_tokens  # segments: a pass is one row
         return split_by_tokens(batch, max_tokens, args.loss_type, self.prompt_cost, row_tokens)
+
+
+def packed_apart(nets: list[nn.Module | None], policy: nn.Module) -> Apart | None:
+    """The hooks that let a model with layers that carry state train packed (`colograd.forward.stateful`), on the
+    policy and the reference's copy, or None where it must train padded: the layers found are not every one its
+    config lists with state, or, given the layout, its packed sequences still reach each other (a family whose
+    decoder layers do not hand the layout on to those layers)."""
+    text = policy.config.get_text_config()
+    apart = Apart(*[net for net in nets if net is not None])
+    if not apart.layers or len(apart.layers) != state_layer_count(text) * len([n for n in nets if n is not None]):
+        apart.remove()
+        return None
+    before = apart.calls
+    if not keeps_packed_sequences_apart(policy, KWARG) or apart.calls - before < apart.per_model:
+        apart.remove()
+        return None
+    return apart

@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from colograd.errors import ConfigError
-from colograd.forward import attention
+from colograd.forward import attention, stateful
 from colograd.forward.router import UNREAD, RouterRecord, RoutingReplay
 from colograd.models import logit_transform
 from colograd.models.logit_transform import LogitTransform
@@ -377,6 +377,7 @@ def completion_logps(
     position_ids: bool = True,
     router: RouterRecord | None = None,
     replay: RoutingReplay | None = None,
+    apart: stateful.Apart | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of `batch`'s completion tokens under `model` at `temperature`: [N, T], 0 where there is no token.
     The log-probs are of the model's own distribution: what its forward does to the logits after the output layer
@@ -412,6 +413,8 @@ def completion_logps(
             load-balancing loss and the experts' load, each position weighted by the sequences it stands for).
         replay: the routing replay installed on `model`: set to route this pass by `batch`'s `routed_experts` (the
             engine's routing), laid out as the pass's tokens, or by the model's own routers where `batch` has none.
+        apart: with `padding_free`, a model with layers that carry state: the hooks on those layers
+            (`colograd.forward.stateful.Apart`), given each packed row's sequences apart; prompts are then not shared.
 
     Returns:
         logps_NT; with `entropy`, (logps_NT, entropy_NT). Only the completion tokens' values are meaningful.
@@ -426,12 +429,16 @@ def completion_logps(
     if padding_free and not images:
         segments = segments if segments is not None and attention.installed(model) else None
         dtype = _compute_dtype(head, completion_ids_NT.device)
+        if apart is not None:  # each sequence whole, and no mask: the layers with state take them apart
+            share_prompts, segments = None, None
         packed = pack_for_forward(batch, share_prompts, row_tokens, dtype, segments)
         inputs = {
             "input_ids": packed.input_ids,
             "position_ids": packed.position_ids,
             "attention_mask": packed.attention_mask,
         }
+        if apart is not None:
+            inputs[stateful.KWARG] = stateful.Sequences.of(packed.position_ids, packed.weights)
         index_K, target_K, weights = packed.index_K, packed.target_K, packed.weights
     else:
         width = batch["input_ids"].size(1)
@@ -453,7 +460,8 @@ def completion_logps(
         count_tokens(packed.tokens if packed_rows else batch["input_ids"].numel())  # padded: padding included
     swap = _head_returns_logps(head, index_K, target_K, temperature, chunk_tokens, entropy, fp32_head, suppressed,
                                transform)  # fmt: skip
-    with swap as left, router.recording(model) if router is not None else nullcontext([]) as routed:
+    counted = apart.counted() if apart is not None and packed_rows else nullcontext()
+    with swap as left, router.recording(model) if router is not None else nullcontext([]) as routed, counted:
         out_K = model(**inputs, use_cache=False).logits  # [K], or [K, 2]: log-prob and entropy
     if replay is not None and not torch.is_grad_enabled():  # no backward will recompute a layer of this pass
         replay.use(None)

@@ -18,13 +18,14 @@ from colograd.forward import attention
 from colograd.forward.logps import PromptSharing
 
 
-def keeps_packed_sequences_apart(model: nn.Module) -> bool:
+def keeps_packed_sequences_apart(model: nn.Module, layout: str | None = None) -> bool:
     """Whether `model`'s forward keeps sequences packed end to end in one row apart when it is given no mask, only
     position ids that restart at each sequence (transformers finds the sequences from them, `masking_utils`), as the
     padding-free passes without a mask need. Some families build their mask without the position ids (gpt-oss in
     transformers 5.19): their packed sequences attend to each other. Probed: two sequences of 8 tokens, packed and the
     second alone, must give the second the same logits (to 5% of their scale: rounding in 16 bits is far below it,
-    a sequence that sees its neighbour is far above it)."""
+    a sequence that sees its neighbour is far above it). With `layout` (`colograd.forward.stateful.KWARG`), the packed
+    call also gets the rows' `Sequences` under that keyword, as a hybrid's packed passes do."""
     weight = next(model.parameters(), None)
     config = _config(model)
     if weight is None or config is None or weight.device.type == "meta" or weight.numel() == 0:
@@ -36,7 +37,12 @@ def keeps_packed_sequences_apart(model: nn.Module) -> bool:
     model.eval()  # no dropout between the two
     try:
         with torch.no_grad():
-            packed = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0, 8:].float()
+            extra = {}
+            if layout is not None:
+                from colograd.forward.stateful import Sequences
+
+                extra[layout] = Sequences.of(positions, torch.ones_like(positions))
+            packed = model(input_ids=ids, position_ids=positions, use_cache=False, **extra).logits[0, 8:].float()
             alone = model(input_ids=ids[:, 8:], position_ids=positions[:, 8:], use_cache=False).logits[0].float()
     except Exception:  # a forward this probe cannot make: the parity gate still compares every pass
         return True

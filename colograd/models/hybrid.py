@@ -4,8 +4,9 @@ Nemotron-H, Jamba, LFM2, Kimi-Linear, MiniMax) mixes with its attention layers.
 A Mamba, linear-attention (Gated DeltaNet, Kimi's delta rule) or short-convolution layer reads each token through a
 state the tokens before it left, not through keys and values it can be masked from. Two consequences for colograd:
 the engine keeps that state in pages of its own, one per sequence (`colograd.engine.kv_cache` sizes them), and the
-trainer cannot pack two sequences into one row, because the second would start from the state the first left
-(`colograd.forward.core` runs such a model's passes padded).
+trainer cannot pack two sequences into one row as they are, because the second would start from the state the first
+left (`colograd.forward.stateful` gives each such layer its sequences apart; else `colograd.forward.core` runs the
+model's passes padded).
 
 The layer kinds are read from the config as vLLM reads them (`ModelConfig.get_num_layers_by_block_type`):
 `layers_block_type`, `layer_types` or MiniMax's `attn_type_list` (0 marks a linear layer).
@@ -40,6 +41,17 @@ def state_layer_kinds(text_config: Any) -> list[str]:
     if not kinds and getattr(text_config, "num_attention_heads", None) is None:
         kinds["attention-free"] = None
     return list(kinds)
+
+
+def state_layer_count(text_config: Any) -> int:
+    """How many of the model's layers carry state (`state_layer_kinds`), counted in the first layer list that names
+    one (Jamba's two lists name the same layers twice)."""
+    for name in ("layers_block_type", "layer_types"):
+        listed = getattr(text_config, name, None) or ()
+        count = sum(1 for kind in listed if not is_attention(kind) and kind not in FEED_FORWARD)
+        if count:
+            return count
+    return sum(1 for kind in getattr(text_config, "attn_type_list", None) or () if kind != 1)
 
 
 def carries_state(config: Any) -> bool:

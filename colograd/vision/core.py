@@ -44,7 +44,12 @@ _VLLM_MODULES = {
     "Qwen3_5MoeForConditionalGeneration": "vllm.model_executor.models.qwen3_5",
 }
 # Architectures whose processor takes a torchvision-only video processor (`colograd.vision.qwen`).
-_STILLS_ONLY = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+_STILLS_ONLY = (
+    "Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
+)
 # Vision towers that transformers 5 keeps flat and vLLM wraps in `vision_model`.
 _FLAT_TOWERS = ("CLIPVisionTransformer", "SiglipVisionTransformer", "CLIPVisionModel", "SiglipVisionModel")
 

@@ -26,8 +26,9 @@ from typing import Any
 
 from transformers.video_processing_utils import VideoProcessorMixin
 
-# The model types whose processors take `Qwen2VLVideoProcessor`.
-MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+# The model types whose processors take `Qwen2VLVideoProcessor`, and those (Qwen3.5, dense and MoE: Qwen3-VL's
+# processor) that take `Qwen3VLVideoProcessor`.
+MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_5", "qwen3_5_moe")
 
 
 class Qwen2VLVideoProcessor(VideoProcessorMixin):
@@ -54,15 +55,34 @@ class Qwen2VLVideoProcessor(VideoProcessorMixin):
         )
 
 
+class Qwen3VLVideoProcessor(Qwen2VLVideoProcessor):
+    """The same for Qwen3-VL's processor (Qwen3.5's checkpoints): its video processor's name, 16-pixel patches, and
+    the settings vLLM reads from it to size its encoder's budget for a video (which colograd's engine never takes):
+    the pixel bounds as `size`, frame counts and rate, as transformers' `Qwen3VLVideoProcessor` has them."""
+
+    patch_size = 16
+    min_pixels = 128 * 32 * 32
+    max_pixels = 32 * 32 * 768
+    size = {"shortest_edge": 128 * 32 * 32, "longest_edge": 32 * 32 * 768}
+    min_frames, max_frames, fps, max_video_tokens = 4, 768, 2, 768
+
+    def __init__(self, **kwargs: Any) -> None:
+        size = kwargs.pop("size", None)
+        super().__init__(**kwargs)
+        self.size = dict(size or type(self).size)
+
+
 def install() -> bool:
     """Let transformers build Qwen2-VL / Qwen2.5-VL processors without torchvision, for images (nothing happens where
     torchvision imports). Idempotent. Returns whether the stand-in is in place."""
     if importlib.util.find_spec("torchvision") is not None:
         return False
-    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3_5Config, Qwen3_5MoeConfig
     from transformers.models.auto.video_processing_auto import VIDEO_PROCESSOR_MAPPING
 
     sys.modules["transformers"].VideoProcessorMixin = VideoProcessorMixin
-    for config_class in (Qwen2VLConfig, Qwen2_5_VLConfig):
-        VIDEO_PROCESSOR_MAPPING.register(config_class, {"torchvision": Qwen2VLVideoProcessor}, exist_ok=True)
+    stand_ins = {Qwen2VLConfig: Qwen2VLVideoProcessor, Qwen2_5_VLConfig: Qwen2VLVideoProcessor,
+                 Qwen3_5Config: Qwen3VLVideoProcessor, Qwen3_5MoeConfig: Qwen3VLVideoProcessor}  # fmt: skip
+    for config_class, stand_in in stand_ins.items():
+        VIDEO_PROCESSOR_MAPPING.register(config_class, {"torchvision": stand_in}, exist_ok=True)
     return True

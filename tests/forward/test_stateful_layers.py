@@ -2,9 +2,11 @@
 passes give each completion the state its own prompt left, never its neighbour's (`colograd.forward.core`).
 
 transformers' torch path of these layers reads no sequence boundary: packed end to end in one row (padding-free),
-or after a prompt shared by its group, a sequence starts from the state the one before it left. Padded rows are
-exact (left padding is masked to zeros before the layers, which leaves their state at zero). The model is Qwen3.5-4B's
-text model shrunk in width only (tests/zoo.py: its real vocabulary, head layout and 3:1 pattern), sharp weights.
+or after a prompt shared by its group, a sequence starts from the state the one before it left. The trainer packs
+them all the same and gives each layer with state its sequences apart (`colograd.forward.stateful`); padded rows are
+exact too (left padding is masked to zeros before the layers, which leaves their state at zero). The model is
+Qwen3.5-4B's text model shrunk in width only (tests/zoo.py: its real vocabulary, head layout and 3:1 pattern),
+sharp weights.
 """
 
 import pytest
@@ -71,24 +73,82 @@ def alone(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def test_a_hybrids_passes_give_each_sequence_the_state_its_own_prompt_left(hybrid, tmp_path):
-    """With padding_free and prompt sharing on (the defaults), the run's passes over a hybrid are those of each
-    sequence alone. Packed, the same model gives other log-probs to the sequences that follow another in a row:
-    that is the leak the padded layout keeps out (the check has power)."""
+    """With padding_free on (the default), the run's passes over a hybrid are packed, each layer with state given
+    its sequences apart (`colograd.forward.stateful`), and equal those of each sequence alone. Packed without that, the
+    same model gives other log-probs to the sequences that follow another in a row, and so does a prompt shared by
+    its group: that is the leak the layout keeps out (the check has power)."""
     model, tokenizer = hybrid
     args = GRPOConfig(output_dir=str(tmp_path), report_to="none")
     assert args.padding_free
     forward = Forward.of([model], args, tokenizer)
-    assert not forward.packed and forward.prompt_cost is None
+    assert forward.packed and forward.prompt_cost is None and forward.segments is None
+    assert len(forward.apart.layers) == 3  # the three Gated DeltaNet layers of the shrunk model's four
     batch = rollout()
     mask = batch["completion_mask"].bool()
     expected = alone(model, batch)
     with torch.no_grad():
         got = forward.logps(model, batch)
+        rows = completion_logps(model, batch, padding_free=True, row_tokens=90, apart=forward.apart)  # 2+ rows
         packed = completion_logps(model, batch, padding_free=True)
         shared = completion_logps(model, batch, padding_free=True, share_prompts=0.1)
     assert (got - expected)[mask].abs().max() < 1e-4
+    assert (rows - expected)[mask].abs().max() < 1e-4
     assert (packed - expected)[mask].abs().max() > 1e-2
     assert (shared - expected)[mask].abs().max() > 1e-2
+
+
+def test_a_hybrids_packed_gradient_is_the_padded_one_under_gradient_checkpointing(tmp_path):
+    """A layer recomputed in the backward lays out its input as its forward did (the layout travels with the
+    model's call): the packed pass's gradient, checkpointed, is the padded pass's."""
+    config = zoo.shrunk(HYBRID)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config)
+    zoo.sharpen(model)
+    args = GRPOConfig(output_dir=str(tmp_path), report_to="none")
+    forward = Forward.of([model], args, zoo.tokenizer_for(config))
+    batch = rollout()
+    mask = batch["completion_mask"].bool()
+
+    def gradient(checkpointed: bool, **kwargs) -> dict[str, torch.Tensor]:
+        model.zero_grad()
+        if checkpointed:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        completion_logps(model, batch, **kwargs)[mask].sum().backward()
+        model.gradient_checkpointing_disable()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    padded = gradient(False, padding_free=False)
+    packed = gradient(True, padding_free=True, row_tokens=90, apart=forward.apart)
+    leaked = gradient(True, padding_free=True, row_tokens=90)  # packed, the layers with state not told
+    assert packed.keys() == padded.keys() and any("conv1d" in name for name in packed)
+    for name, grad in padded.items():
+        assert (packed[name] - grad).abs().max() <= 1e-4 * grad.abs().max(), name
+    assert max(((leaked[n] - g).abs().max() / g.abs().max()).item() for n, g in padded.items()) > 1e-2
+
+
+def test_a_hybrid_whose_layers_with_state_are_not_all_found_trains_padded(hybrid, tmp_path):
+    """The hooks must reach every layer the config lists with state: a config that lists one more (a layer kind the
+    search does not find) trains padded, as before; a pass in which a layer with state did not take the layout
+    stops in one line."""
+    from colograd.forward.core import packed_apart
+    from colograd.forward.stateful import Apart
+
+    model, tokenizer = hybrid
+    text = model.config.get_text_config()
+    kinds = list(text.layer_types)
+    try:
+        text.layer_types = ["linear_attention"] * len(kinds)
+        assert packed_apart([model], model) is None
+    finally:
+        text.layer_types = kinds
+    apart = Apart(model)
+    try:
+        with pytest.raises(RuntimeError, match="3 of the model's 3 layers with state were called without"):
+            with apart.counted(), torch.no_grad():
+                model(rollout()["input_ids"][:1], use_cache=False)
+    finally:
+        apart.remove()
 
 
 def test_an_all_attention_model_still_packs_unless_its_engine_holds_state(tmp_path):

@@ -199,3 +199,31 @@ def test_a_qwen_vl_trains_on_images_of_every_aspect_ratio(version, tiny_qwen, tm
     gaps = [h["sampling/sampling_logp_difference/max"] for h in trainer.state.log_history if "loss" in h]
     assert len(gaps) == 2 and max(gaps) < 1e-4, gaps
     assert not torch.equal(policy.model.visual.patch_embed.proj.weight, visual)
+
+
+def test_a_qwen3_5_checkpoints_processor_loads_without_torchvision(tmp_path):
+    """Qwen3.5 as published (tests/zoo.py: the shrunk Qwen3.5-4B behind its vision tower, saved with Qwen3-VL's
+    processor): the processor loads with the stills-only stand-in for Qwen3-VL's video processor, which keeps what
+    vLLM reads from it at start-up (its pixel bounds as `size`, the temporal patch); 16-pixel patches merged 2 x 2 give
+    a square, a wide and a tall image their own grids and token counts; the model takes them; a video is refused."""
+    import zoo
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.models.qwen3_vl import Qwen3VLProcessor
+
+    folder = zoo.save_as_published_with_images("Qwen/Qwen3.5-4B", str(tmp_path / "qwen3.5"))
+    processor = load_pretrained(folder, AutoTokenizer)
+    assert isinstance(processor, Qwen3VLProcessor)
+    assert placeholder_ids(processor) == [248056, 248057]  # Qwen3.5's image and video tokens, at their real ids
+    video = processor.video_processor
+    assert video.size["longest_edge"] == 32 * 32 * 768 and video.temporal_patch_size == 2 and video.patch_size == 16
+    sizes = [(64, 64), (96, 32), (32, 64)]
+    prompt = ["<u>" + processor.image_token + QUESTION]
+    outs = [processor(text=prompt, images=[Image.new("RGB", s)], return_tensors="pt") for s in sizes]
+    assert [o["image_grid_thw"].tolist() for o in outs] == [[[1, 4, 4]], [[1, 2, 6]], [[1, 4, 2]]]
+    assert [o["input_ids"][0].tolist().count(processor.image_token_id) for o in outs] == [4, 3, 2]
+    model = load_pretrained(folder, AutoModelForCausalLM)
+    assert type(model).__name__ == "Qwen3_5ForConditionalGeneration"
+    with torch.no_grad():
+        assert torch.isfinite(model(**outs[1]).logits).all()
+    with pytest.raises(NotImplementedError, match="videos need torchvision"):
+        video(videos=[torch.zeros(2, 3, 32, 32)])

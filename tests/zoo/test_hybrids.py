@@ -4,9 +4,10 @@ LFM2 (short convolutions) from the zoo, shrunk in width only, sharp weights.
 
 vLLM's CPU build computes Gated DeltaNet in bf16 only, so the engine runs in bf16 while the trainer keeps float32
 (`colograd.engine.hybrid`), and the parity gate holds each rollout to its 16-bit bound. The engine's cache is sized
-from the specs its layers report (`colograd.engine.kv_cache.RolloutCache`), the trainer's passes run padded
-(`colograd.forward.core`), and the sync must reach every tensor the layers read: a convolution weight or `A_log` left
-out stops the run at its first rollout, named by the gate's diagnosis.
+from the specs its layers report (`colograd.engine.kv_cache.RolloutCache`), the trainer's passes run packed with each
+layer with state given its sequences apart (`colograd.forward.stateful`), and the sync must reach every tensor the
+layers read: a convolution weight or `A_log` left out stops the run at its first rollout, named by the gate's
+diagnosis.
 """
 
 import json
@@ -196,6 +197,62 @@ def test_qwen3_5_as_published_trains_on_text_with_its_tokenizer(name, tmp_path):
     means = [h["sampling/sampling_logp_difference/mean"] for h in steps]
     print(f"worst-token gaps {gaps}, means {means}")
     assert len(steps) == 2 and max(gaps) <= BF16.max and max(means) <= BF16.mean
+
+
+def test_qwen3_5_as_published_trains_on_images_with_the_gate_on(tmp_path):
+    """Qwen3.5 as published (`Qwen3_5ForConditionalGeneration`: the shrunk Qwen3.5-4B behind its vision tower, real
+    vocabulary, sharp weights) trained on images through docs/vlm.md's interface, saved as a folder with its
+    processor: Qwen3-VL's processor, transformers' PIL image processor at Qwen3.5's 16-pixel patches merged 2 x 2, and
+    colograd's stills-only stand-in for its torchvision-only video processor (`colograd.vision.qwen`), which vLLM
+    reads at start-up to size a video it never gets. A square, a wide and a tall image keep their own grids in one
+    rollout; the vision-language engine runs in bf16 (its Gated DeltaNet), and the trainer's log-probs of every
+    completion are the engine's within the gate's 16-bit bound, and nearer them than with another prompt's image in
+    their place. Two steps with the gate on, each within the bound, the vision tower moved by the sync."""
+    import zoo
+    from datasets import Dataset
+    from PIL import Image
+    from test_zoo import answer_length
+
+    from colograd import GRPOTrainer
+    from colograd.models.tiny import run_config
+    from colograd.models.tiny_vlm import COLOURS, QUESTION
+
+    folder = zoo.save_as_published_with_images(QWEN3_5, str(tmp_path / "qwen3.5"))
+    colours, sizes = ["red", "blue", "green"], [(64, 64), (96, 32), (32, 64)]  # 4, 3 and 2 image tokens
+    rows = {
+        "prompt": [[{"role": "user", "content": QUESTION}]] * 3,
+        "images": [[Image.new("RGB", size, COLOURS[c])] for size, c in zip(sizes, colours, strict=True)],
+        "colour": colours,
+    }
+    data = Dataset.from_dict({key: values * 4 for key, values in rows.items()})
+    args = run_config(str(tmp_path / "out"), 2, max_prompt_length=64, per_device_train_batch_size=12,
+                      num_generations=4, max_completion_length=6, logging_steps=1, learning_rate=1e-2,
+                      vllm_importance_sampling_correction=True, vllm_enforce_eager=True)  # fmt: skip
+    trainer = GRPOTrainer(folder, answer_length, args, data)  # varied rewards: the untrained model names no colour
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    assert type(policy).__name__ == HYBRIDS_PUBLISHED[QWEN3_5]
+    assert not trainer.engine.settings.get("language_model_only") and trainer.engine.settings["dtype"] == "bfloat16"
+    batch = trainer.make_rollout([data[i] for i in range(3)])[0]
+    assert batch["mm_image_grid_thw"][::4, 0].tolist() == [[1, 4, 4], [1, 2, 6], [1, 4, 2]]
+    mask = batch["completion_mask"].bool()
+    with torch.no_grad():
+        gap = (trainer.completion_logps(policy, batch) - batch["engine_logps"])[mask].abs()
+        swapped = {**batch, "mm_pixel_values": batch["mm_pixel_values"].flip(0)}
+        wrong = (trainer.completion_logps(policy, swapped) - batch["engine_logps"])[mask].abs()
+    print(f"gap max {gap.max():.3g} mean {gap.mean():.3g}; another's image: {wrong.max():.3g}, {wrong.mean():.3g}")
+    assert gap.max() <= BF16.max and gap.mean() <= BF16.mean
+    # Another image moves them further than the engine's bf16 rounding does (measured 3x the mean gap, 4x the worst),
+    # but not past the gate's 16-bit mean bound: in bf16 the gate cannot tell this model's images apart.
+    assert wrong.mean() > 2 * gap.mean() and wrong.max() > 2 * gap.max()
+    visual = policy.model.visual.patch_embed.proj.weight.detach().clone()
+    trainer.train()
+    steps = [h for h in trainer.state.log_history if "loss" in h]
+    gaps = [h["sampling/sampling_logp_difference/max"] for h in steps]
+    means = [h["sampling/sampling_logp_difference/mean"] for h in steps]
+    print(f"worst-token gaps {gaps}, means {means}")
+    assert len(steps) == 2 and max(gaps) <= BF16.max and max(means) <= BF16.mean
+    assert all(h["images/per_prompt"] == 1 for h in steps)
+    assert not torch.equal(policy.model.visual.patch_embed.proj.weight, visual)
 
 
 @pytest.mark.parametrize(
