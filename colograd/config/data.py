@@ -101,11 +101,12 @@ class ScriptArguments(OpenR1ScriptFields):
         default=1e-6, metadata={"help": "code_checker 'float': the absolute or relative tolerance of a number."}
     )
     code_cases: str = field(
-        default="first_failure",
+        default="all",
         metadata={
-            "help": "Which of a row's stdin/stdout cases the code rewards run: 'first_failure', in order until one "
-            "fails (the rest count as failed and never run: a judge's verdict), or 'all', every case (open-r1's and "
-            "TRL's code_reward: code is the fraction passed)."
+            "help": "Which of a row's stdin/stdout cases the code rewards run: 'all' (the default), every case that "
+            "can change the reward (open-r1's and TRL's code_reward: code is the fraction passed; binary_code stops "
+            "once it cannot pass), or 'first_failure', in order until one fails (the rest count as failed and never "
+            "run: a judge's verdict; code is then the share passed before the first failure)."
         },
     )
     drop_invalid_prompts: bool = field(

@@ -172,7 +172,7 @@ class CodeReward:
         output_lines: str = "all",
         checker: str = "lines",
         tolerance: float = 1e-6,
-        cases: str = "first_failure",
+        cases: str = "all",
     ) -> None:
         if sandbox not in SANDBOX_MODES:
             raise ConfigError(f"code_sandbox: {sandbox!r} is not one of {', '.join(SANDBOX_MODES)}.")
@@ -252,8 +252,9 @@ class CodeReward:
 
     def run_tests(self, code: str, tests: StdioTests | AssertTests) -> CodeResult:
         """Run `code` against `tests`, in this thread: stdin/stdout cases in one sandbox (`Sandbox.session`), one
-        after the other, each a fresh execution, until one fails (`cases` "first_failure"; a program that does not
-        compile fails every case alike, so it runs once) or all ran; assert-style tests all in one execution."""
+        after the other, each a fresh execution, until the rest cannot change the reward (`_decided`: the first
+        failure under `cases` "first_failure"; `binary_code`'s verdict; a program that does not compile) or all ran;
+        assert-style tests all in one execution."""
         if isinstance(tests, AssertTests):
             if not code.strip():  # nothing to test: the tests would only fail on the names they call
                 return CodeResult(0, len(tests.tests), "no code block")
@@ -279,9 +280,17 @@ class CodeReward:
                                "row is fixed or dropped", tests.problem or "(unnamed)", err)  # fmt: skip
             return CodeResult(0, len(cases), f"problem: {err}", scored=False)
 
+    def _decided(self, failed: int, total: int, failure: str) -> bool:
+        """Whether the cases not run yet can no longer change the reward, after `failed` of `total` failed: under
+        `first_failure` at the first failure (the rest count as failed); `binary_code` once its pass rate can no longer
+        be above `BINARY_THRESHOLD`; a program that does not compile fails every case alike. Under `all`, `code`
+        (the fraction passed) runs every case."""
+        binary_lost = self.binary and (total - failed) / total <= BINARY_THRESHOLD  # its best rate left
+        return self.cases == "first_failure" or failure == "syntax error" or binary_lost
+
     def _run_cases(self, code: str, cases: tuple[tuple[str, str], ...], check: CheckRun | None) -> CodeResult:
         """The cases in one session, in order; each output judged by `check` where the row has a checker."""
-        passed, reason = 0, None
+        passed, failed, reason = 0, 0, None
         session = self.sandbox.session(code)
         try:
             for stdin, expected in cases:
@@ -294,8 +303,9 @@ class CodeReward:
                 else:
                     failure = check.decide(stdin, execution.stdout, expected)
                 passed += failure is None
+                failed += failure is not None
                 reason = reason or failure
-                if failure is not None and (self.cases == "first_failure" or failure == "syntax error"):
+                if failure is not None and self._decided(failed, len(cases), failure):
                     break
         finally:
             session.close()
@@ -372,7 +382,7 @@ def code_reward(
     output_lines: str = "all",
     checker: str = "lines",
     tolerance: float = 1e-6,
-    cases: str = "first_failure",
+    cases: str = "all",
 ) -> CodeReward:
     """The built-in `code` reward (its pool and sandbox are made once per process and setting)."""
     return _shared(False, sandbox, output_lines, checker, tolerance, cases)
@@ -383,7 +393,7 @@ def binary_code_reward(
     output_lines: str = "all",
     checker: str = "lines",
     tolerance: float = 1e-6,
-    cases: str = "first_failure",
+    cases: str = "all",
 ) -> CodeReward:
     """The built-in `binary_code` reward."""
     return _shared(True, sandbox, output_lines, checker, tolerance, cases)

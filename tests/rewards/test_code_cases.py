@@ -115,19 +115,37 @@ def counted(monkeypatch) -> list:
 
 def test_the_cases_after_the_first_failure_are_never_sent(monkeypatch):
     sent = counted(monkeypatch)
-    code = CodeReward(limits=LIMITS, workers=1)
+    code = CodeReward(limits=LIMITS, workers=1, cases="first_failure")
     columns = {k: [v] * 2 for k, v in FIVE.items()}
     assert code([block(SUM), block(WRONG_ON_SECOND)], **columns) == [1.0, 1 / 5]
     assert sent == ["1 2\n", "5 5\n", "0 0\n", "7 1\n", "2 2\n", "1 2\n", "5 5\n"]
 
 
 def test_all_runs_every_case_and_gives_the_fraction(monkeypatch):
+    """The default, open-r1's and TRL's meaning of `code`: every case runs, the reward is the fraction passed."""
     sent = counted(monkeypatch)
-    code = CodeReward(limits=LIMITS, workers=1, cases="all")
+    code = CodeReward(limits=LIMITS, workers=1)
+    assert code.cases == "all"
     assert code([block(WRONG_ON_SECOND)], **{k: [v] for k, v in FIVE.items()}) == [4 / 5]
     assert len(sent) == 5
+    sent.clear()
     binary = CodeReward(limits=LIMITS, workers=1, binary=True)
     assert binary([block(SUM), block(WRONG_ON_SECOND)], **{k: [v] * 2 for k, v in FIVE.items()}) == [1.0, 0.0]
+    assert len(sent) == 5 + 2  # binary_code's verdict is decided at the first of 5 cases failed
+
+
+def test_binary_code_stops_only_where_its_verdict_is_decided(monkeypatch):
+    """open-r1's `binary_code` is 1.0 above a 0.99 pass rate: with 150 cases one failure still passes, so the cases
+    after it run; the second failure decides it (0.0), and the rest are never sent."""
+    sent = counted(monkeypatch)
+    inputs = [f"{i} 1\n" for i in range(150)]
+    columns = {"public_tests": [{"input": inputs, "output": [f"{i + 1}\n" for i in range(150)]}]}
+    binary = CodeReward(limits=LIMITS, workers=1, binary=True)
+    fails_once = "a, b = map(int, input().split())\nprint(a + b if a != 3 else 0)\n"
+    assert binary([block(fails_once)], **columns) == [1.0] and len(sent) == 150
+    sent.clear()
+    fails_twice = "a, b = map(int, input().split())\nprint(a + b if a not in (3, 7) else 0)\n"
+    assert binary([block(fails_twice)], **columns) == [0.0] and sent == inputs[:8]
 
 
 def test_all_goes_on_after_a_case_that_timed_out():

@@ -67,8 +67,8 @@ def _cpu_limit() -> None:
 
 class Unsandboxed:
     """One interpreter at a time, no sandbox: each case a bare `python -I main.py` under the same CPU limit, its
-    output judged by the row's checker program (run unsandboxed too) or the same comparison; the cases in order until
-    the first failure, as the reward runs them."""
+    output judged by the row's checker program (run unsandboxed too) or the same comparison; every case, the score
+    the fraction passed (open-r1's `code_reward`, the reward's default `code_cases: all`)."""
 
     def __init__(self, row: dict, folder: str) -> None:
         self.row, self.folder = row, folder
@@ -98,13 +98,12 @@ class Unsandboxed:
 
     def score(self, code: str) -> float:
         Path(self.folder, "main.py").write_text(code)
-        cases = self.tests.cases
-        for k, (stdin, expected) in enumerate(cases):
+        cases, passed = self.tests.cases, 0
+        for stdin, expected in cases:
             done = subprocess.run([sys.executable, "-I", "main.py"], cwd=self.folder, input=stdin, text=True,
                                   capture_output=True, preexec_fn=_cpu_limit, timeout=600)  # fmt: skip
-            if done.returncode != 0 or not self.accepts(stdin, done.stdout, expected):
-                return k / len(cases)
-        return 1.0
+            passed += done.returncode == 0 and self.accepts(stdin, done.stdout, expected)
+        return passed / len(cases)
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[problem(r) for r in ROWS])

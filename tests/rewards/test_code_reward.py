@@ -122,9 +122,9 @@ def test_started_early_the_rewards_are_the_same_and_run_once(code, monkeypatch):
     code.prefetch(completions[:2], infos[:2])  # the first two finished while the others decode
     code.prefetch(completions[2:], infos[2:])
     assert code(completions, infos) == after
-    # 3 + 2 (print(3) passes the first case, fails the second: no more run) + 1 cases, each run once: scoring took
-    # the started ones
-    assert len(runs) == 6
+    # 3 + 3 (print(3) passes the first case and fails the others: the fraction reads them all) + 1 cases, each run
+    # once: scoring took the started ones
+    assert len(runs) == 7
 
 
 def test_the_offline_code_task_is_solved_by_a_correct_program(code):
