@@ -11,9 +11,8 @@ it is above 0.99, else 0.0.
 
 Rows may instead hold assert-style tests (MBPP's ``test_list``, AceCode's ``test_cases``, HumanEval's ``test`` and
 ``entry_point``: `colograd.rewards.code_tests`): each assert statement is one test, decided by a judge process that
-never runs
-the program and holds the expected values (`colograd.rewards.code_harness`), with the same meanings: the reward is the
-fraction of tests passed, `binary_code` 1.0 when it is above 0.99.
+never runs the program and holds the expected values (`colograd.rewards.code_harness`), with the same meanings: the
+reward is the fraction of tests passed, `binary_code` 1.0 when it is above 0.99.
 
 Executions run in a pool of threads (each waits on its own sandboxed process), sized to the machine's cores.
 A completion's failure reason (the first failing test's: ``timeout``, ``memory``, ``wrong answer``, ``syntax error``,

@@ -1,12 +1,10 @@
 """The sandbox's launcher: run as a script (``python -I -S sandbox_launch.py``), standard library only.
 
 It reads its orders as JSON on stdin, builds the sandbox, runs the program (and, for assert-style tests, the judge
-beside it: `colograd.rewards.code_harness`) and reports on the status pipe. Its stdout and stderr become the
-program's. Kept
-apart from `colograd.rewards.sandbox` so that it starts in milliseconds (nothing of colograd, torch or vLLM is
-imported) and
-so that the trainer never forks itself: a process with threads may not enter a new user namespace, and forking one
-that holds a vLLM engine copies its state.
+beside it: `colograd.rewards.code_harness`) and reports on the status pipe. Its stdout and stderr become the program's.
+Kept apart from `colograd.rewards.sandbox` so that it starts in milliseconds (nothing of colograd, torch or vLLM is
+imported) and so that the trainer never forks itself: a process with threads may not enter a new user namespace, and
+forking one that holds a vLLM engine copies its state.
 
 Isolated, the processes are (see docs/rewards.md):
 
