@@ -58,7 +58,7 @@ STALE = 1e-2
 CYCLES = 3
 # A sleep gives back at least this share of the KV cache the engine was given (vLLM allocates whole blocks).
 KV_FREED = 0.9
-RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "grpo_tiny.yaml"
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "grpo_tiny.yaml"
 RECIPE_STEPS = 60
 # The tiny recipe's reward starts near 0.05; a working loop lifts the mean of the last 10 steps this far above
 # the first 10 within RECIPE_STEPS (one process, measured on CPU: 0.04 → 0.28).
