@@ -141,6 +141,11 @@ def _prepare_process(config: Any, args: GRPOConfig) -> None:
     """What this process needs set before vLLM starts the engine of `config`: its model module importable without
     torchvision, the CPU engine's switches (`colograd.engine.cpu`), and an MoE model's expert group."""
     serve_without_torchvision(config.architectures[0])
+    # vLLM caches rotary embeddings per process by their settings: an earlier engine's (a language-model-only engine
+    # builds its vision tower on the meta device) would serve this one's layers with its cache.
+    from vllm.model_executor.layers import rotary_embedding
+
+    rotary_embedding._ROPE_DICT.clear()
     if not torch.cuda.is_available():
         engine_cpu.set_repacking(args.vllm_cpu_repack_weights)
         engine_cpu.count_ranks_eagerly()
