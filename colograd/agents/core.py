@@ -480,6 +480,7 @@ class Agents:
             tool_mask=output.get("env_mask"),
             prompt_ids=[list(ids) for ids in output["prompt_ids"]],
             columns=columns,  # its extra keys reach the reward functions
+            asked=[True] * len(output["completion_ids"]),  # it returns every token's log-prob: a NaN is its engine's
         )
 
 

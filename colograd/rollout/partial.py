@@ -158,16 +158,17 @@ class PartialRollouts:
         }
         return taken, metrics, generated
 
-    @staticmethod
-    def rollout(groups: list[Group], version: int) -> Rollout:
+    def rollout(self, groups: list[Group], version: int) -> Rollout:
         """The finished `groups` as a rollout of this version: completions in group order, each with its stale
-        token count."""
+        token count, and whether the engine was asked its tokens' log-probs (`sample_until` asks them of every
+        token where the loss reads them), so that a NaN the engine gave in place of one stops the parity guard."""
         completions = [c for group in groups for c in group.completions]
         return Rollout(
             completion_ids=[list(c.ids) for c in completions],
             logps=[list(c.logps) for c in completions],
             truncated=[c.finish == "length" for c in completions],
             stale=[c.stale(version) for c in completions],
+            asked=[self.args.needs_engine_logps] * len(completions),
         )
 
     def write_state(self, folder: str) -> None:

@@ -568,11 +568,13 @@ def test_an_engine_computing_nan_stops_the_run_before_training(tmp_path, monkeyp
 
 
 @pytest.mark.slow
-def test_an_engine_that_starts_computing_nan_later_stops_the_run(tmp_path, monkeypatch):
+@pytest.mark.parametrize("rollouts", [{}, {"partial_rollouts": True}], ids=["whole", "partial"])
+def test_an_engine_that_starts_computing_nan_later_stops_the_run(tmp_path, monkeypatch, rollouts):
     """From the third rollout on, the sync hands the engine a NaN final norm: the gate passed, and the engine is asked
-    only the sampling-gap metric's completion. Its NaN is the engine's own (the rollout records that it asked), so
-    the running guard counts each such rollout past the bound and stops the run after `PERSISTENT` of them, with a
-    checkpoint (it used to read them as "nothing measured" and train to the end)."""
+    only the sampling-gap metric's completion (partial rollouts: every token, through their own request loop). Its
+    NaN is the engine's own (the rollout records that it asked), so the running guard counts each such rollout past
+    the bound and stops the run after `PERSISTENT` of them, with a checkpoint (it used to read them as "nothing
+    measured" and train to the end)."""
     from colograd import GRPOConfig, GRPOTrainer
     from colograd.models import tiny
 
@@ -585,7 +587,7 @@ def test_an_engine_that_starts_computing_nan_later_stops_the_run(tmp_path, monke
 
     monkeypatch.setattr(Engine, "load_weights", load_weights)
     args = GRPOConfig(output_dir=str(tmp_path), max_steps=8, report_to="none", save_strategy="no",
-                      vllm_enforce_eager=True, max_completion_length=8)  # fmt: skip
+                      vllm_enforce_eager=True, max_completion_length=8, **rollouts)  # fmt: skip
     trainer = GRPOTrainer(model=tiny.build_model(), reward_funcs=tiny.letters_reward, args=args,
                           train_dataset=tiny.letters_dataset(64), processing_class=tiny.build_tokenizer())  # fmt: skip
     with pytest.raises(ParityError) as err:

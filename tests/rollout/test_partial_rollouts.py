@@ -190,8 +190,9 @@ def test_a_rollout_takes_the_first_groups_to_finish_carried_ones_first(monkeypat
     assert generated == 4 * G  # one token under version 1 in each completion in flight
     assert metrics["partial_rollouts/resumed_groups"] == 1 and metrics["partial_rollouts/carried_groups"] == 2
     assert metrics["partial_rollouts/staleness/max"] == 1.0
-    rollout = PartialRollouts.rollout(taken, 1)
+    rollout = partial.rollout(taken, 1)
     assert rollout.stale == [3, 5, 2, 4] + [0] * G
+    assert rollout.asked == [True] * 2 * G  # partial rollouts read every token's log-prob (the correction is on)
     assert rollout.completion_ids[1] == [0, 1, 2, 3, 4, 7] and rollout.logps[1][-1] == -0.25
     old_tokens = 3 + 5 + 2 + 4
     assert metrics["partial_rollouts/stale_token_fraction"] == pytest.approx(old_tokens / (old_tokens + 2 * G))
