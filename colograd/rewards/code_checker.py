@@ -5,8 +5,8 @@ Two kinds, as the datasets ship them:
     checker             C++ source, testlib's interface: ``checker input.txt output.txt answer.txt`` (the case's
                         input, the program's output, the expected output); exit 0 accepts, 1 (wrong answer) and 2
                         (presentation error) reject. Compiled once per source with the machine's g++, inside the
-                        sandbox. testlib.h itself is not shipped with colograd: a checker that includes it needs it
-                        installed where g++ finds it (/usr/include, /usr/local/include), else the row is refused
+                        sandbox, beside testlib.h (0.9.45, MIT, shipped in colograd/rewards/testlib/), so the
+                        checkers Codeforces and Polygon problems ship (`#include "testlib.h"`) compile as they are
     generated_checker   Python source, open-r1/codeforces' interface: ``python checker.py input.txt
                         correct_output.txt solution_output.txt``; accepts when it exits 0 with 1 as the last word of
                         its output, rejects with 0
@@ -36,10 +36,12 @@ COMPILE_LIMITS = SandboxLimits(
     wall_s=120.0, cpu_s=60, memory_mib=2048, processes=32, file_mib=64, disk_mib=128, output_kib=32 << 10
 )
 CHECK_LIMITS = SandboxLimits(wall_s=30.0, cpu_s=10, memory_mib=1024, file_mib=64, disk_mib=256)
-INCLUDE_DIRS = ("/usr/include", "/usr/local/include")
+# testlib (github.com/MikeMirzayanov/testlib @ 1e4e8a2, its LICENSE beside it): handed to each compile as a file of the
+# checker's folder, found by `#include "testlib.h"` and, with -I., by `#include <testlib.h>`.
+TESTLIB = os.path.join(os.path.dirname(__file__), "testlib", "testlib.h")
 _COMPILE = """\
 import base64, subprocess, sys
-done = subprocess.run(["g++", "-O2", "-std=gnu++17", "-o", "checker", "checker.cpp"], capture_output=True)
+done = subprocess.run(["g++", "-O2", "-std=gnu++17", "-I.", "-o", "checker", "checker.cpp"], capture_output=True)
 if done.returncode != 0:
     sys.stderr.write(done.stderr.decode("utf-8", "replace")[-1500:])
     sys.exit(3)
@@ -72,7 +74,7 @@ def row_checker(column: str, source: object) -> Checker:
     """The checker a row's `column` ("checker" or "generated_checker") holds.
 
     Raises:
-        CheckerError: it is not text, or it needs what this machine does not have (g++, testlib.h).
+        CheckerError: it is not text, or it is C++ and this machine has no g++.
     """
     if not isinstance(source, str) or not source.strip():
         raise CheckerError(f"{column} is a {type(source).__name__}, not the checker's source; give its text, or null")
@@ -81,11 +83,6 @@ def row_checker(column: str, source: object) -> Checker:
         if shutil.which("g++") is None:
             raise CheckerError(
                 f"{column} is a C++ checker and this machine has no g++; install g++, or keep the rows without one"
-            )
-        if "testlib.h" in source and not any(os.path.exists(f"{d}/testlib.h") for d in INCLUDE_DIRS):
-            raise CheckerError(
-                f"{column} includes testlib.h, which is not on this machine (colograd does not ship it); put "
-                f"testlib.h in {INCLUDE_DIRS[0]}, or keep the rows whose checker does not need it"
             )
     return Checker(language, source)
 
@@ -132,7 +129,9 @@ class Checkers:
     def _compile(self, checker: Checker) -> bytes | CheckerBroken:
         if self._compiler is None:
             self._compiler = Sandbox(COMPILE_LIMITS, isolated=self.isolated)
-        with self._compiler.session(_COMPILE, files={"checker.cpp": checker.source.encode()}) as session:
+        with open(TESTLIB, "rb") as header:
+            files = {"checker.cpp": checker.source.encode(), "testlib.h": header.read()}
+        with self._compiler.session(_COMPILE, files=files) as session:
             done = session.case("")
         if not done.ok:
             last = (done.stderr.strip().splitlines() or [done.reason or "no message"])[-1][:300]

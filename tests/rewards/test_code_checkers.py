@@ -130,10 +130,74 @@ def test_checkers_are_compiled_once_per_source():
         checkers._binary(broken)
 
 
+# testlib's own real-number checker, as Polygon and Codeforces problems ship it (github.com/MikeMirzayanov/testlib
+# @ 1e4e8a2, checkers/rcmp6.cpp, MIT): numbers equal within 1e-6, absolute or relative.
+RCMP6 = r"""
+#include "testlib.h"
+
+using namespace std;
+
+const double EPS = 1E-6;
+
+int main(int argc, char *argv[]) {
+    setName("compare two sequences of doubles, max absolute or relative  error = %.7f", EPS);
+    registerTestlibCmd(argc, argv);
+
+    int n = 0;
+    double j = 0, p = 0;
+
+    while (!ans.seekEof()) {
+        n++;
+        j = ans.readDouble();
+        p = ouf.readDouble();
+        if (!doubleCompare(j, p, EPS)) {
+            quitf(_wa, "%d%s numbers differ - expected: '%.7f', found: '%.7f', error = '%.7f'",
+                  n, englishEnding(n).c_str(), j, p, doubleDelta(j, p));
+        }
+    }
+
+    if (n == 1)
+        quitf(_ok, "found '%.7f', expected '%.7f', error '%.7f'", p, j, doubleDelta(j, p));
+
+    quitf(_ok, "%d numbers", n);
+}
+"""
+# The derangement checker above, written with testlib's streams as a problem's author would (input `inf`, the
+# program's output `ouf`), included the other way (<testlib.h>).
+DERANGEMENT = r"""
+#include <testlib.h>
+#include <vector>
+int main(int argc, char *argv[]) {
+    registerTestlibCmd(argc, argv);
+    int n = inf.readInt();
+    std::vector<int> seen(n + 1, 0);
+    for (int i = 1; i <= n; i++) {
+        int p = ouf.readInt(1, n, "p_i");
+        if (seen[p] || p == i) quitf(_wa, "p_%d = %d is repeated or in place", i, p);
+        seen[p] = 1;
+    }
+    if (!ouf.seekEof()) quitf(_pe, "extra output");
+    quitf(_ok, "a derangement of %d", n);
+}
+"""
+
+
+def test_the_checkers_problems_ship_with_testlib_compile_and_judge(code):
+    """testlib.h ships with colograd: a row's testlib checker compiles as the problem ships it (it used to be refused
+    unless testlib.h was installed on the machine), and its verdict is the only one."""
+    thirds = [(f"{n}\n", f"{n / 3:.9f}\n") for n in (1, 2, 100)]
+    r = {"official_tests": [{"input": i, "output": o} for i, o in thirds], "checker": RCMP6}
+    close = "print(f'{int(input()) / 3:.7f}')\n"  # 7 digits: within 1e-6 of the expected 9
+    off = "print(int(input()) / 3 + 1e-4)\n"
+    assert score(code, [close, off, GARBAGE], r) == [1.0, 0.0, 0.0]
+    assert score(code, [close], {k: v for k, v in r.items() if k != "checker"}) == [0.0]  # plain lines differ
+    assert score(code, [ROTATE_LEFT, SHIFT, IDENTITY, GARBAGE], row(checker=DERANGEMENT)) == [1.0, 1.0, 0.0, 0.0]
+
+
 def test_rows_whose_checker_cannot_run_here_are_refused_before_the_run(code, monkeypatch):
-    monkeypatch.setattr(code_checker, "INCLUDE_DIRS", ("/nonexistent",))  # a machine without testlib.h
+    monkeypatch.setattr(code_checker.shutil, "which", lambda name: None)  # a machine without g++
     for bad, said in [
-        ({"checker": '#include "testlib.h"\nint main() {}\n'}, "includes testlib.h, which is not on this machine"),
+        ({"checker": '#include "testlib.h"\nint main() {}\n'}, "is a C\\+\\+ checker and this machine has no g\\+\\+"),
         ({"generated_checker": 3}, "generated_checker is a int, not the checker's source"),
     ]:
         columns = {"official_tests": [[{"input": "1", "output": "1"}]], **{k: [v] for k, v in bad.items()}}
