@@ -99,7 +99,8 @@ class Checkers:
         self._sandbox: Sandbox | None = None
         self._compiler: Sandbox | None = None
         self._binaries: dict[str, bytes | CheckerBroken] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the sandboxes and the maps below, held only to read or add to them
+        self._compiling: dict[str, threading.Lock] = {}  # one per source: a compile waits only for its own source
 
     def session(self, checker: Checker) -> Session:
         """A session that checks one case per call of `check`.
@@ -118,17 +119,25 @@ class Checkers:
                                      {"checker": binary})  # fmt: skip
 
     def _binary(self, checker: Checker) -> bytes:
+        """The checker's binary, compiled at its first use; the completions of other problems go on meanwhile (their
+        checkers compile beside it, or are already compiled)."""
         with self._lock:
-            if checker.digest not in self._binaries:
-                self._binaries[checker.digest] = self._compile(checker)
-            found = self._binaries[checker.digest]
+            own = self._compiling.setdefault(checker.digest, threading.Lock())
+        with own:
+            with self._lock:
+                found = self._binaries.get(checker.digest)
+            if found is None:
+                found = self._compile(checker)
+                with self._lock:
+                    self._binaries[checker.digest] = found
         if isinstance(found, CheckerBroken):
             raise found
         return found
 
     def _compile(self, checker: Checker) -> bytes | CheckerBroken:
-        if self._compiler is None:
-            self._compiler = Sandbox(COMPILE_LIMITS, isolated=self.isolated)
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = Sandbox(COMPILE_LIMITS, isolated=self.isolated)
         with open(TESTLIB, "rb") as header:
             files = {"checker.cpp": checker.source.encode(), "testlib.h": header.read()}
         with self._compiler.session(_COMPILE, files=files) as session:

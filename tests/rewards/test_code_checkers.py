@@ -3,13 +3,14 @@ its verdict is the only one, it runs in a sandbox of its own, and a broken check
 program's zero."""
 
 import logging
+import threading
 
 import pytest
 
 from colograd.errors import ConfigError
 from colograd.rewards import code_checker
 from colograd.rewards.code import CodeReward, check_code_rows
-from colograd.rewards.code_checker import CheckerBroken, Checkers, row_checker
+from colograd.rewards.code_checker import Checker, CheckerBroken, Checkers, row_checker
 from colograd.rewards.sandbox import SandboxLimits
 
 LIMITS = SandboxLimits(wall_s=10.0, cpu_s=2, memory_mib=256)
@@ -192,6 +193,30 @@ def test_the_checkers_problems_ship_with_testlib_compile_and_judge(code):
     assert score(code, [close, off, GARBAGE], r) == [1.0, 0.0, 0.0]
     assert score(code, [close], {k: v for k, v in r.items() if k != "checker"}) == [0.0]  # plain lines differ
     assert score(code, [ROTATE_LEFT, SHIFT, IDENTITY, GARBAGE], row(checker=DERANGEMENT)) == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_one_problems_checker_compiling_holds_up_no_other_problem(monkeypatch):
+    """A compile waits only for its own source: another problem's checker compiles (or is found compiled) meanwhile,
+    and two completions of one problem compile its checker once. (All compiles used to wait on one lock.)"""
+    checkers, started, other_done, compiled = Checkers(isolated=True), threading.Event(), threading.Event(), []
+
+    def compile(checker):
+        compiled.append(checker.source)
+        if checker.source == "slow":
+            started.set()
+            return b"slow" if other_done.wait(30) else CheckerBroken("the other problem's checker waited for this one")
+        return checker.source.encode()
+
+    monkeypatch.setattr(checkers, "_compile", compile)
+    slow = [threading.Thread(target=checkers._binary, args=(Checker("cpp", "slow"),)) for _ in range(2)]
+    slow[0].start()
+    assert started.wait(30)
+    slow[1].start()  # the same problem's: waits for the compile under way
+    assert checkers._binary(Checker("cpp", "other")) == b"other"
+    other_done.set()
+    for thread in slow:
+        thread.join()
+    assert checkers._binary(Checker("cpp", "slow")) == b"slow" and compiled == ["slow", "other"]
 
 
 def test_rows_whose_checker_cannot_run_here_are_refused_before_the_run(code, monkeypatch):
