@@ -54,7 +54,8 @@ def trainer(tmp_path_factory) -> GRPOTrainer:
 
 @pytest.mark.parametrize("layout", ROWS)
 def test_each_layout_loads_passes_preflight_and_scores_each_program_in_the_trainer(trainer, layout, tmp_path):
-    dataset = load_prompts(ScriptArguments(dataset_name=written(layout, tmp_path), dataset_prompt_column="description"))
+    path = written(layout, tmp_path)
+    dataset = load_prompts(ScriptArguments(dataset_name=path, dataset_prompt_column="description"))
     check_code_rows(trainer.reward_funcs, dataset.column_names, lambda names: dataset.select_columns(names)[:], layout)
     trainer.sync_for_rollout()
     scored = trainer.sample([dataset[i] for i in range(PROMPTS)])
