@@ -47,13 +47,102 @@ Pairs = list[tuple[str, torch.Tensor]]
 def on_disk_names(model: PreTrainedModel) -> Callable[[Pairs], Pairs]:
     """A function giving (name, tensor) pairs of `model` in its checkpoints' layout on disk: transformers' own
     conversion (`revert_weight_conversion`, what `save_pretrained` writes), e.g. Mixtral's fused
-    `mlp.experts.gate_up_proj` [E, 2I, H] as `block_sparse_moe.experts.{i}.w1.weight` and `.w3.weight` [I, H]."""
+    `mlp.experts.gate_up_proj` [E, 2I, H] as `block_sparse_moe.experts.{i}.w1.weight` and `.w3.weight` [I, H].
+    Worked out once per set of names (`DiskLayout`): every later call gives views of the tensors it is handed."""
     from transformers.core_model_loading import revert_weight_conversion
 
     def convert(pairs: Pairs) -> Pairs:
         return list(revert_weight_conversion(model, dict(pairs)).items()) if pairs else []
 
-    return convert
+    return DiskLayout(convert)
+
+
+# A tensor laid out on disk as a block of one of the trainer's: (the trainer's name, size, stride, offset).
+_Block = tuple[str, tuple[int, ...], tuple[int, ...], int]
+
+
+class DiskLayout:
+    """`convert` (the trainer's tensors to the checkpoints' names and layout), worked out once per set of names into
+    a plan of views: each tensor on disk as a strided block of one of the trainer's, so that a sync after the first
+    builds no tensor and runs no conversion (transformers' costs milliseconds per expert: seconds a sync for
+    DeepSeek-V2's 64 experts in each of 26 layers).
+
+    The plan is read off the first conversion's own result: a tensor it gives as a view is taken as that view; one it
+    copied (a chunk made contiguous) is found as the one block of the trainer's tensor holding its values, a block
+    starting at a row of it (rows matched by their sums, then compared whole). Every block is checked equal to the
+    conversion's tensor before the plan is kept; a set of names with a tensor found nowhere, or in two places (two
+    experts with equal weights), keeps the conversion at every sync.
+    """
+
+    def __init__(self, convert: Callable[[Pairs], Pairs]) -> None:
+        self.convert = convert
+        self.plans: dict[tuple[str, ...], list[tuple[str, _Block]] | None] = {}
+
+    def __call__(self, pairs: Pairs) -> Pairs:
+        key = tuple(name for name, _ in pairs)
+        tensors = dict(pairs)
+        if key in self.plans:
+            plan = self.plans[key]
+            if plan is not None and all(tensors[block[0]].is_contiguous() for _, block in plan):
+                return [(name, _view(tensors, block)) for name, block in plan]
+            return self.convert(pairs)
+        converted = self.convert(pairs)
+        self.plans[key] = _plan(tensors, converted)
+        return converted
+
+
+def _view(tensors: dict[str, torch.Tensor], block: _Block) -> torch.Tensor:
+    name, size, stride, offset = block
+    source = tensors[name]
+    return source.as_strided(size, stride, source.storage_offset() + offset)
+
+
+def _plan(tensors: dict[str, torch.Tensor], converted: Pairs) -> list[tuple[str, _Block]] | None:
+    """Each converted tensor as a block of one of `tensors` (see `DiskLayout`), or None where one is not."""
+    by_storage = {(t.untyped_storage().data_ptr(), t.dtype): name for name, t in tensors.items() if t.is_contiguous()}
+    row_sums: dict[str, torch.Tensor] = {}
+    plan = []
+    for out_name, out in converted:
+        name = by_storage.get((out.untyped_storage().data_ptr(), out.dtype))
+        if name is not None:  # a view: taken as it is
+            offset = out.storage_offset() - tensors[name].storage_offset()
+            block = (name, tuple(out.shape), tuple(out.stride()), offset)
+        elif (block := _find_block(tensors, row_sums, out)) is None:
+            return None
+        if not torch.equal(_view(tensors, block), out):
+            return None
+        plan.append((out_name, block))
+    return plan
+
+
+def _find_block(
+    tensors: dict[str, torch.Tensor], row_sums: dict[str, torch.Tensor], out: torch.Tensor
+) -> _Block | None:
+    """The one contiguous block of a tensor of `tensors` equal to the contiguous `out`, starting at a row; None where
+    there is none, or more than one."""
+    if not out.is_contiguous() or out.dim() == 0 or out.numel() == 0:
+        return None
+    width = out.size(-1)
+    first = out.reshape(-1, width)[0]
+    found = []
+    for name, tensor in tensors.items():
+        if tensor.dtype != out.dtype or not tensor.is_contiguous() or tensor.numel() < out.numel():
+            continue
+        if tensor.size(-1) != width:
+            continue
+        rows = tensor.reshape(-1, width)
+        if name not in row_sums:
+            row_sums[name] = rows.sum(-1)
+        candidates = torch.nonzero(row_sums[name] == first.sum()).flatten().tolist()
+        for row in candidates:
+            start = row * width
+            if start + out.numel() <= tensor.numel() and torch.equal(
+                tensor.reshape(-1)[start : start + out.numel()], out.reshape(-1)
+            ):
+                found.append((name, tuple(out.shape), tuple(out.stride()), start))
+                if len(found) > 1:
+                    return None
+    return found[0] if found else None
 
 
 def expert_layers(model: nn.Module) -> dict[str, nn.Module]:

@@ -80,7 +80,8 @@ class WeightPlan:
         self._base_sent = False
         self._names_checked = False
         # Names of a Mixture-of-Experts model that the engine's model does not take: sent in its checkpoints' layout on
-        # disk, converted at each sync (Mixtral's and DeepSeek-V2's engines take only per-expert expert names).
+        # disk (Mixtral's and DeepSeek-V2's engines take only per-expert expert names), converted at the first sync
+        # and given as views of the trainer's tensors after it (`moe.DiskLayout`).
         self._on_disk: set[str] = set()
         base = model.get_base_model() if isinstance(model, PeftModel) else model
         self._experts = moe.expert_count(base.config) is not None

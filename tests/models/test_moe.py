@@ -32,6 +32,46 @@ def test_the_zoo_holds_each_moe_family():
     assert {zoo.ZOO[name]["model_type"] for name in MOE} == {"qwen3_moe", "mixtral", "olmoe", "deepseek_v2"}
 
 
+@pytest.mark.parametrize("name", ["mistralai/Mixtral-8x7B-Instruct-v0.1", "deepseek-ai/DeepSeek-V2-Lite"])
+def test_the_checkpoint_layout_is_worked_out_once_and_then_given_as_views(name):
+    """Mixtral's and DeepSeek-V2's engines take only per-expert names: after the first sync converts the fused experts
+    with transformers' own conversion, every later one gives views of the trainer's tensors, equal to what that
+    conversion gives for the weights of the moment (the experts moved, each by another amount), and builds no tensor.
+    Two experts with equal weights cannot be told apart by their values: that layer keeps the conversion."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    model = AutoModelForCausalLM.from_config(zoo.shrunk(name))
+    pairs = [(n, p) for n, p in model.named_parameters() if "experts" in n]
+    storages = {p.untyped_storage().data_ptr() for _, p in pairs}
+    layout = moe.on_disk_names(model)
+
+    def converted():
+        return list(revert_weight_conversion(model, dict(pairs)).items())
+
+    first, expected = layout(pairs), converted()  # the first call is the conversion
+    assert [n for n, _ in first] == [n for n, _ in expected]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(first, expected, strict=True))
+    for step in range(2):
+        with torch.no_grad():
+            for i, (_, p) in enumerate(pairs):
+                p.add_(torch.randn_like(p) * (i + 1))
+        given, expected = layout(pairs), converted()
+        assert [n for n, _ in given] == [n for n, _ in expected] and len(given) > 4 * len(pairs)
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(given, expected, strict=True)), step
+        assert {t.untyped_storage().data_ptr() for _, t in given} <= storages  # views only
+
+    twins = [(n, p) for n, p in model.named_parameters() if "experts.gate_up_proj" in n][:1]
+    with torch.no_grad():
+        twins[0][1][1] = twins[0][1][0]
+    ambiguous = moe.on_disk_names(model)
+    ambiguous(twins)
+    assert ambiguous.plans[(twins[0][0],)] is None
+    with torch.no_grad():
+        twins[0][1][1] += 1.0
+    expected = list(revert_weight_conversion(model, dict(twins)).items())
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(ambiguous(twins), expected, strict=True))
+
+
 @pytest.mark.parametrize("name", MOE)
 def test_preflight_lets_each_published_moe_model_through_on_the_cpu(name):
     """Each family's published config passes the expert and head-size checks (DeepSeek-V2-Lite's MLA latent is
