@@ -21,7 +21,16 @@ from colograd.rewards.code_handles import (
     ProgramIterator,
     Remote,
 )
-from colograd.rewards.code_wire import MAX_ITEMS, NotPlainData, ProgramGone, _json_dumps, decode, encode, lenient
+from colograd.rewards.code_wire import (
+    MAX_ITEMS,
+    NotPlainData,
+    ProgramGone,
+    _json_dumps,
+    decode,
+    deep_enough,
+    encode,
+    lenient,
+)
 
 # Exceptions whose meaning is control flow: raised by the program, they fail the test rather than end its loop.
 CONTROL_FLOW = frozenset(("StopIteration", "StopAsyncIteration", "GeneratorExit", "KeyboardInterrupt", "SystemExit"))
@@ -219,9 +228,8 @@ class Peer:
     # Values both ways.
 
     def encode(self, value, plain_only=False):
-        if plain_only:
-            return encode(value, self._plain_only)
-        return encode(value, self._export)
+        with deep_enough():
+            return encode(value, self._plain_only if plain_only else self._export)
 
     def _plain_only(self, value, depth):
         converted = lenient(value)
@@ -314,7 +322,8 @@ class Peer:
         return number
 
     def decode(self, data):
-        return decode(data, self._resolve)
+        with deep_enough():
+            return decode(data, self._resolve)
 
     def _resolve(self, tag, items, depth):
         if self.judging:

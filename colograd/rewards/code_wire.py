@@ -24,7 +24,10 @@ import sys
 
 MAX_MESSAGE = 64 << 20  # bytes of one message; a larger value fails the program
 MAX_ITEMS = 100_000  # items of a generator or iterator materialised before it crosses
-_DEPTH = 200  # nesting of data
+# Nesting of data: as deep as one interpreter compares two values (its recursion limit, 1000 frames by default), so
+# that a deeply nested right answer is not refused where one interpreter would have compared it.
+_DEPTH = 1000
+_WALK_FRAMES = 4  # frames the walks of one level of nesting take (encode's call and generator, the JSON emitter's)
 _SAFE_INT = 1 << 53  # ints beyond this travel as hex: str(int) refuses past 4300 digits, hex does not
 
 
@@ -381,6 +384,18 @@ def lenient(value):
 # --- the channel ---------------------------------------------------------------------------------------------------
 
 
+class deep_enough:
+    """While it is held, the interpreter's recursion limit lets `encode`, `decode` and the channel's JSON walk a value
+    nested `_DEPTH` deep; restored after (the program and the test run under the interpreter's own limit)."""
+
+    def __enter__(self):
+        self.limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(max(self.limit, _WALK_FRAMES * _DEPTH + self.limit))
+
+    def __exit__(self, *exc):
+        sys.setrecursionlimit(self.limit)
+
+
 class Channel:
     """Length-prefixed messages over a pipe each way. Each side writes what the other reads safely: the program's
     side writes JSON (`_json_dumps`), which the judge parses with the json module, never trusting the bytes; the
@@ -392,7 +407,8 @@ class Channel:
         self.dumps, self.loads = dumps, loads
 
     def send(self, message):
-        data = self.dumps(message)
+        with deep_enough():
+            data = self.dumps(message)
         view = memoryview(len(data).to_bytes(4, "big") + data)
         try:
             while view:
@@ -404,8 +420,10 @@ class Channel:
         size = int.from_bytes(self._exactly(4), "big")
         if size > MAX_MESSAGE:
             raise ProgramGone("output limit")
+        data = self._exactly(size)
         try:
-            return self.loads(self._exactly(size))
+            with deep_enough():
+                return self.loads(data)
         except (ValueError, RecursionError, EOFError, TypeError, MemoryError):
             raise ProgramGone("malformed reply") from None
 

@@ -446,6 +446,21 @@ def find(node, val):
 """
 
 
+NESTS = "def nest(n):\n    x = []\n    for _ in range(n):\n        x = [x]\n    return x\n"
+
+
+def test_nested_data_crosses_as_deep_as_one_interpreter_compares_it(code):
+    """Lists nested 900 deep cross and compare (they were refused past 200: a right answer scored 0); 1,100 deep, one
+    interpreter's comparison runs out of recursion, and the test fails here too."""
+    reference = NESTS.replace("def nest", "def reference")
+    row = {"test_list": ["assert nest(900) == reference(900)"], "test_setup_code": reference}
+    log = {}
+    assert score(code, NESTS, row, log) == 1.0, log
+    assert score(code, NESTS.replace("x = [x]", "x = [x, 0]"), row) == 0.0
+    too_deep = {"test_list": ["assert nest(1100) == reference(1100)"], "test_setup_code": reference}
+    assert score(code, NESTS, too_deep) == 0.0
+
+
 def test_object_graphs_with_cycles_and_long_lists_cross_by_identity(code):
     # Issue 62: a test's linked list of over ~100 nodes, or a graph with a cycle, failed as "nested too deep", so a
     # correct program scored 0. The test's objects cross as one flat graph: a cycle is a reference to a node already

@@ -12,7 +12,7 @@ import pytest
 
 from colograd.rewards import code_tests, code_wire
 from colograd.rewards.code_tests import row_tests, run_asserts
-from colograd.rewards.code_wire import NotPlainData, ProgramGone, decode, encode, lenient
+from colograd.rewards.code_wire import NotPlainData, ProgramGone, decode, deep_enough, encode, lenient
 from colograd.rewards.sandbox import Sandbox, SandboxLimits
 
 
@@ -60,10 +60,12 @@ def test_deep_nesting_is_refused_not_crashing():
     with pytest.raises(ProgramGone):
         decode(deep, no_handles)
     nested = []
-    for _ in range(1000):
+    for _ in range(1001):  # one level past what one interpreter's comparison reaches (its recursion limit)
         nested = [nested]
-    with pytest.raises(NotPlainData, match="nested too deep"):
+    with deep_enough(), pytest.raises(NotPlainData, match="nested too deep"):
         encode(nested)
+    with deep_enough():
+        assert decode(encode(nested[0]), no_handles) == nested[0]  # 1,000 deep crosses
 
 
 def test_the_program_side_sends_values_that_are_plain_in_all_but_type_as_plain():
