@@ -79,7 +79,7 @@ from colograd.rollout.core import (
 from colograd.rollout.dynamic import ROUND_STRIDE, DynamicSampling
 from colograd.rollout.evaluation import evaluate
 from colograd.rollout.partial import PartialRollouts, refuse_overridden_stages
-from colograd.rollout.spans import per_completion, rank_share
+from colograd.rollout.spans import check_share, per_completion, rank_share
 from colograd.runs.checkpoints import checkpoint_step
 from colograd.runs.modelcard import Recipe
 from colograd.runs.preemption import Preemption
@@ -419,6 +419,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
             else:
                 rollout = self.generate(prompt_ids, context, images=images.images)
         if counts is not None:  # a share of groups that span ranks: one prompt per completion from here on
+            check_share(len(rollout.completion_ids), counts)
             prompts, prompt_ids = per_completion(prompts, counts), per_completion(prompt_ids, counts)
             columns = {key: per_completion(values, counts) for key, values in columns.items()}
             truncated = sum(per_completion(cut, counts))

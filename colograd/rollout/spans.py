@@ -58,6 +58,17 @@ def rank_share(prompts: int, num_generations: int, per_rank: int, rank: int) -> 
     return first, counts
 
 
+def check_share(completions: int, counts: list[int]) -> None:
+    """Refuse a rollout of another size than the rank's share (`counts`), which a `generate` override that samples
+    G of every prompt returns: the ranks' rewards would no longer line up into groups."""
+    if completions != sum(counts):
+        raise RuntimeError(
+            f"GRPOTrainer.generate returned {completions} completions where groups span ranks and this rank's share "
+            f"is {sum(counts)}; sample context.counts[i] completions of prompt i (as the engine's generate(..., "
+            "counts=context.counts) does)."
+        )
+
+
 def per_completion(values: list, counts: list[int]) -> list:
     """Each prompt's value repeated for each of its completions (`counts`)."""
     return [v for v, n in zip(values, counts, strict=True) for _ in range(n)]

@@ -2,16 +2,22 @@
 groups, and trains on the advantages one process holding all the rewards computes (tests/scripts/span_check.py)."""
 
 import json
+import shutil
 
 import pytest
 import torch
 from conftest import launch
+from safetensors.torch import load_file
 
 from colograd.grpo.loss import group_advantages
 from colograd.rollout.core import reward_metrics
 
 pytestmark = pytest.mark.slow  # a multi-process launch with engines
 G = 4
+# The command line's run of the same layout: 3 completions per rank × 2 micro-steps, G=4, a checkpoint every 2 steps.
+CLI = ["colograd/train.py", "--config", "recipes/grpo_tiny.yaml", "--per_device_train_batch_size", "3",
+       "--num_generations", "4", "--gradient_accumulation_steps", "2", "--temperature", "1.5", "--max_steps", "4",
+       "--save_strategy", "steps", "--save_steps", "2", "--disable_tqdm", "true"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -59,3 +65,23 @@ def test_a_split_group_trains_on_the_advantages_of_all_its_rewards(run):
         for name in ("reward", "reward_std", "frac_reward_zero_std"):
             assert log[name] == pytest.approx(expected[name], abs=1e-5)
     assert any(std > 0 for std in split_std)  # some split group had advantages to get right
+
+
+def test_a_resumed_run_ends_bit_for_bit_where_the_uninterrupted_one_does(tmp_path):
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    proc = launch(*CLI, "--output_dir", str(full))
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    shutil.copytree(full / "checkpoint-2", resumed / "checkpoint-2")
+    proc = launch(*CLI, "--output_dir", str(resumed))  # the same command resumes from checkpoint-2 by itself
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert "resuming from" in proc.stderr
+    # The same prompts, each rank's same slice of their groups, the same samples: steps 3 and 4 score alike.
+    steps = [
+        {h["step"]: h["reward"] for h in json.loads((run / "checkpoint-4/trainer_state.json").read_text())[
+            "log_history"] if "reward" in h}
+        for run in (full, resumed)
+    ]  # fmt: skip
+    assert [steps[1][k] for k in (3, 4)] == [steps[0][k] for k in (3, 4)]
+    weights = [load_file(run / "model.safetensors") for run in (full, resumed)]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])

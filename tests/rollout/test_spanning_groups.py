@@ -19,7 +19,7 @@ from colograd.data.core import keep_rows, load_prompts
 from colograd.data.streaming import RolloutBatches, rollout_stream
 from colograd.grpo.loss import group_advantages, normalize_then_sum, spanned_advantages, weighted_rewards
 from colograd.rollout.core import reward_metrics
-from colograd.rollout.spans import check_spanning, per_completion, rank_share
+from colograd.rollout.spans import check_share, check_spanning, per_completion, rank_share
 from colograd.runs.ranks import gather_rows
 
 
@@ -61,6 +61,12 @@ def test_the_ranks_shares_lay_every_group_out_once_in_order(prompts, g, world):
         assert sum(counts) == per_rank and all(1 <= n <= g for n in counts)
         laid += per_completion(list(range(first, first + len(counts))), counts)
     assert laid == [p for p in range(prompts) for _ in range(g)]  # TRL's RepeatSampler order, cut in world slices
+
+
+def test_a_generate_override_that_samples_whole_groups_is_refused():
+    check_share(3, [1, 2])
+    with pytest.raises(RuntimeError, match=r"returned 8 completions .* this rank's share is 3; sample context.counts"):
+        check_share(8, [1, 2])  # G=4 of both prompts
 
 
 # --- advantages: a split group gets the whole group's --------------------------------------------------------------
