@@ -6,7 +6,7 @@ A rollout on each rank (every `steps_per_generation × num_iterations` micro-ste
     prepare_prompts    template and tokenize this rank's B prompts (`sample` then keeps the last `prompt_limit` tokens)
     generate           one engine call: B prompts × G completions (n=G shares each prompt's prefill)
     score              reward functions, in this rank
-    compute_advantages per group (a rank owns whole groups); batch-wide scaling gathers every rank's rewards
+    compute_advantages per group; batch-wide scaling, and groups that span ranks, gather every rank's rewards
     rollout_logps      old (sampling-policy) and reference log-probs, once per rollout, when the loss needs them
 
 then each micro-step trains on one slice of it:
@@ -45,6 +45,7 @@ from colograd.forward.router import Router, RouterRecord, check_replay, router_o
 from colograd.grpo import parity_diagnosis
 from colograd.grpo.entropy import EntropyTerms
 from colograd.grpo.loss import (
+    Gather,
     engine_old_logps,
     group_advantages,
     importance_ratio_metrics,
@@ -55,6 +56,7 @@ from colograd.grpo.loss import (
     policy_loss,
     sampling_correction,
     sampling_gap_metrics,
+    spanned_advantages,
     weighted_rewards,
 )
 from colograd.grpo.parity import ParityError, ParityGuard, ParityStop
@@ -77,10 +79,11 @@ from colograd.rollout.core import (
 from colograd.rollout.dynamic import ROUND_STRIDE, DynamicSampling
 from colograd.rollout.evaluation import evaluate
 from colograd.rollout.partial import PartialRollouts, refuse_overridden_stages
+from colograd.rollout.spans import check_share, per_completion, rank_share
 from colograd.runs.checkpoints import checkpoint_step
 from colograd.runs.modelcard import Recipe
 from colograd.runs.preemption import Preemption
-from colograd.runs.ranks import across_ranks, largest_over_ranks
+from colograd.runs.ranks import across_ranks, gather_rows, largest_over_ranks
 from colograd.runs.saving import ModelSaving
 from colograd.runs.step_logs import StepLogs
 from colograd.vision.core import is_vision_language, rotate_prompts, text_tokenizer
@@ -316,20 +319,28 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         elif self.dynamic is not None:
             scored, generated = self.sample_dynamic(rows)
         else:
-            scored = self.sample(rows)
+            counts = None
+            if args.groups_span_ranks:  # every rank read the rollout's prompts: it samples its slice of their groups
+                per_rank = args.per_device_train_batch_size * args.steps_per_generation
+                first, counts = rank_share(len(rows), args.num_generations, per_rank, self.accelerator.process_index)
+                rows = rows[first : first + len(counts)]
+            scored = self.sample(rows, counts=counts)
             generated = int(sampled_lengths(scored.rollout).sum())
         extra, logged = scored.rollout.reward_logs.take()  # what its reward functions logged (TRL's log_extra ...)
         self._times.count("generated", generated, self.metrics)
         advantages_N = self.compute_advantages(scored.rewards_NF)
-        self._record(
-            scored_metrics(scored, self.reward_func_names, self.reward_weights, args.num_generations, self._vision)
-            | logged
+        # Where groups span ranks, the groups' metrics are the whole rollout's (the same on every rank).
+        every_NF = gather_rows(scored.rewards_NF, across_ranks(self.accelerator)) if args.groups_span_ranks else None
+        metrics = scored_metrics(
+            scored, self.reward_func_names, self.reward_weights, args.num_generations, self._vision, every_NF
         )
+        self._record(metrics | logged)
         images = scored.images.images if scored.images is not None and args.log_multimodal else None
         self.log_completions(scored.prompts, scored.rollout, scored.rewards_NF, advantages_N, extra, images)
         pad_id = text_tokenizer(self.processing_class).pad_token_id
+        per_prompt = 1 if args.groups_span_ranks else args.num_generations  # `sample`: one prompt per completion
         batch = rollout_batch(
-            scored, advantages_N, args.num_generations, pad_id, args.mask_truncated_completions, args.mask_stale_tokens
+            scored, advantages_N, per_prompt, pad_id, args.mask_truncated_completions, args.mask_stale_tokens
         )
         # dapo divides each slice by the completion tokens of all ranks' rollouts, per rank and slice.
         tokens = self.accelerator.gather(batch["completion_mask"].sum().to(args.device)).sum().float()
@@ -358,7 +369,13 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         return scored, int(sampled_lengths(scored.rollout).sum()) + dropped
 
     def sample(
-        self, rows: list[dict], num_generations: int | None = None, *, evaluation: bool = False, round: int = 0
+        self,
+        rows: list[dict],
+        num_generations: int | None = None,
+        *,
+        evaluation: bool = False,
+        round: int = 0,
+        counts: list[int] | None = None,
     ) -> ScoredRollout:
         """One rollout of `rows`, scored: the call training and evaluation share. Runs the stages
         `prepare_prompts`, `generate` and `score`, cuts the prompts to fit between the first two, and records no
@@ -372,6 +389,9 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
                 and `eval_reward`, out of training's figures.
             round: a refill round of dynamic sampling (`colograd.rollout.dynamic`), seeded apart from the rollout's
                 first.
+            counts: where groups span ranks, how many completions of each row this rank samples
+                (`colograd.rollout.spans`); the rollout returned then holds one prompt (and its columns) per
+                completion.
         """
         args = self.args
         g = num_generations or (evaluation and args.num_generations_eval) or args.num_generations
@@ -385,11 +405,12 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         images = getattr(prepared, "images", None)  # an override's own tuple: text prompts
         rows, _ = row_names(rows)
         limit = self.prompt_limit
-        truncated = sum(len(ids) > limit for ids in prompt_ids)
+        cut = [len(ids) > limit for ids in prompt_ids]
+        truncated = sum(cut)
         prompt_ids = [ids[-limit:] for ids in prompt_ids]
         step = -1 - self.state.global_step if evaluation else self._rollout_index() + round * ROUND_STRIDE
         asks, turn = gap_sampling(args, self.state, self.parity.comparing, evaluation)
-        context = RolloutContext(rows, step, g, evaluation, round, gap_sample=asks, gap_turn=turn)
+        context = RolloutContext(rows, step, g, evaluation, round, gap_sample=asks, gap_turn=turn, counts=counts)
         prefix = "eval_" if evaluation else ""
         self._check_synced("sample")
         with self.engine.awake(), self._timed(f"{prefix}generate"):
@@ -397,6 +418,11 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
                 rollout = self.generate(prompt_ids, context)
             else:
                 rollout = self.generate(prompt_ids, context, images=images.images)
+        if counts is not None:  # a share of groups that span ranks: one prompt per completion from here on
+            check_share(len(rollout.completion_ids), counts)
+            prompts, prompt_ids = per_completion(prompts, counts), per_completion(prompt_ids, counts)
+            columns = {key: per_completion(values, counts) for key, values in columns.items()}
+            truncated = sum(per_completion(cut, counts))
         with self._timed(f"{prefix}reward"):
             rewards_NF = self.score(prompts, rollout, columns)
         return ScoredRollout(prompts, prompt_ids, columns, rollout, rewards_NF, truncated, images)
@@ -542,6 +568,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
                 gap_sample=context.gap_sample,
                 on_group=report,
                 images=imgs,
+                counts=context.counts,
             ),
             prompt_ids,
             images,
@@ -558,12 +585,19 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         return score_rollout(self.reward_funcs, self.processing_class, prompts, rollout, columns, given, limits)
 
     def compute_advantages(self, rewards_NF: torch.Tensor) -> torch.Tensor:
-        """Weighted total reward per completion, normalised within its group: [N]."""
-        g = self.args.num_generations
-        if self.args.multi_objective_aggregation == "normalize_then_sum":
-            return normalize_then_sum(rewards_NF, self.reward_weights, g, across_ranks(self.accelerator))
-        rewards_N = weighted_rewards(rewards_NF, self.reward_weights)
-        return group_advantages(rewards_N, g, self.args.scale_rewards, across_ranks(self.accelerator))
+        """Weighted total reward per completion, normalised within its group: [N]. Where groups span ranks, computed
+        over every rank's rewards, this rank's slice kept (`spanned_advantages`)."""
+        args, gather = self.args, across_ranks(self.accelerator)
+        g, weights = args.num_generations, self.reward_weights
+
+        def advantages(rewards_NF: torch.Tensor, gather: Gather | None) -> torch.Tensor:
+            if args.multi_objective_aggregation == "normalize_then_sum":
+                return normalize_then_sum(rewards_NF, weights, g, gather)
+            return group_advantages(weighted_rewards(rewards_NF, weights), g, args.scale_rewards, gather)
+
+        if args.groups_span_ranks:
+            return spanned_advantages(advantages, rewards_NF, gather, self.accelerator.process_index)
+        return advantages(rewards_NF, gather)
 
     @torch.no_grad()
     def rollout_logps(self, batch: RolloutBatch) -> dict[str, torch.Tensor]:

@@ -119,6 +119,7 @@ class GRPOConfig(
         self.check_generation()
         self.check_dynamic_sampling()
         self.check_partial_rollouts()
+        self.check_spanning_groups()
         self.check_loading()
         self.check_loss()
         self.check_regularizers()

@@ -18,9 +18,9 @@ class GenerationOptions:
     num_generations: int = field(
         default=8,
         metadata={
-            "help": "Completions sampled per prompt (the group size G). At least 2. Each rank's rollout, "
-            "per_device_train_batch_size × steps_per_generation completions, must be a multiple of it (a micro-step "
-            "may hold part of a group)."
+            "help": "Completions sampled per prompt (the group size G). At least 2. The rollout over all ranks, "
+            "per_device_train_batch_size × processes × steps_per_generation completions, must be a multiple of it "
+            "(TRL's rule); a group may span micro-steps, and ranks (as in TRL)."
         },
     )
     num_generations_eval: int | None = field(
@@ -107,7 +107,7 @@ class GenerationOptions:
 
     def derive_generation_batch(self) -> None:
         """Fill in whichever of steps_per_generation / generation_batch_size was left out (TRL's rule), then check
-        that each rank's rollout holds whole groups (`check_rollout_groups`)."""
+        that the rollout over all ranks holds whole groups (`check_rollout_groups`)."""
         global_batch = self.per_device_train_batch_size * self.world_size
         if self.steps_per_generation is not None and self.generation_batch_size is not None:
             raise ConfigError("steps_per_generation and generation_batch_size are both set; set only one of them.")
@@ -126,33 +126,66 @@ class GenerationOptions:
         self.check_rollout_groups(given)
 
     def check_rollout_groups(self, given: str) -> None:
-        """Each rank samples all num_generations completions of each of its prompts (n=G), so a rank's rollout,
-        per_device_train_batch_size × steps_per_generation completions, must hold whole groups; a micro-step's
-        slice of it need not. With one process this is TRL's rule (generation_batch_size a multiple of
-        num_generations); with several, TRL also lets a group span ranks, which colograd cannot.
+        """TRL's rule: the rollout over all ranks, generation_batch_size = per_device_train_batch_size × processes ×
+        steps_per_generation completions, must hold whole groups. A rank's rollout (per_device_train_batch_size ×
+        steps_per_generation) need not: then groups span ranks (`groups_span_ranks`), as in TRL, and a micro-step's
+        slice may hold part of a group either way.
 
         Args:
             given: the field the user set that fixed steps_per_generation (steps_per_generation,
                 generation_batch_size, or gradient_accumulation_steps when it defaulted to it); the fix names it.
         """
-        batch, steps, g = self.per_device_train_batch_size, self.steps_per_generation, self.num_generations
-        if batch * steps % g == 0:
+        batch, steps, g, world = (
+            self.per_device_train_batch_size,
+            self.steps_per_generation,
+            self.num_generations,
+            self.world_size,
+        )
+        if batch * world * steps % g == 0:
             return
         # The nearest larger value of one field that makes the rollout whole groups (the other kept).
-        fixed_steps, fixed_batch = _round_up(steps, g // math.gcd(batch, g)), _round_up(batch, g // math.gcd(steps, g))
+        fixed_steps = _round_up(steps, g // math.gcd(batch * world, g))
+        fixed_batch = _round_up(batch, g // math.gcd(world * steps, g))
         if given == "generation_batch_size":  # the rollout's size is given, so only it can change
-            fix = f"set generation_batch_size to {batch * self.world_size * fixed_steps}"
+            fix = f"set generation_batch_size to {batch * world * fixed_steps}"
         else:
             fix = f"set {given} to {fixed_steps}, or per_device_train_batch_size to {fixed_batch}"
-        spans = ""
-        if self.world_size > 1 and self.generation_batch_size % g == 0:
-            spans = (
-                f" (TRL would let a group span the {self.world_size} processes; here each rank samples whole groups)"
-            )
-        raise ConfigError(
-            f"per_device_train_batch_size={batch} × steps_per_generation={steps} = {batch * steps} completions per "
-            f"rank and rollout is not a multiple of num_generations={g}{spans}; {fix}."
-        )
+        size = f"per_device_train_batch_size={batch} × steps_per_generation={steps}"
+        if world == 1:
+            size += f" = {batch * steps} completions per rank and rollout"
+        else:
+            size += f" × {world} processes = {batch * steps * world} completions per rollout"
+        raise ConfigError(f"{size} is not a multiple of num_generations={g}; {fix}.")
+
+    def check_spanning_groups(self) -> None:
+        """Where groups span ranks (`groups_span_ranks`), refuse what needs each rank to hold whole groups, naming
+        the nearest batch that gives each rank whole groups."""
+        if not self.groups_span_ranks:
+            return
+        batch, steps, g = self.per_device_train_batch_size, self.steps_per_generation, self.num_generations
+        needs = [
+            ("dynamic_sampling", self.dynamic_sampling, "it keeps or drops a rank's groups whole"),
+            ("partial_rollouts", self.partial_rollouts, "it carries a rank's unfinished groups whole"),
+            ("vllm_tensor_parallel_size", self.vllm_tensor_parallel_size > 1, "its ranks pool whole groups"),
+        ]
+        for name, used, why in needs:
+            if used:
+                fixed_steps = _round_up(steps, g // math.gcd(batch, g))
+                fixed_batch = _round_up(batch, g // math.gcd(steps, g))
+                raise ConfigError(
+                    f"{name} needs each rank's rollout to hold whole groups ({why}), and per_device_train_batch_size="
+                    f"{batch} × steps_per_generation={steps} = {batch * steps} completions is not a multiple of "
+                    f"num_generations={g}; set steps_per_generation to {fixed_steps} or per_device_train_batch_size "
+                    f"to {fixed_batch}, or turn {name} off."
+                )
+
+    @property
+    def groups_span_ranks(self) -> bool:
+        """Whether a group's completions may fall on two ranks: a rank's rollout (per_device_train_batch_size ×
+        steps_per_generation completions) is not whole groups, though the rollout over all ranks is. Then, as in
+        TRL, every rank reads the rollout's prompts, samples its contiguous slice of the sequence of all ranks'
+        completions (each prompt's G laid consecutively), and group statistics are taken over every rank's rewards."""
+        return self.per_device_train_batch_size * self.steps_per_generation % self.num_generations != 0
 
     def check_lengths(self, model_config: Any) -> None:
         """Check that a prompt and a completion fit the model's context and the engine's, before start-up."""
@@ -171,9 +204,18 @@ class GenerationOptions:
             )
 
     @property
+    def rollout_prompts(self) -> int:
+        """Prompts of one rollout over all ranks: generation_batch_size / num_generations."""
+        return self.generation_batch_size // self.num_generations
+
+    @property
     def prompts_per_rollout(self) -> int:
-        """Prompts each rank samples for per rollout: per_device_train_batch_size counts completions, and a rollout
-        feeds steps_per_generation micro-steps (a micro-step's slice may end inside a group)."""
+        """Prompts each rank reads per rollout: per_device_train_batch_size counts completions, and a rollout feeds
+        steps_per_generation micro-steps (a micro-step's slice may end inside a group). Where groups span ranks,
+        every rank reads all the rollout's prompts (`rollout_prompts`) and samples its own slice of their
+        completions (`colograd.rollout.spans`)."""
+        if self.groups_span_ranks:
+            return self.rollout_prompts
         return self.per_device_train_batch_size * self.steps_per_generation // self.num_generations
 
 

@@ -158,7 +158,7 @@ def environment_dataset(train_dataset: Any, environment_factory: Any, args: Any)
         raise ConfigError(
             "train_dataset is None (the environment gives the prompts): set max_steps, the run's length."
         )
-    rows = args.prompts_per_rollout * args.world_size
+    rows = args.rollout_prompts
     return Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * rows})
 
 

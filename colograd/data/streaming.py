@@ -2,11 +2,13 @@
 (`datasets.IterableDataset`), read in the order `RepeatSampler` gives a map-style one.
 
 A stream cannot be indexed, so no sampler can pick its rows. Instead the stream itself is reordered: rollout
-batches of `prompts_per_rollout × world_size` rows, each yielded once per micro-step that trains on it
+batches of `rollout_prompts` rows (all ranks' prompts), each yielded once per micro-step that trains on it
 (`RolloutStream`). Every rank reads the same stream and accelerate's `IterableDatasetShard` hands each its own
 contiguous slice of every batch, so ranks see different prompts, and a rank samples all G completions of its
-prompts itself (n=G), so groups stay whole. It has no length, so a run needs `max_steps`; a stream that ends starts
-again (the next epoch, reshuffled).
+prompts itself (n=G). Where groups span ranks, each batch is yielded once per rank too, so that each rank's slice is
+the whole batch: every rank reads all the rollout's prompts and samples its share of their completions
+(`colograd.rollout.spans`). It has no length, so a run needs `max_steps`; a stream that ends starts again (the next
+epoch, reshuffled).
 """
 
 import itertools
@@ -120,8 +122,20 @@ def rollout_stream(dataset: Any, args: GRPOConfig, accelerator: Accelerator, num
     if args.shuffle_dataset:
         dataset = dataset.shuffle(seed=args.seed)
     accelerator.dataloader_config.dispatch_batches = False
-    batch = args.prompts_per_rollout * accelerator.num_processes
-    return RolloutStream(dataset, batch, args.rollout_micro_steps, numbered)
+    world = accelerator.num_processes
+    return RolloutStream(dataset, rollout_batch_size(args, world), rollout_repeats(args, world), numbered)
+
+
+def rollout_batch_size(args: GRPOConfig, world: int) -> int:
+    """Prompts of one rollout over all `world` ranks: each rank's `prompts_per_rollout`, or where groups span ranks,
+    which every rank reads whole, those."""
+    return args.prompts_per_rollout * (1 if args.groups_span_ranks else world)
+
+
+def rollout_repeats(args: GRPOConfig, world: int) -> int:
+    """How many times a rollout's batch of prompts is read: once per micro-step that trains on it, and where groups
+    span ranks once per rank too, so that the slice accelerate hands each rank is the whole batch."""
+    return args.rollout_micro_steps * (world if args.groups_span_ranks else 1)
 
 
 def check_stream(dataset: Any, args: GRPOConfig) -> None:
@@ -187,7 +201,8 @@ class RolloutBatches(Trainer):
     resume_step = 0  # the optimizer step training (re)starts from: the data continues there
 
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:
-        """Each micro-step gets a rollout's worth of whole prompts: `prompts_per_rollout`.
+        """Each micro-step gets a rollout's worth of whole prompts: `prompts_per_rollout` (where groups span ranks,
+        the whole rollout's prompts on every rank).
 
         Only the micro-steps that start a rollout use their batch; the sampler repeats each batch for the
         micro-steps that train on the rollout, so the Trainer's step counting stays TRL's.
@@ -210,20 +225,20 @@ class RolloutBatches(Trainer):
         )
 
     def _get_train_sampler(self, dataset: Any = None) -> torch.utils.data.Sampler:
-        """Shuffled prompts, each rollout's batch (for all ranks) repeated once per micro-step that trains on it; a
-        resumed run's in the order of the epoch it resumes in (`EpochOrder`)."""
-        args = self.args
-        batch = args.prompts_per_rollout * self.accelerator.num_processes
+        """Shuffled prompts, each rollout's batch (for all ranks) repeated once per micro-step that trains on it (and
+        once per rank where groups span ranks: `rollout_repeats`); a resumed run's in the order of the epoch it
+        resumes in (`EpochOrder`)."""
+        args, world = self.args, self.accelerator.num_processes
         sampler = EpochOrder(
             data_source=dataset if dataset is not None else self.train_dataset,
-            mini_repeat_count=1,  # the engine samples the G completions of a prompt itself (n=G)
-            batch_size=batch,
-            repeat_count=args.rollout_micro_steps,
+            mini_repeat_count=1,  # the engine samples a prompt's completions itself (n=G, or a rank's share)
+            batch_size=rollout_batch_size(args, world),
+            repeat_count=rollout_repeats(args, world),
             shuffle=args.shuffle_dataset,
             seed=args.seed,
         )
         # The optimizer steps of an epoch, as the Trainer counts them (its batches per rank // accumulation).
-        steps_per_epoch = len(sampler) // (batch * args.gradient_accumulation_steps)
+        steps_per_epoch = len(sampler) // (args.prompts_per_rollout * world * args.gradient_accumulation_steps)
         sampler.skip_epochs(self.resume_step // steps_per_epoch if steps_per_epoch else 0)
         return sampler
 

@@ -218,9 +218,11 @@ class Engine:
         gap_sample: bool = True,
         on_group: Callable[[int, list[list[int]]], None] | None = None,
         images: list[list[Any]] | None = None,
+        counts: list[int] | None = None,
     ) -> Rollout:
         """Sample `num_generations` (default `sampling.num_generations`) completions of every prompt in one engine
-        call, with the run's sampling settings (`Sampling.of(args)`).
+        call, with the run's sampling settings (`Sampling.of(args)`); with `counts`, that many of each prompt (a
+        rank's share of groups that span ranks: `colograd.rollout.spans`).
 
         `n=G` makes the engine prefill each prompt once for its whole group. Under tensor parallelism the ranks
         of a group pool their prompts, run one engine call together, and each keeps its own completions;
@@ -246,8 +248,14 @@ class Engine:
         own, mine = prompt_ids, len(prompt_ids)
         if images is not None and self.tp_group is not None:
             raise ConfigError("image prompts under vllm_tensor_parallel_size > 1 are not supported; set it to 1.")
+        if counts is not None and self.tp_group is not None:  # the config refuses it (`check_spanning_groups`)
+            raise ConfigError(
+                "groups that span ranks under vllm_tensor_parallel_size > 1 are not supported; set it to 1."
+            )
+        shares = counts
         prompt_ids, seeds = self._pooled(prompt_ids, sampling.seed, step, g)
-        requests = rollout_requests(sampling, seeds, mine, g, gap_sample, self.suppressed)
+        counts = counts or [g] * len(prompt_ids)
+        requests = rollout_requests(sampling, seeds, mine, counts, gap_sample, self.suppressed)
         prompts = [self.prompt(prompt_ids[i], images[i] if images else None) for i, _ in requests]
         tap = self.sampler_tap() if sampling.every_logps else None
         reporting = self._reporting_groups(requests, on_group) if on_group and self.tp_group is None else nullcontext()
@@ -261,15 +269,16 @@ class Engine:
             )
         routed = routing.prompt_routes(capture, requests, outputs, len(prompt_ids)) if capture else None
         samples, asked, computed, routed = self._own_samples(requests, outputs, len(prompt_ids), mine, routed)
-        logps = self._tapped_logps(tap, outputs, mine * g) if tap is not None else None
+        logps = self._tapped_logps(tap, outputs, sum(counts[:mine])) if tap is not None else None
         if tap is not None and logps is None:
             # The tap's rows did not hold these completions, on this rank or another of its engine (and vLLM built
             # no objects for them): sample this rollout again with the objects, and leave the tap off from now on.
             logger.warning("colograd: the sampler tap missed a rollout's log-probs; reading vLLM's Logprob objects.")
             self._tap = None
             return self.generate(
-                own, sampling, step=step, num_generations=g, gap_sample=gap_sample, on_group=on_group, images=images
-            )
+                own, sampling, step=step, num_generations=g, gap_sample=gap_sample, on_group=on_group, images=images,
+                counts=shares,
+            )  # fmt: skip
         if logps is None:
             logps = [sampled_logps(sample) for sample in samples]
         return Rollout(

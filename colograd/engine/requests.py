@@ -66,22 +66,23 @@ def rollout_requests(
     sampling: Sampling,
     seeds: list[int | None],
     mine: int,
-    g: int,
+    counts: list[int],
     gap_sample: bool = True,
     suppressed: list[int] | None = None,
 ) -> list[tuple[int, Any]]:
     """The engine requests of a rollout of `len(seeds)` prompts (`mine` per rank), as (prompt index, params).
 
-    One request of n = G per prompt, each asking for its log-probs where the loss reads them
-    (`sampling.every_logps`); else, with `gap_sample`, only the sampling-gap metric's completion asks, the first
-    of each rank's first prompt, in a request of its own (n = 1) beside one of n = G - 1, seeded as the one request
-    would have been (vLLM seeds a request's n completions seed, seed + 1, ...); without it, none. `suppressed`
-    token ids are never sampled (a bias of -inf: the log-probs are those of the distribution without them).
+    One request of n = `counts[i]` per prompt (G; fewer for a rank's share of a group that spans ranks), each
+    asking for its log-probs where the loss reads them (`sampling.every_logps`); else, with `gap_sample`, only the
+    sampling-gap metric's completion asks, the first of each rank's first prompt, in a request of its own (n = 1)
+    beside one of n = count - 1, seeded as the one request would have been (vLLM seeds a request's n completions
+    seed, seed + 1, ...); without it, none. `suppressed` token ids are never sampled (a bias of -inf: the log-probs
+    are those of the distribution without them).
     """
     every = sampling.every_logps
     bias = {"logit_bias": dict.fromkeys(suppressed, -math.inf)} if suppressed else {}
     requests = []
-    for i, seed in enumerate(seeds):
+    for i, (seed, g) in enumerate(zip(seeds, counts, strict=True)):
         if every or not gap_sample or i % mine != 0:
             requests.append((i, sampling.request(seed, n=g, **({} if every else {"logprobs": None}), **bias)))
             continue

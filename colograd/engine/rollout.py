@@ -24,6 +24,8 @@ class RolloutContext:
         (`colograd.rollout.core.gap_sampling`).
     gap_turn: an image run's turn of the metric's prompt: `generate` puts prompt `gap_turn % len(prompts)` first, so
         that the metric covers every row in turn.
+    counts: where groups span ranks, the completions of each prompt this rank samples (its share of each group:
+        `colograd.rollout.spans`); None: `num_generations` of each.
     """
 
     rows: list[dict]
@@ -33,6 +35,7 @@ class RolloutContext:
     round: int = 0
     gap_sample: bool = True
     gap_turn: int = 0
+    counts: list[int] | None = None
 
 
 class RewardLogs:

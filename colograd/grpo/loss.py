@@ -11,6 +11,8 @@ from typing import Any, NamedTuple
 import torch
 from trl.trainer.utils import nanstd
 
+from colograd.runs.ranks import gather_rows
+
 # Every rank's values of a 1-D tensor, concatenated (NaN where a rank had fewer); identity on one rank.
 Gather = Callable[[torch.Tensor], torch.Tensor]
 
@@ -82,6 +84,31 @@ def normalize_then_sum(
     batch_M = gather(rewards_N) if gather else rewards_N
     std = nanstd(batch_M) if batch_M.numel() > 1 else torch.zeros(())
     return torch.nan_to_num((rewards_N - torch.nanmean(batch_M)) / (std + 1e-4), nan=0.0)
+
+
+def spanned_advantages(
+    advantages: Callable[[torch.Tensor, Gather | None], torch.Tensor],
+    rewards_NF: torch.Tensor,
+    gather: Gather,
+    rank: int,
+) -> torch.Tensor:
+    """This rank's advantages where groups span ranks, as TRL computes them: every rank's rewards gathered in rank
+    order (the rollout's completions over all ranks, each prompt's G consecutive), `advantages` computed on them as
+    one process holding the whole rollout would, and this rank's slice kept.
+
+    Args:
+        advantages: `advantages(rewards_NF, gather)`, e.g. `group_advantages` of the weighted rewards; called with
+            the whole rollout's rewards and no gather (they are the batch).
+        rewards_NF: this rank's rewards, [N, F]; every rank holds the same N.
+        gather: every rank's values of a 1-D tensor, in rank order (`colograd.runs.ranks.across_ranks`).
+        rank: this rank's index.
+
+    Returns:
+        advantages_N: this rank's slice of the whole rollout's advantages.
+    """
+    n = rewards_NF.size(0)
+    every_MF = gather_rows(rewards_NF, gather)
+    return advantages(every_MF, None)[rank * n : (rank + 1) * n]
 
 
 def log_importance_weights(

@@ -193,7 +193,7 @@ def check_stream_data(
         `check_prompts`).
     """
     check_stream(dataset, args)
-    head = peek(dataset, max(PEEK_ROWS, args.prompts_per_rollout * args.world_size), name)
+    head = peek(dataset, max(PEEK_ROWS, args.rollout_prompts), name)
     columns = list(head[0]) if head else ["prompt"]
     head_name = f"{name} (its first {len(head)} rows)"
     prompts = [row["prompt"] for row in head]
@@ -426,13 +426,13 @@ def _check_column_names(columns: list[str], name: str) -> None:
 
 def check_size(rows: int, args: GRPOConfig, name: str = "train_dataset") -> None:
     """The dataset must fill one rollout batch of every rank, or training would run no step at all."""
-    need = args.prompts_per_rollout * args.world_size
+    need = args.rollout_prompts
     if rows < need:
         raise ConfigError(
             f"dataset {name!r} has {rows} usable rows, fewer than one rollout batch: {need} prompts "
             f"(per_device_train_batch_size {args.per_device_train_batch_size} × steps_per_generation "
-            f"{args.steps_per_generation} / num_generations {args.num_generations} × {args.world_size} "
-            "processes); add rows, or lower per_device_train_batch_size or steps_per_generation."
+            f"{args.steps_per_generation} × {args.world_size} processes / num_generations {args.num_generations}); "
+            "add rows, or lower per_device_train_batch_size or steps_per_generation."
         )
 
 

@@ -3,7 +3,8 @@ before the engine starts, and what they measured, as one value (`TrainerInputs`)
 
     check_call     the arguments themselves, before anything is loaded (TRL's order, what colograd refuses)
     check_trainer  the model, settings, data (every row of an in-memory dataset; a stream's first rows), images,
-                   rewards and engine limits, with what the run cannot do (dynamic sampling, partial rollouts)
+                   rewards and engine limits, with what the run cannot do (dynamic sampling, partial rollouts,
+                   groups that span ranks)
     check_wrapped_trainer  once accelerate, DeepSpeed or FSDP have set up: what those refuse
 """
 
@@ -32,6 +33,7 @@ from colograd.preflight.env import check_environment
 from colograd.rewards.core import RewardFunc
 from colograd.rollout.dynamic import refuse_unrefillable
 from colograd.rollout.partial import refuse_unresumable
+from colograd.rollout.spans import check_spanning
 from colograd.vision.checks import check_image_data
 from colograd.vision.core import text_tokenizer
 
@@ -114,6 +116,7 @@ def check_trainer(
         if eval_longest is not None:
             longest_image = max(longest_image or 0, eval_longest)
     refuse_unresumable(args, train_dataset, agents is not None, bool(images))
+    check_spanning(args, agents is not None, bool(images))
     tokenizer = text_tokenizer(processing_class)
     train_dataset, lora_rank, longest = check_trainer_inputs(
         model, tokenizer, args, train_dataset, reward_funcs, rewards_also_get, eval_dataset

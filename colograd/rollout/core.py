@@ -121,16 +121,26 @@ def rollout_metrics(scored: ScoredRollout, reward_names: list[str]) -> dict[str,
 
 
 def scored_metrics(
-    scored: ScoredRollout, reward_names: list[str], reward_weights: torch.Tensor, num_generations: int, vision: bool
+    scored: ScoredRollout,
+    reward_names: list[str],
+    reward_weights: torch.Tensor,
+    num_generations: int,
+    vision: bool,
+    every_NF: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """Every metric a training rollout logs of itself: `rollout_metrics`, what its source measured
     (`Rollout.metrics`: the agents', partial rollouts'), `reward_metrics`, and in a vision-language run the images
-    per prompt (shown at every step, so that a run whose rows lost their images says so)."""
+    per prompt (shown at every step, so that a run whose rows lost their images says so).
+
+    Args:
+        every_NF: where groups span ranks, every rank's rewards in rank order (`gather_rows`): `reward_metrics` are
+            then the whole rollout's, the same on every rank, since a rank's own rewards are not whole groups."""
     metrics = rollout_metrics(scored, reward_names) | scored.rollout.metrics
     if vision:
         images = scored.images.images if scored.images is not None else [[] for _ in scored.prompts]
         metrics["images/per_prompt"] = sum(map(len, images)) / max(1, len(images))
-    return metrics | reward_metrics(scored.rewards_NF, reward_weights, num_generations)
+    rewards_NF = scored.rewards_NF if every_NF is None else every_NF
+    return metrics | reward_metrics(rewards_NF, reward_weights, num_generations)
 
 
 def reward_metrics(rewards_NF: torch.Tensor, reward_weights: torch.Tensor, num_generations: int) -> dict[str, float]:

@@ -1,5 +1,6 @@
 """What one rank needs of the others' values during a step: a tensor gathered from every rank (`across_ranks`), each
-of a list of numbers at its largest over the ranks (`largest_over_ranks`). Both are collectives."""
+of a list of numbers at its largest over the ranks (`largest_over_ranks`), a tensor's rows of every rank
+(`gather_rows`). All are collectives."""
 
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +23,13 @@ def across_ranks(accelerator: Any) -> Callable[[torch.Tensor], torch.Tensor]:
         return accelerator.gather(padded).to(rewards_N.device)
 
     return gather
+
+
+def gather_rows(rows_NF: torch.Tensor, gather: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Every rank's rows [N, ...] stacked in rank order [ranks × N, ...] through `gather` (`across_ranks`): where
+    groups span ranks, the rollout's completions over all ranks in their order (every rank holds the same N). A
+    collective: every rank must call it."""
+    return gather(rows_NF.flatten()).view(-1, *rows_NF.shape[1:])
 
 
 def largest_over_ranks(accelerator: Any) -> Callable[[list[int]], list[int]]:

@@ -38,8 +38,18 @@ def test_the_deepseek_recipe_parses_with_its_template_and_liger_said(tmp_path, c
     assert [type(resolve_reward(n, script)).__name__ for n in script.reward_funcs] == ["function"] * 3
 
 
-def test_the_code_recipe_stops_on_its_batch_in_one_line(tmp_path):
-    with pytest.raises(ConfigError, match="not a multiple of num_generations=14") as err:
+def test_the_code_recipe_runs_on_its_7_processes_with_groups_spanning_ranks(tmp_path, monkeypatch):
+    # 16 per device × accumulation 4 = 64 completions per rank, num_generations 14: launched (as open-r1 does) on 7
+    # processes, 448 completions, 32 groups, some split between ranks, as TRL lays them out.
+    monkeypatch.setattr(GRPOConfig, "world_size", property(lambda self: 7))
+    _, args, _ = parse("qwen2_5-1_5b-instruct_config_demo_code.yaml", tmp_path)
+    assert (args.num_generations, args.generation_batch_size, args.rollout_prompts) == (14, 448, 32)
+    assert args.groups_span_ranks
+    # On one process its 64 completions are not whole groups: refused, as TRL refuses it, in one line.
+    monkeypatch.setattr(GRPOConfig, "world_size", property(lambda self: 1))
+    with pytest.raises(
+        ConfigError, match="64 completions per rank and rollout is not a multiple of num_generations=14"
+    ) as err:
         parse("qwen2_5-1_5b-instruct_config_demo_code.yaml", tmp_path)
     assert "\n" not in str(err.value)
 

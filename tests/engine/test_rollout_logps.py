@@ -77,7 +77,7 @@ def test_the_metric_completion_asked_alone_keeps_the_seeds_of_its_group(tiny_eng
     args = GRPOConfig(output_dir=str(tmp_path), **SETTINGS)
     prompt = engine.prompt(tokenizer("abcd>b:")["input_ids"])
     whole = engine.llm.generate([prompt], sampling_params(args, 1234, logprobs=None), use_tqdm=False)[0].outputs
-    requests = rollout_requests(Sampling.of(args), [1234], 1, 4)
+    requests = rollout_requests(Sampling.of(args), [1234], 1, [4])
     assert [(i, p.n, p.seed, p.logprobs) for i, p in requests] == [(0, 1, 1234, 0), (0, 3, 1235, None)]
     split = [engine.llm.generate([prompt], p, use_tqdm=False)[0].outputs for _, p in requests]
     assert [list(s.token_ids) for s in whole] == [list(s.token_ids) for s in split[0] + split[1]]

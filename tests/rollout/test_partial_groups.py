@@ -1,7 +1,7 @@
 """A micro-step smaller than a group: `per_device_train_batch_size` need not be a multiple of `num_generations`,
-as in TRL; a rank's rollout (`per_device_train_batch_size × steps_per_generation` completions) must hold whole
-groups, since each rank samples all G completions of its prompts itself. With one process that is exactly TRL's
-rule; with several, TRL also lets a group span ranks, which the one-line refusal says."""
+as in TRL; the rollout over all ranks (generation_batch_size) must hold whole groups. With one process that is a
+rank's rollout, exactly TRL's rule; with several, a group may also span ranks
+(tests/rollout/test_spanning_groups.py)."""
 
 import re
 
@@ -120,23 +120,22 @@ def two_processes(monkeypatch):
         monkeypatch.setattr(cls, "world_size", property(lambda self: 2))
 
 
-def test_several_processes_say_that_a_group_cannot_span_ranks(two_processes):
+def test_several_processes_let_a_group_span_ranks(two_processes):
     sizes = {"per_device_train_batch_size": 4, "num_generations": 8}
     assert accepted(trl.GRPOConfig, **sizes)  # TRL's 8 completions over both ranks form one group
-    with pytest.raises(ConfigError) as err:
-        build(**sizes)
-    assert "TRL would let a group span the 2 processes; here each rank samples whole groups" in str(err.value)
-    assert str(err.value).endswith("set gradient_accumulation_steps to 2, or per_device_train_batch_size to 8.")
+    args = build(**sizes)
+    assert (args.generation_batch_size, args.rollout_prompts, args.prompts_per_rollout) == (8, 1, 1)
+    assert args.groups_span_ranks
     args = build(**sizes, gradient_accumulation_steps=2)
-    assert (args.generation_batch_size, args.prompts_per_rollout) == (16, 1)
+    assert (args.generation_batch_size, args.prompts_per_rollout, args.groups_span_ranks) == (16, 1, False)
 
 
-def test_several_processes_refused_by_trl_too_get_no_span_note(two_processes):
+def test_several_processes_refused_by_trl_are_refused(two_processes):
     sizes = {"per_device_train_batch_size": 3, "num_generations": 4}
     assert not accepted(trl.GRPOConfig, **sizes)
     with pytest.raises(ConfigError) as err:
         build(**sizes)
-    assert "= 3 completions per rank and rollout is not a multiple of num_generations=4;" in str(err.value)
+    assert "× 2 processes = 6 completions per rollout is not a multiple of num_generations=4;" in str(err.value)
 
 
 def test_the_cli_refuses_in_one_line_before_start_up(tmp_path):
