@@ -184,3 +184,14 @@ def test_the_engine_state_check_finds_a_read():
         "line 2: self.engine.stale",
     ]
     assert engine_internal_reads("requests = engine.requests()\nrequests.llm.generate(p)\n") == []
+
+
+def test_no_two_test_files_share_a_name():
+    """pytest imports test files by their basename (no packages under tests/): a second file of the same name in
+    another folder fails to collect ("import file mismatch"), and with it the whole tier."""
+    names = {}
+    tests = PACKAGE.parent / "tests"
+    for path in sorted(tests.rglob("test_*.py")):
+        names.setdefault(path.name, []).append(str(path.relative_to(tests)))
+    shared = {name: paths for name, paths in names.items() if len(paths) > 1}
+    assert not shared, shared

@@ -1,7 +1,7 @@
 """A group may span ranks, as TRL allows: only the rollout over all ranks (generation_batch_size) must hold whole
 groups. Every rank reads the rollout's prompts, samples its contiguous slice of their completions, and the group
 statistics are taken over every rank's rewards, so that a split group gets the advantages one process holding the
-whole rollout computes. (tests/launch/test_spanning_groups.py trains so on 2 processes.)"""
+whole rollout computes. (tests/launch/test_spanning_launch.py trains so on 2 processes.)"""
 
 import json
 from types import SimpleNamespace

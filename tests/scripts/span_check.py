@@ -1,4 +1,4 @@
-"""A short GRPO run whose groups span ranks, recording what tests/launch/test_spanning_groups.py asserts; run it on 2
+"""A short GRPO run whose groups span ranks, recording what tests/launch/test_spanning_launch.py asserts; run it on 2
 processes:
 
     accelerate launch --config_file recipes/accelerate_configs/cpu.yaml tests/scripts/span_check.py OUT_DIR
