@@ -22,9 +22,11 @@ not take, and the case is failed. A checker that does not compile is the problem
 
 import base64
 import hashlib
+import json
 import os
 import shutil
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from colograd.rewards.sandbox import Sandbox, SandboxLimits
@@ -37,13 +39,14 @@ COMPILE_LIMITS = SandboxLimits(
 )
 CHECK_LIMITS = SandboxLimits(wall_s=30.0, cpu_s=10, memory_mib=1024, file_mib=64, disk_mib=256)
 INCLUDE_DIRS = ("/usr/include", "/usr/local/include")
+CHECKER_FLAGS = ("-O2", "-std=gnu++17")
 _COMPILE = """\
 import base64, subprocess, sys
-done = subprocess.run(["g++", "-O2", "-std=gnu++17", "-o", "checker", "checker.cpp"], capture_output=True)
+done = subprocess.run(["g++", *{flags}, "-o", "program", "program.cpp"], capture_output=True)
 if done.returncode != 0:
     sys.stderr.write(done.stderr.decode("utf-8", "replace")[-1500:])
     sys.exit(3)
-sys.stdout.write(base64.b64encode(open("checker", "rb").read()).decode())
+sys.stdout.write(base64.b64encode(open("program", "rb").read()).decode())
 """
 
 
@@ -132,12 +135,24 @@ class Checkers:
     def _compile(self, checker: Checker) -> bytes | CheckerBroken:
         if self._compiler is None:
             self._compiler = Sandbox(COMPILE_LIMITS, isolated=self.isolated)
-        with self._compiler.session(_COMPILE, files={"checker.cpp": checker.source.encode()}) as session:
-            done = session.case("")
-        if not done.ok:
-            last = (done.stderr.strip().splitlines() or [done.reason or "no message"])[-1][:300]
-            return CheckerBroken(f"the checker does not compile ({done.reason}: {last})")
-        return base64.b64decode(done.stdout)
+        binary, error = compile_cpp(self._compiler, checker.source, CHECKER_FLAGS)
+        return CheckerBroken(f"the checker does not compile ({error})") if binary is None else binary
+
+
+def compile_cpp(compiler: Sandbox, source: str, flags: Sequence[str]) -> tuple[bytes | None, str]:
+    """`source` compiled with the machine's g++ and `flags`, inside `compiler` (a sandbox: the source is untrusted,
+    and g++ runs whatever its includes and flags make it read, within the sandbox's view and limits).
+
+    Returns:
+        (the executable, "") or (None, why it did not compile: the reason and g++'s last line).
+    """
+    script = _COMPILE.format(flags=json.dumps(list(flags)))
+    with compiler.session(script, files={"program.cpp": source.encode()}) as session:
+        done = session.case("")
+    if not done.ok:
+        last = (done.stderr.strip().splitlines() or [done.reason or "no message"])[-1][:300]
+        return None, f"{done.reason}: {last}"
+    return base64.b64decode(done.stdout), ""
 
 
 class CheckRun:
