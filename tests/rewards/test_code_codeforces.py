@@ -2,10 +2,12 @@
 code (tests/rewards/open_r1_cf_reference.py), and real programs, C++ and Python, judged on contest-shaped rows."""
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
 import threading
+from pathlib import Path
 
 import open_r1_cf_reference as reference
 import pytest
@@ -250,3 +252,16 @@ def test_the_reward_refuses_what_it_cannot_judge_in_one_line(folder, rewards, mo
     with pytest.raises(ConfigError, match="the rows lack generated_checker"):
         judge(rewards["partial"], [SUM], no_checker)
     assert "\n" not in str(err.value)
+
+
+SAMPLE = Path(os.environ.get("COLOGRAD_CONTEST_SAMPLE", Path(__file__).parent / "contest" / "sample.jsonl"))
+CF_ROWS = [r for r in map(json.loads, SAMPLE.read_text().splitlines()) if "generated_checker" in r]
+
+
+@pytest.mark.parametrize("r", CF_ROWS, ids=lambda r: r["id"])
+def test_open_r1_codeforces_rows_score_their_right_solutions_1_and_wrong_ones_0(rewards, r):
+    """The contest sample's open-r1/codeforces rows (tests/rewards/contest/; real ones with
+    ``COLOGRAD_CONTEST_SAMPLE``): each right Python solution passes every test, each wrong one fails."""
+    right, wrong = r["colograd_solutions"]["right"], r["colograd_solutions"]["wrong"]
+    given = {"language": "python", **{k: v for k, v in r.items() if k in cf.COLUMNS}}
+    assert judge(rewards["pass_fail"], right + wrong, given) == [1.0] * len(right) + [0.0] * len(wrong)

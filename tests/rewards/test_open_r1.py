@@ -136,6 +136,7 @@ def test_every_name_is_said_with_its_ecosystem():
     assert line.startswith("rewards: accuracy is open-r1's accuracy") and "format is open-r1's format" in line
     assert "accuracy_reward is TRL's accuracy_reward" in line and "my_pkg" not in line
     assert reward_meanings(["my_pkg.rewards.length"]) == ""
+    assert "cf_code is open-r1's cf_code (Codeforces tests" in reward_meanings(["cf_code"])
     for name, builtin in BUILTIN_REWARDS.items():  # every built-in names its origin
         assert builtin.means.startswith(("open-r1's", "TRL's", "colograd's")), name
 
