@@ -36,7 +36,7 @@ import os
 import re
 import shutil
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -44,7 +44,14 @@ from typing import Any
 
 from colograd.errors import ConfigError
 from colograd.rewards.code import completion_text, extract_code
-from colograd.rewards.code_checker import COMPILE_LIMITS, Checker, Checkers, compile_cpp, row_checker
+from colograd.rewards.code_checker import (
+    COMPILE_LIMITS,
+    Checker,
+    CheckerError,
+    Checkers,
+    compile_cpp,
+    row_checker,
+)
 from colograd.rewards.sandbox import Execution, Sandbox, SandboxLimits
 from colograd.rewards.sandbox_session import Session
 
@@ -156,11 +163,12 @@ def _contest_tests(path: str) -> dict[str, tuple[tuple[str, str], ...]]:
     return {problem: tuple(tests) for problem, tests in grouped.items()}
 
 
-def read_problem(row: dict[str, Any], tests_folder: str) -> Problem:
-    """The judge's view of one row.
+def read_problem(row: dict[str, Any], tests_folder: str | None) -> Problem:
+    """The judge's view of one row; `tests_folder` None leaves the generated tests out (a preflight's check).
 
     Raises:
-        ConfigError: a column is missing, or the language is neither python nor cpp (one line, with the fix).
+        ConfigError: a column is missing, the language is neither python nor cpp, the official tests or the
+            checker cannot be read (one line, with the fix).
     """
     missing = [c for c in COLUMNS if c not in row]
     if missing:
@@ -170,12 +178,52 @@ def read_problem(row: dict[str, Any], tests_folder: str) -> Problem:
         raise ConfigError(f"cf_code: a row's language is {row['language']!r}; give python or cpp (open-r1 scores "
                           "no other)")  # fmt: skip
     official = row["official_tests"]
-    official = json.loads(official) if isinstance(official, str) else official or []
-    tests = tuple((t["input"], t["output"]) for t in official)
-    tests += generated_tests(tests_folder, str(row["id"]))
-    checker = row_checker("generated_checker", row["generated_checker"]) if row["generated_checker"] else None
+    try:
+        official = json.loads(official) if isinstance(official, str) else official or []
+        tests = tuple((t["input"], t["output"]) for t in official)
+    except (ValueError, TypeError, KeyError) as err:
+        raise ConfigError(f"cf_code: a row's official_tests are not a list of {{'input', 'output'}} ({err!r}); "
+                          "fix the row") from None  # fmt: skip
+    if tests_folder is not None:
+        tests += generated_tests(tests_folder, str(row["id"]))
+    try:
+        checker = row_checker("generated_checker", row["generated_checker"]) if row["generated_checker"] else None
+    except CheckerError as err:
+        raise ConfigError(f"cf_code: {err}") from None
     return Problem(str(row["id"]), row["language"], tests, checker, float(row["time_limit"]),
                    float(row["memory_limit"]), str(row["input_mode"]))  # fmt: skip
+
+
+def check_cf_rows(
+    reward_funcs: list,
+    column_names: list[str],
+    read: Callable[[list[str]], dict[str, list] | Iterable[dict[str, list]]],
+    name: str,
+    also_given: Sequence[str] = (),
+) -> None:
+    """Every row as `cf_code` will read it (its generated tests aside), before any weights are loaded or engine
+    started; nothing is read without a `CfCodeReward` among `reward_funcs` (`check_code_rows`' arguments).
+
+    Raises:
+        ConfigError: in one line, the first row `cf_code` cannot judge: the row and the problem.
+    """
+    if not any(isinstance(f, CfCodeReward) for f in reward_funcs) or any(c in COLUMNS for c in also_given):
+        return  # no cf_code, or the rows' problems are an environment's to give
+    missing = [c for c in COLUMNS if c not in column_names]
+    if missing:
+        raise ConfigError(f"reward function 'cf_code': dataset {name!r} lacks {', '.join(missing)}; give "
+                          f"open-r1/codeforces' columns ({', '.join(COLUMNS)})")  # fmt: skip
+    batches = read([c for c in COLUMNS if c in column_names])
+    first = 0
+    for given in [batches] if isinstance(batches, dict) else batches:
+        rows = len(next(iter(given.values())))
+        for i in range(rows):
+            try:
+                read_problem({c: v[i] for c, v in given.items()}, None)
+            except ConfigError as err:
+                raise ConfigError(f"reward function 'cf_code': dataset {name!r} row {first + i}: "
+                                  f"{str(err).removeprefix('cf_code: ')}") from None  # fmt: skip
+        first += rows
 
 
 class CfCodeReward:

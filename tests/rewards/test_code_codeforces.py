@@ -265,3 +265,20 @@ def test_open_r1_codeforces_rows_score_their_right_solutions_1_and_wrong_ones_0(
     right, wrong = r["colograd_solutions"]["right"], r["colograd_solutions"]["wrong"]
     given = {"language": "python", **{k: v for k, v in r.items() if k in cf.COLUMNS}}
     assert judge(rewards["pass_fail"], right + wrong, given) == [1.0] * len(right) + [0.0] * len(wrong)
+
+
+def test_rows_cf_code_cannot_judge_are_refused_before_the_run(rewards):
+    good = row()
+    columns = {c: [good[c], good[c]] for c in cf.COLUMNS}
+    read = lambda names: {c: columns[c] for c in names}  # noqa: E731
+    cf.check_cf_rows([rewards["partial"]], list(columns), read, "cf")  # every row readable
+    columns["language"] = ["cpp", "kotlin"]
+    with pytest.raises(ConfigError, match="^reward function 'cf_code': dataset 'cf' row 1: a row's language is "):
+        cf.check_cf_rows([rewards["partial"]], list(columns), read, "cf")
+    cf.check_cf_rows([lambda completions, **kw: [0.0]], list(columns), read, "cf")  # no cf_code: nothing read
+    columns["language"] = ["cpp", "cpp"]
+    columns["official_tests"] = [SUM_TESTS, "not json"]
+    with pytest.raises(ConfigError, match="row 1: a row's official_tests are not a list"):
+        cf.check_cf_rows([rewards["partial"]], list(columns), read, "cf")
+    with pytest.raises(ConfigError, match="dataset 'cf' lacks generated_checker"):
+        cf.check_cf_rows([rewards["partial"]], [c for c in columns if c != "generated_checker"], read, "cf")
