@@ -136,7 +136,7 @@ class OpenR1ScriptFields:
         default="python",
         metadata={
             "help": "open-r1 `code_format`: the fenced block's language (a row's `language` column overrides it). "
-            "The code rewards run Python only."
+            "`code` and `binary_code` run Python; `cf_code` reads each row's `language` (python or cpp), as open-r1."
         },
     )
     max_completion_len: int = field(
@@ -147,11 +147,18 @@ class OpenR1ScriptFields:
         metadata={"help": "open-r1 `soft_overlong_punishment`: the tokens before it over which the penalty grows."},
     )
     code_eval_test_batch_size: int = field(
-        default=1, metadata={"help": "open-r1 `ioi_code` / `cf_code` (refused here): test cases per Piston batch."}
+        default=1,
+        metadata={
+            "help": "open-r1 `cf_code` / `ioi_code`: test cases Piston ran at once. The score does not depend "
+            "on it; accepted for that."
+        },
     )
     code_eval_scoring_mode: str = field(
         default="weighted_sum",
-        metadata={"help": "open-r1 `cf_code` (refused here): pass_fail, partial or weighted_sum."},
+        metadata={
+            "help": "open-r1 `cf_code`: pass_fail (1 when every test passes), partial (the fraction "
+            "passed) or weighted_sum (pass_fail + 0.1 × the fraction)."
+        },
     )
     code_provider: str | None = field(
         default=None,

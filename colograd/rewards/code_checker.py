@@ -22,9 +22,11 @@ not take, and the case is failed. A checker that does not compile is the problem
 
 import base64
 import hashlib
+import json
 import os
 import shutil
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from colograd.rewards.sandbox import Sandbox, SandboxLimits
@@ -36,16 +38,17 @@ COMPILE_LIMITS = SandboxLimits(
     wall_s=120.0, cpu_s=60, memory_mib=2048, processes=32, file_mib=64, disk_mib=128, output_kib=32 << 10
 )
 CHECK_LIMITS = SandboxLimits(wall_s=30.0, cpu_s=10, memory_mib=1024, file_mib=64, disk_mib=256)
-# testlib (github.com/MikeMirzayanov/testlib @ 1e4e8a2, its LICENSE beside it): handed to each compile as a file of the
-# checker's folder, found by `#include "testlib.h"` and, with -I., by `#include <testlib.h>`.
+# testlib (github.com/MikeMirzayanov/testlib @ 1e4e8a2, its LICENSE beside it): handed to each checker's compile as a
+# file of its folder, found by `#include "testlib.h"` and, with -I., by `#include <testlib.h>`.
 TESTLIB = os.path.join(os.path.dirname(__file__), "testlib", "testlib.h")
+CHECKER_FLAGS = ("-O2", "-std=gnu++17", "-I.")
 _COMPILE = """\
 import base64, subprocess, sys
-done = subprocess.run(["g++", "-O2", "-std=gnu++17", "-I.", "-o", "checker", "checker.cpp"], capture_output=True)
+done = subprocess.run(["g++", *{flags}, "-o", "program", "program.cpp"], capture_output=True)
 if done.returncode != 0:
     sys.stderr.write(done.stderr.decode("utf-8", "replace")[-1500:])
     sys.exit(3)
-sys.stdout.write(base64.b64encode(open("checker", "rb").read()).decode())
+sys.stdout.write(base64.b64encode(open("program", "rb").read()).decode())
 """
 
 
@@ -139,13 +142,28 @@ class Checkers:
             if self._compiler is None:
                 self._compiler = Sandbox(COMPILE_LIMITS, isolated=self.isolated)
         with open(TESTLIB, "rb") as header:
-            files = {"checker.cpp": checker.source.encode(), "testlib.h": header.read()}
-        with self._compiler.session(_COMPILE, files=files) as session:
-            done = session.case("")
-        if not done.ok:
-            last = (done.stderr.strip().splitlines() or [done.reason or "no message"])[-1][:300]
-            return CheckerBroken(f"the checker does not compile ({done.reason}: {last})")
-        return base64.b64decode(done.stdout)
+            binary, error = compile_cpp(self._compiler, checker.source, CHECKER_FLAGS, {"testlib.h": header.read()})
+        return CheckerBroken(f"the checker does not compile ({error})") if binary is None else binary
+
+
+def compile_cpp(
+    compiler: Sandbox, source: str, flags: Sequence[str], headers: dict[str, bytes] | None = None
+) -> tuple[bytes | None, str]:
+    """`source` compiled with the machine's g++ and `flags`, inside `compiler` (a sandbox: the source is untrusted,
+    and g++ runs whatever its includes and flags make it read, within the sandbox's view and limits), with `headers`
+    beside it in its folder.
+
+    Returns:
+        (the executable, "") or (None, why it did not compile: the reason and g++'s last line).
+    """
+    script = _COMPILE.format(flags=json.dumps(list(flags)))
+    files = {"program.cpp": source.encode(), **(headers or {})}
+    with compiler.session(script, files=files) as session:
+        done = session.case("")
+    if not done.ok:
+        last = (done.stderr.strip().splitlines() or [done.reason or "no message"])[-1][:300]
+        return None, f"{done.reason}: {last}"
+    return base64.b64decode(done.stdout), ""
 
 
 class CheckRun:

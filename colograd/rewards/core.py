@@ -98,7 +98,7 @@ def resolve_reward(name: str, options: Any = None) -> RewardFunc:
         ConfigError: in one line, for anything that keeps the name from giving a reward function: a module that does
             not import (a syntax error, an import inside it failing, any error while it runs), a missing file or
             name, something that is not callable, a class where an instance is needed; an open-r1 name colograd
-            does not run (`ioi_code`, `cf_code`).
+            does not run (`ioi_code`).
     """
     from colograd.rewards.open_r1 import REFUSED
 

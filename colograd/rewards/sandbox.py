@@ -18,6 +18,7 @@ the further protections is missing (no writable cgroup, no libseccomp), it says 
 enforced.
 """
 
+import copy
 import json
 import logging
 import os
@@ -88,6 +89,8 @@ class SandboxLimits:
     file_mib: largest file it may write (RLIMIT_FSIZE).
     disk_mib: size of its writable /sandbox (a tmpfs: it counts against memory).
     output_kib: stdout + stderr read before it is killed.
+    stack_mib: its stack (RLIMIT_STACK); None: the trainer's (8 MiB by default). Judges of competitive programming
+        give the stack all the memory (`ulimit -s unlimited`), so that deep recursion is not a runtime error.
     """
 
     wall_s: float = 10.0
@@ -98,6 +101,7 @@ class SandboxLimits:
     file_mib: int = 16
     disk_mib: int = 16
     output_kib: int = 1024
+    stack_mib: int | None = None
 
     def rlimits(self) -> dict[str, int]:
         """The launcher's rlimits, by `resource.RLIMIT_<name>`."""
@@ -109,6 +113,7 @@ class SandboxLimits:
             "NOFILE": self.open_files,
             "FSIZE": self.file_mib * mib,
             "CORE": 0,
+            **({} if self.stack_mib is None else {"STACK": self.stack_mib * mib}),
         }
 
     def tree_cpu_s(self) -> float:
@@ -234,6 +239,12 @@ class Sandbox:
                 if line not in _said:
                     _said.add(line)
                     logger.warning(line)
+
+    def with_limits(self, limits: SandboxLimits) -> "Sandbox":
+        """This sandbox with other limits (a problem's time and memory), without probing the machine again."""
+        other = copy.copy(self)
+        other.limits = limits
+        return other
 
     def run(self, code: str, stdin: str | bytes = "", judge: dict | None = None) -> Execution:
         """Run `code` with `stdin` as its standard input; never raises for what the program does.

@@ -54,21 +54,26 @@ def test_the_code_recipe_runs_on_its_7_processes_with_groups_spanning_ranks(tmp_
     assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize(
-    "name, reward",
-    [("qwen2_5-1_5b-instruct_config_demo_code_ioi.yaml", "ioi_code"),
-     ("qwen2_5-coder-7b-instruct_config_codeforces.yaml", "cf_code")],
-)  # fmt: skip
-def test_the_piston_recipes_parse_and_stop_on_their_reward(tmp_path, name, reward, capsys):
-    # Their batches fit colograd's rule at 2 × 16 per rank; the codeforces one is 4 × 32 with num_generations 16.
-    script, args, _ = parse(name, tmp_path, "--num_generations", "16")
-    assert script.reward_funcs[0] == reward and script.code_eval_test_batch_size in (3, -1)
-    with pytest.raises(ConfigError, match=f"reward_funcs: {reward}: open-r1's {reward} runs C\\+\\+"):
-        resolve_reward(reward, script)
-    if reward == "cf_code":  # scale_rewards: false (TRL's boolean), vllm_device dropped, the wandb and hub names read
-        assert args.scale_rewards == "none" and args.hub_revision == "v01.00"
-        assert "vllm_device ignored" in capsys.readouterr().err
-        assert script.code_eval_scoring_mode == "weighted_sum"
+def test_the_ioi_recipe_parses_and_stops_on_its_reward(tmp_path):
+    # Its batch fits colograd's rule at 2 × 16 per rank.
+    script, _, _ = parse("qwen2_5-1_5b-instruct_config_demo_code_ioi.yaml", tmp_path, "--num_generations", "16")
+    assert script.reward_funcs[0] == "ioi_code" and script.code_eval_test_batch_size == 3
+    with pytest.raises(ConfigError, match="reward_funcs: ioi_code: open-r1's ioi_code is not run here"):
+        resolve_reward("ioi_code", script)
+
+
+def test_the_codeforces_recipe_runs_cf_code_with_its_scoring(tmp_path, capsys, monkeypatch):
+    # 4 × 32 with num_generations 16; scale_rewards: false (TRL's boolean), vllm_device dropped, the wandb and hub
+    # names read; cf_code built with the recipe's scoring mode and batch, its tests folder from CF_TESTS_FOLDER.
+    from colograd.rewards.code_codeforces import CfCodeReward
+
+    script, args, _ = parse("qwen2_5-coder-7b-instruct_config_codeforces.yaml", tmp_path, "--num_generations", "16")
+    assert script.reward_funcs == ["cf_code", "code_format"] and script.code_eval_test_batch_size == -1
+    assert args.scale_rewards == "none" and args.hub_revision == "v01.00"
+    assert "vllm_device ignored" in capsys.readouterr().err
+    monkeypatch.setenv("CF_TESTS_FOLDER", str(tmp_path))
+    reward = resolve_reward("cf_code", script)
+    assert isinstance(reward, CfCodeReward) and (reward.scoring_mode, reward.test_batch_size) == ("weighted_sum", -1)
 
 
 def test_open_r1_fields_set_wandb_and_the_hub_branch_and_note_the_rest(tmp_path, capsys):

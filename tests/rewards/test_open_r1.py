@@ -111,13 +111,24 @@ def test_trls_script_soft_overlong_punishment_has_its_script_values():
     assert resolve_reward("get_soft_overlong_punishment")(completion_ids=ids) == reference(ids)
 
 
-@pytest.mark.parametrize("name", ["ioi_code", "cf_code"])
-def test_open_r1_piston_rewards_are_refused_in_one_line(name):
-    with pytest.raises(
-        ConfigError, match=f"{name}: open-r1's {name} runs C\\+\\+ programs on open-r1's Piston"
-    ) as err:
-        resolve_reward(name)
-    assert "\n" not in str(err.value)
+def test_open_r1s_ioi_code_is_refused_in_one_line_saying_what_it_needs():
+    with pytest.raises(ConfigError, match="ioi_code: open-r1's ioi_code is not run here: it scores a subtask") as err:
+        resolve_reward("ioi_code")
+    assert "open-r1/ioi-test-cases" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_open_r1s_cf_code_takes_the_recipes_parameters(tmp_path, monkeypatch):
+    from colograd.config.data import ScriptArguments
+    from colograd.rewards.code_codeforces import CfCodeReward
+
+    monkeypatch.setenv("CF_TESTS_FOLDER", str(tmp_path))
+    options = ScriptArguments(code_eval_scoring_mode="partial", code_eval_test_batch_size=-1)
+    reward = resolve_reward("cf_code", options)
+    assert isinstance(reward, CfCodeReward) and reward.__name__ == "cf_code"
+    assert (reward.scoring_mode, reward.test_batch_size, reward.tests_folder) == ("partial", -1, str(tmp_path))
+    monkeypatch.delenv("CF_TESTS_FOLDER")
+    with pytest.raises(ConfigError, match="reward_funcs: cf_code: CF_TESTS_FOLDER is not set"):
+        resolve_reward("cf_code", ScriptArguments(code_eval_scoring_mode="pass_fail"))
 
 
 def test_every_name_is_said_with_its_ecosystem():
@@ -125,6 +136,7 @@ def test_every_name_is_said_with_its_ecosystem():
     assert line.startswith("rewards: accuracy is open-r1's accuracy") and "format is open-r1's format" in line
     assert "accuracy_reward is TRL's accuracy_reward" in line and "my_pkg" not in line
     assert reward_meanings(["my_pkg.rewards.length"]) == ""
+    assert "cf_code is open-r1's cf_code (Codeforces tests" in reward_meanings(["cf_code"])
     for name, builtin in BUILTIN_REWARDS.items():  # every built-in names its origin
         assert builtin.means.startswith(("open-r1's", "TRL's", "colograd's")), name
 
