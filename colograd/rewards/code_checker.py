@@ -118,7 +118,7 @@ class Checkers:
             argv = [self._sandbox.python, "-I", "checker.py", "input.txt", "correct_output.txt", "solution_output.txt"]
             return self._sandbox.session("", argv, {"checker.py": checker.source.encode()})
         binary = self._binary(checker)
-        return self._sandbox.session("", ["/sandbox/checker", "input.txt", "output.txt", "answer.txt"],
+        return self._sandbox.session("", ["./checker", "input.txt", "output.txt", "answer.txt"],
                                      {"checker": binary})  # fmt: skip
 
     def _binary(self, checker: Checker) -> bytes:

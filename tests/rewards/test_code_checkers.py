@@ -75,6 +75,13 @@ def test_an_any_answer_problem_is_scored_by_its_checker(code, kind):
     assert score(code, [ROTATE_LEFT, SHIFT], plain) == [1 / 3, 1.0]
 
 
+def test_a_cpp_checker_judges_without_the_sandbox_too():
+    """`code_sandbox: none` runs the checker from its own folder as well: its binary was looked for at the sandbox's
+    /sandbox/checker, which only the sandbox has, and every completion got no reward."""
+    unsandboxed = CodeReward(limits=LIMITS, workers=2, sandbox="none")
+    assert score(unsandboxed, [ROTATE_LEFT, SHIFT, IDENTITY], row(checker=CPP)) == [1.0, 1.0, 0.0]
+
+
 def test_the_checker_never_sees_the_programs_sandbox(code):
     # The program leaves files where a checker in its sandbox would find them; the checker accepts only where it
     # finds none of them, and only its three files and its own beside it.
