@@ -151,7 +151,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
             if tools or environment_factory or rollout_func
             else None
         )
-        check_replay(args, router, model, self.agents is not None)
+        check_replay(args, router, model, self.agents is not None and self.agents.rollout_func is not None)
         if self.agents is not None:
             self.agents.check_stages(type(self))
         if self.agents is not None and self.agents.reward_funcs:  # an environment's own reward, weight 1 (TRL's)
@@ -326,6 +326,11 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
                 rows = rows[first : first + len(counts)]
             scored = self.sample(rows, counts=counts)
             generated = int(sampled_lengths(scored.rollout).sum())
+        if args.routing_replay == "rollout" and scored.rollout.routed is None:  # else the passes route themselves
+            raise RuntimeError(
+                "routing_replay=rollout, and the rollout carries no routing (Rollout.routed): a generate override "
+                "must return the engine's (Engine.generate records it); or set routing_replay: off."
+            )
         extra, logged = scored.rollout.reward_logs.take()  # what its reward functions logged (TRL's log_extra ...)
         self._times.count("generated", generated, self.metrics)
         advantages_N = self.compute_advantages(scored.rewards_NF)

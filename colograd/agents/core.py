@@ -25,6 +25,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from transformers import PreTrainedTokenizerBase
 from transformers.utils import get_json_schema
 
@@ -41,7 +42,8 @@ from colograd.agents.tools import (
 from colograd.config.core import ConfigError, GRPOConfig
 from colograd.engine.requests import Requests, sampled_logps, sampling_params
 from colograd.engine.rollout import Rollout, RolloutContext
-from colograd.engine.sampler_tap import SamplerTap
+from colograd.engine.routing import UNKNOWN, ReturnedRouting, RoutingCapture
+from colograd.engine.sampler_tap import RANDOM_SUFFIX, SamplerTap
 
 logger = logging.getLogger(__name__)
 
@@ -92,10 +94,16 @@ class Turn:
     trajectory: Trajectory
     start: int
     length: int
+    routed: torch.Tensor | None = None  # the routing vLLM returned with it (`ReturnedRouting`), [prompt + length]
 
     @property
     def token_ids(self) -> list[int]:
         return self.trajectory.ids[self.start : self.start + self.length]
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The turn's prompt: the trajectory's prompt and its completion before the turn."""
+        return self.trajectory.prompt_ids + self.trajectory.ids[: self.start]
 
     @property
     def prompt_len(self) -> int:
@@ -118,6 +126,8 @@ class AgentLoop:
         runner: runs the tools.
         max_completion_length: bound of a whole completion, sampled and inserted tokens.
         max_tool_calling_iterations: turns that may call tools per trajectory; None: unbounded (TRL's meaning).
+        routing: where the rollout is replayed (`routing_replay: rollout`), how the engine reports its routing
+            (`Engine.routing_capture`): `run` then returns each trajectory's.
     """
 
     def __init__(
@@ -129,24 +139,34 @@ class AgentLoop:
         runner: ToolRunner,
         max_completion_length: int,
         max_tool_calling_iterations: int | None = None,
+        routing: RoutingCapture | ReturnedRouting | None = None,
     ) -> None:
         self.requests, self.tokenizer, self.parser = requests, tokenizer, parser
         self.result_ids, self.runner = result_ids, runner
         self.max_completion_length = max_completion_length
         self.max_tool_calling_iterations = max_tool_calling_iterations
+        self.routing = routing
 
     def run(
         self, trajectories: list[Trajectory], params: Any, on_finished: Callable[[int], None] | None = None
-    ) -> None:
+    ) -> list[torch.Tensor] | None:
         """Complete every trajectory in place. `params`: the `SamplingParams` of a turn (n=1); each request gets a
         copy with its own seed and the length left to its trajectory. `on_finished(i)` is called as trajectory i
-        completes, while the others go on (with the tap, the log-probs are filled in once all have)."""
+        completes, while the others go on (with the tap, the log-probs are filled in once all have).
+
+        Returns:
+            With `routing`, each trajectory's routing (`trajectory_routes`); else None.
+        """
         tap = self.requests.tap if self.requests.tap is not None and self.requests.tap.installed else None
         turns: list[Turn] = []
-        with tap.capturing() if tap is not None else nullcontext():
+        if isinstance(self.routing, RoutingCapture):  # every position of the rollout is computed inside the capture
+            self.requests.llm.reset_prefix_cache()
+        recording = self.routing.capturing() if self.routing is not None else nullcontext()
+        with tap.capturing() if tap is not None else nullcontext(), recording:
             self._step(trajectories, params, on_finished or (lambda i: None), turns)
         if tap is not None:
             self._read_tap(tap, turns)
+        return trajectory_routes(self.routing, trajectories, turns) if self.routing is not None else None
 
     def _step(
         self,
@@ -166,8 +186,11 @@ class AgentLoop:
                 for output in engine.step():
                     if output.finished:
                         i = int(output.request_id.split(".")[0])
-                        sampled = len(output.outputs[0].token_ids)
-                        turns.append(Turn(output.request_id, trajectories[i], len(trajectories[i].ids), sampled))
+                        sample, trajectory = output.outputs[0], trajectories[i]
+                        turn = Turn(output.request_id, trajectory, len(trajectory.ids), len(sample.token_ids))
+                        if isinstance(self.routing, ReturnedRouting):
+                            turn.routed = self.routing.routes(sample, turn.prompt_len)
+                        turns.append(turn)
                         calls = self.end_turn(trajectories[i], output.outputs[0])
                         if calls:
                             waiting[i] = self.runner.submit(trajectories[i].tools, calls)
@@ -223,6 +246,32 @@ class AgentLoop:
             return False
         trajectory.add_inserted(ids)
         return True
+
+
+def trajectory_routes(
+    routing: RoutingCapture | ReturnedRouting, trajectories: list[Trajectory], turns: list[Turn]
+) -> list[torch.Tensor]:
+    """Each trajectory's routing, [prompt + completion, layers, top_k]: every position as the engine routed it in
+    whichever of its turns' requests computed it first (a turn's prompt is the trajectory so far: the tokens of the
+    turns before, computed as they were sampled, and the tool results, computed by the next turn's prefill, or read
+    from the prefix another request cached), `UNKNOWN` where none did (the last sampled token, tool results that no
+    turn followed). The turns' routing is the capture's (`RoutingCapture.routes`, over every turn at once, so that a
+    prompt read from another trajectory's cached prefix takes its routing) or vLLM's own (`ReturnedRouting`)."""
+    if isinstance(routing, RoutingCapture):
+        requests = [(RANDOM_SUFFIX.sub("", turn.request_id), turn.prompt_ids, turn.length) for turn in turns]
+        for turn, routed in zip(turns, routing.routes(requests), strict=True):
+            turn.routed = routed
+    out = []
+    for trajectory in trajectories:
+        own = [t for t in turns if t.trajectory is trajectory]
+        routed = torch.full((len(trajectory.prompt_ids) + len(trajectory.ids), *own[0].routed.shape[1:]), UNKNOWN,
+                            dtype=torch.int16)  # fmt: skip
+        for turn in own:  # the first turn to have computed a position gives its routing
+            end = min(routed.size(0), turn.routed.size(0))
+            missing = routed[:end, 0, 0] == UNKNOWN
+            routed[:end][missing] = turn.routed[:end][missing]
+        out.append(routed)
+    return out
 
 
 def _group_reporter(
@@ -386,10 +435,11 @@ class Agents:
         trajectories = [
             Trajectory(p, t, seed=rng.getrandbits(31)) for p, t in zip(trajectory_prompts, tools, strict=True)
         ]
+        routing = trainer.engine.routing_capture() if args.routing_replay == "rollout" else None
         loop = AgentLoop(trainer.engine.requests(tap=True), self.tokenizer, self.parser, self.result_ids, self.runner,
-                         args.max_completion_length, args.max_tool_calling_iterations)  # fmt: skip
+                         args.max_completion_length, args.max_tool_calling_iterations, routing)  # fmt: skip
         params = turn_sampling_params(args, self.parser.stop)
-        loop.run(trajectories, params, _group_reporter(trajectories, g, on_group))
+        routed = loop.run(trajectories, params, _group_reporter(trajectories, g, on_group))
         calls, failures = sum(t.calls for t in trajectories), sum(t.failures for t in trajectories)
         metrics = {
             "tools/call_frequency": calls / len(trajectories),
@@ -407,6 +457,7 @@ class Agents:
             metrics=metrics,
             counts={"completions": len(trajectories), "calls": calls, "failures": failures},
             asked=[True] * len(trajectories),  # every turn reads its log-probs (a missed tap leaves NaN: counted)
+            routed=routed,
         )
 
     def _reset(

@@ -236,9 +236,10 @@ class RegularizerOptions:
             "pick other experts than the ones the tokens were sampled with; the gates' weights are still the "
             "trainer's, so the routers keep their gradient. 'off': the trainer routes each token itself. Logged as "
             "moe/routing_replay/differed (the share of routing choices the trainer would have made otherwise) and "
-            "moe/routing_replay/unreplayed (those the engine did not report). Refused for a dense model, with "
-            "partial_rollouts and with tool calls. On a CPU the engine then runs eagerly (vllm_enforce_eager), as its "
-            "routing is read by a Python hook a compiled forward skips."
+            "moe/routing_replay/unreplayed (those the engine did not report). Tool calls and environments are "
+            "replayed turn by turn; refused for a dense model, with partial_rollouts and with a rollout_func. On a "
+            "CPU the engine then runs eagerly (vllm_enforce_eager), as its routing is read by a Python hook a "
+            "compiled forward skips."
         },
     )
 

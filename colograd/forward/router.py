@@ -167,9 +167,9 @@ class RouterRecord:
 # --- routing replay: the trainer's routers made to pick given experts -------------------------------------------
 
 
-def check_replay(args: Any, router: Router | None, model: nn.Module, agents: bool) -> None:
-    """Refuse `routing_replay` where it cannot apply: a dense model, or rollouts with tool calls (their inserted
-    tokens are not the engine's sampled sequence)."""
+def check_replay(args: Any, router: Router | None, model: nn.Module, rollout_func: bool) -> None:
+    """Refuse `routing_replay` where it cannot apply: a dense model, or a `rollout_func` (its generation is the
+    user's: no engine routing is recorded)."""
     if args.routing_replay == "off":
         return
     if router is None:
@@ -177,10 +177,10 @@ def check_replay(args: Any, router: Router | None, model: nn.Module, agents: boo
             f"routing_replay={args.routing_replay!r} but {type(model).__name__} is not a Mixture-of-Experts model "
             "with routers to replay; set routing_replay: off."
         )
-    if agents:
+    if rollout_func:
         raise ConfigError(
-            "routing_replay=rollout with tools, an environment or a rollout_func: the engine's routing of "
-            "multi-turn completions is not recorded yet; set routing_replay: off."
+            "routing_replay=rollout with a rollout_func: the function generates, so the engine's routing of its "
+            "completions is not recorded; set routing_replay: off."
         )
 
 

@@ -174,3 +174,110 @@ def test_a_cpu_engine_that_captures_routing_runs_eagerly(tmp_path):
     for replay, eager in (("rollout", True), ("off", False)):
         args = GRPOConfig(output_dir=str(tmp_path), routing_replay=replay, vllm_enforce_eager=False, report_to="none")
         assert engine_settings(model, tokenizer, args)["enforce_eager"] is eager
+
+
+class EveryTurnCalls:
+    """A tool-call parser for which every turn calls `echo`, whatever the model said: with
+    `max_tool_calling_iterations: 1`, a trajectory is a turn, the tool's result, and a last turn."""
+
+    stop: list[str] = []
+
+    def parse(self, text: str) -> list:
+        from colograd.agents.tools import ToolCall
+
+        return [ToolCall("echo", {"text": text})]
+
+
+def echo(text: str) -> str:
+    """The tool: it answers ok.
+
+    Args:
+        text: the turn.
+    """
+    return "ok"
+
+
+@pytest.mark.slow
+def test_multi_turn_trajectories_are_routed_at_every_position_the_engine_computed(engine_and_model):
+    """An agent rollout (tools): each trajectory's positions take the routing of whichever of its turns computed them
+    (its earlier turns' tokens as they were sampled, a tool result in the next turn's prefill, the prompt in the
+    request that computed it first, its trajectories' shared prefix read from the cache), and so equal the trainer's
+    routing of the whole sequence everywhere but the last token."""
+    from colograd.agents.core import AgentLoop, Trajectory, turn_sampling_params
+    from colograd.agents.tools import ToolRunner, plain_result_ids
+
+    engine, args, model, prompts = engine_and_model
+    _, tokenizer = zoo.stopping_model("Qwen/Qwen3-30B-A3B")
+    parser, runner = EveryTurnCalls(), ToolRunner(timeout=5.0)
+    loop = AgentLoop(engine.requests(tap=True), tokenizer, parser, plain_result_ids(tokenizer), runner,
+                     args.max_completion_length, max_tool_calling_iterations=1,
+                     routing=engine.routing_capture())  # fmt: skip
+    trajectories = [Trajectory(p, {"echo": echo}, seed=i) for i, p in enumerate(prompts * 4)]
+    routed = loop.run(trajectories, turn_sampling_params(args, parser.stop))
+    runner.close()
+    continued = [t for t in trajectories if 0 in t.tool_mask and t.tool_mask[-1] == 1]
+    assert len(continued) >= 3, [t.turns for t in trajectories]  # a tool result, then a turn after it
+    for t, routes in zip(trajectories, routed, strict=True):
+        sequence = t.prompt_ids + t.ids
+        assert routes.shape == (len(sequence), 2, 8)
+        known = routes[:, 0, 0] != UNKNOWN
+        assert known[:-1].all() and not known[-1], t.tool_mask
+        assert torch.equal(routes[:-1].long().sort(-1).values, trainer_routing(model, sequence)[:-1])
+
+
+def test_a_trajectorys_positions_take_the_routing_of_the_turn_that_computed_them():
+    """A two-turn trajectory: its first turn's request computed the prompt (positions 0-3) and, decoding, its first
+    two sampled tokens (4, 5; the third, 6, was never fed back in that turn); a tool result was inserted (7, 8); the
+    second turn's request read positions 0-5 from the prefix cache, computed 6-8 in its prefill and decoded 9 (10, its
+    last token, never fed back). Each position takes the routing of the request that computed it, whichever turn."""
+    from colograd.agents.core import Trajectory, Turn, trajectory_routes
+    from colograd.engine.routing import RoutingCapture, _Capture
+
+    capture = _Capture(layers=1, top_k=2, restore=None)
+    capture.armed = True
+    ids = lambda *values: torch.tensor([[v, v + 1] for v in values], dtype=torch.int32)  # noqa: E731
+    for request, positions, experts in [
+        ("0.0", [0, 1, 2, 3], [10, 11, 12, 13]),
+        ("0.0", [4], [14]),
+        ("0.0", [5], [15]),
+        ("0.1", [6, 7, 8], [26, 27, 28]),
+        ("0.1", [9], [29]),
+    ]:
+        capture.begin([f"{request}-0123abcd"], np.array([0, len(positions)]), torch.tensor(positions))
+        capture.layer(0, ids(*experts))
+    trajectory = Trajectory([1, 2, 3, 4], {}, ids=[5, 6, 7, 50, 51, 8, 9], tool_mask=[1, 1, 1, 0, 0, 1, 1])
+    turns = [Turn("0.0", trajectory, 0, 3), Turn("0.1", trajectory, 5, 2)]
+    key = "test-trajectory"
+    _CAPTURES[key] = capture
+    try:
+        (routes,) = trajectory_routes(RoutingCapture(None, key), [trajectory], turns)
+    finally:
+        del _CAPTURES[key]
+    assert routes[:, 0, 0].tolist() == [10, 11, 12, 13, 14, 15, 26, 27, 28, 29, UNKNOWN]
+
+
+@pytest.mark.slow
+def test_a_tool_calling_moe_run_replays_every_position_it_trains_on(tmp_path):
+    """GRPOTrainer with a tool on the zoo's Qwen3-MoE, fp32, `routing_replay: rollout`: every position the loss reads
+    of the multi-turn completions (the tool's result included) is replayed, and the engine's log-probs of the sampled
+    tokens are the trainer's to float32 rounding."""
+    from datasets import Dataset
+
+    from colograd import GRPOTrainer
+
+    def answer_length(completions: list, **kwargs) -> list[float]:  # varied, so that advantages are not all zero
+        return [float(len(c[-1]["content"]) % 3) for c in completions]
+
+    model, tokenizer = zoo.stopping_model("Qwen/Qwen3-30B-A3B")
+    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": q}] for q in QUESTIONS] * 4})
+    args = tiny.run_config(str(tmp_path), 1, per_device_train_batch_size=12, num_generations=4, max_prompt_length=64,
+                           max_completion_length=24, logging_steps=1, routing_replay="rollout",
+                           max_tool_calling_iterations=1, vllm_importance_sampling_correction=True,
+                           vllm_enforce_eager=True)  # fmt: skip
+    trainer = GRPOTrainer(model, answer_length, args, data, processing_class=tokenizer, tools=[echo],
+                          tool_call_parser=EveryTurnCalls())  # fmt: skip
+    trainer.train()
+    (step,) = [h for h in trainer.state.log_history if "loss" in h]
+    assert step["tools/call_frequency"] > 0.5, step
+    assert step["moe/routing_replay/unreplayed"] == 0.0, step
+    assert step["sampling/sampling_logp_difference/max"] <= 1e-4, step

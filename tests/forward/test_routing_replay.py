@@ -193,11 +193,11 @@ def test_replay_is_refused_where_it_cannot_apply(tmp_path):
     args = tiny.run_config(str(tmp_path), 1, routing_replay="rollout")
     dense = tiny.build_model()
     with pytest.raises(ConfigError, match="is not a Mixture-of-Experts model with routers to replay"):
-        check_replay(args, router_of(dense, None), dense, agents=False)
+        check_replay(args, router_of(dense, None), dense, rollout_func=False)
     moe = model_of(MIXTRAL)
-    with pytest.raises(ConfigError, match="with tools, an environment or a rollout_func"):
-        check_replay(args, router_of(moe, None), moe, agents=True)
-    check_replay(args, router_of(moe, None), moe, agents=False)
+    with pytest.raises(ConfigError, match="with a rollout_func: the function generates"):
+        check_replay(args, router_of(moe, None), moe, rollout_func=True)
+    check_replay(args, router_of(moe, None), moe, rollout_func=False)  # tools and environments are replayed
     with pytest.raises(ConfigError, match="routing_replay='on' is unknown; use 'off' or 'rollout'"):
         tiny.run_config(str(tmp_path), 1, routing_replay="on")
     with pytest.raises(ConfigError, match="routing_replay=rollout with partial_rollouts"):
