@@ -309,7 +309,7 @@ def test_an_image_trainer_puts_another_prompt_first_at_each_rollout_that_asks(tm
 
     first = []
 
-    def engine_generate(ids, args, *, step, num_generations, gap_sample, on_group, images):
+    def engine_generate(ids, args, *, step, num_generations, gap_sample, on_group, images, counts=None):
         first.append(ids[0][0])
         g = num_generations
         return Rollout([[i[0]] for i in ids for _ in range(g)], [[0.0]] * len(ids) * g, [False] * len(ids) * g)
