@@ -81,14 +81,17 @@ class DiskLayout:
     def __call__(self, pairs: Pairs) -> Pairs:
         key = tuple(name for name, _ in pairs)
         tensors = dict(pairs)
-        if key in self.plans:
-            plan = self.plans[key]
-            if plan is not None and all(tensors[block[0]].is_contiguous() for _, block in plan):
-                return [(name, _view(tensors, block)) for name, block in plan]
-            return self.convert(pairs)
-        converted = self.convert(pairs)
-        self.plans[key] = _plan(tensors, converted)
-        return converted
+        if key not in self.plans:
+            converted = self.convert(pairs)
+            self.plans[key] = _plan(tensors, converted)
+            if self.plans[key] is None:
+                return converted
+        # The first sync too hands the views: the engine's copy plans, recorded then, are replayed for the same
+        # tensors at every sync after it.
+        plan = self.plans[key]
+        if plan is not None and all(tensors[block[0]].is_contiguous() for _, block in plan):
+            return [(name, _view(tensors, block)) for name, block in plan]
+        return self.convert(pairs)
 
 
 def _view(tensors: dict[str, torch.Tensor], block: _Block) -> torch.Tensor:
