@@ -11,7 +11,7 @@ import torch
 import trl
 from accelerate.data_loader import prepare_data_loader
 from accelerate.utils import DataLoaderConfiguration
-from test_partial_groups import SIZES
+from test_partial_groups import SIZES, accepted, build
 
 from colograd import GRPOConfig, ScriptArguments
 from colograd.config.core import ConfigError
@@ -21,18 +21,6 @@ from colograd.grpo.loss import group_advantages, normalize_then_sum, spanned_adv
 from colograd.rollout.core import reward_metrics
 from colograd.rollout.spans import check_share, check_spanning, per_completion, rank_share
 from colograd.runs.ranks import gather_rows
-
-
-def build(cls: type = GRPOConfig, **kwargs) -> GRPOConfig:
-    return cls(output_dir="unused", report_to="none", bf16=False, **kwargs)
-
-
-def accepted(cls: type = GRPOConfig, **kwargs) -> bool:
-    try:
-        build(cls, **kwargs)
-    except (ConfigError, ValueError):  # ConfigError is colograd's; TRL raises ValueError
-        return False
-    return True
 
 
 def processes(monkeypatch, world: int) -> None:
