@@ -29,7 +29,7 @@ import math
 import os
 import re
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -364,15 +364,21 @@ def check_code_rows(
             f"reward function {reward!r}: dataset {name!r} has no column of tests: none of {LAYOUTS} (its columns: "
             f"{', '.join(column_names)}); add one (docs/rewards.md shows each)."
         )
-    batches = read(columns)
+    for index, row in each_row(read(columns)):
+        try:
+            row_tests(row)
+        except RowTestsError as err:
+            raise ConfigError(f"reward function {reward!r}: dataset {name!r} row {index}: {err}.") from None
+
+
+def each_row(batches: dict[str, list] | Iterable[dict[str, list]]) -> Iterator[tuple[int, dict]]:
+    """(index, row) of every row of `batches` (columns' values, all at once or a batch at a time, as a preflight
+    `read` gives them: a competitive-programming dataset's tests can be gigabytes), one batch held at a time."""
     first = 0
-    for tested in [batches] if isinstance(batches, dict) else batches:  # a batch at a time: tests can be GBs
-        rows = len(next(iter(tested.values())))
+    for batch in [batches] if isinstance(batches, dict) else batches:
+        rows = len(next(iter(batch.values())))
         for i in range(rows):
-            try:
-                row_tests({c: values[i] for c, values in tested.items()})
-            except RowTestsError as err:
-                raise ConfigError(f"reward function {reward!r}: dataset {name!r} row {first + i}: {err}.") from None
+            yield first + i, {c: values[i] for c, values in batch.items()}
         first += rows
 
 

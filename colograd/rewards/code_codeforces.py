@@ -43,7 +43,7 @@ from functools import lru_cache
 from typing import Any
 
 from colograd.errors import ConfigError
-from colograd.rewards.code import completion_text, extract_code
+from colograd.rewards.code import completion_text, each_row, extract_code
 from colograd.rewards.code_checker import (
     COMPILE_LIMITS,
     Checker,
@@ -213,17 +213,12 @@ def check_cf_rows(
     if missing:
         raise ConfigError(f"reward function 'cf_code': dataset {name!r} lacks {', '.join(missing)}; give "
                           f"open-r1/codeforces' columns ({', '.join(COLUMNS)})")  # fmt: skip
-    batches = read([c for c in COLUMNS if c in column_names])
-    first = 0
-    for given in [batches] if isinstance(batches, dict) else batches:
-        rows = len(next(iter(given.values())))
-        for i in range(rows):
-            try:
-                read_problem({c: v[i] for c, v in given.items()}, None)
-            except ConfigError as err:
-                raise ConfigError(f"reward function 'cf_code': dataset {name!r} row {first + i}: "
-                                  f"{str(err).removeprefix('cf_code: ')}") from None  # fmt: skip
-        first += rows
+    for index, row in each_row(read([c for c in COLUMNS if c in column_names])):
+        try:
+            read_problem(row, None)
+        except ConfigError as err:
+            raise ConfigError(f"reward function 'cf_code': dataset {name!r} row {index}: "
+                              f"{str(err).removeprefix('cf_code: ')}") from None  # fmt: skip
 
 
 class CfCodeReward:
