@@ -234,11 +234,11 @@ FAMILIES = [
     "allenai/OLMoE-1B-7B-0924-Instruct",  # routing weights not renormalised
     "deepseek-ai/DeepSeek-V2-Lite",  # MLA attention, shared experts, a dense first layer; no router loss
 ]
-LAUNCHES = {  # layout: (models trained again in bf16, extra flags, launcher config and environment; None: one process)
+LAUNCHES = {  # layout: (models trained again in bf16, extra flags, launcher config and environment)
     # After the four in fp32, Qwen3-MoE again with TRL's bf16 (the engine follows), where routers flip between engine
-    # and trainer: the sampling correction on. In the same process: a process of its own cost ~15 s more.
-    "one-rank": (FAMILIES[:1], [], None),
-    "ddp": ([], [], {}),
+    # and trainer: the sampling correction on. (One process: tests/zoo/test_zoo.py trains each family with TRL's
+    # quickstart settings.)
+    "ddp": (FAMILIES[:1], [], {}),
     "zero3": ([], ["--bucket-mib", "0.1"],
               {"config": "tests/configs/zero3_cpu.yaml", "env": {"DS_ACCELERATOR": "cpu"}}),
 }  # fmt: skip
@@ -249,24 +249,18 @@ BF16 = " (bf16)"  # moe_check.py's key for a model's bf16 run
 @pytest.mark.parametrize("layout", LAUNCHES)
 def test_each_moe_family_trains_with_its_engine_in_step(layout, tmp_path, record_property):
     """The four families, one after another in the same processes, each through GRPOTrainer with TRL's quickstart
-    settings (a learning rate that moves the experts): in one process, on 2 ranks under accelerate's launcher, and
-    on 2 ranks under DeepSpeed ZeRO-3 (the sync gathering a bucket of layers at a time). After every step the ranks
-    hold the same weights, every step's sampling gap is within the parity bound, and after the final sync each
-    engine's log-probs are its trainer's. In one process Qwen3-MoE also trains in bf16, with the sampling correction
+    settings (a learning rate that moves the experts): on 2 ranks under accelerate's launcher, and on 2 ranks under
+    DeepSpeed ZeRO-3 (the sync gathering a bucket of layers at a time). After every step the ranks hold the same
+    weights, every step's sampling gap is within the parity bound, and after the final sync each engine's log-probs
+    are its trainer's. Under accelerate's launcher Qwen3-MoE also trains in bf16, with the sampling correction
     weighing each token by the engine's and the trainer's ratio."""
-    from conftest import ROOT, _env, _refuse_in_fast_tier, launch
+    from conftest import launch
 
     bf16_models, flags, options = LAUNCHES[layout]
     args = [str(tmp_path), *FAMILIES, "--steps", "2", *flags, "--bf16-models", *bf16_models]
-    if options is None:
-        _refuse_in_fast_tier("runs tests/scripts/moe_check.py")
-        proc = subprocess.run([sys.executable, "tests/scripts/moe_check.py", *args], cwd=ROOT, capture_output=True,
-                              text=True, timeout=900, env=_env())  # fmt: skip
-    else:
-        proc = launch("tests/scripts/moe_check.py", *args, timeout=900, **options)
+    proc = launch("tests/scripts/moe_check.py", *args, timeout=900, **options)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    ranks = 1 if options is None else 2
-    for r in range(ranks):
+    for r in range(2):
         results = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert list(results) == FAMILIES + [name + BF16 for name in bf16_models]
         for name, run in results.items():
@@ -298,15 +292,14 @@ def test_each_moe_family_trains_with_its_engine_in_step(layout, tmp_path, record
             assert all(1 <= h["moe/expert_load/max"] for h in steps), name
 
 
-# Routing replay (`routing_replay: rollout`): a dense Qwen3 for reference (it replays nothing), two MoE families (one
-# with a sigmoid router, correction bias and scaling) and a hybrid with experts, whose CPU engine runs in bf16.
-REPLAYED = ["Qwen/Qwen3-0.6B", "Qwen/Qwen3-30B-A3B", "zai-org/GLM-4.5-Air", "Qwen/Qwen3-Next-80B-A3B-Instruct"]
-
-
-REPLAY_LAUNCHES = {  # layout: (models, extra flags, launcher options)
-    "ddp": (REPLAYED, [], {}),
+# Routing replay (`routing_replay: rollout`): two MoE families (GLM-4.5's sigmoid router with correction bias and
+# scaling), each in fp32 and again in TRL's bf16, and a hybrid with experts, whose CPU engine runs in bf16. Each run
+# costs a minute on 2 ranks, so each family trains under one layout (a dense model refuses the setting).
+QWEN3_MOE, GLM, QWEN3_NEXT = "Qwen/Qwen3-30B-A3B", "zai-org/GLM-4.5-Air", "Qwen/Qwen3-Next-80B-A3B-Instruct"
+REPLAY_LAUNCHES = {  # layout: (models, models trained again in bf16, extra flags, launcher options)
+    "ddp": ([QWEN3_MOE, QWEN3_NEXT], [QWEN3_MOE], [], {}),
     # Sharded: the routers' weights live in ZeRO-3's partitions; the replay answers inside its gathered forward.
-    "zero3": (REPLAYED[1:3], ["--bucket-mib", "0.1"],
+    "zero3": ([GLM], [GLM], ["--bucket-mib", "0.1"],
               {"config": "tests/configs/zero3_cpu.yaml", "env": {"DS_ACCELERATOR": "cpu"}}),
 }  # fmt: skip
 
@@ -319,25 +312,22 @@ def test_routing_replay_trains_moe_models_with_a_dense_models_gap(layout, tmp_pa
     stop a run whose routing went astray: see the shifted replay below), every position the loss reads is replayed,
     the routers' choices that differed from the engine's are counted, and the sampling gap is a dense model's: float32
     rounding in fp32 (near-tie tokens included, which reach 3.7e-4 without replay), and in bf16 a mean per step
-    within 0.05 (Qwen3-MoE reads 0.055 at its first step without replay, the dense Qwen3 0.007)."""
+    within 0.05 (Qwen3-MoE reads 0.055 at its first step without replay, a dense Qwen3 0.007)."""
     from conftest import launch
 
-    models, flags, options = REPLAY_LAUNCHES[layout]
-    args = [str(tmp_path), *models, "--steps", "2", "--replay", *flags, "--bf16-models", *models]
+    models, bf16_models, flags, options = REPLAY_LAUNCHES[layout]
+    args = [str(tmp_path), *models, "--steps", "2", "--replay", *flags, "--bf16-models", *bf16_models]
     proc = launch("tests/scripts/moe_check.py", *args, timeout=1200, **options)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     for r in range(2):
         results = json.loads((tmp_path / f"rank{r}.json").read_text())
-        assert list(results) == models + [name + BF16 for name in models]
+        assert list(results) == models + [name + BF16 for name in bf16_models]
         for name, run in results.items():
             steps = [h for h in run["log_history"] if "loss" in h]
             gaps = [h["sampling/sampling_logp_difference/max"] for h in steps]
             means = [h["sampling/sampling_logp_difference/mean"] for h in steps]
             record_property(f"replayed sampling gaps {name} rank {r}", [gaps, means])
             assert len(steps) == 2 and run["running_guard"] and run["sharded"] is (layout == "zero3"), name
-            if name.removesuffix(BF16) == REPLAYED[0]:  # dense: nothing to replay
-                assert not any("moe/routing_replay/differed" in h for h in steps)
-                continue
             assert all(h["moe/routing_replay/unreplayed"] == 0.0 for h in steps), name
             assert all(0.0 <= h["moe/routing_replay/differed"] < 0.5 for h in steps), name
             if name.endswith(BF16) or "Next" in name:  # bf16 (Qwen3-Next's CPU engine runs in bf16 only)

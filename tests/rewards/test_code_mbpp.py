@@ -1,10 +1,10 @@
-"""Differential: MBPP's 974 reference solutions (Austin et al. 2021, the full `mbpp.jsonl`, vendored in
-`tests/rewards/mbpp/`), through the split harness, at the default limits, on a busy machine, with reward calls in
-parallel. Each solution, and a wrong program per task (the solution with its result changed, or another task's
-solution under this task's name), must score what one interpreter gives it: the program, the row's setup and its
-asserts run together in a plain process, as MBPP's own harness runs them, each assert counted as the reward counts
-it. A change to what crosses between the program and the judge that breaks a real test's meaning shows up as a task
-whose score differs (task 533 hands the program the builtin type ``int``, which issue 49's split harness sent as a
+"""Differential: the reference solutions of MBPP's test split (Austin et al. 2021; 500 of the 974 of the full
+`mbpp.jsonl`, vendored in `tests/rewards/mbpp/`), through the split harness, at the default limits, on a busy machine,
+with reward calls in parallel. Each solution, and a wrong program per task (the solution with its result changed, or
+another task's solution under this task's name), must score what one interpreter gives it: the program, the row's setup
+and its asserts run together in a plain process, as MBPP's own harness runs them, each assert counted as the reward
+counts it. A change to what crosses between the program and the judge that breaks a real test's meaning shows up as a
+task whose score differs (task 533 hands the program the builtin type ``int``, which issue 49's split harness sent as a
 call-only handle, so the solution's ``isinstance(x, data_type)`` raised TypeError: a right program scored 0).
 
 Also here: the regression tests of what this differential found, and the protections a timed-out execution reports.
@@ -140,23 +140,27 @@ def wrong_programs(rows: list[dict]) -> list[str]:
     return wrong
 
 
-# MBPP's own test split (its README: task ids 11-510): the rows the wrong programs are run on. All 974 solutions and a
-# wrong program for each task took 3.3-4 minutes on the project's 2-core machine; this, 2 (docs/rewards.md).
+# MBPP's own test split (its README: task ids 11-510): the rows run here. All 974 solutions and a wrong program for
+# each task took 3.3-4 minutes on the project's 2-core machine (and agreed); all 974 solutions and the test split's
+# wrong programs, 2 to 4; this, about half that (docs/rewards.md).
 TEST_SPLIT = range(11, 511)
 
 
 @pytest.mark.slow
 def test_every_solution_scores_one_and_every_wrong_program_what_one_interpreter_gives_under_load():
-    # Both cores kept busy, two reward calls in parallel (MBPP's 974 solutions, and a wrong program for each task of
-    # its test split), at the default limits: each program scores what one interpreter says of it, which for MBPP's
-    # solutions is 1.
-    rows = mbpp_rows()
+    # Both cores kept busy, two reward calls in parallel (the solutions of MBPP's test split, and a wrong program for
+    # each of its tasks), at the default limits: each program scores what one interpreter says of it, which for
+    # MBPP's solutions is 1.
+    everything = mbpp_rows()
     tested = [
-        (row, wrong) for row, wrong in zip(rows, wrong_programs(rows), strict=True) if row["task_id"] in TEST_SPLIT
+        (row, wrong)
+        for row, wrong in zip(everything, wrong_programs(everything), strict=True)
+        if row["task_id"] in TEST_SPLIT
     ]
+    rows = [row for row, _ in tested]
     cases = {
         "solution": (rows, [row["code"] for row in rows]),
-        "wrong program": ([row for row, _ in tested], [wrong for _, wrong in tested]),
+        "wrong program": (rows, [wrong for _, wrong in tested]),
     }
     with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
         references = {kind: pool.submit(one_interpreter, given, of) for kind, (of, given) in cases.items()}
