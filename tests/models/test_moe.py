@@ -234,12 +234,14 @@ FAMILIES = [
     "allenai/OLMoE-1B-7B-0924-Instruct",  # routing weights not renormalised
     "deepseek-ai/DeepSeek-V2-Lite",  # MLA attention, shared experts, a dense first layer; no router loss
 ]
-LAUNCHES = {  # layout: (models trained again in bf16, extra flags, launcher config and environment)
+LAUNCHES = {  # layout: (the families, models trained again in bf16, extra flags, launcher config and environment)
     # After the four in fp32, Qwen3-MoE again with TRL's bf16 (the engine follows), where routers flip between engine
     # and trainer: the sampling correction on. (One process: tests/zoo/test_zoo.py trains each family with TRL's
     # quickstart settings.)
-    "ddp": (FAMILIES[:1], [], {}),
-    "zero3": ([], ["--bucket-mib", "0.1"],
+    "ddp": (FAMILIES, FAMILIES[:1], [], {}),
+    # Sharded, the sync gathering a bucket at a time: fused expert names, and per-expert names with MLA attention and
+    # a dense first layer (Mixtral's per-expert names and OLMoE's routing take the same sharded path).
+    "zero3": ([FAMILIES[0], FAMILIES[3]], [], ["--bucket-mib", "0.1"],
               {"config": "tests/configs/zero3_cpu.yaml", "env": {"DS_ACCELERATOR": "cpu"}}),
 }  # fmt: skip
 BF16 = " (bf16)"  # moe_check.py's key for a model's bf16 run
@@ -249,20 +251,20 @@ BF16 = " (bf16)"  # moe_check.py's key for a model's bf16 run
 @pytest.mark.parametrize("layout", LAUNCHES)
 def test_each_moe_family_trains_with_its_engine_in_step(layout, tmp_path, record_property):
     """The four families, one after another in the same processes, each through GRPOTrainer with TRL's quickstart
-    settings (a learning rate that moves the experts): on 2 ranks under accelerate's launcher, and on 2 ranks under
-    DeepSpeed ZeRO-3 (the sync gathering a bucket of layers at a time). After every step the ranks hold the same
-    weights, every step's sampling gap is within the parity bound, and after the final sync each engine's log-probs
-    are its trainer's. Under accelerate's launcher Qwen3-MoE also trains in bf16, with the sampling correction
-    weighing each token by the engine's and the trainer's ratio."""
+    settings (a learning rate that moves the experts): on 2 ranks under accelerate's launcher, and two of them on 2
+    ranks under DeepSpeed ZeRO-3 (the sync gathering a bucket of layers at a time). After every step the ranks hold
+    the same weights, every step's sampling gap is within the parity bound, and after the final sync each engine's
+    log-probs are its trainer's. Under accelerate's launcher Qwen3-MoE also trains in bf16, with the sampling
+    correction weighing each token by the engine's and the trainer's ratio."""
     from conftest import launch
 
-    bf16_models, flags, options = LAUNCHES[layout]
-    args = [str(tmp_path), *FAMILIES, "--steps", "2", *flags, "--bf16-models", *bf16_models]
+    families, bf16_models, flags, options = LAUNCHES[layout]
+    args = [str(tmp_path), *families, "--steps", "2", *flags, "--bf16-models", *bf16_models]
     proc = launch("tests/scripts/moe_check.py", *args, timeout=900, **options)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     for r in range(2):
         results = json.loads((tmp_path / f"rank{r}.json").read_text())
-        assert list(results) == FAMILIES + [name + BF16 for name in bf16_models]
+        assert list(results) == families + [name + BF16 for name in bf16_models]
         for name, run in results.items():
             bf16 = name.endswith(BF16)
             assert run["prepacked_experts"] and run["sharded"] is (layout == "zero3"), name

@@ -15,6 +15,7 @@ import math
 
 import pytest
 import torch
+import zoo
 from test_parity import stops_before_training, trainer_for
 
 from colograd.engine.core import Engine
@@ -44,7 +45,7 @@ def test_qwen3_5_trains_on_two_ranks_with_the_gate_on(layout, tmp_path, record_p
     from conftest import launch
 
     options, flags = LAUNCHES[layout]
-    proc = launch("tests/scripts/moe_check.py", str(tmp_path), QWEN3_5, "--steps", "3", *flags, timeout=900, **options)
+    proc = launch("tests/scripts/moe_check.py", str(tmp_path), QWEN3_5, "--steps", "2", *flags, timeout=900, **options)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     for rank in range(2):
         run = json.loads((tmp_path / f"rank{rank}.json").read_text())[QWEN3_5]
@@ -53,7 +54,7 @@ def test_qwen3_5_trains_on_two_ranks_with_the_gate_on(layout, tmp_path, record_p
         means = [h["sampling/sampling_logp_difference/mean"] for h in steps]
         record_property(f"sampling gaps rank {rank}", [gaps, means, run["parity_gap"]])
         print(f"{layout} rank {rank}: worst-token gaps {gaps}, means {means}, after the last sync {run['parity_gap']}")
-        assert len(steps) == 3 and run["weights_agree"] == [True] * 3
+        assert len(steps) == 2 and run["weights_agree"] == [True] * 2
         assert run["sharded"] is (layout == "zero3")
         assert all(math.isfinite(h["loss"]) for h in steps)
         assert max(gaps) <= BF16.max and max(means) <= BF16.mean, (gaps, means)
@@ -68,7 +69,9 @@ OTHER_HYBRIDS = ["ibm-granite/granite-4.0-h-tiny", "tiiuae/Falcon-H1-0.5B-Instru
 FP32 = parity.tolerance(torch.float32, torch.float32)
 # Trained again in TRL's bf16 (the engine in bf16): there the CPU backend prepacks a Mamba-2 layer's convolution, and
 # the view of it the layer computes from must follow each sync (`colograd.engine.weights.refresh_convolution_views`).
-BF16_AGAIN = ["ibm-granite/granite-4.0-h-tiny"]
+# Only where the CPU prepacks it: on an AVX2 machine nothing is prepacked, and the run (bf16 on emulated arithmetic)
+# cost 3 of the launch's 10 minutes for nothing this test checks.
+BF16_AGAIN = ["ibm-granite/granite-4.0-h-tiny"] if zoo.cpu_prepacks_convolutions() else []
 
 
 def test_mamba2_and_short_convolution_hybrids_train_on_two_ranks_with_the_gate_on(tmp_path, record_property):

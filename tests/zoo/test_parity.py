@@ -285,11 +285,10 @@ def test_after_a_sync_the_engine_holds_what_a_fresh_engine_loads(name, repack, t
     model, engine = engine_for(name, tmp_path, repack)
     # A hybrid's convolutions are prepacked whatever the setting: their engine takes its dense weights by reload.
     convolutions = engine.llm.collective_rpc(lambda w: engine_weights._prepacked_convolutions(w.model_runner.model))[0]
-    assert engine.direct_dense is not (repack or bool(convolutions))
-    # vLLM prepacks a bf16 causal convolution (a Gated DeltaNet's) where its kernel runs: on AVX-512 bf16 or Arm bf16.
-    packs = torch.cpu._is_avx512_bf16_supported() or torch.cpu.get_capabilities().get("bf16", False)
-    hybrid_in_bf16 = name in zoo.HYBRIDS and engine.settings["dtype"] == "bfloat16"
-    assert bool(convolutions) is (hybrid_in_bf16 and packs), (convolutions, packs)
+    packed = repack and zoo.cpu_packs_linear_weights(getattr(torch, engine.settings["dtype"]))
+    assert engine.direct_dense is not (packed or bool(convolutions))
+    hybrid_in_bf16 = name in zoo.HYBRIDS and engine.settings["dtype"] == "bfloat16"  # (Gated DeltaNet)
+    assert bool(convolutions) is (hybrid_in_bf16 and zoo.cpu_prepacks_convolutions()), convolutions
     differ, compared = differences(engine, model)
     assert len(differ) >= compared // 2 > 10, (differ, compared)
     plan = sync.WeightPlan(model)
