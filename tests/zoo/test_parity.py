@@ -283,7 +283,8 @@ def test_after_a_sync_the_engine_holds_what_a_fresh_engine_loads(name, repack, t
     again after every parameter and persistent buffer moved, as after an optimizer step. Before any sync (dummy
     weights) nearly all differ, so the comparison sees a stale tensor."""
     model, engine = engine_for(name, tmp_path, repack)
-    # A hybrid's convolutions are prepacked whatever the setting: their engine takes its dense weights by reload.
+    # A hybrid's bf16 convolutions are prepacked whatever the setting, where the CPU has the kernel: their engine then
+    # takes its dense weights by reload. Linear weights are packed where asked and vLLM can make the oneDNN handle.
     convolutions = engine.llm.collective_rpc(lambda w: engine_weights._prepacked_convolutions(w.model_runner.model))[0]
     packed = repack and zoo.cpu_packs_linear_weights(getattr(torch, engine.settings["dtype"]))
     assert engine.direct_dense is not (packed or bool(convolutions))
