@@ -726,18 +726,50 @@ def head_inputs(model: Any, ids: Any) -> Any:
     return seen[0]
 
 
-def answers(model: Any, prompt: Any, eos: int) -> Any:
-    """`ANSWERS` answers of `ANSWER_TOKENS` tokens the model samples after `prompt` ([1, T]) at temperature 1, with
-    its end-of-sequence token `eos` never drawn; returns the prompt and answers, [ANSWERS, T + ANSWER_TOKENS]."""
+def answers(model: Any, prompts: list, eos: int) -> list:
+    """`ANSWERS` answers of `ANSWER_TOKENS` tokens the model samples after each of `prompts` ([1, T] each) at
+    temperature 1, with its end-of-sequence token `eos` never drawn; returns each prompt with its answers,
+    [ANSWERS, T + ANSWER_TOKENS].
+
+    The prompts decode side by side, each through its own cache, and the output layer computes the next token's
+    logits of all of them at once: over a real vocabulary that layer is nearly all of a step's time, its weight read
+    whole for each call. The draws are `torch.multinomial`'s own (the argmax of p / q, q drawn from Exp(1) over p's
+    shape), drawn in the order of sampling one prompt's answers after another's, so the answers are those."""
     import torch
 
-    ids = prompt.repeat(ANSWERS, 1)
-    out = model(ids, use_cache=True, logits_to_keep=1)
-    for _ in range(ANSWER_TOKENS):  # one token a forward, through the model's cache
-        probabilities = out.logits[:, -1].float().softmax(-1).index_fill(-1, torch.tensor([eos]), 0)
-        token = torch.multinomial(probabilities, 1)  # [answers, 1]
-        ids = torch.cat([ids, token], dim=1)
-        out = model(token, past_key_values=out.past_key_values, use_cache=True)
+    from colograd.models import logit_transform
+
+    head, transform = model.get_output_embeddings(), logit_transform.of(model)
+    seen = []
+
+    def decoder(ids, cache=None):
+        """The model's forward up to its output layer, which it is handed a stand-in for: (its inputs, the cache)."""
+        seen.clear()
+        out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        (inputs,) = seen
+        return inputs[:, -1], out.past_key_values
+
+    def stand_in(inputs):
+        seen.append(inputs)
+        return inputs[..., :1]
+
+    head.forward, own = stand_in, head.forward
+    try:
+        ids = [prompt.repeat(ANSWERS, 1) for prompt in prompts]
+        steps = [decoder(i) for i in ids]
+        draws = None
+        for t in range(ANSWER_TOKENS):
+            logits = transform(own(torch.cat([inputs for inputs, _ in steps])))  # [prompts x answers, vocabulary]
+            if draws is None:  # q of each draw, in the order one prompt after another would draw them
+                shape = (ANSWERS, logits.shape[-1])
+                draws = [[torch.empty(shape).exponential_(1) for _ in range(ANSWER_TOKENS)] for _ in prompts]
+            for k, rows in enumerate(logits.float().split(ANSWERS)):
+                probabilities = rows.softmax(-1).index_fill(-1, torch.tensor([eos]), 0)
+                token = (probabilities / draws[k][t]).argmax(-1, keepdim=True)  # [answers, 1]
+                ids[k] = torch.cat([ids[k], token], dim=1)
+                steps[k] = decoder(token, steps[k][1]) if t + 1 < ANSWER_TOKENS else steps[k]
+    finally:
+        del head.forward
     return ids
 
 
@@ -804,7 +836,10 @@ def _stopping_model(name: str, seed: int, eos_probability: float, sharp: bool, m
         for shared in (2.0**k for k in range(12)):
             embed[:, 0] = shared
             # The output layer's inputs at the positions that sample each prompt's answers: [answers, tokens, hidden]
-            x = torch.cat([head_inputs(model, answers(model, p, eos))[:, p.size(1) - 1 : -1] for p in prompts])
+            sampled = answers(model, prompts, eos)
+            x = torch.cat(
+                [head_inputs(model, a)[:, p.size(1) - 1 : -1] for p, a in zip(prompts, sampled, strict=True)]
+            )
             inputs = x.float()
             direction = inputs.mean((0, 1))
             direction /= direction.norm()
