@@ -27,12 +27,20 @@ pytestmark = pytest.mark.slow
 
 
 def trainer_for(
-    name: str, tmp_path, max_steps: int = 1, dtype: torch.dtype = torch.float32, **settings
+    name: str, tmp_path, max_steps: int = 1, dtype: torch.dtype = torch.float32, calibrated: bool = True, **settings
 ) -> GRPOTrainer:
-    """TRL's quickstart settings with short completions, on `name`'s stopping model (in `dtype`)."""
+    """TRL's quickstart settings with short completions, on `name`'s stopping model (in `dtype`); on its shrunk model
+    as initialised (no sharpening, no calibration of its answers' length) where not `calibrated`, for a start-up that
+    is refused before any rollout."""
     settings = {"save_strategy": "no", "vllm_enforce_eager": True, "max_completion_length": 64, **settings}
     args = GRPOConfig(output_dir=str(tmp_path), max_steps=max_steps, report_to="none", **settings)
-    model, tokenizer = zoo.stopping_model(name)
+    if calibrated:
+        model, tokenizer = zoo.stopping_model(name)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        config = zoo.shrunk(name)
+        model, tokenizer = AutoModelForCausalLM.from_config(config), zoo.tokenizer_for(config)
     model.to(dtype)
     return GRPOTrainer(model=model, reward_funcs=answer_length, args=args,
                        train_dataset=Dataset.from_list(chat_rows() * 4), processing_class=tokenizer)  # fmt: skip
