@@ -260,6 +260,7 @@ def test_each_moe_family_trains_with_its_engine_in_step(layout, tmp_path, record
 
     families, bf16_models, flags, options = LAUNCHES[layout]
     args = [str(tmp_path), *families, "--steps", "2", *flags, "--bf16-models", *bf16_models]
+    zoo.cached(*families)
     proc = launch("tests/scripts/moe_check.py", *args, timeout=900, **options)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     for r in range(2):
@@ -319,6 +320,7 @@ def test_routing_replay_trains_moe_models_with_a_dense_models_gap(layout, tmp_pa
 
     models, bf16_models, flags, options = REPLAY_LAUNCHES[layout]
     args = [str(tmp_path), *models, "--steps", "2", "--replay", *flags, "--bf16-models", *bf16_models]
+    zoo.cached(*models)
     proc = launch("tests/scripts/moe_check.py", *args, timeout=1200, **options)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     for r in range(2):

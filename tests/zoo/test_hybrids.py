@@ -45,6 +45,7 @@ def test_qwen3_5_trains_on_two_ranks_with_the_gate_on(layout, tmp_path, record_p
     from conftest import launch
 
     options, flags = LAUNCHES[layout]
+    zoo.cached(QWEN3_5)
     proc = launch("tests/scripts/moe_check.py", str(tmp_path), QWEN3_5, "--steps", "2", *flags, timeout=900, **options)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     for rank in range(2):
@@ -86,6 +87,7 @@ def test_mamba2_and_short_convolution_hybrids_train_on_two_ranks_with_the_gate_o
     the bias was never sent."""
     from conftest import launch
 
+    zoo.cached(*OTHER_HYBRIDS)
     proc = launch("tests/scripts/moe_check.py", str(tmp_path), *OTHER_HYBRIDS, "--steps", "2", "--bf16-models",
                   *BF16_AGAIN, timeout=1500)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -126,6 +128,7 @@ def test_mamba2_hybrids_train_on_two_ranks_under_zero3_with_the_gate_on(tmp_path
     models' scaling of their logits (`colograd.models.logit_transform`)."""
     from conftest import launch
 
+    zoo.cached(*ZERO3_MAMBA2)
     proc = launch("tests/scripts/moe_check.py", str(tmp_path), *ZERO3_MAMBA2, "--steps", "2", "--bucket-mib", "1",
                   config="tests/configs/zero3_cpu.yaml", env={"DS_ACCELERATOR": "cpu"}, timeout=1500)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
