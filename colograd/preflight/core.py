@@ -382,6 +382,7 @@ def _row_problems(
 ) -> dict[int, str]:
     """Row index → problem, for every row whose prompt is invalid, does not template and tokenize to tokens, or
     has more than `room` tokens. `lengths`, when given, receives each tokenized row's token count."""
+    prompts = list(prompts)  # a dataset's column reads a row per index (1.3 s for 4,096 rows read four times each)
     problems = {i: p for i, prompt in enumerate(prompts) if (p := prompt_problem(prompt, tokenizer)) is not None}
     valid = [i for i in range(len(prompts)) if i not in problems]
     kind = {True: "chat messages", False: "text"}
