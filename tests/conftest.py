@@ -115,10 +115,14 @@ def _free_port() -> int:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """A folder of this session's own where tests/zoo.py keeps the models it builds, for this process and the ones
-    it launches (they inherit the variable); removed at the session's end, so no later session reads a stale one."""
+    """A folder where tests/zoo.py keeps the models it builds, for this process and the ones it launches (they
+    inherit the variable). `make test` names one for both of its sessions (the zoo's models are built by the first
+    too), makes it new and removes it; otherwise the session makes its own and removes it at its end, so no later
+    session reads a stale one."""
     import tempfile
 
+    if os.environ.get("COLOGRAD_TEST_MODEL_CACHE"):  # the caller's: it made it, it removes it
+        return
     config._colograd_model_cache = tempfile.mkdtemp(prefix="colograd-test-models-")
     os.environ["COLOGRAD_TEST_MODEL_CACHE"] = config._colograd_model_cache
 
