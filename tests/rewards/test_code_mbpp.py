@@ -53,7 +53,8 @@ def test_the_vendored_data_is_mbpps_full_set():
 # Runs programs against their rows as MBPP's harness does (program, setup and asserts in one interpreter, one
 # namespace), each assert on its own: one job per line on stdin, each in a process of its own (forked from this plain
 # interpreter, which imports nothing else: a fresh interpreter costs ~20-80 ms on a busy machine, a fork ~2 ms), killed
-# at the timeout; prints, per job, how many asserts passed (those not decided by the timeout failed).
+# at the timeout; prints, per job, how many asserts passed (those not decided by the timeout failed) and the CPU
+# seconds its process used.
 ONE_INTERPRETER = """
 import json, os, select, signal, sys, time
 for line in sys.stdin:
@@ -90,13 +91,14 @@ for line in sys.stdin:
             break
         verdicts += chunk
     os.close(read)
-    os.waitpid(pid, 0)
-    print(verdicts.count(b"1"), flush=True)
+    _, _, usage = os.wait4(pid, 0)
+    print(verdicts.count(b"1"), usage.ru_utime + usage.ru_stime, flush=True)
 """
 
 
-def one_interpreter(programs: list[str], rows: list[dict], timeout_s: float = 20.0) -> list[float]:
-    """The share of each row's asserts that its program passes in one plain interpreter, without the sandbox
+def one_interpreter(programs: list[str], rows: list[dict], timeout_s: float = 20.0) -> list[tuple[float, float]]:
+    """The share of each row's asserts that its program passes in one plain interpreter, and the CPU seconds it took
+    (program, setup and asserts), without the sandbox
     (asserts not decided within `timeout_s` fail, as the reward fails those a killed execution did not decide)."""
     jobs = "".join(
         json.dumps({"program": p, "setup": row["test_setup_code"], "tests": row["test_list"], "timeout": timeout_s})
@@ -105,9 +107,9 @@ def one_interpreter(programs: list[str], rows: list[dict], timeout_s: float = 20
     )
     done = subprocess.run([sys.executable, "-I", "-c", ONE_INTERPRETER], input=jobs, capture_output=True, text=True,
                           timeout=len(rows) * (timeout_s + 5), check=True)  # fmt: skip
-    passed = [int(line) for line in done.stdout.split()]
+    passed = [line.split() for line in done.stdout.splitlines()]
     assert len(passed) == len(rows)
-    return [n / len(row["test_list"]) for n, row in zip(passed, rows, strict=True)]
+    return [(int(n) / len(row["test_list"]), float(cpu)) for (n, cpu), row in zip(passed, rows, strict=True)]
 
 
 def called_name(row: dict) -> str:
@@ -164,7 +166,14 @@ def test_every_solution_scores_one_and_every_wrong_program_what_one_interpreter_
     }
     with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
         references = {kind: pool.submit(one_interpreter, given, of) for kind, (of, given) in cases.items()}
-        expected = {kind: future.result() for kind, future in references.items()}
+        measured = {kind: future.result() for kind, future in references.items()}
+    expected = {kind: [score for score, _ in results] for kind, results in measured.items()}
+    # A program whose CPU time is within 2x of the sandbox's limit may pass the limit on a loaded machine (task 123's
+    # solution takes 4.5 s of the 5: under load, 1/3 once): for it, and only for it, a CPU-time kill is the one
+    # other verdict taken. A handful at most, so that every other row keeps its exact comparison.
+    near = {kind: [cpu > SandboxLimits().cpu_s / 2 for _, cpu in results] for kind, results in measured.items()}
+    print({kind: [row["task_id"] for row, slow in zip(rows, near[kind], strict=True) if slow] for kind in cases})
+    assert sum(map(sum, near.values())) < len(rows) / 50, near
     # Solutions that fail their own asserts in one interpreter are compared with that (none do on Python 3.11).
     broken = {row["task_id"]: e for row, e in zip(rows, expected["solution"], strict=True) if e != 1}
     assert len(broken) < len(rows) / 100, broken
@@ -189,8 +198,9 @@ def test_every_solution_scores_one_and_every_wrong_program_what_one_interpreter_
             process.kill()
             process.wait()
     for kind, (of, _) in cases.items():
-        outcomes = zip(of, rewards[kind], expected[kind], logged[kind]["code_failure"], strict=True)
-        differ = {row["task_id"]: (r, e, why) for row, r, e, why in outcomes if r != e}
+        outcomes = zip(of, rewards[kind], expected[kind], logged[kind]["code_failure"], near[kind], strict=True)
+        differ = {row["task_id"]: (r, e, why) for row, r, e, why, slow in outcomes
+                  if r != e and not (slow and why == "cpu time")}  # fmt: skip
         assert differ == {}, kind
 
 
