@@ -123,6 +123,7 @@ class GenerationOptions:
         if self.steps_per_generation is None:
             self.steps_per_generation = self.gradient_accumulation_steps
         self.generation_batch_size = global_batch * self.steps_per_generation
+        self.rollout_size_given = given  # not a field: which one a fix should name
         self.check_rollout_groups(given)
 
     def check_rollout_groups(self, given: str) -> None:
@@ -162,7 +163,7 @@ class GenerationOptions:
         the nearest batch that gives each rank whole groups."""
         if not self.groups_span_ranks:
             return
-        batch, steps, g = self.per_device_train_batch_size, self.steps_per_generation, self.num_generations
+        g = self.num_generations
         needs = [
             ("dynamic_sampling", self.dynamic_sampling, "it keeps or drops a rank's groups whole"),
             ("partial_rollouts", self.partial_rollouts, "it carries a rank's unfinished groups whole"),
@@ -170,14 +171,35 @@ class GenerationOptions:
         ]
         for name, used, why in needs:
             if used:
-                fixed_steps = _round_up(steps, g // math.gcd(batch, g))
-                fixed_batch = _round_up(batch, g // math.gcd(steps, g))
                 raise ConfigError(
-                    f"{name} needs each rank's rollout to hold whole groups ({why}), and per_device_train_batch_size="
-                    f"{batch} × steps_per_generation={steps} = {batch * steps} completions is not a multiple of "
-                    f"num_generations={g}; set steps_per_generation to {fixed_steps} or per_device_train_batch_size "
-                    f"to {fixed_batch}, or turn {name} off."
+                    f"{name} needs each rank's rollout to hold whole groups ({why}), and {self.rank_rollout_size()} "
+                    f"completions is not a multiple of num_generations={g}; {self.whole_rank_groups_fix()}, or turn "
+                    f"{name} off."
                 )
+
+    def rank_rollout_size(self) -> str:
+        """A rank's rollout, in the fields that set it (for messages)."""
+        batch, steps = self.per_device_train_batch_size, self.steps_per_generation
+        if getattr(self, "rollout_size_given", None) == "generation_batch_size":
+            given = f"generation_batch_size={self.generation_batch_size}"
+            return f"{given} / {self.world_size} processes = {batch * steps}"
+        return f"per_device_train_batch_size={batch} × steps_per_generation={steps} = {batch * steps}"
+
+    def whole_rank_groups_fix(self) -> str:
+        """The nearest larger setting that gives each rank's rollout whole groups, in the field the user set: a
+        generation_batch_size given is the only one that can change (steps_per_generation beside it is refused)."""
+        batch, steps, g, world = (
+            self.per_device_train_batch_size,
+            self.steps_per_generation,
+            self.num_generations,
+            self.world_size,
+        )
+        if getattr(self, "rollout_size_given", None) == "generation_batch_size":
+            per_rank = _round_up(batch * steps, batch * g // math.gcd(batch, g))  # whole micro-steps, whole groups
+            return f"set generation_batch_size to {per_rank * world}"
+        fixed_steps = _round_up(steps, g // math.gcd(batch, g))
+        fixed_batch = _round_up(batch, g // math.gcd(steps, g))
+        return f"set steps_per_generation to {fixed_steps} or per_device_train_batch_size to {fixed_batch}"
 
     @property
     def groups_span_ranks(self) -> bool:

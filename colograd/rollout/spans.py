@@ -8,7 +8,6 @@ own contiguous slice of it (`rank_share`). Group statistics then need every rank
     ranks       r0 r0 r0 r1 r1 r1 r2 r2 r2 r3 r3 r3   r1 samples 1 of p0 and 2 of p1: rows [p0, p1], counts [1, 2]
 """
 
-import math
 import os
 import sys
 from typing import Any
@@ -23,20 +22,18 @@ def check_spanning(args: Any, agents: bool, images: bool) -> None:
     if not args.groups_span_ranks:
         return
     batch, steps, g = args.per_device_train_batch_size, args.steps_per_generation, args.num_generations
-    size = f"per_device_train_batch_size={batch} × steps_per_generation={steps} = {batch * steps}"
-    whole = -(-batch // (g // math.gcd(steps, g))) * (g // math.gcd(steps, g))  # the nearest batch of whole groups
     for what, used in (("tools, environments and rollout_func sample", agents), ("image prompts are sampled", images)):
         if used:
             raise ConfigError(
-                f"{what} whole groups on one rank, and {size} completions per rank is not a multiple of "
-                f"num_generations={g}; set per_device_train_batch_size to {whole} (or steps_per_generation so that "
-                "each rank's rollout holds whole groups)."
+                f"{what} whole groups on one rank, and {args.rank_rollout_size()} completions per rank is not a "
+                f"multiple of num_generations={g}; {args.whole_rank_groups_fix()}."
             )
     if int(os.environ.get("RANK", "0")) == 0:
         print(
-            f"colograd: note: {size} completions per rank is not a multiple of num_generations={g}, so groups span "
-            f"ranks, as in TRL: every rank reads the rollout's {args.rollout_prompts} prompts, samples its "
-            f"{batch * steps} of their completions, and advantages are computed over every rank's rewards.",
+            f"colograd: note: {args.rank_rollout_size()} completions per rank is not a multiple of "
+            f"num_generations={g}, so groups span ranks, as in TRL: every rank reads the rollout's "
+            f"{args.rollout_prompts} prompts, samples its {batch * steps} of their completions, and advantages are "
+            "computed over every rank's rewards.",
             file=sys.stderr,
             flush=True,
         )

@@ -51,6 +51,19 @@ def test_the_ranks_shares_lay_every_group_out_once_in_order(prompts, g, world):
     assert laid == [p for p in range(prompts) for _ in range(g)]  # TRL's RepeatSampler order, cut in world slices
 
 
+@pytest.mark.parametrize("prompts, g, world", [(32, 14, 7), (3, 4, 2), (5, 3, 3), (7, 5, 5)])
+def test_the_truncated_prompts_share_over_ranks_is_the_rollouts(prompts, g, world):
+    """Where groups span ranks, each rank counts its prompts cut per completion of its share (`Trainer.sample`), and
+    the ranks' mean of `prompts/truncated_ratio` (how `log` reduces it) is the share of the rollout's prompts cut."""
+    per_rank = prompts * g // world
+    cut = [p % 3 == 1 for p in range(prompts)]
+    ratios = []
+    for rank in range(world):
+        first, counts = rank_share(prompts, g, per_rank, rank)
+        ratios.append(sum(per_completion(cut[first : first + len(counts)], counts)) / per_rank)
+    assert sum(ratios) / world == pytest.approx(sum(cut) / prompts)
+
+
 def test_a_generate_override_that_samples_whole_groups_is_refused():
     check_share(3, [1, 2])
     with pytest.raises(RuntimeError, match=r"returned 8 completions .* this rank's share is 3; sample context.counts"):
@@ -181,11 +194,31 @@ def test_what_needs_whole_groups_on_a_rank_is_refused_in_one_line(monkeypatch, s
     assert accepted(**{**sizes, "per_device_train_batch_size": 4}, **setting) or "vllm_tensor" in fix
 
 
+@pytest.mark.parametrize("setting", [{"dynamic_sampling": True}, {"partial_rollouts": True}])
+def test_a_refusal_names_the_generation_batch_size_that_was_given(monkeypatch, setting):
+    """Where the rollout's size was given as generation_batch_size, the fix names it: steps_per_generation beside it
+    is refused, so advising it would send the user to a second refusal. The fix it names is accepted."""
+    processes(monkeypatch, 2)
+    sizes = {"per_device_train_batch_size": 3, "num_generations": 4, "generation_batch_size": 12}
+    assert accepted(**sizes) and build(**sizes).groups_span_ranks
+    with pytest.raises(ConfigError) as err:
+        build(**sizes, **setting)
+    message = str(err.value)
+    assert "\n" not in message and "steps_per_generation" not in message
+    assert "generation_batch_size=12 / 2 processes = 6 completions is not a multiple of num_generations=4" in message
+    assert message.endswith(f"set generation_batch_size to 24, or turn {next(iter(setting))} off.")
+    fixed = build(**{**sizes, "generation_batch_size": 24}, **setting)  # 12 a rank: whole micro-steps and groups
+    assert not fixed.groups_span_ranks
+    args = build(**sizes)
+    with pytest.raises(ConfigError, match=r"^image prompts .* set generation_batch_size to 24\.$"):
+        check_spanning(args, agents=False, images=True)
+
+
 def test_agents_and_images_are_refused_and_the_rest_is_noted_once(monkeypatch, capsys):
     processes(monkeypatch, 2)
     args = build(per_device_train_batch_size=3, num_generations=4, gradient_accumulation_steps=2)
     with pytest.raises(ConfigError, match=r"^tools, environments and rollout_func sample whole groups on one rank.*"
-                       r"set per_device_train_batch_size to 4"):  # fmt: skip
+                       r"set steps_per_generation to 4 or per_device_train_batch_size to 4\.$"):  # fmt: skip
         check_spanning(args, agents=True, images=False)
     with pytest.raises(ConfigError, match="^image prompts are sampled whole groups on one rank"):
         check_spanning(args, agents=False, images=True)
