@@ -106,7 +106,7 @@ class Forward:
                 "not shared by its completions.",
                 ", ".join(state_layer_kinds(policy.config.get_text_config())),
             )
-        if packed and apart is None and takes_positions and not deepspeed and not keeps_packed_sequences_apart(policy):
+        if packed and apart is None and takes_positions and not keeps_packed_sequences_apart(policy):
             packed = False
             if announce:
                 logger.warning(

@@ -8,6 +8,8 @@ trainer's one call.
 """
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -28,15 +30,16 @@ def keeps_packed_sequences_apart(model: nn.Module, layout: str | None = None) ->
     call also gets the rows' `Sequences` under that keyword, as a hybrid's packed passes do."""
     weight = next(model.parameters(), None)
     config = _config(model)
-    if weight is None or config is None or weight.device.type == "meta" or weight.numel() == 0:
-        return True  # nothing to probe with here (sharded): the parity gate still compares every pass
+    partitioned = weight is not None and hasattr(weight, "ds_id")  # ZeRO-3: gathered a block at a time below
+    if weight is None or config is None or weight.device.type == "meta" or (weight.numel() == 0 and not partitioned):
+        return True  # nothing to probe with here: the parity gate still compares every pass
     vocab = config.get_text_config().vocab_size
     ids = torch.randint(3, min(vocab, 1000), (1, 16), generator=torch.Generator().manual_seed(0)).to(weight.device)
     positions = torch.arange(8, device=weight.device).repeat(2)[None]
     training = model.training
     model.eval()  # no dropout between the two
     try:
-        with torch.no_grad():
+        with torch.no_grad(), gathered_in_forward(model):
             extra = {}
             if layout is not None:
                 from colograd.forward.stateful import Sequences
@@ -49,6 +52,51 @@ def keeps_packed_sequences_apart(model: nn.Module, layout: str | None = None) ->
     finally:
         model.train(training)
     return (packed - alone).abs().max().item() <= 0.05 * (1.0 + alone.abs().max().item())
+
+
+@contextmanager
+def gathered_in_forward(model: nn.Module) -> Iterator[None]:
+    """For a forward of `model` in the block, where ZeRO-3 has partitioned its weights and DeepSpeed's engine (whose
+    hooks gather them) does not run it yet, as at start-up: each layer of a layer list (`nn.ModuleList`, outermost)
+    gathered whole around its own call, and the weights outside every such layer (embeddings, norms, the output
+    layer) for the block, so that no rank holds more than those and one layer at a time. A collective: every rank
+    must make the same calls. Elsewhere (weights whole, or DeepSpeed's hooks in place) a no-op."""
+    params = list(model.parameters())
+    if not any(hasattr(p, "ds_id") and p.numel() == 0 for p in params):
+        yield
+        return
+    import deepspeed
+
+    layers = [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
+    outermost = []
+    inside: set[int] = set()
+    for layer in layers:
+        if id(layer) not in inside:
+            outermost.append(layer)
+            inside.update(id(m) for m in layer.modules())
+    held = {id(p) for layer in outermost for p in layer.parameters()}
+    rest = [p for p in params if id(p) not in held]
+    opened: list[Any] = []
+
+    def gather(layer: nn.Module, _args: Any) -> None:
+        context = deepspeed.zero.GatheredParameters(list(layer.parameters()), modifier_rank=None)
+        context.__enter__()
+        opened.append(context)
+
+    def release(_layer: nn.Module, _args: Any, _output: Any) -> None:
+        opened.pop().__exit__(None, None, None)
+
+    handles = [hook(layer) for layer in outermost for hook in (
+        lambda m: m.register_forward_pre_hook(gather), lambda m: m.register_forward_hook(release)
+    )]  # fmt: skip
+    try:
+        with deepspeed.zero.GatheredParameters(rest, modifier_rank=None):
+            yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        while opened:  # a forward that raised inside a layer
+            opened.pop().__exit__(None, None, None)
 
 
 def prompt_sharing_cost(model: nn.Module) -> float | None:

@@ -38,14 +38,18 @@ ZERO3 = {"config": "tests/configs/zero3_cpu.yaml", "env": {"DS_ACCELERATOR": "cp
 
 def test_qwen3_5_trains_on_two_ranks_under_zero3_with_the_gate_on(tmp_path, record_property):
     """TRL's quickstart settings (a learning rate that moves the weights), 2 ranks under accelerate's launcher with
-    DeepSpeed ZeRO-3: every step passes the gate's bf16 bound, the ranks hold the same weights after every step, and
-    after the last sync the engine's log-probs of a whole answer are its trainer's within the bound."""
+    DeepSpeed ZeRO-3, the passes packed: every step passes the gate's bf16 bound, the ranks hold the same weights
+    after every step, and after the last sync the engine's log-probs of a whole answer are its trainer's within the
+    bound."""
     from conftest import launch
 
     zoo.cached(QWEN3_5)
     proc = launch("tests/scripts/moe_check.py", str(tmp_path), QWEN3_5, "--steps", "2", "--bucket-mib", "1",
                   timeout=900, **ZERO3)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    # The start-up probe gathers the partitioned weights a layer at a time, so the passes run packed under ZeRO-3 too.
+    said = proc.stdout + proc.stderr
+    assert "the trainer's passes run packed" in said and "passes run padded" not in said, said[-5000:]
     for rank in range(2):
         run = json.loads((tmp_path / f"rank{rank}.json").read_text())[QWEN3_5]
         steps = [h for h in run["log_history"] if "loss" in h]
