@@ -127,13 +127,22 @@ def test_a_hybrids_packed_gradient_is_the_padded_one_under_gradient_checkpointin
     assert max(((leaked[n] - g).abs().max() / g.abs().max()).item() for n, g in padded.items()) > 1e-2
 
 
-@pytest.mark.slow  # a process of its own (gloo and DeepSpeed's partitioning): 12 s
-def test_the_packing_probe_runs_on_weights_zero3_partitioned():
+@pytest.mark.slow  # a process of its own each (gloo and DeepSpeed's partitioning): 10-12 s
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        (HYBRID, {"apart": True, "layers": 3}),
+        # An attention model whose mask ignores the position ids: its packed passes must be found to leak there too.
+        ("openai/gpt-oss-20b", {"apart": False, "layers": 0}),
+    ],
+)
+def test_the_packing_probe_runs_on_weights_zero3_partitioned(name, expected):
     """Under ZeRO-3 the model's weights are partitioned before DeepSpeed's engine (whose hooks gather them) runs it:
     the start-up probe gathers a layer at a time (`gathered_in_forward`), so a hybrid's passes run packed there too,
-    and the probe computes with the real weights (the plain packed forward is seen to leak state). Without the
-    gathering the probe's forward fails and the passes fall back to padded (checked by hand: apart false, no leak
-    seen). After the probe every weight is partitioned again."""
+    and the probe computes with the real weights: the plain packed forward is seen to leak, the hybrid's state and
+    gpt-oss's attention alike (gpt-oss trained packed under ZeRO-3 before, its sequences attending to each other).
+    Without the gathering the probe's forward fails and sees nothing (checked by hand: apart false, no leak seen).
+    After the probe every weight is partitioned again."""
     import json
     import subprocess
     import sys
@@ -141,14 +150,11 @@ def test_the_packing_probe_runs_on_weights_zero3_partitioned():
     from conftest import ROOT
 
     out = subprocess.run(
-        [sys.executable, "tests/scripts/zero3_probe.py", HYBRID],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [sys.executable, "tests/scripts/zero3_probe.py", name], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     record = json.loads(out.stdout.strip().splitlines()[-1])
-    assert record == {
-        "partitioned": True, "apart": True, "layers": 3, "plain_packing_leaks": True, "partitioned_after": True
-    }  # fmt: skip
+    assert record == {"partitioned": True, **expected, "plain_packing_leaks": True, "partitioned_after": True}
 
 
 def test_a_hybrid_whose_layers_with_state_are_not_all_found_trains_padded(hybrid, tmp_path):
