@@ -49,6 +49,7 @@ from colograd.rewards.code_tests import (
     run_asserts,
 )
 from colograd.rewards.sandbox import Execution, Sandbox, SandboxLimits
+from colograd.rewards.sandbox_session import OVERLOADED_TRIES, case_retried, said_overloaded
 
 logger = logging.getLogger(__name__)
 
@@ -257,7 +258,14 @@ class CodeReward:
         if isinstance(tests, AssertTests):
             if not code.strip():  # nothing to test: the tests would only fail on the names they call
                 return CodeResult(0, len(tests.tests), "no code block")
-            failures = run_asserts(self.sandbox, tests, code).failures
+            run = run_asserts(self.sandbox, tests, code)
+            for _ in range(OVERLOADED_TRIES - 1):
+                if run.execution.reason != "overloaded":
+                    break
+                run = run_asserts(self.sandbox, tests, code)
+            failures = run.failures
+            if run.execution.reason == "overloaded":
+                return _overloaded(len(failures))
             return CodeResult(failures.count(None), len(failures), next(filter(None, failures), None))
         cases = tests.cases
         if not code.strip():
@@ -296,7 +304,9 @@ class CodeReward:
                 if not session.alive:  # the last case was killed from outside, and the sandbox with it
                     session.close()
                     session = self.sandbox.session(code)
-                execution = session.case(stdin)
+                session, execution = case_retried(session, lambda: self.sandbox.session(code), stdin)
+                if execution.reason == "overloaded":
+                    return _overloaded(len(cases))
                 if check is None or not execution.ok:
                     failure = self.failure(execution, expected)
                 else:
@@ -319,6 +329,14 @@ class CodeReward:
         if not execution.ok:
             return execution.reason
         return None if self.matches(execution.stdout, expected) else "wrong answer"
+
+
+def _overloaded(total: int) -> CodeResult:
+    """A completion whose execution was stopped as overloaded at every try: the machine's fault, not the program's,
+    so it gets no reward (None, as a broken checker's problem does) rather than a 0: a completion no function
+    scores is left out of its group's statistics (`colograd.grpo.loss.weighted_rewards`)."""
+    said_overloaded()
+    return CodeResult(0, total, "overloaded", scored=False)
 
 
 def _rows(completions: list, verification_info: list | None, columns: dict[str, Any]) -> list[dict[str, Any]]:

@@ -53,7 +53,7 @@ from colograd.rewards.code_checker import (
     row_checker,
 )
 from colograd.rewards.sandbox import Execution, Sandbox, SandboxLimits
-from colograd.rewards.sandbox_session import Session
+from colograd.rewards.sandbox_session import Session, case_retried, said_overloaded
 
 logger = logging.getLogger(__name__)
 
@@ -95,9 +95,12 @@ def submission_score(code: str, total: int, compiled: bool, passed: int, scoring
 
 def tally(verdicts: Iterable[str | None], scoring_mode: str) -> tuple[int, str | None]:
     """(tests passed, the first failure's reason) over `verdicts` (each test's failure, None when it passed), taken
-    one at a time: under pass_fail the first failure ends the tests, as open-r1's batches do."""
+    one at a time: under pass_fail the first failure ends the tests, as open-r1's batches do; a test the machine
+    stopped as overloaded at every try ends them, its reason "overloaded" (no score can be given)."""
     passed, reason = 0, None
     for failure in verdicts:
+        if failure == "overloaded":  # the machine's verdict at every try (`case_retried`): no score can be given
+            return passed, failure
         passed += failure is None
         reason = reason or failure
         if failure is not None and scoring_mode == "pass_fail":
@@ -295,6 +298,9 @@ class CfCodeReward:
                 return NO_COMPILE_REWARD, f"compile error ({error})"
             files["a.out"] = binary
         passed, reason = self._run_tests(code, files, problem)
+        if reason == "overloaded":  # the machine's fault, not the program's: no reward, not a 0
+            said_overloaded()
+            return None, reason
         return submission_score(code, len(problem.tests), True, passed, self.scoring_mode), reason
 
     def _run_tests(self, code: str, files: dict[str, bytes], problem: Problem) -> tuple[int, str | None]:
@@ -318,9 +324,9 @@ class CfCodeReward:
                     session = start()
                 stdin = unix_lines(stdin)
                 if problem.input_mode == "file":
-                    execution = session.case("", {"input.txt": stdin})
+                    session, execution = case_retried(session, start, "", {"input.txt": stdin})
                 else:
-                    execution = session.case(stdin)
+                    session, execution = case_retried(session, start, stdin)
                 if check is not None and not check.alive:
                     check.close()
                     check = self.checkers.session(problem.checker)

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 
 from colograd.rewards.sandbox import (
     _ENV,
@@ -257,3 +258,29 @@ class Session:
         if self._workdir is not None:
             self._workdir.cleanup()
         self.sandbox._remove_cgroups(self._cgroups)
+
+
+# An execution stopped as "overloaded" (it got under 1/BACKSTOP of its wall time on the machine's CPUs: the machine's
+# doing, not the program's) runs again, up to this many tries in all; still overloaded, a reward gives no score.
+OVERLOADED_TRIES = 3
+
+
+def case_retried(
+    session: Session, restart: Callable[[], Session], stdin: str | bytes = "", files: dict | None = None
+) -> tuple[Session, Execution]:
+    """`session.case(stdin, files)`, run again in a fresh session (`restart`) while the machine stops it as
+    overloaded, up to OVERLOADED_TRIES tries in all. Returns the session to go on with and the last execution."""
+    execution = session.case(stdin, files)
+    for _ in range(OVERLOADED_TRIES - 1):
+        if execution.reason != "overloaded":
+            break
+        session.close()  # its processes were stopped with the case
+        session = restart()
+        execution = session.case(stdin, files)
+    return session, execution
+
+
+def said_overloaded() -> None:
+    """Where a completion's execution was stopped as overloaded at every try, and its reward gives no score."""
+    logger.warning("code rewards: an execution was stopped as overloaded %d times in a row; its completion gets no "
+                   "code reward (None): the machine runs too much beside the training", OVERLOADED_TRIES)  # fmt: skip

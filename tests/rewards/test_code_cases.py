@@ -169,3 +169,63 @@ def test_the_contest_benchmark_reads_its_rows_and_reports_its_ratios():
 def test_an_unknown_cases_setting_is_refused():
     with pytest.raises(ConfigError, match="code_cases: 'some'"):
         CodeReward(cases="some")
+
+
+# --- an execution the machine starved ("overloaded") -------------------------------------------------------------
+
+SLOW_SUM = "import time\ntime.sleep(0.5)\n" + SUM  # still running at the clock's first check
+SLOW_ADD = "import time\ntime.sleep(0.5)\ndef add(a, b):\n    return a + b\n"
+
+
+def starved(monkeypatch, executions: int) -> list:
+    """The first `executions` executions' clocks say "overloaded" at their first check (each ends there), as a
+    machine that gives them under 1/BACKSTOP of its CPUs makes them; the rest run as they would. Returns the
+    verdicts given, one per execution so stopped."""
+    from colograd.rewards.sandbox_clock import Clock
+
+    given = []
+    real = Clock.check
+
+    def check(self):
+        if len(given) < executions:
+            given.append("overloaded")
+            return "overloaded", 0.0
+        return real(self)
+
+    monkeypatch.setattr(Clock, "check", check)
+    return given
+
+
+@pytest.mark.parametrize("layout", ["stdio", "asserts"])
+def test_an_execution_stopped_as_overloaded_runs_again(monkeypatch, layout):
+    """An execution stopped as "overloaded" is the machine's verdict, not the program's: the case (or the
+    assert-style execution) runs again, and a correct program starved twice still scores 1.0 (it scored 0 before)."""
+    code = CodeReward(limits=LIMITS, workers=1)
+    program, row = (
+        (SLOW_SUM, {"public_tests": [{"input": ["1 2\n"], "output": ["3\n"]}]})
+        if layout == "stdio"
+        else (SLOW_ADD, {"test_list": [["assert add(1, 2) == 3"]]})
+    )
+    given = starved(monkeypatch, 2)
+    assert code([block(program)], **row) == [1.0]
+    assert len(given) == 2
+
+
+@pytest.mark.parametrize("layout", ["stdio", "asserts"])
+def test_an_execution_overloaded_at_every_try_gets_no_reward(monkeypatch, caplog, layout):
+    """Starved at each of its OVERLOADED_TRIES tries, a completion gets no code reward (None: the function's mean
+    leaves it out), never a 0 the policy would be trained on, and the log says the machine is the cause."""
+    from colograd.rewards.sandbox_session import OVERLOADED_TRIES
+
+    code = CodeReward(limits=LIMITS, workers=1)
+    program, row = (
+        (SLOW_SUM, {"public_tests": [{"input": ["1 2\n", "5 5\n"], "output": ["3\n", "10\n"]}]})
+        if layout == "stdio"
+        else (SLOW_ADD, {"test_list": [["assert add(1, 2) == 3"]]})
+    )
+    given = starved(monkeypatch, 100)
+    logs = []
+    assert code([block(program)], log_extra=lambda name, values: logs.append((name, values)), **row) == [None]
+    assert len(given) == OVERLOADED_TRIES == 3
+    assert logs == [("code_failure", ["overloaded"])]
+    assert "stopped as overloaded 3 times in a row" in caplog.text

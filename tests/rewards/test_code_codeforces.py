@@ -286,3 +286,20 @@ def test_rows_cf_code_cannot_judge_are_refused_before_the_run(rewards):
         cf.check_cf_rows([rewards["partial"]], list(columns), read, "cf")
     with pytest.raises(ConfigError, match="dataset 'cf' lacks generated_checker"):
         cf.check_cf_rows([rewards["partial"]], [c for c in columns if c != "generated_checker"], read, "cf")
+
+
+def test_a_test_the_machine_starved_runs_again_and_at_every_try_gets_no_reward(folder, monkeypatch, caplog):
+    """cf_code as `code` (tests/rewards/test_code_cases.py): a test stopped as "overloaded" (the machine's verdict)
+    runs again in a fresh sandbox; starved at every try, the completion gets no reward (None), never a score."""
+    from test_code_cases import starved
+
+    from colograd.rewards.sandbox_session import OVERLOADED_TRIES
+
+    reward = CfCodeReward(scoring_mode="partial", sandbox=SANDBOX, workers=1, tests_folder=folder)
+    slow = "import time\ntime.sleep(0.5)\n" + SUM_PY  # still running at the clock's first check
+    r = row(tests=SUM_TESTS[:1], language="python", time_limit=5.0)
+    given = starved(monkeypatch, 2)
+    assert judge(reward, [slow], r) == [1.0] and len(given) == 2
+    given = starved(monkeypatch, 100)
+    assert judge(reward, [slow], r) == [None] and len(given) == OVERLOADED_TRIES
+    assert "stopped as overloaded 3 times in a row" in caplog.text
