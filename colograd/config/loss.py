@@ -4,6 +4,8 @@ defaults and meanings."""
 
 from dataclasses import dataclass, field
 
+import torch
+
 from colograd.errors import ConfigError
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo")
@@ -237,8 +239,9 @@ class RegularizerOptions:
             "trainer's, so the routers keep their gradient. 'off': the trainer routes each token itself. Logged as "
             "moe/routing_replay/differed (the share of routing choices the trainer would have made otherwise) and "
             "moe/routing_replay/unreplayed (those the engine did not report). Tool calls and environments are "
-            "replayed turn by turn; refused for a dense model, with partial_rollouts and with a rollout_func. On a "
-            "CPU the engine then runs eagerly (vllm_enforce_eager), as its routing is read by a Python hook a "
+            "replayed turn by turn, partial rollouts piece by piece (a position keeps the routing its tokens were "
+            "sampled from); refused for a dense model and with a rollout_func, and with partial_rollouts on a GPU. "
+            "On a CPU the engine then runs eagerly (vllm_enforce_eager), as its routing is read by a Python hook a "
             "compiled forward skips."
         },
     )
@@ -260,8 +263,9 @@ class RegularizerOptions:
             raise ConfigError("sync_ref_model with beta=0: there is no reference model to update; set beta > 0.")
         if self.routing_replay not in ("off", "rollout"):
             raise ConfigError(f"routing_replay={self.routing_replay!r} is unknown; use 'off' or 'rollout'.")
-        if self.routing_replay == "rollout" and getattr(self, "partial_rollouts", False):
+        if self.routing_replay == "rollout" and getattr(self, "partial_rollouts", False) and torch.cuda.is_available():
             raise ConfigError(
-                "routing_replay=rollout with partial_rollouts: a resumed completion's earlier tokens are not "
-                "replayed yet; set one of them off."
+                "routing_replay=rollout with partial_rollouts on a GPU: vLLM's own route, which a GPU engine reports "
+                "its routing by, returns a completion's routing only once it finishes, and partial rollouts stop "
+                "completions before; set one of them off."
             )

@@ -9,15 +9,23 @@ all their completions finished, and aborts the rest: what they sampled so far is
 each as prompt + tokens so far, with what is left of its length. The engine computes a continued completion's
 tokens from the same context as it would have in one piece, so their log-probs are the same
 (tests/rollout/test_partial_rollouts.py).
+
+With routing replay (`routing_replay: rollout`) each piece's routing is read from the capture on the engine's
+routers (`colograd.engine.routing`) and joined to the completion's: a position an earlier piece's engine routed keeps
+that routing (its tokens were sampled from it), and the new piece adds the rest (`joined_routes`).
 """
 
 import logging
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from colograd.config.core import GRPOConfig
 from colograd.engine.requests import sampled_logps, sampling_params
+from colograd.engine.routing import UNKNOWN
 
 logger = logging.getLogger(__name__)
 
@@ -28,13 +36,15 @@ class Piecewise:
 
     ids: its tokens so far; logps: the engine's log-prob of each, after temperature; versions: the weight version
     (the optimizer step) each was sampled under; finish: vLLM's finish reason once it has finished ("stop",
-    "length"), else None.
+    "length"), else None; routed: with routing replay, the experts the engine routed each position of its group's
+    prompt and of its tokens so far to, [prompt + tokens, layers, top_k] int16 (`UNKNOWN` where none did), else None.
     """
 
     ids: list[int] = field(default_factory=list)
     logps: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish: str | None = None
+    routed: torch.Tensor | None = None
 
     def stale(self, version: int) -> int:
         """How many of its tokens (the first ones: a completion only grows) were sampled before `version`."""
@@ -60,7 +70,9 @@ class Group:
         return min((c.versions[0] for c in self.completions if c.versions), default=version)
 
 
-def sample_until(engine: Any, groups: list[Group], args: GRPOConfig, version: int, needed: int) -> int:
+def sample_until(
+    engine: Any, groups: list[Group], args: GRPOConfig, version: int, needed: int, capture: Any = None
+) -> int:
     """Continue every unfinished completion of `groups` under the engine's current weights (weight version
     `version`) until `needed` groups are finished, then abort the rest, keeping what they sampled.
 
@@ -76,32 +88,64 @@ def sample_until(engine: Any, groups: list[Group], args: GRPOConfig, version: in
         args: the run's sampling settings (`colograd.engine.requests.sampling_params`).
         version: the weight version the engine holds.
         needed: how many groups the rollout takes.
+        capture: routing replay's capture on the engine's routers (`colograd.engine.routing.RoutingCapture`): each
+            completion's `routed` gains this piece's routing. None: no routing is read.
     """
     tap = engine.sampler_tap() if args.needs_engine_logps else None
-    if tap is None or not tap.installed:
-        return _step_until(engine, groups, args, version, needed, asks=args.needs_engine_logps)
+    tapped = tap is not None and tap.installed
     # Where each unfinished completion stands before this call: its tokens so far are its request's prompt.
     sampled = [
-        (_request_id(i, j), len(group.prompt_ids), len(c.ids), c)
+        (_request_id(i, j), group, len(c.ids), c)
         for i, group in enumerate(groups)
         for j, c in enumerate(group.completions)
         if c.finish is None
     ]
-    with tap.capturing():
-        steps = _step_until(engine, groups, args, version, needed, asks=True)
-    logps = tap.request_logps([(request, c.ids[start:], prompt + start) for request, prompt, start, c in sampled])
-    if logps is not None:
-        for (_, _, start, completion), found in zip(sampled, logps, strict=True):
-            completion.logps[start:] = found
-        return steps
-    # The tap's rows did not hold these tokens (and vLLM built no objects for them): sample them again with the
-    # objects, and leave the tap off from now on.
-    logger.warning("colograd: the sampler tap missed a partial rollout's log-probs; reading vLLM's Logprob objects.")
-    tap.uninstall()
-    for _, _, start, completion in sampled:
-        del completion.ids[start:], completion.logps[start:], completion.versions[start:]
-        completion.finish = None
-    return _step_until(engine, groups, args, version, needed, asks=True)
+    if capture is not None:  # every position of the pieces' prompts is computed inside the capture
+        engine.llm.reset_prefix_cache()
+    with capture.capturing() if capture is not None else nullcontext():
+        with tap.capturing() if tapped else nullcontext():
+            steps = _step_until(engine, groups, args, version, needed, asks=tapped or args.needs_engine_logps)
+    if tapped:
+        logps = tap.request_logps(
+            [(request, c.ids[start:], len(group.prompt_ids) + start) for request, group, start, c in sampled]
+        )
+        if logps is not None:
+            for (_, _, start, completion), found in zip(sampled, logps, strict=True):
+                completion.logps[start:] = found
+        else:
+            # The tap's rows did not hold these tokens (and vLLM built no objects for them): sample them again with
+            # the objects, and leave the tap off from now on.
+            logger.warning(
+                "colograd: the sampler tap missed a partial rollout's log-probs; reading vLLM's Logprob objects."
+            )
+            tap.uninstall()
+            for _, _, start, completion in sampled:
+                del completion.ids[start:], completion.logps[start:], completion.versions[start:]
+                completion.finish = None
+            if capture is not None:
+                engine.llm.reset_prefix_cache()
+            with capture.capturing() if capture is not None else nullcontext():  # the first try's steps forgotten
+                steps = _step_until(engine, groups, args, version, needed, asks=True)
+    if capture is not None:
+        pieces = [
+            (request, group.prompt_ids + c.ids[:start], len(c.ids) - start) for request, group, start, c in sampled
+        ]
+        for (_, _, _, completion), routed in zip(sampled, capture.routes(pieces), strict=True):
+            completion.routed = joined_routes(completion.routed, routed)
+    return steps
+
+
+def joined_routes(before: torch.Tensor | None, piece: torch.Tensor) -> torch.Tensor:
+    """A completion's routing after one more piece: `before` covers its prompt and its tokens before the piece,
+    `piece` (`RoutingCapture.routes`) those and the piece's. A position the earlier pieces' engine routed keeps that
+    routing, whatever the engine computed for it again (the tokens after it were sampled from the first); the rest
+    (the last token before the piece, never fed back until now, and positions no request computed) take the piece's."""
+    if before is None:
+        return piece
+    head = piece[: len(before)].clone()
+    known = before[:, 0, 0] != UNKNOWN
+    head[known] = before[known]
+    return torch.cat([head, piece[len(before) :]])
 
 
 def _step_until(engine: Any, groups: list[Group], args: GRPOConfig, version: int, needed: int, asks: bool) -> int:

@@ -20,16 +20,41 @@ resumed run continues them, or drops them by the same staleness rule.
 import json
 import math
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
+
+import torch
 
 from colograd.data.streaming import NumberedRows
 from colograd.engine.partial import Group, Piecewise, sample_until
 from colograd.engine.rollout import Rollout
+from colograd.engine.routing import UNKNOWN
 from colograd.errors import ConfigError
 from colograd.rollout.dynamic import draw_rows, refuse_stream
 
 STATE_DIR = "partial_rollouts"  # in a checkpoint: one file per rank of its carried groups
+ROUTES = ".routes.pt"  # beside a rank's groups, with routing replay: its completions' routing
+
+
+def _routes(groups: list[Group]) -> list[torch.Tensor]:
+    """Each completion's routing, as `Rollout.routed` holds it; a completion carried from a checkpoint saved without
+    routing replay that finished before it, all `UNKNOWN` (the trainer routes those positions itself and counts them
+    in `moe/routing_replay/unreplayed`)."""
+    known = next((c.routed for group in groups for c in group.completions if c.routed is not None), None)
+    if known is None:
+        raise RuntimeError("routing replay: no completion of the partial rollout carries the engine's routing")
+    return [
+        c.routed
+        if c.routed is not None
+        else torch.full((len(group.prompt_ids) + len(c.ids), *known.shape[1:]), UNKNOWN, dtype=known.dtype)
+        for group in groups
+        for c in group.completions
+    ]
+
+
+def _plain(completion: Piecewise) -> dict:
+    """A carried completion as JSON writes it: its routing (a tensor) is saved beside (`ROUTES`)."""
+    return {name: value for name, value in asdict(replace(completion, routed=None)).items() if name != "routed"}
 
 
 def refuse_unresumable(args: Any, train_dataset: Any, agents: bool, images: bool) -> None:
@@ -133,7 +158,8 @@ class PartialRollouts:
             for row, ids, was_cut in zip(rows, prompt_ids, cut, strict=True)
         ]
         resumed, flight = len(self.carried), self.carried + fresh
-        steps = sample_until(engine, flight, self.args, version, want)
+        capture = engine.routing_capture() if self.args.routing_replay == "rollout" else None
+        steps = sample_until(engine, flight, self.args, version, want, capture)
         finished = [i for i, group in enumerate(flight) if group.finished][:want]
         if len(finished) < want:  # `sample_until` returns only once `want` have finished, or every request has
             raise RuntimeError(
@@ -169,13 +195,22 @@ class PartialRollouts:
             truncated=[c.finish == "length" for c in completions],
             stale=[c.stale(version) for c in completions],
             asked=[self.args.needs_engine_logps] * len(completions),
+            routed=_routes(groups) if self.args.routing_replay == "rollout" else None,
         )
 
     def write_state(self, folder: str) -> None:
-        """Write this rank's carried groups into the checkpoint being saved in `folder` (every rank writes its own)."""
+        """Write this rank's carried groups into the checkpoint being saved in `folder` (every rank writes its own):
+        their rows and tokens as JSON, and with routing replay their completions' routing beside it (a tensor each)."""
         os.makedirs(os.path.join(folder, STATE_DIR), exist_ok=True)
+        routes = [[c.routed for c in group.completions] for group in self.carried]
+        groups = [
+            {**asdict(replace(group, completions=[])), "completions": [_plain(c) for c in group.completions]}
+            for group in self.carried
+        ]
         with open(os.path.join(folder, STATE_DIR, f"rank-{self.rank}.json"), "w") as f:
-            json.dump([asdict(group) for group in self.carried], f)
+            json.dump(groups, f)
+        if any(r is not None for group in routes for r in group):
+            torch.save(routes, os.path.join(folder, STATE_DIR, f"rank-{self.rank}{ROUTES}"))
 
     def resume(self, checkpoint: str | None) -> None:
         """Take this rank's carried groups from the checkpoint training resumes from; a checkpoint saved without
@@ -185,17 +220,28 @@ class PartialRollouts:
             return
         folder = os.path.join(checkpoint, STATE_DIR)
         saved = sorted(
-            (int(name[len("rank-") : -len(".json")]) for name in os.listdir(folder) if name.startswith("rank-"))
+            (
+                int(name[len("rank-") : -len(".json")])
+                for name in os.listdir(folder)
+                if name.startswith("rank-") and name.endswith(".json")
+            )
             if os.path.isdir(folder)
             else []
         )
         moved = bool(saved) and saved[-1] + 1 != self.world  # saved by another number of ranks
-        groups = []
+        groups, routes = [], []
         for rank in saved if moved else [self.rank]:
             path = os.path.join(folder, f"rank-{rank}.json")
             if os.path.exists(path):
                 with open(path) as f:
-                    groups += json.load(f)
+                    these = json.load(f)
+                groups += these
+                routed = os.path.join(folder, f"rank-{rank}{ROUTES}")
+                saved_routes = torch.load(routed) if os.path.exists(routed) else None
+                routes += saved_routes or [[None] * len(g["completions"]) for g in these]
         if moved:
-            groups = groups[self.rank :: self.world]
-        self.carried = [Group(**{**g, "completions": [Piecewise(**c) for c in g["completions"]]}) for g in groups]
+            groups, routes = groups[self.rank :: self.world], routes[self.rank :: self.world]
+        self.carried = []
+        for g, routed in zip(groups, routes, strict=True):
+            completions = [Piecewise(**c, routed=r) for c, r in zip(g["completions"], routed, strict=True)]
+            self.carried.append(Group(**{**g, "completions": completions}))

@@ -82,6 +82,31 @@ def test_the_engines_routing_is_the_trainers_at_every_position(engine_and_model)
 
 
 @pytest.mark.slow
+def test_partial_rollouts_are_routed_at_every_position_piece_by_piece(engine_and_model):
+    """Partial rollouts (`colograd.engine.partial.sample_until`): a first call stops once one group of three has
+    finished and aborts the rest mid-way; a second continues them, each as prompt + tokens so far. Joined piece by
+    piece (`joined_routes`), every completion's routing is the trainer's at every position but its last, the
+    boundary between pieces included (a first piece's last token is routed only by the second): a piece laid at
+    the wrong offset, or a boundary left unrouted, fails here."""
+    from colograd.engine.partial import Group, Piecewise, sample_until
+
+    engine, args, model, prompts = engine_and_model
+    groups = [Group({}, ids, [Piecewise() for _ in range(4)]) for ids in prompts]
+    capture = engine.routing_capture()
+    sample_until(engine, groups, args, 0, 1, capture)
+    cut = [c for g in groups for c in g.completions if c.finish is None and c.ids]
+    assert cut, "the first call left no completion mid-way"
+    sample_until(engine, groups, args, 1, len(groups), capture)
+    for group in groups:
+        for c in group.completions:
+            sequence = group.prompt_ids + c.ids
+            assert c.finish is not None and c.routed.shape == (len(sequence), 2, 8)
+            known = c.routed[:, 0, 0] != UNKNOWN
+            assert known[:-1].all() and not known[-1]
+            assert torch.equal(c.routed[:-1].long().sort(-1).values, trainer_routing(model, sequence)[:-1])
+
+
+@pytest.mark.slow
 def test_prompts_prefilled_in_chunks_are_routed_whole(tmp_path):
     """16 tokens per engine step: prompts are prefilled in several chunks, over steps that other requests share."""
     engine, args, model, prompts = start(str(tmp_path), vllm_max_num_batched_tokens=16)

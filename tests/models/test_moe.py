@@ -355,3 +355,27 @@ def test_a_replay_one_token_late_is_stopped_by_the_parity_gate(tmp_path):
     assert "the trainer replays the engine's routing (routing_replay: rollout): run once with routing_replay: off" in (
         proc.stderr
     )
+
+
+@pytest.mark.slow
+def test_routing_replay_trains_with_partial_rollouts(tmp_path):
+    """One process, Qwen3-MoE in fp32, 3 steps with partial rollouts and the engine's routing replayed: groups are
+    carried and resumed, every position the loss reads is replayed (a resumed completion's routing joined piece by
+    piece), the first step's gap is float32 rounding, the running guard stays on and after the last sync the engine
+    is the trainer. (Stale tokens, sampled before the last optimizer step, are compared with the trainer's newer
+    weights in later steps' gaps: those are not a parity figure.)"""
+    from conftest import ROOT, _env, _refuse_in_fast_tier
+
+    _refuse_in_fast_tier("runs tests/scripts/moe_check.py")
+    zoo.cached(QWEN3_MOE)
+    args = [str(tmp_path), QWEN3_MOE, "--steps", "3", "--replay", "--partial"]
+    proc = subprocess.run([sys.executable, "tests/scripts/moe_check.py", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, env=_env())  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run = json.loads((tmp_path / "rank0.json").read_text())[QWEN3_MOE]
+    steps = [h for h in run["log_history"] if "loss" in h]
+    assert len(steps) == 3 and all(math.isfinite(h["loss"]) for h in steps)
+    assert sum(h["partial_rollouts/resumed_groups"] for h in steps) > 0
+    assert all(h["moe/routing_replay/unreplayed"] == 0.0 for h in steps)
+    assert steps[0]["sampling/sampling_logp_difference/max"] <= PARITY
+    assert run["running_guard"] and run["parity_gap"] <= PARITY

@@ -17,9 +17,10 @@ import torch
 from conftest import watch_rollouts
 from datasets import Dataset, IterableDataset
 
-from colograd.engine.partial import Group, Piecewise
+from colograd.engine.partial import Group, Piecewise, joined_routes
 from colograd.engine.requests import Sampling
 from colograd.engine.rollout import Rollout
+from colograd.engine.routing import UNKNOWN
 from colograd.errors import ConfigError
 from colograd.forward.batch import pad_rollout
 from colograd.models import tiny
@@ -175,7 +176,7 @@ def test_a_rollout_takes_the_first_groups_to_finish_carried_ones_first(monkeypat
     partial.carried = [group("old", [3, 5, 2, 4], [0] * 4, [True, True, True, False])]
     finish = {"old", "b", "c"}  # what the stand-in engine finishes: the carried group and two of three new ones
 
-    def sample_until(engine, groups, args, version, needed):
+    def sample_until(engine, groups, args, version, needed, capture=None):
         for g in groups:
             for c in g.completions:
                 c.ids, c.logps, c.versions = c.ids + [7], c.logps + [-0.25], c.versions + [version]
@@ -262,6 +263,49 @@ def test_carried_groups_go_into_the_checkpoint_and_come_back(tmp_path):
     other_rank.resume(str(tmp_path))
     assert other_rank.carried == []  # each rank reads its own file only
     json.loads((tmp_path / partial_module.STATE_DIR / "rank-1.json").read_text())  # a readable record
+
+
+def test_a_completions_routing_joins_piece_by_piece():
+    """Routing replay (`joined_routes`): a position an earlier piece's engine routed keeps that routing (the tokens
+    after it were sampled from it), even where the next piece's engine, recomputing it under newer weights, routed it
+    otherwise; the positions no earlier piece routed (the last token before the piece, never fed back until then) and
+    the piece's own take the piece's."""
+    before = torch.full((5, 2, 3), 7, dtype=torch.int16)  # a prompt of 3 and 2 tokens
+    before[1], before[4] = UNKNOWN, UNKNOWN
+    piece = torch.full((8, 2, 3), 9, dtype=torch.int16)  # the same 5 positions and 3 more
+    piece[7] = UNKNOWN
+    joined = joined_routes(before, piece)
+    assert joined.shape == (8, 2, 3) and joined.dtype == torch.int16
+    assert [int(row[0, 0]) for row in joined] == [7, 9, 7, 7, 9, 9, 9, UNKNOWN]
+    assert joined_routes(None, piece) is piece
+
+
+def test_carried_routing_goes_into_the_checkpoint_and_comes_back(tmp_path):
+    """With routing replay each carried completion's routing is saved beside its rank's groups (a tensor each, not
+    JSON) and comes back with its completion, on the same number of ranks and shared out on another."""
+    args, saved = settings(routing_replay="rollout"), []
+    for rank, prompts in enumerate((["a", "b", "c"], ["d", "e"])):
+        partial = PartialRollouts(args, None, False, rank, 2)
+        partial.carried = [group(p, [3, 0, 2, 1], [0] * G, [True, False, False, True]) for p in prompts]
+        for k, carried in enumerate(partial.carried):
+            for j, c in enumerate(carried.completions):
+                c.routed = torch.full((1 + len(c.ids), 2, 3), 100 * rank + 10 * k + j, dtype=torch.int16)
+        partial.write_state(str(tmp_path))
+        saved += partial.carried
+    assert (tmp_path / partial_module.STATE_DIR / "rank-0.routes.pt").exists()
+    json.loads((tmp_path / partial_module.STATE_DIR / "rank-0.json").read_text())  # still a readable record
+
+    def routes(groups):
+        return [[c.routed.tolist() for c in g.completions] for g in groups]
+
+    for world in (1, 2, 3):
+        back = [PartialRollouts(args, None, False, rank, world) for rank in range(world)]
+        for partial in back:
+            partial.resume(str(tmp_path))
+        expected = [saved[:3], saved[3:]] if world == 2 else [saved[rank::world] for rank in range(world)]
+        for partial, theirs in zip(back, expected, strict=True):
+            assert [g.row for g in partial.carried] == [g.row for g in theirs]
+            assert routes(partial.carried) == routes(theirs)
 
 
 # On the engine

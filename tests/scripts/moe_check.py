@@ -12,7 +12,7 @@ optimizer step, the largest gap between engine and trainer log-probs after the f
 sharded (and which parameters this rank then held only a part of) and into how many buckets the sync cut it, whether
 the engine's experts are prepacked, and whether the running parity guard stayed on (the gate found the training pass
 equal to the evaluation pass). With --replay the MoE models replay the engine's routing in every pass
-(`routing_replay: rollout`).
+(`routing_replay: rollout`); with --partial, partial rollouts carry groups across rollouts.
 """
 
 import argparse
@@ -53,6 +53,7 @@ def main() -> None:
     parser.add_argument("--bf16-models", nargs="*", default=[], help="models of MODEL... that train again after "
                         "all of them, from the same initial weights, as with --bf16")  # fmt: skip
     parser.add_argument("--replay", action="store_true", help="routing_replay: rollout for the MoE models")
+    parser.add_argument("--partial", action="store_true", help="partial_rollouts: groups carried across rollouts")
     parser.add_argument("--shift-replay", action="store_true", help="a fault to catch: the engine's routing of every "
                         "completion reaches the trainer one position late")  # fmt: skip
     cli = parser.parse_args()
@@ -81,8 +82,8 @@ def check(name: str, model: torch.nn.Module, tokenizer, bf16: bool, cli: argpars
     replay = "rollout" if cli.replay and router_of(model, None) is not None else "off"
     args = GRPOConfig(output_dir=out, max_steps=cli.steps, learning_rate=1e-2, max_completion_length=64,
                       sync_bucket_mib=cli.bucket_mib, vllm_enforce_eager=True, save_strategy="no", report_to="none",
-                      disable_tqdm=True, bf16=bf16, vllm_importance_sampling_correction=bf16,
-                      routing_replay=replay)  # fmt: skip
+                      disable_tqdm=True, bf16=bf16, vllm_importance_sampling_correction=bf16 or cli.partial,
+                      routing_replay=replay, partial_rollouts=cli.partial)  # fmt: skip
     callback = WeightsAgree()
     rows = [{"prompt": [{"role": "user", "content": q}]} for q in QUESTIONS]
     trainer = GRPOTrainer(model=model, reward_funcs=answer_length, args=args, train_dataset=Dataset.from_list(rows),
