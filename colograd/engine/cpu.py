@@ -246,3 +246,30 @@ _MADV_DONTNEED = 4  # Linux's value (asm-generic/mman-common.h)
 
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
+
+
+def computes_bf16() -> bool:
+    """Whether this CPU has bf16 arithmetic (AVX-512 BF16, or Arm's BF16 as torch reports it): where it has none
+    (an AVX2 x86 CPU), torch and vLLM's CPU kernels compute bf16 by converting to float32 and back, slower than
+    float32 itself, and vLLM neither packs bf16 linear weights nor prepacks bf16 convolutions."""
+    return torch.cpu._is_avx512_bf16_supported() or bool(torch.cpu.get_capabilities().get("bf16", False))
+
+
+_SAID: set[str] = set()  # the notes this process has given
+
+
+def note_emulated_bf16(engine: bool, trainer: bool, rank: int) -> None:
+    """Say once per process, from the first rank, where bf16 (the engine's precision, the trainer's autocast) runs on
+    a CPU without bf16 arithmetic (`computes_bf16`): emulated, it is slower than float32, which trains with exact
+    parity."""
+    if not (engine or trainer) or "bf16" in _SAID or rank != 0 or torch.cuda.is_available() or computes_bf16():
+        return
+    _SAID.add("bf16")
+    parts = (("the engine's", engine), ("the trainer's autocast", trainer))
+    which = " and ".join(name for name, used in parts if used)
+    print(
+        f"colograd: note: bf16 ({which}) is emulated on this CPU, which has no bf16 arithmetic (AVX-512 BF16 or Arm "
+        "BF16): slower than float32; train in float32 (bf16: false) where the model allows it.",
+        file=sys.stderr,
+        flush=True,
+    )

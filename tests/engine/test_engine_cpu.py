@@ -110,3 +110,25 @@ def test_a_name_is_renamed_by_the_causal_lm_and_then_by_the_submodule_that_loads
     assert engine_name(model, "model.layers.0.conv.conv.weight") == "model.layers.0.short_conv.conv.weight"
     assert engine_name(model, "mtp.layers.0.weight") is None
     assert engine_name(nn.Linear(2, 2), "weight") == "weight"  # no renaming anywhere
+
+
+def test_bf16_on_a_cpu_without_bf16_arithmetic_is_noted_once_from_the_first_rank(monkeypatch, capsys):
+    """An AVX2 CPU emulates bf16 (slower than float32): a run whose engine or trainer computes in bf16 is told so
+    once, from the first rank, before the engine starts; nothing is said in float32 or where the CPU has bf16."""
+    from colograd.engine import cpu
+
+    monkeypatch.setattr(cpu, "_SAID", set())
+    monkeypatch.setattr(cpu, "computes_bf16", lambda: False)
+    cpu.note_emulated_bf16(False, False, 0)  # float32
+    cpu.note_emulated_bf16(True, True, 1)  # another rank
+    assert capsys.readouterr().err == ""
+    cpu.note_emulated_bf16(True, True, 0)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("colograd: note: bf16 (the engine's and the trainer's autocast) is")
+    assert "bf16: false" in err
+    cpu.note_emulated_bf16(True, False, 0)  # said once per process
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(cpu, "_SAID", set())
+    monkeypatch.setattr(cpu, "computes_bf16", lambda: True)
+    cpu.note_emulated_bf16(True, True, 0)
+    assert capsys.readouterr().err == ""
