@@ -16,6 +16,7 @@ padding and prepacks again, once per layer.
 The `*_in_engine` functions run in the engine's worker (handed to `LLM.collective_rpc` by `colograd.engine.weights`).
 """
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,8 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from colograd.engine import copy_plan
 from colograd.engine.names import engine_name
+
+logger = logging.getLogger(__name__)
 
 # Config keys that count a Mixture-of-Experts model's experts (Qwen-MoE, OLMoE, Mixtral, DeepSeek, ...).
 EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -70,28 +73,45 @@ class DiskLayout:
     The plan is read off the first conversion's own result: a tensor it gives as a view is taken as that view; one it
     copied (a chunk made contiguous) is found as the one block of the trainer's tensor holding its values, a block
     starting at a row of it (rows matched by their sums, then compared whole). Every block is checked equal to the
-    conversion's tensor before the plan is kept; a set of names with a tensor found nowhere, or in two places (two
-    experts with equal weights), keeps the conversion at every sync.
+    conversion's tensor before the plan is kept. A set of names with a tensor found nowhere, or in two places (two
+    experts with equal weights, as a model may start), is planned again at the next syncs (training moves the
+    weights apart), `PLAN_TRIES` in all; then it keeps the conversion at every sync, said once.
     """
+
+    PLAN_TRIES = 3
 
     def __init__(self, convert: Callable[[Pairs], Pairs]) -> None:
         self.convert = convert
         self.plans: dict[tuple[str, ...], list[tuple[str, _Block]] | None] = {}
+        self.tries: dict[tuple[str, ...], int] = {}
 
     def __call__(self, pairs: Pairs) -> Pairs:
         key = tuple(name for name, _ in pairs)
         tensors = dict(pairs)
-        if key not in self.plans:
+        if self.plans.get(key) is None and self.tries.get(key, 0) < self.PLAN_TRIES:
             converted = self.convert(pairs)
             self.plans[key] = _plan(tensors, converted)
             if self.plans[key] is None:
-                return converted
+                return self._unplanned(key, converted)
         # The first sync too hands the views: the engine's copy plans, recorded then, are replayed for the same
         # tensors at every sync after it.
         plan = self.plans[key]
         if plan is not None and all(tensors[block[0]].is_contiguous() for _, block in plan):
             return [(name, _view(tensors, block)) for name, block in plan]
         return self.convert(pairs)
+
+    def _unplanned(self, key: tuple[str, ...], converted: Pairs) -> Pairs:
+        """A set of names no plan could be made for at this sync: counted, said once when the tries are spent."""
+        self.tries[key] = self.tries.get(key, 0) + 1
+        if self.tries[key] == self.PLAN_TRIES:
+            logger.warning(
+                "colograd: note: %d tensors (%s, ...) reach the engine through transformers' conversion to the "
+                "checkpoint's layout at every sync: after %d syncs some of their blocks still match none or two of "
+                "the trainer's (experts with equal weights), so no plan of views could be made. Each such sync "
+                "costs the conversion (milliseconds an expert).",
+                len(converted), converted[0][0] if converted else "", self.PLAN_TRIES,
+            )  # fmt: skip
+        return converted
 
 
 def _view(tensors: dict[str, torch.Tensor], block: _Block) -> torch.Tensor:
