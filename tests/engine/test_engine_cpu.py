@@ -132,3 +132,43 @@ def test_bf16_on_a_cpu_without_bf16_arithmetic_is_noted_once_from_the_first_rank
     monkeypatch.setattr(cpu, "computes_bf16", lambda: True)
     cpu.note_emulated_bf16(True, True, 0)
     assert capsys.readouterr().err == ""
+
+
+def test_a_prepacked_convolutions_view_follows_each_reload_on_any_cpu(monkeypatch):
+    """vLLM's Mamba-2 layer computes from `conv_weights`, a view of `conv1d.weight` taken when it is built; where the
+    CPU backend prepacks that weight (AVX-512 bf16 or Arm bf16: `dispatch_cpu_unquantized_gemm` moves the weight to
+    the packed copy and keeps the plain one as `_cpu_unpacked_conv_weight`), the view keeps the first load's storage.
+    `refresh_convolution_views` copies the plain weight of each reload into it. Run here through vLLM's own prepack
+    code with the CPU's bf16 support and the packing op stood in for (this machine may have neither), the layer laid
+    out as vLLM's `MambaMixer2.__init__` lays it: without the refresh the view keeps the start-up values."""
+    from torch import nn
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers import utils
+
+    from colograd.engine.weights import refresh_convolution_views
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    monkeypatch.setattr(ops, "causal_conv1d_weight_pack", lambda w: w.t().contiguous().flip(0), raising=False)
+
+    class Mixer(nn.Module):  # MambaMixer2's convolution and its view, as vLLM 0.32 builds them
+        def __init__(self):
+            super().__init__()
+            self.conv1d = nn.Module()
+            self.conv1d.weight = nn.Parameter(torch.randn(16, 4, dtype=torch.bfloat16), requires_grad=False)
+            self.conv1d.weight.data = self.conv1d.weight.data.unsqueeze(1)
+            view = self.conv1d.weight.view(self.conv1d.weight.size(0), self.conv1d.weight.size(2))
+            self.register_buffer("conv_weights", view, persistent=False)
+
+    model = nn.Sequential(Mixer(), Mixer())
+    for mixer in model:
+        utils.dispatch_cpu_unquantized_gemm(mixer.conv1d, remove_weight=False)  # the start-up load's prepack
+        assert hasattr(mixer.conv1d, "_cpu_unpacked_conv_weight")
+    loaded = [mixer.conv_weights.clone() for mixer in model]
+    for mixer in model:  # a reload: new values into the plain weight's place, packed again
+        mixer.conv1d.weight.data = torch.randn(16, 1, 4, dtype=torch.bfloat16)
+        utils.dispatch_cpu_unquantized_gemm(mixer.conv1d, remove_weight=False)
+    assert all(torch.equal(m.conv_weights, before) for m, before in zip(model, loaded, strict=True))  # stale
+    assert refresh_convolution_views(model) == 2
+    for mixer in model:
+        assert torch.equal(mixer.conv_weights, mixer.conv1d._cpu_unpacked_conv_weight)
+        assert mixer.conv_weights.data_ptr() != mixer.conv1d._cpu_unpacked_conv_weight.data_ptr()
