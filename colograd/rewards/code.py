@@ -49,7 +49,7 @@ from colograd.rewards.code_tests import (
     run_asserts,
 )
 from colograd.rewards.sandbox import Execution, Sandbox, SandboxLimits
-from colograd.rewards.sandbox_session import OVERLOADED_TRIES, case_retried, said_overloaded
+from colograd.rewards.sandbox_session import OVERLOADED_TRIES, Overloaded, case_retried, said_overloaded
 
 logger = logging.getLogger(__name__)
 
@@ -278,6 +278,8 @@ class CodeReward:
             with contextlib.ExitStack() as stack:
                 check = None if tests.checker is None else stack.enter_context(CheckRun(self.checkers, tests.checker))
                 return self._run_cases(code, cases, check)
+        except Overloaded:  # the checker's execution, at every try: its verdict is unknown
+            return _overloaded(len(cases))
         except CheckerBroken as err:
             with self._lock:
                 said = tests.checker not in self._broken

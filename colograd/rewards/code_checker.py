@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from colograd.rewards.sandbox import Sandbox, SandboxLimits
-from colograd.rewards.sandbox_session import Session
+from colograd.rewards.sandbox_session import Overloaded, Session, case_retried
 
 KINDS = {"checker": "cpp", "generated_checker": "python"}
 # What compiling one checker, and checking one case, may use (the problem's programs, not the policy's: generous).
@@ -185,18 +185,26 @@ class CheckRun:
 
     def verdict(self, stdin: str, output: str, expected: str) -> str | None:
         """The checker's verdict on one case: None (accepted), "wrong answer", or "checker: <what>" when it neither
-        accepted nor rejected."""
+        accepted nor rejected.
+
+        Raises:
+            Overloaded: the machine stopped the checker as overloaded at every try (`case_retried`).
+        """
         if not self.session.alive:
             self.session.close()
             self.session = self.checkers.session(self.checker)
         if self.checker.language == "python":
-            done = self.session.case("", {"input.txt": stdin, "correct_output.txt": expected,
-                                          "solution_output.txt": output})  # fmt: skip
+            files = {"input.txt": stdin, "correct_output.txt": expected, "solution_output.txt": output}
+        else:
+            files = {"input.txt": stdin, "output.txt": output, "answer.txt": expected}
+        self.session, done = case_retried(self.session, lambda: self.checkers.session(self.checker), "", files)
+        if done.reason == "overloaded":
+            raise Overloaded
+        if self.checker.language == "python":
             words = done.stdout.split()
             if done.ok and words and words[-1] in ("1", "0"):
                 return None if words[-1] == "1" else "wrong answer"
             return f"checker: {done.reason or 'printed neither 1 nor 0'}"
-        done = self.session.case("", {"input.txt": stdin, "output.txt": output, "answer.txt": expected})
         if done.exit_code == 0:
             return None
         if done.exit_code in (1, 2):  # testlib's wrong answer, presentation error

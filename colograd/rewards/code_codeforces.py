@@ -316,6 +316,9 @@ class CfCodeReward:
         session = start()
         check = None if problem.checker is None else self.checkers.session(problem.checker)
 
+        def restart() -> Session:
+            return self.checkers.session(problem.checker)
+
         def verdicts() -> Iterator[str | None]:
             nonlocal session, check
             for stdin, expected in problem.tests:
@@ -330,7 +333,8 @@ class CfCodeReward:
                 if check is not None and not check.alive:
                     check.close()
                     check = self.checkers.session(problem.checker)
-                yield self._verdict(execution, stdin, expected, check)
+                failure, check = self._verdict(execution, stdin, expected, check, restart)
+                yield failure
 
         try:
             return tally(verdicts(), self.scoring_mode)
@@ -340,17 +344,24 @@ class CfCodeReward:
                 check.close()
 
     @staticmethod
-    def _verdict(execution: Execution, stdin: str, expected: str, check: Session | None) -> str | None:
-        """Why a test failed (None: it passed), as the Piston package's run script decides."""
+    def _verdict(
+        execution: Execution, stdin: str, expected: str, check: Session | None, restart: Callable[[], Session]
+    ) -> tuple[str | None, Session | None]:
+        """Why a test failed (None: it passed), as the Piston package's run script decides, and the checker's session
+        to go on with (`restart` opens another where the machine stopped the checker as overloaded: `case_retried`;
+        overloaded at every try, the test's verdict is "overloaded", unknown, not a wrong answer)."""
         if not execution.ok:
-            return execution.reason
+            return execution.reason, check
         if check is None:
             same = normalize_output(expected) == normalize_output(execution.stdout)
-            return None if same else "wrong answer"
+            return (None if same else "wrong answer"), check
         correct = without_empty_lines(unix_lines(expected.rstrip("\n") + "\n"))
-        done = check.case("", {"input.txt": stdin, "correct_output.txt": correct,
-                               "solution_output.txt": without_empty_lines(execution.stdout)})  # fmt: skip
-        return None if done.ok and "".join(done.stdout.split()) in ("1", "100") else "wrong answer (checker)"
+        files = {"input.txt": stdin, "correct_output.txt": correct,
+                 "solution_output.txt": without_empty_lines(execution.stdout)}  # fmt: skip
+        check, done = case_retried(check, restart, "", files)
+        if done.reason == "overloaded":
+            return "overloaded", check
+        return (None if done.ok and "".join(done.stdout.split()) in ("1", "100") else "wrong answer (checker)"), check
 
     @staticmethod
     def _limits(problem: Problem) -> SandboxLimits:

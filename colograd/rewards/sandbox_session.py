@@ -265,6 +265,11 @@ class Session:
 OVERLOADED_TRIES = 3
 
 
+class Overloaded(Exception):
+    """A checker's execution the machine stopped as overloaded at every try: its verdict on the case is unknown, so
+    the completion gets no score (not a wrong answer, and not a broken checker)."""
+
+
 def case_retried(
     session: Session, restart: Callable[[], Session], stdin: str | bytes = "", files: dict | None = None
 ) -> tuple[Session, Execution]:

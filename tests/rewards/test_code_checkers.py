@@ -235,3 +235,49 @@ def test_rows_whose_checker_cannot_run_here_are_refused_before_the_run(code, mon
         columns = {"official_tests": [[{"input": "1", "output": "1"}]], **{k: [v] for k, v in bad.items()}}
         with pytest.raises(ConfigError, match=said):
             check_code_rows([code], list(columns), lambda names, c=columns: {n: c[n] for n in names}, "cf")
+
+
+def checker_starved(monkeypatch, executions: int) -> list:
+    """The first `executions` runs of any checker read as stopped by an overloaded machine (each really runs; only
+    its verdict is replaced): the checker's own executions, not the program's. Returns those replaced."""
+    from dataclasses import replace
+
+    replaced = []
+    real_session = Checkers.session
+
+    def session(self, checker):
+        opened = real_session(self, checker)
+        real_case = opened.case
+
+        def case(stdin="", files=None):
+            done = real_case(stdin, files)
+            if len(replaced) < executions:
+                replaced.append(stdin)
+                return replace(done, reason="overloaded", exit_code=None, stdout="")
+            return done
+
+        opened.case = case
+        return opened
+
+    monkeypatch.setattr(Checkers, "session", session)
+    return replaced
+
+
+@pytest.mark.parametrize("kind", ["checker", "generated_checker"])
+def test_a_checker_the_machine_starved_is_run_again_and_never_reads_as_a_wrong_answer(code, monkeypatch, caplog, kind):
+    """A checker's execution stopped as "overloaded" runs again in a fresh sandbox, as a program's does: a right
+    answer starved twice at its checker still scores 1.0. Starved at every try, the case's verdict is unknown: the
+    completion gets no reward (None), neither a wrong answer (before, the checker's failure was settled by its verdict
+    on the expected output, which passed: a right answer read as wrong) nor a broken checker."""
+    from colograd.rewards.sandbox_session import OVERLOADED_TRIES
+
+    r = row(**{kind: CPP if kind == "checker" else PYTHON})
+    replaced = checker_starved(monkeypatch, 2)
+    assert score(code, [ROTATE_LEFT], r) == [1.0] and len(replaced) == 2
+    replaced = checker_starved(monkeypatch, 100)
+    logs = []
+    rewards = code(
+        [block(ROTATE_LEFT)], log_extra=lambda name, values: logs.append(values), **{k: [v] for k, v in r.items()}
+    )
+    assert rewards == [None] and logs == [["overloaded"]] and len(replaced) == OVERLOADED_TRIES
+    assert "stopped as overloaded 3 times in a row" in caplog.text and "problem" not in caplog.text

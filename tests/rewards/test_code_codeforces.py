@@ -303,3 +303,16 @@ def test_a_test_the_machine_starved_runs_again_and_at_every_try_gets_no_reward(f
     given = starved(monkeypatch, 100)
     assert judge(reward, [slow], r) == [None] and len(given) == OVERLOADED_TRIES
     assert "stopped as overloaded 3 times in a row" in caplog.text
+
+
+def test_a_checker_the_machine_starved_runs_again_and_never_reads_as_a_wrong_answer(rewards, monkeypatch):
+    """cf_code's checker as `code`'s (tests/rewards/test_code_checkers.py): a checker execution stopped as
+    "overloaded" runs again; a right answer starved twice there scores 1.0, and starved at every try the completion
+    gets no reward (None), not "wrong answer (checker)" as before."""
+    from test_code_checkers import checker_starved
+
+    checked = row(DERANGE_TESTS, checker=DERANGE.format(yes="1"))
+    replaced = checker_starved(monkeypatch, 2)
+    assert judge(rewards["partial"], [ROTATE], checked) == [1.0] and len(replaced) == 2
+    checker_starved(monkeypatch, 100)
+    assert judge(rewards["partial"], [ROTATE], checked) == [None]
