@@ -100,11 +100,15 @@ def sample_until(
         for j, c in enumerate(group.completions)
         if c.finish is None
     ]
-    if capture is not None:  # every position of the pieces' prompts is computed inside the capture
-        engine.llm.reset_prefix_cache()
-    with capture.capturing() if capture is not None else nullcontext():
-        with tap.capturing() if tapped else nullcontext():
-            steps = _step_until(engine, groups, args, version, needed, asks=tapped or args.needs_engine_logps)
+
+    def recording() -> Any:
+        if capture is None:
+            return nullcontext()
+        engine.llm.reset_prefix_cache()  # every position of the pieces' prompts is computed inside the capture
+        return capture.capturing()  # (which forgets any earlier steps)
+
+    with recording(), tap.capturing() if tapped else nullcontext():
+        steps = _step_until(engine, groups, args, version, needed, asks=tapped or args.needs_engine_logps)
     if tapped:
         logps = tap.request_logps(
             [(request, c.ids[start:], len(group.prompt_ids) + start) for request, group, start, c in sampled]
@@ -122,9 +126,7 @@ def sample_until(
             for _, _, start, completion in sampled:
                 del completion.ids[start:], completion.logps[start:], completion.versions[start:]
                 completion.finish = None
-            if capture is not None:
-                engine.llm.reset_prefix_cache()
-            with capture.capturing() if capture is not None else nullcontext():  # the first try's steps forgotten
+            with recording():
                 steps = _step_until(engine, groups, args, version, needed, asks=True)
     if capture is not None:
         pieces = [

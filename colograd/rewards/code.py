@@ -303,9 +303,6 @@ class CodeReward:
         session = self.sandbox.session(code)
         try:
             for stdin, expected in cases:
-                if not session.alive:  # the last case was killed from outside, and the sandbox with it
-                    session.close()
-                    session = self.sandbox.session(code)
                 session, execution = case_retried(session, lambda: self.sandbox.session(code), stdin)
                 if execution.reason == "overloaded":
                     return _overloaded(len(cases))

@@ -190,9 +190,6 @@ class CheckRun:
         Raises:
             Overloaded: the machine stopped the checker as overloaded at every try (`case_retried`).
         """
-        if not self.session.alive:
-            self.session.close()
-            self.session = self.checkers.session(self.checker)
         if self.checker.language == "python":
             files = {"input.txt": stdin, "correct_output.txt": expected, "solution_output.txt": output}
         else:

@@ -322,17 +322,11 @@ class CfCodeReward:
         def verdicts() -> Iterator[str | None]:
             nonlocal session, check
             for stdin, expected in problem.tests:
-                if not session.alive:  # the last test was killed from outside, and the sandbox with it
-                    session.close()
-                    session = start()
                 stdin = unix_lines(stdin)
                 if problem.input_mode == "file":
                     session, execution = case_retried(session, start, "", {"input.txt": stdin})
                 else:
                     session, execution = case_retried(session, start, stdin)
-                if check is not None and not check.alive:
-                    check.close()
-                    check = self.checkers.session(problem.checker)
                 failure, check = self._verdict(execution, stdin, expected, check, restart)
                 yield failure
 

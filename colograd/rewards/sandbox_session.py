@@ -273,8 +273,12 @@ class Overloaded(Exception):
 def case_retried(
     session: Session, restart: Callable[[], Session], stdin: str | bytes = "", files: dict | None = None
 ) -> tuple[Session, Execution]:
-    """`session.case(stdin, files)`, run again in a fresh session (`restart`) while the machine stops it as
-    overloaded, up to OVERLOADED_TRIES tries in all. Returns the session to go on with and the last execution."""
+    """`session.case(stdin, files)`, in a fresh session (`restart`) where the last case was killed from outside and
+    the sandbox with it, and run again in another while the machine stops it as overloaded, up to OVERLOADED_TRIES
+    tries in all. Returns the session to go on with and the last execution."""
+    if not session.alive:
+        session.close()
+        session = restart()
     execution = session.case(stdin, files)
     for _ in range(OVERLOADED_TRIES - 1):
         if execution.reason != "overloaded":
