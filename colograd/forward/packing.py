@@ -60,7 +60,11 @@ def gathered_in_forward(model: nn.Module) -> Iterator[None]:
     hooks gather them) does not run it yet, as at start-up: each layer of a layer list (`nn.ModuleList`, outermost)
     gathered whole around its own call, and the weights outside every such layer (embeddings, norms, the output
     layer) for the block, so that no rank holds more than those and one layer at a time. A collective: every rank
-    must make the same calls. Elsewhere (weights whole, or DeepSpeed's hooks in place) a no-op."""
+    must make the same calls. Elsewhere (weights whole, or DeepSpeed's hooks in place) a no-op.
+
+    Raises:
+        RuntimeError: the model has no layer list, so gathering the rest would gather the whole model.
+    """
     params = list(model.parameters())
     if not any(hasattr(p, "ds_id") and p.numel() == 0 for p in params):
         yield
@@ -76,6 +80,10 @@ def gathered_in_forward(model: nn.Module) -> Iterator[None]:
             inside.update(id(m) for m in layer.modules())
     held = {id(p) for layer in outermost for p in layer.parameters()}
     rest = [p for p in params if id(p) not in held]
+    if not outermost:
+        # No layer list (layers kept in another container): gathering the rest at once is the whole model on every
+        # rank. Not probed (the caller's fallback: padded passes, exact; the parity gate).
+        raise RuntimeError("the model has no layer list: its weights are not gathered a layer at a time")
     opened: list[Any] = []
 
     def gather(layer: nn.Module, _args: Any) -> None:

@@ -281,3 +281,26 @@ def test_mamba2_layers_bound_their_time_step_by_the_configs_limit_as_the_engine_
     assert bound_time_steps_as_configured(model)[0] == 0  # once
     for name in ("ibm-granite/granite-4.0-h-tiny", "tiiuae/Falcon-H1-0.5B-Instruct"):  # their layers read the limit
         assert bound_time_steps_as_configured(AutoModelForCausalLM.from_config(zoo.shrunk(name)))[0] == 0
+
+
+def test_a_model_whose_layers_are_in_no_layer_list_is_not_gathered_whole_under_zero3():
+    """The ZeRO-3 probe gathers a layer list's layers one at a time and the rest for the probe: a model with no
+    `nn.ModuleList` would be gathered whole on every rank, so it is not probed (the probe's fallback: padded passes,
+    exact). Partitioned weights stood in for (DeepSpeed's `ds_id`, `ds_numel`,
+    an empty tensor)."""
+    from torch import nn
+
+    from colograd.forward.packing import gathered_in_forward
+
+    def partitioned(module: nn.Module) -> nn.Module:
+        for name, p in list(module.named_parameters()):
+            owner = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
+            empty = nn.Parameter(torch.empty(0))
+            empty.ds_id, empty.ds_numel = id(p), p.numel()
+            setattr(owner, name.rpartition(".")[2], empty)
+        return module
+
+    flat = partitioned(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 8)))
+    with pytest.raises(RuntimeError, match="has no layer list"):
+        with gathered_in_forward(flat):
+            pass
