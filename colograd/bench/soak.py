@@ -56,6 +56,7 @@ LAUNCHERS = ("torchrun", "accelerate")
 LAUNCH_TIMEOUT_S = 1800  # the longest a launch may go without reaching what the soak waits for
 STEP_LINE = "{'loss': "  # how the first rank prints each logged optimizer step (logging_steps 1)
 RESUMED = re.compile(r"colograd: note: resuming from (\S+), the newest finished checkpoint")
+_ERROR_LINE = re.compile(r"^(\[rank\d+\]): \w+(?:Error|Exception|Exit)\b.*$", re.M)  # a rank's exception
 TIMING_PREFIXES = ("time/", "throughput/")  # logged metrics that time a step: they differ between any two runs
 
 
@@ -252,8 +253,13 @@ class Launch:
 
 
 def fail(what: str, log: Path) -> RuntimeError:
-    tail = log.read_text(errors="replace")[-3000:]
-    return RuntimeError(f"colograd.bench soak: {what}; the end of {log}:\n{tail}")
+    """The soak's error: the end of the log, and before it each rank's last error line where the end lacks it (a
+    rank that died first is the cause, its traceback often scrolled off by the others' and the launcher's)."""
+    text = log.read_text(errors="replace")
+    tail = text[-3000:]
+    last = {m.group(1): m.group(0) for m in _ERROR_LINE.finditer(text)}
+    causes = "".join(f"{line}\n" for line in last.values() if line not in tail)
+    return RuntimeError(f"colograd.bench soak: {what}; the end of {log}:\n{causes}{tail}")
 
 
 def soak(s: dict[str, Any], schedule: list[Kill], out: Path, log: Path, port: int) -> dict[str, Any]:

@@ -70,11 +70,19 @@ _noted: set[str] = set()  # notes already printed by this process (preflight and
 
 
 def checkpoint_problem(checkpoint: str) -> str | None:
-    """What keeps `checkpoint` from being a finished save, or None when it is one.
+    """What keeps `checkpoint` from being a finished save, or None when it is one. A folder whose files vanish while
+    they are read (another process removing it) is no finished save.
 
     Returns:
         e.g. "optimizer.pt is cut short (1024 of 4096 bytes)", "its save did not finish".
     """
+    try:
+        return _problem(checkpoint)
+    except FileNotFoundError as err:
+        return f"it was being removed ({os.path.basename(err.filename or checkpoint)} vanished as it was read)"
+
+
+def _problem(checkpoint: str) -> str | None:
     try:
         with open(os.path.join(checkpoint, STATE_FILE)) as f:
             state = json.load(f)

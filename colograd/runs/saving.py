@@ -83,7 +83,10 @@ class ModelSaving(Trainer):
             self.args, policy, (self.recipe and self.recipe.model_name_or_path) or policy.config._name_or_path,
             self.train_dataset, self.reward_func_names, self.reward_weights.tolist(),
         )  # fmt: skip
-        checkpoint = check_output_dir(self.args, resume_from_checkpoint, self.run_setup)
+        # The first process decides and acts (it may remove this run's unfinished saves); the others judge after it,
+        # never a folder it is removing.
+        with self.accelerator.main_process_first():
+            checkpoint = check_output_dir(self.args, resume_from_checkpoint, self.run_setup)
         if checkpoint:
             check_resume(checkpoint, self.args, policy.config, self.args.trust_remote_code)
             check_setup(checkpoint, self.run_setup)  # another number of ranks passes where the run's batch is kept

@@ -615,6 +615,19 @@ def test_sharing_bench_reports_a_packing_that_runs_out_of_memory_and_runs_the_ot
 # --- the failure soak (`python -m colograd.bench soak`): its pure logic; its figures come from running it ---------
 
 
+def test_soak_failure_names_the_rank_that_died_first_though_its_traceback_scrolled_off(tmp_path):
+    from colograd.bench import soak
+
+    log = tmp_path / "run.log"
+    first = "[rank1]: FileNotFoundError: [Errno 2] No such file or directory: 'out/checkpoint-2'"
+    then = "[rank0]: RuntimeError: Connection closed by peer"
+    noise = "launcher noise\n" * 400  # the others' and the launcher's lines after it
+    log.write_text(f"[rank1]: Traceback (most recent call last):\n{first}\n{noise}{then}\n")
+    message = str(soak.fail("the relaunch ended", log))
+    assert message.count(first) == 1 and message.count(then) == 1  # the cause said once, the tail's line not repeated
+    assert message.index(first) < message.index(then)
+
+
 def test_soak_kill_schedule_is_reproducible_and_spreads_one_failure_over_each_span():
     from colograd.bench.soak import kill_schedule
 

@@ -172,6 +172,26 @@ def test_other_ranks_neither_refuse_nor_remove_and_resume_as_the_first_does(tmp_
     assert (other / "checkpoint-2").exists() and capsys.readouterr().err == ""
 
 
+def test_another_rank_reading_a_save_as_the_first_removes_it_starts_afresh_as_the_first_does(tmp_path, monkeypatch):
+    # The first process removes this run's unfinished save (a fresh start) while another still judges it: here the
+    # folder goes between the reads of its state and of its record. The other rank must conclude what the first did
+    # (no checkpoint), not die on a vanished file: in a launch, the first rank then waits for it in vain.
+    import shutil
+
+    from colograd.runs import checkpoints
+
+    path = save(tmp_path, 2, setup_of(args_for(tmp_path)), finished=False)
+    (path / "trainer_state.json").write_text(json.dumps({"global_step": 2}))  # written; the record not yet finished
+    read_record = checkpoints.read_record
+
+    def removed_meanwhile(checkpoint):
+        shutil.rmtree(checkpoint, ignore_errors=True)  # its first read: gone from here on
+        return read_record(checkpoint)
+
+    monkeypatch.setattr(checkpoints, "read_record", removed_meanwhile)
+    assert check_output_dir(args_for(tmp_path, rank=1), None, setup_of(args_for(tmp_path))) is None
+
+
 def test_an_explicit_resume_from_checkpoint_keeps_its_meaning(tmp_path):
     args = args_for(tmp_path)
     two, four = save(tmp_path, 2, setup_of(args)), save(tmp_path, 4, setup_of(args))
