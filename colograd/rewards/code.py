@@ -49,7 +49,7 @@ from colograd.rewards.code_tests import (
     run_asserts,
 )
 from colograd.rewards.sandbox import Execution, Sandbox, SandboxLimits
-from colograd.rewards.sandbox_session import OVERLOADED_TRIES, Overloaded, case_retried, said_overloaded
+from colograd.rewards.sandbox_session import Overloaded, said_overloaded
 
 logger = logging.getLogger(__name__)
 
@@ -258,11 +258,7 @@ class CodeReward:
         if isinstance(tests, AssertTests):
             if not code.strip():  # nothing to test: the tests would only fail on the names they call
                 return CodeResult(0, len(tests.tests), "no code block")
-            run = run_asserts(self.sandbox, tests, code)
-            for _ in range(OVERLOADED_TRIES - 1):
-                if run.execution.reason != "overloaded":
-                    break
-                run = run_asserts(self.sandbox, tests, code)
+            run = run_asserts(self.sandbox, tests, code)  # run again while the machine stops it (`Sandbox.run`)
             failures = run.failures
             if run.execution.reason == "overloaded":
                 return _overloaded(len(failures))
@@ -300,10 +296,9 @@ class CodeReward:
     def _run_cases(self, code: str, cases: tuple[tuple[str, str], ...], check: CheckRun | None) -> CodeResult:
         """The cases in one session, in order; each output judged by `check` where the row has a checker."""
         passed, failed, reason = 0, 0, None
-        session = self.sandbox.session(code)
-        try:
+        with self.sandbox.session(code) as session:
             for stdin, expected in cases:
-                session, execution = case_retried(session, lambda: self.sandbox.session(code), stdin)
+                execution = session.case(stdin)
                 if execution.reason == "overloaded":
                     return _overloaded(len(cases))
                 if check is None or not execution.ok:
@@ -315,8 +310,6 @@ class CodeReward:
                 reason = reason or failure
                 if failure is not None and self._decided(failed, len(cases), failure):
                     break
-        finally:
-            session.close()
         return CodeResult(passed, len(cases), reason)
 
     def matches(self, stdout: str, expected: str) -> bool:

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from colograd.rewards.sandbox import Sandbox, SandboxLimits
-from colograd.rewards.sandbox_session import Overloaded, Session, case_retried
+from colograd.rewards.sandbox_session import Overloaded, Session
 
 KINDS = {"checker": "cpp", "generated_checker": "python"}
 # What compiling one checker, and checking one case, may use (the problem's programs, not the policy's: generous).
@@ -167,7 +167,7 @@ def compile_cpp(
 
 
 class CheckRun:
-    """One completion's checking: a checker session, opened again where a case killed the last one.
+    """One completion's checking: a checker session (built again where a case killed the last sandbox: `Session`).
 
     Raises:
         CheckerBroken: (at construction) a C++ checker that does not compile.
@@ -188,13 +188,13 @@ class CheckRun:
         accepted nor rejected.
 
         Raises:
-            Overloaded: the machine stopped the checker as overloaded at every try (`case_retried`).
+            Overloaded: the machine stopped the checker as overloaded at every try (`Session.case`).
         """
         if self.checker.language == "python":
             files = {"input.txt": stdin, "correct_output.txt": expected, "solution_output.txt": output}
         else:
             files = {"input.txt": stdin, "output.txt": output, "answer.txt": expected}
-        self.session, done = case_retried(self.session, lambda: self.checkers.session(self.checker), "", files)
+        done = self.session.case("", files)
         if done.reason == "overloaded":
             raise Overloaded
         if self.checker.language == "python":

@@ -53,7 +53,7 @@ from colograd.rewards.code_checker import (
     row_checker,
 )
 from colograd.rewards.sandbox import Execution, Sandbox, SandboxLimits
-from colograd.rewards.sandbox_session import Session, case_retried, said_overloaded
+from colograd.rewards.sandbox_session import Session, said_overloaded
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def tally(verdicts: Iterable[str | None], scoring_mode: str) -> tuple[int, str |
     stopped as overloaded at every try ends them, its reason "overloaded" (no score can be given)."""
     passed, reason = 0, None
     for failure in verdicts:
-        if failure == "overloaded":  # the machine's verdict at every try (`case_retried`): no score can be given
+        if failure == "overloaded":  # the machine's verdict at every try (`Session.case`): no score can be given
             return passed, failure
         passed += failure is None
         reason = reason or failure
@@ -124,6 +124,22 @@ def without_empty_lines(text: str) -> str:
 def unix_lines(text: str) -> str:
     """``sed 's/\\r$//'``: each line's trailing carriage return removed."""
     return re.sub(r"\r(?=\n|$)", "", text)
+
+
+def problem_limits(time_limit: float, memory_limit: float) -> SandboxLimits:
+    """A judge's limits for a program: `time_limit` seconds of wall time (not counting waits for a CPU), `memory_limit`
+    MB of address space, the stack as large as the memory (the judges' ``ulimit -s unlimited``)."""
+    memory = max(1, math.ceil(memory_limit))
+    return replace(
+        SandboxLimits(),
+        wall_s=time_limit,
+        cpu_s=max(1, math.ceil(time_limit)),
+        memory_mib=memory,
+        stack_mib=memory,
+        file_mib=256,
+        disk_mib=256,
+        output_kib=64 << 10,
+    )
 
 
 @dataclass(frozen=True)
@@ -304,31 +320,21 @@ class CfCodeReward:
         return submission_score(code, len(problem.tests), True, passed, self.scoring_mode), reason
 
     def _run_tests(self, code: str, files: dict[str, bytes], problem: Problem) -> tuple[int, str | None]:
-        limits = self._limits(problem)
-        sandbox = self.sandbox.with_limits(limits)
+        sandbox = self.sandbox.with_limits(problem_limits(problem.time_limit, problem.memory_limit))
         argv = self._argv(problem, sandbox)
 
         program = code if problem.language == "python" else ""  # C++ runs its binary, not main.py
-
-        def start() -> Session:
-            return sandbox.session(program, argv, files)
-
-        session = start()
+        session = sandbox.session(program, argv, files)
         check = None if problem.checker is None else self.checkers.session(problem.checker)
 
-        def restart() -> Session:
-            return self.checkers.session(problem.checker)
-
         def verdicts() -> Iterator[str | None]:
-            nonlocal session, check
             for stdin, expected in problem.tests:
                 stdin = unix_lines(stdin)
                 if problem.input_mode == "file":
-                    session, execution = case_retried(session, start, "", {"input.txt": stdin})
+                    execution = session.case("", {"input.txt": stdin})
                 else:
-                    session, execution = case_retried(session, start, stdin)
-                failure, check = self._verdict(execution, stdin, expected, check, restart)
-                yield failure
+                    execution = session.case(stdin)
+                yield self._verdict(execution, stdin, expected, check)
 
         try:
             return tally(verdicts(), self.scoring_mode)
@@ -338,38 +344,21 @@ class CfCodeReward:
                 check.close()
 
     @staticmethod
-    def _verdict(
-        execution: Execution, stdin: str, expected: str, check: Session | None, restart: Callable[[], Session]
-    ) -> tuple[str | None, Session | None]:
-        """Why a test failed (None: it passed), as the Piston package's run script decides, and the checker's session
-        to go on with (`restart` opens another where the machine stopped the checker as overloaded: `case_retried`;
-        overloaded at every try, the test's verdict is "overloaded", unknown, not a wrong answer)."""
+    def _verdict(execution: Execution, stdin: str, expected: str, check: Session | None) -> str | None:
+        """Why a test failed (None: it passed), as the Piston package's run script decides; where the machine stopped
+        the checker as overloaded at every try (`Session.case`), "overloaded": unknown, not a wrong answer."""
         if not execution.ok:
-            return execution.reason, check
+            return execution.reason
         if check is None:
             same = normalize_output(expected) == normalize_output(execution.stdout)
-            return (None if same else "wrong answer"), check
+            return None if same else "wrong answer"
         correct = without_empty_lines(unix_lines(expected.rstrip("\n") + "\n"))
         files = {"input.txt": stdin, "correct_output.txt": correct,
                  "solution_output.txt": without_empty_lines(execution.stdout)}  # fmt: skip
-        check, done = case_retried(check, restart, "", files)
+        done = check.case("", files)
         if done.reason == "overloaded":
-            return "overloaded", check
-        return (None if done.ok and "".join(done.stdout.split()) in ("1", "100") else "wrong answer (checker)"), check
-
-    @staticmethod
-    def _limits(problem: Problem) -> SandboxLimits:
-        memory = max(1, math.ceil(problem.memory_limit))
-        return replace(
-            SandboxLimits(),
-            wall_s=problem.time_limit,
-            cpu_s=max(1, math.ceil(problem.time_limit)),
-            memory_mib=memory,
-            stack_mib=memory,
-            file_mib=256,
-            disk_mib=256,
-            output_kib=64 << 10,
-        )
+            return "overloaded"
+        return None if done.ok and "".join(done.stdout.split()) in ("1", "100") else "wrong answer (checker)"
 
     @staticmethod
     def _argv(problem: Problem, sandbox: Sandbox) -> list[str] | None:

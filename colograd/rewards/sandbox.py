@@ -29,7 +29,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 
 from colograd.errors import ConfigError
@@ -58,6 +58,9 @@ _MISSING = {
     "session_keyring": "programs keep the trainer's session keyring (keyctl is refused here)",
     "ipc_limits": "the IPC namespace's shared memory is not limited",
 }
+# An execution stopped as "overloaded" (it got under 1/BACKSTOP of its wall time on the machine's CPUs: the machine's
+# doing, not the program's) runs again, up to this many tries in all; still overloaded, a reward gives no score.
+OVERLOADED_TRIES = 3
 _said: set[str] = set()
 _said_lock = threading.Lock()
 
@@ -166,6 +169,17 @@ class Execution:
         return self.reason is None
 
 
+def retried(execute: Callable[[], Execution]) -> Execution:
+    """`execute()`, again while the machine stops it as overloaded, up to OVERLOADED_TRIES tries; the last execution.
+    Each try is a fresh execution, so a program's verdict is still its own: only the machine's is not taken."""
+    execution = execute()
+    for _ in range(OVERLOADED_TRIES - 1):
+        if execution.reason != "overloaded":
+            break
+        execution = execute()
+    return execution
+
+
 class Sandbox:
     """Runs Python programs in isolation, one process tree per execution.
 
@@ -247,7 +261,9 @@ class Sandbox:
         return other
 
     def run(self, code: str, stdin: str | bytes = "", judge: dict | None = None) -> Execution:
-        """Run `code` with `stdin` as its standard input; never raises for what the program does.
+        """Run `code` with `stdin` as its standard input; never raises for what the program does. An execution the
+        machine stops as overloaded runs again, afresh, up to OVERLOADED_TRIES tries in all (its reason stays
+        "overloaded" only when every try was).
 
         Args:
             code: the program (its main.py).
@@ -256,6 +272,9 @@ class Sandbox:
                 harness's modules, compiled: `colograd.rewards.code_tests.compiled_harness`): it runs beside the
                 program, which then gets the judge's channel and no stdin.
         """
+        return retried(lambda: self._run_once(code, stdin, judge))
+
+    def _run_once(self, code: str, stdin: str | bytes, judge: dict | None) -> Execution:
         start = time.perf_counter()
         status_r, status_w = os.pipe()
         stdin_fd = _stdin_file(stdin)

@@ -9,13 +9,13 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
 
 from colograd.rewards.sandbox import (
     _ENV,
     _STATUS_BYTES,
     _STDERR_KEPT,
     LAUNCHER,
+    OVERLOADED_TRIES,
     Execution,
     Sandbox,
     _kill_group,
@@ -24,6 +24,7 @@ from colograd.rewards.sandbox import (
     _stdin_file,
     _text,
     logger,
+    retried,
 )
 from colograd.rewards.sandbox_clock import BACKSTOP, CgroupCpu, Clock, ProcTreeCpu
 
@@ -34,13 +35,24 @@ class Session:
     is built once: each case gets a new /sandbox, /tmp and /dev/shm, and whatever the last case left running is
     killed before the next starts (`sandbox_launch.serve_cases`). A case's input crosses only when the case runs, so
     a run that stops at its first failure never sends the rest. A case killed from here (its wall or CPU time, its
-    output) ends the session with it: `alive` is then False, and further cases need a new session.
+    output) ends the sandbox with it (`alive` is then False): the next case builds it again. A case the machine
+    stops as overloaded runs again in a sandbox built afresh, up to OVERLOADED_TRIES tries in all, so a caller's own
+    reward gets the machine's verdict taken back as the built-in ones do. A sandbox whose setup failed is not built
+    again: its cases answer "sandbox setup failed".
 
     Use as a context manager, or `close` it.
     """
 
     def __init__(self, sandbox: Sandbox, code: str, argv: list[str] | None, files: dict[str, bytes] | None) -> None:
         self.sandbox = sandbox
+        self._program = (code, argv, files)
+        self._setup_error: str | None = None
+        self._closed = False
+        self._open()
+
+    def _open(self) -> None:
+        """Build the sandbox and start its launcher, which waits for cases."""
+        sandbox, (code, argv, files) = self.sandbox, self._program
         self.alive = True
         self.protections: tuple[str, ...] = ()
         self._cases = 0
@@ -117,10 +129,21 @@ class Session:
 
     def case(self, stdin: str | bytes = "", files: dict[str, str | bytes] | None = None) -> Execution:
         """Run the program once more, on `stdin`, with `files` in /sandbox beside it; never raises for what the
-        program does. A session that is no longer `alive` answers "sandbox failed" without running anything."""
-        start = time.perf_counter()
-        if not self.alive:
+        program does. Where the last case ended the sandbox, or the machine stops this one as overloaded, the
+        sandbox is built again first (see the class)."""
+        if self._closed:  # as a program whose sandbox is gone
             return Execution("", "", None, None, "sandbox failed", seconds=0.0)
+        return retried(lambda: self._case(stdin, files))
+
+    def _case(self, stdin: str | bytes, files: dict[str, str | bytes] | None) -> Execution:
+        start = time.perf_counter()
+        if self._setup_error is not None:
+            return Execution(
+                "", f"sandbox setup: {self._setup_error}", None, None, "sandbox setup failed", seconds=0.0
+            )
+        if not self.alive:
+            self._shut()
+            self._open()
         names = list(files or {})
         fds = [_stdin_file(stdin), *(_stdin_file(data) for data in (files or {}).values())]
         try:
@@ -142,6 +165,7 @@ class Session:
         seconds = time.perf_counter() - start
         done = dict(protections=self.protections, seconds=seconds)
         if cut is None and report is not None and "setup_error" in report:
+            self._setup_error = report["setup_error"]
             self._end()
             return Execution("", f"sandbox setup: {report['setup_error']}", None, None, "sandbox setup failed", **done)
         oom = self._oom_kills()
@@ -243,6 +267,11 @@ class Session:
 
     def close(self) -> None:
         """End the session: the sandbox and everything in it."""
+        self._closed = True
+        self._shut()
+
+    def _shut(self) -> None:
+        """End the sandbox (and its launcher), keeping the session."""
         if self._proc.returncode is not None and not self.alive and self._control.fileno() < 0:
             return
         self._control.close()  # the launcher's pid 1 reads the end, and exits
@@ -260,33 +289,9 @@ class Session:
         self.sandbox._remove_cgroups(self._cgroups)
 
 
-# An execution stopped as "overloaded" (it got under 1/BACKSTOP of its wall time on the machine's CPUs: the machine's
-# doing, not the program's) runs again, up to this many tries in all; still overloaded, a reward gives no score.
-OVERLOADED_TRIES = 3
-
-
 class Overloaded(Exception):
     """A checker's execution the machine stopped as overloaded at every try: its verdict on the case is unknown, so
     the completion gets no score (not a wrong answer, and not a broken checker)."""
-
-
-def case_retried(
-    session: Session, restart: Callable[[], Session], stdin: str | bytes = "", files: dict | None = None
-) -> tuple[Session, Execution]:
-    """`session.case(stdin, files)`, in a fresh session (`restart`) where the last case was killed from outside and
-    the sandbox with it, and run again in another while the machine stops it as overloaded, up to OVERLOADED_TRIES
-    tries in all. Returns the session to go on with and the last execution."""
-    if not session.alive:
-        session.close()
-        session = restart()
-    execution = session.case(stdin, files)
-    for _ in range(OVERLOADED_TRIES - 1):
-        if execution.reason != "overloaded":
-            break
-        session.close()  # its processes were stopped with the case
-        session = restart()
-        execution = session.case(stdin, files)
-    return session, execution
 
 
 def said_overloaded() -> None:

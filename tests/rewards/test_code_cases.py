@@ -65,12 +65,14 @@ def test_each_case_has_its_own_cpu_time(sandbox):
     assert [r.reason for r in runs] == [None] * 5
 
 
-def test_a_case_killed_from_outside_ends_the_session_only(sandbox):
+def test_a_case_killed_from_outside_ends_its_sandbox_and_the_next_case_builds_another(sandbox):
     hang_on_zero = "import time\nif input() == '0':\n    time.sleep(1000)\nprint('ok')\n"
     limits = SandboxLimits(wall_s=1.0, cpu_s=1, memory_mib=256)
     with Sandbox(limits).session(hang_on_zero) as session:
         assert session.case("0\n").reason == "timeout" and not session.alive
-        assert session.case("1\n").reason == "sandbox failed"  # nothing runs in a session that ended
+        after = session.case("1\n")
+        assert after.ok and after.stdout == "ok\n" and session.alive  # in a sandbox built again
+    assert session.case("1\n").reason == "sandbox failed"  # nothing runs in a closed session
 
 
 def test_output_to_stderr_counts_against_a_cases_output_limit():
@@ -209,6 +211,25 @@ def test_an_execution_stopped_as_overloaded_runs_again(monkeypatch, layout):
     given = starved(monkeypatch, 2)
     assert code([block(program)], **row) == [1.0]
     assert len(given) == 2
+
+
+def test_a_users_own_reward_gets_the_machines_verdict_taken_back_too(monkeypatch):
+    """The retry lives in the sandbox, not in colograd's rewards: a reward of one's own that runs programs through
+    `Sandbox.run` or `Sandbox.session` gets a starved execution run again, and "overloaded" only when every try was."""
+    from colograd.rewards.sandbox_session import OVERLOADED_TRIES
+
+    sandbox = Sandbox(LIMITS)
+    given = starved(monkeypatch, 2)
+    run = sandbox.run(SLOW_SUM, "1 2\n")
+    assert run.ok and run.stdout == "3\n" and len(given) == 2
+    given = starved(monkeypatch, 2)
+    with sandbox.session(SLOW_SUM) as session:
+        first, second = session.case("1 2\n"), session.case("5 5\n")
+    assert (first.stdout, second.stdout) == ("3\n", "10\n") and len(given) == 2
+    given = starved(monkeypatch, 100)
+    assert sandbox.run(SLOW_SUM, "1 2\n").reason == "overloaded" and len(given) == OVERLOADED_TRIES
+    with sandbox.session(SLOW_SUM) as session:
+        assert session.case("1 2\n").reason == "overloaded" and len(given) == 2 * OVERLOADED_TRIES
 
 
 @pytest.mark.parametrize("layout", ["stdio", "asserts"])
