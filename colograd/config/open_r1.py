@@ -172,7 +172,13 @@ class OpenR1ScriptFields:
     )
     e2b_router_url: str | None = field(default=None, metadata={"help": "open-r1: e2b's router. No effect here."})
     morph_router_url: str | None = field(default=None, metadata={"help": "open-r1: Morph's router. No effect here."})
-    ioi_provider: str = field(default="piston", metadata={"help": "open-r1 `ioi_code` (refused here): its provider."})
+    ioi_provider: str = field(
+        default="piston",
+        metadata={
+            "help": "open-r1 `ioi_code`: where open-r1 ran its grader (piston or morph). Accepted; the "
+            "grader runs in colograd's sandbox."
+        },
+    )
     dataset_mixture: dict | None = field(
         default=None, metadata={"help": "open-r1: a mixture of datasets. Refused: give one dataset (dataset_name)."}
     )

@@ -14,8 +14,8 @@ and the model folder (colograd.models.model_files: JSON files, config fields, to
                   stream: its first rows, read without advancing the stream training reads)
     sizes         the dataset holds one full rollout batch for every rank; lengths fit the model and the engine
     rewards       every reward function accepts, by name, the arguments and dataset columns it will be called with;
-                  the code rewards can read every row's tests (colograd.rewards.code.check_code_rows, and
-                  cf_code's: colograd.rewards.code_codeforces.check_cf_rows)
+                  the code rewards can read every row's tests (colograd.rewards.code.check_code_rows; cf_code's
+                  and ioi_code's: colograd.rewards.code_codeforces.check_cf_rows, code_ioi.check_ioi_rows)
     engine        vLLM's own objects (SamplingParams, LoRAConfig) built from the config; layers whose KV cache
                   colograd sizes (no hybrid or Mamba layers); unquantized experts of a width the CPU kernel takes;
                   dtype and head size supported by the engine's backend
@@ -28,7 +28,7 @@ Every failure is a `ConfigError` naming the input, the problem and the fix.
 import copy
 import inspect
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +45,7 @@ from colograd.models.model_files import on_meta_device
 from colograd.preflight.engine import check_engine
 from colograd.rewards.code import check_code_rows
 from colograd.rewards.code_codeforces import check_cf_rows
+from colograd.rewards.code_ioi import check_ioi_rows
 from colograd.rewards.core import RewardFunc, resolve_reward, reward_name
 from colograd.rewards.names import reward_meanings
 from colograd.runs.checkpoints import check_resume, note
@@ -114,7 +115,7 @@ def preflight(
         )
         check_rewards(reward_funcs, [c for c in eval_dataset.column_names if c != "prompt"])
         check_code_rows(reward_funcs, eval_dataset.column_names, _reader(eval_dataset), f"{name} ({split})")
-        check_cf_rows(reward_funcs, eval_dataset.column_names, _reader(eval_dataset), f"{name} ({split})")
+        check_judged_rows(reward_funcs, eval_dataset.column_names, _reader(eval_dataset), f"{name} ({split})")
     check_resume(checkpoint, training_args, model_config, training_args.trust_remote_code)
     # Last: importing vLLM's pieces takes seconds, which a mistake found above should not wait for.
     check_engine(training_args, model_config, dtype, lora_rank)
@@ -163,7 +164,19 @@ def check_data(
     if rewards_also_get is not None:
         check_rewards(reward_funcs, [c for c in dataset.column_names if c != "prompt"] + list(rewards_also_get))
         check_code_rows(reward_funcs, dataset.column_names, _reader(dataset), name, rewards_also_get)
-        check_cf_rows(reward_funcs, dataset.column_names, _reader(dataset), name, rewards_also_get)
+        check_judged_rows(reward_funcs, dataset.column_names, _reader(dataset), name, rewards_also_get)
+
+
+def check_judged_rows(
+    reward_funcs: list[RewardFunc],
+    columns: list[str],
+    read: Callable[[list[str]], Any],
+    name: str,
+    rewards_also_get: Sequence[str] | None = (),
+) -> None:
+    """The rows as open-r1's judged rewards (`cf_code`, `ioi_code`) will read them, each by its own check."""
+    for check in (check_cf_rows, check_ioi_rows):
+        check(reward_funcs, columns, read, name, rewards_also_get or ())
 
 
 def _reader(dataset: Dataset, batch: int = 256) -> Callable[[list[str]], Iterator[dict[str, list]]]:
@@ -207,7 +220,7 @@ def check_stream_data(
         check_rewards(reward_funcs, [c for c in columns if c != "prompt"] + list(rewards_also_get))
         read = lambda names: {c: [row.get(c) for row in head] for c in names}  # noqa: E731
         check_code_rows(reward_funcs, columns, read, head_name, rewards_also_get)
-        check_cf_rows(reward_funcs, columns, read, head_name, rewards_also_get)
+        check_judged_rows(reward_funcs, columns, read, head_name, rewards_also_get)
     if not drop_invalid:
         return dataset
     template_kwargs = args.chat_template_kwargs

@@ -97,19 +97,14 @@ def resolve_reward(name: str, options: Any = None) -> RewardFunc:
     Raises:
         ConfigError: in one line, for anything that keeps the name from giving a reward function: a module that does
             not import (a syntax error, an import inside it failing, any error while it runs), a missing file or
-            name, something that is not callable, a class where an instance is needed; an open-r1 name colograd
-            does not run (`ioi_code`).
+            name, something that is not callable, a class where an instance is needed.
     """
-    from colograd.rewards.open_r1 import REFUSED
-
     if name in BUILTIN_REWARDS:
         if options is None:
             from colograd.config.data import ScriptArguments
 
             options = ScriptArguments()
         return BUILTIN_REWARDS[name].make(options)
-    if name in REFUSED:
-        raise ConfigError(f"reward_funcs: {name}: open-r1's {name} {REFUSED[name]}")
     if name.endswith(".py"):
         raise ConfigError(f"reward_funcs: {name!r} names a file but no function in it; write {name}:my_reward.")
     module_name, _, attr = name.rpartition(":")

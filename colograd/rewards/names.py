@@ -93,6 +93,12 @@ def _cf_code(options: Any) -> RewardFunc:
     return cf_code_reward(options.code_eval_test_batch_size, options.code_eval_scoring_mode, options.code_sandbox)
 
 
+def _ioi_code(options: Any) -> RewardFunc:
+    from colograd.rewards.code_ioi import ioi_code_reward
+
+    return ioi_code_reward(options.code_eval_test_batch_size, options.ioi_provider, options.code_sandbox)
+
+
 def _binary_code(options: Any) -> RewardFunc:
     from colograd.rewards.code import binary_code_reward
 
@@ -118,7 +124,7 @@ _OPEN_R1 = "open-r1's"
 # Each name means what its ecosystem means: open-r1's registry names (src/open_r1/rewards.py) are open-r1's
 # functions, TRL's script names (trl/scripts/grpo.py) TRL's, and colograd's own names colograd's.
 BUILTIN_REWARDS: dict[str, Builtin] = {
-    # open-r1's 13 names (`ioi_code` is refused: `colograd.rewards.open_r1.REFUSED`)
+    # open-r1's 13 names
     "accuracy": Builtin(_open_r1("accuracy_reward"), f"{_OPEN_R1} accuracy (math_verify, strict LaTeX, boxed first)"),
     "format": Builtin(_open_r1("format_reward"), f"{_OPEN_R1} format (<think>...</think> then <answer>...</answer>)"),
     "tag_count": Builtin(_open_r1("tag_count_reward"), f"{_OPEN_R1} tag_count (0.25 per think/answer tag)"),
@@ -130,6 +136,10 @@ BUILTIN_REWARDS: dict[str, Builtin] = {
     "binary_code": Builtin(_binary_code, f"{_OPEN_R1} binary_code (pass rate above 0.99, in colograd's sandbox)"),
     "cf_code": Builtin(
         _cf_code, f"{_OPEN_R1} cf_code (Codeforces tests, checker and code_eval_scoring_mode, in colograd's sandbox)"
+    ),
+    "ioi_code": Builtin(
+        _ioi_code,
+        f"{_OPEN_R1} ioi_code (an IOI subtask: the CMS grader's minimum over its tests, in colograd's sandbox)",
     ),
     "code_format": Builtin(_code_format, f"{_OPEN_R1} code_format (think, then an answer with a code_language block)"),
     "soft_overlong_punishment": Builtin(

@@ -3,8 +3,8 @@
 
 open-r1's registry maps 13 names; its recipe fields (`cosine_*`, `repetition_*`, `code_language`,
 `max_completion_len`, `soft_punish_cache`) set their parameters, with its defaults (`colograd.config.data`). The code
-rewards, `code` and `binary_code`, are `colograd.rewards.code`'s and `cf_code` is `colograd.rewards.code_codeforces`,
-in the local sandbox; `ioi_code` needs open-r1's Piston grader and is refused by name (`REFUSED`).
+rewards, `code` and `binary_code`, are `colograd.rewards.code`'s, `cf_code` is `colograd.rewards.code_codeforces` and
+`ioi_code` `colograd.rewards.code_ioi`, in the local sandbox.
 
 TRL has rewards of similar names and other definitions: `trl.rewards.accuracy_reward` parses with other
 normalisation, its `think_format_reward` checks only the think block, its cosine and repetition rewards count tokens
@@ -205,15 +205,3 @@ def get_soft_overlong_punishment(max_completion_len: int, soft_punish_cache: int
         return rewards
 
     return soft_overlong_punishment_reward
-
-
-# open-r1's names colograd does not run, and why.
-REFUSED: dict[str, str] = {
-    "ioi_code": (
-        "is not run here: it scores a subtask (open-r1/ioi's rows) by the minimum of its tests' scores, each test "
-        "scored by the CMS grader of open-r1's Piston package (cms_ioi: the problem's grader files compiled with the "
-        "solution, a score printed per test), and, for rows without test_cases, loads the tests from the Hub "
-        "(open-r1/ioi-test-cases) while training; colograd has neither that grader nor the tests offline. Use "
-        "cf_code or code, or a reward function of your own (a dotted path) that calls your Piston workers."
-    ),
-}

@@ -54,12 +54,14 @@ def test_the_code_recipe_runs_on_its_7_processes_with_groups_spanning_ranks(tmp_
     assert "\n" not in str(err.value)
 
 
-def test_the_ioi_recipe_parses_and_stops_on_its_reward(tmp_path):
-    # Its batch fits colograd's rule at 2 × 16 per rank.
+def test_the_ioi_recipe_runs_ioi_code_with_its_parameters(tmp_path):
+    # Its batch fits colograd's rule at 2 × 16 per rank; ioi_code built with the recipe's test batch and provider.
+    from colograd.rewards.code_ioi import IoiCodeReward
+
     script, _, _ = parse("qwen2_5-1_5b-instruct_config_demo_code_ioi.yaml", tmp_path, "--num_generations", "16")
     assert script.reward_funcs[0] == "ioi_code" and script.code_eval_test_batch_size == 3
-    with pytest.raises(ConfigError, match="reward_funcs: ioi_code: open-r1's ioi_code is not run here"):
-        resolve_reward("ioi_code", script)
+    reward = resolve_reward("ioi_code", script)
+    assert isinstance(reward, IoiCodeReward) and (reward.test_batch_size, reward.provider_type) == (3, "piston")
 
 
 def test_the_codeforces_recipe_runs_cf_code_with_its_scoring(tmp_path, capsys, monkeypatch):

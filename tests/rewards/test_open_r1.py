@@ -111,10 +111,13 @@ def test_trls_script_soft_overlong_punishment_has_its_script_values():
     assert resolve_reward("get_soft_overlong_punishment")(completion_ids=ids) == reference(ids)
 
 
-def test_open_r1s_ioi_code_is_refused_in_one_line_saying_what_it_needs():
-    with pytest.raises(ConfigError, match="ioi_code: open-r1's ioi_code is not run here: it scores a subtask") as err:
-        resolve_reward("ioi_code")
-    assert "open-r1/ioi-test-cases" in str(err.value) and "\n" not in str(err.value)
+def test_open_r1s_ioi_code_takes_the_recipes_parameters():
+    from colograd.config.data import ScriptArguments
+    from colograd.rewards.code_ioi import IoiCodeReward
+
+    reward = resolve_reward("ioi_code", ScriptArguments(code_eval_test_batch_size=3, ioi_provider="morph"))
+    assert isinstance(reward, IoiCodeReward) and (reward.test_batch_size, reward.provider_type) == (3, "morph")
+    assert reward is resolve_reward("ioi_code", ScriptArguments(code_eval_test_batch_size=3, ioi_provider="morph"))
 
 
 def test_open_r1s_cf_code_takes_the_recipes_parameters(tmp_path, monkeypatch):
