@@ -269,3 +269,18 @@ def test_the_hubs_tests_are_read_by_year_and_problem(reward, monkeypatch):
     assert judge(reward, [RIGHT], hub_row) == [1.0]
     assert loaded == [("open-r1/ioi-test-cases", "2031", "train")]  # once per year
     code_ioi._loaded_year.cache_clear()
+
+
+def test_rows_as_a_dataset_file_loads_them_pass_preflight_and_score(reward, tmp_path):
+    """open-r1/ioi's nested columns (grader_files' pairs, test_cases) through `datasets`' Arrow round trip, as
+    `dataset_name` loads a local file."""
+    from colograd.config.data import ScriptArguments
+    from colograd.data.core import load_prompts
+
+    path = tmp_path / "ioi.jsonl"
+    rows = [{"problem": "Sum the numbers.", **row()}, {"problem": "Sum them.", **row(checker=False)}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dataset = load_prompts(ScriptArguments(dataset_name=str(path), dataset_prompt_column="problem"))
+    check_ioi_rows([reward], dataset.column_names, lambda names: dataset.select_columns(names)[:], "ioi")
+    columns = {c: dataset[c] for c in dataset.column_names if c != "prompt"}
+    assert reward([block(RIGHT), block(OFF_BY_ONE)], **columns) == [1.0, 0.0]  # the second row compares outputs
