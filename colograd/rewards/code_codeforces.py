@@ -240,7 +240,51 @@ def check_cf_rows(
                               f"{str(err).removeprefix('cf_code: ')}") from None  # fmt: skip
 
 
-class CfCodeReward:
+class JudgedReward:
+    """What open-r1's judged rewards (`cf_code`, `ioi_code`) share: a sandbox for the programs and one that compiles
+    them, a pool that judges a call's completions at once, and the call itself: each completion's code judged on its
+    row (`judge`), the first failures logged as `<name>_failure`."""
+
+    __name__ = "judged"
+    language = "cpp"  # the fenced block a completion's code is read from, where the row does not say
+
+    def __init__(self, sandbox: str, workers: int | None, compiles: str) -> None:
+        """`compiles`: why the reward needs g++, said where the machine has none."""
+        if sandbox not in ("namespaces", "none"):
+            raise ConfigError(f"code_sandbox: {sandbox!r} is not one of namespaces, none.")
+        if shutil.which("g++") is None:
+            raise ConfigError(f"reward_funcs: {self.__name__}: this machine has no g++ ({compiles}); install g++")
+        self.isolated = sandbox == "namespaces"
+        self.sandbox = Sandbox(SandboxLimits(), isolated=self.isolated)
+        self.compiler = self.sandbox.with_limits(COMPILE_LIMITS)
+        self._pool = ThreadPoolExecutor(workers or len(os.sched_getaffinity(0)),
+                                        thread_name_prefix=f"colograd-{self.__name__}")  # fmt: skip
+        self._lock = threading.Lock()
+
+    def __call__(
+        self, completions: list, log_extra: Callable[[str, list], None] | None = None, **columns: Any
+    ) -> list[float | None]:
+        """Each completion's reward on its row (the dataset's columns, one value per completion)."""
+        problems = self.rows(columns, len(completions))
+        futures = [
+            self._pool.submit(self.judge, extract_code(completion_text(c), getattr(p, "language", self.language)), p)
+            for c, p in zip(completions, problems, strict=True)
+        ]
+        results = [f.result() for f in futures]
+        if log_extra is not None:
+            log_extra(f"{self.__name__}_failure", [why for _, why in results])
+        return [reward for reward, _ in results]
+
+    def rows(self, columns: dict[str, list], n: int) -> list:
+        """The `n` rows of a call, as `judge` takes them."""
+        raise NotImplementedError
+
+    def judge(self, code: str, problem: Any) -> tuple[float | None, str | None]:
+        """(the reward, the first failure's reason or None) of `code` on `problem`, in this thread."""
+        raise NotImplementedError
+
+
+class CfCodeReward(JudgedReward):
     """open-r1's `cf_code` on colograd's sandbox (the module's docstring says what it computes).
 
     Args:
@@ -277,31 +321,12 @@ class CfCodeReward:
                 "download them (open-r1/codeforces' generated tests) and set it, or point it at an empty folder "
                 "to judge on official_tests only."
             )
-        if shutil.which("g++") is None:
-            raise ConfigError("reward_funcs: cf_code: this machine has no g++ (open-r1 compiles C++ with it); "
-                              "install g++")  # fmt: skip
+        super().__init__(sandbox, workers, "open-r1 compiles C++ with it")
         self.test_batch_size, self.scoring_mode, self.tests_folder = test_batch_size, scoring_mode, folder
-        isolated = sandbox == "namespaces"
-        self.sandbox = Sandbox(SandboxLimits(), isolated=isolated)
-        self.compiler = self.sandbox.with_limits(COMPILE_LIMITS)
-        self.checkers = Checkers(isolated=isolated)
-        self._pool = ThreadPoolExecutor(workers or len(os.sched_getaffinity(0)), thread_name_prefix="colograd-cf")
-        self._lock = threading.Lock()
+        self.checkers = Checkers(isolated=self.isolated)
 
-    def __call__(
-        self, completions: list, log_extra: Callable[[str, list], None] | None = None, **columns: Any
-    ) -> list[float | None]:
-        """Each completion's reward on its row (the dataset's columns, one value per completion)."""
-        rows = [{c: columns[c][i] for c in COLUMNS if c in columns} for i in range(len(completions))]
-        problems = [read_problem(row, self.tests_folder) for row in rows]
-        futures = [
-            self._pool.submit(self.judge, extract_code(completion_text(c), p.language), p)
-            for c, p in zip(completions, problems, strict=True)
-        ]
-        results = [f.result() for f in futures]
-        if log_extra is not None:
-            log_extra("cf_code_failure", [why for _, why in results])
-        return [reward for reward, _ in results]
+    def rows(self, columns: dict[str, list], n: int) -> list[Problem]:
+        return [read_problem({c: columns[c][i] for c in COLUMNS if c in columns}, self.tests_folder) for i in range(n)]
 
     def judge(self, code: str, problem: Problem) -> tuple[float | None, str | None]:
         """(the reward, the first failure's reason or None) of `code` on `problem`, in this thread."""

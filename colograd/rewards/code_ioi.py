@@ -36,22 +36,19 @@ at once) and `ioi_provider` do not change the score, and are accepted for that.
 import json
 import logging
 import math
-import os
 import re
-import shutil
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
 from colograd.errors import ConfigError
-from colograd.rewards.code import completion_text, each_row, extract_code
-from colograd.rewards.code_checker import CHECK_LIMITS, COMPILE_LIMITS, CheckerBroken, compile_cpp
-from colograd.rewards.code_codeforces import problem_limits
-from colograd.rewards.sandbox import Execution, Sandbox, SandboxLimits
+from colograd.rewards.code import each_row
+from colograd.rewards.code_checker import CHECK_LIMITS, CheckerBroken, compile_cpp
+from colograd.rewards.code_codeforces import JudgedReward, problem_limits
+from colograd.rewards.sandbox import Execution
 from colograd.rewards.sandbox_session import Session, said_overloaded
 
 logger = logging.getLogger(__name__)
@@ -271,7 +268,7 @@ def check_ioi_rows(
              "(None).")  # fmt: skip
 
 
-class IoiCodeReward:
+class IoiCodeReward(JudgedReward):
     """open-r1's `ioi_code` on colograd's sandbox (the module's docstring says what it computes).
 
     Args:
@@ -294,36 +291,16 @@ class IoiCodeReward:
         sandbox: str = "namespaces",
         workers: int | None = None,
     ) -> None:
-        if sandbox not in ("namespaces", "none"):
-            raise ConfigError(f"code_sandbox: {sandbox!r} is not one of namespaces, none.")
-        if shutil.which("g++") is None:
-            raise ConfigError("reward_funcs: ioi_code: this machine has no g++ (the CMS grader compiles C++ with it); "
-                              "install g++")  # fmt: skip
+        super().__init__(sandbox, workers, "the CMS grader compiles C++ with it")
         self.test_batch_size, self.provider_type = test_batch_size, provider_type
-        isolated = sandbox == "namespaces"
-        self.sandbox = Sandbox(SandboxLimits(), isolated=isolated)
-        self.compiler = self.sandbox.with_limits(COMPILE_LIMITS)
         self.checkers = self.sandbox.with_limits(CHECK_LIMITS)
-        self._pool = ThreadPoolExecutor(workers or len(os.sched_getaffinity(0)), thread_name_prefix="colograd-ioi")
-        self._lock = threading.Lock()  # the maps below
         self._checkers: dict[tuple, bytes | CheckerBroken] = {}
         self._compiling: dict[tuple, threading.Lock] = {}
         self._said: set[tuple[str, str]] = set()
 
-    def __call__(
-        self, completions: list, log_extra: Callable[[str, list], None] | None = None, **columns: Any
-    ) -> list[float | None]:
-        """Each completion's reward on its row (the dataset's columns, one value per completion)."""
+    def rows(self, columns: dict[str, list], n: int) -> list[Subtask]:
         names = [c for c in (*COLUMNS, TESTS_COLUMN) if c in columns]
-        subtasks = [read_subtask({c: columns[c][i] for c in names}) for i in range(len(completions))]
-        futures = [
-            self._pool.submit(self.judge, extract_code(completion_text(c), "cpp"), s)
-            for c, s in zip(completions, subtasks, strict=True)
-        ]
-        results = [f.result() for f in futures]
-        if log_extra is not None:
-            log_extra("ioi_code_failure", [why for _, why in results])
-        return [reward for reward, _ in results]
+        return [read_subtask({c: columns[c][i] for c in names}) for i in range(n)]
 
     def judge(self, code: str, subtask: Subtask) -> tuple[float | None, str | None]:
         """(the reward, the first failure's reason or None) of `code` on `subtask`, in this thread."""
