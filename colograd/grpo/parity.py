@@ -5,10 +5,12 @@ distribution (a buffer the sync never wrote, a tensor a reload path lost, vLLM's
 transformers'), nothing fails: the run trains on the wrong gradient. What shows it is the gap between the engine's
 log-prob of each token it sampled and the trainer's own forward of the same token, on the same weights. That gap is
 measured on the first slice of every rollout (no optimizer step between the rollout's sync and that slice), over the
-tokens sampled under the current weights (not tool results, not partial rollouts' stale tokens), by every rank, and
+tokens sampled under the current weights (not tool results, not partial rollouts' stale tokens, nor under routing
+replay any token of a completion carried with stale ones: `Rollout.rerouted`), by every rank, and
 reduced over ranks once per rollout, so every rank takes the same decision:
 
-- **the gate**: the first rollout after a start or a resume, against the policy in evaluation mode (one more forward
+- **the gate**: the first rollout after a start or a resume (or the first after it with tokens to compare, where its
+  first slice holds none: `GATE_DEFERRALS`), against the policy in evaluation mode (one more forward
   pass of that slice). Past the tolerance, the run stops before its first optimizer step with one line
   (`ParityError`), or with `engine_parity: warn`, warns and trains;
 - **the running guard**: every later rollout, against the training pass the loss computes anyway. A mean gap past the
@@ -72,6 +74,11 @@ class GapBound:
     max: float
     mean: float
     precision: str
+
+
+# The gate waits past at most this many rollouts whose first slice holds no token sampled under the current weights
+# (partial rollouts' resumed completions, under routing replay), then says it measured nothing.
+GATE_DEFERRALS = 8
 
 
 def tolerance(engine_dtype: torch.dtype, trainer_dtype: torch.dtype) -> GapBound:
@@ -197,6 +204,7 @@ class ParityGuard:
         self.over = 0  # rollouts in a row past the bound (the running guard)
         self.recheck = False  # the next rollout is compared on the evaluation pass too (one past the bound was not)
         self.rollouts = 0  # checked since the start or resume (the gate's is the first)
+        self.deferred = 0  # rollouts the gate waited past, their first slice holding no token to compare
         self.warned = False
         self.skipped_warned = False
         self.stopped: str | None = None  # the running guard's line, once it stops the run
@@ -204,7 +212,7 @@ class ParityGuard:
     def restart(self) -> None:
         """A `train` call (re)starts: its first rollout is gated."""
         self.gate_pending, self.over, self.recheck, self.warned, self.stopped = self.active, 0, False, False, None
-        self.rollouts = 0
+        self.rollouts = self.deferred = 0
 
     @property
     def measuring(self) -> bool:
@@ -359,7 +367,11 @@ class ParityGuard:
             self._engine_nan(step, unscored, sampled, gated)
             return
         if not tokens:  # a recheck waits for a rollout that measures
-            if gated:
+            if gated and not sampled and self.deferred < GATE_DEFERRALS:
+                # Nothing in the first slice was sampled under the current weights (a resumed run's first slice of
+                # partial rollouts' resumed completions): the gate waits for the next rollout's.
+                self.gate_pending, self.deferred = True, self.deferred + 1
+            elif gated:
                 self._unmeasured(sampled)
             return
         overall = Gap(max=every[:, 0].max().item(), total=every[:, 1].sum().item(), tokens=tokens)
@@ -381,10 +393,15 @@ class ParityGuard:
                 return
         if gated:
             if overall.max > self.bound.max or overall.mean > self.bound.mean:
+                when, which = (
+                    ("before training", "the first rollout")
+                    if not self.deferred
+                    else (f"at step {step}", f"rollout {self.deferred + 1} (the first with tokens to compare)")
+                )
                 if self.stop:
-                    line = self._line(overall, "before training", "the first rollout", self._cause())
+                    line = self._line(overall, when, which, self._cause())
                     raise ParityError(f"{line} Set engine_parity: warn to train anyway.")
-                line = self._line(overall, "before training", "the first rollout")
+                line = self._line(overall, when, which)
                 logger.warning("colograd: %s Training on (engine_parity: warn).", line)
             return
         if overall.mean <= self.bound.mean:

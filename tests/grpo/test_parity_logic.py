@@ -15,7 +15,7 @@ from colograd.engine.core import Engine
 from colograd.engine.settings import architecture_name
 from colograd.engine.weights import split_unprocessed
 from colograd.grpo import parity, parity_diagnosis
-from colograd.grpo.parity import Gap, ParityError, ParityGuard, tolerance
+from colograd.grpo.parity import GATE_DEFERRALS, Gap, ParityError, ParityGuard, tolerance
 
 FP32 = tolerance(torch.float32, torch.float32)
 
@@ -205,10 +205,37 @@ def test_a_gate_whose_engine_scored_none_of_its_samples_stops(caplog):
     guard.observe(torch.zeros(1, 2), torch.tensor([[float("nan"), 0.0]]), torch.ones(1, 2))
     guard.check(step=1, gather=one_rank)  # one token scored, within the bound: trains
     empty = ParityGuard(FP32, "m")
-    empty.begin()
-    empty.observe(torch.zeros(1, 2), torch.full((1, 2), float("nan")), torch.zeros(1, 2))
-    empty.check(step=1, gather=one_rank)
-    assert "sampled no token" in caplog.text
+    for _ in range(GATE_DEFERRALS + 1):  # the gate waits past rollouts with nothing to compare, then says so
+        assert empty.gate_pending and "sampled no token" not in caplog.text
+        empty.begin()
+        empty.observe(torch.zeros(1, 2), torch.full((1, 2), float("nan")), torch.zeros(1, 2))
+        empty.check(step=1, gather=one_rank)
+    assert "sampled no token" in caplog.text and not empty.gate_pending
+
+
+def nothing_to_compare(guard: ParityGuard) -> None:
+    """A rollout whose first slice holds no token sampled under the current weights (resumed completions under
+    routing replay: `pad_rollout` leaves them out of the comparison)."""
+    guard.begin()
+    guard.observe(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2))
+    guard.check(step=3, gather=one_rank)
+
+
+def test_a_gate_with_nothing_to_compare_gates_the_next_rollout_that_has(caplog):
+    """A resumed run's first slice can hold only partial rollouts' resumed completions, none of whose tokens compare
+    (under routing replay): the gate is the first rollout with tokens to compare, and stops the run there, saying
+    which, as it stops a start's first rollout."""
+    guard = ParityGuard(FP32, "m")
+    nothing_to_compare(guard)
+    assert guard.gate_pending and caplog.text == ""
+    with pytest.raises(ParityError, match=r"disagree on m at step 1: .*over 1 tokens \(rollout 2 \(the first with "):
+        rollout(guard, [0.5])
+    healthy = ParityGuard(FP32, "m")
+    nothing_to_compare(healthy)
+    rollout(healthy, [1e-6])
+    assert not healthy.gate_pending and caplog.text == ""
+    healthy.restart()
+    assert healthy.gate_pending and healthy.deferred == 0
 
 
 def test_a_loss_that_skips_the_guards_call_is_said_so_and_one_that_makes_it_is_measured(caplog):

@@ -383,8 +383,8 @@ def test_a_replay_one_token_late_is_stopped_by_the_parity_gate(tmp_path):
 def test_routing_replay_trains_with_partial_rollouts(tmp_path):
     """One process, Qwen3-MoE in fp32, 3 steps with partial rollouts and the engine's routing replayed: groups are
     carried and resumed, every position the loss reads is replayed (a resumed completion's routing joined piece by
-    piece), the first step's gap is float32 rounding, the running guard stays on and after the last sync the engine
-    is the trainer. (Stale tokens, sampled before the last optimizer step, are compared with the trainer's newer
+    piece), every step's measured gap is float32 rounding, the running guard stays on and after the last sync the
+    engine is the trainer. (Stale tokens, sampled before the last optimizer step, are compared with the trainer's newer
     weights in later steps' gaps: those are not a parity figure.)"""
     from conftest import ROOT, _env, _refuse_in_fast_tier
 
@@ -399,5 +399,9 @@ def test_routing_replay_trains_with_partial_rollouts(tmp_path):
     assert len(steps) == 3 and all(math.isfinite(h["loss"]) for h in steps)
     assert sum(h["partial_rollouts/resumed_groups"] for h in steps) > 0
     assert all(h["moe/routing_replay/unreplayed"] == 0.0 for h in steps)
-    assert steps[0]["sampling/sampling_logp_difference/max"] <= PARITY
+    # Every gap measured is float32 rounding, later rollouts' too: the comparison reads the tokens of completions
+    # whose routing this rollout's engine captured whole (a carried completion that had sampled nothing takes this
+    # rollout's routing of its prompt: it kept the older engine's before, and its tokens read 0.14 nats off).
+    gaps = [h["sampling/sampling_logp_difference/max"] for h in steps if "sampling/sampling_logp_difference/max" in h]
+    assert len(gaps) >= 2 and max(gaps) <= PARITY, gaps
     assert run["running_guard"] and run["parity_gap"] <= PARITY
