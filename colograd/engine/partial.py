@@ -37,8 +37,7 @@ class Piecewise:
     ids: its tokens so far; logps: the engine's log-prob of each, after temperature; versions: the weight version
     (the optimizer step) each was sampled under; finish: vLLM's finish reason once it has finished ("stop",
     "length"), else None; routed: with routing replay, the experts the engine routed each position of its group's
-    prompt and of its tokens so far to, [prompt + tokens, layers, top_k] int16 (`UNKNOWN` where none did), else None;
-    routed_from: the weight version its routing's first piece was captured under.
+    prompt and of its tokens so far to, [prompt + tokens, layers, top_k] int16 (`UNKNOWN` where none did), else None.
     """
 
     ids: list[int] = field(default_factory=list)
@@ -46,7 +45,6 @@ class Piecewise:
     versions: list[int] = field(default_factory=list)
     finish: str | None = None
     routed: torch.Tensor | None = None
-    routed_from: int | None = None
 
     def stale(self, version: int) -> int:
         """How many of its tokens (the first ones: a completion only grows) were sampled before `version`."""
@@ -135,9 +133,8 @@ def sample_until(
             (request, group.prompt_ids + c.ids[:start], len(c.ids) - start) for request, group, start, c in sampled
         ]
         for (_, _, start, completion), routed in zip(sampled, capture.routes(pieces), strict=True):
-            if completion.routed is None or start == 0:  # no token was sampled from an earlier piece's routing
-                completion.routed, completion.routed_from = None, version
-            completion.routed = joined_routes(completion.routed, routed)
+            # A completion with no token yet sampled nothing from an earlier piece's routing: this piece's is its own.
+            completion.routed = joined_routes(completion.routed if start else None, routed)
     return steps
 
 

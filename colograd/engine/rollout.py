@@ -80,9 +80,6 @@ class Rollout:
         (environments that add to them); None: completion i continues prompt i // G.
     stale: partial rollouts (`colograd.rollout.partial`): how many of each completion's tokens, the first ones, were
         sampled under older weights than this rollout's; None: none were.
-    rerouted: partial rollouts with routing replay: whether each completion's routing began in an earlier rollout
-        (its prompt and earlier tokens routed as the engine routed them under older weights): the trainer replays
-        that, so its new tokens are no parity figure; None: none did.
     columns: what the reward functions get besides the rows' columns, one value per completion (an environment
         run's `environments`).
     metrics: the rollout's own metrics, recorded by the trainer as they are (tool runs' `tools/*`).
@@ -104,7 +101,6 @@ class Rollout:
     prompt_ids: list[list[int]] | None = None
     engine_prompt_ids: list[list[int]] | None = None  # image prompts: each prompt as the engine expanded it
     stale: list[int] | None = None
-    rerouted: list[bool] | None = None
     columns: dict[str, list] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)

@@ -63,7 +63,7 @@ def pad_rollout(
         [N, P + T, layers, top_k], aligned with input_ids (-1 on positions the engine did not route, `UNREAD` on
         padding and on a completion's last token, whose routing nothing reads). `tool_mask` is 1 on each token the
         engine sampled under this rollout's weights (0 on inserted tool results, padding, and stale tokens of partial
-        rollouts, and on every token of a completion `rollout.rerouted` marks: the sampling-gap
+        rollouts, and with replayed routing on every token of a completion that has stale ones: the sampling-gap
         metric and the parity guard compare the trainer with the engine there); `completion_mask` (the tokens
         the loss counts) is 0 on inserted tool results and padding, and on stale tokens with `mask_stale_tokens`.
     """
@@ -88,12 +88,13 @@ def pad_rollout(
         tool_mask[i, :stale] = 0
     if mask_stale_tokens:
         completion_mask = completion_mask * tool_mask
-    for i, rerouted in enumerate(rollout.rerouted or []):
-        # Replayed routing of a completion carried from an earlier rollout: its prompt's and earlier tokens' positions
-        # are routed as the engine routed them then (older weights), while the engine recomputed them under this
-        # rollout's weights to continue it; its new tokens read another context on each side: no parity figure.
-        if rerouted:
-            tool_mask[i] = 0
+    if rollout.routed is not None:
+        # Replayed routing of a completion with stale tokens: its prompt's and earlier tokens' positions are routed as
+        # the engine routed them then (older weights), while the engine recomputed them under this rollout's weights
+        # to continue it; its new tokens read another context on each side: no parity figure.
+        for i, stale in enumerate(rollout.stale or []):
+            if stale:
+                tool_mask[i] = 0
     if mask_truncated_completions:
         completion_mask[torch.tensor(rollout.truncated)] = 0
     batch = RolloutBatch(

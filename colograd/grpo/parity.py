@@ -6,7 +6,7 @@ transformers'), nothing fails: the run trains on the wrong gradient. What shows 
 log-prob of each token it sampled and the trainer's own forward of the same token, on the same weights. That gap is
 measured on the first slice of every rollout (no optimizer step between the rollout's sync and that slice), over the
 tokens sampled under the current weights (not tool results, not partial rollouts' stale tokens, nor under routing
-replay any token of a completion carried with stale ones: `Rollout.rerouted`), by every rank, and
+replay any token of a completion carried with stale ones: `colograd.forward.batch`), by every rank, and
 reduced over ranks once per rollout, so every rank takes the same decision:
 
 - **the gate**: the first rollout after a start or a resume (or the first after it with tokens to compare, where its

@@ -246,7 +246,6 @@ class JudgedReward:
     row (`judge`), the first failures logged as `<name>_failure`."""
 
     __name__ = "judged"
-    language = "cpp"  # the fenced block a completion's code is read from, where the row does not say
 
     def __init__(self, sandbox: str, workers: int | None, compiles: str) -> None:
         """`compiles`: why the reward needs g++, said where the machine has none."""
@@ -267,7 +266,7 @@ class JudgedReward:
         """Each completion's reward on its row (the dataset's columns, one value per completion)."""
         problems = self.rows(columns, len(completions))
         futures = [
-            self._pool.submit(self.judge, extract_code(completion_text(c), getattr(p, "language", self.language)), p)
+            self._pool.submit(self.judge, extract_code(completion_text(c), p.language), p)
             for c, p in zip(completions, problems, strict=True)
         ]
         results = [f.result() for f in futures]
@@ -276,7 +275,7 @@ class JudgedReward:
         return [reward for reward, _ in results]
 
     def rows(self, columns: dict[str, list], n: int) -> list:
-        """The `n` rows of a call, as `judge` takes them."""
+        """The `n` rows of a call, as `judge` takes them (each with the `language` of its code block)."""
         raise NotImplementedError
 
     def judge(self, code: str, problem: Any) -> tuple[float | None, str | None]:
@@ -311,8 +310,6 @@ class CfCodeReward(JudgedReward):
     ) -> None:
         if scoring_mode not in SCORING_MODES:
             raise ConfigError(f"code_eval_scoring_mode: {scoring_mode!r} is not one of {', '.join(SCORING_MODES)}.")
-        if sandbox not in ("namespaces", "none"):
-            raise ConfigError(f"code_sandbox: {sandbox!r} is not one of namespaces, none.")
         folder = tests_folder or os.environ.get(TESTS_FOLDER)
         if not folder or not os.path.isdir(folder):
             said = f"{TESTS_FOLDER}={folder} does not exist" if folder else f"{TESTS_FOLDER} is not set"

@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
+from typing import Any, ClassVar
 
 from colograd.errors import ConfigError
 from colograd.rewards.code import each_row
@@ -81,6 +81,7 @@ class Subtask:
     memory_mib: float
     year: int
     tests: dict[str, tuple[str, str]] | None  # the row's own test_cases; None: the Hub's
+    language: ClassVar[str] = "cpp"  # of the code block read (open-r1's IOI solutions are C++)
 
     @property
     def sources(self) -> tuple[str, ...]:

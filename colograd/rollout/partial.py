@@ -196,7 +196,6 @@ class PartialRollouts:
             stale=[c.stale(version) for c in completions],
             asked=[self.args.needs_engine_logps] * len(completions),
             routed=_routes(groups) if self.args.routing_replay == "rollout" else None,
-            rerouted=[c.routed is not None and c.routed_from != version for c in completions],
         )
 
     def write_state(self, folder: str) -> None:

@@ -160,13 +160,12 @@ def test_stale_tokens_leave_the_loss_only_with_mask_stale_tokens_and_the_gap_met
     assert masked["completion_mask"].tolist() == [[0, 0, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0]]
     for batch in (corrected, masked):
         assert torch.equal(batch["tool_mask"], masked["completion_mask"])  # the gap metric: fresh tokens only
-    # With the engine's routing replayed, a completion whose routing began in an earlier rollout leaves the
-    # comparison whole (its stale tokens, and its new ones, which read a context the trainer routes as the older
-    # engine did; a carried completion with no token yet has its prompt so routed).
+    # With the engine's routing replayed, a completion with stale tokens leaves the comparison whole: its new tokens
+    # read a context the trainer routes as the older engine did (a carried one with none takes the new routing).
     routed = rollout_of([2, 0, 3, 0])
-    routed.rerouted = [True, True, False, False]
+    routed.routed = [torch.zeros(2 + len(ids), 1, 1, dtype=torch.int16) for ids in routed.completion_ids]
     replayed = pad_rollout([[3, 4]], routed, advantages, 4, 0)
-    assert replayed["tool_mask"].tolist() == [[0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0]]
+    assert replayed["tool_mask"].tolist() == [[0, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0]]
     assert torch.equal(replayed["completion_mask"], corrected["completion_mask"])  # the loss's tokens unchanged
     # No stale token: the batch of a partial rollout is the plain one, bit for bit, mask or not.
     for mask in (False, True):
