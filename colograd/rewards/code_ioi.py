@@ -20,8 +20,8 @@ For a completion on a row of open-r1/ioi (one row per subtask: `id`, `subtask`, 
                 here not counting waits for a CPU, and bytes of address space; the stack as large
     a test's    0 when the program fails (time, memory, a non-zero exit); with the problem's checker
     score       (``checker/checker.cpp``, compiled once per problem and run in a sandbox of its own on the input,
-                the expected output and the program's output) the number it prints; without one 1 when the two
-                outputs are equal as ``diff -b`` sees them, else 0
+                the expected output and the program's output) the number it prints, in [0, 1]; without one 1 when
+                the two outputs are equal as ``diff -b`` sees them, else 0
     reward      round(min of the tests' scores, score_precision), the tests stopping at the first 0: open-r1's
                 subtask score, in [0, 1] (the subtask's points do not weigh it); no code block, or a program that
                 does not compile: 0
@@ -35,7 +35,6 @@ at once) and `ioi_provider` do not change the score, and are accepted for that.
 
 import json
 import logging
-import math
 import re
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -413,7 +412,8 @@ class IoiCodeReward(JudgedReward):
 
 def _checked(check: Session, stdin: str, expected: str, output: str) -> float | str | None:
     """The checker's score of `output` (the number it printed, as open-r1 reads it whatever its exit status), None
-    where it printed none or was stopped, "overloaded" where the machine stopped it at every try."""
+    where it printed none, a number outside [0, 1] (open-r1 would take it), or was stopped; "overloaded" where the
+    machine stopped it at every try."""
     done = check.case(
         "", {"input.txt": stdin, "correct_output.txt": echoed(expected), "contestant_output.txt": output}
     )
@@ -425,7 +425,7 @@ def _checked(check: Session, stdin: str, expected: str, output: str) -> float | 
         score = float(done.stdout)
     except ValueError:
         return None
-    return score if math.isfinite(score) else None
+    return score if 0.0 <= score <= 1.0 else None  # a score outside [0, 1] (or NaN) is none: a test scores at most 1
 
 
 _SHARED: dict[tuple, IoiCodeReward] = {}

@@ -197,6 +197,16 @@ def test_a_checker_that_scores_nothing_on_a_right_answer_is_the_problems_fault(r
     assert judge(reward, [RIGHT], silent) == [None]
 
 
+def test_a_score_outside_0_to_1_is_no_score():
+    """A checker that prints more than 1 (or less than 0, or NaN) for some output scores nothing for it: the output's
+    fault where the checker scores the expected output 1, never a reward above 1 (open-r1 takes the number as is)."""
+    reward = IoiCodeReward(sandbox=SANDBOX, workers=1)
+    generous = row()  # 2 for any output that is not the expected one, 1 for the expected one
+    generous["grader_files"][-1] = ["checker/checker.cpp", CHECKER.replace('printf("0.5\\n")', 'printf("2\\n")')]
+    assert 'printf("2\\n")' in generous["grader_files"][-1][1]
+    assert judge(reward, [RIGHT, OFF_BY_ONE], generous) == [1.0, 0.0]
+
+
 def test_the_time_and_memory_limits_are_the_grader_configs(reward):
     # About 0.2 s of work on each test (measured alone: 0.19-0.20 s): within 2 s, over 0.05 s.
     busy = RIGHT.replace(
