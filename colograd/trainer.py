@@ -281,7 +281,7 @@ class GRPOTrainer(TRLTrainerAttributes, RolloutBatches, ModelSaving, StepLogs):
         # `fresh`: the rollout's first micro-step, trained on the weights that sampled it (`compute_loss` reads it)
         batch = self._slices[self._micro_step % self.args.steps_per_generation] | {"fresh": torch.tensor(first)}
         self._micro_step += 1
-        with self._timed("train"), self.forward.replaying():
+        with self._timed("train"), self.forward.training():
             loss = self.train_slice(model, batch, num_items_in_batch)
         if first:  # before the optimizer step: a gate that stops the run leaves the weights untrained
             self.parity.check(self.state.global_step + 1, self.accelerator.gather)

@@ -10,8 +10,8 @@ the model takes position ids, and a Mixture-of-Experts model's routers (`cologra
 """
 
 import logging
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -162,11 +162,15 @@ class Forward:
             apart=self.apart,
         )
 
-    def replaying(self) -> AbstractContextManager:
-        """Around a slice's passes and their backward: the routing replay that the passes set (a layer recomputed in
-        the backward, gradient checkpointing, routes as its forward did) is cleared after, so that no other forward
-        of the model replays it."""
-        return self.replay.cleared() if self.replay is not None else nullcontext()
+    @contextmanager
+    def training(self) -> Iterator[None]:
+        """Around a slice's passes and their backward: PyTorch's deterministic kernels on a CPU
+        (`deterministic_kernels`), and the routing replay that the passes set (a layer recomputed in the backward,
+        gradient checkpointing, routes as its forward did) cleared after, so that no other forward of the model
+        replays it."""
+        cleared = self.replay.cleared() if self.replay is not None else nullcontext()
+        with deterministic_kernels(self.args.device), cleared:
+            yield
 
     def passes(
         self, model: nn.Module, batch: RolloutBatch, optimizer: torch.optim.Optimizer | None
@@ -179,6 +183,29 @@ class Forward:
             return None
         row_tokens = None if self.segments else args.packed_row_tokens  # segments: a pass is one row
         return split_by_tokens(batch, max_tokens, args.loss_type, self.prompt_cost, row_tokens)
+
+
+@contextmanager
+def deterministic_kernels(device: torch.device) -> Iterator[None]:
+    """PyTorch's deterministic algorithms while a CPU trainer computes (`torch.use_deterministic_algorithms`, only
+    warning where an operation has none), the setting before restored after.
+
+    Without them a Mixture-of-Experts model's backward is not the same twice on the same batch: its experts gather each
+    token once per expert it is routed to (`hidden_states[index]` in transformers' experts), and that gather's
+    backward adds the copies' gradients on several threads at once, in whatever order they finish (bits apart at each
+    step: Qwen3-MoE, Qwen3.5-MoE, OLMoE, DeepSeek-V2, GLM-4.5, gpt-oss, Granite-4.0-H, LFM2-MoE). A run resumed from a
+    checkpoint then parts from the uninterrupted one at the first near-tie it samples. The deterministic kernel sums
+    them in index order, at no measured cost on a CPU. On a GPU the setting would also constrain cuBLAS and the
+    attention kernels, whose runs are not bit-reproducible anyway: left as the user set it."""
+    if device.type != "cpu":
+        yield
+        return
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
 def packed_apart(nets: list[nn.Module | None], policy: nn.Module) -> Apart | None:
