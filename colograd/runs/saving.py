@@ -23,6 +23,7 @@ from colograd.runs.checkpoints import (
     rotate_checkpoints,
     run_setup,
 )
+from colograd.runs.model_load import load_model_weights, saved_names
 from colograd.runs.modelcard import model_card, write_model_card
 from colograd.runs.output_dir import check_output_dir
 from colograd.runs.preemption import stage_failures
@@ -95,6 +96,17 @@ class ModelSaving(Trainer):
                 if self.run_setup["sharding"] == "deepspeed":
                     self._load_universal(checkpoint)
         return checkpoint
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        """A model saved whole in safetensors is loaded every tensor, through the conversions `from_pretrained`
+        applies where the checkpoint's names are not the model's (`colograd.runs.model_load`); an adapter, FSDP's
+        files and PyTorch's `.bin` as transformers loads them."""
+        model = model if model is not None else self.model
+        names = saved_names(resume_from_checkpoint)
+        if names is None or self.is_fsdp_enabled or hasattr(model, "peft_config"):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+        else:
+            load_model_weights(model, resume_from_checkpoint, names)
 
     def _load_universal(self, checkpoint: str) -> None:
         """A DeepSpeed checkpoint resumed on another number of ranks loads as DeepSpeed's universal checkpoint

@@ -312,6 +312,31 @@ def test_a_hybrid_interrupted_after_a_checkpoint_resumes_to_the_same_weights_bit
     moved them). The engine starts from the folder's weights and must be synced to the checkpoint's; its samples
     must follow from the restored RNG exactly, in bf16 too (a batch of the same sequences gives the same bf16
     rounding). The reward depends on the completions' lengths, so that a different sample shows in the weights."""
+    name = RESUMED[kind]
+    before, theirs, ours = interrupted_and_resumed(name, tmp_path)
+    assert ours.keys() == theirs.keys()
+    assert [k for k in ours if not torch.equal(ours[k], theirs[k])] == []
+    state = [k for k in ours if k.endswith(STATE_TENSORS[name])]
+    assert state and all(not torch.equal(ours[k], before[k]) for k in state), state
+
+
+def test_a_mixture_of_experts_model_interrupted_after_a_checkpoint_resumes_to_the_same_weights_bit_for_bit(tmp_path):
+    """The same for Qwen3-MoE, whose checkpoint names its experts one by one where the model holds them fused: the
+    resume loads them through transformers' conversions (`colograd.runs.model_load`; transformers' `Trainer` left
+    them as the run began, 0.005 apart after the resumed step), and both runs' first steps, each in its own process,
+    are the same to the bit (`colograd.forward.core.deterministic_kernels`; without them the experts' backward adds
+    on several threads in any order: 6e-6 apart)."""
+    before, theirs, ours = interrupted_and_resumed("Qwen/Qwen3-30B-A3B", tmp_path)
+    assert ours.keys() == theirs.keys()
+    assert [k for k in ours if not torch.equal(ours[k], theirs[k])] == []
+    experts = [k for k in ours if ".experts." in k]
+    assert sum(not torch.equal(ours[k], before[k]) for k in experts) > len(experts) // 4  # those routed to: 41%
+
+
+def interrupted_and_resumed(name: str, tmp_path) -> tuple[dict, dict, dict]:
+    """`name`'s stopping model trained two steps by the command line (a checkpoint after each), uninterrupted and
+    killed in its second step then run again; the weights of the first step's checkpoint, of the uninterrupted run's
+    end and of the resumed run's end."""
     import os
     import signal
     import subprocess
@@ -322,7 +347,6 @@ def test_a_hybrid_interrupted_after_a_checkpoint_resumes_to_the_same_weights_bit
     from conftest import ROOT, _env
     from safetensors.torch import load_file
 
-    name = RESUMED[kind]
     model, tokenizer = zoo.stopping_model(name)
     folder = tmp_path / "model"
     model.save_pretrained(folder)
@@ -354,8 +378,4 @@ def test_a_hybrid_interrupted_after_a_checkpoint_resumes_to_the_same_weights_bit
     assert f"colograd: note: resuming from {resumed}/checkpoint-1" in log.read_text()
 
     weights = [resumed / "checkpoint-1", full, resumed]
-    before, theirs, ours = (load_file(folder / "model.safetensors") for folder in weights)
-    assert ours.keys() == theirs.keys()
-    assert [k for k in ours if not torch.equal(ours[k], theirs[k])] == []
-    state = [k for k in ours if k.endswith(STATE_TENSORS[name])]
-    assert state and all(not torch.equal(ours[k], before[k]) for k in state), state
+    return tuple(load_file(folder / "model.safetensors") for folder in weights)
