@@ -12,7 +12,8 @@ from colograd.runs.model_load import load_model_weights, saved_names
 
 EXPERT_COUNTS = ("num_experts", "n_routed_experts", "num_local_experts")
 # Every family of the zoo with experts, and two without (one with tied embeddings, one without).
-MOE = [name for name in zoo.ZOO | zoo.PARITY | zoo.HYBRIDS if any(zoo.shrunk(name).to_dict().get(k) for k in EXPERT_COUNTS)]
+MOE = [name for name in zoo.ZOO | zoo.PARITY | zoo.HYBRIDS
+       if any(zoo.shrunk(name).to_dict().get(k) for k in EXPERT_COUNTS)]  # fmt: skip
 NAMES = [*MOE, "HuggingFaceTB/SmolLM2-135M-Instruct", "Qwen/Qwen3-0.6B"]
 # A family whose checkpoint names are not its model's: transformers' own load leaves its experts as they were.
 CONVERTED = "Qwen/Qwen3-30B-A3B"
