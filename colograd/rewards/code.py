@@ -47,6 +47,7 @@ from colograd.rewards.code_tests import (
     StdioTests,
     row_tests,
     run_asserts,
+    with_prelude,
 )
 from colograd.rewards.sandbox import Execution, Sandbox, SandboxLimits
 from colograd.rewards.sandbox_session import Overloaded, said_overloaded
@@ -258,7 +259,8 @@ class CodeReward:
         if isinstance(tests, AssertTests):
             if not code.strip():  # nothing to test: the tests would only fail on the names they call
                 return CodeResult(0, len(tests.tests), "no code block")
-            run = run_asserts(self.sandbox, tests, code)  # run again while the machine stops it (`Sandbox.run`)
+            # run again while the machine stops it (`Sandbox.run`)
+            run = run_asserts(self.sandbox, tests, with_prelude(tests.prelude, code))
             failures = run.failures
             if run.execution.reason == "overloaded":
                 return _overloaded(len(failures))
@@ -273,7 +275,7 @@ class CodeReward:
         try:
             with contextlib.ExitStack() as stack:
                 check = None if tests.checker is None else stack.enter_context(CheckRun(self.checkers, tests.checker))
-                return self._run_cases(code, cases, check)
+                return self._run_cases(with_prelude(tests.prelude, code), cases, check)
         except Overloaded:  # the checker's execution, at every try: its verdict is unknown
             return _overloaded(len(cases))
         except CheckerBroken as err:

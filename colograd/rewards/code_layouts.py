@@ -38,6 +38,30 @@ CONTEST_LAYOUTS = (
 )
 _FUNCTIONAL = {"functional", "function_call", "call", "call-based"}
 
+# What the datasets' own graders put before every program they run, of both kinds of rows, so that a program may use
+# these names unimported (a LeetCode-style starter's `List[int]`, `deque`, `gcd`): APPS's and TACO's
+# (`testing_util.py`, its `sol` text) and LiveCodeBench's (`lcb_runner/evaluation/testing_util.py`, `import_string`,
+# which DeepCoder's grader uses too), line for line. APPS's numpy line is put only where the program reads `np`
+# (`code_tests.with_prelude`): numpy costs a tenth of a second to import, in every execution.
+PRELUDES = {
+    "apps": "".join(f"{line}\n" for line in [
+        "import sys", "import time", "import itertools",
+        "from itertools import accumulate, product, permutations, combinations", "import collections",
+        "from collections import Counter, OrderedDict, deque, defaultdict, ChainMap",
+        "from functools import lru_cache", "import math",
+        "from math import sqrt, sin, cos, tan, ceil, fabs, floor, gcd, exp, log, log2", "import fractions",
+        "from typing import List, Tuple", "import numpy as np", "import random", "import heapq", "from heapq import *",
+    ]),
+    "lcb": "".join(f"{line}\n" for line in [
+        *(f"from {m} import *" for m in ("string", "re", "datetime", "collections", "heapq", "bisect", "copy", "math",
+                                         "random", "statistics", "itertools", "functools", "operator", "io", "sys",
+                                         "json", "builtins", "typing")),
+        *(f"import {m}" for m in ("string", "re", "datetime", "collections", "heapq", "bisect", "copy", "math",
+                                  "random", "statistics", "itertools", "functools", "operator", "io", "sys", "json")),
+        "sys.setrecursionlimit(50000)",
+    ]),
+}  # fmt: skip
+
 
 @dataclass(frozen=True)
 class CallCases:
@@ -47,6 +71,21 @@ class CallCases:
     fn_name: str
     cases: tuple[tuple[tuple, Any], ...]
     grader: str
+
+
+def grader_of(given: dict[str, Any]) -> str | None:
+    """Whose grader a row's stdin/stdout cases are the dataset of (`PRELUDES`): "apps" (APPS's and TACO's
+    `input_output`, DeepCoder's TACO-style `tests`), "lcb" (LiveCodeBench's, DeepCoder's lists), or None where the
+    dataset's judge runs the program as written (CodeContests', Codeforces')."""
+    if any(c in given for c in ("public_tests", "private_tests", "generated_tests")):
+        return None
+    if "input_output" in given:
+        return "apps"
+    if "public_test_cases" in given or "private_test_cases" in given:
+        return "lcb"
+    if "tests" in given:
+        return "apps" if isinstance(_json("tests", given["tests"]), dict) else "lcb"
+    return None
 
 
 class _Functional(Exception):

@@ -39,7 +39,15 @@ from typing import Any
 
 from colograd.rewards import code_harness
 from colograd.rewards.code_checker import KINDS, Checker, CheckerError, row_checker
-from colograd.rewards.code_layouts import CONTEST_COLUMNS, CONTEST_LAYOUTS, CallCases, LayoutError, contest_cases
+from colograd.rewards.code_layouts import (
+    CONTEST_COLUMNS,
+    CONTEST_LAYOUTS,
+    PRELUDES,
+    CallCases,
+    LayoutError,
+    contest_cases,
+    grader_of,
+)
 from colograd.rewards.sandbox import Execution, Sandbox
 
 # The columns a row's tests are read from, in the order the layouts are looked for.
@@ -79,6 +87,7 @@ class StdioTests:
     cases: tuple[tuple[str, str], ...]
     checker: Checker | None = None
     problem: str = field(default="", compare=False)
+    prelude: str = ""  # run before the program, as the dataset's grader runs it (`code_layouts.PRELUDES`)
 
 
 @dataclass(frozen=True)
@@ -86,13 +95,15 @@ class AssertTests:
     """Assert-style tests: `imports` run before the program and in the judge; `setup` in the judge after the program
     ran (it may build the program's objects); then each of `tests`. `declared`: names that are the program's
     whatever else they name (HumanEval's entry_point). `classes`: the names the row says are classes (`row_classes`):
-    the only program names whose objects' methods the judge calls."""
+    the only program names whose objects' methods the judge calls. `prelude`: run before the program (not in the
+    judge), as the dataset's grader runs it (`code_layouts.PRELUDES`)."""
 
     imports: str
     setup: str
     tests: tuple[str, ...]
     declared: tuple[str, ...] = ()
     classes: tuple[str, ...] = ()
+    prelude: str = ""
 
 
 # The columns that say what a row asks for, besides its tests: the problem's text and a reference solution, as code
@@ -158,7 +169,7 @@ def _row_tests(row: dict[str, Any]) -> StdioTests | AssertTests:
     if isinstance(cases, CallCases):
         return _call_asserts(cases)
     if cases is not None:
-        return StdioTests(cases, _checker(given), problem_name(row))
+        return StdioTests(cases, _checker(given), problem_name(row), PRELUDES.get(grader_of(given), ""))
     raise RowTestsError(f"no tests: none of {LAYOUTS} is set; add one (docs/rewards.md shows each)")
 
 
@@ -324,7 +335,7 @@ def _call_asserts(calls: CallCases) -> AssertTests:
     compared as the dataset's grader compares it (`_CALL_SETUP`); the expected values stay in the judge."""
     setup = _CALL_SETUP.format(name=calls.fn_name, apps=calls.grader == "apps")
     tests = tuple(f"assert _same(_entry()(*{args!r}), {expected!r})" for args, expected in calls.cases)
-    return AssertTests("", setup, tests, (calls.fn_name, "Solution"), ("Solution",))
+    return AssertTests("", setup, tests, (calls.fn_name, "Solution"), ("Solution",), PRELUDES[calls.grader])
 
 
 def _checked(tests: AssertTests, column: str) -> AssertTests:
@@ -399,6 +410,20 @@ def judge_names(tests: AssertTests) -> JudgeNames:
 
 def _called_builtins(source: str) -> set[str]:
     return _called_names(source) & _BUILTINS
+
+
+def with_prelude(prelude: str, code: str) -> str:
+    """`code` run after `prelude` (a dataset grader's imports, `code_layouts.PRELUDES`), as that grader runs it; its
+    numpy import only where `code` reads `np` unbound (the rest is cheap to import)."""
+    if not prelude:
+        return code
+    try:
+        reads_np = "np" in free_names(code)
+    except SyntaxError:  # it fails as written all the same
+        reads_np = False
+    if not reads_np:
+        prelude = prelude.replace("import numpy as np\n", "")
+    return prelude + code
 
 
 def free_names(source: str) -> set[str]:

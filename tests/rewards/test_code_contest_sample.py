@@ -1,9 +1,11 @@
-"""Competitive-programming rows in CodeContests' and open-r1/codeforces' schemas (tests/rewards/contest/: written for
-these tests, not rows of those datasets; its README says how they were made): every right solution scores 1.0 under
-two reward calls at once, and every wrong one (off by one, wrong format, too slow, an invalid answer to an any-answer
-problem) scores what one unsandboxed interpreter gives, running the same cases with the same comparison or checker.
+"""Competitive-programming rows (tests/rewards/contest/, its README says where each comes from): written for these
+tests in CodeContests' and open-r1/codeforces' schemas (sample.jsonl), and real rows of CodeContests, APPS and a
+PRIME/TACO-style row, as those datasets ship them (real.jsonl, with solutions written here). Every right solution
+scores 1.0 under two reward calls at once, and every wrong one (off by one, wrong format, too slow, an invalid answer
+to an any-answer problem) scores what one unsandboxed interpreter gives, running the same cases with the same
+comparison or checker, after the imports the dataset's own grader puts before a program (APPS's, LiveCodeBench's).
 
-``COLOGRAD_CONTEST_SAMPLE=<file.jsonl>`` runs the same test on other rows of those schemas (real ones)."""
+``COLOGRAD_CONTEST_SAMPLE=<file.jsonl>`` runs the same test on other rows of those schemas."""
 
 import json
 import os
@@ -17,11 +19,15 @@ from pathlib import Path
 import pytest
 
 from colograd.rewards.code import CodeReward, output_matches
-from colograd.rewards.code_tests import row_tests
+from colograd.rewards.code_layouts import PRELUDES, contest_cases, grader_of
+from colograd.rewards.code_tests import AssertTests, row_tests
 from colograd.rewards.sandbox import SandboxLimits
 
-SAMPLE = Path(os.environ.get("COLOGRAD_CONTEST_SAMPLE", Path(__file__).parent / "contest" / "sample.jsonl"))
-ROWS = [json.loads(line) for line in SAMPLE.read_text().splitlines() if line.strip()]
+CONTEST = Path(__file__).parent / "contest"
+SAMPLES = [Path(os.environ["COLOGRAD_CONTEST_SAMPLE"])] if os.environ.get("COLOGRAD_CONTEST_SAMPLE") else [
+    CONTEST / "sample.jsonl", CONTEST / "real.jsonl"]  # fmt: skip
+ROWS = [json.loads(line) for sample in SAMPLES for line in sample.read_text().splitlines() if line.strip()]
+REAL = {json.dumps(row) for row in map(json.loads, (CONTEST / "real.jsonl").read_text().splitlines())}
 # How each problem's output is compared where it has no checker program (the reward's code_checker).
 COMPARISON = {
     "62_A. Fibonacci modulo": "lines",
@@ -46,7 +52,7 @@ def solutions(row: dict) -> tuple[list[str], list[str]]:
 
 
 def problem(row: dict) -> str:
-    return row.get("name") or row.get("id")
+    return row.get("name") or row.get("id") or row.get("url")
 
 
 def reward_for(row: dict) -> CodeReward:
@@ -74,11 +80,12 @@ class Unsandboxed:
         self.row, self.folder = row, folder
         self.tests = row_tests(row)
         self.checker_argv = None
-        if self.tests.checker is not None and self.tests.checker.language == "cpp":
+        checker = getattr(self.tests, "checker", None)  # call-based rows have none
+        if checker is not None and checker.language == "cpp":
             Path(folder, "checker.cpp").write_text(self.tests.checker.source)
             subprocess.run(["g++", "-O2", "-std=gnu++17", "-o", "checker", "checker.cpp"], cwd=folder, check=True)
             self.checker_argv = ["./checker", "input.txt", "output.txt", "answer.txt"]
-        elif self.tests.checker is not None:
+        elif checker is not None:
             Path(folder, "checker.py").write_text(self.tests.checker.source)
             self.checker_argv = [sys.executable, "-I", "checker.py", "input.txt", "correct_output.txt",
                                  "solution_output.txt"]  # fmt: skip
@@ -97,6 +104,9 @@ class Unsandboxed:
         return done.returncode == 0
 
     def score(self, code: str) -> float:
+        code = PRELUDES.get(grader_of(self.row), "") + code  # the whole prelude, numpy included
+        if isinstance(self.tests, AssertTests):
+            return self.called(code)
         Path(self.folder, "main.py").write_text(code)
         cases, passed = self.tests.cases, 0
         for stdin, expected in cases:
@@ -105,8 +115,40 @@ class Unsandboxed:
             passed += done.returncode == 0 and self.accepts(stdin, done.stdout, expected)
         return passed / len(cases)
 
+    def called(self, code: str) -> float:
+        """A call-based row: each case's call in the same interpreter, its result compared as APPS's grader does
+        (a tuple as a list; an expected list of one also stands for its element)."""
+        calls = contest_cases(self.row)
+        Path(self.folder, "main.py").write_text(code + CALL_DRIVER.format(name=calls.fn_name))
+        done = subprocess.run([sys.executable, "-I", "main.py"], cwd=self.folder, text=True, capture_output=True,
+                              input=json.dumps([[list(args), want] for args, want in calls.cases]),
+                              preexec_fn=_cpu_limit, timeout=600)  # fmt: skip
+        verdicts = done.stdout.split()[-len(calls.cases) :] if done.returncode == 0 else []
+        return sum(v == "1" for v in verdicts) / len(calls.cases)
 
-@pytest.mark.parametrize("row", ROWS, ids=[problem(r) for r in ROWS])
+
+# The real rows (a CodeContests row runs 201 cases a solution) are in the slow tier.
+PARAMS = [pytest.param(r, id=problem(r), marks=[pytest.mark.slow] if json.dumps(r) in REAL else []) for r in ROWS]
+CALL_DRIVER = """
+
+import json as _json, sys as _sys
+
+try:
+    _call = getattr(Solution(), {name!r})
+except NameError:
+    _call = {name}
+for _args, _want in _json.loads(_sys.stdin.read()):
+    try:
+        _got = _call(*_args)
+        _got = list(_got) if isinstance(_got, tuple) else _got
+        _ok = _got == _want or (isinstance(_want, list) and len(_want) == 1 and _got == _want[0])
+    except Exception:
+        _ok = False
+    print(int(_ok))
+"""
+
+
+@pytest.mark.parametrize("row", PARAMS)
 def test_right_solutions_score_one_under_two_calls_at_once(row):
     right, _ = solutions(row)
     assert right, f"{problem(row)} has no Python solution to check"
@@ -124,7 +166,7 @@ def test_right_solutions_score_one_under_two_calls_at_once(row):
     assert got == {0: [1.0] * len(right), 1: [1.0] * len(right)}
 
 
-@pytest.mark.parametrize("row", ROWS, ids=[problem(r) for r in ROWS])
+@pytest.mark.parametrize("row", PARAMS)
 def test_wrong_solutions_score_what_one_unsandboxed_interpreter_gives(row):
     _, wrong = solutions(row)
     assert wrong, f"{problem(row)} has no wrong Python solution to check"

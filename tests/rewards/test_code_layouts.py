@@ -11,6 +11,7 @@ import zlib
 import pytest
 
 from colograd.rewards.code import CodeReward, output_matches
+from colograd.rewards.code_layouts import PRELUDES
 from colograd.rewards.code_tests import RowTestsError, StdioTests, row_tests
 from colograd.rewards.sandbox import SandboxLimits
 
@@ -38,11 +39,38 @@ ROWS = {
 }  # fmt: skip
 
 
+# Whose grader each layout's dataset is judged by, and so the imports it puts before a program (`PRELUDES`).
+GRADERS = {"CodeContests": None, "APPS": "apps", "TACO (outputs as line lists)": "apps", "LiveCodeBench": "lcb",
+           "DeepCoder": "lcb", "DeepCoder (TACO's)": "apps", "open-r1/codeforces": None}  # fmt: skip
+
+
 @pytest.mark.parametrize("layout", ROWS)
 def test_each_layout_is_read_as_its_stdin_stdout_cases(layout):
     tests = row_tests(ROWS[layout])
     expected = CASES if "line lists" not in layout else tuple((i, o.strip()) for i, o in CASES)
-    assert tests == StdioTests(expected)
+    assert tests == StdioTests(expected, prelude=PRELUDES.get(GRADERS[layout], ""))
+
+
+# Unimported names the datasets' graders give a program (APPS's deque and List; LiveCodeBench's from its star
+# imports), a recursion LiveCodeBench's grader allows (its limit 50000, Python's 1000), numpy only where read.
+UNIMPORTED = "a, b = map(int, input().split())\nq = deque([a, b])\nxs: List[int] = list(q)\nprint(sum(xs))\n"
+DEEP = "def f(n):\n    return 0 if n == 0 else f(n - 1)\n\na, b = map(int, input().split())\nprint(f(4000) + a + b)\n"
+NUMPY_UNREAD = "import sys\na, b = map(int, input().split())\nprint(a + b + 100 * ('numpy' in sys.modules))\n"
+NUMPY_READ = "a, b = map(int, input().split())\nprint(int(np.int64(a) + b))\n"
+
+
+@pytest.mark.parametrize("layout", ROWS)
+def test_a_program_runs_after_the_imports_its_datasets_grader_gives_it(layout, code):
+    """As each dataset's own grader runs it: APPS's and TACO's (`sol`'s imports) and LiveCodeBench's (`import_string`,
+    DeepCoder's too) give a program names it did not import, CodeContests' and Codeforces' judges nothing: a right
+    program written against a LeetCode-style starter (`List[int]`) scores 1 on the first and 0 on the second."""
+    tests = row_tests(ROWS[layout])
+    grader = GRADERS[layout]
+    assert code.run_tests(UNIMPORTED, tests).rate == (1.0 if grader else 0.0)
+    assert code.run_tests(DEEP, tests).rate == (1.0 if grader == "lcb" else 0.0)
+    if grader == "apps":
+        assert code.run_tests(NUMPY_READ, tests).rate == 1.0
+        assert code.run_tests(NUMPY_UNREAD, tests).rate == 1.0  # numpy not imported for a program that reads no np
 
 
 @pytest.mark.parametrize("layout", ROWS)
@@ -115,14 +143,14 @@ LCB_CALLS = [
     {"input": f"{a}\n{b}", "output": json.dumps(a + b), "testtype": "functional"} for a, b in ((1, 2), (2, 2))
 ]
 CALL_ROWS = {
-    "APPS / TACO": {"input_output": json.dumps({**SUM_CALLS, "fn_name": "add"})},
+    "APPS / TACO": {"input_output": json.dumps({**SUM_CALLS, "fn_name": "add_pair"})},
     "LiveCodeBench (functional)": {"public_test_cases": json.dumps(LCB_CALLS[:1]),
                                    "private_test_cases": lcb_private(LCB_CALLS[1:]),
-                                   "metadata": json.dumps({"func_name": "add"})},
-    "DeepCoder (functional)": {"tests": [{**case, "fn_name": "add"} for case in LCB_CALLS]},
+                                   "metadata": json.dumps({"func_name": "add_pair"})},
+    "DeepCoder (functional)": {"tests": [{**case, "fn_name": "add_pair"} for case in LCB_CALLS]},
 }  # fmt: skip
-RIGHT = {"function": "def add(a, b):\n    return a + b\n",
-         "Solution": "class Solution:\n    def add(self, a, b):\n        return a + b\n"}  # fmt: skip
+RIGHT = {"function": "def add_pair(a, b):\n    return a + b\n",
+         "Solution": "class Solution:\n    def add_pair(self, a, b):\n        return a + b\n"}  # fmt: skip
 
 
 @pytest.mark.parametrize("layout", CALL_ROWS)
