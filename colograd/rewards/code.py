@@ -197,6 +197,7 @@ class CodeReward:
         self.workers = workers or len(os.sched_getaffinity(0))
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="colograd-code")
         self._started: dict[tuple[str, StdioTests | AssertTests], Future] = {}  # by (program, tests): `prefetch`
+        self._read: dict[tuple, tuple[tuple, StdioTests | AssertTests]] = {}  # a call's rows' tests: `_row_tests`
         self._lock = threading.Lock()
 
     def __call__(
@@ -226,6 +227,7 @@ class CodeReward:
         results = [f.result() for f in futures]
         with self._lock:
             self._started.clear()  # a started result serves the rollout it was started for, no later one
+            self._read.clear()
         if log_extra is not None:
             log_extra(f"{self.__name__}_failure", [r.reason for r in results])
         if self.binary:
@@ -239,7 +241,7 @@ class CodeReward:
 
     def _start(self, completion: Any, row: dict[str, Any]) -> Future:
         try:
-            tests = row_tests(row)
+            tests = self._row_tests(row)
         except RowCompileError as err:  # the row's fault, found only now (preflight refuses it): scored 0, said why
             future: Future = Future()
             future.set_result(CodeResult(0, 1, f"row: {err}"))
@@ -250,6 +252,20 @@ class CodeReward:
             if future is None:
                 future = self._started[key] = self._pool.submit(self.run_tests, *key)
         return future
+
+    def _row_tests(self, row: dict[str, Any]) -> StdioTests | AssertTests:
+        """A row's tests, read once per scoring call however many of its completions are scored: its cases decoded
+        once (LiveCodeBench's compressed ones decompressed once) and held once, not once per completion waiting to
+        run (a group of 16 completions of a row with 10 MB of cases held 180 MB). Rows are told apart by the objects
+        their columns hold, kept alive beside the tests so that no other row can take their identity."""
+        key = tuple((name, id(value)) for name, value in row.items())
+        with self._lock:
+            held = self._read.get(key)
+        if held is None:
+            read = (tuple(row.values()), row_tests(row))
+            with self._lock:
+                held = self._read.setdefault(key, read)
+        return held[1]
 
     def run_tests(self, code: str, tests: StdioTests | AssertTests) -> CodeResult:
         """Run `code` against `tests`, in this thread: stdin/stdout cases in one sandbox (`Sandbox.session`), one

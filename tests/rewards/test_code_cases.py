@@ -136,6 +136,34 @@ def test_all_runs_every_case_and_gives_the_fraction(monkeypatch):
     assert len(sent) == 5 + 2  # binary_code's verdict is decided at the first of 5 cases failed
 
 
+def test_a_rows_cases_are_read_once_per_call_however_many_completions_it_has(monkeypatch):
+    """A group's completions share their row's tests: LiveCodeBench's compressed cases are decompressed, and held,
+    once per scoring call, not once per completion waiting to run (16 completions of a row with 10 MB of cases held
+    180 MB before, 30 MB after, as tracemalloc's peak). Two rows of equal text are still two rows."""
+    import base64
+    import json
+    import pickle
+    import zlib
+
+    from colograd.rewards import code as code_module
+
+    read = []
+    real = code_module.row_tests
+    monkeypatch.setattr(code_module, "row_tests", lambda row: read.append(row) or real(row))
+    pairs = [(i, o) for t in FIVE.values() for i, o in zip(t["input"], t["output"], strict=True)]
+    cases = [{"input": i, "output": o, "testtype": "stdin"} for i, o in pairs]
+    private = base64.b64encode(zlib.compress(pickle.dumps(json.dumps(cases[1:])))).decode()
+    lcb = {"public_test_cases": json.dumps(cases[:1]), "private_test_cases": private}
+    code = CodeReward(limits=LIMITS, workers=2, cases="first_failure")
+    rows = [lcb, {k: (v + " ")[:-1] for k, v in lcb.items()}]  # equal text in other objects: two rows
+    columns = {k: [rows[i // 3][k] for i in range(6)] for k in lcb}
+    programs = [block(SUM), block(WRONG_ON_SECOND), block(SUM)] * 2
+    assert code(programs, **columns) == [1.0, 1 / 5, 1.0] * 2
+    assert len(read) == 2
+    assert code(programs, **columns) == [1.0, 1 / 5, 1.0] * 2  # the next call reads them again
+    assert len(read) == 4
+
+
 def test_binary_code_stops_only_where_its_verdict_is_decided(monkeypatch):
     """open-r1's `binary_code` is 1.0 above a 0.99 pass rate: with 150 cases one failure still passes, so the cases
     after it run; the second failure decides it (0.0), and the rest are never sent."""
