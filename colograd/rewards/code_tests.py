@@ -419,8 +419,8 @@ def with_prelude(prelude: str, code: str) -> str:
         return code
     try:
         reads_np = "np" in free_names(code)
-    except SyntaxError:  # it fails as written all the same
-        reads_np = False
+    except (SyntaxError, ValueError, RecursionError, MemoryError):  # the program's text, read in the trainer
+        reads_np = True  # the prelude whole: the program runs (or fails to compile) in its sandbox, as written
     if not reads_np:
         prelude = prelude.replace("import numpy as np\n", "")
     return prelude + code

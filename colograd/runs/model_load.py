@@ -12,6 +12,7 @@ stops the resume in one line, for every family: a name check, not a list of fami
 
 import json
 import os
+import re
 
 import torch
 from safetensors import safe_open
@@ -45,12 +46,18 @@ def load_model_weights(model: nn.Module, checkpoint: str, names: set[str]) -> No
         ConfigError: a tensor of the model is in neither form in the checkpoint.
     """
     own = model.state_dict()
-    if set(own) <= names | _tied(own, names):
-        state = _read(checkpoint)
+    optional = _optional(model, own)
+    if set(own) <= names | _tied(own, names) | optional:
+        loaded: set[str] = set()
+        for shard in _shards(checkpoint):  # one shard in memory at a time, as transformers loads them
+            state = load_file(shard, device="cpu")
+            model.load_state_dict(state, strict=False)
+            loaded |= state.keys() & own.keys()
+            del state
     else:
         dtype = next(model.parameters()).dtype
         try:
-            loaded, info = type(model).from_pretrained(
+            converted, info = type(model).from_pretrained(
                 checkpoint, config=model.config, dtype=dtype, output_loading_info=True
             )
         except Exception as err:  # noqa: BLE001 (the conversions raise what their operations raise)
@@ -59,10 +66,14 @@ def load_model_weights(model: nn.Module, checkpoint: str, names: set[str]) -> No
                 f"The checkpoint {checkpoint} does not load as this model ({said}). Resume from a checkpoint this "
                 "model saved, or start the run afresh."
             ) from None
-        # A tensor from_pretrained did not find, it initialised: left out, so that it is reported missing below.
-        state = {name: t for name, t in loaded.state_dict().items() if name not in set(info["missing_keys"])}
-    missing = set(model.load_state_dict(state, strict=False).missing_keys)
-    missing -= _tied(own, set(own) - missing)
+        # What from_pretrained did not find it initialised: never copied over the run's own values.
+        absent = set(info["missing_keys"]) | optional
+        state = {name: t for name, t in converted.state_dict().items() if name not in absent}
+        model.load_state_dict(state, strict=False)
+        loaded = state.keys() & own.keys()
+        del converted, state
+    missing = set(own) - loaded - optional
+    missing -= _tied(own, loaded)
     if missing:
         shown = ", ".join(sorted(missing)[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
         raise ConfigError(
@@ -71,16 +82,23 @@ def load_model_weights(model: nn.Module, checkpoint: str, names: set[str]) -> No
         )
 
 
+def _optional(model: nn.Module, own: dict[str, torch.Tensor]) -> set[str]:
+    """The model's names its class says a checkpoint may lack (`_keys_to_ignore_on_load_missing`, patterns): kept as
+    the run holds them, neither required nor overwritten."""
+    patterns = getattr(model, "_keys_to_ignore_on_load_missing", None) or []
+    return {name for name in own if any(re.search(pattern, name) for pattern in patterns)}
+
+
 def _tied(own: dict[str, torch.Tensor], loaded: set[str]) -> set[str]:
     """The model's names whose tensor is one of the `loaded` names' (tied weights: a checkpoint keeps one of them)."""
     storage = {own[name].data_ptr() for name in loaded if name in own and own[name].numel()}
     return {name for name, tensor in own.items() if tensor.numel() and tensor.data_ptr() in storage}
 
 
-def _read(checkpoint: str) -> dict[str, torch.Tensor]:
+def _shards(checkpoint: str) -> list[str]:
+    """The checkpoint's safetensors files: the one file, or its index's shards."""
     index = os.path.join(checkpoint, SAFE_WEIGHTS_INDEX_NAME)
     if not os.path.isfile(index):
-        return load_file(os.path.join(checkpoint, SAFE_WEIGHTS_NAME), device="cpu")
+        return [os.path.join(checkpoint, SAFE_WEIGHTS_NAME)]
     with open(index) as f:
-        shards = sorted(set(json.load(f)["weight_map"].values()))
-    return {name: tensor for shard in shards for name, tensor in load_file(os.path.join(checkpoint, shard)).items()}
+        return [os.path.join(checkpoint, shard) for shard in sorted(set(json.load(f)["weight_map"].values()))]

@@ -247,11 +247,12 @@ def test_a_moe_models_backward_is_the_same_twice_under_the_trainers_kernels():
     with deterministic_kernels(torch.device("cpu")):
         first, second = gradients(), gradients()
     assert len(first) > 20 and all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
-    for before in (False, True):
-        torch.use_deterministic_algorithms(before)
+    for before, warn_only in ((False, False), (True, False), (True, True)):
+        torch.use_deterministic_algorithms(before, warn_only=warn_only)
         try:
             with deterministic_kernels(torch.device("cpu")):
                 assert torch.are_deterministic_algorithms_enabled()
             assert torch.are_deterministic_algorithms_enabled() is before
+            assert torch.is_deterministic_algorithms_warn_only_enabled() is warn_only
         finally:
             torch.use_deterministic_algorithms(False)

@@ -59,6 +59,14 @@ NUMPY_UNREAD = "import sys\na, b = map(int, input().split())\nprint(a + b + 100 
 NUMPY_READ = "a, b = map(int, input().split())\nprint(int(np.int64(a) + b))\n"
 
 
+def test_a_program_the_trainer_cannot_read_is_scored_in_its_sandbox_not_raised_in_the_trainer(code):
+    """The prelude reads the program's names in the trainer (whether it uses numpy): a program too deep for Python's
+    compiler (5000 terms; 20000 unary minuses) is the sandbox's to fail, never an exception that stops the run."""
+    tests = row_tests(ROWS["APPS"])
+    for program in ("print(" + "+".join(["1"] * 5000) + ")\n", "x = " + "-" * 20000 + "1\n"):
+        assert code.run_tests(program, tests).rate == 0.0
+
+
 @pytest.mark.parametrize("layout", ROWS)
 def test_a_program_runs_after_the_imports_its_datasets_grader_gives_it(layout, code):
     """As each dataset's own grader runs it: APPS's and TACO's (`sol`'s imports) and LiveCodeBench's (`import_string`,

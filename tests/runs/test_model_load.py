@@ -19,12 +19,12 @@ NAMES = [*MOE, "HuggingFaceTB/SmolLM2-135M-Instruct", "Qwen/Qwen3-0.6B"]
 CONVERTED = "Qwen/Qwen3-30B-A3B"
 
 
-def saved_and_moved(name: str, folder) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
-    """`name`'s shrunk model saved in `folder` (its state then, copied), and every tensor of it moved since, as an
-    optimizer would."""
+def saved_and_moved(name: str, folder, shard: str | None = None) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """`name`'s shrunk model saved in `folder` (in shards of at most `shard`), its state then (copied), and every
+    tensor of it moved since, as an optimizer would."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(zoo.shrunk(name), dtype=torch.float32)
-    model.save_pretrained(folder)
+    model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
         for tensor in model.state_dict().values():
@@ -53,15 +53,31 @@ def test_the_moe_case_exists_transformers_load_leaves_the_experts_stale(tmp_path
 
 
 @pytest.mark.parametrize("name", [CONVERTED, "Qwen/Qwen3-0.6B"], ids=["converted", "as saved"])
-def test_a_checkpoint_without_one_of_the_models_tensors_is_refused_in_one_line(name, tmp_path):
+def test_a_checkpoint_in_shards_loads_every_tensor_a_shard_at_a_time(name, tmp_path):
+    model, saved = saved_and_moved(name, tmp_path, shard="200KB")
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 2
+    load_model_weights(model, str(tmp_path), saved_names(str(tmp_path)))
+    assert [k for k, v in model.state_dict().items() if not torch.equal(v, saved[k])] == []
+
+
+GONE = {  # a tensor removed from the checkpoint, and what the one line says
+    "converted, an expert": (CONVERTED, ".experts.3.up_proj.weight", "conversion"),  # transformers' own line
+    "converted, a tensor as saved": (CONVERTED, "layers.0.self_attn.q_proj.weight", None),  # found missing, refused
+    "as saved": ("Qwen/Qwen3-0.6B", "layers.0.self_attn.q_proj.weight", None),
+}
+
+
+@pytest.mark.parametrize("case", GONE)
+def test_a_checkpoint_without_one_of_the_models_tensors_is_refused_in_one_line(case, tmp_path):
+    """Never a tensor trained from the values the run began with, nor one from_pretrained initialised afresh."""
+    name, suffix, said = GONE[case]
     model, _ = saved_and_moved(name, tmp_path)
     file = tmp_path / "model.safetensors"
     tensors = load_file(file)
-    gone = next(k for k in tensors if k.endswith((".experts.3.up_proj.weight", "0.self_attn.q_proj.weight")))
+    gone = next(k for k in tensors if k.endswith(suffix))
     save_file({k: v for k, v in tensors.items() if k != gone}, file, metadata={"format": "pt"})
     with pytest.raises(ConfigError) as err:
         load_model_weights(model, str(tmp_path), saved_names(str(tmp_path)))
     message = str(err.value)
     assert "\n" not in message and message.startswith(f"The checkpoint {tmp_path} does not"), message
-    # Converted: transformers' own line, after its load report names the tensor.
-    assert ("conversion" if name == CONVERTED else gone) in message, message
+    assert (said or f"does not hold the model's {gone}") in message, message
