@@ -170,9 +170,30 @@ def read_subtask(row: dict[str, Any]) -> Subtask:
     except (TypeError, ValueError):
         raise ConfigError(f"ioi_code: problem {problem}: score_precision, time_limit, memory_limit or year is not a "
                           "number") from None  # fmt: skip
+    _same_unit(problem, "time_limit", time_limit, row["time_limit"])
+    _same_unit(problem, "memory_limit", memory, row["memory_limit"])
     tests = _row_tests(row.get(TESTS_COLUMN), tuple(test_names), problem) if row.get(TESTS_COLUMN) else None
     return Subtask(problem, str(row["subtask"]), precision, tuple(test_names), graders, checker,
                    str(config.get("task_type", "")), time_limit, memory, year, tests)  # fmt: skip
+
+
+def _same_unit(problem: str, what: str, config: float, row: Any) -> None:
+    """The grader's limit (grader_config.json's, which the CMS grader applies: seconds, bytes read as MiB) and the
+    row's column for it agree within 10×; further apart, one of them is in another unit (milliseconds, kilobytes),
+    and a limit 1000× too loose would let a slow program pass.
+
+    Raises:
+        ConfigError: they are 10× apart or more.
+    """
+    try:
+        ratio = max(config, float(row)) / min(config, float(row))
+    except (TypeError, ValueError, ZeroDivisionError):
+        return
+    if ratio >= 10:
+        unit = "seconds" if what == "time_limit" else "MiB (its bytes / 2**20)"
+        raise ConfigError(f"ioi_code: problem {problem}: graders/grader_config.json's {what} is {config:g} {unit} and "
+                          f"the row's {what} is {row}, {ratio:.0f}× apart: one is in another unit; fix the row or its "
+                          "grader_config.json")  # fmt: skip
 
 
 def _bytes(content: str | bytes) -> bytes:

@@ -208,12 +208,13 @@ def test_a_score_outside_0_to_1_is_no_score():
 
 
 def test_the_time_and_memory_limits_are_the_grader_configs(reward):
-    # About 0.2 s of work on each test (measured alone: 0.19-0.20 s): within 2 s, over 0.05 s.
+    # About 0.2 s of work on each test (measured alone: 0.19-0.20 s): within 2 s, over 0.05 s (the row says 0.1 s:
+    # the config's limit is the one applied, as the CMS grader applies it).
     busy = RIGHT.replace(
         "return s;", "volatile long long k = 0; for (long long i = 0; i < 300000000; i++) k++; return s;"
     )
     assert judge(reward, [busy], row(config={**CONFIG, "time_limit": 2.0})) == [1.0]
-    assert judge(reward, [busy], row(config={**CONFIG, "time_limit": 0.05})) == [0.0]
+    assert judge(reward, [busy], row(config={**CONFIG, "time_limit": 0.05}, time_limit=0.1)) == [0.0]
     big = RIGHT.replace("return s;", "std::vector<char> m(200 << 20, 1); return s + m[12345] - 1;")
     assert judge(reward, [big], row()) == [1.0]  # 200 MiB within 256
     assert judge(reward, [big], row(config={**CONFIG, "memory_limit": 64 << 20})) == [0.0]
@@ -237,6 +238,9 @@ def test_rows_ioi_code_cannot_judge_are_refused_before_the_run(reward, monkeypat
         ({"test_cases": [["in", "out"]]}, "its test_cases do not give an \\(input, output\\) pair for each"),
         ({"id": "nile"}, "the grader's header is addsum.h, not nile.h"),
         ({"grader_files": [["graders/addsum.h", HEADER]]}, "lack graders/grader_config.json"),
+        # A limit in another unit than the config's (milliseconds; kilobytes): 1000× looser or tighter, refused.
+        ({"time_limit": 1000}, "grader_config.json's time_limit is 1 seconds and the row's time_limit is 1000, 1000×"),
+        ({"memory_limit": 262144}, "memory_limit is 256 MiB .* and the row's memory_limit is 262144, 1024×"),
     ]
     for change, said in bad:
         with pytest.raises(ConfigError, match=f"reward function 'ioi_code': dataset 'ioi' row 1: problem .*{said}"):
