@@ -81,3 +81,31 @@ def test_a_checkpoint_without_one_of_the_models_tensors_is_refused_in_one_line(c
     message = str(err.value)
     assert "\n" not in message and message.startswith(f"The checkpoint {tmp_path} does not"), message
     assert (said or f"does not hold the model's {gone}") in message, message
+
+
+@pytest.mark.parametrize("version", ["2", "2.5"])
+def test_a_vision_language_model_resumes_every_tensor_where_transformers_loaded_almost_none(version, tmp_path):
+    """Qwen2-VL and Qwen2.5-VL save their weights under the Hub's names (`model.embed_tokens`, `visual.*`) where the
+    model holds them under its own (`model.language_model.*`, `model.visual.*`): transformers' `Trainer` matched only
+    `lm_head`, so a resumed vision-language run trained every other tensor from the values the run began with."""
+    from transformers import AutoModelForImageTextToText
+
+    from colograd.models.tiny_vlm import save_tiny_qwen_vl
+
+    model = AutoModelForImageTextToText.from_pretrained(save_tiny_qwen_vl(str(tmp_path / "base"), version=version))
+    checkpoint = tmp_path / "checkpoint"
+    model.save_pretrained(checkpoint)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def moved() -> None:
+        with torch.no_grad():
+            for tensor in model.state_dict().values():
+                if tensor.is_floating_point():
+                    tensor.add_(1.0)
+
+    moved()
+    model.load_state_dict(load_file(checkpoint / "model.safetensors"), strict=False)  # transformers' Trainer
+    assert sum(not torch.equal(v, saved[k]) for k, v in model.state_dict().items()) > len(saved) * 0.9
+    moved()
+    load_model_weights(model, str(checkpoint), saved_names(str(checkpoint)))
+    assert [k for k, v in model.state_dict().items() if not torch.equal(v, saved[k])] == []
