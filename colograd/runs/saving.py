@@ -108,6 +108,16 @@ class ModelSaving(Trainer):
         else:
             load_model_weights(model, resume_from_checkpoint, names)
 
+    def _load_best_model(self) -> None:
+        """`load_best_model_at_end`'s load, every tensor as a resume's (`_load_from_checkpoint`)."""
+        checkpoint = self.state.best_model_checkpoint
+        names = saved_names(checkpoint)
+        if names is None or self.is_deepspeed_enabled or self.is_fsdp_enabled or hasattr(self.model, "peft_config"):
+            super()._load_best_model()
+        else:
+            note(f"loading the best model, from {checkpoint}")
+            load_model_weights(self.model, checkpoint, names)
+
     def _load_universal(self, checkpoint: str) -> None:
         """A DeepSpeed checkpoint resumed on another number of ranks loads as DeepSpeed's universal checkpoint
         (`colograd.runs.universal`), converted once by the main process while the others wait."""

@@ -109,3 +109,17 @@ def test_a_vision_language_model_resumes_every_tensor_where_transformers_loaded_
     moved()
     load_model_weights(model, str(checkpoint), saved_names(str(checkpoint)))
     assert [k for k, v in model.state_dict().items() if not torch.equal(v, saved[k])] == []
+
+
+def test_load_best_model_at_end_loads_every_tensor_too(tmp_path):
+    """transformers' `_load_best_model` reads the best checkpoint as its resume does (`strict=False`): colograd's
+    trainer loads it as a resume now does, a Qwen3-MoE's experts included."""
+    from types import SimpleNamespace
+
+    from colograd.runs.saving import ModelSaving
+
+    model, saved = saved_and_moved(CONVERTED, tmp_path)
+    trainer = SimpleNamespace(state=SimpleNamespace(best_model_checkpoint=str(tmp_path)), model=model,
+                              is_deepspeed_enabled=False, is_fsdp_enabled=False)  # fmt: skip
+    ModelSaving._load_best_model(trainer)
+    assert [k for k, v in model.state_dict().items() if not torch.equal(v, saved[k])] == []
