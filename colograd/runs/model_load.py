@@ -4,10 +4,11 @@ transformers' `Trainer` loads a checkpoint's `model.safetensors` with `load_stat
 warns about what it did not load. transformers 5 saves a model as the Hub publishes it, reverting the conversions it
 applies at load: a Mixture-of-Experts model's fused experts (`experts.gate_up_proj`, one `[experts, 2 × width,
 hidden]` tensor) are written one expert at a time (`experts.0.gate_proj.weight`, ...), names the model does not have.
-So every resumed MoE run trained on with its experts as the run began (the base model's, or the last sync's before
-the resume), the rest of the model resumed: quietly another run. Here a checkpoint whose names are not the model's
-own is loaded through `from_pretrained` (its conversions), and any tensor of the model that a checkpoint does not hold
-stops the resume in one line, for every family: a name check, not a list of families.
+So every resumed MoE run trained on with its experts as the run began, the rest of the model resumed: quietly another
+run; and a vision-language model saved under the Hub's names (Qwen2-VL's and Qwen2.5-VL's `model.embed_tokens`,
+`visual.*`, held as `model.language_model.*`, `model.visual.*`) resumed its `lm_head` alone. Here a checkpoint whose
+names are not the model's own is loaded through `from_pretrained` (its conversions), and any tensor of the model that
+a checkpoint does not hold stops the resume in one line, for every family: a name check, not a list of families.
 """
 
 import json
