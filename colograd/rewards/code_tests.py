@@ -414,16 +414,33 @@ def _called_builtins(source: str) -> set[str]:
 
 def with_prelude(prelude: str, code: str) -> str:
     """`code` run after `prelude` (a dataset grader's imports, `code_layouts.PRELUDES`), as that grader runs it; its
-    numpy import only where `code` reads `np` unbound (the rest is cheap to import)."""
+    numpy import only where `code` reads `np` unbound (the rest is cheap to import). The program's own `from
+    __future__` imports (and the docstring before them) stay first, where Python requires them: the graders put the
+    imports above them, and a right program that began so failed to compile there."""
     if not prelude:
         return code
     try:
         reads_np = "np" in free_names(code)
+        head = _future_lines(ast.parse(code))
     except (SyntaxError, ValueError, RecursionError, MemoryError):  # the program's text, read in the trainer
-        reads_np = True  # the prelude whole: the program runs (or fails to compile) in its sandbox, as written
+        reads_np, head = True, 0  # the prelude whole: the program runs (or fails to compile) in its sandbox
     if not reads_np:
         prelude = prelude.replace("import numpy as np\n", "")
-    return prelude + code
+    lines = code.splitlines(keepends=True)
+    if head and not lines[head - 1].endswith("\n"):
+        lines[head - 1] += "\n"
+    return "".join(lines[:head]) + prelude + "".join(lines[head:])
+
+
+def _future_lines(tree: ast.Module) -> int:
+    """How many of a module's first lines hold its docstring and `from __future__` imports (0 where it has none)."""
+    end = 0
+    for k, node in enumerate(tree.body):
+        if isinstance(node, ast.ImportFrom) and node.module == "__future__":
+            end = node.end_lineno or end
+        elif not (k == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)):
+            break
+    return end
 
 
 def free_names(source: str) -> set[str]:

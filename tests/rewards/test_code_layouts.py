@@ -76,6 +76,9 @@ def test_a_program_runs_after_the_imports_its_datasets_grader_gives_it(layout, c
     grader = GRADERS[layout]
     assert code.run_tests(UNIMPORTED, tests).rate == (1.0 if grader else 0.0)
     assert code.run_tests(DEEP, tests).rate == (1.0 if grader == "lcb" else 0.0)
+    # A program's own __future__ imports (after its docstring) stay first, where Python requires them.
+    future = '"""Sums."""\nfrom __future__ import annotations\nfrom __future__ import division\n'
+    assert code.run_tests(future + UNIMPORTED, tests).rate == (1.0 if grader else 0.0)
     if grader == "apps":
         assert code.run_tests(NUMPY_READ, tests).rate == 1.0
         assert code.run_tests(NUMPY_UNREAD, tests).rate == 1.0  # numpy not imported for a program that reads no np
