@@ -421,7 +421,7 @@ def with_prelude(prelude: str, code: str) -> str:
         return code
     try:
         reads_np = "np" in free_names(code)
-        head = _future_lines(ast.parse(code))
+        head = _future_lines(parse_python(code))
     except (SyntaxError, ValueError, RecursionError, MemoryError):  # the program's text, read in the trainer
         reads_np, head = True, 0  # the prelude whole: the program runs (or fails to compile) in its sandbox
     if not reads_np:
