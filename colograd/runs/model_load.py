@@ -27,15 +27,13 @@ from colograd.errors import ConfigError
 def saved_names(checkpoint: str) -> set[str] | None:
     """The tensor names of a checkpoint's model saved whole in safetensors (one file or an index of shards), or None
     where it holds none (an adapter, DeepSpeed's or FSDP's own files, PyTorch's `.bin`)."""
-    index = os.path.join(checkpoint, SAFE_WEIGHTS_INDEX_NAME)
-    if os.path.isfile(index):
-        with open(index) as f:
-            return set(json.load(f)["weight_map"])
-    single = os.path.join(checkpoint, SAFE_WEIGHTS_NAME)
-    if os.path.isfile(single):
-        with safe_open(single, framework="pt") as f:
-            return set(f.keys())
-    return None
+    shards = _shards(checkpoint)
+    if shards is None:
+        return None
+    if isinstance(shards, dict):
+        return set(shards)
+    with safe_open(shards, framework="pt") as f:
+        return set(f.keys())
 
 
 def load_model_weights(model: nn.Module, checkpoint: str, names: set[str]) -> None:
@@ -48,9 +46,11 @@ def load_model_weights(model: nn.Module, checkpoint: str, names: set[str]) -> No
     """
     own = model.state_dict()
     optional = _optional(model, own)
-    if set(own) <= names | _tied(own, names) | optional:
+    if set(own) <= names | _tied(own, names) | optional and not _converts_values(model):
         loaded: set[str] = set()
-        for shard in _shards(checkpoint):  # one shard in memory at a time, as transformers loads them
+        shards = _shards(checkpoint)
+        files = sorted(set(shards.values())) if isinstance(shards, dict) else [shards]
+        for shard in files:  # one shard in memory at a time, as transformers loads them
             state = load_file(shard, device="cpu")
             model.load_state_dict(state, strict=False)
             loaded |= state.keys() & own.keys()
@@ -96,10 +96,24 @@ def _tied(own: dict[str, torch.Tensor], loaded: set[str]) -> set[str]:
     return {name for name, tensor in own.items() if tensor.numel() and tensor.data_ptr() in storage}
 
 
-def _shards(checkpoint: str) -> list[str]:
-    """The checkpoint's safetensors files: the one file, or its index's shards."""
+def _shards(checkpoint: str) -> dict[str, str] | str | None:
+    """Where a checkpoint's model is in safetensors: its index's map of each tensor to its shard's path, the one file's
+    path, or None."""
     index = os.path.join(checkpoint, SAFE_WEIGHTS_INDEX_NAME)
-    if not os.path.isfile(index):
-        return [os.path.join(checkpoint, SAFE_WEIGHTS_NAME)]
-    with open(index) as f:
-        return [os.path.join(checkpoint, shard) for shard in sorted(set(json.load(f)["weight_map"].values()))]
+    if os.path.isfile(index):
+        with open(index) as f:
+            return {name: os.path.join(checkpoint, shard) for name, shard in json.load(f)["weight_map"].items()}
+    single = os.path.join(checkpoint, SAFE_WEIGHTS_NAME)
+    return single if os.path.isfile(single) else None
+
+
+def _converts_values(model: nn.Module) -> bool:
+    """Whether transformers transforms some of the model's tensors between its checkpoint and the model (a
+    `WeightConverter`: experts merged, a projection chunked, transposed or permuted), which a name may survive: such a
+    checkpoint is read through `from_pretrained` whatever its names. A renaming alone shows in the names. The same
+    conversions transformers' save reverts (`revert_weight_conversion`)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter
+
+    conversions = getattr(model, "_weight_conversions", None) or get_model_conversion_mapping(model, add_legacy=False)
+    return any(isinstance(conversion, WeightConverter) for conversion in conversions or [])

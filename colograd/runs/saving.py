@@ -102,8 +102,8 @@ class ModelSaving(Trainer):
         applies where the checkpoint's names are not the model's (`colograd.runs.model_load`); an adapter, FSDP's
         files and PyTorch's `.bin` as transformers loads them."""
         model = model if model is not None else self.model
-        names = saved_names(resume_from_checkpoint)
-        if names is None or self.is_fsdp_enabled or hasattr(model, "peft_config"):
+        names = self._saved_whole(resume_from_checkpoint, model)
+        if names is None:
             super()._load_from_checkpoint(resume_from_checkpoint, model)
         else:
             load_model_weights(model, resume_from_checkpoint, names)
@@ -111,12 +111,19 @@ class ModelSaving(Trainer):
     def _load_best_model(self) -> None:
         """`load_best_model_at_end`'s load, every tensor as a resume's (`_load_from_checkpoint`)."""
         checkpoint = self.state.best_model_checkpoint
-        names = saved_names(checkpoint)
-        if names is None or self.is_deepspeed_enabled or self.is_fsdp_enabled or hasattr(self.model, "peft_config"):
+        names = self._saved_whole(checkpoint, self.model)
+        if names is None:
             super()._load_best_model()
         else:
             note(f"loading the best model, from {checkpoint}")
             load_model_weights(self.model, checkpoint, names)
+
+    def _saved_whole(self, checkpoint: str, model: nn.Module) -> set[str] | None:
+        """The names of `checkpoint`'s model where colograd loads it (saved whole in safetensors, not an adapter,
+        not under DeepSpeed or FSDP, which load their own files), else None: transformers' own load."""
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled or hasattr(model, "peft_config"):
+            return None
+        return saved_names(checkpoint)
 
     def _load_universal(self, checkpoint: str) -> None:
         """A DeepSpeed checkpoint resumed on another number of ranks loads as DeepSpeed's universal checkpoint

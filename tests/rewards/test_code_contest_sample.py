@@ -26,8 +26,9 @@ from colograd.rewards.sandbox import SandboxLimits
 CONTEST = Path(__file__).parent / "contest"
 SAMPLES = [Path(os.environ["COLOGRAD_CONTEST_SAMPLE"])] if os.environ.get("COLOGRAD_CONTEST_SAMPLE") else [
     CONTEST / "sample.jsonl", CONTEST / "real.jsonl"]  # fmt: skip
-ROWS = [json.loads(line) for sample in SAMPLES for line in sample.read_text().splitlines() if line.strip()]
-REAL = {json.dumps(row) for row in map(json.loads, (CONTEST / "real.jsonl").read_text().splitlines())}
+# Each row with the file it came from: the real rows (a CodeContests row runs 201 cases a solution) are slow.
+ROWS = [(json.loads(line), sample.name == "real.jsonl")
+        for sample in SAMPLES for line in sample.read_text().splitlines() if line.strip()]  # fmt: skip
 # How each problem's output is compared where it has no checker program (the reward's code_checker).
 COMPARISON = {
     "62_A. Fibonacci modulo": "lines",
@@ -127,8 +128,7 @@ class Unsandboxed:
         return sum(v == "1" for v in verdicts) / len(calls.cases)
 
 
-# The real rows (a CodeContests row runs 201 cases a solution) are in the slow tier.
-PARAMS = [pytest.param(r, id=problem(r), marks=[pytest.mark.slow] if json.dumps(r) in REAL else []) for r in ROWS]
+PARAMS = [pytest.param(row, id=problem(row), marks=[pytest.mark.slow] if slow else []) for row, slow in ROWS]
 CALL_DRIVER = """
 
 import json as _json, sys as _sys

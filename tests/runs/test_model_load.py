@@ -121,6 +121,7 @@ def test_load_best_model_at_end_loads_every_tensor_too(tmp_path):
     model, saved = saved_and_moved(CONVERTED, tmp_path)
     trainer = SimpleNamespace(state=SimpleNamespace(best_model_checkpoint=str(tmp_path)), model=model,
                               is_deepspeed_enabled=False, is_fsdp_enabled=False)  # fmt: skip
+    trainer._saved_whole = lambda checkpoint, model: ModelSaving._saved_whole(trainer, checkpoint, model)
     ModelSaving._load_best_model(trainer)
     assert [k for k, v in model.state_dict().items() if not torch.equal(v, saved[k])] == []
 
@@ -138,3 +139,14 @@ def test_qwen3_5_as_published_resumes_every_tensor(name, tmp_path):
                 tensor.add_(1.0)
     load_model_weights(model, str(tmp_path), saved_names(str(tmp_path)))
     assert [k for k, v in model.state_dict().items() if not torch.equal(v, saved[k])] == []
+
+
+def test_a_family_whose_save_transforms_values_is_read_through_its_conversions_whatever_its_names():
+    """The direct read is taken only where transformers converts no tensor between checkpoint and model (renamings
+    show in the names; a converter may keep a name and change the values)."""
+    from colograd.runs.model_load import _converts_values
+
+    def built(name):
+        return AutoModelForCausalLM.from_config(zoo.shrunk(name), dtype=torch.float32)
+
+    assert _converts_values(built(CONVERTED)) and not _converts_values(built("Qwen/Qwen3-0.6B"))
