@@ -143,6 +143,7 @@ class Engine:
         self.sleep_level = self.settings["sleep_level"]
         self.stale = True  # True until the trainer's weights are loaded, and again after a level-2 sleep
         self.packed_released = False  # CPU: packed weights dropped after a rollout, until the next load
+        self.heap_returned = False  # CPU: the free heap the start-up left returned (`_rest_on_the_host`)
         # Prompt KV cached under one version of the weights must not serve another: every request carries the
         # version as its cache salt, so a sync needs no reset of the cache (a walk over every block in Python).
         self.weights_version = 0
@@ -621,7 +622,13 @@ class Engine:
         (`colograd.engine.cpu`). Where a sync reloads the weights (repacked linear layers), which packs every layer
         again, the packed copies go too, as sleep level 2 drops a GPU engine's weights: the engine is then stale, and
         the next sync writes it whole. Weights a sync copies into stay, and so does the frozen base an adapter-only
-        engine serves (its syncs send the adapter alone)."""
+        engine serves (its syncs send the adapter alone).
+
+        The free heap is returned once, at the first rest, which follows the engine's start-up (its profiling pass
+        frees memory the run never asks for again). Not after every rollout: by then the free heap is mostly what the
+        last training step freed, which the next one allocates again within a second, and every page given back is
+        faulted in again (zeroed by the kernel) inside that step: 16% of a shrunk Qwen3.5's training phase for 4%
+        of its peak memory (docs/benchmarks.md)."""
         if torch.cuda.is_available():
             return
         self.llm.collective_rpc(engine_cpu.release_kv_cache)
@@ -630,7 +637,9 @@ class Engine:
             self.llm.collective_rpc(engine_cpu.release_packed_weights)
         ):
             self.stale = self.packed_released = True
-        engine_cpu.return_free_heap()
+        if not self.heap_returned:
+            engine_cpu.return_free_heap()
+            self.heap_returned = True
 
     def _check_resident(self, what: str) -> None:
         """Refuse to write weights into an asleep engine: its weights memory is released (level 2) or on the host

@@ -234,8 +234,8 @@ def check_packed(engine: Any, what: str) -> None:
 
 def return_free_heap() -> None:
     """Give the allocator's free heap pages back to the operating system (glibc's `malloc_trim`): vLLM's start-up
-    and each rollout free more than the process keeps using, and glibc holds on to it. Nothing where the C library
-    has no `malloc_trim`."""
+    frees more than the process keeps using, and glibc holds on to it. Nothing where the C library has no
+    `malloc_trim`."""
     trim = getattr(_libc(), "malloc_trim", None)
     if trim is not None:
         trim(0)

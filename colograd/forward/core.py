@@ -195,17 +195,24 @@ def deterministic_kernels(device: torch.device) -> Iterator[None]:
     backward adds the copies' gradients on several threads at once, in whatever order they finish (bits apart at each
     step: Qwen3-MoE, Qwen3.5-MoE, OLMoE, DeepSeek-V2, GLM-4.5, gpt-oss, Granite-4.0-H, LFM2-MoE). A run resumed from a
     checkpoint then parts from the uninterrupted one at the first near-tie it samples. The deterministic kernel sums
-    them in index order, at no measured cost on a CPU. On a GPU the setting would also constrain cuBLAS and the
-    attention kernels, whose runs are not bit-reproducible anyway: left as the user set it."""
+    them in index order. On a GPU the setting would also constrain cuBLAS and the attention kernels, whose runs are
+    not bit-reproducible anyway: left as the user set it.
+
+    The setting's other effect, filling every new tensor with NaN before its first write
+    (`torch.utils.deterministic.fill_uninitialized_memory`), is a debugging aid that changes no result a kernel
+    computes: it stays off while these kernels run (it cost 6% of a shrunk Qwen3.5's training phase)."""
     if device.type != "cpu":
         yield
         return
     before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
     torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
     try:
         yield
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
 def packed_apart(nets: list[nn.Module | None], policy: nn.Module) -> Apart | None:

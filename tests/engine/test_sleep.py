@@ -49,6 +49,7 @@ def engine_with(sleep_level: int, log: list[str]) -> Engine:
     engine.weights_resident = sleep_level in (0, KV_CACHE_ONLY)  # as `Engine.__init__` leaves it, asleep
     engine.direct_load, engine.prepacked_experts, engine.packed_released = True, False, False  # a sync copies in
     engine.lora_request = None
+    engine.heap_returned = False
     return engine
 
 
@@ -170,6 +171,20 @@ def test_without_sleep_mode_awake_on_a_cpu_releases_the_kv_cache_after_the_gener
     with engine.awake():
         log.append("generate")
     assert log == ["sync", "generate", *AFTER_A_CPU_ROLLOUT]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU engine does not rest on the host")
+def test_on_a_cpu_the_free_heap_is_returned_after_the_first_rollout_only(monkeypatch):
+    """The first rest returns the heap the engine's start-up freed; later ones keep what the last training step
+    freed, which the next one allocates again (given back, each of its pages is faulted in again inside that step)."""
+    log: list[str] = []
+    monkeypatch.setattr(engine_cpu, "return_free_heap", lambda: log.append("return_free_heap"))
+    engine = engine_with(0, log)
+    for _ in range(3):
+        with engine.awake():
+            log.append("generate")
+    assert log.count("return_free_heap") == 1
+    assert log[: log.index("return_free_heap")] == ["generate", *AFTER_A_CPU_ROLLOUT]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU engine does not rest on the host")

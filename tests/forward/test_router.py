@@ -232,7 +232,9 @@ def test_a_moe_models_backward_is_the_same_twice_under_the_trainers_kernels():
     """Under `deterministic_kernels` a Qwen3-MoE (real vocabulary, 128 experts, top 8) gives the same gradients twice
     on one batch, to the bit (without them its experts' gather adds its gradients on several threads in whatever
     order: measured 19 of 25 tensors apart on 2 threads, so that a resumed run parts from an uninterrupted one), and
-    the setting the caller had is back after."""
+    the setting the caller had is back after. Tensors are not filled with NaN at birth meanwhile (the setting's
+    debugging aid, which changes no result and cost 6% of a hybrid's training phase), and the caller's fill is back
+    after too."""
     from colograd.forward.core import deterministic_kernels
 
     torch.manual_seed(0)
@@ -252,6 +254,8 @@ def test_a_moe_models_backward_is_the_same_twice_under_the_trainers_kernels():
         try:
             with deterministic_kernels(torch.device("cpu")):
                 assert torch.are_deterministic_algorithms_enabled()
+                assert not torch.utils.deterministic.fill_uninitialized_memory
+            assert torch.utils.deterministic.fill_uninitialized_memory  # torch's default, as the caller had it
             assert torch.are_deterministic_algorithms_enabled() is before
             assert torch.is_deterministic_algorithms_warn_only_enabled() is warn_only
         finally:
