@@ -12,6 +12,7 @@ a checkpoint does not hold stops the resume in one line, for every family: a nam
 """
 
 import json
+import logging
 import os
 import re
 
@@ -22,6 +23,8 @@ from torch import nn
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from colograd.errors import ConfigError
+
+logger = logging.getLogger("colograd.trainer")
 
 
 def saved_names(checkpoint: str) -> set[str] | None:
@@ -73,6 +76,7 @@ def load_model_weights(model: nn.Module, checkpoint: str, names: set[str]) -> No
         model.load_state_dict(state, strict=False)
         loaded = state.keys() & own.keys()
         del converted, state
+        _say_where_saving_again_differs(model, checkpoint)
     missing = set(own) - loaded - optional
     missing -= _tied(own, loaded)
     if missing:
@@ -81,6 +85,48 @@ def load_model_weights(model: nn.Module, checkpoint: str, names: set[str]) -> No
             f"The checkpoint {checkpoint} does not hold the model's {shown}: resuming from it would train them from "
             "the values the run began with. Resume from a checkpoint this model saved, or start the run afresh."
         )
+
+
+def saved_again_differs(model: nn.Module, checkpoint: str) -> dict[str, float]:
+    """The checkpoint's tensors that `model`, saved now, would write otherwise, each with its largest difference:
+    the model's state reverted as `save_pretrained` reverts it (`revert_weight_conversion`), compared with what the
+    checkpoint holds under the same name, a shard at a time. Empty where a converted load gave back the checkpoint's
+    values exactly, as every conversion that only moves values (experts merged, projections fused or split) does."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    reverted = revert_weight_conversion(model, dict(model.state_dict()))
+    shards = _shards(checkpoint)
+    files = sorted(set(shards.values())) if isinstance(shards, dict) else [shards]
+    differs = {}
+    for shard in files:
+        with safe_open(shard, framework="pt") as f:
+            for name in f.keys():
+                ours = reverted.get(name)
+                if ours is None:
+                    continue
+                theirs = f.get_tensor(name).to(ours.dtype)
+                if ours.shape != theirs.shape:
+                    differs[name] = float("inf")
+                elif not torch.equal(ours, theirs):
+                    differs[name] = (ours.double() - theirs.double()).abs().max().item()
+    return differs
+
+
+def _say_where_saving_again_differs(model: nn.Module, checkpoint: str) -> None:
+    """Warn, naming the tensors, where a converted load did not give back the checkpoint's values exactly (a
+    conversion of this family that is not undone exactly by the save): the run resumes, from weights that far from
+    the ones it saved, and so is not the uninterrupted run to the bit."""
+    differs = saved_again_differs(model, checkpoint)
+    if differs:
+        worst = sorted(differs, key=differs.get, reverse=True)
+        shown = ", ".join(f"{name} ({differs[name]:.3g})" for name in worst[:3])
+        more = f" and {len(worst) - 3} more" if len(worst) > 3 else ""
+        logger.warning(
+            "colograd: the weights loaded from %s through transformers' conversions for %s do not save back to the "
+            "same values: %s%s differ (largest difference in brackets). The run resumes from these weights, not bit "
+            "for bit the ones it saved.",
+            checkpoint, type(model).__name__, shown, more,
+        )  # fmt: skip
 
 
 def _optional(model: nn.Module, own: dict[str, torch.Tensor]) -> set[str]:
