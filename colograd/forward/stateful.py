@@ -10,9 +10,14 @@ same pass (`apart`). Right padding is exact for a causal layer: a sequence's out
 it. Everything else (projections of the other layers, attention with packed position ids, the MLPs, the output
 layer) computes the real tokens only.
 
+A layer given sequences of very different lengths computes them in groups of similar length (`groups`), each
+padded to its own longest, not all to the longest of the pass: transformers' Gated DeltaNet computes every padded
+column, in chunks of 64, and most of a hybrid's training pass is in those layers.
+
 The layout travels as a keyword argument of the model's call (`KWARG`), which the families' decoder layers hand on to
 their mixers, so that a layer recomputed in the backward (gradient checkpointing) lays out its input as its forward
-did. A family that does not hand it on is found before training (`Apart.probe`), and its passes then run padded.
+did. A family that does not hand it on is found before training (`colograd.forward.core.packed_apart`), and its
+passes then run padded.
 """
 
 from collections.abc import Iterator
@@ -54,11 +59,55 @@ class Sequences:
         out = flat.new_zeros((self.count, self.width, *flat.shape[1:]))
         return out.index_put((self.sequence, self.position), flat[self.dest])
 
-    def pack(self, out_NLH: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
-        """[count, width, ...] back to packed rows [rows, columns, ...], zeros on their padding."""
-        flat = out_NLH.new_zeros((rows * columns, *out_NLH.shape[2:]))
+    def pack(self, out_NLH: torch.Tensor, rows: int, columns: int, into: torch.Tensor | None = None) -> torch.Tensor:
+        """[count, width, ...] back to packed rows [rows, columns, ...], zeros on their padding (or, `into`, on top
+        of another layout's output over the same rows)."""
+        flat = out_NLH.new_zeros((rows * columns, *out_NLH.shape[2:])) if into is None else into.flatten(0, 1)
         flat = flat.index_put((self.dest,), out_NLH[self.sequence, self.position])
         return flat.view(rows, columns, *out_NLH.shape[2:])
+
+    def parts(self, multiple: int = 1) -> list["Sequences"]:
+        """These sequences in groups of similar length (`groups`, for a layer that pads a sequence to a `multiple` of
+        tokens), each a layout of its own over the same rows."""
+        lengths = torch.bincount(self.sequence, minlength=self.count)
+        found = groups(lengths.tolist(), multiple)
+        if len(found) == 1:
+            return [self]
+        parts = []
+        for members in found:
+            index = torch.full((self.count,), -1, dtype=torch.long, device=self.sequence.device)
+            index[members] = torch.arange(len(members), device=index.device)
+            kept = (index[self.sequence] >= 0).nonzero().squeeze(1)
+            width = int(lengths[members].max())
+            parts.append(
+                Sequences(self.dest[kept], index[self.sequence[kept]], self.position[kept], len(members), width)
+            )
+        return parts
+
+
+def groups(lengths: list[int], multiple: int = 1, saving: float = 0.15, most: int = 4) -> list[list[int]]:
+    """The sequences (by index) in at most `most` groups of similar length, for a layer that computes each group
+    padded to its longest, rounded up to a `multiple` of tokens (a Mamba-2 layer's chunk): split where a split cuts
+    the padded tokens (members × padded longest, summed over the groups) by at least `saving` of them, the best split
+    first. Each call of the layer costs more than its tokens, so a group is not split for a few tokens."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+
+    def area(a: int, b: int) -> int:  # the sorted sequences a..b-1, padded to the longest (the last)
+        return (b - a) * -(-lengths[order[b - 1]] // multiple) * multiple
+
+    spans = [(0, len(order))]
+    while len(spans) < most:
+        total = sum(area(a, b) for a, b in spans)
+        best = max(
+            ((area(a, b) - area(a, c) - area(c, b), i, c) for i, (a, b) in enumerate(spans) for c in range(a + 1, b)),
+            default=None,
+        )
+        if best is None or best[0] < saving * total:
+            break
+        _, i, c = best
+        a, b = spans[i]
+        spans[i : i + 1] = [(a, c), (c, b)]
+    return [order[a:b] for a, b in spans]
 
 
 def mixers(model: nn.Module) -> list[nn.Module]:
@@ -72,52 +121,62 @@ def mixers(model: nn.Module) -> list[nn.Module]:
     return found
 
 
+def padded_to(layer: nn.Module) -> int:
+    """The multiple of tokens `layer` pads a sequence to: a Mamba-2 layer's chunk (`chunk_size`, transformers' torch
+    path pads to it), else 1 (Gated DeltaNet's chunks of 64 are not an attribute of its layer, nor counted)."""
+    chunk = getattr(layer, "chunk_size", 1)
+    return chunk if isinstance(chunk, int) and chunk > 0 else 1
+
+
 class Apart:
-    """The hooks on a model's layers with state that unpack their input and pack their output when the model is
-    called with `KWARG`; each call counted, so that a pass can check every layer took the layout."""
+    """The model's layers with state, their `forward` wrapped to take their input unpacked and give their output
+    packed when the model is called with `KWARG` (once per group of similar length); each call counted, so that a
+    pass can check every layer took the layout."""
 
     def __init__(self, *models: nn.Module) -> None:
         found = [mixers(model) for model in models]
         self.layers = [layer for layers in found for layer in layers]
         self.per_model = len(found[0]) if found else 0  # the layers one pass of one model calls
         self.calls = 0
-        self._open: dict[int, tuple[Sequences, int, int]] = {}
-        self.handles = [
-            handle
-            for layer in self.layers
-            for handle in (
-                layer.register_forward_pre_hook(self._before, with_kwargs=True),
-                layer.register_forward_hook(self._after, with_kwargs=True),
-            )
-        ]
+        # The layer's own `forward` attribute, if it had one (another wrapper), to put back on `remove`.
+        self._before = [layer.__dict__.get("forward") for layer in self.layers]
+        for layer in self.layers:  # an attribute of the instance, ahead of the class's: inside the module's hooks
+            layer.forward = self._apart(layer, layer.forward)
 
     def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
+        for layer, before in zip(self.layers, self._before, strict=True):
+            if before is None:
+                layer.__dict__.pop("forward", None)
+            else:
+                layer.forward = before
 
-    def _before(self, layer: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict] | None:
-        sequences = kwargs.pop(KWARG, None)
-        if sequences is None:
-            return args, kwargs
-        if args:
-            hidden, args = args[0], args[1:]
-        else:
-            hidden = kwargs.pop("hidden_states")
-        rows, columns = hidden.shape[:2]
-        self._open[id(layer)] = (sequences, rows, columns)
-        self.calls += 1
-        if "attention_mask" in kwargs:  # the packed rows' (or None): the unpacked rows' padding trails every token
-            kwargs["attention_mask"] = None
-        return (sequences.unpack(hidden), *args), kwargs
+    def _apart(self, layer: nn.Module, forward: Any) -> Any:
+        multiple = padded_to(layer)
 
-    def _after(self, layer: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> Any:
-        opened = self._open.pop(id(layer), None)
-        if opened is None:
-            return None
-        sequences, rows, columns = opened
-        if isinstance(output, tuple):
-            return (sequences.pack(output[0], rows, columns), *output[1:])
-        return sequences.pack(output, rows, columns)
+        def apart(*args: Any, **kwargs: Any) -> Any:
+            sequences = kwargs.pop(KWARG, None)
+            if sequences is None:
+                return forward(*args, **kwargs)
+            if args:
+                hidden, args = args[0], args[1:]
+            else:
+                hidden = kwargs.pop("hidden_states")
+            rows, columns = hidden.shape[:2]
+            self.calls += 1
+            if "attention_mask" in kwargs:  # the packed rows' (or None): the unpacked rows' padding trails every token
+                kwargs["attention_mask"] = None
+            packed, rest = None, None  # rest: what follows the output in a tuple (the first group's)
+            # Under ZeRO-3 each call of the layer's modules gathers their weights from every rank, and ranks group
+            # their own sequences: one call each, so that every rank gathers the same number of times.
+            partitioned = any(hasattr(p, "ds_id") for p in layer.parameters())
+            for part in [sequences] if partitioned else sequences.parts(multiple):
+                output = forward(part.unpack(hidden), *args, **kwargs)
+                if isinstance(output, tuple):
+                    output, rest = output[0], output[1:] if rest is None else rest
+                packed = part.pack(output, rows, columns, into=packed)
+            return packed if rest is None else (packed, *rest)
+
+        return apart
 
     @contextmanager
     def counted(self) -> Iterator[None]:

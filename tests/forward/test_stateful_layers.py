@@ -97,6 +97,52 @@ def test_a_hybrids_passes_give_each_sequence_the_state_its_own_prompt_left(hybri
     assert (shared - expected)[mask].abs().max() > 1e-2
 
 
+def test_sequences_are_grouped_by_length_where_that_cuts_the_padding_enough():
+    """Hand-worked: 16 sequences of 18-92 tokens padded to 92 are 1,472 tokens; split after the 9 shortest (to 54)
+    they are 9 × 54 + 7 × 92 = 1,130 (23% fewer), and no further split saves 15% of that. Equal lengths stay one
+    group; two sequences 10 and 200 long are two."""
+    from colograd.forward.stateful import groups
+
+    lengths = [87, 18, 54, 19, 92, 21, 35, 39, 40, 72, 47, 52, 67, 68, 71, 87]
+    found = groups(lengths)
+    assert [sorted(lengths[i] for i in group) for group in found] == [
+        [18, 19, 21, 35, 39, 40, 47, 52, 54],
+        [67, 68, 71, 72, 87, 87, 92],
+    ]
+    assert sorted(i for group in found for i in group) == list(range(16))
+    assert groups([50] * 16) == [list(range(16))]
+    assert groups([10, 200]) == [[0], [1]]
+    assert len(groups(list(range(1, 4000, 3)))) == 2  # evenly spread: halved once (25%), not again (12.5%)
+    # A layer that pads every sequence to its chunk of 256 tokens (Mamba-2's torch path) computes these as one.
+    assert len(groups(lengths, multiple=256)) == 1
+    assert [len(g) for g in groups([100, 100, 300, 300], multiple=256)] == [2, 2]  # 2 × 256 + 2 × 512 < 4 × 512
+
+
+def test_a_layer_with_state_computes_each_group_padded_to_its_own_longest(hybrid, tmp_path):
+    """The rollout's sequences (16 to 64 tokens) reach each layer with state as two groups, each padded to its own
+    longest, together every sequence once; the log-probs are each sequence's alone (the test above) either way."""
+    from colograd.forward.stateful import groups
+
+    model, tokenizer = hybrid
+    forward = Forward.of([model], GRPOConfig(output_dir=str(tmp_path), report_to="none"), tokenizer)
+    batch = rollout()
+    lengths = batch["attention_mask"].sum(1).tolist()
+    expected = sorted((len(group), max(lengths[i] for i in group)) for group in groups(lengths))
+    assert len(expected) == 2
+    layer = forward.apart.layers[0]
+    first = next(child for child in layer.children() if isinstance(child, torch.nn.Linear))
+    seen = []
+    handle = first.register_forward_pre_hook(lambda module, args: seen.append(tuple(args[0].shape[:2])))
+    try:
+        with torch.no_grad():
+            got = forward.logps(model, batch)
+    finally:
+        handle.remove()
+    assert sorted(seen) == expected
+    mask = batch["completion_mask"].bool()
+    assert (got - alone(model, batch))[mask].abs().max() < 1e-4
+
+
 def test_a_hybrids_packed_gradient_is_the_padded_one_under_gradient_checkpointing(tmp_path):
     """A layer recomputed in the backward lays out its input as its forward did (the layout travels with the
     model's call): the packed pass's gradient, checkpointed, is the padded pass's."""
@@ -281,6 +327,19 @@ def test_mamba2_layers_bound_their_time_step_by_the_configs_limit_as_the_engine_
     assert bound_time_steps_as_configured(model)[0] == 0  # once
     for name in ("ibm-granite/granite-4.0-h-tiny", "tiiuae/Falcon-H1-0.5B-Instruct"):  # their layers read the limit
         assert bound_time_steps_as_configured(AutoModelForCausalLM.from_config(zoo.shrunk(name)))[0] == 0
+
+
+def test_the_multiple_a_layer_pads_to_is_its_chunk_where_it_has_one(hybrid):
+    """Mamba-2 layers pad each sequence to their config's chunk (128 or 256 in the published configs), which the
+    grouping counts; Gated DeltaNet's layer has no such attribute (its chunks of 64 are the kernel's default): 1."""
+    from colograd.forward.stateful import mixers, padded_to
+
+    for name in ("nvidia/Nemotron-H-8B-Base-8K", "ibm-granite/granite-4.0-h-tiny", "tiiuae/Falcon-H1-0.5B-Instruct"):
+        config = zoo.shrunk(name)
+        chunk = getattr(config, "chunk_size", None) or config.mamba_chunk_size
+        layers = mixers(AutoModelForCausalLM.from_config(config))
+        assert chunk in (128, 256) and layers and {padded_to(m) for m in layers} == {chunk}
+    assert {padded_to(m) for m in mixers(hybrid[0])} == {1}
 
 
 def test_a_model_whose_layers_are_in_no_layer_list_is_not_gathered_whole_under_zero3():
