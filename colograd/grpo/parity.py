@@ -318,7 +318,8 @@ class ParityGuard:
         )
         if gated:
             if self.stop:
-                raise ParityError(f"{line}. Set engine_parity: warn to train anyway.")
+                cause = self._cause()  # a tensor the sync never wrote holds whatever memory a reload gave it
+                raise ParityError(f"{line}{f'. {cause}' if cause else ''}. Set engine_parity: warn to train anyway.")
             logger.warning("colograd: %s. Training on (engine_parity: warn).", line)
             return
         self.over += 1
