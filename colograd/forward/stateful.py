@@ -22,7 +22,7 @@ passes then run padded.
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,6 +42,8 @@ class Sequences:
     position: torch.Tensor
     count: int
     width: int
+    # `parts` by multiple: every layer of a pass (and its recomputation in the backward) groups the same sequences.
+    _parts: dict[int, list["Sequences"]] = field(default_factory=dict, init=False, repr=False)
 
     @classmethod
     def of(cls, position_ids: torch.Tensor, weights: torch.Tensor) -> "Sequences":
@@ -68,11 +70,17 @@ class Sequences:
 
     def parts(self, multiple: int = 1) -> list["Sequences"]:
         """These sequences in groups of similar length (`groups`, for a layer that pads a sequence to a `multiple` of
-        tokens), each a layout of its own over the same rows."""
+        tokens), each a layout of its own over the same rows; worked out once per multiple."""
+        if multiple not in self._parts:
+            self._parts[multiple] = self._grouped(multiple)
+        return self._parts[multiple] or [self]
+
+    def _grouped(self, multiple: int) -> list["Sequences"]:
+        """The groups' layouts, or none where all are one group (kept apart from `self`: no reference cycle)."""
         lengths = torch.bincount(self.sequence, minlength=self.count)
         found = groups(lengths.tolist(), multiple)
         if len(found) == 1:
-            return [self]
+            return []
         parts = []
         for members in found:
             index = torch.full((self.count,), -1, dtype=torch.long, device=self.sequence.device)

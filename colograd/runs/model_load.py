@@ -51,9 +51,7 @@ def load_model_weights(model: nn.Module, checkpoint: str, names: set[str]) -> No
     optional = _optional(model, own)
     if set(own) <= names | _tied(own, names) | optional and not _converts_values(model):
         loaded: set[str] = set()
-        shards = _shards(checkpoint)
-        files = sorted(set(shards.values())) if isinstance(shards, dict) else [shards]
-        for shard in files:  # one shard in memory at a time, as transformers loads them
+        for shard in _shard_files(checkpoint):  # one shard in memory at a time, as transformers loads them
             state = load_file(shard, device="cpu")
             model.load_state_dict(state, strict=False)
             loaded |= state.keys() & own.keys()
@@ -95,10 +93,8 @@ def saved_again_differs(model: nn.Module, checkpoint: str) -> dict[str, float]:
     from transformers.core_model_loading import revert_weight_conversion
 
     reverted = revert_weight_conversion(model, dict(model.state_dict()))
-    shards = _shards(checkpoint)
-    files = sorted(set(shards.values())) if isinstance(shards, dict) else [shards]
     differs = {}
-    for shard in files:
+    for shard in _shard_files(checkpoint):
         with safe_open(shard, framework="pt") as f:
             for name in f.keys():
                 ours = reverted.get(name)
@@ -151,6 +147,12 @@ def _shards(checkpoint: str) -> dict[str, str] | str | None:
             return {name: os.path.join(checkpoint, shard) for name, shard in json.load(f)["weight_map"].items()}
     single = os.path.join(checkpoint, SAFE_WEIGHTS_NAME)
     return single if os.path.isfile(single) else None
+
+
+def _shard_files(checkpoint: str) -> list[str]:
+    """The files of a checkpoint's model saved whole in safetensors, each once, to read a shard at a time."""
+    shards = _shards(checkpoint)
+    return sorted(set(shards.values())) if isinstance(shards, dict) else [shards]
 
 
 def _converts_values(model: nn.Module) -> bool:
