@@ -529,12 +529,14 @@ SYSCALL_ATTACKS = {
     # Scheduling changes, which would make the program's first process wait for a CPU, a wait the wall clock deducts.
     # Each tried with the value it already has, so that the run without the filter is not slowed by them; the filter
     # refuses the call whatever it asks.
-    "renice": "libc.setpriority(0, 0, 0) == 0",  # PRIO_PROCESS, this process, nice 0 (nice(2) is setpriority)
+    "renice": "libc.setpriority(0, 0, libc.getpriority(0, 0)) == 0",  # PRIO_PROCESS, this process (nice(2) is it)
     "affinity": "libc.sched_getaffinity(0, 128, m := ctypes.create_string_buffer(128)) == 0"
     " and libc.sched_setaffinity(0, 128, m) == 0",
     "scheduler": "libc.sched_setscheduler(0, 0, ctypes.byref(ctypes.c_int(0))) == 0",  # SCHED_OTHER
     "scheduler parameters": "libc.sched_setparam(0, ctypes.byref(ctypes.c_int(0))) == 0",
-    "scheduler attributes": "libc.syscall(314, 0, (ctypes.c_uint32 * 12)(48), 0) == 0",  # sched_setattr, SCHED_OTHER
+    # sched_setattr: SCHED_OTHER at the nice value the process has (sched_attr's fifth 32-bit field)
+    "scheduler attributes": "libc.syscall(314, 0, (ctypes.c_uint32 * 12)(48, 0, 0, 0, libc.getpriority(0, 0)), 0)"
+    " == 0",
     "io priority": "libc.syscall(251, 1, 0, 0) == 0",  # ioprio_set, IOPRIO_WHO_PROCESS, this process, the default
 }
 # The attacks that succeed without the filter on any machine the sandbox runs on (bpf and io_uring may be refused by
@@ -627,7 +629,8 @@ def test_a_program_cannot_make_waits_of_its_own_for_the_wall_clock_to_deduct():
         "      os.sched_getaffinity(0) == before)\n"
     )
     run = Sandbox(LIMITS).run(code)
-    assert run.ok and run.stdout.splitlines() == ["refused"] * 5 + ["0 True True"], (run.stdout, run.stderr[-500:])
+    given = f"{os.getpriority(os.PRIO_PROCESS, 0)} True True"  # the trainer's nice value, which the program inherits
+    assert run.ok and run.stdout.splitlines() == ["refused"] * 5 + [given], (run.stdout, run.stderr[-500:])
 
 
 @needs_isolation
