@@ -35,6 +35,7 @@ BACKSTOP = 60.0  # seconds after hang_timeout that faulthandler's own timer ends
 COLLECTIVE_MARGIN = 60.0  # seconds a collective waits past hang_timeout
 _POLL = 1.0  # seconds between the thread's looks at the clock
 _STORE_POLL = 5.0  # ... and at the store, for another rank's hang
+_JOIN_LIMIT = 5.0  # seconds `stop` waits for the thread to end (it ends at its next look, at once)
 _STDERR = 2  # faulthandler writes to the file descriptor: sys.stderr may be replaced by one without any
 
 
@@ -66,6 +67,10 @@ class _Watch:
     def stop(self) -> None:
         self.done.set()
         faulthandler.cancel_dump_traceback_later()
+        # Joined, not left to die with the process: a thread inside the store's call (which lets go of the
+        # interpreter's lock) as the process exits is ended there by Python, and the process aborts.
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(timeout=_JOIN_LIMIT)
 
     def progress(self, where: str | None) -> None:
         with self.lock:

@@ -15,6 +15,8 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 from transformers import TrainerCallback
 
+from colograd.runs.ranks import all_reduce_settled
+
 PHASES = ("sync", "generate", "reward", "logps", "train", "optimizer")
 
 
@@ -109,7 +111,8 @@ def run_summary(times: PhaseTimes, steps: int, accelerator: Accelerator) -> dict
     local = torch.tensor(
         [times.seconds[p] for p in phases] + [times.tokens[k] for k in kinds], device=accelerator.device
     )
-    mean = accelerator.reduce(local, reduction="mean").tolist()
+    # The last collective of `train`: settled, so that the process can exit as soon as it returns.
+    mean = (all_reduce_settled(local) / accelerator.num_processes).tolist()
     seconds = dict(zip(phases, mean[: len(phases)], strict=True))
     tokens = dict(zip(kinds, mean[len(phases) :], strict=True))
     rates = throughput(tokens, seconds, accelerator.num_processes)

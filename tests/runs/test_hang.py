@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -100,6 +101,32 @@ def test_a_rank_told_of_another_ranks_hang_writes_its_stacks_and_exits_too(tmp_p
         "s) stops with the run, as rank 1 made no progress for 30 s (optimizer step 2, stage 'train'); its stacks "
         "follow."
     )
+
+
+class SlowStore(Store):
+    """A store whose every call takes 0.5 s (a round trip on a loaded machine, stretched), saying when one begins."""
+
+    def __init__(self) -> None:
+        super().__init__({})
+        self.inside = threading.Event()
+
+    def check(self, keys: list[str]) -> bool:
+        self.inside.set()
+        time.sleep(0.5)
+        return False
+
+
+def test_the_watch_ends_before_stop_returns_even_inside_a_store_call(tmp_path, exits, monkeypatch):
+    # A thread still inside the store's C++ call (which lets go of the interpreter's lock) when the process exits is
+    # ended there by Python, and the process aborts: `stop` returns only once the thread is gone.
+    store = SlowStore()
+    monkeypatch.setattr(hang, "_store", lambda: store)
+    hang.watch(600, 1800, str(tmp_path))
+    thread = hang._watch.thread
+    assert store.inside.wait(10), "the watch never asked the store"
+    hang.stop()
+    assert not thread.is_alive()
+    assert exits == []
 
 
 @pytest.mark.slow  # a Python process that imports colograd (torch)
