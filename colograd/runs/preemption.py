@@ -31,7 +31,6 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from colograd.runs import hang
 from colograd.runs.checkpoints import checkpoints, last_complete_checkpoint
-from colograd.runs.ranks import all_reduce_settled
 
 PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM  # what a shell reports for a process ended by SIGTERM
 INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT  # ... and by Ctrl-C
@@ -232,9 +231,8 @@ class Preemption(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs
     ) -> TrainerControl:
         stop = torch.tensor(float(self._signalled), device=args.device)
-        # One scalar per step: cheap, and every rank takes the same decision. Settled: the last step's is among the
-        # last collectives before the process exits.
-        all_reduce_settled(stop, op=dist.ReduceOp.MAX)
+        if dist.is_initialized():  # one scalar per step: cheap, and every rank takes the same decision
+            dist.all_reduce(stop, op=dist.ReduceOp.MAX)
         if stop.item():
             self.requested = True
             control.should_save = True

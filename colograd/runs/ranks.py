@@ -49,7 +49,7 @@ def largest_over_ranks(accelerator: Any) -> Callable[[list[int]], list[int]]:
 
 def all_reduce_settled(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
     """`torch.distributed.all_reduce(tensor, op)` in place, returning once the backend holds `tensor` no more (without
-    a process group, `tensor` as it is). The collectives at the end of `train` go through it.
+    a process group, `tensor` as it is). The last collective of `train` (its run summary) goes through it.
 
     A collective returns when its result is in; the backend's thread that ran it (gloo's worker, NCCL's watchdog)
     lets go of its tensors a moment later (measured: after about one all-reduce in five on a 2-core CPU). Where the
@@ -57,7 +57,9 @@ def all_reduce_settled(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.
     as the process exits, Python ends the thread inside torch's free and the process aborts ("terminate called
     without an active exception", SIGABRT): a run that finished and saved, reported as a failed launch. The wait
     takes the interpreter's lock off this thread (a sleep) until the tensor has no other holder than before the call,
-    `SETTLE_LIMIT` seconds at most.
+    `SETTLE_LIMIT` seconds at most. The step's own collectives are not waited for: a backend thread still freeing one's
+    tensor gets the interpreter's lock while this call waits without it, and NCCL's watchdog thread lets go of a
+    collective's tensors only at its next look (`kWatchdogThreadSleepMillis`), a wait that each step would pay.
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return tensor
