@@ -1,7 +1,7 @@
 """What one rank needs of the others' values during a step: a tensor gathered from every rank (`across_ranks`), each
 of a list of numbers at its largest over the ranks (`largest_over_ranks`), a tensor's rows of every rank
-(`gather_rows`), a sum over the ranks that the backend has let go of when it returns (`all_reduce_settled`). All are
-collectives."""
+(`gather_rows`), a reduction over the ranks that the backend has let go of when it returns (`all_reduce_settled`). All
+are collectives."""
 
 import time
 from collections.abc import Callable
