@@ -249,8 +249,13 @@ def test_rows_ioi_code_cannot_judge_are_refused_before_the_run(reward, monkeypat
     with pytest.raises(ConfigError, match="dataset 'ioi' lacks score_precision; give open-r1/ioi's columns"):
         check([without])
     # No test_cases: the year's tests come from the Hub, loaded before the run (here offline, not cached).
+    # Offline as a run started with HF_HUB_OFFLINE=1 is: both libraries read it once, at import.
+    import datasets
+    import huggingface_hub
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     code_ioi._loaded_year.cache_clear()
     hub_rows = [{k: v for k, v in row().items() if k != "test_cases"}]
     with pytest.raises(
