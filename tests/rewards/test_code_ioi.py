@@ -263,6 +263,7 @@ def test_rows_ioi_code_cannot_judge_are_refused_before_the_run(reward, monkeypat
     ) as err:
         check(hub_rows)
     assert "\n" not in str(err.value) and "give the rows a test_cases column" in str(err.value)
+    assert "OfflineModeIsEnabled" in str(err.value)  # refused by offline mode, not after the network's retries
 
 
 def test_the_hubs_tests_are_read_by_year_and_problem(reward, monkeypatch):
