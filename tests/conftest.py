@@ -1,6 +1,8 @@
 import io
+import ipaddress
 import os
 import shlex
+import socket
 import subprocess
 import sys
 import time
@@ -19,6 +21,75 @@ BIN = Path(sys.executable).parent
 # Test this checkout's package, also in subprocesses, whichever checkout the interpreter was installed from.
 sys.path.insert(0, str(ROOT))
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
+
+# Nothing downloads at run time: a connection out of this machine, from any code a test runs in this process (a hub
+# download, a tracker, a dataset loader), fails the test at once, naming where it went, instead of a test that
+# passes here and downloads (or waits on retries) elsewhere. Launched processes are started with HF_HUB_OFFLINE=1
+# (`_env`). Connections to this machine (loopback, its own addresses) are the test's own.
+_connect, _connect_ex, _getaddrinfo = socket.socket.connect, socket.socket.connect_ex, socket.getaddrinfo
+_this_machine: set[str] = set()
+
+
+def _off_the_machine(host: Any) -> bool:
+    """Whether `host` (a name or an address, as `connect` and `getaddrinfo` take it) is another machine's."""
+    host = (host.decode() if isinstance(host, bytes) else str(host)).split("%")[0]
+    if not _this_machine:
+        _this_machine.update({"localhost", socket.gethostname()})
+        try:
+            _this_machine.update(info[4][0] for info in _getaddrinfo(socket.gethostname(), None))
+        except OSError:
+            pass
+    if host in _this_machine:
+        return False
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return True  # a name other than this machine's
+    return not (ip.is_loopback or ip.is_unspecified)
+
+
+def _refuse_network(host: Any, port: Any) -> None:
+    if _off_the_machine(host):
+        # pytest's failure is a BaseException: a library's retry loop, which catches Exception, cannot retry it
+        pytest.fail(f"the test reached for {host}:{port}, off this machine: tests use no network "
+                    "(build the model, tokenizer and data locally; patch a library's offline switch)")  # fmt: skip
+
+
+def _guarded_getaddrinfo(host: Any, port: Any, *args: Any, **kwargs: Any) -> list:
+    """A name's lookup comes before its connection; without a network it fails, and a library retries it."""
+    if host is not None and not _is_address(host):
+        _refuse_network(host, port)
+    return _getaddrinfo(host, port, *args, **kwargs)
+
+
+def _is_address(host: Any) -> bool:
+    try:
+        ipaddress.ip_address((host.decode() if isinstance(host, bytes) else str(host)).split("%")[0])
+    except ValueError:
+        return False
+    return True
+
+
+def _streams_out(sock: socket.socket, address: Any) -> bool:
+    # not a Unix socket, nor a datagram one (vLLM finds its own address by one, sending nothing)
+    return sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
+
+
+def _guarded_connect(sock: socket.socket, address: Any) -> None:
+    if _streams_out(sock, address):
+        _refuse_network(*address[:2])
+    return _connect(sock, address)
+
+
+def _guarded_connect_ex(sock: socket.socket, address: Any) -> int:
+    if _streams_out(sock, address):
+        _refuse_network(*address[:2])
+    return _connect_ex(sock, address)
+
+
+socket.socket.connect, socket.socket.connect_ex = _guarded_connect, _guarded_connect_ex
+socket.getaddrinfo = _guarded_getaddrinfo
 
 
 def launch(
