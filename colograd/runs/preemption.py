@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from colograd.errors import said as in_one_line
 from colograd.runs import hang
 from colograd.runs.checkpoints import checkpoints, last_complete_checkpoint
 
@@ -67,7 +68,7 @@ class StepFailure(RuntimeError):
     def __init__(
         self, step: int, stage: str, error: BaseException, checkpoint: str | None, said: str | None = None
     ) -> None:
-        said = said or f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+        said = said or in_one_line(error)
         super().__init__(f"optimizer step {step}, stage {stage!r}: {said} ({_resume_hint(checkpoint)}).")
         self.step, self.stage = step, stage
 

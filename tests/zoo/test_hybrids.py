@@ -276,6 +276,12 @@ def test_qwen3_5_as_published_trains_on_images_with_the_gate_on(tmp_path, name):
             "moonshotai/Kimi-Linear-48B-A3B-Instruct",
             "cannot build KimiLinearForCausalLM: its vLLM model imports 'cutlass'",
         ),
+        (
+            "allenai/Olmo-Hybrid-7B",
+            "could not start OlmoHybridForCausalLM here: AttributeError: module 'triton' has no attribute "
+            "'set_allocator' (vllm/triton_utils/allocation.py:13, called from "
+            "vllm/model_executor/layers/mamba/gdn/olmo_gdn_linear_attn.py:169)",
+        ),
     ],
 )
 def test_a_hybrid_vllms_cpu_build_cannot_build_is_refused_in_one_line(name, reason, tmp_path):
@@ -284,8 +290,10 @@ def test_a_hybrid_vllms_cpu_build_cannot_build_is_refused_in_one_line(name, reas
     supported only for CUDA, XPU and ROCm"). Kimi-Linear's vLLM model is NVIDIA's and AMD's code only: on the way to
     it, vLLM's CPU start-up refused its own settings for an MLA hybrid (a state block size for prefix caching, which
     its CPU platform then turns off), then failed scanning llvmlite (which the model's numba import loads), then
-    imports `cutlass`. Refused at start-up, so the model needs no calibrated answers: Kimi-Linear's delta rule runs
-    in torch in the trainer, and the stopping model's calibration took 83 s of this test's 96."""
+    imports `cutlass`. OLMo-Hybrid's Gated DeltaNet layer sets up Triton's allocator as it is built, which the CPU
+    install's Triton stand-in lacks: vLLM's own exception, named where vLLM raised it. Refused at start-up, so the
+    model needs no calibrated answers: Kimi-Linear's delta rule runs in torch in the trainer, and the stopping model's
+    calibration took 83 s of this test's 96."""
     from colograd.errors import ConfigError
 
     with pytest.raises(ConfigError) as err:
