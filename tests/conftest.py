@@ -26,7 +26,11 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.g
 # Nothing downloads at run time: a connection out of this machine, from any code a test runs in this process (a hub
 # download, a tracker, a dataset loader), fails the test at once, naming where it went, instead of a test that
 # passes here and downloads (or waits on retries) elsewhere. Launched processes are started with HF_HUB_OFFLINE=1
-# (`_env`). Connections to this machine (loopback, its own addresses) are the test's own.
+# (`_env`). Connections to this machine (loopback, its own addresses) are the test's own. The libraries' reports
+# home are turned off, as a user may turn them off, before the libraries read their switches at import: datasets
+# counts a load of a local file by a request to its S3 bucket, and huggingface_hub sends PEFT's telemetry.
+os.environ["HF_UPDATE_DOWNLOAD_COUNTS"] = "0"
+os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 _connect, _connect_ex, _getaddrinfo = socket.socket.connect, socket.socket.connect_ex, socket.getaddrinfo
 _this_machine: set[str] = set()
 
