@@ -34,17 +34,20 @@ from torch import nn
 PROBE_ROWS = 4
 
 
-def differences_in_engine(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> tuple[list[str], int]:
+def differences_in_engine(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> tuple[list[str], int, list[str]]:
     """Runs in the engine's worker: the engine's tensors that differ from those of a fresh instance of its model loaded
     with `weights` (checkpoint-named, as a checkpoint on disk holds them).
 
     Returns:
-        (the names that differ, in the engine's naming and model order; how many tensors and layers were compared).
+        (the names that differ, in the engine's naming and model order; how many tensors and layers were compared;
+        those of them that vLLM's loader left unwritten in the fresh instance: no sync can deliver them).
     """
     live = worker.model_runner.model
     fresh = _fresh_model(worker, weights)
     try:
-        return _differences(live, fresh)
+        differ, compared = _differences(live, fresh)
+        unwritten = _unwritten(fresh)
+        return differ, compared, [name for name in differ if name in unwritten]
     finally:
         _drop(fresh)
 
@@ -66,9 +69,24 @@ def _fresh_model(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> nn.Mod
     device = torch.device(config.load_config.device or config.device_config.device)
     with set_default_torch_dtype(model_config.dtype), device:
         fresh = initialize_model(vllm_config=config, model_config=model_config)
+    # Every parameter starts as NaN: one the loader leaves so was not written by it (`_unwritten`). vLLM 0.32's Laguna
+    # registers its router's correction bias on its expert layer and never loads it from a checkpoint.
+    with torch.no_grad():
+        for parameter in fresh.parameters():
+            if parameter.is_floating_point():
+                parameter.fill_(float("nan"))
     fresh.load_weights(weights)
     process_weights_after_loading(fresh, model_config, device)
     return fresh.eval()
+
+
+def _unwritten(fresh: nn.Module) -> set[str]:
+    """The fresh instance's parameters that are NaN throughout after loading: its loader never wrote them."""
+    return {
+        name
+        for name, tensor in _tensors(fresh).items()
+        if tensor.is_floating_point() and tensor.numel() > 0 and bool(torch.isnan(tensor).all())
+    }
 
 
 def _drop(fresh: nn.Module) -> None:

@@ -7,6 +7,9 @@ new instance of the engine's model class, and the engine's tensors are compared 
 
 - **Some differ**: the engine does not hold what a freshly loaded engine would. The sync leaves those tensors stale
   (a buffer it does not send, a tensor a reload path drops); the line names them.
+- **Only tensors vLLM's loader never writes differ** (left NaN in the fresh instance, whose parameters start so):
+  vLLM's model keeps its start-up values there whatever a checkpoint or a sync holds (vLLM 0.32's Laguna, its
+  router's correction bias); the line says vLLM's model is at fault.
 - **None differ**: the engine holds exactly what a fresh engine would, and still computes another distribution: vLLM's
   model of the architecture differs from transformers' (or the trainer's forward from the model's own). No sync can
   fix that; the line says so and what to try.
@@ -54,11 +57,19 @@ def diagnose(
     # Asleep, or a CPU engine that dropped its packed weights after the rollout: synced again first, by the same path.
     try:
         weights = saved_weights(model, merge_lora=not engine.serves_adapter)
-        differ, compared = engine.on_held_weights(fresh.differences_in_engine, weights, resync=resync)
+        differ, compared, unwritten = engine.on_held_weights(fresh.differences_in_engine, weights, resync=resync)
     except Exception as error:  # a diagnosis that fails must not hide the line it adds to
         reason = " ".join(f"{type(error).__name__}: {error}".split())
         return f"The engine was not compared with a fresh load ({reason})."
     architecture = engine.settings["architecture"].get("architectures", ["the model"])[0]
+    if differ and set(differ) <= set(unwritten):
+        listed = ", ".join(differ[:NAMED]) + (f" and {len(differ) - NAMED} more" if len(differ) > NAMED else "")
+        return (
+            f"A freshly loaded engine differs only in tensors vLLM's loader never writes ({listed}): given the "
+            f"trainer's weights as a checkpoint holds them, vLLM's {architecture} leaves them at their start-up "
+            "values, so no sync can deliver them and the engine cannot compute the trainer's model; vLLM's model is "
+            "at fault, not colograd's sync: try another vLLM release, or report it to vLLM."
+        )
     if differ:
         listed = ", ".join(differ[:NAMED]) + (f" and {len(differ) - NAMED} more" if len(differ) > NAMED else "")
         verb = "is" if len(differ) == 1 else "are"

@@ -504,27 +504,33 @@ class StandInEngine:
 def test_the_diagnosis_names_the_stale_tensors_or_the_engines_model():
     model = tiny_llama()
     stale = [f"model.layers.0.t{i}" for i in range(7)]
-    line = parity_diagnosis.diagnose(StandInEngine((stale, 40)), model)
+    line = parity_diagnosis.diagnose(StandInEngine((stale, 40, [])), model)
     assert line.startswith("A freshly loaded engine differs: 7 of the engine's 40 tensors and layers are not")
     assert "model.layers.0.t0, model.layers.0.t1" in line and "t4 and 2 more" in line and "t5" not in line
     # No advice on the other sync path, on either: it was given where it changed nothing (Granite-4.0-H's experts).
     assert "colograd's sync leaves them stale" in line and "vllm_cpu_repack_weights" not in line
-    line = parity_diagnosis.diagnose(StandInEngine((stale[:1], 40), direct_load=True), model)
+    line = parity_diagnosis.diagnose(StandInEngine((stale[:1], 40, []), direct_load=True), model)
     assert "1 of the engine's 40 tensors and layers is not" in line and "vllm_cpu_repack_weights" not in line
-    line = parity_diagnosis.diagnose(StandInEngine(([], 40)), model)
+    line = parity_diagnosis.diagnose(StandInEngine(([], 40, [])), model)
     assert line.startswith("A freshly loaded engine agrees: all 40") and "vLLM's LlamaForCausalLM itself" in line
+    # Differing only where vLLM's loader writes nothing, a fresh load too: vLLM's model, whatever the sync sends.
+    line = parity_diagnosis.diagnose(StandInEngine((stale[:2], 40, stale[:2])), model)
+    assert line.startswith("A freshly loaded engine differs only in tensors vLLM's loader never writes (")
+    assert "vLLM's model is at fault, not colograd's sync" in line and "colograd's sync leaves" not in line
+    line = parity_diagnosis.diagnose(StandInEngine((stale[:2], 40, stale[:1])), model)  # one the sync left stale
+    assert "colograd's sync leaves them stale" in line
     failed = parity_diagnosis.diagnose(StandInEngine(RuntimeError("out of\nmemory")), model)
     assert failed == "The engine was not compared with a fresh load (RuntimeError: out of memory)."
-    line = parity_diagnosis.diagnose(StandInEngine(([], 40), sleeping=True), model)  # asleep, no way to resync
+    line = parity_diagnosis.diagnose(StandInEngine(([], 40, []), sleeping=True), model)  # asleep, no way to resync
     assert "\n" not in line and line.startswith("The engine was not compared") and "released its weights" in line
-    asleep, synced = StandInEngine(([], 40), sleeping=True), []
+    asleep, synced = StandInEngine(([], 40, []), sleeping=True), []
     assert "agrees" in parity_diagnosis.diagnose(asleep, model, resync=lambda: synced.append(1))
     assert asleep.woken == 1 and synced == [1]  # woken, and the weights written back, for the comparison
     # A CPU engine that dropped its packed weights after the rollout is synced again the same way.
-    released, synced = StandInEngine(([], 40), packed_released=True), []
+    released, synced = StandInEngine(([], 40, []), packed_released=True), []
     assert "agrees" in parity_diagnosis.diagnose(released, model, resync=lambda: synced.append(1))
     assert released.woken == 1 and synced == [1]
-    awake = StandInEngine(([], 40))
+    awake = StandInEngine(([], 40, []))
     assert "agrees" in parity_diagnosis.diagnose(awake, model, resync=lambda: synced.append(1)) and awake.woken == 0
 
 
