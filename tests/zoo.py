@@ -576,6 +576,44 @@ def shrunk(name: str) -> PretrainedConfig:
     return config
 
 
+# The zoo's names of a config's sizes, which some configs give under names of their own (`attribute_map`).
+SIZE_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers", "intermediate_size")
+
+
+def from_defaults(model_type: str) -> str:
+    """A zoo entry (in PARITY, as `defaults/<model_type>`) from transformers' default config of `model_type`, for a
+    family no entry names: for most families their flagship's published values, but not read from a published
+    config.json. The sizes under the zoo's names, per-layer lists cut to the shrunk depth, and the head size kept
+    whichever way vLLM derives it (from head_dim or from the hidden size). Returns the entry's name."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = AutoConfig.for_model(model_type)
+    values = config.to_dict()
+    if values.get("text_config"):
+        raise ValueError(f"{model_type} is a vision-language config: build its text model's")
+    for key in ("transformers_version", "_name_or_path", "dtype", "torch_dtype", "id2label", "label2id"):
+        values.pop(key, None)
+    values["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]
+    values["eos_token_id"] = values["eos_token_id"] if values.get("eos_token_id") is not None else 2
+    for key in SIZE_KEYS:
+        if key not in values and getattr(config, key, None) is not None:
+            values.pop(getattr(config, "attribute_map", {}).get(key), None)
+            values[key] = getattr(config, key)
+    if "num_key_value_heads" not in values and "num_kv_heads" in values:
+        values["num_key_value_heads"] = values.pop("num_kv_heads")
+    depth, full = layers(values), values.get("num_hidden_layers")
+    for key, value in list(values.items()):
+        if isinstance(value, list) and full and len(value) == full and key != "layer_types":
+            values[key] = value[:depth]
+        if key == "per_layer_config" and isinstance(value, dict):
+            values[key] = {k: v for k, v in value.items() if int(k) < depth}
+    name = f"defaults/{model_type}"
+    PARITY[name] = values
+    if values.get("num_attention_heads"):
+        HEAD_DIM_FROM_HIDDEN.add(model_type)
+    return name
+
+
 def special_ids(config: PretrainedConfig) -> dict[str, int]:
     """The model's special tokens by role, at their real ids: the first end-of-sequence id is the tokenizer's EOS."""
     eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
