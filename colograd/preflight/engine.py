@@ -165,20 +165,36 @@ def _check_head_size(model_config: PretrainedConfig, platform: Any) -> None:
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     text = model_config.get_text_config()
-    heads = getattr(text, "num_attention_heads", None)
-    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
+    head_dims = _head_sizes(text)
     supported = CPUAttentionBackend.get_supported_head_sizes()
     hint = "hidden_size / num_attention_heads = 64"
     if uses_mla(text):  # MLA attends over its cached latent: vLLM's CPU MLA backend takes its size, not head_dim
         with _quiet_logs():
             from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
-        head_dim = text.kv_lora_rank + text.qk_rope_head_dim
+        head_dims = [text.kv_lora_rank + text.qk_rope_head_dim]
         supported, hint = CPUMLABackend.get_supported_head_sizes(), "kv_lora_rank + qk_rope_head_dim = 512 + 64"
-    if head_dim is not None and head_dim not in supported:
-        raise ConfigError(
-            f"the model's attention head size is {head_dim}, which vLLM's CPU backend does not support (it supports "
-            f"{', '.join(map(str, supported))}); use a model with one of those, e.g. {hint}."
-        )
+    for head_dim in head_dims:
+        if head_dim not in supported:
+            raise ConfigError(
+                f"the model's attention head size is {head_dim}, which vLLM's CPU backend does not support (it "
+                f"supports {', '.join(map(str, supported))}); use a model with one of those, e.g. {hint}."
+            )
+
+
+def _head_sizes(text: PretrainedConfig) -> list[int]:
+    """The attention head sizes of the config's layers, each once: read layer by layer where transformers keeps them
+    per layer (Gemma 4 sets 256 and 512, and reading one global `head_dim` raises there), else the config's own
+    (`head_dim`, or hidden size / heads)."""
+    per_layer = getattr(text, "per_layer_config", None)
+    layers = getattr(text, "num_hidden_layers", None)
+    sizes: set[int] = set()
+    if per_layer is not None and layers:
+        sizes = {size for i in range(layers) if (size := getattr(per_layer[i], "head_dim", None))}
+    if not sizes:
+        heads = getattr(text, "num_attention_heads", None)
+        size = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
+        sizes = {size} if size else set()
+    return sorted(sizes)
 
 
 @contextmanager

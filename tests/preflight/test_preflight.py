@@ -589,3 +589,18 @@ def test_models_built_on_the_meta_device_are_built_whole_under_zero3():
         if 'torch.device("meta")' in line and not line.lstrip().startswith("#")
     ]
     assert builds == ["colograd/models/model_files.py"]  # the one in `on_meta_device`
+
+
+def test_head_sizes_set_per_layer_are_checked_layer_by_layer():
+    """Gemma 4's config keeps its head sizes per layer (256 on sliding layers, `global_head_dim` 512 on global ones),
+    and reading one global `head_dim` raises there: preflight ended in that traceback. Each layer's size is checked."""
+    from transformers import AutoConfig
+    from vllm.platforms import current_platform
+
+    from colograd.preflight.engine import _check_head_size, _head_sizes
+
+    gemma4 = AutoConfig.for_model("gemma4_text")
+    assert _head_sizes(gemma4) == [256, 512]
+    _check_head_size(gemma4, current_platform)  # vLLM's CPU backend runs both
+    with pytest.raises(ConfigError, match=r"head size is 200, which vLLM's CPU backend does not support"):
+        _check_head_size(AutoConfig.for_model("gemma4_text", global_head_dim=200), current_platform)
