@@ -41,13 +41,15 @@ def said(err: BaseException, library: str = "vllm") -> str:
     if not frames:
         return line
     root = _package_root(library).parent
+
+    def at(frame: traceback.FrameSummary) -> str:
+        return f"{Path(frame.filename).resolve().relative_to(root)}:{frame.lineno}"
+
     raised = frames[0]
-    where = f"{Path(raised.filename).resolve().relative_to(root)}:{raised.lineno}"
-    if not text and raised.line:
-        where += f": `{raised.line.strip()}`"
+    where = at(raised) + (f": `{raised.line.strip()}`" if not text and raised.line else "")
     model = next((f for f in frames if "model_executor" in Path(f.filename).parts), None)
     if model is not None and model is not raised:
-        where += f", called from {Path(model.filename).resolve().relative_to(root)}:{model.lineno}"
+        where += f", called from {at(model)}"
     return f"{line} ({where})"
 
 

@@ -35,9 +35,21 @@ _connect, _connect_ex, _getaddrinfo = socket.socket.connect, socket.socket.conne
 _this_machine: set[str] = set()
 
 
-def _off_the_machine(host: Any) -> bool:
-    """Whether `host` (a name or an address, as `connect` and `getaddrinfo` take it) is another machine's."""
-    host = (host.decode() if isinstance(host, bytes) else str(host)).split("%")[0]
+def _host(host: Any) -> str:
+    """A host as `connect` and `getaddrinfo` take it (text or bytes, an IPv6 address with a scope), as text."""
+    return (host.decode() if isinstance(host, bytes) else str(host)).split("%")[0]
+
+
+def _address(host: str) -> Any:
+    """`host` as an IP address, or None for a name."""
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        return None
+
+
+def _off_the_machine(host: str) -> bool:
+    """Whether `host` is another machine's."""
     if not _this_machine:
         _this_machine.update({"localhost", socket.gethostname()})
         try:
@@ -46,15 +58,12 @@ def _off_the_machine(host: Any) -> bool:
             pass
     if host in _this_machine:
         return False
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return True  # a name other than this machine's
-    return not (ip.is_loopback or ip.is_unspecified)
+    ip = _address(host)
+    return ip is None or not (ip.is_loopback or ip.is_unspecified)
 
 
 def _refuse_network(host: Any, port: Any) -> None:
-    if _off_the_machine(host):
+    if _off_the_machine(_host(host)):
         # pytest's failure is a BaseException: a library's retry loop, which catches Exception, cannot retry it
         pytest.fail(f"the test reached for {host}:{port}, off this machine: tests use no network "
                     "(build the model, tokenizer and data locally; patch a library's offline switch)")  # fmt: skip
@@ -62,32 +71,24 @@ def _refuse_network(host: Any, port: Any) -> None:
 
 def _guarded_getaddrinfo(host: Any, port: Any, *args: Any, **kwargs: Any) -> list:
     """A name's lookup comes before its connection; without a network it fails, and a library retries it."""
-    if host is not None and not _is_address(host):
+    if host is not None and _address(_host(host)) is None:
         _refuse_network(host, port)
     return _getaddrinfo(host, port, *args, **kwargs)
 
 
-def _is_address(host: Any) -> bool:
-    try:
-        ipaddress.ip_address((host.decode() if isinstance(host, bytes) else str(host)).split("%")[0])
-    except ValueError:
-        return False
-    return True
-
-
-def _streams_out(sock: socket.socket, address: Any) -> bool:
+def _streams_out(sock: socket.socket) -> bool:
     # not a Unix socket, nor a datagram one (vLLM finds its own address by one, sending nothing)
     return sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
 
 
 def _guarded_connect(sock: socket.socket, address: Any) -> None:
-    if _streams_out(sock, address):
+    if _streams_out(sock):
         _refuse_network(*address[:2])
     return _connect(sock, address)
 
 
 def _guarded_connect_ex(sock: socket.socket, address: Any) -> int:
-    if _streams_out(sock, address):
+    if _streams_out(sock):
         _refuse_network(*address[:2])
     return _connect_ex(sock, address)
 

@@ -62,8 +62,8 @@ def diagnose(
         reason = " ".join(f"{type(error).__name__}: {error}".split())
         return f"The engine was not compared with a fresh load ({reason})."
     architecture = engine.settings["architecture"].get("architectures", ["the model"])[0]
+    listed = ", ".join(differ[:NAMED]) + (f" and {len(differ) - NAMED} more" if len(differ) > NAMED else "")
     if differ and set(differ) <= set(unwritten):
-        listed = ", ".join(differ[:NAMED]) + (f" and {len(differ) - NAMED} more" if len(differ) > NAMED else "")
         return (
             f"A freshly loaded engine differs only in tensors vLLM's loader never writes ({listed}): given the "
             f"trainer's weights as a checkpoint holds them, vLLM's {architecture} leaves them at their start-up "
@@ -71,7 +71,6 @@ def diagnose(
             "at fault, not colograd's sync: try another vLLM release, or report it to vLLM."
         )
     if differ:
-        listed = ", ".join(differ[:NAMED]) + (f" and {len(differ) - NAMED} more" if len(differ) > NAMED else "")
         verb = "is" if len(differ) == 1 else "are"
         # No advice on another sync path: whether one would deliver these tensors is not known without trying it in
         # a new engine, and a hint that changes nothing costs the user a run (it was given for Granite-4.0-H's
