@@ -114,7 +114,8 @@ def unsized_layers(text_config: Any) -> str | None:
     vLLM gives Mamba, linear-attention and short-convolution layers (Jamba, Qwen3-Next, Qwen3.5, Granite 4 hybrid,
     Falcon-H1, LFM2, MiniMax) a state per sequence in pages of their own (`MambaSpec`), and raises the attention block
     size to match those pages; DeepSeek-V3.2's sparse attention adds an indexer cache per layer (`index_topk`),
-    DeepSeek-V4's compresses its cache (`compress_ratios`).
+    DeepSeek-V4's compresses its cache (`compress_ratios`). A config transformers keeps layer by layer
+    (`is_heterogeneous`: Gemma 4's head sizes of 256 and 512) has no one size per token either.
 
     Args:
         text_config: the model's text config.
@@ -122,6 +123,8 @@ def unsized_layers(text_config: Any) -> str | None:
     Returns:
         A description of those layers, for an error message; None where colograd counts the model.
     """
+    if getattr(text_config, "is_heterogeneous", False):  # transformers keeps these per layer: no one size per token
+        return f"attention set layer by layer ({', '.join(sorted(text_config.per_layer_attributes))} per layer)"
     kinds = state_layer_kinds(text_config)
     if kinds == ["attention-free"]:
         return "no attention layers (a Mamba or other attention-free model)"

@@ -119,6 +119,8 @@ def prompt_sharing_cost(model: nn.Module) -> float | None:
     if config is None or getattr(config, "_attn_implementation", None) not in ("sdpa", attention.ATTENTION):
         return None
     config = config.get_text_config()
+    if getattr(config, "is_heterogeneous", False):  # sizes kept per layer (transformers' `per_layer_config`)
+        return None
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None and any(kind != "full_attention" for kind in layer_types):
         return None

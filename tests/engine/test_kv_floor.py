@@ -460,6 +460,20 @@ def test_attention_only_layer_lists_are_sized():
     assert kv_cache.unsized_layers(SimpleNamespace(num_attention_heads=8, attn_type_list=[0, 1])) is not None
 
 
+def test_a_config_kept_layer_by_layer_is_sized_from_its_specs(tmp_path):
+    """Gemma 4's text config keeps its head sizes per layer (256 sliding, 512 global) and raises on a global
+    `head_dim`: it has no one count per token, so its engine starts at the cap and is sized from its layers' specs
+    (tests/zoo/test_zoo.py starts and trains it), as a hybrid's is; the count per token refuses it in one line."""
+    gemma4 = AutoConfig.for_model("gemma4_text")
+    assert "head_dim" in kv_cache.unsized_layers(gemma4)
+    with pytest.raises(kv_cache.ConfigError, match="gemma4_text"):
+        kv_cache.kv_bytes_per_token(gemma4, torch.bfloat16)
+    args = GRPOConfig(output_dir=str(tmp_path), report_to="none")
+    memory, cache = kv_cache.engine_memory(args, gemma4, torch.bfloat16, 8, longest_prompt=40)
+    assert cache is not None and memory == {"kv_cache_memory_bytes": cache.cap}
+    assert cache.longest == 40 + args.max_completion_length
+
+
 # Kimi-Linear-48B's prefix-caching block on an H200 (vLLM 0.26, its state heads kept by the zoo's shrink): 1,888.
 KIMI_LINEAR_BLOCK = 1888
 

@@ -102,6 +102,22 @@ def test_quickstart_settings_train_every_model(name, tmp_path, record_property):
     assert real == sorted(map(spec_key, zoo.kv_specs(config, block, torch.float32).values()))
 
 
+def test_a_model_configured_layer_by_layer_is_sized_from_its_specs_and_trains(tmp_path):
+    """Gemma 4's text model keeps its attention shapes per layer in transformers' config (`per_layer_config`: heads of
+    256 on its sliding layers, 512 on its global ones), where reading one global `head_dim` raises: no one count of
+    KV bytes per token exists. Its cache is sized from the specs its engine's layers report, as a hybrid's is, and a
+    quickstart step trains exact. Gemma 4 as transformers' default config gives it (`zoo.from_defaults`: no published
+    config in the zoo)."""
+    name = zoo.from_defaults("gemma4_text")
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, report_to="none", save_strategy="no",
+                      vllm_enforce_eager=True, max_completion_length=64)  # fmt: skip
+    trainer = one_step(name, args, Dataset.from_list(chat_rows() * 4))
+    assert step_log(trainer)["sampling/sampling_logp_difference/max"] <= GAP_BOUND
+    assert {spec.head_size for spec in engine_specs(trainer).values()} == {256, 512}
+    config = trainer.model.config
+    assert kv_cache.unsized_layers(config) is not None and trainer.engine.kv_cache_bytes > 0
+
+
 def rope_without_scaling(config) -> None:
     config.rope_parameters = {"rope_type": "default", "rope_theta": config.rope_parameters["rope_theta"]}
 
