@@ -106,11 +106,13 @@ class WeightPlan:
             # Persistent buffers go where the engine's model holds them as tensors of its own (most it computes).
             buffers = [unit for unit in units if unit.buffer]
             held = set(engine.held_names([unit.names[0] for unit in buffers])) if buffers else set()
+            saved = self._held_under_saved_names(engine, [unit for unit in buffers if unit.names[0] not in held])
             for bucket in self.buckets:
-                bucket[:] = [unit for unit in bucket if not unit.buffer or unit.names[0] in held]
+                bucket[:] = [unit for unit in bucket if not unit.buffer or unit.names[0] in held | saved]
             self.nbytes = sum(unit.nbytes for bucket in self.buckets for unit in bucket)
             if self._experts:
                 self._on_disk = {name for unit in units for name in unit.names} - known
+            self._on_disk |= saved
             self._names_checked = True
         # The frozen base goes once, and again whenever the engine dropped its weights (a level-2 sleep).
         if not (self.adapter_only and self._base_sent and not engine.stale):
@@ -122,6 +124,16 @@ class WeightPlan:
         if self.adapter_only:
             sent += self._sync_adapter(engine)
         return sent
+
+    def _held_under_saved_names(self, engine: Engine, buffers: list[_Unit]) -> set[str]:
+        """Those of `buffers` that the engine's model holds under the name transformers saves them by, not the one
+        it loads them as (EXAONE-MoE's router bias is `mlp.e_score_correction_bias` on disk and in vLLM's model,
+        `mlp.gate.e_score_correction_bias` in the trainer's): they are sent in the checkpoints' layout (`_on_disk`).
+        Asked once, at the first sync."""
+        saved = {unit.names[0]: self._to_disk_layout.convert([(unit.names[0], unit.param)]) for unit in buffers}
+        renamed = {name: pairs[0][0] for name, pairs in saved.items() if len(pairs) == 1 and pairs[0][0] != name}
+        held = set(engine.held_names(list(renamed.values()))) if renamed else set()
+        return {name for name, on_disk in renamed.items() if on_disk in held}
 
     def __iter__(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Yield each bucket as (name, tensor) pairs; sharded buckets are gathered only while in use."""

@@ -117,6 +117,23 @@ def test_a_tensor_vllms_loader_never_writes_is_blamed_on_vllm_not_on_the_sync(tm
     assert "vLLM's model is at fault, not colograd's sync" in line and "colograd's sync leaves" not in line
 
 
+def test_a_buffer_transformers_renames_on_loading_reaches_the_engine_under_its_saved_name(tmp_path, monkeypatch):
+    """EXAONE-MoE's routers keep their score-correction bias in a buffer that transformers loads from the checkpoint's
+    `mlp.e_score_correction_bias` into `mlp.gate.e_score_correction_bias`; vLLM's model holds it under the saved name
+    only. Asked under the trainer's name alone, the engine holds no such tensor and the sync leaves the bias out: the
+    gate stops the run naming it. Sent under its saved name, two steps train exact. EXAONE-MoE as transformers'
+    default config gives it (`zoo.from_defaults`: no published config in the zoo)."""
+    name = zoo.from_defaults("exaone_moe")
+    with monkeypatch.context() as patched:
+        patched.setattr(sync.WeightPlan, "_held_under_saved_names", lambda plan, engine, buffers: set())
+        line = stops_before_training(trainer_for(name, tmp_path / "unsent"))
+    assert "ExaoneMoeForCausalLM" in line and "model.layers.1.mlp.e_score_correction_bias" in line
+    trainer = trainer_for(name, tmp_path / "sent", max_steps=2)
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert step_log(trainer)["sampling/sampling_logp_difference/max"] <= 1e-3
+
+
 def test_warn_trains_on_with_the_gap_logged(tmp_path, monkeypatch, caplog):
     """`engine_parity: warn` turns the gate's stop into a warning: the run trains, and logs the gap."""
     without_buffers(monkeypatch)
