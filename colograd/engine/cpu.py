@@ -121,10 +121,17 @@ def rotate_flat_heads() -> bool:
         return True
 
     def forward_cpu(self: Any, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None) -> Any:
-        shapes = (query.shape, key.shape if key is not None else None)
-        flat = [t.flatten(-2) if t is not None and t.dim() == 3 else t for t in (query, key)]
-        query, key = kernel(self, positions, *flat)
-        return query.view(shapes[0]), (key.view(shapes[1]) if key is not None else None)
+        given = (query, key)
+        flat = [t.flatten(-2) if t is not None and t.dim() == 3 else t for t in given]
+        rotated = kernel(self, positions, *flat)
+        # The kernel rotates in place. Where flattening gave a view, the caller's own tensor now holds the result and
+        # is handed back as it is: a view of it in other strides would overlap it in part, and DeepSeek-style latent
+        # attention writes the result back into the query it came from (`q[..., nope:], k = rotary(...)` in vLLM's
+        # mla.py), which torch refuses for one token of one head (a decode step of a one-head model).
+        return tuple(
+            t if out is None or out.data_ptr() == t.data_ptr() else out.view(t.shape)
+            for t, out in zip(given, rotated, strict=True)
+        )
 
     forward_cpu.flat_heads = True
     forward_cpu.__wrapped__ = kernel

@@ -80,6 +80,16 @@ def test_the_rotary_kernel_gets_flat_heads_and_rotates_them_as_vllms_torch_path(
             assert (q.flatten(-2) - native_q).abs().max() < 1e-5 and (k.flatten(-2) - native_k).abs().max() < 1e-5
             flat_q, flat_k = layer.forward_cpu(positions, query.flatten(-2).clone(), key.flatten(-2).clone())  # 2-D
             assert torch.equal(flat_q, q.flatten(-2)) and torch.equal(flat_k, k.flatten(-2))
+            # Latent attention writes the rotated part back into the query it came from (vLLM's mla.py): for one
+            # token of a one-head model, as A.X K1's decode steps are, that view must come back as it went in.
+            for tokens in (1, 7):
+                q = torch.randn(tokens, 1, 192, generator=generator)  # nope 128 + rope 64, one head
+                k_pe = torch.randn(tokens, 576, generator=generator).split([512, 64], dim=-1)[1].unsqueeze(1)
+                native_q, native_k = layer.forward_native(positions[:tokens], q[..., 128:].flatten(-2).clone(),
+                                                          k_pe.flatten(-2).clone())  # fmt: skip
+                q[..., 128:], k = layer.forward_cpu(positions[:tokens], q[..., 128:], k_pe)
+                assert (q[..., 128:].flatten(-2) - native_q).abs().max() < 1e-5
+                assert (k.flatten(-2) - native_k).abs().max() < 1e-5
     finally:
         RotaryEmbedding.forward_cpu = kernel
 
