@@ -512,7 +512,8 @@ def layers(published: dict[str, Any]) -> int:
 
 def layer_list(published: dict[str, Any]) -> list[str]:
     """A hybrid's published layer kinds, one per layer: `layer_types`, LFM2's `full_attn_idxs` (the rest short
-    convolutions) or Nemotron-H's `hybrid_override_pattern` (one character a layer); empty for the others."""
+    convolutions), Nemotron-H's `hybrid_override_pattern` (one character a layer) or Jamba's attention period and
+    offset (the rest Mamba); empty for the others."""
     if "hybrid_override_pattern" in published:
         return list(published["hybrid_override_pattern"])
     if "linear_attn_config" in published:  # Kimi-Linear: its attention layers, 1-indexed
@@ -521,6 +522,9 @@ def layer_list(published: dict[str, Any]) -> list[str]:
             "full_attention" if i + 1 in attention else "linear_attention"
             for i in range(published["num_hidden_layers"])
         ]
+    if "attn_layer_period" in published:  # Jamba: an attention layer every period, from the offset; Mamba between
+        period, offset = published["attn_layer_period"], published["attn_layer_offset"]
+        return ["attention" if i % period == offset else "mamba" for i in range(published["num_hidden_layers"])]
     if "full_attn_idxs" in published:
         attention = set(published["full_attn_idxs"])
         return ["full_attention" if i in attention else "conv" for i in range(published["num_hidden_layers"])]
@@ -547,6 +551,8 @@ def shrunk(name: str) -> PretrainedConfig:
             values["head_dim"] = dim
     if "moe_intermediate_size" in published:
         values["moe_intermediate_size"] = MOE_INTERMEDIATE
+    if published.get("ffn_hidden_size"):  # Falcon's MLP width, which vLLM's Falcon takes as 4 × hidden: kept so
+        values["ffn_hidden_size"] = published["ffn_hidden_size"] * values["hidden_size"] // published["hidden_size"]
     if "max_window_layers" in published:
         values["max_window_layers"] = min(published["max_window_layers"], values["num_hidden_layers"])
     if "sliding_window_pattern" in published:  # transformers 5 reads the pattern as layer types
@@ -601,6 +607,11 @@ def from_defaults(model_type: str) -> str:
             values[key] = getattr(config, key)
     if "num_key_value_heads" not in values and "num_kv_heads" in values:
         values["num_key_value_heads"] = values.pop("num_kv_heads")
+    if values.get("num_key_value_heads") is None and values.get("num_attention_heads"):  # no grouping: one per head
+        values["num_key_value_heads"] = values["num_attention_heads"]
+    for key, value in values.items():  # sub-configs (DBRX's attention and MLP) saved with keys they do not take
+        if isinstance(value, dict) and "_name_or_path" in value:
+            values[key] = {k: v for k, v in value.items() if k not in ("_name_or_path", "output_attentions")}
     depth, full = layers(values), values.get("num_hidden_layers")
     for key, value in list(values.items()):
         if isinstance(value, list) and full and len(value) == full and key != "layer_types":
