@@ -1,8 +1,6 @@
 import io
-import ipaddress
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -18,83 +16,25 @@ from _pytest.mark.expression import Expression
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
-# Test this checkout's package, also in subprocesses, whichever checkout the interpreter was installed from.
-sys.path.insert(0, str(ROOT))
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-
+# Test this checkout's package, also in subprocesses, whichever checkout the interpreter was installed from; and
+# guard every process a test starts as this one is (`tests/offline/sitecustomize.py`, at their interpreter's start).
+OFFLINE = ROOT / "tests" / "offline"
+sys.path[:0] = [str(ROOT), str(OFFLINE)]
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), str(OFFLINE), os.environ.get("PYTHONPATH")]))
 
 # Nothing downloads at run time: a connection out of this machine, from any code a test runs in this process (a hub
 # download, a tracker, a dataset loader), fails the test at once, naming where it went, instead of a test that
-# passes here and downloads (or waits on retries) elsewhere. Launched processes are started with HF_HUB_OFFLINE=1
-# (`_env`). Connections to this machine (loopback, its own addresses) are the test's own. The libraries' reports
-# home are turned off, as a user may turn them off, before the libraries read their switches at import: datasets
-# counts a load of a local file by a request to its S3 bucket, and huggingface_hub sends PEFT's telemetry.
+# passes here and downloads (or waits on retries) elsewhere (`network_guard`); in a process the test started, the
+# same reach ends that process with the same line. Launched processes also get HF_HUB_OFFLINE=1 (`_env`). The
+# libraries' reports home are turned off, as a user may turn them off, before the libraries read their switches at
+# import: datasets counts a load of a local file by a request to its S3 bucket, and huggingface_hub sends PEFT's
+# telemetry.
 os.environ["HF_UPDATE_DOWNLOAD_COUNTS"] = "0"
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
-_connect, _connect_ex, _getaddrinfo = socket.socket.connect, socket.socket.connect_ex, socket.getaddrinfo
-_this_machine: set[str] = set()
+import network_guard  # noqa: E402
 
-
-def _host(host: Any) -> str:
-    """A host as `connect` and `getaddrinfo` take it (text or bytes, an IPv6 address with a scope), as text."""
-    return (host.decode() if isinstance(host, bytes) else str(host)).split("%")[0]
-
-
-def _address(host: str) -> Any:
-    """`host` as an IP address, or None for a name."""
-    try:
-        return ipaddress.ip_address(host)
-    except ValueError:
-        return None
-
-
-def _off_the_machine(host: str) -> bool:
-    """Whether `host` is another machine's."""
-    if not _this_machine:
-        _this_machine.update({"localhost", socket.gethostname()})
-        try:
-            _this_machine.update(info[4][0] for info in _getaddrinfo(socket.gethostname(), None))
-        except OSError:
-            pass
-    if host in _this_machine:
-        return False
-    ip = _address(host)
-    return ip is None or not (ip.is_loopback or ip.is_unspecified)
-
-
-def _refuse_network(host: Any, port: Any) -> None:
-    if _off_the_machine(_host(host)):
-        # pytest's failure is a BaseException: a library's retry loop, which catches Exception, cannot retry it
-        pytest.fail(f"the test reached for {host}:{port}, off this machine: tests use no network "
-                    "(build the model, tokenizer and data locally; patch a library's offline switch)")  # fmt: skip
-
-
-def _guarded_getaddrinfo(host: Any, port: Any, *args: Any, **kwargs: Any) -> list:
-    """A name's lookup comes before its connection; without a network it fails, and a library retries it."""
-    if host is not None and _address(_host(host)) is None:
-        _refuse_network(host, port)
-    return _getaddrinfo(host, port, *args, **kwargs)
-
-
-def _streams_out(sock: socket.socket) -> bool:
-    # not a Unix socket, nor a datagram one (vLLM finds its own address by one, sending nothing)
-    return sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
-
-
-def _guarded_connect(sock: socket.socket, address: Any) -> None:
-    if _streams_out(sock):
-        _refuse_network(*address[:2])
-    return _connect(sock, address)
-
-
-def _guarded_connect_ex(sock: socket.socket, address: Any) -> int:
-    if _streams_out(sock):
-        _refuse_network(*address[:2])
-    return _connect_ex(sock, address)
-
-
-socket.socket.connect, socket.socket.connect_ex = _guarded_connect, _guarded_connect_ex
-socket.getaddrinfo = _guarded_getaddrinfo
+# pytest's failure is a BaseException: a library's retry loop, which catches Exception, cannot retry it
+network_guard.install(pytest.fail)
 
 
 def launch(

@@ -1,7 +1,10 @@
-"""The suite's network guard (tests/conftest.py): nothing a test runs in this process reaches another machine, so a
-test that would download passes nowhere, rather than here and slowly, or online and by downloading."""
+"""The suite's network guard (tests/offline/network_guard.py, installed by tests/conftest.py): nothing a test runs,
+in this process or in one it starts, reaches another machine, so a test that would download passes nowhere, rather
+than here and slowly, or online and by downloading."""
 
 import socket
+import subprocess
+import sys
 from unittest.mock import patch
 
 import pytest
@@ -30,3 +33,16 @@ def test_this_machine_stays_reachable():
         for host in ("127.0.0.1", "localhost"):
             with socket.create_connection((host, port), timeout=5):
                 server.accept()[0].close()
+
+
+def test_a_process_a_test_starts_is_guarded_from_its_start():
+    """A launched rank, a script a test runs: its interpreter installs the guard as it starts (the suite's
+    `sitecustomize`, on the PYTHONPATH every process a test starts inherits), so the reach ends the process with the
+    same line, past a library's `except Exception`."""
+    reach = (
+        "import socket\ntry:\n    socket.create_connection(('192.0.2.1', 443), timeout=2)\n"
+        "except Exception as err:\n    print('caught', type(err).__name__)"
+    )
+    done = subprocess.run([sys.executable, "-c", reach], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "caught" not in done.stdout, done.stdout + done.stderr
+    assert "OffTheMachine: the test reached for 192.0.2.1:443, off this machine" in done.stderr
