@@ -457,6 +457,8 @@ HYBRIDS: dict[str, dict[str, Any]] = {
 HIDDEN = 64
 INTERMEDIATE = 128
 MOE_INTERMEDIATE = 32
+# Gemma-4's per-layer input width: its table is vocabulary × layers × this wide (1.6 GB in float32 at its own 256).
+PER_LAYER_INPUT = 16
 LAYERS = 2
 # Architectures where the head dimension follows the hidden size: vLLM's qwen2.py, olmoe.py, granitemoehybrid.py,
 # lfm2.py and lfm2_moe.py compute it so, transformers checks Phi-3's and PhiMoE's longrope factors (one per rotated
@@ -551,6 +553,8 @@ def shrunk(name: str) -> PretrainedConfig:
             values["head_dim"] = dim
     if "moe_intermediate_size" in published:
         values["moe_intermediate_size"] = MOE_INTERMEDIATE
+    if published.get("hidden_size_per_layer_input"):  # Gemma-4's per-layer embeddings: a width, its vocabulary kept
+        values["hidden_size_per_layer_input"] = PER_LAYER_INPUT
     if published.get("ffn_hidden_size"):  # Falcon's MLP width, which vLLM's Falcon takes as 4 × hidden: kept so
         values["ffn_hidden_size"] = published["ffn_hidden_size"] * values["hidden_size"] // published["hidden_size"]
     if "max_window_layers" in published:
