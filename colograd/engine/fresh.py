@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from colograd.engine.weights import at_engine_precision
+
 # Rows each linear layer of both models multiplies, to compare layers whose weights live in a kernel handle.
 PROBE_ROWS = 4
 
@@ -71,6 +73,7 @@ def _fresh_model(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> nn.Mod
         fresh = initialize_model(vllm_config=config, model_config=model_config)
     # Every parameter starts as NaN: one the loader leaves so was not written by it (`_unwritten`). vLLM 0.32's Laguna
     # registers its router's correction bias on its expert layer and never loads it from a checkpoint.
+    at_engine_precision(fresh, model_config.dtype)  # as the engine's own model is held (`start_engine`)
     with torch.no_grad():
         for parameter in fresh.parameters():
             if parameter.is_floating_point():

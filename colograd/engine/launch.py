@@ -2,6 +2,7 @@
 the ranks that share a tensor-parallel engine, the torchrun-style variables vLLM's external launcher reads while it
 starts, and this process's index on its machine."""
 
+import logging
 import os
 import socket
 from collections.abc import Iterator
@@ -22,8 +23,10 @@ from colograd.engine.folder import engine_folder
 from colograd.engine.kv_cache import engine_memory, sized_from_specs
 from colograd.engine.lifetime import add_expert_group, frozen_heap
 from colograd.engine.settings import NOT_LLM_ARGUMENTS, engine_config, triton_fp32_precision
-from colograd.engine.weights import _holds_plain_dense_weights, _holds_plain_weights
+from colograd.engine.weights import _holds_plain_dense_weights, _holds_plain_weights, _raise_to_engine_precision
 from colograd.vision.core import serve_without_torchvision
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,13 @@ def start_engine(
             **llm_args,
         )
     kv_cache_bytes, holds_state = sized[-1] if sized else (0, False)
+    raised = llm.collective_rpc(_raise_to_engine_precision)[0]
+    if raised and rank == 0:
+        logger.info(
+            "colograd: vLLM's %s keeps %d tensors below the engine's %s (%s%s): held at %s, so that a sync does not "
+            "round the trainer's values there.", config.architectures[0], len(raised), dtype, ", ".join(raised[:3]),
+            ", ..." if len(raised) > 3 else "", dtype,
+        )  # fmt: skip
     return Started(
         llm=llm,
         folder=folder,

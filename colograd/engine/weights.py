@@ -36,6 +36,31 @@ def _holds_plain_dense_weights(worker: Any) -> bool:
     )
 
 
+def _raise_to_engine_precision(worker: Any) -> list[str]:
+    """Runs in the engine's worker, once it has started: `at_engine_precision` on its model, unless the model is
+    quantized (its low-precision weights are the point). Returns the names raised."""
+    config = worker.model_runner.vllm_config
+    if config.quant_config is not None:
+        return []
+    return at_engine_precision(worker.model_runner.model, config.model_config.dtype)
+
+
+def at_engine_precision(model: nn.Module, dtype: torch.dtype) -> list[str]:
+    """Hold at `dtype` (the engine's) every floating tensor of `model` that vLLM's model code keeps at a lower
+    precision whatever the engine's dtype, so that a sync does not round the trainer's values there: vLLM's xIELU
+    activation (Apertus) makes its learned `alpha_p` / `alpha_n` and its constants in bfloat16, where transformers'
+    float32 model holds them in float32, and a float32 engine then computed 1e-3 nats from its trainer. Returns the
+    names raised."""
+    finest = torch.finfo(dtype).eps
+    raised = []
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if tensor.is_floating_point() and tensor.numel() and torch.finfo(tensor.dtype).eps > finest:
+                tensor.data = tensor.data.to(dtype)
+                raised.append(name)
+    return raised
+
+
 def _prepacked_convolutions(model: nn.Module) -> list[str]:
     """The layers whose convolution weight vLLM's CPU backend prepacked in place into its kernel's layout (a Gated
     DeltaNet's or a short convolution's `[dim, 1, 4]` weight, in bf16 on AVX-512 bf16: `weight.data` becomes the

@@ -235,3 +235,31 @@ def test_the_cpu_router_chooses_experts_as_the_trainer_does_with_a_bias_and_with
     logits = torch.randn(64, 64, generator=generator)
     ours, own = CPURouter._compute_routing(plain, hidden, logits, None), vllms(plain, hidden, logits, None)
     assert all(torch.equal(a, b) for a, b in zip(ours, own, strict=True))
+
+
+def test_a_tensor_kept_below_the_engines_precision_is_raised_to_it_in_place():
+    """vLLM's xIELU (Apertus) makes its parameters and constants in bfloat16 whatever the engine's dtype: in a float32
+    engine they are held in float32, the same Parameter objects (their `weight_loader` kept), so that a sync copies
+    the trainer's float32 values whole; a float32 tensor, and a bfloat16 engine's, are left as they are. (The zoo's
+    Apertus test trains through it: tests/zoo/test_parity.py.)"""
+    from torch import nn
+
+    from colograd.engine.weights import at_engine_precision
+
+    class Activation(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.alpha_p = nn.Parameter(torch.tensor([0.8], dtype=torch.bfloat16))
+            self.alpha_p.weight_loader = "the loader vLLM attached"
+            self.weight = nn.Parameter(torch.ones(2))
+            self.register_buffer("eps", torch.tensor(-1e-6, dtype=torch.bfloat16))
+
+    model = Activation()
+    parameter = model.alpha_p
+    assert at_engine_precision(model, torch.bfloat16) == [] and parameter.dtype == torch.bfloat16
+    assert at_engine_precision(model, torch.float32) == ["alpha_p", "eps"]
+    assert model.alpha_p is parameter and parameter.weight_loader == "the loader vLLM attached"
+    assert parameter.dtype == model.eps.dtype == model.weight.dtype == torch.float32
+    with torch.no_grad():
+        parameter.copy_(torch.tensor([0.123456789]))
+    assert parameter.item() == torch.tensor(0.123456789).item()  # not rounded to bfloat16's 0.1235

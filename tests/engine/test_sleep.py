@@ -8,6 +8,7 @@ import torch
 
 from colograd import GRPOConfig
 from colograd.engine import cpu as engine_cpu
+from colograd.engine import launch as engine_launch
 from colograd.engine.core import Engine
 from colograd.engine.lifetime import layer_refs
 from colograd.engine.requests import Sampling
@@ -123,7 +124,8 @@ class StartingLLM(RecordingLLM):
     def collective_rpc(self, method, args=()) -> list:
         if method is engine_cpu.release_kv_cache:
             return super().collective_rpc(method, args)
-        return [[]] if method is layer_refs else [True]  # no layers; a worker that holds plain weights
+        lists = (layer_refs, engine_launch._raise_to_engine_precision)  # no layers, no tensor raised
+        return [[]] if method in lists else [True]  # a worker that holds plain weights
 
 
 @pytest.mark.parametrize("sleep_mode", [True, False], ids=["sleep-mode", "no-sleep-mode"])

@@ -61,6 +61,14 @@ def stops_before_training(trainer: GRPOTrainer) -> str:
     return line
 
 
+def trains_two_steps_exact(name: str, tmp_path) -> None:
+    """Two steps of `trainer_for(name)` train, the sampling gap within the float32 bound."""
+    trainer = trainer_for(name, tmp_path, max_steps=2)
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert step_log(trainer)["sampling/sampling_logp_difference/max"] <= 1e-3
+
+
 # Faults the fixes remove, injected.
 
 
@@ -128,10 +136,23 @@ def test_a_buffer_transformers_renames_on_loading_reaches_the_engine_under_its_s
         patched.setattr(sync.WeightPlan, "_held_under_saved_names", lambda plan, engine, buffers: set())
         line = stops_before_training(trainer_for(name, tmp_path / "unsent"))
     assert "ExaoneMoeForCausalLM" in line and "model.layers.1.mlp.e_score_correction_bias" in line
-    trainer = trainer_for(name, tmp_path / "sent", max_steps=2)
-    trainer.train()
-    assert trainer.state.global_step == 2
-    assert step_log(trainer)["sampling/sampling_logp_difference/max"] <= 1e-3
+    trains_two_steps_exact(name, tmp_path / "sent")
+
+
+def test_a_tensor_vllm_keeps_below_the_engines_precision_is_held_at_it(tmp_path, monkeypatch):
+    """vLLM's xIELU activation (Apertus) makes its learned `alpha_p` / `alpha_n` and its constants in bfloat16
+    whatever the engine's dtype, where transformers' float32 model holds them in float32: a sync rounds the trainer's
+    values there, and the float32 engine samples 1e-3 nats from its trainer, past the gate's bound. Left so, the gate
+    stops the run (a fresh engine, made the same way, agrees: vLLM's model computes another distribution); held at the
+    engine's precision, two steps train exact. Apertus as transformers' default config gives it (`zoo.from_defaults`:
+    no published config in the zoo)."""
+    name = zoo.from_defaults("apertus")
+    with monkeypatch.context() as patched:
+        for module in (engine_weights, fresh):
+            patched.setattr(module, "at_engine_precision", lambda model, dtype: [])
+        line = stops_before_training(trainer_for(name, tmp_path / "rounded"))
+    assert "ApertusForCausalLM" in line and "A freshly loaded engine agrees" in line
+    trains_two_steps_exact(name, tmp_path / "held")
 
 
 def test_warn_trains_on_with_the_gap_logged(tmp_path, monkeypatch, caplog):
