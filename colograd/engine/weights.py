@@ -38,9 +38,11 @@ def _holds_plain_dense_weights(worker: Any) -> bool:
 
 def _raise_to_engine_precision(worker: Any) -> list[str]:
     """Runs in the engine's worker, once it has started: `at_engine_precision` on its model, unless the model is
-    quantized (its low-precision weights are the point). Returns the names raised."""
+    quantized (its low-precision weights are the point) or the engine replays CUDA graphs (captured at its start,
+    they read each tensor where it was then: a tensor moved to new memory would be read stale; the parity gate then
+    sees the rounding). Returns the names raised."""
     config = worker.model_runner.vllm_config
-    if config.quant_config is not None:
+    if config.quant_config is not None or (torch.cuda.is_available() and not config.model_config.enforce_eager):
         return []
     return at_engine_precision(worker.model_runner.model, config.model_config.dtype)
 
