@@ -263,3 +263,28 @@ def test_a_tensor_kept_below_the_engines_precision_is_raised_to_it_in_place():
     with torch.no_grad():
         parameter.copy_(torch.tensor([0.123456789]))
     assert parameter.item() == torch.tensor(0.123456789).item()  # not rounded to bfloat16's 0.1235
+
+
+@pytest.mark.parametrize("on_gpu, eager, quantized", [(False, False, False), (True, True, False), (True, False, False),
+                                                      (False, False, True)])  # fmt: skip
+def test_the_precision_raise_is_skipped_where_graphs_or_quantization_need_the_tensors_as_they_are(
+    on_gpu, eager, quantized, monkeypatch
+):
+    """In the engine's worker the raise runs on the CPU and on an eager GPU engine; not where the engine replays CUDA
+    graphs (captured at its start, they read each tensor where it was: a moved tensor would be read stale), nor on a
+    quantized model."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from colograd.engine.weights import _raise_to_engine_precision
+
+    model = nn.Module()
+    model.alpha_p = nn.Parameter(torch.tensor([0.8], dtype=torch.bfloat16))
+    config = SimpleNamespace(quant_config=object() if quantized else None,
+                             model_config=SimpleNamespace(dtype=torch.float32, enforce_eager=eager))  # fmt: skip
+    worker = SimpleNamespace(model_runner=SimpleNamespace(model=model, vllm_config=config))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: on_gpu)
+    raises = not quantized and (not on_gpu or eager)
+    assert _raise_to_engine_precision(worker) == (["alpha_p"] if raises else [])
+    assert model.alpha_p.dtype == (torch.float32 if raises else torch.bfloat16)
