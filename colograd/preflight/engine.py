@@ -185,11 +185,10 @@ def _head_sizes(text: PretrainedConfig) -> list[int]:
     """The attention head sizes of the config's layers, each once: read layer by layer where transformers keeps them
     per layer (Gemma 4 sets 256 and 512, and reading one global `head_dim` raises there), else the config's own
     (`head_dim`, or hidden size / heads)."""
-    per_layer = getattr(text, "per_layer_config", None)
-    layers = getattr(text, "num_hidden_layers", None)
     sizes: set[int] = set()
-    if per_layer is not None and layers:
-        sizes = {size for i in range(layers) if (size := getattr(per_layer[i], "head_dim", None))}
+    if getattr(text, "is_heterogeneous", False):  # as `colograd.engine.kv_cache.unsized_layers` tells them apart
+        per_layer = text.per_layer_config
+        sizes = {size for i in range(text.num_hidden_layers) if (size := getattr(per_layer[i], "head_dim", None))}
     if not sizes:
         heads = getattr(text, "num_attention_heads", None)
         size = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
