@@ -27,7 +27,13 @@ from colograd.forward.memory import PassBudget
 from colograd.forward.packing import forward_packing, keeps_packed_sequences_apart
 from colograd.forward.router import Router, RouterRecord, RoutingReplay
 from colograd.forward.stateful import KWARG, Apart
-from colograd.models.hybrid import bound_time_steps_as_configured, carries_state, state_layer_count, state_layer_kinds
+from colograd.models.hybrid import (
+    bound_time_steps_as_configured,
+    carries_state,
+    normalize_groups_as_configured,
+    state_layer_count,
+    state_layer_kinds,
+)
 from colograd.vision.core import placeholder_ids, takes_position_ids
 
 logger = logging.getLogger("colograd.trainer")
@@ -91,10 +97,18 @@ class Forward:
             changed, before, limit = bound_time_steps_as_configured(net) if net is not None else (0, None, None)
             if changed and announce and net is policy:
                 logger.warning(
-                    "colograd: note: the model's %d Mamba-2 layers bound their time step by the config's "
-                    "time_step_limit %s, as the engine's do, where transformers' forward bounds it by %s.",
+                    "colograd: note: the model's %d Mamba-2 layers bound their time step by %s, as the engine's do "
+                    "(the config's time_step_limit, else vLLM's), where transformers' forward bounds it by %s.",
                     changed, limit, before,
                 )  # fmt: skip
+            grouped = normalize_groups_as_configured(net) if net is not None else 0
+            if grouped and announce and net is policy:
+                logger.warning(
+                    "colograd: note: the model's %d Mamba-2 layers normalize their output in groups of channels "
+                    "(n_groups), as the engine's and the published layer do, where transformers' torch path "
+                    "normalizes the whole width.",
+                    grouped,
+                )
         takes_positions = takes_position_ids(policy.config)
         stateful = carries_state(policy.config) or engine_state
         apart = packed_apart(nets, policy) if args.padding_free and stateful and takes_positions else None

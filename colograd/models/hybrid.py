@@ -12,6 +12,8 @@ The layer kinds are read from the config as vLLM reads them (`ModelConfig.get_nu
 `layers_block_type`, `layer_types` or MiniMax's `attn_type_list` (0 marks a linear layer).
 """
 
+import functools
+import inspect
 from typing import Any
 
 # Layer kinds that are a feed-forward block only (Nemotron-H lists its MLP and MoE layers beside its mixers).
@@ -63,6 +65,11 @@ def carries_state(config: Any) -> bool:
     return bool(state_layer_kinds(config.get_text_config()))
 
 
+# The bound vLLM's Mamba-2 layer puts on its time step, whatever the config says (`MambaMixer2`, vllm 0.32), and the
+# reference layer's default (mamba_ssm's `Mamba2`: `dt_limit=(0.0, float("inf"))`).
+ENGINE_TIME_STEP_LIMIT = (0.0, float("inf"))
+
+
 def bound_time_steps_as_configured(model: Any) -> tuple[int, Any, Any]:
     """Bound every Mamba-2 layer's time step (`dt`, after its softplus) by the config's `time_step_limit`, as the
     engine's does; returns how many layers were changed, and the bound each had and now has.
@@ -72,15 +79,16 @@ def bound_time_steps_as_configured(model: Any) -> tuple[int, Any, Any]:
     configs list beside a `time_step_limit` of (0, inf), and which the other families' layers (Mamba-2, Bamba,
     Falcon-H1, Granite-4.0-H) do not read at run time. A time step under it then differs between the engine and the
     trainer: a shrunk Nemotron-H's first Mamba layer was 0.003 off at the first token, its log-probs 0.06 nats, and the
-    parity gate stopped it. The layers keep their config's bound, which is the engine's.
+    parity gate stopped it. The layers keep their config's bound, which is the engine's; a config that sets none
+    (Zamba2's) gets the engine's, (0, inf).
 
     Args:
         model: the model (or a wrapper of it: DDP, DeepSpeed, PEFT); its own config is read.
     """
     configs = [m.config for m in model.modules() if hasattr(m, "config") and hasattr(m.config, "get_text_config")]
-    limit = getattr(configs[0].get_text_config(), "time_step_limit", None) if configs else None
-    if limit is None:
+    if not configs:
         return 0, None, None
+    limit = getattr(configs[0].get_text_config(), "time_step_limit", None) or ENGINE_TIME_STEP_LIMIT
     limit, changed, before = tuple(float(x) for x in limit), 0, None
     for module in model.modules():
         own = module.__dict__.get("time_step_limit")
@@ -88,3 +96,51 @@ def bound_time_steps_as_configured(model: Any) -> tuple[int, Any, Any]:
             before, changed = own, changed + 1
             module.time_step_limit = limit
     return changed, before, limit
+
+
+def normalize_groups_as_configured(model: Any) -> int:
+    """Make every Mamba-2 layer whose config sets `n_groups` > 1 normalize its gated output one group at a time, as
+    the engine's does; returns how many layers were changed.
+
+    A Mamba-2 layer's output goes through a gated RMSNorm whose statistics are taken over each group of
+    intermediate / n_groups channels: vLLM's `Mixer2RMSNormGated`, the reference layer (mamba_ssm's `Mamba2`,
+    `group_size=d_ssm // ngroups`) and the fused kernel transformers itself calls on a GPU
+    (`mamba_split_conv1d_scan_combined`). transformers' torch path of the Mamba-2, Bamba and Granite-4.0-H layers
+    takes them over the whole width instead (their `*RMSNormGated`, which hold no group size; Falcon-H1's, Zamba2's
+    and Nemotron-H's do). The two agree at one group, the published Granite-4.0-H, Bamba and small Mamba-2
+    configs'; with more (Mamba-Codestral's 8) a shrunk Mamba-2's log-probs were 3.5 nats from the engine's and the
+    parity gate stopped it. The changed norms compute what those layers were trained with; their weights are
+    untouched.
+
+    Args:
+        model: the model (or a wrapper of it: DDP, DeepSpeed, PEFT).
+    """
+    changed = 0
+    for module in model.modules():
+        groups, norm = getattr(module, "n_groups", None), getattr(module, "norm", None)
+        width = getattr(module, "intermediate_size", None)
+        if not isinstance(groups, int) or groups <= 1 or not isinstance(width, int) or width % groups:
+            continue
+        if norm is None or hasattr(norm, "n_groups") or hasattr(norm, "group_size") or "forward" in norm.__dict__:
+            continue  # no norm, one that knows its groups, or one colograd changed already
+        if "gate" not in inspect.signature(norm.forward).parameters:
+            continue
+        norm.forward = functools.partial(_grouped_gated_norm, norm, groups)
+        changed += 1
+    return changed
+
+
+def _grouped_gated_norm(norm: Any, groups: int, hidden_states: Any, gate: Any = None) -> Any:
+    """`norm`'s gated RMSNorm (gate first, then the norm, in float32) with its statistics taken over each of `groups`
+    equal groups of the last dimension, as vLLM's `Mixer2RMSNormGated.forward_native` computes it."""
+    import torch
+    from torch.nn import functional
+
+    dtype = hidden_states.dtype
+    x = hidden_states.to(torch.float32)
+    if gate is not None:
+        x = x * functional.silu(gate.to(torch.float32))
+    *prefix, width = x.shape
+    grouped = x.view(*prefix, groups, width // groups)
+    grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * grouped.view(*prefix, width).to(dtype)

@@ -321,12 +321,68 @@ def test_mamba2_layers_bound_their_time_step_by_the_configs_limit_as_the_engine_
         Forward.of([model], GRPOConfig(output_dir=str(tmp_path), report_to="none"), zoo.tokenizer_for(config),
                    announce=True)  # fmt: skip
     assert all(m.time_step_limit == (0.0, float("inf")) for m in mixers)
-    assert "4 Mamba-2 layers bound their time step by the config's time_step_limit (0.0, inf)" in caplog.text
+    assert "4 Mamba-2 layers bound their time step by (0.0, inf), as the engine's do" in caplog.text
     with torch.no_grad():
         assert (model(ids).logits - before).abs().max() > 1e-3
     assert bound_time_steps_as_configured(model)[0] == 0  # once
     for name in ("ibm-granite/granite-4.0-h-tiny", "tiiuae/Falcon-H1-0.5B-Instruct"):  # their layers read the limit
         assert bound_time_steps_as_configured(AutoModelForCausalLM.from_config(zoo.shrunk(name)))[0] == 0
+    # Zamba2's config sets no limit (its layers bound by time_step_min too): they get the engine's
+    zamba2 = AutoConfig.for_model("zamba2", hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                  n_mamba_heads=4, layers_block_type=["linear_attention", "hybrid"])  # fmt: skip
+    assert not hasattr(zamba2, "time_step_limit")
+    model = AutoModelForCausalLM.from_config(zamba2)
+    assert bound_time_steps_as_configured(model) == (2, (0.001, float("inf")), (0.0, float("inf")))
+
+
+def vllm_gated_norm(norm, groups: int, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """vLLM's gated norm of a Mamba-2 layer (`Mixer2RMSNormGated.forward_native`, one tensor-parallel rank) of
+    `norm`'s weight in `groups` groups: a stand-in for the layer that holds what its `__init__` sets."""
+    from vllm.model_executor.layers.mamba.mamba_mixer2 import Mixer2RMSNormGated
+
+    width = norm.weight.numel()
+    layer = Mixer2RMSNormGated.__new__(Mixer2RMSNormGated)
+    torch.nn.Module.__init__(layer)
+    layer.__dict__ |= {"tp_size": 1, "tp_rank": 0, "full_hidden_size": width, "group_size": width // groups,
+                       "per_rank_hidden_size": width, "n_groups": groups, "variance_epsilon": norm.variance_epsilon,
+                       "use_rms_norm": True}  # fmt: skip
+    layer.weight = torch.nn.Parameter(norm.weight.detach().clone())
+    return layer.forward_native(x, gate)
+
+
+def test_mamba2_layers_normalize_their_output_by_group_as_the_engine_does(tmp_path, caplog):
+    """A Mamba-2 layer's gated norm takes its statistics over each group of channels in vLLM (and in the reference
+    layer); transformers' torch path of Mamba-2 takes them over the whole width. Mamba-Codestral's 8 groups: the
+    trainer's norm is vLLM's after `Forward.of`, said once; a norm of one group, or one that reads its groups, is
+    left alone."""
+    from colograd.models.hybrid import normalize_groups_as_configured
+
+    config = zoo.shrunk("mistralai/Mamba-Codestral-7B-v0.1")
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).eval()
+    zoo.sharpen(model)
+    norms = [m.norm for m in model.modules() if hasattr(m, "n_groups") and hasattr(m, "norm")]
+    assert len(norms) == 2 and config.n_groups == 8
+    gen = torch.Generator().manual_seed(0)
+    x, gate = (torch.randn(2, 5, norms[0].weight.numel(), generator=gen) * torch.linspace(0.1, 4, 512) for _ in "xg")
+    engine = vllm_gated_norm(norms[0], 8, x, gate)
+    with torch.no_grad():
+        assert (norms[0](x, gate) - engine).abs().max() > 1e-2  # the whole width's statistics
+        ids = torch.randint(3, 60, (1, 24), generator=gen)
+        before = model(ids).logits
+    with caplog.at_level("WARNING"):
+        Forward.of([model], GRPOConfig(output_dir=str(tmp_path), report_to="none"), zoo.tokenizer_for(config),
+                   announce=True)  # fmt: skip
+    assert "2 Mamba-2 layers normalize their output in groups of channels (n_groups)" in caplog.text
+    with torch.no_grad():
+        torch.testing.assert_close(norms[0](x, gate), engine, rtol=1e-6, atol=1e-6)
+        assert (model(ids).logits - before).abs().max() > 1e-3
+    assert normalize_groups_as_configured(model) == 0  # once
+    one_group = zoo.shrunk("mistralai/Mamba-Codestral-7B-v0.1")
+    one_group.n_groups = 1
+    for other in (one_group, zoo.shrunk("tiiuae/Falcon-H1-0.5B-Instruct"), zoo.shrunk("nvidia/Nemotron-H-8B-Base-8K")):
+        assert normalize_groups_as_configured(AutoModelForCausalLM.from_config(other)) == 0, other.model_type
 
 
 def test_the_multiple_a_layer_pads_to_is_its_chunk_where_it_has_one(hybrid):
