@@ -13,6 +13,7 @@ hidden_size / heads; transformers checks Phi-3's rope factors against it), the h
 head count: such a model keeps its head dimension and GQA ratio with one KV head.
 """
 
+import inspect
 import math
 import os
 from pathlib import Path
@@ -415,6 +416,17 @@ HYBRIDS: dict[str, dict[str, Any]] = {
                            "num_attention_heads": 32, "num_heads": 32, "num_key_value_heads": 8,
                            "max_position_embeddings": 128000, "norm_eps": 1e-05, "rope_theta": 1000000.0,
                            "bos_token_id": 1, "eos_token_id": 7, "pad_token_id": 0},
+    # Attention-free: Mamba-Codestral-7B, Mamba-2 layers only, their gated norm in 8 groups (transformers' Mamba2Config
+    # defaults are its shape: 128 heads of 64, state 128, 64 layers, a 32,768-token vocabulary; not read from its
+    # config.json). The shrunk model keeps 8 heads, one a group.
+    "mistralai/Mamba-Codestral-7B-v0.1": {"model_type": "mamba2", "architectures": ["Mamba2ForCausalLM"],
+                                          "vocab_size": 32768, "hidden_size": 4096, "num_heads": 128, "head_dim": 64,
+                                          "n_groups": 8, "state_size": 128, "expand": 2, "conv_kernel": 4,
+                                          "chunk_size": 256, "num_hidden_layers": 64, "use_bias": False,
+                                          "use_conv_bias": True, "layer_norm_epsilon": 1e-05,
+                                          "residual_in_fp32": True, "time_step_limit": [0.0, float("inf")],
+                                          "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 2,
+                                          "pad_token_id": 1},
     # Their Mixture-of-Experts siblings: Nemotron 3 Nano (Mamba-2, expert and attention layers by a pattern; 128
     # experts, 6 per token, a shared expert, non-gated relu² experts) and LFM2-8B-A1B (short convolutions; 32 experts,
     # 4 per token, an expert bias; its first two layers dense).
@@ -514,10 +526,12 @@ def layers(published: dict[str, Any]) -> int:
 
 def layer_list(published: dict[str, Any]) -> list[str]:
     """A hybrid's published layer kinds, one per layer: `layer_types`, LFM2's `full_attn_idxs` (the rest short
-    convolutions), Nemotron-H's `hybrid_override_pattern` (one character a layer) or Jamba's attention period and
-    offset (the rest Mamba); empty for the others."""
+    convolutions), Nemotron-H's `hybrid_override_pattern` (one character a layer), Zamba2's `layers_block_type` or
+    Jamba's attention period and offset (the rest Mamba); empty for the others."""
     if "hybrid_override_pattern" in published:
         return list(published["hybrid_override_pattern"])
+    if "layers_block_type" in published:  # Zamba2: Mamba-2 layers, and "hybrid" ones (shared attention, then Mamba-2)
+        return list(published["layers_block_type"])
     if "linear_attn_config" in published:  # Kimi-Linear: its attention layers, 1-indexed
         attention = set(published["linear_attn_config"]["full_attn_layers"])
         return [
@@ -542,10 +556,18 @@ def shrunk(name: str) -> PretrainedConfig:
     """`name`'s published config, shrunk in width and depth only (see the module's docstring)."""
     published = ZOO.get(name) or PARITY.get(name) or HYBRIDS[name]
     values = {**published, "intermediate_size": INTERMEDIATE, "num_hidden_layers": layers(published)}
-    dim = head_dim(published)
+    dim = head_dim(published) if "num_attention_heads" in published else None
     if published["model_type"] in HEAD_DIM_FROM_HIDDEN:
         ratio = published["num_attention_heads"] // published["num_key_value_heads"]
         values |= {"num_attention_heads": ratio, "num_key_value_heads": 1, "hidden_size": ratio * dim}
+    elif dim is None:  # attention-free (Mamba, Mamba-2): Mamba-2's heads of the published size, one a group
+        values["hidden_size"] = HIDDEN
+        if "head_dim" in published and "num_heads" in published:
+            dim, groups = published["head_dim"], published.get("n_groups", 1)
+            heads = max(published["expand"] * HIDDEN // dim, groups)
+            values |= {"num_heads": heads, "hidden_size": heads * dim // published["expand"]}
+        if "intermediate_size" not in published:  # Mamba-2's is expand x hidden, which vLLM reads from this key if set
+            values.pop("intermediate_size")
     else:  # transformers checks that the hidden size is a whole number of heads
         heads = published["num_attention_heads"]
         values |= {"hidden_size": heads * math.ceil(HIDDEN / heads)}
@@ -580,6 +602,9 @@ def shrunk(name: str) -> PretrainedConfig:
         width, heads = values["hidden_size"], values["num_attention_heads"]
         values |= {"conv_dim": width, "conv_dim_out": width, "block_dim": width, "num_heads": heads}
         values["block_ff_dim"] = values["intermediate_size"]  # transformers reads it over intermediate_size
+    if published.get("model_type") == "zamba2":  # widths its config derives from the hidden size, derived again
+        for key in ("attention_hidden_size", "attention_head_dim", "mamba_headdim", "kv_channels", "num_query_groups"):
+            values.pop(key, None)
     model_type = values.pop("model_type")
     config = AutoConfig.for_model(model_type, **values)
     config.architectures = published["architectures"]
@@ -804,13 +829,15 @@ def answers(model: Any, prompts: list, eos: int) -> list:
 
     head, transform = model.get_output_embeddings(), logit_transform.of(model)
     seen = []
+    # The cache's name: `past_key_values`, or `cache_params` for the attention-free models (Mamba-2)
+    key = "cache_params" if "cache_params" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def decoder(ids, cache=None):
         """The model's forward up to its output layer, which it is handed a stand-in for: (its inputs, the cache)."""
         seen.clear()
-        out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(ids, **{key: cache}, use_cache=True, logits_to_keep=1)
         (inputs,) = seen
-        return inputs[:, -1], out.past_key_values
+        return inputs[:, -1], getattr(out, key)
 
     def stand_in(inputs):
         seen.append(inputs)

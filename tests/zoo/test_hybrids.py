@@ -65,7 +65,8 @@ def test_qwen3_5_trains_on_two_ranks_under_zero3_with_the_gate_on(tmp_path, reco
 
 
 # The other layer kinds with state, float32 engines (vLLM's CPU build runs them in any precision), on 2 ranks: Mamba-2,
-# MLP and attention layers by a pattern (Nemotron-H), short convolutions (LFM2), and with experts (LFM2-8B-A1B) here,
+# MLP and attention layers by a pattern (Nemotron-H), short convolutions (LFM2), and with experts (LFM2-8B-A1B), and
+# Mamba-2 layers alone (Mamba-Codestral: no attention layer, so no KV page in the engine's cache) here,
 # under plain DDP; Mamba-2 beside attention and a MoE (Granite-4.0-H) and Mamba-2 and attention side by side in every
 # layer (Falcon-H1) under ZeRO-3 below (each family under one layout: a launch costs about 45 s a model).
 # Where the CPU backend prepacks a Mamba-2 layer's convolution (AVX-512 bf16, Arm bf16), Granite-4.0-H trains here too,
@@ -73,18 +74,27 @@ def test_qwen3_5_trains_on_two_ranks_under_zero3_with_the_gate_on(tmp_path, reco
 # each sync (`colograd.engine.weights.refresh_convolution_views`). On an AVX2 machine nothing is prepacked, and that
 # run (bf16 on emulated arithmetic) cost more than half the launch for nothing this test checks.
 BF16_AGAIN = ["ibm-granite/granite-4.0-h-tiny"] if zoo.cpu_prepacks_convolutions() else []
-OTHER_HYBRIDS = ["nvidia/Nemotron-H-8B-Base-8K", "LiquidAI/LFM2-1.2B", "LiquidAI/LFM2-8B-A1B", *BF16_AGAIN]
+OTHER_HYBRIDS = [
+    "nvidia/Nemotron-H-8B-Base-8K",
+    "LiquidAI/LFM2-1.2B",
+    "LiquidAI/LFM2-8B-A1B",
+    "mistralai/Mamba-Codestral-7B-v0.1",
+    *BF16_AGAIN,
+]
 FP32 = parity.tolerance(torch.float32, torch.float32)
 
 
 def test_mamba2_and_short_convolution_hybrids_train_on_two_ranks_with_the_gate_on(tmp_path, record_property):
-    """Nemotron-H and LFM2 (TRL's quickstart settings, 2 ranks, one launch): every step passes the gate's float32
-    bound, the ranks agree after every step, and after the last sync the engine's log-probs of a whole answer are its
-    trainer's. Each needed a fix to get here: Nemotron-H's time step is bounded by transformers at its
-    initialisation minimum, where the engine does not bound it; LFM2's per-head queries are rotated wrongly by vLLM's
-    CPU kernel unless handed flat; LFM2-8B-A1B's expert bias is renamed by its decoder's own mapping
-    (`gate.e_score_correction_bias`), which the sync did not read, so the bias was never sent; in bf16, Granite's
-    convolution is prepacked and the view its layer computes from kept its start-up values after every sync."""
+    """Nemotron-H, LFM2 and an attention-free Mamba-2 (Mamba-Codestral; TRL's quickstart settings, 2 ranks, one
+    launch): every step passes the gate's float32 bound, the ranks agree after every step, and after the last sync the
+    engine's log-probs of a whole answer are its trainer's. Each needed a fix to get here: Nemotron-H's time step is
+    bounded by transformers at its initialisation minimum, where the engine does not bound it; transformers' torch
+    path of Mamba-2 normalizes its 8 groups' output as one, where the engine normalizes each group, and vLLM's CPU
+    scan cannot give the mid-prompt states prefix caching keeps (its first prompt over 128 tokens stopped the
+    rollout); LFM2's per-head queries are rotated wrongly by vLLM's CPU kernel unless handed flat; LFM2-8B-A1B's
+    expert bias is renamed by its decoder's own mapping (`gate.e_score_correction_bias`), which the sync did not
+    read, so the bias was never sent; in bf16, Granite's convolution is prepacked and the view its layer computes
+    from kept its start-up values after every sync."""
     from conftest import launch
 
     zoo.cached(*OTHER_HYBRIDS)
