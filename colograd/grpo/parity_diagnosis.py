@@ -89,10 +89,11 @@ def diagnose(
         )
     return (
         f"A freshly loaded engine agrees: all {compared} of the engine's tensors and layers are what vLLM's loader "
-        f"makes of the trainer's weights, so the sync is complete and vLLM's {architecture} itself computes another "
-        "distribution than the trainer's forward (docs/real-models.md lists the known cases); train on it with "
-        "engine_parity: warn and vllm_importance_sampling_correction: true, try another vLLM release or vllm_dtype, "
-        "or report it to vLLM."
+        f"makes of the trainer's weights, so the sync is complete and vLLM's {architecture} and the trainer's "
+        "forward compute different distributions from the same weights: one of the two implementations (vLLM's, or "
+        "the trainer's model code) departs from the model (docs/real-models.md lists the known cases, on both "
+        "sides); train on it with engine_parity: warn and vllm_importance_sampling_correction: true, or report it "
+        "with this line."
     )
 
 

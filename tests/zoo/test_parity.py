@@ -264,7 +264,7 @@ def test_an_engine_whose_own_model_differs_is_said_so(tmp_path, monkeypatch):
     monkeypatch.setattr(engine_launch, "engine_config", mutated)
     line = stops_before_training(trainer_for("Qwen/Qwen3-0.6B", tmp_path))
     assert "A freshly loaded engine agrees" in line and "so the sync is complete" in line
-    assert "vLLM's Qwen3ForCausalLM itself computes another distribution" in line
+    assert "vLLM's Qwen3ForCausalLM and the trainer's forward compute different distributions" in line
     assert "differs:" not in line and parity.EITHER_CAUSE not in line
 
 
@@ -308,7 +308,7 @@ def test_vllms_phi_moe_leaves_out_its_output_bias_and_the_gate_says_so(tmp_path)
     holds every tensor a fresh engine loads, so the gate's line says the sync is complete and vLLM's model differs."""
     line = stops_before_training(trainer_for(PHI_MOE, tmp_path))
     assert "A freshly loaded engine agrees" in line and "so the sync is complete" in line
-    assert "vLLM's PhiMoEForCausalLM itself computes another distribution" in line
+    assert "vLLM's PhiMoEForCausalLM and the trainer's forward compute different distributions" in line
 
 
 # Models with each kind of tensor a sync must reach: a router's persistent buffer and experts (GLM-4.5-Air), attention
