@@ -110,10 +110,10 @@ def start_engine(
     kv_cache_bytes, holds_state = sized[-1] if sized else (0, False)
     raised = llm.collective_rpc(_raise_to_engine_precision)[0]
     if raised and rank == 0:
-        logger.info(
-            "colograd: vLLM's %s keeps %d tensors below the engine's %s (%s%s): held at %s, so that a sync does not "
-            "round the trainer's values there.", config.architectures[0], len(raised), dtype, ", ".join(raised[:3]),
-            ", ..." if len(raised) > 3 else "", dtype,
+        logger.warning(
+            "colograd: note: vLLM's %s keeps %d tensors below the engine's %s (%s%s): held at %s, so that a sync "
+            "does not round the trainer's values there.", config.architectures[0], len(raised), dtype,
+            ", ".join(raised[:3]), ", ..." if len(raised) > 3 else "", dtype,
         )  # fmt: skip
     return Started(
         llm=llm,

@@ -139,7 +139,7 @@ def test_a_buffer_transformers_renames_on_loading_reaches_the_engine_under_its_s
     trains_two_steps_exact(name, tmp_path / "sent")
 
 
-def test_a_tensor_vllm_keeps_below_the_engines_precision_is_held_at_it(tmp_path, monkeypatch):
+def test_a_tensor_vllm_keeps_below_the_engines_precision_is_held_at_it(tmp_path, monkeypatch, caplog):
     """vLLM's xIELU activation (Apertus) makes its learned `alpha_p` / `alpha_n` and its constants in bfloat16
     whatever the engine's dtype, where transformers' float32 model holds them in float32: a sync rounds the trainer's
     values there, and the float32 engine samples 1e-3 nats from its trainer, past the gate's bound. Left so, the gate
@@ -152,7 +152,10 @@ def test_a_tensor_vllm_keeps_below_the_engines_precision_is_held_at_it(tmp_path,
             patched.setattr(module, "at_engine_precision", lambda model, dtype: [])
         line = stops_before_training(trainer_for(name, tmp_path / "rounded"))
     assert "ApertusForCausalLM" in line and "A freshly loaded engine agrees" in line
-    trains_two_steps_exact(name, tmp_path / "held")
+    with caplog.at_level(logging.WARNING):
+        trains_two_steps_exact(name, tmp_path / "held")
+    said = [r.getMessage() for r in caplog.records if "below the engine's" in r.getMessage()]
+    assert len(said) == 1 and "ApertusForCausalLM keeps" in said[0] and "held at torch.float32" in said[0], said
 
 
 def test_warn_trains_on_with_the_gap_logged(tmp_path, monkeypatch, caplog):
