@@ -108,9 +108,9 @@ def normalize_groups_as_configured(model: Any) -> int:
     (`mamba_split_conv1d_scan_combined`). transformers' torch path of the Mamba-2, Bamba and Granite-4.0-H layers
     takes them over the whole width instead (their `*RMSNormGated`, which hold no group size; Falcon-H1's, Zamba2's
     and Nemotron-H's do). The two agree at one group, the published Granite-4.0-H, Bamba and small Mamba-2
-    configs'; with more (Mamba-Codestral's 8) a shrunk Mamba-2's log-probs were 3.5 nats from the engine's and the
-    parity gate stopped it. The changed norms compute what those layers were trained with; their weights are
-    untouched.
+    configs'; with more (Mamba-Codestral's 8) a shrunk Mamba-2's log-probs were 0.082 nats from the engine's (3.5 in a
+    narrower shrink of 2 groups) and the parity gate stopped it. The changed norms compute what those layers were
+    trained with; their weights are untouched.
 
     Args:
         model: the model (or a wrapper of it: DDP, DeepSpeed, PEFT).
