@@ -46,7 +46,11 @@ class EngineOptions:
         default=False, metadata={"help": "Disable CUDA graphs / compilation in the engine (faster start-up)."}
     )
     vllm_enable_prefix_caching: bool = field(
-        default=True, metadata={"help": "Let the engine reuse the KV cache of shared prompt prefixes."}
+        default=True,
+        metadata={
+            "help": "Let the engine reuse the KV cache of shared prompt prefixes. Set aside on a CPU engine whose "
+            "model has Mamba-2 layers (vLLM's CPU build cannot keep their mid-prompt states; said at start-up)."
+        },
     )
     vllm_max_num_seqs: int | None = field(
         default=None,
