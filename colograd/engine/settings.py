@@ -65,14 +65,15 @@ def engine_settings(
     )
     # A prompt limit or the measured longest prompt, and a completion; else the model's own context (None).
     max_model_len = engine_max_model_len(args, base.config, longest_prompt)
+    layers = engine_layers(model)  # vLLM's layer classes with state: what the dtype and prefix caching depend on
     return {
-        "dtype": engine_dtype_name(model, args),
+        "dtype": engine_dtype_name(model, args, layers),
         "tensor_parallel_size": args.vllm_tensor_parallel_size,
         "max_num_seqs": seqs,
         "max_num_batched_tokens": args.vllm_max_num_batched_tokens,
         "max_model_len": max_model_len,
         "enforce_eager": eager,
-        "enable_prefix_caching": args.vllm_enable_prefix_caching and caches_prefixes(model),
+        "enable_prefix_caching": args.vllm_enable_prefix_caching and caches_prefixes(layers),
         "enable_sleep_mode": args.vllm_enable_sleep_mode,
         **lora,
         **vision,
@@ -140,9 +141,10 @@ def architecture_name(model: nn.Module) -> str:
     return next(iter(declared + spelled), name)
 
 
-def engine_dtype_name(model: PreTrainedModel, args: GRPOConfig) -> str:
-    """The engine's dtype for this model (see `engine_dtype`), by name."""
-    return str(engine_dtype(args, next(model.parameters()).dtype, engine_layers(model))).removeprefix("torch.")
+def engine_dtype_name(model: PreTrainedModel, args: GRPOConfig, layers: list[type] | None = None) -> str:
+    """The engine's dtype for this model (see `engine_dtype`), by name; `layers`: its `engine_layers`, if known."""
+    layers = engine_layers(model) if layers is None else layers
+    return str(engine_dtype(args, next(model.parameters()).dtype, layers)).removeprefix("torch.")
 
 
 def engine_layers(model: nn.Module) -> list[type]:
@@ -151,10 +153,11 @@ def engine_layers(model: nn.Module) -> list[type]:
     return state_layers(architecture_name(base), base.config.get_text_config())
 
 
-def caches_prefixes(model: nn.Module) -> bool:
-    """Whether the engine can cache prefixes for `model`: not on vLLM's CPU build for its Mamba-2 layers
-    (`colograd.engine.hybrid.cpu_without_prefix_caching`; said before start-up, `colograd.preflight.engine`)."""
-    return torch.cuda.is_available() or cpu_without_prefix_caching(engine_layers(model)) is None
+def caches_prefixes(layers: list[type]) -> bool:
+    """Whether the engine can cache prefixes for a model of these `layers` (`engine_layers`): not on vLLM's CPU build
+    for Mamba-2 layers (`colograd.engine.hybrid.cpu_without_prefix_caching`; said before start-up,
+    `colograd.preflight.engine`)."""
+    return torch.cuda.is_available() or cpu_without_prefix_caching(layers) is None
 
 
 def engine_dtype(args: GRPOConfig, parameter_dtype: torch.dtype, layers: list[type] = ()) -> torch.dtype:

