@@ -69,6 +69,7 @@ from colograd.engine.requests import Sampling, sampling_params
 from colograd.forward.logps import completion_logps
 from colograd.grpo.loss import policy_loss
 from colograd.models import pretrained, tiny
+from colograd.runs.kernel_caches import as_the_libraries_leave_them
 
 
 class StepClock(TrainerCallback):
@@ -512,8 +513,10 @@ def run_side(side: str, w: dict[str, Any], env_defaults: dict[str, str] | None =
     still leaves it. `env_defaults` are environment variables for the side's process where this one does not set
     them.
     """
-    # A world of one, as a launcher would describe it: TRL's colocated engine reads these.
     env = {**(env_defaults or {}), **os.environ}
+    if side == "trl":  # TRL as its users run it: the kernel caches as the libraries size them, not colograd's bound
+        env |= as_the_libraries_leave_them()
+    # A world of one, as a launcher would describe it: TRL's colocated engine reads these.
     env |= {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
     env.setdefault("MASTER_PORT", str(free_port()))
     prefix = f"colograd-bench-step-{side}-"
