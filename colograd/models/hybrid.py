@@ -121,11 +121,17 @@ def normalize_groups_as_configured(model: Any) -> int:
         width = getattr(module, "intermediate_size", None)
         if not isinstance(groups, int) or groups <= 1 or not isinstance(width, int) or width % groups:
             continue
-        if norm is None or hasattr(norm, "n_groups") or hasattr(norm, "group_size") or "forward" in norm.__dict__:
-            continue  # no norm, one that knows its groups, or one colograd changed already
-        if "gate" not in inspect.signature(norm.forward).parameters:
+        if norm is None or hasattr(norm, "n_groups") or hasattr(norm, "group_size"):
+            continue  # no norm, or one that knows its groups
+        if "gate" not in inspect.signature(type(norm).forward).parameters:
             continue
-        norm.forward = functools.partial(_grouped_gated_norm, norm, groups)
+        # accelerate's hooks (a device map's offloading) set the instance's `forward` to one that runs the hook
+        # around `_old_forward`, the module's own: the computation is changed there, inside the hook.
+        slot = "_old_forward" if "_old_forward" in norm.__dict__ else "forward"
+        own = norm.__dict__.get(slot)
+        if own is not None and (slot == "forward" or getattr(own, "func", None) is _grouped_gated_norm):
+            continue  # changed already, or another library's wrapper (left to it: the parity gate judges the result)
+        setattr(norm, slot, functools.partial(_grouped_gated_norm, norm, groups))
         changed += 1
     return changed
 

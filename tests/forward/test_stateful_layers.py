@@ -350,6 +350,17 @@ def vllm_gated_norm(norm, groups: int, x: torch.Tensor, gate: torch.Tensor) -> t
     return layer.forward_native(x, gate)
 
 
+def codestral() -> tuple:
+    """Mamba-Codestral-7B shrunk (8 groups), sharp weights, in evaluation mode: its config, model and the gated norms
+    of its Mamba-2 layers."""
+    config = zoo.shrunk("mistralai/Mamba-Codestral-7B-v0.1")
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).eval()
+    zoo.sharpen(model)
+    return config, model, [m.norm for m in model.modules() if hasattr(m, "n_groups") and hasattr(m, "norm")]
+
+
 def test_mamba2_layers_normalize_their_output_by_group_as_the_engine_does(tmp_path, caplog):
     """A Mamba-2 layer's gated norm takes its statistics over each group of channels in vLLM (and in the reference
     layer); transformers' torch path of Mamba-2 takes them over the whole width. Mamba-Codestral's 8 groups: the
@@ -357,12 +368,7 @@ def test_mamba2_layers_normalize_their_output_by_group_as_the_engine_does(tmp_pa
     left alone."""
     from colograd.models.hybrid import normalize_groups_as_configured
 
-    config = zoo.shrunk("mistralai/Mamba-Codestral-7B-v0.1")
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config).eval()
-    zoo.sharpen(model)
-    norms = [m.norm for m in model.modules() if hasattr(m, "n_groups") and hasattr(m, "norm")]
+    config, model, norms = codestral()
     assert len(norms) == 2 and config.n_groups == 8
     gen = torch.Generator().manual_seed(0)
     x, gate = (torch.randn(2, 5, norms[0].weight.numel(), generator=gen) * torch.linspace(0.1, 4, 512) for _ in "xg")
@@ -383,6 +389,32 @@ def test_mamba2_layers_normalize_their_output_by_group_as_the_engine_does(tmp_pa
     one_group.n_groups = 1
     for other in (one_group, zoo.shrunk("tiiuae/Falcon-H1-0.5B-Instruct"), zoo.shrunk("nvidia/Nemotron-H-8B-Base-8K")):
         assert normalize_groups_as_configured(AutoModelForCausalLM.from_config(other)) == 0, other.model_type
+
+
+def test_a_gated_norm_under_accelerate_hooks_is_grouped_inside_its_hook():
+    """A model dispatched with a device map carries accelerate's hooks: the norm's instance `forward` runs the hook
+    around `_old_forward`. The grouped norm goes there, so the hook still runs and the norm computes vLLM's; once."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    from colograd.models.hybrid import normalize_groups_as_configured
+
+    class Counted(ModelHook):
+        calls = 0
+
+        def pre_forward(self, module, *args, **kwargs):
+            Counted.calls += 1
+            return args, kwargs
+
+    _, model, norms = codestral()
+    for norm in norms:
+        add_hook_to_module(norm, Counted())
+    assert normalize_groups_as_configured(model) == len(norms) == 2
+    gen = torch.Generator().manual_seed(1)
+    x, gate = (torch.randn(2, 5, norms[0].weight.numel(), generator=gen) * torch.linspace(0.1, 4, 512) for _ in "xg")
+    with torch.no_grad():
+        torch.testing.assert_close(norms[0](x, gate), vllm_gated_norm(norms[0], 8, x, gate), rtol=1e-6, atol=1e-6)
+    assert Counted.calls == 1
+    assert normalize_groups_as_configured(model) == 0
 
 
 def test_the_multiple_a_layer_pads_to_is_its_chunk_where_it_has_one(hybrid):
