@@ -1,10 +1,10 @@
 """The CPU kernels' per-shape caches, bounded in a training process.
 
-PyTorch computes much of a CPU step through oneDNN (on this project's machines, every matmul under bf16 autocast),
-and keeps what it builds for each input shape in two caches: oneDNN's primitive cache and the LRU cache of ideep,
-PyTorch's wrapper around oneDNN, each holding its 1,024 most recent shapes by default. An entry can hold a
-reordered copy of the weight it was built for: one linear layer of 256 × 512, run forward and backward on 300 row
-counts under bf16 autocast, grew the allocator's memory in use by 482 MiB (8.7 MiB with 64 entries).
+PyTorch computes much of a CPU step through oneDNN (the matmuls under bf16 autocast among it), and keeps what it
+builds for each input shape in two caches: oneDNN's primitive cache and the LRU cache of ideep, PyTorch's wrapper
+around oneDNN, each holding its 1,024 most recent shapes by default. An entry can hold a reordered copy of the
+weight it was built for: one linear layer of 256 × 512, run forward and backward on 300 row counts under bf16
+autocast, grew the allocator's memory in use by 482 MiB (8.7 MiB with 64 entries).
 
 A serving process meets a few shapes. A training process meets new ones at every step: packed rows of another
 width, a hybrid's layers with state given their sequences in groups of other sizes
