@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model",
         choices=["tiny", "small", "smollm2", "qwen3.5"],
-        help="step: the model (default small; smollm2: pretrained; qwen3.5: a hybrid, Qwen3.5's layers, CPU-sized)",
+        help="step: the model (default small; smollm2: pretrained; qwen3.5: a hybrid, Qwen3.5's layers, CPU-sized); "
+        "memory: tiny (default) or qwen3.5 (the hybrid step's workload, bf16)",
     )
     parser.add_argument(
         "--shape",
@@ -144,7 +145,10 @@ def main() -> None:
         os.execve(sys.executable, command, {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
     bench = importlib.import_module(BENCHMARKS[args.name])
     if args.name == "memory":
-        bench.run(steps=args.steps or 300, as_json=args.json)
+        try:
+            bench.run(steps=args.steps or 300, as_json=args.json, model=args.model or "tiny")
+        except ValueError as err:
+            raise SystemExit(f"colograd.bench {err}") from None
     elif args.name == "soak":
         given = {"steps": args.steps, "save_steps": args.save_steps, "failures": args.failures, "seed": args.seed,
                  "nproc": args.nproc, "launcher": args.launcher}  # fmt: skip

@@ -154,13 +154,11 @@ def against_the_limit(ours: dict[str, Any], theirs: dict[str, Any], dtype: str) 
     }
 
 
-def run_colograd(out: str, w: dict[str, Any]) -> tuple[dict[str, Any], GRPOTrainer]:
-    """colograd's GRPOTrainer on workload `w` (with its `model` and `dtype`), every phase timed and, on a GPU, its
-    peak memory tracked. Returns the timed steps' figures and the trainer (its engine still up)."""
-    model, tokenizer, dataset, reward = build_task(w["model"], w)
-    args = tiny.run_config(
-        os.path.join(out, "colograd"),
-        w["steps"] + w["warmup"],
+def colograd_config(output_dir: str, w: dict[str, Any], steps: int) -> Any:
+    """colograd's GRPOConfig for workload `w` (with its `model` and `dtype`) over `steps` optimizer steps."""
+    return tiny.run_config(
+        output_dir,
+        steps,
         num_generations=w["num_generations"],
         per_device_train_batch_size=completions_per_micro_step(w),
         gradient_accumulation_steps=w["gradient_accumulation_steps"],
@@ -177,6 +175,13 @@ def run_colograd(out: str, w: dict[str, Any]) -> tuple[dict[str, Any], GRPOTrain
         # vLLM's name for suppressing end-of-sequence until the length (TRL's side: transformers' min_new_tokens)
         generation_kwargs={"min_tokens": w["max_completion_length"]} if w["fixed_length"] else None,
     )
+
+
+def run_colograd(out: str, w: dict[str, Any]) -> tuple[dict[str, Any], GRPOTrainer]:
+    """colograd's GRPOTrainer on workload `w` (with its `model` and `dtype`), every phase timed and, on a GPU, its
+    peak memory tracked. Returns the timed steps' figures and the trainer (its engine still up)."""
+    model, tokenizer, dataset, reward = build_task(w["model"], w)
+    args = colograd_config(os.path.join(out, "colograd"), w, w["steps"] + w["warmup"])
     clock, peaks = StepClock(), PhasePeaks()
 
     class PeakedTrainer(GRPOTrainer):

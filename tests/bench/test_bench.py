@@ -7,7 +7,8 @@ from collections import defaultdict
 import pytest
 import torch
 
-from colograd.bench.memory import slope_per_100_steps
+from colograd.bench import memory
+from colograd.bench.memory import heap_in_use_mib, slope_per_100_steps
 from colograd.runs.timing import PhaseTimes, format_summary, throughput
 
 
@@ -16,6 +17,24 @@ def test_slope_of_a_steady_leak_and_of_a_flat_line():
     # x = 0..5, y alternating 0/1: cov = 1.5, var = 17.5 (worked by hand)
     assert slope_per_100_steps([0.0, 1.0, 0.0, 1.0, 0.0, 1.0]) == pytest.approx(100 * 1.5 / 17.5)
     assert slope_per_100_steps([7.0] * 10) == 0.0
+
+
+def test_the_heap_count_sees_an_allocation_and_its_release():
+    """What the memory soak records beside the RSS: memory allocated and not freed (a freed block counts no more, where
+    RSS would keep a free heap's pages)."""
+    if heap_in_use_mib() is None:
+        pytest.skip("the C library has no mallinfo2 (glibc 2.33+)")
+    before = heap_in_use_mib()
+    block = torch.ones(64 * 2**20 // 4)  # 64 MiB
+    held = heap_in_use_mib()
+    del block
+    assert held - before == pytest.approx(64, abs=2)
+    assert heap_in_use_mib() - before == pytest.approx(0, abs=2)
+
+
+def test_the_memory_soak_refuses_a_model_it_has_no_workload_for():
+    with pytest.raises(ValueError, match="memory: --model is one of tiny, qwen3.5, not 'smollm2'"):
+        memory.run(steps=1, model="smollm2")
 
 
 def test_throughput_counts_every_process_and_skips_phases_without_time():
