@@ -75,7 +75,8 @@ def run(steps: int = 300, as_json: bool = False, model: str = "tiny") -> dict[st
     with tempfile.TemporaryDirectory(prefix="colograd-bench-memory-") as out:
         if model == "tiny":
             args = tiny.run_config("outputs/bench-memory", steps, logging_steps=10)
-            built = (tiny.build_model(), tiny.build_tokenizer(), tiny.letters_dataset(max(2048, steps * 8)), "letters")
+            net, tokenizer = tiny.build_model(), tiny.build_tokenizer()
+            dataset, reward = tiny.letters_dataset(max(2048, steps * 8)), "letters"
         else:  # the hybrid step benchmark's model and workload, colograd's side
             from colograd.bench.shapes import HYBRID, build_task, workload
             from colograd.bench.step import colograd_config
@@ -83,13 +84,13 @@ def run(steps: int = 300, as_json: bool = False, model: str = "tiny") -> dict[st
             w = {**workload(HYBRID), "model": HYBRID, "dtype": "bf16"}
             args = colograd_config(out, w, steps)
             args.logging_steps = 10
-            built = build_task(HYBRID, w)
+            net, tokenizer, dataset, reward = build_task(HYBRID, w)
         trainer = GRPOTrainer(
-            model=built[0],
-            reward_funcs=built[3],
+            model=net,
+            reward_funcs=reward,
             args=args,
-            train_dataset=built[2],
-            processing_class=built[1],
+            train_dataset=dataset,
+            processing_class=tokenizer,
             callbacks=[recorder],
         )
         start = time.perf_counter()
