@@ -82,8 +82,7 @@ def run(steps: int = 300, as_json: bool = False, model: str = "tiny") -> dict[st
             from colograd.bench.step import colograd_config
 
             w = {**workload(HYBRID), "model": HYBRID, "dtype": "bf16"}
-            args = colograd_config(out, w, steps)
-            args.logging_steps = 10
+            args = colograd_config(out, w, steps, logging_steps=10)
             net, tokenizer, dataset, reward = build_task(HYBRID, w)
         trainer = GRPOTrainer(
             model=net,

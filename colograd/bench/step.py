@@ -154,11 +154,10 @@ def against_the_limit(ours: dict[str, Any], theirs: dict[str, Any], dtype: str) 
     }
 
 
-def colograd_config(output_dir: str, w: dict[str, Any], steps: int) -> Any:
-    """colograd's GRPOConfig for workload `w` (with its `model` and `dtype`) over `steps` optimizer steps."""
-    return tiny.run_config(
-        output_dir,
-        steps,
+def colograd_config(output_dir: str, w: dict[str, Any], steps: int, **overrides: Any) -> Any:
+    """colograd's GRPOConfig for workload `w` (with its `model` and `dtype`) over `steps` optimizer steps;
+    `overrides` replace any of its settings."""
+    settings = dict(
         num_generations=w["num_generations"],
         per_device_train_batch_size=completions_per_micro_step(w),
         gradient_accumulation_steps=w["gradient_accumulation_steps"],
@@ -175,6 +174,7 @@ def colograd_config(output_dir: str, w: dict[str, Any], steps: int) -> Any:
         # vLLM's name for suppressing end-of-sequence until the length (TRL's side: transformers' min_new_tokens)
         generation_kwargs={"min_tokens": w["max_completion_length"]} if w["fixed_length"] else None,
     )
+    return tiny.run_config(output_dir, steps, **{**settings, **overrides})
 
 
 def run_colograd(out: str, w: dict[str, Any]) -> tuple[dict[str, Any], GRPOTrainer]:

@@ -15,9 +15,10 @@ memory in use grew 15-20 MiB a step and the resident memory from 1.5 to 3.0 GiB 
 memory in use stays flat, the peak of the benchmark's 12 steps falls from 2.4 to 2.0 GiB and the steps take as
 long (docs/benchmarks.md). PyTorch's issue: pytorch/pytorch#27971.
 
-64: one pass of a model whose layers repeat the same shapes (forward, and the backward's two products per linear
-layer) fits, so its later layers reuse what the first built. With 16 a fixed-shape pass misses at every layer
-(building a primitive costs ~0.7 ms at these sizes).
+64: room for the shapes a model's repeated layers share within a pass (forward, and the backward's two products
+per linear layer), so its later layers reuse what the first built; the dense and MoE step benchmarks kept their
+rates with it. Too small a bound misses on every call: a cycle of 8 linear shapes (24 entries) took 2.9 ms a
+forward + backward with 16 entries, 0.9-1.2 ms with 64 or 1,024.
 
 Each library reads its variable when it first builds a kernel (ideep once per thread) and never again, so the bound
 is set when colograd is imported, before any. A value already in the environment is kept.
