@@ -29,14 +29,16 @@ def activation_bytes_per_token(config: Any, compute_bytes: int, residual_bytes: 
     autocast with float32 weights (this rule: 121), 101 in bf16 (109), 190 in float32 (218); ~104 on an H100.
 
     Args:
-        config: the model's text config: hidden_size, num_hidden_layers, intermediate_size (4 × hidden if absent).
+        config: the model's text config: hidden_size, num_hidden_layers, intermediate_size (4 × hidden if absent;
+            one per layer where the config lists them, as Gemma-3n's does).
         compute_bytes: bytes per element of the compute dtype (2 under bf16 autocast).
         residual_bytes: bytes per element of the weights' dtype.
     """
     hidden, layers = config.hidden_size, config.num_hidden_layers
     inner = getattr(config, "intermediate_size", None) or 4 * hidden
-    per_layer = (4 * inner + 9 * hidden) * compute_bytes + 4 * hidden * residual_bytes
-    return layers * per_layer + 4 * hidden * residual_bytes
+    inners = list(inner) if isinstance(inner, (list, tuple)) else [inner] * layers
+    per_layer = sum(4 * width + 9 * hidden for width in inners) * compute_bytes + layers * 4 * hidden * residual_bytes
+    return per_layer + 4 * hidden * residual_bytes
 
 
 def output_layer_bytes(vocab_size: int, chunk_tokens: int) -> int:

@@ -101,6 +101,22 @@ def test_a_pass_budget_fits_a_1_5b_step_on_an_80gb_card():
     assert pass_token_budget(20 * 2**30, reserved, per_token) == 1  # nothing left: a sequence per pass
 
 
+def test_a_config_listing_its_mlp_widths_layer_by_layer_is_summed_over_them():
+    # Gemma-3n's config lists one MLP width per layer (its published E4B: 16,384 for each of its 35 layers): a
+    # config's list is summed layer by layer, as the same widths given once are counted (it stopped the trainer's
+    # start in a TypeError).
+    widths = [16_384] * 5 + [8_192] * 5
+    listed = SimpleNamespace(hidden_size=2048, num_hidden_layers=10, intermediate_size=widths)
+    halves = [SimpleNamespace(hidden_size=2048, num_hidden_layers=5, intermediate_size=w) for w in (16_384, 8_192)]
+    per_token = activation_bytes_per_token(listed, compute_bytes=2, residual_bytes=4)
+    outside = 4 * 2048 * 4  # the embeddings, final norm and output layer's input, counted once
+    assert per_token == sum(activation_bytes_per_token(h, 2, 4) for h in halves) - outside
+    same = SimpleNamespace(hidden_size=2048, num_hidden_layers=10, intermediate_size=[16_384] * 10)
+    assert activation_bytes_per_token(same, 2, 4) == activation_bytes_per_token(
+        SimpleNamespace(hidden_size=2048, num_hidden_layers=10, intermediate_size=16_384), 2, 4
+    )
+
+
 def test_pending_bytes_are_what_training_has_yet_to_allocate():
     model = tiny.build_model()
     model.lm_head.weight.requires_grad_(False)  # frozen: no gradient, no optimizer state
