@@ -99,11 +99,15 @@ def diagnose(
 
 def saved_weights(model: nn.Module, merge_lora: bool = True) -> list[tuple[str, torch.Tensor]]:
     """The trainer's weights as its checkpoint holds them: every parameter and persistent buffer of the state dict,
-    in its checkpoints' layout on disk (transformers' `revert_weight_conversion`, as `save_pretrained` writes them:
-    Mixtral's experts one by one). A PEFT model's weights are those its sync builds: the adapter merged into the
-    weights it adapts (`merge_lora`), or the base weights alone for an engine that applies the adapter itself."""
+    in its checkpoints' layout on disk, as `save_pretrained` writes them: a tied weight once, under the name the model
+    loads it by (transformers' `remove_tied_weights_from_state_dict`: no output layer where it is the embeddings, which
+    vLLM's Gemma-3n refuses to load), and converted back (`revert_weight_conversion`: Mixtral's experts one by one).
+    A PEFT model's weights are those its sync builds: the adapter merged into the weights it adapts (`merge_lora`), or
+    the base weights alone for an engine that applies the adapter itself."""
     from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
     if isinstance(model, PeftModel):
         return [pair for bucket in WeightPlan(model, adapter_only=not merge_lora) for pair in bucket]
-    return list(revert_weight_conversion(model, model.state_dict()).items())
+    once = remove_tied_weights_from_state_dict(model.state_dict(), model)
+    return list(revert_weight_conversion(model, once).items())
