@@ -521,7 +521,9 @@ def layers(published: dict[str, Any]) -> int:
     period = published.get("sliding_window_pattern") or published.get("full_attention_interval")
     listed = layer_list(published)
     whole = max(listed.index(kind) for kind in set(listed)) + 1 if listed else 0
-    return max(period or LAYERS, published.get("first_k_dense_replace", 0) + 1, whole)
+    depth = max(period or LAYERS, published.get("first_k_dense_replace", 0) + 1, whole)
+    # Layers that read an earlier layer's KV cache (Gemma-3n's last 15 of 35): as many again, reading the first ones'
+    return 2 * depth if published.get("num_kv_shared_layers") else depth
 
 
 def layer_list(published: dict[str, Any]) -> list[str]:
@@ -577,6 +579,8 @@ def shrunk(name: str) -> PretrainedConfig:
         values["moe_intermediate_size"] = MOE_INTERMEDIATE
     if published.get("hidden_size_per_layer_input"):  # Gemma-4's per-layer embeddings: a width, its vocabulary kept
         values["hidden_size_per_layer_input"] = PER_LAYER_INPUT
+    if published.get("num_kv_shared_layers"):  # the second half reads the first half's KV cache
+        values["num_kv_shared_layers"] = values["num_hidden_layers"] // 2
     if published.get("ffn_hidden_size"):  # Falcon's MLP width, which vLLM's Falcon takes as 4 × hidden: kept so
         values["ffn_hidden_size"] = published["ffn_hidden_size"] * values["hidden_size"] // published["hidden_size"]
     if "max_window_layers" in published:
