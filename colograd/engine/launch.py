@@ -18,7 +18,7 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from colograd.config.core import GRPOConfig
 from colograd.engine import cpu as engine_cpu
-from colograd.engine import moe
+from colograd.engine import moe, vllm_models
 from colograd.engine.folder import engine_folder
 from colograd.engine.kv_cache import engine_memory, sized_from_specs
 from colograd.engine.lifetime import add_expert_group, frozen_heap
@@ -148,13 +148,15 @@ def _model_folder(
 
 def _prepare_process(config: Any, args: GRPOConfig) -> None:
     """What this process needs set before vLLM starts the engine of `config`: its model module importable without
-    torchvision, the CPU engine's switches (`colograd.engine.cpu`), and an MoE model's expert group."""
+    torchvision, the CPU engine's switches (`colograd.engine.cpu`), the fixes of vLLM's own models
+    (`colograd.engine.vllm_models`), and an MoE model's expert group."""
     serve_without_torchvision(config.architectures[0])
     # vLLM caches rotary embeddings per process by their settings: an earlier engine's (a language-model-only engine
     # builds its vision tower on the meta device) would serve this one's layers with its cache.
     from vllm.model_executor.layers import rotary_embedding
 
     rotary_embedding._ROPE_DICT.clear()
+    vllm_models.add_gemma3n_per_layer_embeddings()
     if not torch.cuda.is_available():
         engine_cpu.set_repacking(args.vllm_cpu_repack_weights)
         engine_cpu.count_ranks_eagerly()
