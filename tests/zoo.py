@@ -517,7 +517,8 @@ def layers(published: dict[str, Any]) -> int:
     a linear/full attention pattern (Qwen3.5: 3 linear, 1 full), or the
     dense layers a Mixture-of-Experts model starts with and one expert layer (DeepSeek-V3: 3 dense), or a hybrid's
     published layer list up to its first attention layer and one of each kind of layer (Granite-4.0-H: 5 Mamba
-    layers, then attention; Nemotron-H's pattern: Mamba, MLP, attention, expert layers)."""
+    layers, then attention; Nemotron-H's pattern: Mamba, MLP, attention, expert layers); twice that where the last
+    layers read earlier layers' KV cache (Gemma-3n), the second half sharing."""
     period = published.get("sliding_window_pattern") or published.get("full_attention_interval")
     listed = layer_list(published)
     whole = max(listed.index(kind) for kind in set(listed)) + 1 if listed else 0

@@ -37,8 +37,8 @@ def activation_bytes_per_token(config: Any, compute_bytes: int, residual_bytes: 
     hidden, layers = config.hidden_size, config.num_hidden_layers
     inner = getattr(config, "intermediate_size", None) or 4 * hidden
     inners = list(inner) if isinstance(inner, (list, tuple)) else [inner] * layers
-    per_layer = sum(4 * width + 9 * hidden for width in inners) * compute_bytes + layers * 4 * hidden * residual_bytes
-    return per_layer + 4 * hidden * residual_bytes
+    in_layers = sum(4 * width + 9 * hidden for width in inners) * compute_bytes + layers * 4 * hidden * residual_bytes
+    return in_layers + 4 * hidden * residual_bytes
 
 
 def output_layer_bytes(vocab_size: int, chunk_tokens: int) -> int:
