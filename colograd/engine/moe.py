@@ -236,14 +236,23 @@ def split_expert_weights(
 ) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
     """`weights` split into those of prepacked expert layers and the rest, by the engine's own naming: a name
     belongs to a layer when, after the model's `hf_to_vllm_mapper`, it lies under the layer's checkpoint prefix
-    (`layer_name`, e.g. `model.layers.3.mlp.experts`), or when it is a stack of the layer's experts ([E, ...]) under
-    its MoE block that names no module of the engine's model: a checkpoint's own name that only the model's loader
-    reads (Granite-4.0-H's `block_sparse_moe.input_linear.weight`, which it splits into the experts' `w13_weight`).
+    (`layer_name`, e.g. `model.layers.3.mlp.experts`) or under the module holding the layer (`routed_experts`) in the
+    engine's model, where the two differ (vLLM's MiniMax-M2 names its layers `mlp.experts` and holds them, as its
+    checkpoints name them, under `block_sparse_moe.experts`: its experts went to the reload, which does not prepack
+    them again, and the engine computed with stale experts), or when it is a stack of the layer's experts ([E, ...])
+    under its MoE block that names no module of the engine's model: a checkpoint's own name that only the model's
+    loader reads (Granite-4.0-H's `block_sparse_moe.input_linear.weight`, which it splits into the experts'
+    `w13_weight`).
 
     Returns:
         (expert weights, other weights), each in the order given.
     """
-    layers = {layer.layer_name: layer for layer in expert_layers(model).values() if prepack_isa(layer)}
+    layers = {
+        prefix: layer
+        for path, layer in expert_layers(model).items()
+        if prepack_isa(layer)
+        for prefix in (layer.layer_name, path.removesuffix(".routed_experts"))
+    }
     blocks = {prefix.rpartition(".")[0]: layer for prefix, layer in layers.items()}
     modules = {path for path, _ in model.named_modules()}
     experts, rest = [], []
