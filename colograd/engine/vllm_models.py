@@ -28,11 +28,11 @@ def add_gemma3n_per_layer_embeddings() -> bool:
         Whether the class now looks them up (False: a vLLM without this class or method, left as it is).
     """
     try:
-        from vllm.model_executor.models.gemma3n import Gemma3nForCausalLM
+        from vllm.model_executor.models.gemma3n import Gemma3nForCausalLM, Gemma3nTextModel
     except ImportError:
         return False
     forward = Gemma3nForCausalLM.__dict__.get("forward")
-    if forward is None or not hasattr(Gemma3nForCausalLM, "embed_input_ids"):
+    if forward is None or not hasattr(Gemma3nTextModel, "get_per_layer_input_embeddings"):
         return False
     if getattr(forward, "per_layer_embeddings", False):
         return True
