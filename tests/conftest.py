@@ -262,6 +262,39 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
                 _slow_in_fast_tier.append((item.nodeid, took))
 
 
+# vLLM keeps, for the life of the process, what it computed for every model it was started on in module-level
+# `lru_cache`s: its tokenizers among them (a 150-260k vocabulary's is tens of MB outside Python's heap, held by several
+# caches: the tokenizer registry's, the processors', a keyword check's), and a trainer's engine is held in reference
+# cycles that Python's collector may leave for long. One process runs a session's in-process engines one after another
+# (the zoo: 88 models); without this, its memory grew by ~170 MB a test and each test's peak stacked on the previous
+# engine's, until the zoo was killed for memory on 24 GiB (measured, 2026-11-29). Every vLLM cache is cleared, not a
+# list of them: a cache only saves recomputing.
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """After a slow test's fixtures are torn down, free what its engines left, as a new process would start."""
+    try:
+        return (yield)
+    finally:
+        if item.get_closest_marker("slow") is not None:
+            release_engine_memory()
+
+
+def release_engine_memory() -> None:
+    import ctypes
+    import functools
+    import gc
+
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("vllm") or module is None:
+            continue
+        for value in list(vars(module).values()):
+            if isinstance(value, functools._lru_cache_wrapper):
+                value.cache_clear()
+    gc.collect()
+    if trim := getattr(ctypes.CDLL(None), "malloc_trim", None):  # glibc: hand the freed pages back
+        trim(0)
+
+
 # An unmarked test that takes over FAST_TIER_TEST_S seconds is named at the end of a fast-tier run. It is reported,
 # not failed: a verdict that depended on the machine's load would make the suite non-deterministic.
 FAST_TIER_TEST_S = 10.0
