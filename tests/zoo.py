@@ -620,11 +620,26 @@ def shrunk(name: str) -> PretrainedConfig:
 SIZE_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers", "intermediate_size")
 
 
+# Keys a family's published config.json carries that transformers' default config lacks and vLLM's model reads: without
+# them vLLM's model stops at start-up, where a user's checkpoint would start. The values are those transformers' code
+# computes with where it hard-codes them (AFMoE's and HunYuan-V3's sigmoid routing, normalised, in one group;
+# HunYuan-V3's QK norms and first dense layer; LongCat-Flash's scaled MLA projections and identity zero experts), and
+# MiniMax-M2's published values. `from_defaults` adds them; the expert widths are shrunk as the zoo shrinks them.
+PUBLISHED_KEYS = {
+    "afmoe": {"score_func": "sigmoid", "route_norm": True, "n_group": 1, "topk_group": 1},
+    "hy_v3": {"first_k_dense_replace": 1, "route_norm": True, "qk_norm": True, "expert_hidden_dim": MOE_INTERMEDIATE},
+    "longcat_flash": {"mla_scale_q_lora": True, "mla_scale_kv_lora": True, "zero_expert_type": "identity"},
+    "minimax_m2": {"rotary_dim": 64, "scoring_func": "sigmoid", "use_routing_bias": True, "use_qk_norm": True,
+                   "qk_norm_type": "per_layer"},
+}  # fmt: skip
+
+
 def from_defaults(model_type: str) -> str:
     """A zoo entry (in PARITY, as `defaults/<model_type>`) from transformers' default config of `model_type`, for a
     family no entry names: for most families their flagship's published values, but not read from a published
-    config.json. The sizes under the zoo's names, per-layer lists cut to the shrunk depth, and the head size kept
-    whichever way vLLM derives it (from head_dim or from the hidden size). Returns the entry's name."""
+    config.json (the keys only a published one has: `PUBLISHED_KEYS`). The sizes under the zoo's names, per-layer
+    lists cut to the shrunk depth, and the head size kept whichever way vLLM derives it (from head_dim or from the
+    hidden size). Returns the entry's name."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     config = AutoConfig.for_model(model_type)
@@ -653,7 +668,7 @@ def from_defaults(model_type: str) -> str:
         if key == "per_layer_config" and isinstance(value, dict):
             values[key] = {k: v for k, v in value.items() if int(k) < depth}
     name = f"defaults/{model_type}"
-    PARITY[name] = values
+    PARITY[name] = values | PUBLISHED_KEYS.get(model_type, {})
     if values.get("num_attention_heads"):
         HEAD_DIM_FROM_HIDDEN.add(model_type)
     return name

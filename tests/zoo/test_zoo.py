@@ -134,18 +134,12 @@ def test_gemma_3n_trains_with_its_per_layer_embeddings_and_shared_kv_layers(tmp_
     assert len(engine_specs(trainer)) == config.num_hidden_layers - config.num_kv_shared_layers
 
 
-# MiniMax-M2's published config.json keys that transformers' default config lacks (vLLM's model reads them).
-MINIMAX_M2_PUBLISHED = {"rotary_dim": 64, "scoring_func": "sigmoid", "use_routing_bias": True, "use_qk_norm": True,
-                        "qk_norm_type": "per_layer"}  # fmt: skip
-
-
 def test_minimax_m2s_experts_reach_the_engine_where_vllm_names_them_otherwise(tmp_path):
     """vLLM's MiniMax-M2 holds its experts under `block_sparse_moe.experts` (as its checkpoints name them) but names
     the layers `mlp.experts`: the sync sorted the expert weights by that name, sent them to the reload instead of the
     prepacked experts' own path, and the engine computed with stale experts (5.2 nats at the first rollout, the gate
     stopped it, a fresh load naming `w13_weight` and `w2_weight`). A quickstart step trains exact."""
-    name = "defaults/minimax_m2 with its published keys"  # an entry of its own: the model cache is by name
-    zoo.PARITY[name] = {**zoo.PARITY[zoo.from_defaults("minimax_m2")], **MINIMAX_M2_PUBLISHED}
+    name = zoo.from_defaults("minimax_m2")  # with its published config's keys (`zoo.PUBLISHED_KEYS`)
     args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, report_to="none", save_strategy="no",
                       vllm_enforce_eager=True, max_completion_length=64)  # fmt: skip
     trainer = one_step(name, args, Dataset.from_list(chat_rows() * 4))
