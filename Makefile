@@ -52,7 +52,8 @@ run-smollm2: install $(VENV)/.installed-smollm2
 
 # The zoo of real model shapes (tests/zoo/: test_zoo.py, and the parity guard's families, test_parity.py) runs in a
 # process of its own: its models have real 150-260k vocabularies, and after the rest of the suite one process's heap
-# no longer has room for them on 24 GiB. Both sessions keep the models tests/zoo.py builds in one new folder (the
+# no longer has room for them on 24 GiB (tests/conftest.py frees what each slow test's engine leaves: the zoo's peak is
+# 13 GiB, 2026-11-29). Both sessions keep the models tests/zoo.py builds in one new folder (the
 # MoE and hybrid tests outside the zoo build several the zoo trains again), removed at the end.
 test: install $(VENV)/.installed-smollm2
 	models=$$(mktemp -d -t colograd-test-models-XXXXXX) && trap 'rm -rf "$$models"' EXIT && \
