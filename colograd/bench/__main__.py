@@ -55,8 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--launcher", choices=["torchrun", "accelerate"], help="soak: the launcher (default torchrun)")
     parser.add_argument(
         "--model",
-        choices=["tiny", "small", "smollm2", "qwen3.5"],
-        help="step: the model (default small; smollm2: pretrained; qwen3.5: a hybrid, Qwen3.5's layers, CPU-sized); "
+        choices=["tiny", "small", "smollm2", "qwen3.5", "qwen3.5-4b-layers"],
+        help="step: the model (default small; smollm2: pretrained; qwen3.5: a hybrid, Qwen3.5's layers, CPU-sized; "
+        "qwen3.5-4b-layers: the same 4 layers at Qwen3.5-4B's widths, 446M parameters); "
         "memory: tiny (default) or qwen3.5 (the hybrid step's workload, bf16)",
     )
     parser.add_argument(

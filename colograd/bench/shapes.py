@@ -10,7 +10,8 @@ encoder (`colograd.models.tiny_vlm`) before a language model of that shape, on t
 Mixture-of-Experts model sized for a CPU (`MOE_SHAPE`: Qwen3-MoE, hidden 512, 8 experts, 2 per token) on the
 letters task. "qwen3.5" is a hybrid (`HYBRID_SHAPE`: Qwen3.5's layers at a CPU's size, three Gated DeltaNet
 linear-attention layers to one of full attention) on the letters task: vLLM's CPU build computes its linear
-attention in bf16 only, so its engine runs in bf16 whatever the trainer does.
+attention in bf16 only, so its engine runs in bf16 whatever the trainer does. "qwen3.5-4b-layers" is the same
+pattern at Qwen3.5-4B's own widths (`HYBRID_4B_SHAPE`), where the engine's fixed memory no longer dominates.
 """
 
 from collections.abc import Callable
@@ -60,7 +61,14 @@ HYBRID_SHAPE = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layer
                 "num_key_value_heads": 1, "head_dim": 256, "linear_num_key_heads": 4, "linear_num_value_heads": 8,
                 "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
                 "full_attention_interval": 4, "max_position_embeddings": 512}  # fmt: skip
-MODELS = (*SHAPES, "smollm2", *(LLAVA + shape for shape in SHAPES), MOE, HYBRID)
+# The same period at Qwen3.5-4B's widths (hidden 2560, MLP 9216, 16 query / 4 KV heads of 256, 16 key / 32 value
+# linear-attention heads of 128; tests/zoo.py's published config), 4 of its 32 layers: 446M parameters, as many per
+# layer as the real model's. Over the character vocabulary, so the output layer is not the real one's 248k.
+HYBRID_4B = "qwen3.5-4b-layers"
+HYBRID_4B_SHAPE = {**HYBRID_SHAPE, "hidden_size": 2560, "intermediate_size": 9216, "num_attention_heads": 16,
+                   "num_key_value_heads": 4, "linear_num_key_heads": 16, "linear_num_value_heads": 32}  # fmt: skip
+HYBRIDS = {HYBRID: HYBRID_SHAPE, HYBRID_4B: HYBRID_4B_SHAPE}
+MODELS = (*SHAPES, "smollm2", *(LLAVA + shape for shape in SHAPES), MOE, *HYBRIDS)
 
 # On a CPU: 2 prompts × 8 completions of ≤ 96 tokens per step, 2 warm-up steps, then 10 timed ones.
 WORKLOAD = {
@@ -111,7 +119,7 @@ def workload(model: str, **overrides: Any) -> dict[str, Any]:
     """The workload run on `model`, with `overrides` (None values ignored) replacing its settings.
 
     Args:
-        model: a key of `SHAPES`, "smollm2", "llava-" and a key of `SHAPES`, "moe" or "qwen3.5".
+        model: a key of `SHAPES`, "smollm2", "llava-" and a key of `SHAPES`, "moe" or a key of `HYBRIDS`.
         overrides: any of `WORKLOAD`'s keys, e.g. from the benchmark's flags.
 
     Returns:
@@ -182,12 +190,12 @@ def build_moe_model(vocab_size: int = 64, context: int = 0) -> Qwen3MoeForCausal
     return _build(Qwen3MoeConfig, MOE_SHAPE, vocab_size, context)
 
 
-def build_hybrid_model(vocab_size: int = 64, context: int = 0) -> torch.nn.Module:
-    """The same of `HYBRID_SHAPE` (Qwen3.5's text model)."""
+def build_hybrid_model(vocab_size: int = 64, context: int = 0, model: str = HYBRID) -> torch.nn.Module:
+    """The same of `HYBRIDS[model]` (Qwen3.5's text model)."""
     from transformers import Qwen3_5TextConfig
 
     rope = {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25}
-    return _build(Qwen3_5TextConfig, HYBRID_SHAPE, vocab_size, context, rope_parameters=rope)
+    return _build(Qwen3_5TextConfig, HYBRIDS[model], vocab_size, context, rope_parameters=rope)
 
 
 def _build(config_class: type, sizes: dict[str, Any], vocab_size: int, context: int, **extra: Any) -> torch.nn.Module:
@@ -236,7 +244,7 @@ def letters_prompts(prompt_tokens: int | None, num_prompts: int = 2048, seed: in
 def build_task(model: str, w: dict[str, Any]) -> tuple[torch.nn.Module, Any, Dataset, Callable]:
     """Model, tokenizer, prompts and reward of workload `w` on `model`: the pretrained model on the sums task, a
     freshly initialised LLaVA (`llava-<shape>`) on the colour task, or a freshly initialised model of
-    `SHAPES[model]`, `MOE_SHAPE` ("moe") or `HYBRID_SHAPE` ("qwen3.5") on the letters task.
+    `SHAPES[model]`, `MOE_SHAPE` ("moe") or `HYBRIDS[model]` (Qwen3.5's layers) on the letters task.
 
     Returns:
         (model, tokenizer (a processor for a LLaVA), train dataset, reward function).
@@ -246,10 +254,13 @@ def build_task(model: str, w: dict[str, Any]) -> tuple[torch.nn.Module, Any, Dat
         text = build_config(model.removeprefix(LLAVA), context=64 + w["max_completion_length"])
         built = tiny_vlm.build_model(seed=w["seed"], text_config=text)
         return built, tiny_vlm.build_processor(), tiny_vlm.colours_dataset(), tiny_vlm.colour_reward
-    if model in (MOE, HYBRID):
+    if model == MOE or model in HYBRIDS:
         tokenizer = tiny.build_tokenizer()
-        build = build_moe_model if model == MOE else build_hybrid_model
-        built = build(len(tokenizer), (w["prompt_tokens"] or 7) + w["max_completion_length"])
+        context = (w["prompt_tokens"] or 7) + w["max_completion_length"]
+        if model == MOE:
+            built = build_moe_model(len(tokenizer), context)
+        else:
+            built = build_hybrid_model(len(tokenizer), context, model)
         return built, tokenizer, letters_prompts(w["prompt_tokens"]), tiny.letters_reward
     if model == "smollm2":
         folder = pretrained.materialise(SMOLLM2)

@@ -55,7 +55,7 @@ from colograd import GRPOTrainer
 from colograd.bench.decode import decode_against_floor
 from colograd.bench.peaks import PeakCallback, PhasePeaks
 from colograd.bench.shapes import (
-    HYBRID,
+    HYBRIDS,
     SHAPES,
     SMOLLM2,
     build_model,
@@ -166,7 +166,7 @@ def colograd_config(output_dir: str, w: dict[str, Any], steps: int, **overrides:
         seed=w["seed"],
         # On a CPU a fixed cache (the engine shares host memory with every process); on a GPU, and for the hybrid,
         # colograd's default: the cache sized to the rollout (for the hybrid, from the state pages its layers report).
-        vllm_kv_cache_gib=None if torch.cuda.is_available() or w["model"] == HYBRID else 0.25,
+        vllm_kv_cache_gib=None if torch.cuda.is_available() or w["model"] in HYBRIDS else 0.25,
         vllm_enforce_eager=False,  # GRPOConfig's default: the engine compiles (the warm-up steps absorb it)
         max_prompt_length=max(64, w["prompt_tokens"] or 0),  # 64: a sums question's chat turns, for smollm2
         logging_steps=1,
@@ -467,7 +467,7 @@ def run(size: str = "small", dtype: str = "bf16", as_json: bool = False, **overr
     then (but for smollm2) the packed-vs-padded comparison in this one.
 
     Args:
-        size: the model: a key of `shapes.SHAPES`, "smollm2", or "qwen3.5" (a hybrid).
+        size: the model: a key of `shapes.SHAPES`, "smollm2", or a key of `shapes.HYBRIDS` (a hybrid).
         dtype: "bf16" (autocast, as `bf16: true` trains) or "fp32".
         as_json: print one JSON line instead of the table.
         overrides: workload settings replacing the model's defaults (`shapes.workload`).
@@ -478,7 +478,7 @@ def run(size: str = "small", dtype: str = "bf16", as_json: bool = False, **overr
     w = {**workload(size, **overrides), "model": size, "dtype": dtype}
     ours = run_side("colograd", w)
     theirs = run_side("trl", w)
-    if size == HYBRID:  # the packing comparison is the small Qwen2 model's
+    if size in HYBRIDS:  # the packing comparison is the small Qwen2 model's
         packing = {}
     else:
         packing = packed_vs_padded(dtype) if size != "smollm2" else against_the_limit(ours, theirs, dtype)

@@ -215,6 +215,27 @@ def test_step_flags_give_the_gpu_workload():
     # The hybrid is sized for a CPU: the CPU's workload, not the GPU's of the Qwen2.5 shapes.
     model, settings = step_workload(build_parser().parse_args(["step", "--model", "qwen3.5"]))
     assert model == "qwen3.5" and workload(model, **settings) == workload("small")
+    model, settings = step_workload(build_parser().parse_args(["step", "--model", "qwen3.5-4b-layers"]))
+    assert model == "qwen3.5-4b-layers" and workload(model, **settings) == workload("small")
+
+
+def test_the_4b_layers_are_qwen3_5_4bs_layers():
+    """`qwen3.5-4b-layers` is one period of Qwen3.5-4B's pattern at its published widths: each of its 4 layers holds
+    as many parameters as one of the real model's 32 (built on the meta device: no memory)."""
+    import zoo
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from colograd.bench.shapes import HYBRID_4B_SHAPE, build_hybrid_model
+
+    published = zoo.HYBRIDS["Qwen/Qwen3.5-4B"]
+    differ = {k: (v, published[k]) for k, v in HYBRID_4B_SHAPE.items() if published.get(k) != v}
+    assert set(differ) == {"num_hidden_layers", "max_position_embeddings"}, differ
+    with torch.device("meta"):
+        ours = build_hybrid_model(49, 103, "qwen3.5-4b-layers")
+        real = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{**published, "vocab_size": 49}))
+    layers = [sum(p.numel() for p in m.model.layers.parameters()) / len(m.model.layers) for m in (ours, real)]
+    assert ours.config.layer_types == real.config.layer_types[:4]
+    assert layers[0] == layers[1] and round(sum(p.numel() for p in ours.parameters()) / 1e6) == 446
 
 
 def test_vlm_flags_give_a_llava_workload_of_fixed_length_completions():
