@@ -76,7 +76,8 @@ gpu-check: install
 	$(BIN)/python -m colograd.gpu.check
 
 # The check, feature rows on a compiled engine and the step benchmark against TRL, written into docs/gpu.md.
-# PART=engine|training|step-0.5b|step-1.5b runs one part (each fits a 10-minute command on an H100).
+# PART=engine|training|hybrids|mamba2|step-0.5b|step-1.5b|step-qwen3.5-4b runs one part (each fits a 10-minute
+# command on an H100).
 gpu-proof: install
 	$(BIN)/python -m colograd.gpu.proof --part $(or $(PART),all) --record docs/gpu.md
 

@@ -89,6 +89,9 @@ class StepClock(TrainerCallback):
         return [b - a for a, b in zip(self.ends, self.ends[1:], strict=False)]
 
 
+GAP = "sampling/sampling_logp_difference/max"
+
+
 def _timed_steps(log_history: list[dict], clock: StepClock, completions_per_step: int, w: int) -> dict[str, Any]:
     """Steps/s, completion tokens/s and mean seconds per phase over the steps after the `w` warm-up ones."""
     times = clock.step_times()[w:]
@@ -102,6 +105,9 @@ def _timed_steps(log_history: list[dict], clock: StepClock, completions_per_step
         "phases_s": {p.removeprefix("time/"): statistics.mean(h.get(p, 0.0) for h in steps) for p in phases},
         "completion_tokens_per_step": tokens / len(steps),
     }
+    gaps = [h[GAP] for h in steps if GAP in h]
+    if gaps:  # the engine's sampling log-probs against the trainer's (the parity gate's figure), worst token
+        result["sampling_gap_max"] = max(gaps)
     if all("tokens/trained" in h for h in steps):  # colograd's count of the (real) tokens it trains on
         result["trained_tokens_per_step"] = statistics.mean(h["tokens/trained"] for h in steps)
         # and of those its forward passes compute: fewer where completions share their prompt
@@ -494,6 +500,7 @@ def run(size: str = "small", dtype: str = "bf16", as_json: bool = False, **overr
             trl_mode(), installed["trl_version"], installed["vllm_version"], installed["trl_supported_vllm"]
         ),
         "colograd_steps_per_s": ours["steps_per_s"],
+        "colograd_sampling_gap_max": ours.get("sampling_gap_max"),
         "trl_steps_per_s": theirs["steps_per_s"],
         "colograd_phases_s": ours["phases_s"],
         "trl_phases_s": theirs["phases_s"],
@@ -561,11 +568,13 @@ def report(r: dict[str, Any]) -> str:
     """The figures of `run` as a table."""
     w = r["workload"]
     prompts = f" of {w['prompt_tokens']} tokens" if w.get("prompt_tokens") else ""
+    worst = r.get("colograd_sampling_gap_max")
+    gap = f"  (sampling gap, worst token: {worst:.3g})" if worst is not None else ""
     lines = [
         f"GRPO step, {w['model']} model in {w['dtype']}, {w['prompts']} prompts{prompts} × {w['num_generations']} "
         f"completions of ≤{w['max_completion_length']} tokens per step in {w['gradient_accumulation_steps']} "
         f"micro-step(s); over {w['steps']} steps after {w['warmup']} warm-up steps, one process per side",
-        f"  colograd   {r['colograd_steps_per_s']:.3f} steps/s  {r['colograd_tokens_per_s']:9.1f} tokens/s",
+        f"  colograd   {r['colograd_steps_per_s']:.3f} steps/s  {r['colograd_tokens_per_s']:9.1f} tokens/s{gap}",
         f"  TRL        {r['trl_steps_per_s']:.3f} steps/s  {r['trl_tokens_per_s']:9.1f} tokens/s  ({r['trl_mode']})",
         f"  speedup_vs_trl {r['speedup_vs_trl']:.2f}",
         f"  TRL {r['trl_version']}, vLLM {r['vllm_version']} (TRL supports vLLM {_range(r['trl_supported_vllm'])})",

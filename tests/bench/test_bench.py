@@ -102,6 +102,23 @@ def test_step_report_of_the_pretrained_model_shows_memory_and_leaves_out_the_eng
     assert "TRL 1.16.0, vLLM 0.32.0 (TRL supports vLLM 0.22.0 to 0.31.0)" in text and "comparable" not in text
 
 
+def test_step_figures_carry_the_worst_sampling_gap_of_the_timed_steps_and_the_report_shows_it():
+    """The gate's figure (engine against trainer, worst token) of colograd's timed steps, warm-up left out: a GPU
+    proof's step row shows it beside the speed, so a fast step that sampled from other weights is seen."""
+    from colograd.bench.step import GAP, StepClock, _timed_steps, report
+
+    clock = StepClock()
+    clock.ends = [0.0, 9.0, 19.0, 28.0]  # three steps of 9, 10 and 9 s
+    steps = [{"loss": 0.1, "completions/mean_length": 8.0, GAP: gap} for gap in (0.9, 0.02, 0.05)]
+    figures = _timed_steps(steps, clock, completions_per_step=4, w=1)
+    assert figures["sampling_gap_max"] == 0.05 and figures["steps_per_s"] == 2 / 19
+    unlogged = [{k: v for k, v in h.items() if k != GAP} for h in steps]
+    assert "sampling_gap_max" not in _timed_steps(unlogged, clock, 4, 1)
+    text = report(_report_fields("qwen3.5", colograd_sampling_gap_max=0.05))
+    assert "tokens/s  (sampling gap, worst token: 0.05)" in text
+    assert "sampling gap" not in report(_report_fields("qwen3.5"))
+
+
 def test_step_report_on_a_gpu_shows_memory_per_phase_and_generation_against_bare_vllm():
     from colograd.bench.step import report
 

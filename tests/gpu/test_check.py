@@ -312,6 +312,53 @@ def test_the_proof_writes_its_parts_between_the_page_markers_and_nothing_else(tm
 
 
 @pytest.mark.slow
+def test_a_hybrid_row_trains_its_model_through_the_script_a_gpu_runs(tmp_path, monkeypatch):
+    """The proof's hybrid row, LFM2's (the fastest hybrid here) on vLLM's CPU build: the checkout's script
+    (tests/scripts/gpu_models.py) trains the zoo's shrunk LFM2-1.2B 3 steps in bf16 and the row reads its figures.
+    The script once stopped at its first line for an option its shared training code had gained since (`partial`):
+    on a GPU that would have spent a lent machine's time on a row of errors."""
+    from colograd.gpu import proof
+
+    monkeypatch.chdir(tmp_path)
+    result = proof.hybrid_row("LFM2", "LiquidAI/LFM2-1.2B")
+    assert result.status == "pass", result.detail
+    # LFM2 in bf16 reads 0.12 at its worst token (docs/real-models.md); the gate's 16-bit bound is 1.5
+    assert result.figures["gap"] < 0.5 and result.figures["parity_gap"] < 0.5, result.detail
+    assert "running guard on" in result.detail
+    log = (tmp_path / ".gpu-proof/logs/LFM2.log").read_text()
+    assert [line.split(" (")[0] for line in log.splitlines() if line.startswith("gpu_models: ")][-1] == (
+        "gpu_models: trained"
+    ), log[-2000:]
+
+
+def test_a_hybrid_row_cut_short_says_the_last_stage_it_reached(tmp_path, monkeypatch):
+    """A row that runs past its time says how far it got (the fourth GPU run's hybrids passed their limit with empty
+    logs, so nothing said where they waited); one that ends without figures gives its last line; one whose run
+    raised gives the error."""
+    from colograd.gpu import proof
+
+    script = tmp_path / "gpu_models.py"
+    script.write_text(
+        "import sys, time\n"
+        "print('gpu_models: importing (0 s)', flush=True)\n"
+        "print('gpu_models: building the model (1 s)', flush=True)\n"
+        "if 'Nemo' in sys.argv[2]:\n    raise SystemExit('CUDA error: no kernel image')\n"
+        "time.sleep(60)\n"
+    )
+    monkeypatch.setattr(proof, "GPU_MODELS", script)
+    monkeypatch.chdir(tmp_path)
+    slow = proof.hybrid_row("Kimi-Linear, replay", "moonshotai/Kimi-Linear", "--replay", timeout=3)
+    assert slow.status == "FAIL" and "timed out after 3 s; last stage: building the model (1 s)" in slow.detail
+    assert (tmp_path / ".gpu-proof/logs/Kimi-Linear--replay.log").exists()
+    crashed = proof.hybrid_row("Nemotron 3 Nano", "nvidia/Nemotron")
+    assert crashed.status == "FAIL" and crashed.detail == "exit 1: CUDA error: no kernel image"
+    refused = proof.hybrid_result("x", {"error": "colograd: vLLM's CPU build ...", "seconds": 3.2})
+    assert refused.status == "FAIL" and refused.detail == "colograd: vLLM's CPU build ... (3 s)"
+    monkeypatch.setattr(proof, "GPU_MODELS", tmp_path / "absent.py")
+    assert proof.hybrid_row("LFM2", "LiquidAI/LFM2-1.2B").status == "skip"
+
+
+@pytest.mark.slow
 def test_the_moe_replay_row_trains_with_the_engine_in_its_default_mode():
     """The "MoE routing replay" row on vLLM's CPU build, its engine left compiled (`vllm_enforce_eager` false, a run's
     default): the engine reports every routing choice (the CPU capture is a Python hook, which a compiled forward

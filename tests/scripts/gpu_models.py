@@ -18,8 +18,12 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import moe_check  # noqa: E402
-import zoo  # noqa: E402
+STARTED = time.time()
+
+
+def stage(what: str) -> None:
+    """One line on stderr at each stage, so that a run a time limit kills still says how far it got."""
+    print(f"gpu_models: {what} ({time.time() - STARTED:.0f} s)", file=sys.stderr, flush=True)
 
 
 def main() -> None:
@@ -35,18 +39,25 @@ def main() -> None:
                         "(to find where a run that a time limit will kill is waiting)")  # fmt: skip
     parser.add_argument("--runs", default="/tmp/gpu-models", help="the trainers' output folders")
     cli = parser.parse_args()
-    if cli.stacks_after:
+    if cli.stacks_after:  # before the imports: they alone can take a minute on a busy machine
         faulthandler.dump_traceback_later(cli.stacks_after, exit=False)
+    stage(f"{cli.model}: importing")
+    import moe_check
+    import zoo
+
     started = time.time()
     row = {"model": cli.model, "bf16": cli.bf16, "replay": cli.replay, "published": cli.published}
     try:
-        check = argparse.Namespace(steps=cli.steps, bucket_mib=512, replay=cli.replay, shift_replay=False,
-                                   out=cli.runs)  # fmt: skip
+        flags = ["--steps", str(cli.steps), *(["--replay"] if cli.replay else [])]
+        check = moe_check.options(cli.runs, cli.model, *flags)
+        stage("building the model")
         if cli.published:
             model, tokenizer = zoo.as_published(cli.model), zoo.tokenizer_for(zoo.shrunk(cli.model))
         else:
             model, tokenizer = zoo.stopping_model(cli.model)
+        stage(f"training {cli.steps} steps (the engine starts first)")
         result = moe_check.check(cli.model, model, tokenizer, cli.bf16, check)
+        stage("trained")
         steps = [h for h in result["log_history"] if "loss" in h]
         row |= {
             "gap_max": [h.get("sampling/sampling_logp_difference/max") for h in steps],

@@ -42,7 +42,8 @@ def answer_length(completions: list, **kwargs) -> list[float]:
     return [float(len(t) % 3) for t in text]
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line; other scripts build `check`'s options from it (`options`), so they get every default."""
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("models", nargs="+", help="models of tests/zoo.py (Mixture-of-Experts, or hybrid)")
@@ -56,7 +57,16 @@ def main() -> None:
     parser.add_argument("--partial", action="store_true", help="partial_rollouts: groups carried across rollouts")
     parser.add_argument("--shift-replay", action="store_true", help="a fault to catch: the engine's routing of every "
                         "completion reaches the trainer one position late")  # fmt: skip
-    cli = parser.parse_args()
+    return parser
+
+
+def options(out: str, model: str, *flags: str) -> argparse.Namespace:
+    """`check`'s options for `model` as this script's command line gives them (`flags`: its options)."""
+    return parser().parse_args([out, model, *flags])
+
+
+def main() -> None:
+    cli = parser().parse_args()
     if cli.shift_replay:
         from colograd.engine.routing import RoutingCapture
 
