@@ -248,6 +248,22 @@ def test_lora_check_passes_on_a_bf16_cpu_engine():
     assert result.detail.startswith("bf16 gap") and "with the adapter" in result.detail
 
 
+# The rows vLLM's CPU build can run (sleep mode is CUDA's; the segment row needs CUDA's varlen kernels; the tiny
+# recipe, LoRA adapter, MoE replay and fp32 sync rows have tests of their own above and below).
+CPU_ROWS = ("sync parity bfloat16", "sync parity bfloat16 compiled", "MoE sync parity", "LoRA merged",
+            "partial rollouts", "dynamic sampling", "vision-language")  # fmt: skip
+
+
+@pytest.mark.slow
+def test_every_row_the_cpu_engine_can_run_passes_on_it():
+    """Each row a GPU's check runs that vLLM's CPU build can run too, in this process (the child protocol is the fp32
+    row's test): a row that stops working (a renamed option, a recipe that no longer parses, a changed call) is found
+    here rather than on a lent GPU's time, as the hybrids' script once was (tests/scripts/gpu_models.py)."""
+    results = [check.ROWS[name](check.tiny_setup(CPU)) for name in CPU_ROWS]
+    assert [r.name for r in results] == list(CPU_ROWS)
+    assert all(r.status == "pass" for r in results), [(r.name, r.detail) for r in results if r.status != "pass"]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU and vLLM's CUDA build")
 @pytest.mark.slow
