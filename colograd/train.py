@@ -44,6 +44,7 @@ try:
     from colograd.runs.modelcard import Recipe
     from colograd.runs.output_dir import RunFinished, check_output_dir, finish_from_checkpoint
     from colograd.runs.preemption import PREEMPTED_EXIT_CODE, StepFailure, exit_interrupted
+    from colograd.runs.process_exit import run_then_exit
     from colograd.runs.saving import push_output_dir
     from colograd.vision.core import load_pretrained, text_tokenizer
 except OSError as err:
@@ -408,4 +409,4 @@ SAID_WAIT_S = 10.0
 
 
 if __name__ == "__main__":
-    cli()
+    run_then_exit(cli)  # the process ends with cli's exit code, without the interpreter's teardown
