@@ -131,7 +131,8 @@ def hybrid_row(name: str, model: str, *flags: str, timeout: float = HYBRID_TIMEO
     stem = "".join(c if c.isalnum() else "-" for c in name)
     out, log = logs / f"{stem}.json", logs / f"{stem}.log"
     out.unlink(missing_ok=True)
-    cmd = [sys.executable, str(GPU_MODELS), str(out), model, "--bf16", *flags, "--stacks-after", str(timeout - 15)]
+    stacks = max(timeout - 15, timeout * 0.8)  # every thread's stack in the log, before the limit ends the run
+    cmd = [sys.executable, str(GPU_MODELS), str(out), model, "--bf16", *flags, "--stacks-after", str(stacks)]
     with open(log, "w") as f:
         try:
             proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)

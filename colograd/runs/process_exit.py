@@ -32,12 +32,14 @@ def run_then_exit(entry: Callable[[], object]) -> NoReturn:
 
 
 def exit_now(code: int | str | None = 0) -> NoReturn:
-    """End the process with `code` as `sys.exit(code)` would (a string is printed and exits 1, None exits 0), having
-    run the `atexit` handlers and flushed every open file, but without the interpreter's teardown."""
-    if isinstance(code, str):
+    """End the process with `code` as `sys.exit(code)` would (None exits 0; anything else not an int, a message, is
+    printed and exits 1), having run the `atexit` handlers and flushed every open file, but without the interpreter's
+    teardown."""
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
         print(code, file=sys.stderr)
         code = 1
-    code = 0 if code is None else code
     if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
         sys.exit(code)  # Python's exit waits for them: so does this one
     atexit._run_exitfuncs()

@@ -58,7 +58,9 @@ def test_the_exit_code_atexit_handlers_and_unflushed_files_survive_and_the_teard
     assert not (tmp_path / "teardown.txt").exists()  # the teardown did not run: what makes the exit fast
 
 
-@pytest.mark.parametrize(("code", "returncode", "stderr"), [(None, 0, ""), ("stopped: why", 1, "stopped: why\n")])
+@pytest.mark.parametrize(
+    ("code", "returncode", "stderr"), [(None, 0, ""), ("stopped: why", 1, "stopped: why\n"), (["x"], 1, "['x']\n")]
+)
 def test_a_code_is_read_as_sys_exit_reads_it(tmp_path, code, returncode, stderr):
     proc = _run(f"exit_now({code!r})\n", tmp_path)
     assert (proc.returncode, proc.stderr) == (returncode, stderr)
