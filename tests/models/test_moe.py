@@ -318,11 +318,14 @@ def test_each_moe_family_trains_with_its_engine_in_step(layout, tmp_path, record
 
 
 # Routing replay (`routing_replay: rollout`): two MoE families (GLM-4.5's sigmoid router with correction bias and
-# scaling), each in fp32 and again in TRL's bf16, and a hybrid with experts, whose CPU engine runs in bf16. Each run
-# costs a minute on 2 ranks, so each family trains under one layout (a dense model refuses the setting).
+# scaling), each in fp32 and again in TRL's bf16, and two hybrids with experts (Qwen3-Next, Qwen3.5-MoE's text model),
+# whose CPU engines run in bf16. Each run costs a minute on 2 ranks, so each family trains under one layout (a dense
+# model refuses the setting).
 QWEN3_MOE, GLM, QWEN3_NEXT = "Qwen/Qwen3-30B-A3B", "zai-org/GLM-4.5-Air", "Qwen/Qwen3-Next-80B-A3B-Instruct"
+QWEN3_5_MOE = "Qwen/Qwen3.5-35B-A3B"
+BF16_ENGINES = {QWEN3_NEXT, QWEN3_5_MOE}  # Gated DeltaNet: vLLM's CPU build computes it in bf16 only
 REPLAY_LAUNCHES = {  # layout: (models, models trained again in bf16, extra flags, launcher options)
-    "ddp": ([QWEN3_MOE, QWEN3_NEXT], [QWEN3_MOE], [], {}),
+    "ddp": ([QWEN3_MOE, QWEN3_NEXT, QWEN3_5_MOE], [QWEN3_MOE], [], {}),
     # Sharded: the routers' weights live in ZeRO-3's partitions; the replay answers inside its gathered forward.
     "zero3": ([GLM], [GLM], ["--bucket-mib", "0.1"],
               {"config": "tests/configs/zero3_cpu.yaml", "env": {"DS_ACCELERATOR": "cpu"}}),
@@ -356,7 +359,7 @@ def test_routing_replay_trains_moe_models_with_a_dense_models_gap(layout, tmp_pa
             assert len(steps) == 2 and run["running_guard"] and run["sharded"] is (layout == "zero3"), name
             assert all(h["moe/routing_replay/unreplayed"] == 0.0 for h in steps), name
             assert all(0.0 <= h["moe/routing_replay/differed"] < 0.5 for h in steps), name
-            if name.endswith(BF16) or "Next" in name:  # bf16 (Qwen3-Next's CPU engine runs in bf16 only)
+            if name.endswith(BF16) or name in BF16_ENGINES:
                 assert max(means) <= 0.05 and max(gaps) <= 0.5, (name, gaps, means)
             else:
                 assert max(gaps) <= PARITY and run["parity_gap"] <= PARITY, (name, gaps, run["parity_gap"])
