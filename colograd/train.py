@@ -403,8 +403,10 @@ def _fail(err: Exception | str, code: int = 2, debug: bool = False) -> NoReturn:
     sys.exit(code)
 
 
-# How long a local rank other than 0 waits before saying its line: local rank 0's exit (the libraries' teardown, 3-6 s
-# on a busy 2-core machine) and the launcher's check (every 0.1 s) fit in it.
+# How long a local rank other than 0 waits before saying its line: local rank 0's exit and the launcher's check (every
+# 0.1 s) fit in it. That exit skips the libraries' teardown when train.py runs as a script (`run_then_exit`: its atexit
+# handlers, a tracker's last upload among them, then the exit); with the teardown it took 3-6 s on a busy 2-core
+# machine.
 SAID_WAIT_S = 10.0
 
 
