@@ -1,6 +1,7 @@
 """A script's end without the interpreter's teardown (`colograd.runs.process_exit.exit_now`): what an exit does that
 matters still happens. Each case runs in a process of its own (a few lines of Python, no engine)."""
 
+import gzip
 import subprocess
 import sys
 import textwrap
@@ -27,12 +28,14 @@ def _run(body: str, tmp_path) -> subprocess.CompletedProcess:
 def test_the_exit_code_atexit_handlers_and_unflushed_files_survive_and_the_teardown_is_skipped(tmp_path):
     proc = _run(
         """
-        import atexit, sys, tempfile, weakref
+        import atexit, gzip, sys, tempfile, weakref
 
         log = open("log.txt", "w")  # never flushed nor closed: the teardown would flush it
         log.write("the last line\\n")
         binary = open("data.bin", "wb", buffering=1 << 20)
         binary.write(b"x" * 1000)
+        packed = gzip.open("log.jsonl.gz", "wt")  # its trailer is written only when it closes
+        packed.write('{"step": 1}\\n')
         folder = tempfile.TemporaryDirectory(dir=".")  # removed by its weakref.finalize, an atexit callback
         open("folder.txt", "w").write(folder.name)
         atexit.register(lambda: open("atexit.txt", "w").write("ran"))
@@ -52,6 +55,7 @@ def test_the_exit_code_atexit_handlers_and_unflushed_files_survive_and_the_teard
     assert proc.stdout == "printed, not flushed" and proc.stderr == "said"
     assert (tmp_path / "log.txt").read_text() == "the last line\n"
     assert (tmp_path / "data.bin").read_bytes() == b"x" * 1000
+    assert gzip.decompress((tmp_path / "log.jsonl.gz").read_bytes()) == b'{"step": 1}\n'
     assert (tmp_path / "atexit.txt").read_text() == "ran"
     folder = tmp_path / (tmp_path / "folder.txt").read_text()
     assert not folder.exists()
